@@ -1,0 +1,93 @@
+"""Pool throughput for a Qwen3-30B-A3B-sized layer job vs a plain memory copy.
+
+    python -m host_pool.measure [--threads N] [--blas-threads K] [--experts 8]
+
+GB/s = expert weight bytes read / wall time of the layer job. Experts are drawn
+from a larger store (--store-experts) so weights come from DRAM, not cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from host_pool import pool as pool_module
+from host_pool import store as store_module
+from host_pool.blas import get_blas_threads
+from host_pool.pool import HostPool
+from host_pool.store import BF16, HostExpertStore
+
+
+def copy_gbps(nbytes: int, repeats: int) -> float:
+    """np.copyto of a large array; GB/s of bytes copied (DRAM traffic is ~2x)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        np.copyto(dst, src)
+    return nbytes * repeats / (time.perf_counter() - t0) / 1e9
+
+
+def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int):
+    store_experts = pool.store.num_experts(0)
+    x = rng.standard_normal((T, H), dtype=np.float32)  # [T, H]
+    pool.compute(0, x, np.arange(n_experts), np.ones((T, n_experts), np.float32))  # warm up
+    pool.stats.reset()
+    for _ in range(repeats):
+        ids = rng.choice(store_experts, n_experts, replace=False)   # [N]
+        w = rng.random((T, n_experts), dtype=np.float32)             # [T, N]
+        pool.compute(0, x, ids, w)
+    stats = pool.stats
+    return (stats.wall_seconds / stats.calls * 1e3, stats.bytes_read / stats.wall_seconds / 1e9,
+            stats.jobs // stats.calls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--blas-threads", type=int, default=1, help="-1: leave OpenBLAS default")
+    parser.add_argument("--experts", type=int, default=8, help="experts per layer job")
+    parser.add_argument("--store-experts", type=int, default=48)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--jobs-per-thread", type=int, default=pool_module.JOBS_PER_THREAD)
+    parser.add_argument("--chunk-kb", type=int, default=store_module.CHUNK_FLOATS * 4 // 1024,
+                        help="float32 scratch per bf16 conversion chunk")
+    args = parser.parse_args()
+    pool_module.JOBS_PER_THREAD = args.jobs_per_thread
+    store_module.CHUNK_FLOATS = args.chunk_kb * 1024 // 4
+
+    E, H, I = args.store_experts, args.hidden, args.intermediate
+    rng = np.random.default_rng(0)
+    weights32 = [(0.02 * rng.standard_normal(shape, dtype=np.float32))
+                 for shape in ((E, I, H), (E, I, H), (E, H, I))]
+    weights16 = [a.astype(BF16) for a in weights32]
+    stores = {
+        "float32": HostExpertStore([tuple(weights32)]),
+        "bf16 (convert per chunk)": HostExpertStore([tuple(weights16)]),
+        "bf16 -> f32 once": HostExpertStore([tuple(weights16)], bf16_as_f32=True),
+    }
+    blas_threads = None if args.blas_threads < 0 else args.blas_threads
+
+    print(f"threads {args.threads}, BLAS threads {blas_threads or 'default'}, "
+          f"{args.experts} experts of H={H} I={I}, jobs/thread {args.jobs_per_thread}, "
+          f"bf16 chunk {args.chunk_kb} KB")
+    print(f"{'store format':26s} {'host MB/layer':>13s} {'T':>2s} {'ms/job':>8s} {'GB/s':>7s} {'jobs':>5s}")
+    for name, store in stores.items():
+        pool = HostPool(store, threads=args.threads, blas_threads=blas_threads)
+        host_mb = store.nbytes(0, 0) * E / 1e6
+        for T in (1, 4):
+            ms, gbps, jobs = pool_row(pool, rng, T, args.experts, H, args.repeats)
+            print(f"{name:26s} {host_mb:13.0f} {T:2d} {ms:8.2f} {gbps:7.2f} {jobs:5d}")
+        pool.close()
+    print(f"BLAS threads now {get_blas_threads()}")
+    print(f"{'np.copyto 512 MB (1 thread)':26s} {'':13s} {'':2s} {'':8s} {copy_gbps(512 << 20, 5):7.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Host copy of every layer's expert weights, read by the host pool.
+
+Format choice: weights stay in the dtype they are given, without a copy.
+  * float32 is used as is by BLAS.
+  * bfloat16 stays bfloat16 (2 bytes / weight). Pool jobs convert it to float32
+    in small row chunks (~256 KB, so the float32 copy stays in the core's
+    cache) right before the matmul. Converting the whole store once would
+    double host memory (a Qwen3-30B-A3B has ~58 GB of bf16 experts -> ~116 GB,
+    more than the 128 GB host can spare), and it is not faster: the job is
+    memory-bound, and reading 4-byte weights costs about as much as reading
+    2-byte weights plus an in-cache conversion (see `python -m host_pool.measure`,
+    option --bf16-as-f32 for the convert-once variant).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+
+# Rows converted at a time: ~64K floats = 256 KB of float32 scratch.
+CHUNK_FLOATS = 64 * 1024
+
+
+class HostExpertStore:
+    """Per-layer stacked expert weights in HF layout.
+
+    gate, up: [E, I, H] (out, in); down: [E, H, I]. One dtype for the store.
+    `bf16_as_f32=True` converts bf16 weights to float32 once (doubles memory;
+    kept only to measure against the default).
+    """
+
+    def __init__(self, layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                 bf16_as_f32: bool = False):
+        self.gate: list[np.ndarray] = []  # per layer [E, I, H]
+        self.up: list[np.ndarray] = []    # per layer [E, I, H]
+        self.down: list[np.ndarray] = []  # per layer [E, H, I]
+        dtypes = set()
+        for index, (gate, up, down) in enumerate(layers):
+            if gate.dtype not in (F32, BF16):
+                raise TypeError(f"layer {index}: expert dtype {gate.dtype}, want float32 or bfloat16")
+            if not gate.dtype == up.dtype == down.dtype:
+                raise TypeError(f"layer {index}: gate/up/down dtypes differ")
+            E, I, H = gate.shape
+            if up.shape != (E, I, H) or down.shape != (E, H, I):
+                raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}")
+            if bf16_as_f32 and gate.dtype == BF16:
+                gate, up, down = (a.astype(F32) for a in (gate, up, down))
+            # Contiguous rows let jobs slice without copies; no copy if already so.
+            self.gate.append(np.ascontiguousarray(gate))
+            self.up.append(np.ascontiguousarray(up))
+            self.down.append(np.ascontiguousarray(down))
+            dtypes.add(self.gate[-1].dtype)
+        if len(dtypes) > 1:
+            raise TypeError(f"layers mix dtypes {sorted(map(str, dtypes))}")
+        self.dtype: np.dtype = dtypes.pop() if dtypes else F32
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.gate)
+
+    def num_experts(self, layer: int) -> int:
+        return self.gate[layer].shape[0]
+
+    def hidden_size(self, layer: int) -> int:
+        return self.gate[layer].shape[2]
+
+    def intermediate_size(self, layer: int) -> int:
+        return self.gate[layer].shape[1]
+
+    def nbytes(self, layer: int, expert: int) -> int:
+        """Bytes of weights one expert's FFN reads (gate + up + down)."""
+        return self.gate[layer][expert].nbytes * 3
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(g.nbytes + u.nbytes + d.nbytes for g, u, d in zip(self.gate, self.up, self.down))
+
+
+def row_chunks_f32(rows: np.ndarray):
+    """Yield (row_offset, float32 block) over a [R, C] weight slice.
+
+    float32 slices come back whole (BLAS reads them in place); bf16 is
+    converted chunk by chunk into one reused cache-sized scratch buffer, so
+    the caller must use each block before taking the next.
+    """
+    if rows.dtype == F32:
+        yield 0, rows
+        return
+    R, C = rows.shape
+    step = max(1, CHUNK_FLOATS // C)
+    scratch = np.empty((min(step, R), C), F32)
+    for r0 in range(0, R, step):
+        block = scratch[: min(step, R - r0)]
+        np.copyto(block, rows[r0 : r0 + step], casting="unsafe")  # bf16 -> f32, exact
+        yield r0, block

@@ -1,0 +1,185 @@
+"""Hugging Face safetensors checkpoints (single file or sharded), read lazily, and the engine's own saved state.
+
+Tensors are read one at a time from memory-mapped files, converted to the compute dtype and placed at once, so the
+host never holds a second full copy of the model. Every failure names the file or tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from strata_jax.config import ModelConfig
+from strata_jax.errors import StrataError
+from strata_jax.model import AttentionWeights, LayerWeights, MLPWeights, Weights
+from strata_jax.moe import MoEWeights
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class SafetensorsReader:
+    """name -> tensor over one or several safetensors files, opened lazily."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise StrataError(f"model folder {self.folder} does not exist")
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise StrataError(f"{index}: malformed index ({e})") from None
+            self.file_of = {name: self.folder / f for name, f in weight_map.items()}
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                raise StrataError(f"no *.safetensors files in {self.folder}")
+            self.file_of = {}
+            for f in files:
+                for name in self._open(f).keys():
+                    self.file_of[name] = f
+        self._handles: dict[Path, object] = {}
+
+    def _open(self, path: Path):
+        if path in getattr(self, "_handles", {}):
+            return self._handles[path]
+        if not path.is_file():
+            raise StrataError(f"checkpoint file {path} is missing")
+        try:
+            handle = safe_open(str(path), framework="numpy")
+        except Exception as e:  # safetensors raises its own error types for a corrupt header
+            raise StrataError(f"cannot read checkpoint file {path}: {e}") from None
+        if hasattr(self, "_handles"):
+            self._handles[path] = handle
+        return handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.file_of:
+            raise StrataError(f"checkpoint tensor {name!r} is missing (in {self.folder})")
+        path = self.file_of[name]
+        handle = self._open(path)
+        try:
+            got = tuple(handle.get_slice(name).get_shape())
+        except Exception as e:
+            raise StrataError(f"checkpoint tensor {name!r} cannot be read from {path}: {e}") from None
+        if got != tuple(shape):
+            raise StrataError(f"checkpoint tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:
+            raise StrataError(f"checkpoint tensor {name!r} cannot be read from {path}: {e}") from None
+
+
+def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
+    return x.astype(jnp.dtype(dtype), copy=False)
+
+
+# place(name, host array) -> the array the engine keeps (a device array by default).
+Placer = Callable[[str, np.ndarray], object]
+
+
+def default_place(name: str, x: np.ndarray):
+    return jax.device_put(x)
+
+
+def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Placer = default_place,
+                 place_experts: Placer | None = None, progress: Callable[[str], None] | None = None) -> Weights:
+    """Read a Qwen3-MoE checkpoint in the Hub layout into `Weights` (matrices transposed to [in, out]).
+
+    `place_experts` receives each sparse layer's stacked expert arrays (names `layers.{i}.experts.{gate,up,down}`);
+    by default they go where `place` puts everything else.
+    """
+    reader = SafetensorsReader(folder)
+    place_experts = place_experts or place
+    h, d, nq, nkv, v = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
+
+    def get(name, shape, transpose=False):
+        x = to_dtype(reader.get(name, shape), dtype)
+        return place(name, np.ascontiguousarray(x.T) if transpose else x)
+
+    def maybe_bias(name, n):
+        return get(name, (n,)) if cfg.attention_bias else None
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        attn = AttentionWeights(
+            wq=get(p + "self_attn.q_proj.weight", (nq * d, h), True),
+            wk=get(p + "self_attn.k_proj.weight", (nkv * d, h), True),
+            wv=get(p + "self_attn.v_proj.weight", (nkv * d, h), True),
+            wo=get(p + "self_attn.o_proj.weight", (h, nq * d), True),
+            q_norm=get(p + "self_attn.q_norm.weight", (d,)),
+            k_norm=get(p + "self_attn.k_norm.weight", (d,)),
+            bq=maybe_bias(p + "self_attn.q_proj.bias", nq * d),
+            bk=maybe_bias(p + "self_attn.k_proj.bias", nkv * d),
+            bv=maybe_bias(p + "self_attn.v_proj.bias", nkv * d),
+            bo=maybe_bias(p + "self_attn.o_proj.bias", h),
+        )
+        if cfg.sparse_layers[i]:
+            e, f = cfg.num_experts, cfg.moe_intermediate_size
+            gate = np.empty((e, h, f), jnp.dtype(dtype))  # [E, H, I]
+            up = np.empty((e, h, f), jnp.dtype(dtype))
+            down = np.empty((e, f, h), jnp.dtype(dtype))  # [E, I, H]
+            for j in range(e):
+                q = p + f"mlp.experts.{j}."
+                gate[j] = to_dtype(reader.get(q + "gate_proj.weight", (f, h)), dtype).T
+                up[j] = to_dtype(reader.get(q + "up_proj.weight", (f, h)), dtype).T
+                down[j] = to_dtype(reader.get(q + "down_proj.weight", (h, f)), dtype).T
+            ffn = MoEWeights(router=get(p + "mlp.gate.weight", (e, h), True),
+                             gate=place_experts(f"layers.{i}.experts.gate", gate),
+                             up=place_experts(f"layers.{i}.experts.up", up),
+                             down=place_experts(f"layers.{i}.experts.down", down))
+            del gate, up, down
+        else:
+            f = cfg.intermediate_size
+            ffn = MLPWeights(gate=get(p + "mlp.gate_proj.weight", (f, h), True),
+                             up=get(p + "mlp.up_proj.weight", (f, h), True),
+                             down=get(p + "mlp.down_proj.weight", (h, f), True))
+        layers.append(LayerWeights(attn_norm=get(p + "input_layernorm.weight", (h,)), attn=attn,
+                                   ffn_norm=get(p + "post_attention_layernorm.weight", (h,)), ffn=ffn))
+        if progress:
+            progress(f"loading: layer {i + 1}/{cfg.num_layers}")
+    lm_head = None
+    if not cfg.tie_word_embeddings:
+        lm_head = get("lm_head.weight", (v, h), True)
+    return Weights(embed=get("model.embed_tokens.weight", (v, h)), layers=layers,
+                   final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
+
+
+# ---- the engine's own converted state (orbax) -------------------------------------------------------------------
+
+STATE_META = "strata_state.json"
+
+
+def save_state(path: str | Path, weights: Weights, cfg_raw: dict, dtype: str) -> None:
+    """Save converted weights with orbax, beside the model's config.json, so a restore skips the conversion."""
+    import orbax.checkpoint as ocp
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / "weights", weights, force=True)
+    (path / "config.json").write_text(json.dumps(cfg_raw, indent=1))
+    (path / STATE_META).write_text(json.dumps({"dtype": dtype, "format": 1}))
+
+
+def is_state_dir(path: str | Path) -> bool:
+    return (Path(path) / STATE_META).is_file()
+
+
+def restore_state(path: str | Path, abstract: Weights) -> Weights:
+    import orbax.checkpoint as ocp
+    path = Path(path).absolute()
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            return ckpt.restore(path / "weights", abstract)
+    except Exception as e:
+        raise StrataError(f"cannot restore the saved state at {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None

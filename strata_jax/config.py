@@ -1,0 +1,145 @@
+"""Model configuration: the Qwen3-MoE family, read from a Hugging Face `config.json`.
+
+Every option the engine does not implement is refused with one line naming it, so a checkpoint is never
+decoded with silently wrong semantics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from strata_jax.errors import StrataError
+
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int  # the dense layers' SwiGLU width
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense SwiGLU (False)
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+    def expert_bytes(self, itemsize: int) -> int:
+        """Bytes of one expert's three matrices."""
+        return 3 * self.hidden_size * self.moe_intermediate_size * itemsize
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _rope_theta(raw: dict) -> float:
+    # transformers 4.x keeps `rope_theta` and `rope_scaling`; 5.x folds both into `rope_parameters`.
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or None
+    for spec in (params, scaling or {}):
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind not in ("default", None):
+            raise StrataError(f"unsupported config option: rope scaling type {kind!r} (only the default RoPE)")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
+    archs = raw.get("architectures") or []
+    if not archs or any(a not in SUPPORTED_ARCHITECTURES for a in archs):
+        raise StrataError(f"{where}: unsupported architectures {archs} (supported: {list(SUPPORTED_ARCHITECTURES)})")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise StrataError(f"{where}: unsupported config option: hidden_act={raw['hidden_act']!r} (only 'silu')")
+    if raw.get("use_sliding_window", False):
+        raise StrataError(f"{where}: unsupported config option: use_sliding_window=true")
+    try:
+        num_layers = int(raw["num_hidden_layers"])
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        # transformers 5.x writes `num_local_experts`; Hub checkpoints have `num_experts`.
+        num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)) or 0)
+        sparse_step = int(raw.get("decoder_sparse_step", 1))
+        mlp_only = set(int(i) for i in (raw.get("mlp_only_layers") or []))
+        # As transformers' Qwen3MoeDecoderLayer decides which layers are sparse.
+        sparse = tuple(
+            (i not in mlp_only) and num_experts > 0 and sparse_step > 0 and (i + 1) % sparse_step == 0
+            for i in range(num_layers)
+        )
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        cfg = ModelConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            num_experts=num_experts,
+            num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
+            intermediate_size=int(raw.get("intermediate_size", 0)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
+            eos_token_ids=eos_ids,
+        )
+    except KeyError as e:
+        raise StrataError(f"{where}: missing config field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise StrataError(f"{where}: malformed config value: {e}") from None
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise StrataError(f"{where}: num_attention_heads {cfg.num_heads} is not a multiple of num_key_value_heads {cfg.num_kv_heads}")
+    if any(cfg.sparse_layers) and not (0 < cfg.num_experts_per_tok <= cfg.num_experts):
+        raise StrataError(f"{where}: num_experts_per_tok {cfg.num_experts_per_tok} must be in 1..num_experts ({cfg.num_experts})")
+    if any(cfg.sparse_layers) and cfg.moe_intermediate_size <= 0:
+        raise StrataError(f"{where}: moe_intermediate_size must be positive")
+    if not all(cfg.sparse_layers) and cfg.intermediate_size <= 0:
+        raise StrataError(f"{where}: intermediate_size must be positive for the dense layers")
+    return cfg
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise StrataError(f"no config.json at {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StrataError(f"{path}: malformed config.json: {e}") from None
+    return config_from_dict(raw, where=str(path))
+
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def preset(name: str, layers: int | None = None) -> ModelConfig:
+    """A named model shape from configs/ (e.g. 'tiny', 'qwen3-30b-a3b'), optionally cut to `layers`."""
+    path = CONFIGS_DIR / f"{name}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+        raise StrataError(f"unknown model preset {name!r} (known: {known})")
+    cfg = load_config(path)
+    if layers:
+        cfg = cfg.replace(num_layers=layers, sparse_layers=cfg.sparse_layers[:layers])
+    return cfg

@@ -1,0 +1,82 @@
+"""The embedded default model: configs/tiny.json with weights drawn from a seed by this code, and the byte-level
+tokenizer, written once as a real checkpoint folder (config.json, model.safetensors, tokenizer.json) and then
+loaded like any other, so `make run` works offline on a fresh machine."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from strata_jax.config import CONFIGS_DIR, config_from_dict
+from strata_jax.tokenizer import byte_level_tokenizer
+
+EMBEDDED_NAME = "embedded"
+FORMAT_VERSION = 1
+
+
+def random_checkpoint(raw_config: dict, seed: int) -> dict[str, np.ndarray]:
+    """Hub-layout float32 tensors for a Qwen3-MoE config, drawn from `seed` (numpy: the same on every machine)."""
+    cfg = config_from_dict(raw_config)
+    rng = np.random.default_rng(seed)
+    h, d, nq, nkv, v = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
+
+    def mat(out_dim, in_dim):  # scaled so activations stay O(1) and the router is far from uniform
+        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((v, h)).astype(np.float32)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm(h)
+        t[p + "post_attention_layernorm.weight"] = norm(h)
+        t[p + "self_attn.q_proj.weight"] = mat(nq * d, h)
+        t[p + "self_attn.k_proj.weight"] = mat(nkv * d, h)
+        t[p + "self_attn.v_proj.weight"] = mat(nkv * d, h)
+        t[p + "self_attn.o_proj.weight"] = mat(h, nq * d)
+        t[p + "self_attn.q_norm.weight"] = norm(d)
+        t[p + "self_attn.k_norm.weight"] = norm(d)
+        if cfg.sparse_layers[i]:
+            t[p + "mlp.gate.weight"] = 4.0 * mat(cfg.num_experts, h)
+            for j in range(cfg.num_experts):
+                f = cfg.moe_intermediate_size
+                t[p + f"mlp.experts.{j}.gate_proj.weight"] = mat(f, h)
+                t[p + f"mlp.experts.{j}.up_proj.weight"] = mat(f, h)
+                t[p + f"mlp.experts.{j}.down_proj.weight"] = mat(h, f)
+        else:
+            f = cfg.intermediate_size
+            t[p + "mlp.gate_proj.weight"] = mat(f, h)
+            t[p + "mlp.up_proj.weight"] = mat(f, h)
+            t[p + "mlp.down_proj.weight"] = mat(h, f)
+    t["model.norm.weight"] = norm(h)
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = mat(v, h)
+    return t
+
+
+def write_checkpoint(folder: Path, raw_config: dict, seed: int, with_tokenizer: bool = True) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer.json) atomically (a temp folder, then a rename)."""
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(raw_config, indent=1))
+    save_file(random_checkpoint(raw_config, seed), str(tmp / "model.safetensors"))
+    if with_tokenizer:
+        byte_level_tokenizer().save(str(tmp / "tokenizer.json"))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def embedded_model_dir(cache_dir: Path, seed: int = 0) -> Path:
+    """The embedded model's folder under the cache, written on first use."""
+    raw = json.loads((CONFIGS_DIR / "tiny.json").read_text())
+    folder = Path(cache_dir) / f"{EMBEDDED_NAME}-tiny-seed{seed}-v{FORMAT_VERSION}"
+    if not (folder / "model.safetensors").is_file():
+        write_checkpoint(folder, raw, seed)
+    return folder

@@ -1,0 +1,257 @@
+"""The engine: a loaded model, its KV cache and one compiled graph per window size, behind generate() / score()."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax import checkpoint, graphs, model
+from strata_jax.config import ModelConfig, config_from_dict
+from strata_jax.embedded import embedded_model_dir
+from strata_jax.errors import StrataError
+from strata_jax.options import EngineOptions, RequestOptions, build, split_options
+from strata_jax.sampling import SamplingParams
+from strata_jax.tokenizer import load_tokenizer
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    generated_tokens: int = 0
+    decode_s: float = 0.0
+    windows: int = 0  # decode windows run (graph calls after the prefill)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first generated token comes out of the prefill; the decode rate counts the ones after it.
+        n = max(self.generated_tokens - 1, 0)
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt tokens: {self.prompt_tokens}, prefill: {self.prefill_tok_s:.1f} tok/s, "
+                f"generated tokens: {self.generated_tokens}, decode: {self.decode_tok_s:.1f} tok/s")
+
+
+@dataclasses.dataclass
+class Stats:
+    """What the engine did: the last request, and totals since start."""
+    last: RequestStats = dataclasses.field(default_factory=RequestStats)
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    compile_s: float = 0.0
+
+    def add(self, r: RequestStats) -> None:
+        self.last = r
+        self.requests += 1
+        self.prompt_tokens += r.prompt_tokens
+        self.generated_tokens += r.generated_tokens
+
+
+def enable_compilation_cache(cache_dir: Path) -> Path:
+    path = cache_dir / "jax"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+class Engine:
+    """A model ready to decode. Build it with `Engine.from_pretrained(path, **options)`."""
+
+    def __init__(self, cfg: ModelConfig, weights: model.Weights, options: EngineOptions, tokenizer=None,
+                 model_dir: Path | None = None, raw_config: dict | None = None, verbose: bool = True):
+        self.cfg, self.weights, self.options, self.tokenizer = cfg, weights, options, tokenizer
+        self.model_dir, self.raw_config, self.verbose = model_dir, raw_config, verbose
+        self.dtype = jnp.dtype(options.dtype)
+        self.context = options.context or min(cfg.max_position_embeddings, 4096)
+        self.chunk = min(options.prefill_chunk, self.context)
+        # Slack past the context: a padded prefill chunk writes up to `chunk` positions beyond the last real one.
+        self.cache = model.init_cache(cfg, self.context + self.chunk, self.dtype)
+        self.stats = Stats()
+        self._compile()
+
+    # ---- construction ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, verbose: bool = True, **options) -> "Engine":
+        """Load a Hugging Face Qwen3-MoE folder (config.json, *.safetensors, tokenizer.json), a folder saved by
+        `save_state`, or (path None / 'embedded') the embedded tiny model. Options are the CLI flags' names."""
+        engine_opts, request_opts = split_options(options)
+        if request_opts:
+            raise StrataError(f"{sorted(request_opts)} are generate() options, not engine options")
+        opts = build(EngineOptions, engine_opts)
+        cache_dir = opts.resolved_cache_dir()
+        enable_compilation_cache(cache_dir)
+        if path is None or str(path) == "embedded":
+            path = embedded_model_dir(cache_dir)
+        path = Path(path)
+        if not path.is_dir():
+            raise StrataError(f"model folder {path} does not exist")
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise StrataError(f"no config.json in {path}")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as e:
+            raise StrataError(f"{cfg_path}: malformed config.json: {e}") from None
+        cfg = config_from_dict(raw, where=str(cfg_path))
+        say = log if verbose else (lambda _: None)
+        t0 = time.perf_counter()
+        if checkpoint.is_state_dir(path):
+            saved = json.loads((path / checkpoint.STATE_META).read_text())
+            if saved["dtype"] != opts.dtype:
+                raise StrataError(f"the saved state at {path} holds {saved['dtype']} weights, but dtype={opts.dtype}")
+            abstract = jax.eval_shape(lambda: model.random_weights(cfg, 0, jnp.dtype(opts.dtype)))
+            weights = checkpoint.restore_state(path, abstract)
+        else:
+            weights = checkpoint.load_weights(path, cfg, jnp.dtype(opts.dtype), progress=_progress(say, cfg))
+        tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        say(f"model: {path} ({cfg.num_layers} layers, {cfg.num_sparse_layers} MoE, {cfg.num_experts} experts "
+            f"top-{cfg.num_experts_per_tok}, {model.param_bytes(weights) / 2**20:.1f} MiB of {opts.dtype} weights) "
+            f"loaded in {time.perf_counter() - t0:.1f} s")
+        return cls(cfg, weights, opts, tokenizer=tok, model_dir=path, raw_config=raw, verbose=verbose)
+
+    def save_state(self, path: str | Path) -> None:
+        """Save the converted weights with orbax; `from_pretrained(path)` restores them without conversion."""
+        checkpoint.save_state(path, self.weights, self.raw_config or {}, self.options.dtype)
+        if self.tokenizer is not None:
+            self.tokenizer.save(str(Path(path) / "tokenizer.json"))
+
+    def _compile(self) -> None:
+        """Every window size 1..W and the prefill chunk, ahead of time."""
+        t0 = time.perf_counter()
+        sampling = SamplingParams.make()
+        pos = jnp.int32(0)
+        decode, prefill = graphs.jit_decode_window(self.cfg), graphs.jit_prefill_chunk(self.cfg)
+        self._decode = {}
+        for t in range(1, self.options.window + 1):
+            self._decode[t] = decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos,
+                                           sampling).compile()
+        self._prefill = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), pos,
+                                      jnp.int32(1), sampling).compile()
+        self.stats.compile_s = time.perf_counter() - t0
+        if self.verbose:
+            log(f"graphs: window T=1..{self.options.window} and prefill chunk {self.chunk} compiled in "
+                f"{self.stats.compile_s:.1f} s (persistent cache: {jax.config.jax_compilation_cache_dir}); "
+                f"context {self.context} tokens")
+
+    # ---- requests --------------------------------------------------------------------------------------------
+
+    def _check_prompt(self, ids: Sequence[int]) -> np.ndarray:
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size == 0:
+            raise StrataError("the prompt is empty")
+        if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
+            raise StrataError(f"token ids must be in 0..{self.cfg.vocab_size - 1}")
+        if arr.size >= self.context:
+            raise StrataError(f"the prompt has {arr.size} tokens but the context holds {self.context} "
+                              f"(at least one must be left to generate; see --context)")
+        return arr.astype(np.int32)
+
+    def _prefill_all(self, ids: np.ndarray, sampling: SamplingParams, want_logits: bool = False):
+        """Run the prompt through the prefill graph chunk by chunk; returns (next token, logits [P, V] or None)."""
+        chunks = []
+        next_token = None
+        for start in range(0, ids.size, self.chunk):
+            part = ids[start:start + self.chunk]
+            tokens = np.zeros((self.chunk,), np.int32)
+            tokens[:part.size] = part
+            next_token, logits, self.cache = self._prefill(self.weights, self.cache, tokens, jnp.int32(start),
+                                                           jnp.int32(part.size), sampling)
+            if want_logits:
+                chunks.append(np.asarray(logits[:part.size]))
+        return next_token, (np.concatenate(chunks) if want_logits else None)
+
+    def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits [P, V] float32 of every prompt position through the prefill graph."""
+        ids = self._check_prompt(token_ids)
+        return self._prefill_all(ids, SamplingParams.make(), want_logits=True)[1]
+
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_token_ids: Sequence[int] | None = None,
+                 on_token: Callable[[int], None] | None = None) -> list[int]:
+        """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible."""
+        req = build(RequestOptions, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                         top_k=top_k, seed=seed))
+        ids = self._check_prompt(token_ids)
+        stops = set(self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        budget = min(req.max_new_tokens, self.context - ids.size)
+        sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
+        stats = RequestStats(prompt_tokens=int(ids.size))
+        out: list[int] = []
+        if budget > 0:
+            t0 = time.perf_counter()
+            next_token, _ = self._prefill_all(ids, sampling)
+            out.append(int(next_token))
+            stats.prefill_s = time.perf_counter() - t0
+            if on_token:
+                on_token(out[-1])
+            t0 = time.perf_counter()
+            while len(out) < budget and out[-1] not in stops:
+                pos = ids.size + len(out) - 1
+                tokens, _, self.cache = self._decode[1](self.weights, self.cache, np.asarray(out[-1:], np.int32),
+                                                        jnp.int32(pos), sampling)
+                out.append(int(tokens[0]))
+                stats.windows += 1
+                if on_token:
+                    on_token(out[-1])
+            stats.decode_s = time.perf_counter() - t0
+        stats.generated_tokens = len(out)
+        self.stats.add(stats)
+        return out
+
+    def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:
+        """Teacher-forced logits [N, V] float32 of every position, through the decode-window graphs of size
+        `window` (default: the engine's W); row i is the distribution of token i+1."""
+        ids = self._check_prompt(token_ids)
+        w = window or self.options.window
+        if not 1 <= w <= self.options.window:
+            raise StrataError(f"window {w} is not compiled (1..{self.options.window})")
+        rows = []
+        sampling = SamplingParams.make()
+        for start in range(0, ids.size, w):
+            part = ids[start:start + w]
+            _, logits, self.cache = self._decode[part.size](self.weights, self.cache, part, jnp.int32(start),
+                                                            sampling)
+            rows.append(np.asarray(logits))
+        return np.concatenate(rows).astype(np.float32)
+
+    # ---- text helpers ----------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise StrataError(f"no tokenizer.json in {self.model_dir}: give token ids instead of text")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise StrataError(f"no tokenizer.json in {self.model_dir}")
+        return self.tokenizer.decode(list(ids))
+
+
+def _progress(say, cfg: ModelConfig):
+    step = max(1, cfg.num_layers // 8)
+
+    def progress(line: str) -> None:
+        layer = int(line.split()[-1].split("/")[0])
+        if layer % step == 0 or layer == cfg.num_layers:
+            say(line)
+    return progress

@@ -1,0 +1,200 @@
+"""The Qwen3-MoE model as small pytree dataclasses, and the forward pass of one window of T tokens.
+
+Follows transformers' `Qwen3MoeForCausalLM`: RMSNorm computed in float32 then cast back, grouped-query attention
+with per-head q/k RMSNorm before RoPE (rotate-half form), a sparse MoE block or a dense SwiGLU MLP per layer, and
+a tied or untied `lm_head`. Matrices are stored [in, out] (transposed from the checkpoint) so that `x @ w` reads
+naturally. Shapes: T tokens in the window, H hidden, Nq/Nkv heads, D head_dim, E experts, I expert width,
+S cache length, V vocabulary.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from strata_jax.config import ModelConfig
+from strata_jax import moe
+
+
+@struct.dataclass
+class AttentionWeights:
+    wq: jax.Array  # [H, Nq*D]
+    wk: jax.Array  # [H, Nkv*D]
+    wv: jax.Array  # [H, Nkv*D]
+    wo: jax.Array  # [Nq*D, H]
+    q_norm: jax.Array  # [D]
+    k_norm: jax.Array  # [D]
+    bq: jax.Array | None = None  # [Nq*D] when attention_bias
+    bk: jax.Array | None = None
+    bv: jax.Array | None = None
+    bo: jax.Array | None = None  # [H]
+
+
+@struct.dataclass
+class MLPWeights:
+    """A dense SwiGLU MLP (layers listed in mlp_only_layers / off the decoder_sparse_step)."""
+    gate: jax.Array  # [H, I]
+    up: jax.Array  # [H, I]
+    down: jax.Array  # [I, H]
+
+
+@struct.dataclass
+class LayerWeights:
+    attn_norm: jax.Array  # [H]
+    attn: AttentionWeights
+    ffn_norm: jax.Array  # [H]
+    ffn: moe.MoEWeights | MLPWeights
+
+
+@struct.dataclass
+class Weights:
+    embed: jax.Array  # [V, H]
+    layers: list[LayerWeights]
+    final_norm: jax.Array  # [H]
+    lm_head: jax.Array | None  # [H, V]; None when tied to `embed`
+
+
+@struct.dataclass
+class KVCache:
+    """Static-size key/value cache, one array per layer so a donated step updates it in place."""
+    k: list[jax.Array]  # per layer [S, Nkv, D]
+    v: list[jax.Array]  # per layer [S, Nkv, D]
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[0]
+
+
+def init_cache(cfg: ModelConfig, length: int, dtype=jnp.float32) -> KVCache:
+    shape = (length, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+                   v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)])
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # As transformers: normalise in float32, cast back to the input dtype, then scale.
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding in transformers' rotate-half form. x: [T, N, D], positions: [T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
+    cos, sin = jnp.cos(emb)[:, None, :].astype(x.dtype), jnp.sin(emb)[:, None, :].astype(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
+              cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention of T window tokens at positions pos..pos+T-1 over the cache. x: [T, H]."""
+    t = x.shape[0]
+    nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def proj(w_, b_, n):
+        y = x @ w_
+        return (y if b_ is None else y + b_).reshape(t, n, d)
+
+    q = rms_norm(proj(w.wq, w.bq, nq), w.q_norm, cfg.rms_norm_eps)  # [T, Nq, D]
+    k = rms_norm(proj(w.wk, w.bk, nkv), w.k_norm, cfg.rms_norm_eps)  # [T, Nkv, D]
+    v = proj(w.wv, w.bv, nkv)  # [T, Nkv, D]
+    positions = pos + jnp.arange(t, dtype=jnp.int32)
+    q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+
+    # Write this window's keys/values, then attend over the whole static cache with a causal mask.
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (pos, 0, 0))  # [S, Nkv, D]
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (pos, 0, 0))
+    qg = q.reshape(t, nkv, nq // nkv, d)  # head h uses kv head h // (Nq/Nkv), as transformers' repeat_kv
+    scores = jnp.einsum("tgrd,sgd->tgrs", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    key_pos = jnp.arange(k_cache.shape[0], dtype=jnp.int32)
+    causal = key_pos[None, :] <= positions[:, None]  # [T, S]
+    scores = jnp.where(causal[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("tgrs,sgd->tgrd", probs, v_cache.astype(q.dtype)).reshape(t, nq * d)
+    out = out @ w.wo
+    if w.bo is not None:
+        out = out + w.bo
+    return out, k_cache, v_cache
+
+
+def dense_mlp(x: jax.Array, w: MLPWeights) -> jax.Array:
+    return (jax.nn.silu(x @ w.gate) * (x @ w.up)) @ w.down
+
+
+# The expert FFN of one sparse layer: (layer index, x [T, H], MoEWeights, valid rows [T]) -> y [T, H].
+# The default is all experts resident on the device; the offload path swaps in its own (strata_jax.offload).
+MoEFn = Callable[[int, jax.Array, "moe.MoEWeights", jax.Array], jax.Array]
+
+
+def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
+            cfg: ModelConfig, moe_fn: MoEFn | None = None) -> tuple[jax.Array, KVCache]:
+    """One window: tokens [T] at positions pos.., of which the first n_valid are real (the rest padding).
+
+    Returns float32 logits [T, V] and the updated cache.
+    """
+    moe_fn = moe_fn or (lambda layer, x, w, valid: moe.moe_block(x, w, cfg, valid))
+    t = tokens.shape[0]
+    valid = jnp.arange(t) < n_valid  # [T]
+    h = weights.embed[tokens]  # [T, H]
+    new_k, new_v = [], []
+    for i, layer in enumerate(weights.layers):
+        with jax.named_scope(f"layer{i}"):
+            with jax.named_scope("attention"):
+                a, kc, vc = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn,
+                                      cache.k[i], cache.v[i], pos, cfg)
+            h = h + a
+            new_k.append(kc)
+            new_v.append(vc)
+            x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
+            if isinstance(layer.ffn, MLPWeights):
+                with jax.named_scope("mlp"):
+                    h = h + dense_mlp(x, layer.ffn)
+            else:
+                h = h + moe_fn(i, x, layer.ffn, valid)
+    h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+    logits = jnp.einsum("th,hv->tv", h, head, preferred_element_type=jnp.float32)
+    return logits, KVCache(k=new_k, v=new_v)
+
+
+def param_bytes(weights: Weights) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
+
+
+def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float = 0.02) -> Weights:
+    """Random weights made on the device layer by layer (benchmarks: no checkpoint needed, no host copy)."""
+    key = jax.random.PRNGKey(seed)
+    h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def normal(k, shape):
+        return (jax.random.normal(k, shape, jnp.float32) * scale).astype(dtype)
+
+    def rnd(shape):
+        nonlocal key
+        key, sub = jax.random.split(key)
+        return normal(sub, tuple(shape))
+
+    ones = lambda n: jnp.ones((n,), dtype)
+    layers = []
+    for i in range(cfg.num_layers):
+        attn = AttentionWeights(wq=rnd((h, nq * d)), wk=rnd((h, nkv * d)), wv=rnd((h, nkv * d)),
+                                wo=rnd((nq * d, h)), q_norm=ones(d), k_norm=ones(d))
+        if cfg.sparse_layers[i]:
+            e, f = cfg.num_experts, cfg.moe_intermediate_size
+            ffn = moe.MoEWeights(router=rnd((h, e)), gate=rnd((e, h, f)), up=rnd((e, h, f)), down=rnd((e, f, h)))
+        else:
+            f = cfg.intermediate_size
+            ffn = MLPWeights(gate=rnd((h, f)), up=rnd((h, f)), down=rnd((f, h)))
+        layers.append(LayerWeights(attn_norm=ones(h), attn=attn, ffn_norm=ones(h), ffn=ffn))
+    return Weights(embed=rnd((cfg.vocab_size, h)), layers=layers, final_norm=ones(h),
+                   lm_head=None if cfg.tie_word_embeddings else rnd((h, cfg.vocab_size)))

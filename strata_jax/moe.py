@@ -1,0 +1,83 @@
+"""The sparse MoE block: route, experts, combine.
+
+Route: softmax over all E router logits in float32, top-K, optional renormalisation (`norm_topk_prob`), weights
+cast to the compute dtype (as transformers). Experts: the window's distinct experts (at most T*K, or all E when the
+window is large) each run on every row of the window, and the combine matrix [T, N] keeps only the rows that chose
+it; so each expert's weights are read once per window, whoever asked for it. The placement of experts (device slots,
+PCIe fetch, host pool) changes where `expert_ffn` reads weights from, never the arithmetic.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from strata_jax.config import ModelConfig
+
+
+@struct.dataclass
+class MoEWeights:
+    router: jax.Array  # [H, E]
+    gate: jax.Array  # [E, H, I]
+    up: jax.Array  # [E, H, I]
+    down: jax.Array  # [E, I, H]
+
+
+@struct.dataclass
+class Route:
+    """Each row's top-K experts, and the window's distinct experts with the combine matrix."""
+    topk_ids: jax.Array  # [T, K] int32, E for padding rows
+    topk_weights: jax.Array  # [T, K] float32 (0 for padding rows)
+    expert_ids: jax.Array  # [N] int32, distinct experts of the window; -1 pads
+    combine: jax.Array  # [T, N] float32: routing weight of row t for expert_ids[n], else 0
+
+
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -> Route:
+    """x: [T, H]; valid: [T] bool (padding rows route nowhere)."""
+    t = x.shape[0]
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    logits = jnp.einsum("th,he->te", x, router, preferred_element_type=jnp.float32)  # [T, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    topk_w, topk_ids = jax.lax.top_k(probs, k)  # [T, K]
+    if cfg.norm_topk_prob:
+        topk_w = topk_w / jnp.sum(topk_w, axis=-1, keepdims=True)
+    # transformers casts the routing weights to the hidden dtype before the weighted sum.
+    topk_w = topk_w.astype(x.dtype).astype(jnp.float32)
+    topk_w = jnp.where(valid[:, None], topk_w, 0.0)
+    topk_ids = jnp.where(valid[:, None], topk_ids, e).astype(jnp.int32)
+    n = min(t * k, e)
+    if n == e:  # large windows (prefill chunks): every expert, in order
+        expert_ids = jnp.arange(e, dtype=jnp.int32)
+    else:
+        expert_ids = jnp.unique(topk_ids, size=n, fill_value=e)
+    expert_ids = jnp.where(expert_ids >= e, -1, expert_ids).astype(jnp.int32)  # [N]
+    match = topk_ids[:, :, None] == expert_ids[None, None, :]  # [T, K, N]
+    combine = jnp.sum(jnp.where(match, topk_w[:, :, None], 0.0), axis=1)  # [T, N]
+    return Route(topk_ids=topk_ids, topk_weights=topk_w, expert_ids=expert_ids, combine=combine)
+
+
+def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, combine: jax.Array) -> jax.Array:
+    """SwiGLU experts on every row, weighted: x [T, H], gate/up [N, H, I], down [N, I, H], combine [T, N].
+
+    Returns float32 [T, H] = sum_n combine[t, n] * down_n(silu(gate_n x_t) * up_n x_t).
+    """
+    g = jnp.einsum("th,nhi->nti", x, gate)
+    u = jnp.einsum("th,nhi->nti", x, up)
+    y = jnp.einsum("nti,nih->nth", jax.nn.silu(g) * u, down)  # [N, T, H]
+    # Each expert's output is rounded to the compute dtype before the weighted sum, as transformers does.
+    return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
+
+
+def resident_experts(x: jax.Array, w: MoEWeights, r: Route) -> jax.Array:
+    """All experts on the device: gather the window's distinct experts (padding reads expert 0, weight 0)."""
+    ids = jnp.maximum(r.expert_ids, 0)
+    return expert_ffn(x, w.gate[ids], w.up[ids], w.down[ids], r.combine)
+
+
+def moe_block(x: jax.Array, w: MoEWeights, cfg: ModelConfig, valid: jax.Array) -> jax.Array:
+    with jax.named_scope("moe_route"):
+        r = route(x, w.router, cfg, valid)
+    with jax.named_scope("moe_experts"):
+        y = resident_experts(x, w, r)
+    with jax.named_scope("moe_combine"):
+        return y.astype(x.dtype)

@@ -1,0 +1,110 @@
+"""One place for switches: every engine option and request option, its default, its check and its help.
+
+The CLI flags (`python -m strata_jax.decode --window=4`) and the API keywords (`Engine.from_pretrained(path,
+window=4)`, `engine.generate(..., temperature=0.7)`) are both made from the tables below, so a flag and an option
+never disagree. A bad value is one line (StrataError); nothing is silently replaced.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+from strata_jax.errors import StrataError
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _choice(*allowed):
+    def check(v):
+        return None if v in allowed else f"must be one of {', '.join(allowed)}"
+    return check
+
+
+def _int_range(lo, hi=None):
+    def check(v):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+            return f"must be an integer in {lo}..{hi if hi is not None else 'inf'}"
+        return None
+    return check
+
+
+def _float_range(lo, hi, lo_open=False):
+    def check(v):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+            return "must be a number"
+        if (v <= lo if lo_open else v < lo) or v > hi:
+            return f"must be in {'(' if lo_open else '['}{lo}, {hi}]"
+        return None
+    return check
+
+
+def opt(default, help: str, check: Callable[[Any], str | None] | None = None, flag_type: str | None = None):
+    return dataclasses.field(default=default, metadata={"help": help, "check": check, "flag_type": flag_type})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Options fixed when an engine is built (graphs are compiled for them)."""
+    window: int = opt(4, "Largest verify window W: graphs for T = 1..W tokens are compiled at start-up.", _int_range(1, 16))
+    dtype: str = opt("bfloat16", "Compute and weight dtype.", _choice(*DTYPES))
+    context: int = opt(0, "Tokens the KV cache holds (prompt + generated); 0 = min(max_position_embeddings, 4096).", _int_range(0))
+    prefill_chunk: int = opt(64, "Prompt tokens per prefill step.", _int_range(1, 8192))
+    cache_dir: str = opt("", "Folder for the persistent compilation cache and the embedded model; '' = ~/.cache/strata_jax.")
+
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else Path.home() / ".cache" / "strata_jax"
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOptions:
+    """Options of one generate() call."""
+    max_new_tokens: int = opt(64, "Most tokens to generate.", _int_range(0))
+    temperature: float = opt(0.0, "Sampling temperature; 0 = greedy.", _float_range(0.0, 100.0))
+    top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1]; 1 = off.", _float_range(0.0, 1.0, lo_open=True))
+    top_k: int = opt(0, "Sample among the k most likely tokens; 0 = off.", _int_range(0))
+    seed: int = opt(0, "Sampling seed (same seed, same output).", _int_range(0, 2**32 - 1))
+
+
+def validate(obj) -> None:
+    for f in dataclasses.fields(obj):
+        check = f.metadata.get("check")
+        value = getattr(obj, f.name)
+        if f.type == "float" and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(obj, f.name, float(value))
+            value = float(value)
+        msg = check(value) if check else None
+        if msg:
+            raise StrataError(f"bad value for {f.name}: {value!r} ({msg})")
+
+
+def build(cls, options: dict[str, Any]):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise StrataError(f"unknown option(s) {unknown} (known: {sorted(names)})")
+    obj = cls(**options)
+    validate(obj)
+    return obj
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict, dict]:
+    """Split keyword options into (engine, request) by the tables above; unknown names stay with the engine."""
+    request_names = {f.name for f in dataclasses.fields(RequestOptions)}
+    return ({k: v for k, v in options.items() if k not in request_names},
+            {k: v for k, v in options.items() if k in request_names})
+
+
+def define_flags(flag_values, classes=(EngineOptions, RequestOptions)) -> None:
+    """Define one absl flag per option field (same name, default and help)."""
+    from absl import flags
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            kind = f.metadata.get("flag_type") or f.type
+            define = {"int": flags.DEFINE_integer, "float": flags.DEFINE_float, "str": flags.DEFINE_string,
+                      "bool": flags.DEFINE_bool}[kind]
+            define(f.name, f.default, f.metadata["help"], flag_values=flag_values)
+
+
+def from_flags(cls, flag_values):
+    return build(cls, {f.name: getattr(flag_values, f.name) for f in dataclasses.fields(cls)})
