@@ -9,6 +9,7 @@ from a larger store (--store-experts) so weights come from DRAM, not cache.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -32,18 +33,23 @@ def copy_gbps(nbytes: int, repeats: int) -> float:
     return nbytes * repeats / (time.perf_counter() - t0) / 1e9
 
 
-def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int):
+def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int, rounds: int = 3):
+    """Best round of `repeats` layer jobs: (ms per job, GB/s, thread jobs per layer job)."""
     store_experts = pool.store.num_experts(0)
     x = rng.standard_normal((T, H), dtype=np.float32)  # [T, H]
     pool.compute(0, x, np.arange(n_experts), np.ones((T, n_experts), np.float32))  # warm up
-    pool.stats.reset()
-    for _ in range(repeats):
-        ids = rng.choice(store_experts, n_experts, replace=False)   # [N]
-        w = rng.random((T, n_experts), dtype=np.float32)             # [T, N]
-        pool.compute(0, x, ids, w)
-    stats = pool.stats
-    return (stats.wall_seconds / stats.calls * 1e3, stats.bytes_read / stats.wall_seconds / 1e9,
-            stats.jobs // stats.calls)
+    best = None
+    for _ in range(rounds):  # best of rounds: this shared VM is noisy
+        pool.stats.reset()
+        for _ in range(repeats):
+            ids = rng.choice(store_experts, n_experts, replace=False)   # [N]
+            w = rng.random((T, n_experts), dtype=np.float32)             # [T, N]
+            pool.compute(0, x, ids, w)
+        stats = dataclasses.replace(pool.stats)
+        if best is None or stats.wall_seconds < best.wall_seconds:
+            best = stats
+    return (best.wall_seconds / best.calls * 1e3, best.bytes_read / best.wall_seconds / 1e9,
+            best.jobs // best.calls)
 
 
 def main() -> None:

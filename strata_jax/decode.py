@@ -1,0 +1,70 @@
+"""Command line: `python -m strata_jax.decode --prompt "..."` prints the continuation and one summary line.
+
+Every flag is an engine or request option of the same name (strata_jax.options). Bad input gives one line on
+stderr and a non-zero exit status, never a traceback.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from absl import app, flags, logging
+
+from strata_jax import options
+from strata_jax.errors import StrataError
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "embedded", "Model folder (config.json, *.safetensors, tokenizer.json), a folder "
+                    "written by --save_state, or 'embedded' (the tiny built-in model).", flag_values=FLAGS)
+flags.DEFINE_string("prompt", "The quick brown fox", "Prompt text.", flag_values=FLAGS)
+flags.DEFINE_string("prompt_file", "", "Read the prompt from this file (overrides --prompt).", flag_values=FLAGS)
+flags.DEFINE_string("save_state", "", "After loading, save the converted weights here with orbax.", flag_values=FLAGS)
+options.define_flags(FLAGS)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run() -> None:
+    from strata_jax.engine import Engine  # imported here so `--help` and flag errors stay fast
+
+    engine_opts = options.from_flags(options.EngineOptions, FLAGS)
+    request = options.from_flags(options.RequestOptions, FLAGS)
+    prompt = FLAGS.prompt
+    if FLAGS.prompt_file:
+        try:
+            prompt = Path(FLAGS.prompt_file).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise StrataError(f"cannot read --prompt_file {FLAGS.prompt_file}: {e}") from None
+    engine = Engine.from_pretrained(FLAGS.model, **{k: getattr(engine_opts, k) for k in
+                                                    engine_opts.__dataclass_fields__})
+    if FLAGS.save_state:
+        engine.save_state(FLAGS.save_state)
+        print(f"saved state: {FLAGS.save_state}", file=sys.stderr)
+    ids = engine.encode(prompt)
+    out = engine.generate(ids, **{k: getattr(request, k) for k in request.__dataclass_fields__})
+    sys.stdout.write(prompt + engine.decode(out) + "\n")
+    print(engine.stats.last.summary(), flush=True)
+
+
+def main(argv: list[str]) -> None:
+    logging.set_verbosity(logging.WARNING)  # absl's INFO lines (backend probing) are noise here
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]} (flags look like --name=value)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        run()
+    except StrataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)
