@@ -2,8 +2,9 @@
 
     python -m host_pool.measure [--threads N] [--blas-threads K] [--experts 8]
 
-GB/s = expert weight bytes read / wall time of the layer job. Experts are drawn
-from a larger store (--store-experts) so weights come from DRAM, not cache.
+GB/s = expert weight bytes read / wall time of the layer job (bf16 stores count
+2 bytes a weight, so compare ms/job across formats). Experts are drawn from a
+larger store (--store-experts) so weights come from DRAM, not cache.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import numpy as np
 
 from host_pool import pool as pool_module
 from host_pool import store as store_module
-from host_pool.blas import get_blas_threads
 from host_pool.pool import HostPool
 from host_pool.store import BF16, HostExpertStore
 
@@ -83,16 +83,15 @@ def main() -> None:
     print(f"threads {args.threads}, BLAS threads {blas_threads or 'default'}, "
           f"{args.experts} experts of H={H} I={I}, jobs/thread {args.jobs_per_thread}, "
           f"bf16 chunk {args.chunk_kb} KB")
-    print(f"{'store format':26s} {'host MB/layer':>13s} {'T':>2s} {'ms/job':>8s} {'GB/s':>7s} {'jobs':>5s}")
+    print(f"{'store format':26s} {'store MB':>9s} {'T':>2s} {'ms/job':>8s} {'GB/s':>7s} {'jobs':>5s}")
     for name, store in stores.items():
         pool = HostPool(store, threads=args.threads, blas_threads=blas_threads)
         host_mb = store.nbytes(0, 0) * E / 1e6
         for T in (1, 4):
             ms, gbps, jobs = pool_row(pool, rng, T, args.experts, H, args.repeats)
-            print(f"{name:26s} {host_mb:13.0f} {T:2d} {ms:8.2f} {gbps:7.2f} {jobs:5d}")
+            print(f"{name:26s} {host_mb:9.0f} {T:2d} {ms:8.2f} {gbps:7.2f} {jobs:5d}")
         pool.close()
-    print(f"BLAS threads now {get_blas_threads()}")
-    print(f"{'np.copyto 512 MB (1 thread)':26s} {'':13s} {'':2s} {'':8s} {copy_gbps(512 << 20, 5):7.2f}")
+    print(f"{'np.copyto 512 MB (1 thread)':26s} {'':9s} {'':2s} {'':8s} {copy_gbps(512 << 20, 5):7.2f}")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ class PoolHandle:
 
 class _Generation:
     """The executors a layer job runs on; replaced when a job times out, so a
-    stuck thread cannot hold up later calls."""
+    stuck thread cannot hold up later calls. (A thread stuck for good would
+    still delay interpreter exit: concurrent.futures joins its threads.)"""
 
     def __init__(self, threads: int):
         self.workers = ThreadPoolExecutor(threads, thread_name_prefix="host-pool")
@@ -80,6 +81,7 @@ class _Generation:
 class HostPool:
     """Computes expert FFN rows for one layer at a time on `threads` threads.
 
+    timeout_s counts from submit (waiting behind earlier layer jobs included).
     blas_threads: BLAS threads per numpy call (process-wide setting, applied
     here). 1 avoids oversubscription: the pool's own threads already fill the
     cores. None leaves BLAS as it is.
@@ -108,11 +110,11 @@ class HostPool:
         layer = int(layer)
         x, experts, weights = self._check_inputs(layer, x, ids, w)
         started = time.perf_counter()
-        with self._lock:
+        with self._lock:  # so a concurrent timeout cannot shut the generation in between
             fault = self._faults.pop(layer, None)
             generation = self._generation
-        future = generation.driver.submit(
-            self._run_layer, generation, layer, x, experts, weights, fault, started)
+            future = generation.driver.submit(
+                self._run_layer, generation, layer, x, experts, weights, fault, started)
         return PoolHandle(layer, future, started + self.timeout_s, generation)
 
     def collect(self, handle: PoolHandle) -> np.ndarray:

@@ -93,7 +93,7 @@ def default_place(name: str, x: np.ndarray):
 
 def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Placer = default_place,
                  place_experts: Placer | None = None, progress: Callable[[str], None] | None = None) -> Weights:
-    """Read a Qwen3-MoE checkpoint in the Hub layout into `Weights` (matrices transposed to [in, out]).
+    """Read a Qwen3-MoE checkpoint in the Hub layout into `Weights` (dense matrices transposed to [in, out]).
 
     `place_experts` receives each sparse layer's stacked expert arrays (names `layers.{i}.experts.{gate,up,down}`);
     by default they go where `place` puts everything else.
@@ -126,14 +126,14 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
         )
         if cfg.sparse_layers[i]:
             e, f = cfg.num_experts, cfg.moe_intermediate_size
-            gate = np.empty((e, h, f), jnp.dtype(dtype))  # [E, H, I]
-            up = np.empty((e, h, f), jnp.dtype(dtype))
-            down = np.empty((e, f, h), jnp.dtype(dtype))  # [E, I, H]
+            gate = np.empty((e, f, h), jnp.dtype(dtype))  # [E, I, H], the checkpoint's layout
+            up = np.empty((e, f, h), jnp.dtype(dtype))
+            down = np.empty((e, h, f), jnp.dtype(dtype))  # [E, H, I]
             for j in range(e):
                 q = p + f"mlp.experts.{j}."
-                gate[j] = to_dtype(reader.get(q + "gate_proj.weight", (f, h)), dtype).T
-                up[j] = to_dtype(reader.get(q + "up_proj.weight", (f, h)), dtype).T
-                down[j] = to_dtype(reader.get(q + "down_proj.weight", (h, f)), dtype).T
+                gate[j] = to_dtype(reader.get(q + "gate_proj.weight", (f, h)), dtype)
+                up[j] = to_dtype(reader.get(q + "up_proj.weight", (f, h)), dtype)
+                down[j] = to_dtype(reader.get(q + "down_proj.weight", (h, f)), dtype)
             ffn = MoEWeights(router=get(p + "mlp.gate.weight", (e, h), True),
                              gate=place_experts(f"layers.{i}.experts.gate", gate),
                              up=place_experts(f"layers.{i}.experts.up", up),

@@ -2,8 +2,8 @@
 
 Follows transformers' `Qwen3MoeForCausalLM`: RMSNorm computed in float32 then cast back, grouped-query attention
 with per-head q/k RMSNorm before RoPE (rotate-half form), a sparse MoE block or a dense SwiGLU MLP per layer, and
-a tied or untied `lm_head`. Matrices are stored [in, out] (transposed from the checkpoint) so that `x @ w` reads
-naturally. Shapes: T tokens in the window, H hidden, Nq/Nkv heads, D head_dim, E experts, I expert width,
+a tied or untied `lm_head`. Dense matrices are stored [in, out] (transposed from the checkpoint) so that `x @ w`
+reads naturally; experts keep the checkpoint's [out, in] layout (see moe.MoEWeights). Shapes: T tokens in the window, H hidden, Nq/Nkv heads, D head_dim, E experts, I expert width,
 S cache length, V vocabulary.
 """
 from __future__ import annotations
@@ -191,7 +191,7 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
                                 wo=rnd((nq * d, h)), q_norm=ones(d), k_norm=ones(d))
         if cfg.sparse_layers[i]:
             e, f = cfg.num_experts, cfg.moe_intermediate_size
-            ffn = moe.MoEWeights(router=rnd((h, e)), gate=rnd((e, h, f)), up=rnd((e, h, f)), down=rnd((e, f, h)))
+            ffn = moe.MoEWeights(router=rnd((h, e)), gate=rnd((e, f, h)), up=rnd((e, f, h)), down=rnd((e, h, f)))
         else:
             f = cfg.intermediate_size
             ffn = MLPWeights(gate=rnd((h, f)), up=rnd((h, f)), down=rnd((f, h)))

@@ -17,10 +17,12 @@ from strata_jax.config import ModelConfig
 
 @struct.dataclass
 class MoEWeights:
+    """Experts keep the checkpoint's [out, in] layout: one layout on the device, in pinned host memory and in the
+    host pool, and no transpose at load."""
     router: jax.Array  # [H, E]
-    gate: jax.Array  # [E, H, I]
-    up: jax.Array  # [E, H, I]
-    down: jax.Array  # [E, I, H]
+    gate: jax.Array  # [E, I, H]
+    up: jax.Array  # [E, I, H]
+    down: jax.Array  # [E, H, I]
 
 
 @struct.dataclass
@@ -57,13 +59,13 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -
 
 
 def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, combine: jax.Array) -> jax.Array:
-    """SwiGLU experts on every row, weighted: x [T, H], gate/up [N, H, I], down [N, I, H], combine [T, N].
+    """SwiGLU experts on every row, weighted: x [T, H], gate/up [N, I, H], down [N, H, I], combine [T, N].
 
     Returns float32 [T, H] = sum_n combine[t, n] * down_n(silu(gate_n x_t) * up_n x_t).
     """
-    g = jnp.einsum("th,nhi->nti", x, gate)
-    u = jnp.einsum("th,nhi->nti", x, up)
-    y = jnp.einsum("nti,nih->nth", jax.nn.silu(g) * u, down)  # [N, T, H]
+    g = jnp.einsum("th,nih->nti", x, gate)
+    u = jnp.einsum("th,nih->nti", x, up)
+    y = jnp.einsum("nti,nhi->nth", jax.nn.silu(g) * u, down)  # [N, T, H]
     # Each expert's output is rounded to the compute dtype before the weighted sum, as transformers does.
     return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
 

@@ -1,0 +1,232 @@
+"""Pieces every benchmark shares: flag parsing, progress lines, timing, HBM bandwidth, tables, JSON.
+
+Conventions: the start-up block and the result table go to stdout; progress lines go to stderr (so
+`python -m benchmarks.x > table.txt` keeps the table clean). Every number printed is also written to JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from absl import flags
+
+
+# ---- flags ---------------------------------------------------------------------------------------------------
+
+
+def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
+    """Parse argv (argv[0] is the program) into `flag_values`, from the defaults every time (so a test can call
+    main() twice). `--help` prints the flags and exits 0; a bad flag is one line and exit status 2."""
+    argv = list(argv)
+    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+        print(f"usage: python -m {Path(argv[0]).stem} [--flag=value ...]\n")
+        print(flag_values.get_help())
+        sys.exit(0)
+    flag_values.unparse_flags()
+    try:
+        rest = flag_values(argv)
+    except flags.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if len(rest) > 1:
+        print(f"error: unexpected arguments {rest[1:]} (flags look like --name=value)", file=sys.stderr)
+        sys.exit(2)
+    return rest
+
+
+def int_list(text: str, name: str = "list") -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (positive, deduplicated, in the given order)."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = int(part)
+        except ValueError:
+            raise ValueError(f"--{name}: {part!r} is not an integer") from None
+        if v <= 0:
+            raise ValueError(f"--{name}: {v} must be positive")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise ValueError(f"--{name} is empty")
+    return out
+
+
+# ---- output --------------------------------------------------------------------------------------------------
+
+
+def progress(line: str) -> None:
+    """A progress line on stderr, stamped with the seconds since the program started."""
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {line}", file=sys.stderr, flush=True)
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+_T0 = time.perf_counter()
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (llama-bench style): text left-aligned, numbers right-aligned."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    numeric = [all(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in rows) if rows
+               else False for i in range(len(headers))]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(vals):
+        return "| " + " | ".join(v.rjust(w) if numeric[i] else v.ljust(w)
+                                 for i, (v, w) in enumerate(zip(vals, widths))) + " |"
+    sep = "| " + " | ".join(("-" * (w - 1) + ":") if numeric[i] else "-" * w for i, w in enumerate(widths)) + " |"
+    return "\n".join([line(headers), sep] + [line(c) for c in cells])
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        a = abs(v)
+        if a == 0:
+            return "0"
+        if a >= 1000:
+            return f"{v:,.0f}"
+        if a >= 100:
+            return f"{v:.1f}"
+        if a >= 1:
+            return f"{v:.2f}"
+        if a >= 0.001:
+            return f"{v:.4f}"
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _jsonable(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item") and getattr(x, "ndim", None) == 0:  # numpy / jax scalars
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write `obj` (dicts, lists, dataclasses, numpy/jax scalars and arrays) as indented JSON; makes parents."""
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_jsonable(obj), indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+# ---- timing --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Timing:
+    """Seconds of each timed call, and their summary in milliseconds."""
+    samples_s: list[float]
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_s) * 1e3
+
+    @property
+    def mean_ms(self) -> float:
+        return statistics.fmean(self.samples_s) * 1e3
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.samples_s) * 1e3
+
+    @property
+    def max_ms(self) -> float:
+        return max(self.samples_s) * 1e3
+
+    @property
+    def stdev_ms(self) -> float:
+        return statistics.stdev(self.samples_s) * 1e3 if len(self.samples_s) > 1 else 0.0
+
+    def summary(self) -> dict:
+        return dict(median_ms=self.median_ms, mean_ms=self.mean_ms, min_ms=self.min_ms, max_ms=self.max_ms,
+                    stdev_ms=self.stdev_ms, n=len(self.samples_s), samples_ms=[s * 1e3 for s in self.samples_s])
+
+
+def time_synced(call: Callable[[int], Any], iters: int, warmup: int = 1) -> Timing:
+    """Time `call(i)` `iters` times after `warmup` untimed calls; each call is synchronised with
+    `jax.block_until_ready` on what it returns, so a sample covers Python dispatch + device execution."""
+    import jax
+    for i in range(warmup):
+        jax.block_until_ready(call(i))
+    samples = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call(warmup + i))
+        samples.append(time.perf_counter() - t0)
+    return Timing(samples)
+
+
+# ---- machine -------------------------------------------------------------------------------------------------
+
+
+def device_info() -> dict:
+    import jax
+    import jaxlib
+    d = jax.devices()[0]
+    stats = {}
+    try:
+        stats = d.memory_stats() or {}
+    except Exception:  # some backends do not implement it
+        pass
+    return dict(platform=d.platform, device_kind=d.device_kind, device=str(d), device_count=jax.device_count(),
+                memory_limit_bytes=stats.get("bytes_limit"), jax=jax.__version__, jaxlib=jaxlib.__version__,
+                python=platform.python_version(), host=platform.node())
+
+
+def device_memory_in_use() -> int | None:
+    import jax
+    try:
+        return (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")
+    except Exception:
+        return None
+
+
+def measure_bandwidth(nbytes: int, reps: int = 10, warmup: int = 2) -> dict:
+    """Device memory bandwidth from an elementwise `x * 2` over a float32 array of `nbytes` (a fresh output
+    buffer, no donation): each call reads nbytes and writes nbytes, so bytes moved = 2 * nbytes. The median of
+    `reps` synchronised calls; the arrays are freed before returning."""
+    import jax
+    import jax.numpy as jnp
+    n = max(nbytes // 4, 1)
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a * 2).lower(x).compile()
+    t = time_synced(lambda _: f(x), iters=reps, warmup=warmup)
+    del x
+    moved = 2 * n * 4
+    return dict(method="x * 2 over a float32 array (read + write counted)", array_bytes=n * 4, bytes_moved=moved,
+                median_ms=t.median_ms, bandwidth_Bps=moved / (t.median_ms * 1e-3),
+                best_Bps=moved / (t.min_ms * 1e-3), samples_ms=t.summary()["samples_ms"])
+
+
+def gb(nbytes: float) -> float:
+    return nbytes / 1e9

@@ -1,0 +1,231 @@
+"""Host pool: numerics against a float64 numpy reference, the jitted
+io_callback bridge, submit/collect, counters and fault handling.
+
+Tolerance: rel error ||y - ref|| / ||ref|| < 1e-5 for float32 weights. For
+bf16 weights the reference uses the same bf16 values (bf16 -> f32 is exact),
+so the same 1e-5 applies: only float32 accumulation differs.
+"""
+
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from host_pool import (HostExpertStore, HostPool, HostPoolError, cpu_expert_rows,
+                       unwrap_pool_error)
+from host_pool import store as store_module
+from host_pool.store import BF16
+
+# Ragged sizes so that job and chunk tails are exercised.
+LAYERS, E, H, I = 2, 6, 80, 72
+REL_TOL = 1e-5
+
+
+def rng_for(name: str) -> np.random.Generator:
+    """A fresh generator with a seed per test (and per parameter set)."""
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def make_layers(rng, dtype=np.float32):
+    """Per layer (gate [E, I, H], up [E, I, H], down [E, H, I])."""
+    return [tuple((0.1 * rng.standard_normal(shape)).astype(dtype)
+                  for shape in ((E, I, H), (E, I, H), (E, H, I)))
+            for _ in range(LAYERS)]
+
+
+def make_inputs(rng, T, ids):
+    """x [T, H], ids [N], w [T, N] (0 where ids == -1 and for some tokens)."""
+    ids = np.asarray(ids, np.int32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, ids.size)).astype(np.float32)
+    w[:, ids < 0] = 0.0
+    if T > 1 and ids.size > 1:
+        w[0, 0] = 0.0  # token 0 does not use expert ids[0]
+    return x, ids, w
+
+
+def reference(layer_weights, x, ids, w):
+    """float64 y [T, H] = sum_n w[:, n] * down_e @ (silu(gate_e @ x) * (up_e @ x))."""
+    gate, up, down = (a.astype(np.float64) for a in layer_weights)
+    x, w = x.astype(np.float64), w.astype(np.float64)
+    y = np.zeros((x.shape[0], gate.shape[2]))
+    for n, e in enumerate(ids):
+        if e < 0:
+            continue
+        g, u = x @ gate[e].T, x @ up[e].T    # [T, I]
+        h = g / (1.0 + np.exp(-g)) * u        # silu(g) * u
+        y += w[:, n:n + 1] * (h @ down[e].T)  # [T, H]
+    return y
+
+
+def rel_error(y, ref):
+    return np.linalg.norm(y - ref) / np.linalg.norm(ref)
+
+
+@pytest.fixture
+def make_pool():
+    pools = []
+
+    def make(layers, **kwargs):
+        pool = HostPool(HostExpertStore(layers), **kwargs)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+IDS_CASES = {"one": [4], "several_padded": [5, -1, 0, 3, -1]}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("ids_case", list(IDS_CASES))
+def test_matches_reference(make_pool, dtype, threads, T, ids_case):
+    rng = rng_for(f"ref-{dtype}-{threads}-{T}-{ids_case}")
+    layers = make_layers(rng, BF16 if dtype == "bfloat16" else np.float32)
+    pool = make_pool(layers, threads=threads)
+    x, ids, w = make_inputs(rng, T, IDS_CASES[ids_case])
+    y = pool.compute(1, x, ids, w)
+    assert y.dtype == np.float32 and y.shape == (T, H)
+    assert rel_error(y, reference(layers[1], x, ids, w)) < REL_TOL
+
+
+def test_bf16_converted_in_many_chunks(make_pool, monkeypatch):
+    monkeypatch.setattr(store_module, "CHUNK_FLOATS", 5 * H)  # a few rows per chunk
+    rng = rng_for("bf16-chunks")
+    layers = make_layers(rng, BF16)
+    pool = make_pool(layers, threads=3)
+    x, ids, w = make_inputs(rng, 4, [2, 1, -1])
+    assert rel_error(pool.compute(0, x, ids, w), reference(layers[0], x, ids, w)) < REL_TOL
+
+
+def test_all_padding_gives_zeros(make_pool):
+    rng = rng_for("all-padding")
+    pool = make_pool(make_layers(rng), threads=2)
+    x, ids, w = make_inputs(rng, 4, [-1, -1])
+    np.testing.assert_array_equal(pool.compute(0, x, ids, w), np.zeros((4, H), np.float32))
+
+
+def test_submit_collect_matches_compute(make_pool):
+    rng = rng_for("submit-collect")
+    layers = make_layers(rng)
+    pool = make_pool(layers, threads=3)
+    jobs = [(layer, *make_inputs(rng, 4, [1, -1, 5])) for layer in (0, 1)]
+    handles = [pool.submit(*job) for job in jobs]  # both in flight
+    for handle, (layer, x, ids, w) in zip(handles, jobs):
+        y = pool.collect(handle)
+        np.testing.assert_array_equal(y, pool.compute(layer, x, ids, w))
+        assert rel_error(y, reference(layers[layer], x, ids, w)) < REL_TOL
+
+
+def test_stats_count_bytes_jobs_and_reset(make_pool):
+    rng = rng_for("stats")
+    pool = make_pool(make_layers(rng), threads=3)
+    x, ids, w = make_inputs(rng, 1, [0, -1, 2])
+    pool.compute(0, x, ids, w)
+    stats = pool.stats
+    assert stats.calls == 1 and stats.jobs > 3
+    assert stats.bytes_read == pool.store.nbytes(0, 0) + pool.store.nbytes(0, 2)
+    assert stats.job_seconds > 0 and stats.wall_seconds > 0
+    stats.reset()
+    assert (stats.calls, stats.jobs, stats.bytes_read, stats.job_seconds) == (0, 0, 0, 0.0)
+
+
+def test_bad_expert_id_names_layer(make_pool):
+    rng = rng_for("bad-id")
+    pool = make_pool(make_layers(rng), threads=1)
+    x, _, w = make_inputs(rng, 1, [0])
+    with pytest.raises(HostPoolError, match="layer 1 bad input"):
+        pool.compute(1, x, np.array([E]), w)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_raising_job_then_next_call_succeeds(make_pool, threads):
+    rng = rng_for(f"raise-{threads}")
+    layers = make_layers(rng)
+    pool = make_pool(layers, threads=threads)
+    x, ids, w = make_inputs(rng, 4, [3, 1])
+    pool.inject_fault(1, "raise")
+    with pytest.raises(HostPoolError, match=r"^host pool: layer 1 expert job failed: .*injected") as info:
+        pool.compute(1, x, ids, w)
+    assert info.value.layer == 1
+    assert rel_error(pool.compute(1, x, ids, w), reference(layers[1], x, ids, w)) < REL_TOL
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_hanging_job_times_out_then_next_call_succeeds(make_pool, threads):
+    rng = rng_for(f"hang-{threads}")
+    layers = make_layers(rng)
+    pool = make_pool(layers, threads=threads, timeout_s=0.5)
+    x, ids, w = make_inputs(rng, 1, [2, -1, 4])
+    pool.inject_fault(0, "hang")
+    start = time.perf_counter()
+    with pytest.raises(HostPoolError, match=r"^host pool: layer 0 did not answer within 0.5 s$") as info:
+        pool.compute(0, x, ids, w)
+    assert info.value.layer == 0
+    assert time.perf_counter() - start < 2.0
+    # The stuck thread is left behind; the next call runs on fresh threads.
+    assert rel_error(pool.compute(0, x, ids, w), reference(layers[0], x, ids, w)) < REL_TOL
+
+
+def test_bridge_inside_jit_matches_pool(make_pool):
+    rng = rng_for("bridge")
+    layers = make_layers(rng)
+    pool = make_pool(layers, threads=3)
+    x, ids, w = make_inputs(rng, 4, [0, -1, 5, 2])
+
+    @jax.jit
+    def step(x, ids, w):
+        return cpu_expert_rows(pool, 1, x.astype(jnp.bfloat16).astype(jnp.float32), ids, w) * 2.0
+
+    x_rounded = x.astype(BF16).astype(np.float32)  # what the graph passes on
+    y = np.asarray(step(x, ids, w))
+    np.testing.assert_allclose(y, 2.0 * pool.compute(1, x_rounded, ids, w), rtol=1e-6, atol=1e-6)
+    assert rel_error(y / 2.0, reference(layers[1], x_rounded, ids, w)) < REL_TOL
+
+
+def test_bridge_with_traced_layer(make_pool):
+    rng = rng_for("bridge-traced-layer")
+    layers = make_layers(rng)
+    pool = make_pool(layers, threads=2)
+    x, ids, w = make_inputs(rng, 1, [3])
+    run = jax.jit(lambda layer, x, ids, w: cpu_expert_rows(pool, layer, x, ids, w))
+    for layer in (0, 1):
+        y = np.asarray(run(jnp.int32(layer), x, ids, w))
+        assert rel_error(y, reference(layers[layer], x, ids, w)) < REL_TOL
+
+
+def test_bridge_error_unwraps_to_pool_error(make_pool):
+    rng = rng_for("bridge-error")
+    layers = make_layers(rng)
+    pool = make_pool(layers, threads=2)
+    x, ids, w = make_inputs(rng, 4, [1, 4])
+    run = jax.jit(lambda x, ids, w: cpu_expert_rows(pool, 1, x, ids, w))
+    pool.inject_fault(1, "raise")
+    with pytest.raises(Exception) as info:
+        np.asarray(run(x, ids, w))  # raised at dispatch on CPU, at fetch on GPU
+    assert not isinstance(info.value, HostPoolError)  # JAX wraps it
+    error = unwrap_pool_error(info.value)
+    assert isinstance(error, HostPoolError) and error.layer == 1
+    assert str(error) == "host pool: layer 1 expert job failed: RuntimeError: injected fault"
+    # The same jitted function works on the next call.
+    assert rel_error(np.asarray(run(x, ids, w)), reference(layers[1], x, ids, w)) < REL_TOL
+
+
+def test_unwrap_ignores_other_errors():
+    assert unwrap_pool_error(ValueError("something else")) is None
+    direct = HostPoolError("host pool: layer 2 did not answer within 1.0 s", 2)
+    assert unwrap_pool_error(direct) is direct
+    try:
+        try:
+            raise direct
+        except HostPoolError as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert unwrap_pool_error(outer) is direct
