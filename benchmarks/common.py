@@ -22,12 +22,12 @@ from absl import flags
 # ---- flags ---------------------------------------------------------------------------------------------------
 
 
-def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> list[str]:
+def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str], prog: str = "") -> list[str]:
     """Parse argv (argv[0] is the program) into `flag_values`, from the defaults every time (so a test can call
     main() twice). `--help` prints the flags and exits 0; a bad flag is one line and exit status 2."""
     argv = list(argv)
     if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
-        print(f"usage: python -m {Path(argv[0]).stem} [--flag=value ...]\n")
+        print(f"usage: python -m {prog or Path(argv[0]).stem} [--flag=value ...]\n")
         print(flag_values.get_help())
         sys.exit(0)
     flag_values.unparse_flags()
@@ -82,7 +82,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[_cell(v) for v in row] for row in rows]
     numeric = [all(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in rows) if rows
                else False for i in range(len(headers))]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    widths = [max([3, len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(vals):
         return "| " + " | ".join(v.rjust(w) if numeric[i] else v.ljust(w)
@@ -144,8 +144,10 @@ def write_json(path: str | Path, obj: Any) -> Path:
 
 @dataclasses.dataclass
 class Timing:
-    """Seconds of each timed call, and their summary in milliseconds."""
+    """Seconds of each timed call, and their summary in milliseconds. `dispatch_s`: for each call, the seconds
+    until the Python call returned (before the synchronisation), i.e. the host-side dispatch cost."""
     samples_s: list[float]
+    dispatch_s: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def median_ms(self) -> float:
@@ -167,9 +169,14 @@ class Timing:
     def stdev_ms(self) -> float:
         return statistics.stdev(self.samples_s) * 1e3 if len(self.samples_s) > 1 else 0.0
 
+    @property
+    def dispatch_median_ms(self) -> float:
+        return statistics.median(self.dispatch_s) * 1e3 if self.dispatch_s else float("nan")
+
     def summary(self) -> dict:
         return dict(median_ms=self.median_ms, mean_ms=self.mean_ms, min_ms=self.min_ms, max_ms=self.max_ms,
-                    stdev_ms=self.stdev_ms, n=len(self.samples_s), samples_ms=[s * 1e3 for s in self.samples_s])
+                    stdev_ms=self.stdev_ms, n=len(self.samples_s), samples_ms=[s * 1e3 for s in self.samples_s],
+                    dispatch_median_ms=self.dispatch_median_ms)
 
 
 def time_synced(call: Callable[[int], Any], iters: int, warmup: int = 1) -> Timing:
@@ -178,12 +185,29 @@ def time_synced(call: Callable[[int], Any], iters: int, warmup: int = 1) -> Timi
     import jax
     for i in range(warmup):
         jax.block_until_ready(call(i))
-    samples = []
+    samples, dispatch = [], []
     for i in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(call(warmup + i))
-        samples.append(time.perf_counter() - t0)
-    return Timing(samples)
+        out = call(warmup + i)
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        samples.append(t2 - t0)
+        dispatch.append(t1 - t0)
+    return Timing(samples, dispatch)
+
+
+def time_pipelined(call: Callable[[int], Any], iters: int) -> float:
+    """Seconds per call when `iters` calls are dispatched back to back with one synchronisation at the end (on an
+    asynchronous device, host dispatch then overlaps the device work). Only the last call's result is waited on,
+    so `call` must chain its results (e.g. thread a donated cache) for the total to cover every call."""
+    import jax
+    t0 = time.perf_counter()
+    out = None
+    for i in range(iters):
+        out = call(i)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters
 
 
 # ---- machine -------------------------------------------------------------------------------------------------
@@ -230,3 +254,12 @@ def measure_bandwidth(nbytes: int, reps: int = 10, warmup: int = 2) -> dict:
 
 def gb(nbytes: float) -> float:
     return nbytes / 1e9
+
+
+def fmt_bytes(nbytes: float) -> str:
+    """Decimal units: '61.1 GB', '9.44 MB', '49.2 kB'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            v = nbytes / scale
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:,.0f} {unit}"
+    return f"{nbytes:.0f} B"

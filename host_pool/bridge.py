@@ -8,7 +8,10 @@ XlaRuntimeError in older jax) whose text is
    HostPoolError: host pool: layer 3 did not answer within 20.0 s"
 It is raised where the result is first needed: at the jitted call on CPU
 (synchronous dispatch), at the result fetch / block_until_ready on GPU.
-`unwrap_pool_error` turns it back into a HostPoolError for a one-line report.
+(GPU behaviour follows from async dispatch; only CPU is tested here.)
+`unwrap_pool_error` turns it back into a HostPoolError for a one-line report;
+to drop JAX's logged traceback too:
+logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Format choice: weights stay in the dtype they are given, without a copy.
   * float32 is used as is by BLAS.
   * bfloat16 stays bfloat16 (2 bytes / weight). Pool jobs convert it to float32
-    in small row chunks (~256 KB, so the float32 copy stays in the core's
+    in row chunks (~1 MB of float32, so the converted copy stays in the core's
     cache) right before the matmul. Converting the whole store once would
     double host memory (a Qwen3-30B-A3B has ~58 GB of bf16 experts -> ~116 GB,
     more than the 128 GB host can spare) for little speed: measured on a

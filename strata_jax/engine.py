@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax import checkpoint, graphs, model
+from strata_jax import checkpoint, graphs, model, moe, offload
+from strata_jax import placement as placement_mod
 from strata_jax.config import ModelConfig, config_from_dict
 from strata_jax.embedded import embedded_model_dir
 from strata_jax.errors import StrataError
@@ -26,12 +27,46 @@ def log(line: str) -> None:
 
 
 @dataclasses.dataclass
+class ExpertStats:
+    """Where the experts of the windows ran (offload on): (token, expert) entries and distinct experts per layer
+    and window, summed over layers and windows."""
+    entries: int = 0
+    entries_resident: int = 0
+    entries_fetched: int = 0
+    entries_cpu: int = 0
+    distinct: int = 0
+    distinct_resident: int = 0
+    distinct_fetched: int = 0
+    distinct_cpu: int = 0
+    pcie_bytes: int = 0
+    pool_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of the distinct experts the windows needed that were already in a device slot."""
+        return self.distinct_resident / self.distinct if self.distinct else 0.0
+
+    def __iadd__(self, other: "ExpertStats") -> "ExpertStats":
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def summary(self) -> str:
+        return (f"hit rate {self.hit_rate:.1%}; distinct experts resident/fetched/cpu "
+                f"{self.distinct_resident}/{self.distinct_fetched}/{self.distinct_cpu}, entries "
+                f"{self.entries_resident}/{self.entries_fetched}/{self.entries_cpu}; "
+                f"PCIe {self.pcie_bytes / 2**20:.1f} MiB; host pool {self.pool_s * 1e3:.1f} ms")
+
+
+@dataclasses.dataclass
 class RequestStats:
     prompt_tokens: int = 0
     prefill_s: float = 0.0
     generated_tokens: int = 0
     decode_s: float = 0.0
     windows: int = 0  # decode windows run (graph calls after the prefill)
+    prefill_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
+    decode_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -56,12 +91,16 @@ class Stats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     compile_s: float = 0.0
+    prefill_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
+    decode_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
 
     def add(self, r: RequestStats) -> None:
         self.last = r
         self.requests += 1
         self.prompt_tokens += r.prompt_tokens
         self.generated_tokens += r.generated_tokens
+        self.prefill_experts += r.prefill_experts
+        self.decode_experts += r.decode_experts
 
 
 def enable_compilation_cache(cache_dir: Path) -> Path:
@@ -77,16 +116,27 @@ class Engine:
     """A model ready to decode. Build it with `Engine.from_pretrained(path, **options)`."""
 
     def __init__(self, cfg: ModelConfig, weights: model.Weights, options: EngineOptions, tokenizer=None,
-                 model_dir: Path | None = None, raw_config: dict | None = None, verbose: bool = True):
+                 model_dir: Path | None = None, raw_config: dict | None = None, verbose: bool = True,
+                 placement: placement_mod.Placement | None = None):
         self.cfg, self.weights, self.options, self.tokenizer = cfg, weights, options, tokenizer
         self.model_dir, self.raw_config, self.verbose = model_dir, raw_config, verbose
+        self.placement = placement
         self.dtype = jnp.dtype(options.dtype)
-        self.context = options.context or min(cfg.max_position_embeddings, 4096)
-        self.chunk = min(options.prefill_chunk, self.context)
-        # Slack past the context: a padded prefill chunk writes up to `chunk` positions beyond the last real one.
-        self.cache = model.init_cache(cfg, self.context + self.chunk, self.dtype)
+        self.context, self.chunk = context_and_chunk(cfg, options)
+        self.expert_path = offload.OffloadedExperts(cfg, placement.pool) if placement else None
         self.stats = Stats()
+        self._reset_state()
+        if placement and verbose:
+            for line in placement.lines:
+                log(line)
         self._compile()
+
+    def _reset_state(self) -> None:
+        """Fresh caches (also after a failed request, whose donated buffers are gone)."""
+        # Slack past the context: a padded prefill chunk writes up to `chunk` positions beyond the last real one.
+        kv = model.init_cache(self.cfg, self.context + self.chunk, self.dtype)
+        experts = self.placement.init_state(self.cfg, self.dtype) if self.placement else None
+        self.cache = kv.replace(experts=experts)
 
     # ---- construction ----------------------------------------------------------------------------------------
 
@@ -114,20 +164,37 @@ class Engine:
             raise StrataError(f"{cfg_path}: malformed config.json: {e}") from None
         cfg = config_from_dict(raw, where=str(cfg_path))
         say = log if verbose else (lambda _: None)
+        dtype = jnp.dtype(opts.dtype)
+        context, chunk = context_and_chunk(cfg, opts)
+        kv_bytes = 2 * cfg.num_layers * (context + chunk) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
+        host = placement_mod.HostExperts(cfg) if slots is not None else None
         t0 = time.perf_counter()
         if checkpoint.is_state_dir(path):
             saved = json.loads((path / checkpoint.STATE_META).read_text())
             if saved["dtype"] != opts.dtype:
                 raise StrataError(f"the saved state at {path} holds {saved['dtype']} weights, but dtype={opts.dtype}")
-            abstract = jax.eval_shape(lambda: model.random_weights(cfg, 0, jnp.dtype(opts.dtype)))
-            weights = checkpoint.restore_state(path, abstract)
+            weights = checkpoint.restore_state(path, abstract_weights(cfg, dtype, host))
+            if host is not None:
+                for i, layer in enumerate(weights.layers):
+                    if cfg.sparse_layers[i]:
+                        for which in ("gate", "up", "down"):
+                            host.numpy.setdefault(i, {})[which] = np.asarray(getattr(layer.ffn, which))
         else:
-            weights = checkpoint.load_weights(path, cfg, jnp.dtype(opts.dtype), progress=_progress(say, cfg))
+            weights = checkpoint.load_weights(path, cfg, dtype, place_experts=host.place if host else None,
+                                              progress=_progress(say, cfg))
         tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
         say(f"model: {path} ({cfg.num_layers} layers, {cfg.num_sparse_layers} MoE, {cfg.num_experts} experts "
             f"top-{cfg.num_experts_per_tok}, {model.param_bytes(weights) / 2**20:.1f} MiB of {opts.dtype} weights) "
             f"loaded in {time.perf_counter() - t0:.1f} s")
-        return cls(cfg, weights, opts, tokenizer=tok, model_dir=path, raw_config=raw, verbose=verbose)
+        if slots is None:
+            if any(cfg.sparse_layers):
+                say(f"expert cache: every expert on the device, offload off ({why})")
+            placement = None
+        else:
+            placement = placement_mod.build(cfg, opts, weights, host, slots, why)
+        return cls(cfg, weights, opts, tokenizer=tok, model_dir=path, raw_config=raw, verbose=verbose,
+                   placement=placement)
 
     def save_state(self, path: str | Path) -> None:
         """Save the converted weights with orbax; `from_pretrained(path)` restores them without conversion."""
@@ -140,18 +207,70 @@ class Engine:
         t0 = time.perf_counter()
         sampling = SamplingParams.make()
         pos = jnp.int32(0)
-        decode, prefill = graphs.jit_decode_window(self.cfg), graphs.jit_prefill_chunk(self.cfg)
+        decode = graphs.jit_decode_window(self.cfg, self.expert_path)
+        prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
         self._decode = {}
         for t in range(1, self.options.window + 1):
             self._decode[t] = decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos,
                                            sampling).compile()
         self._prefill = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), pos,
                                       jnp.int32(1), sampling).compile()
+        if self.placement and self.placement.policy == "static":
+            self._fill = jax.jit(offload.fill_slots, donate_argnums=(0,))
         self.stats.compile_s = time.perf_counter() - t0
         if self.verbose:
             log(f"graphs: window T=1..{self.options.window} and prefill chunk {self.chunk} compiled in "
                 f"{self.stats.compile_s:.1f} s (persistent cache: {jax.config.jax_compilation_cache_dir}); "
                 f"context {self.context} tokens")
+
+    # ---- expert counters -------------------------------------------------------------------------------------
+
+    def _take_expert_stats(self) -> ExpertStats:
+        """Read and zero the in-graph counters (and the pool's time) of the windows run since the last call."""
+        if not self.placement:
+            return ExpertStats()
+        states = [s for s in self.cache.experts if s is not None]
+        total = np.sum([np.asarray(s.counters) for s in states], axis=0)
+        out = ExpertStats(**{name: int(v) for name, v in zip(offload.COUNTERS, total)})
+        out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(self.dtype.itemsize)
+        out.pool_s = self.placement.pool.stats.wall_seconds
+        self.placement.pool.stats.reset()
+        # A buffer per layer: the graphs donate the cache, and one buffer must not be donated twice.
+        self.cache = self.cache.replace(experts=[
+            None if s is None else s.replace(counters=jnp.zeros((len(offload.COUNTERS),), jnp.int32))
+            for s in self.cache.experts])
+        return out
+
+    def _fill_static_slots(self) -> None:
+        """Static policy: after the prompt's prefill, the slots take each layer's most used experts, then freeze."""
+        new = []
+        for i, s in enumerate(self.cache.experts):
+            if s is None:
+                new.append(None)
+                continue
+            usage = np.asarray(s.usage)
+            top = np.argsort(-usage, kind="stable")[:s.slots]
+            top = np.where(usage[top] > 0, top, -1).astype(np.int32)
+            w = self.weights.layers[i].ffn
+            new.append(self._fill(s.replace(usage=jnp.zeros_like(s.usage)), w.gate, w.up, w.down, jnp.asarray(top)))
+        self.cache = self.cache.replace(experts=new)
+
+    def _guarded(self, fn, *args):
+        """Run a request step; a host pool failure becomes one StrataError and fresh caches (the engine stays
+        usable for the next request)."""
+        try:
+            return fn(*args)
+        except StrataError:
+            raise
+        except Exception as e:
+            from host_pool import unwrap_pool_error
+            pool_error = unwrap_pool_error(e) if self.placement else None
+            self._reset_state()
+            if self.placement:
+                self.placement.pool.stats.reset()
+            if pool_error is not None:
+                raise StrataError(str(pool_error)) from None
+            raise
 
     # ---- requests --------------------------------------------------------------------------------------------
 
@@ -178,12 +297,13 @@ class Engine:
                                                            jnp.int32(part.size), sampling)
             if want_logits:
                 chunks.append(np.asarray(logits[:part.size]))
-        return next_token, (np.concatenate(chunks) if want_logits else None)
+        return int(next_token), (np.concatenate(chunks) if want_logits else None)
 
     def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits [P, V] float32 of every prompt position through the prefill graph."""
         ids = self._check_prompt(token_ids)
-        return self._prefill_all(ids, SamplingParams.make(), want_logits=True)[1]
+        self._take_expert_stats()
+        return self._guarded(lambda: self._prefill_all(ids, SamplingParams.make(), want_logits=True)[1])
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_token_ids: Sequence[int] | None = None,
@@ -197,26 +317,33 @@ class Engine:
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
         stats = RequestStats(prompt_tokens=int(ids.size))
         out: list[int] = []
+        self._take_expert_stats()
         if budget > 0:
-            t0 = time.perf_counter()
-            next_token, _ = self._prefill_all(ids, sampling)
-            out.append(int(next_token))
-            stats.prefill_s = time.perf_counter() - t0
-            if on_token:
-                on_token(out[-1])
-            t0 = time.perf_counter()
-            while len(out) < budget and out[-1] not in stops:
-                pos = ids.size + len(out) - 1
-                tokens, _, self.cache = self._decode[1](self.weights, self.cache, np.asarray(out[-1:], np.int32),
-                                                        jnp.int32(pos), sampling)
-                out.append(int(tokens[0]))
-                stats.windows += 1
-                if on_token:
-                    on_token(out[-1])
-            stats.decode_s = time.perf_counter() - t0
+            self._guarded(self._generate, ids, budget, stops, sampling, stats, out, on_token)
         stats.generated_tokens = len(out)
         self.stats.add(stats)
         return out
+
+    def _generate(self, ids, budget, stops, sampling, stats: RequestStats, out: list[int], on_token) -> None:
+        t0 = time.perf_counter()
+        out.append(self._prefill_all(ids, sampling)[0])
+        stats.prefill_s = time.perf_counter() - t0
+        stats.prefill_experts = self._take_expert_stats()
+        if self.placement and self.placement.policy == "static":
+            self._fill_static_slots()
+        if on_token:
+            on_token(out[-1])
+        t0 = time.perf_counter()
+        while len(out) < budget and out[-1] not in stops:
+            pos = ids.size + len(out) - 1
+            tokens, _, self.cache = self._decode[1](self.weights, self.cache, np.asarray(out[-1:], np.int32),
+                                                    jnp.int32(pos), sampling)
+            out.append(int(tokens[0]))
+            stats.windows += 1
+            if on_token:
+                on_token(out[-1])
+        stats.decode_s = time.perf_counter() - t0
+        stats.decode_experts = self._take_expert_stats()
 
     def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:
         """Teacher-forced logits [N, V] float32 of every position, through the decode-window graphs of size
@@ -225,14 +352,20 @@ class Engine:
         w = window or self.options.window
         if not 1 <= w <= self.options.window:
             raise StrataError(f"window {w} is not compiled (1..{self.options.window})")
-        rows = []
-        sampling = SamplingParams.make()
-        for start in range(0, ids.size, w):
-            part = ids[start:start + w]
-            _, logits, self.cache = self._decode[part.size](self.weights, self.cache, part, jnp.int32(start),
-                                                            sampling)
-            rows.append(np.asarray(logits))
-        return np.concatenate(rows).astype(np.float32)
+        self._take_expert_stats()
+
+        def run():
+            rows = []
+            sampling = SamplingParams.make()
+            for start in range(0, ids.size, w):
+                part = ids[start:start + w]
+                _, logits, self.cache = self._decode[part.size](self.weights, self.cache, part, jnp.int32(start),
+                                                                sampling)
+                rows.append(np.asarray(logits))
+            return np.concatenate(rows).astype(np.float32)
+        logits = self._guarded(run)
+        self.stats.last = RequestStats(prompt_tokens=int(ids.size), decode_experts=self._take_expert_stats())
+        return logits
 
     # ---- text helpers ----------------------------------------------------------------------------------------
 
@@ -245,6 +378,28 @@ class Engine:
         if self.tokenizer is None:
             raise StrataError(f"no tokenizer.json in {self.model_dir}")
         return self.tokenizer.decode(list(ids))
+
+
+def context_and_chunk(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, int]:
+    context = opts.context or min(cfg.max_position_embeddings, 4096)
+    return context, min(opts.prefill_chunk, context)
+
+
+def abstract_weights(cfg: ModelConfig, dtype, host: "placement_mod.HostExperts | None"):
+    """Shapes and placements of the weights, for an orbax restore (experts into host memory with offload)."""
+    shapes = jax.eval_shape(lambda: model.random_weights(cfg, 0, dtype))
+    dev = offload.device_sharding()
+    tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), shapes)
+    if host is None:
+        return tree
+    layers = []
+    for layer in tree.layers:
+        if isinstance(layer.ffn, moe.MoEWeights):
+            ffn = layer.ffn
+            to_host = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host.sharding)
+            layer = layer.replace(ffn=ffn.replace(gate=to_host(ffn.gate), up=to_host(ffn.up), down=to_host(ffn.down)))
+        layers.append(layer)
+    return tree.replace(layers=layers)
 
 
 def _progress(say, cfg: ModelConfig):

@@ -59,9 +59,11 @@ class Weights:
 
 @struct.dataclass
 class KVCache:
-    """Static-size key/value cache, one array per layer so a donated step updates it in place."""
+    """What a window updates: the static-size key/value cache (one array per layer, so a donated step updates it
+    in place) and, when experts are offloaded, each sparse layer's device expert cache (offload.SlotCache)."""
     k: list[jax.Array]  # per layer [S, Nkv, D]
     v: list[jax.Array]  # per layer [S, Nkv, D]
+    experts: list | None = None  # per layer SlotCache (None for dense layers), or None when all experts resident
 
     @property
     def length(self) -> int:
@@ -130,18 +132,19 @@ def dense_mlp(x: jax.Array, w: MLPWeights) -> jax.Array:
     return (jax.nn.silu(x @ w.gate) * (x @ w.up)) @ w.down
 
 
-# The expert FFN of one sparse layer: (layer index, x [T, H], MoEWeights, valid rows [T]) -> y [T, H].
-# The default is all experts resident on the device; the offload path swaps in its own (strata_jax.offload).
-MoEFn = Callable[[int, jax.Array, "moe.MoEWeights", jax.Array], jax.Array]
+# The expert path of a sparse layer with its own state: (layer, x [T, H], MoEWeights, valid [T], state)
+# -> (y [T, H], state). None: all experts resident on the device (moe.moe_block); offload.OffloadedExperts
+# reads them from slots, pinned host memory and the host pool.
+ExpertPath = Callable[[int, jax.Array, "moe.MoEWeights", jax.Array, object], tuple[jax.Array, object]]
 
 
 def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
-            cfg: ModelConfig, moe_fn: MoEFn | None = None) -> tuple[jax.Array, KVCache]:
+            cfg: ModelConfig, experts: ExpertPath | None = None) -> tuple[jax.Array, KVCache]:
     """One window: tokens [T] at positions pos.., of which the first n_valid are real (the rest padding).
 
     Returns float32 logits [T, V] and the updated cache.
     """
-    moe_fn = moe_fn or (lambda layer, x, w, valid: moe.moe_block(x, w, cfg, valid))
+    expert_state = list(cache.experts) if cache.experts is not None else None
     t = tokens.shape[0]
     valid = jnp.arange(t) < n_valid  # [T]
     h = weights.embed[tokens]  # [T, H]
@@ -158,12 +161,15 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
             if isinstance(layer.ffn, MLPWeights):
                 with jax.named_scope("mlp"):
                     h = h + dense_mlp(x, layer.ffn)
+            elif experts is None:
+                h = h + moe.moe_block(x, layer.ffn, cfg, valid)
             else:
-                h = h + moe_fn(i, x, layer.ffn, valid)
+                y, expert_state[i] = experts(i, x, layer.ffn, valid, expert_state[i])
+                h = h + y
     h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
     logits = jnp.einsum("th,hv->tv", h, head, preferred_element_type=jnp.float32)
-    return logits, KVCache(k=new_k, v=new_v)
+    return logits, KVCache(k=new_k, v=new_v, experts=expert_state)
 
 
 def param_bytes(weights: Weights) -> int:

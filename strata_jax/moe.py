@@ -32,6 +32,7 @@ class Route:
     topk_weights: jax.Array  # [T, K] float32 (0 for padding rows)
     expert_ids: jax.Array  # [N] int32, distinct experts of the window; -1 pads
     combine: jax.Array  # [T, N] float32: routing weight of row t for expert_ids[n], else 0
+    entry_counts: jax.Array  # [N] int32: rows of the window that chose expert_ids[n]
 
 
 def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -> Route:
@@ -48,14 +49,18 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -
     topk_w = jnp.where(valid[:, None], topk_w, 0.0)
     topk_ids = jnp.where(valid[:, None], topk_ids, e).astype(jnp.int32)
     n = min(t * k, e)
-    if n == e:  # large windows (prefill chunks): every expert, in order
+    if n == e:  # large windows (prefill chunks): every expert in order, -1 where no row chose it
         expert_ids = jnp.arange(e, dtype=jnp.int32)
+        chosen = jnp.zeros((e + 1,), bool).at[topk_ids.reshape(-1)].set(True)[:e]
+        expert_ids = jnp.where(chosen, expert_ids, e)
     else:
         expert_ids = jnp.unique(topk_ids, size=n, fill_value=e)
+    match = topk_ids[:, :, None] == expert_ids[None, None, :]  # [T, K, N]; padding (E) matches only padding rows
+    match = match & (expert_ids < e)[None, None, :]
     expert_ids = jnp.where(expert_ids >= e, -1, expert_ids).astype(jnp.int32)  # [N]
-    match = topk_ids[:, :, None] == expert_ids[None, None, :]  # [T, K, N]
     combine = jnp.sum(jnp.where(match, topk_w[:, :, None], 0.0), axis=1)  # [T, N]
-    return Route(topk_ids=topk_ids, topk_weights=topk_w, expert_ids=expert_ids, combine=combine)
+    return Route(topk_ids=topk_ids, topk_weights=topk_w, expert_ids=expert_ids, combine=combine,
+                 entry_counts=jnp.sum(match, axis=(0, 1), dtype=jnp.int32))
 
 
 def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, combine: jax.Array) -> jax.Array:

@@ -39,6 +39,24 @@ def _float_range(lo, hi, lo_open=False):
     return check
 
 
+def _slots(v):
+    if v in ("auto", "all"):
+        return None
+    try:
+        return None if int(v) >= 0 else "must be auto, all or a number >= 0"
+    except (TypeError, ValueError):
+        return "must be auto, all or a number >= 0"
+
+
+def _frac(v):
+    if v == "auto":
+        return None
+    try:
+        return None if 0.0 <= float(v) <= 1.0 else "must be auto or a number in [0, 1]"
+    except (TypeError, ValueError):
+        return "must be auto or a number in [0, 1]"
+
+
 def opt(default, help: str, check: Callable[[Any], str | None] | None = None, flag_type: str | None = None):
     return dataclasses.field(default=default, metadata={"help": help, "check": check, "flag_type": flag_type})
 
@@ -51,6 +69,18 @@ class EngineOptions:
     context: int = opt(0, "Tokens the KV cache holds (prompt + generated); 0 = min(max_position_embeddings, 4096).", _int_range(0))
     prefill_chunk: int = opt(64, "Prompt tokens per prefill step.", _int_range(1, 8192))
     cache_dir: str = opt("", "Folder for the persistent compilation cache and the embedded model; '' = ~/.cache/strata_jax.")
+    expert_cache_slots: str = opt("auto", "Device expert cache slots per MoE layer: a number (offload on; 0 = no "
+                                  "cache), 'all' (every expert on the device, offload off), or 'auto' (what fits "
+                                  "in the device memory left; 'all' when everything fits).", _slots)
+    cache_policy: str = opt("lru", "Expert cache policy: lru (fetched experts replace the least recently used), or "
+                            "static (filled with the experts the prompt's prefill used most, then frozen).",
+                            _choice("lru", "static"))
+    pcie_frac: str = opt("auto", "Share of missed experts fetched over PCIe (0..1); the rest run on the host pool. "
+                         "'auto' picks it from costs measured at start-up.", _frac)
+    cpu_threads: int = opt(0, "Host pool threads; 0 = the machine's cores.", _int_range(0, 1024))
+    vram_reserve_mib: int = opt(1024, "Device memory (MiB) kept free when expert_cache_slots=auto.", _int_range(0))
+    cpu_timeout_s: float = opt(20.0, "A host pool job that does not answer within this many seconds ends the "
+                               "request with an error.", _float_range(0.0, 3600.0, lo_open=True))
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else Path.home() / ".cache" / "strata_jax"
@@ -71,8 +101,10 @@ def validate(obj) -> None:
         check = f.metadata.get("check")
         value = getattr(obj, f.name)
         if f.type == "float" and isinstance(value, int) and not isinstance(value, bool):
-            object.__setattr__(obj, f.name, float(value))
             value = float(value)
+        if f.type == "str" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # expert_cache_slots=8, pcie_frac=0.5 from the API
+        object.__setattr__(obj, f.name, value)
         msg = check(value) if check else None
         if msg:
             raise StrataError(f"bad value for {f.name}: {value!r} ({msg})")

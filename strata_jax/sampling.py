@@ -35,7 +35,7 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
     probs = jax.nn.softmax(sorted_logits)
     mass_before = jnp.cumsum(probs) - probs
-    keep = keep & ((mass_before < params.top_p) | (rank == 0))
+    keep = keep & ((mass_before < params.top_p) | (rank == 0) | (params.top_p >= 1.0))  # 1 = off, whatever the rounding
     return jnp.full((v,), -jnp.inf, scaled.dtype).at[order].set(jnp.where(keep, sorted_logits, -jnp.inf))
 
 

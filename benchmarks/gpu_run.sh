@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The one script the team runs on the GPU machine, in a single call from the repository root:
+#
+#     bash benchmarks/gpu_run.sh [extra decode_bench flags, e.g. --layers=8]
+#
+# Everything lands under $OUT (default ./out): env.txt, <step>.log, <step>.json, steps.txt (one line per step:
+# name, exit status, seconds). Each step runs under its own time limit and a failure does not stop the next one;
+# the script exits 1 if any step failed. To add a step: one more `step NAME LIMIT_S command...` line below.
+#
+# On the GPU machine the repository's pinned .venv is not used: the image's python3 has jax (CUDA), absl, numpy,
+# flax, orbax. Override with PY=..., the limits with SMOKE_LIMIT_S=... / DECODE_LIMIT_S=..., the decode flags with DECODE_ARGS="...".
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
+JIT_CACHE=${JIT_CACHE:-/tmp/strata_jax_jit_cache}  # persistent compilation cache: a rerun on a warm machine is faster
+FAILED=0
+: > "$OUT/steps.txt"
+
+# step NAME LIMIT_S command...: run it with stdout+stderr to the screen and $OUT/NAME.log; record the status.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo
+  echo "=== step $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout --kill-after=15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  local dt=$((SECONDS - t0))
+  [ "$rc" -eq 124 ] && echo "=== step $name: timed out after ${limit}s"
+  echo "=== step $name: exit $rc after ${dt}s"
+  echo "$name rc=$rc ${dt}s" >> "$OUT/steps.txt"
+  [ "$rc" -ne 0 ] && FAILED=1
+  return 0
+}
+
+# The machine: GPUs, versions, what JAX sees (also in $OUT/env.txt).
+{
+  echo "=== env"
+  echo "date: $(date -u +%FT%TZ)  host: $(hostname)  repo: $(pwd)"
+  nvidia-smi -L || echo "(no nvidia-smi)"
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.memory,driver_version --format=csv || true
+  echo "cpus: $(nproc)  memory: $(free -g 2>/dev/null | awk '/Mem:/ {print $2 " GiB"}')"
+  timeout 120 "$PY" -c '
+import sys, jax, jaxlib, numpy, flax, absl
+print("python", sys.version.split()[0], "| jax", jax.__version__, "| jaxlib", jaxlib.__version__,
+      "| flax", flax.__version__, "| numpy", numpy.__version__)
+print("backend:", jax.default_backend(), "| devices:", jax.devices())' || echo "python/jax check failed"
+} 2>&1 | tee "$OUT/env.txt"
+
+# A 2-layer smoke run first (tens of seconds): catches a broken path before the long run, and gives early numbers.
+step decode_smoke "${SMOKE_LIMIT_S:-180}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=2 --windows=1,4 --iters=10 \
+  --json="$OUT/decode_smoke.json" --compilation_cache_dir="$JIT_CACHE"
+
+# The full model: 48 layers, ~61 GB of bf16 random weights, all experts resident.
+step decode "${DECODE_LIMIT_S:-480}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --windows=1,2,4,8 --context=2048 --pos=512 \
+  --dtype=bfloat16 --iters=30 --warmup=3 --json="$OUT/decode.json" --compilation_cache_dir="$JIT_CACHE" \
+  ${DECODE_ARGS:-} "$@"
+
+echo
+echo "=== steps"
+cat "$OUT/steps.txt"
+exit $FAILED

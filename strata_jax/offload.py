@@ -1,0 +1,256 @@
+"""Experts off the GPU: a device expert cache of S slots per layer, the window's plan, in-graph PCIe fetch from
+pinned host memory, and the host pool reached with io_callback.
+
+Per sparse layer and window (all inside the compiled graph, no host round trip but the pool's):
+
+    route   -> the window's distinct experts ids [N] and the combine matrix [T, N]
+    plan    -> each distinct expert is `resident` (slot table hit), `fetch` or `cpu` (the misses, heaviest by routing
+               mass first over PCIe: round(pcie_frac * misses) of them)
+    gpu     -> in blocks of B experts: gather resident slots, copy fetched experts from pinned host memory into the
+               block (a bounded loop), run the expert FFN; the lru policy also writes each fetched expert into a
+               victim slot (least recently used, never one this window reads); overflow goes to a trash row
+    cpu     -> one io_callback hands the pool the cpu experts' rows, under lax.cond (no callback when none)
+    combine -> y = gpu rows + cpu rows
+
+The arithmetic of every expert is the same wherever it runs, so the logits do not depend on placement up to
+float summation order.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import SingleDeviceSharding
+
+from strata_jax import moe
+from strata_jax.config import ModelConfig
+
+NONE, RESIDENT, FETCH, CPU = 0, 1, 2, 3
+COUNTERS = ("entries", "entries_resident", "entries_fetched", "entries_cpu",
+            "distinct", "distinct_resident", "distinct_fetched", "distinct_cpu")
+POLICIES = ("lru", "static")
+
+
+@struct.dataclass
+class SlotCache:
+    """One sparse layer's device expert cache. Row S of the weight arrays is a trash row: never in the table."""
+    gate: jax.Array  # [S+1, I, H]
+    up: jax.Array  # [S+1, I, H]
+    down: jax.Array  # [S+1, H, I]
+    table: jax.Array  # [E] int32: expert -> slot, -1 when not resident
+    expert_of: jax.Array  # [S+1] int32: slot -> expert, -1 when empty
+    last_use: jax.Array  # [S+1] int32: window clock of the last read (lru)
+    clock: jax.Array  # [] int32
+    usage: jax.Array  # [E] int32: entries routed to each expert (the static policy fills from the prefill's)
+    counters: jax.Array  # [len(COUNTERS)] int32, summed over windows until reset
+    # Settings as data, so one compiled graph serves every policy and PCIe share.
+    pcie_frac: jax.Array  # [] float32: share of misses fetched over PCIe; the rest go to the host pool
+    lru: jax.Array  # [] bool: fetched experts enter slots (lru); False: slots frozen (static)
+
+    @property
+    def slots(self) -> int:
+        return self.gate.shape[0] - 1
+
+
+def device_sharding(memory_kind: str = "device") -> SingleDeviceSharding:
+    return SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
+
+
+def host_memory_kind() -> str:
+    """pinned_host where the backend has it (GPU, and CPU in jax 0.11), else the device itself."""
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else "device"
+
+
+def init_slot_cache(cfg: ModelConfig, slots: int, dtype, policy: str = "lru", pcie_frac: float = 1.0) -> SlotCache:
+    assert policy in POLICIES and 0.0 <= pcie_frac <= 1.0
+    e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    return SlotCache(
+        gate=jnp.zeros((slots + 1, f, h), dtype), up=jnp.zeros((slots + 1, f, h), dtype),
+        down=jnp.zeros((slots + 1, h, f), dtype),
+        table=jnp.full((e,), -1, jnp.int32), expert_of=jnp.full((slots + 1,), -1, jnp.int32),
+        last_use=jnp.full((slots + 1,), -1, jnp.int32), clock=jnp.int32(0),
+        usage=jnp.zeros((e,), jnp.int32), counters=jnp.zeros((len(COUNTERS),), jnp.int32),
+        pcie_frac=jnp.float32(pcie_frac), lru=jnp.bool_(policy == "lru"))
+
+
+def to_device(x: jax.Array) -> jax.Array:
+    """Inside jit: a slice of a pinned-host array copied to device memory (in-graph PCIe copy)."""
+    return jax.device_put(x, device_sharding())
+
+
+def plan(r: moe.Route, state: SlotCache) -> tuple[jax.Array, jax.Array]:
+    """Kinds [N] (NONE / RESIDENT / FETCH / CPU) and slots [N] of the window's distinct experts."""
+    ids = r.expert_ids
+    used = ids >= 0
+    slot = jnp.where(used, state.table[jnp.maximum(ids, 0)], -1)
+    resident = used & (slot >= 0)
+    miss = used & ~resident
+    n_fetch = jnp.floor(state.pcie_frac * jnp.sum(miss) + 0.5).astype(jnp.int32)
+    mass = jnp.sum(r.combine, axis=0)  # [N]
+    order = jnp.argsort(jnp.where(miss, -mass, jnp.inf))  # misses, heaviest first
+    miss_rank = jnp.zeros_like(ids).at[order].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+    fetch = miss & (miss_rank < n_fetch)
+    kind = jnp.where(resident, RESIDENT, jnp.where(fetch, FETCH, jnp.where(miss, CPU, NONE))).astype(jnp.int32)
+    return kind, slot
+
+
+def count(kind: jax.Array, r: moe.Route) -> jax.Array:
+    """This window's counters [len(COUNTERS)]."""
+    entries = [jnp.sum(jnp.where(kind == k, r.entry_counts, 0)) for k in (RESIDENT, FETCH, CPU)]
+    distinct = [jnp.sum(kind == k) for k in (RESIDENT, FETCH, CPU)]
+    return jnp.stack([sum(entries), *entries, sum(distinct), *distinct]).astype(jnp.int32)
+
+
+class OffloadedExperts:
+    """The expert path of a sparse layer with offload: `(layer, x, host weights, valid, state) -> (y, state)`.
+
+    `w.gate/up/down` are the layer's experts in host memory; `pool` computes the cpu kind (None: pcie_frac must
+    be 1, every miss is fetched). `block`: experts per GPU block (bounds the staging memory of prefill chunks).
+    """
+
+    def __init__(self, cfg: ModelConfig, pool=None, block: int = 32):
+        self.cfg, self.pool, self.block = cfg, pool, block
+
+    def __call__(self, layer: int, x: jax.Array, w: moe.MoEWeights, valid: jax.Array, state: SlotCache):
+        cfg = self.cfg
+        with jax.named_scope("moe_route"):
+            r = moe.route(x, w.router, cfg, valid)
+        with jax.named_scope("moe_plan"):
+            kind, slot = plan(r, state)
+            ids, n = r.expert_ids, r.expert_ids.shape[0]
+            s = state.slots
+            # Victims: slots not read by this window, least recently used (empty ones first); the trash row last.
+            read = jnp.zeros((s + 1,), bool).at[jnp.where(kind == RESIDENT, slot, s)].set(True).at[s].set(True)
+            victims = jnp.argsort(jnp.where(read, jnp.iinfo(jnp.int32).max, state.last_use)).astype(jnp.int32)
+            n_victims = jnp.where(state.lru, s - jnp.sum(read[:s]), 0)
+            fetch = kind == FETCH
+            fetch_rank = jnp.cumsum(fetch) - 1  # [N]
+            insert = fetch & (fetch_rank < n_victims)
+            dest = jnp.where(insert, victims[jnp.clip(fetch_rank, 0, s)], s)  # [N], trash row s when not kept
+            gpu = (kind == RESIDENT) | fetch
+            gpu_order = jnp.argsort(~gpu, stable=True).astype(jnp.int32)  # gpu experts first
+            n_gpu = jnp.sum(gpu)
+        with jax.named_scope("moe_experts"):
+            y = jnp.zeros(x.shape, jnp.float32)
+            slots = (state.gate, state.up, state.down)
+            hosts = (w.gate, w.up, w.down)
+            b = min(self.block, n)
+            for start in range(0, n, b):
+                def run_block(carry, start=start):
+                    y, slots = carry
+                    sel = gpu_order[start:start + b]  # [B] positions in the window's expert list
+                    in_block = (start + jnp.arange(sel.shape[0])) < n_gpu
+                    k_sel = jnp.where(in_block, kind[sel], NONE)
+                    rows = jnp.where(k_sel == RESIDENT, slot[sel], s)
+                    block = tuple(a[rows] for a in slots)  # gather resident experts [B, ...]
+                    is_fetch = k_sel == FETCH
+                    fetch_order = jnp.argsort(~is_fetch, stable=True)
+
+                    def fetch_one(i, carry):
+                        block, slots = carry
+                        j = fetch_order[i]
+                        expert, to = ids[sel[j]], dest[sel[j]]
+                        new_block, new_slots = [], []
+                        for blk, sl, host in zip(block, slots, hosts):
+                            wj = to_device(jax.lax.dynamic_index_in_dim(host, expert, keepdims=True))  # PCIe
+                            new_block.append(jax.lax.dynamic_update_index_in_dim(blk, wj, j, 0))
+                            new_slots.append(jax.lax.dynamic_update_index_in_dim(sl, wj, to, 0))
+                        return tuple(new_block), tuple(new_slots)
+
+                    with jax.named_scope("moe_fetch"):
+                        block, slots = jax.lax.fori_loop(0, jnp.sum(is_fetch), fetch_one, (block, slots))
+                    combine = r.combine[:, sel] * (k_sel != NONE)[None, :]
+                    return y + moe.expert_ffn(x, *block, combine), slots
+
+                if start == 0:
+                    y, slots = run_block((y, slots))
+                else:
+                    y, slots = jax.lax.cond(start < n_gpu, run_block, lambda c: c, (y, slots))
+        with jax.named_scope("moe_cpu"):
+            cpu = kind == CPU
+            if self.pool is not None:
+                from host_pool import cpu_expert_rows
+                y_cpu = jax.lax.cond(
+                    jnp.any(cpu),
+                    lambda: cpu_expert_rows(self.pool, layer, x, jnp.where(cpu, ids, -1), r.combine * cpu[None, :]),
+                    lambda: jnp.zeros(x.shape, jnp.float32))
+            else:
+                y_cpu = jnp.zeros(x.shape, jnp.float32)
+        with jax.named_scope("moe_combine"):
+            y = (y + y_cpu).astype(x.dtype)
+        with jax.named_scope("moe_slot_table"):
+            e = cfg.num_experts
+            evicted = state.expert_of[dest]
+            table = state.table.at[jnp.where(insert & (evicted >= 0), evicted, e)].set(-1, mode="drop")
+            table = table.at[jnp.where(insert, ids, e)].set(dest, mode="drop")
+            expert_of = state.expert_of.at[jnp.where(insert, dest, s + 1)].set(ids, mode="drop")
+            last_use = state.last_use.at[jnp.where(insert, dest, s + 1)].set(state.clock, mode="drop")
+            last_use = last_use.at[jnp.where(kind == RESIDENT, slot, s + 1)].set(state.clock, mode="drop")
+            usage = state.usage.at[jnp.where(ids >= 0, ids, e)].add(r.entry_counts, mode="drop")
+            state = state.replace(gate=slots[0], up=slots[1], down=slots[2], table=table, expert_of=expert_of,
+                                  last_use=last_use, clock=state.clock + 1, usage=usage,
+                                  counters=state.counters + count(kind, r))
+        return y, state
+
+
+def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Array) -> SlotCache:
+    """Static policy: load `experts` [S] (-1 = leave empty) into slots 0..S-1 from host memory; jit with donation."""
+    s = state.slots
+
+    def put(i, slots):
+        e = jnp.maximum(experts[i], 0)
+        return tuple(jax.lax.dynamic_update_index_in_dim(sl, to_device(jax.lax.dynamic_index_in_dim(h, e, keepdims=True)), i, 0)
+                     for sl, h in zip(slots, (host_gate, host_up, host_down)))
+
+    gate, up, down = jax.lax.fori_loop(0, s, put, (state.gate, state.up, state.down))
+    valid = experts >= 0
+    e = state.table.shape[0]
+    table = jnp.full_like(state.table, -1).at[jnp.where(valid, experts, e)].set(
+        jnp.arange(s, dtype=jnp.int32), mode="drop")
+    expert_of = jnp.concatenate([jnp.where(valid, experts, -1), jnp.full((1,), -1, jnp.int32)]).astype(jnp.int32)
+    return state.replace(gate=gate, up=up, down=down, table=table, expert_of=expert_of,
+                         last_use=jnp.full_like(state.last_use, -1))
+
+
+def expected_misses(cfg: ModelConfig, slots: int) -> float:
+    """Misses per layer of a T=1 window when routing is near-uniform."""
+    return cfg.num_experts_per_tok * (1.0 - slots / max(cfg.num_experts, 1))
+
+
+def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: float, pcie_call_s: float,
+                     pool_gbs: float, callback_s: float) -> tuple[float, dict]:
+    """The share of misses to fetch that minimises a T=1 window's miss time in the measured cost model.
+
+    The fetch and the pool run one after the other (the io_callback stalls the stream), so:
+      cost(F) = [F>0] * pcie_call + F*m*b/pcie + [F<1] * (callback + (1-F)*m*b/pool)
+    """
+    m = expected_misses(cfg, slots)
+    b = cfg.expert_bytes(itemsize)
+    costs = {}
+    for f in (0.0, 0.25, 0.5, 0.75, 1.0):
+        costs[f] = ((pcie_call_s if f > 0 else 0.0) + f * m * b / (pcie_gbs * 1e9)
+                    + ((callback_s + (1 - f) * m * b / (pool_gbs * 1e9)) if f < 1 else 0.0))
+    best = min(costs, key=lambda f: (costs[f], -f))
+    return best, costs
+
+
+def auto_slots(cfg: ModelConfig, non_expert_bytes: int, kv_bytes: int, itemsize: int, reserve_mib: int) -> tuple[int, str]:
+    """Slots per sparse layer that fit in the device memory left after the rest of the model (and the reserve)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return cfg.num_experts // 2, "half the experts (this backend reports no device memory)"
+    free = limit - stats.get("bytes_in_use", 0) - non_expert_bytes - kv_bytes - reserve_mib * 2**20
+    per_slot = max(cfg.num_sparse_layers, 1) * cfg.expert_bytes(itemsize)
+    # One block of staging per layer graph at most: keep room for it.
+    free -= 32 * cfg.expert_bytes(itemsize)
+    slots = max(0, min(cfg.num_experts, int(free // per_slot)))
+    return slots, f"{free / 2**30:.1f} GiB free after weights, KV cache and a {reserve_mib} MiB reserve"
+
+
+def slot_bytes(cfg: ModelConfig, slots: int, itemsize: int) -> int:
+    return cfg.num_sparse_layers * (slots + 1) * cfg.expert_bytes(itemsize)
+

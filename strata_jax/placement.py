@@ -1,0 +1,162 @@
+"""Start-up side of offload: how many expert slots fit, experts into host memory, the host pool, and the cost model
+that picks `pcie_frac=auto`. The in-graph side is strata_jax.offload."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax import model, offload
+from strata_jax.config import ModelConfig
+from strata_jax.options import EngineOptions
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where the experts live when offload is on."""
+    slots: int
+    policy: str
+    pcie_frac: float
+    pool: object  # host_pool.HostPool
+    host_kind: str  # memory kind of the host expert arrays (pinned_host on GPU)
+    lines: list[str]  # start-up lines
+    costs: dict | None = None  # the measured cost model, when pcie_frac=auto
+
+    def init_state(self, cfg: ModelConfig, dtype) -> list:
+        return [offload.init_slot_cache(cfg, self.slots, dtype, self.policy, self.pcie_frac) if sparse else None
+                for sparse in cfg.sparse_layers]
+
+
+def non_expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    shapes = jax.eval_shape(lambda: model.random_weights(cfg, 0, jnp.float32))
+    total = sum(x.size for x in jax.tree.leaves(shapes)) * itemsize
+    return total - cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
+
+
+def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int) -> tuple[int | None, str]:
+    """Slots per MoE layer, or None for no offload (every expert on the device), and why."""
+    if not any(cfg.sparse_layers):
+        return None, "no MoE layers"
+    v = opts.expert_cache_slots
+    if v == "all":
+        return None, "expert_cache_slots=all"
+    if v != "auto":
+        return min(int(v), cfg.num_experts), f"expert_cache_slots={v}"
+    itemsize = jnp.dtype(opts.dtype).itemsize
+    slots, why = offload.auto_slots(cfg, non_expert_bytes(cfg, itemsize), kv_bytes, itemsize, opts.vram_reserve_mib)
+    if slots >= cfg.num_experts:
+        return None, f"auto: all {cfg.num_experts} experts fit ({why})"
+    return slots, f"auto: {why}"
+
+
+class HostExperts:
+    """Collects each MoE layer's stacked experts from the loader: a numpy copy for the host pool and a jax array in
+    host memory (pinned on a GPU) that the graph fetches from."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.kind = offload.host_memory_kind()
+        self.sharding = offload.device_sharding(self.kind)
+        self.numpy: dict[int, dict[str, np.ndarray]] = {}
+
+    def place(self, name: str, x: np.ndarray):
+        _, layer, _, which = name.split(".")  # layers.{i}.experts.{gate,up,down}
+        self.numpy.setdefault(int(layer), {})[which] = x
+        return jax.device_put(x, self.sharding)
+
+    def store(self, cfg: ModelConfig):
+        from host_pool import HostExpertStore
+        layers = []
+        for i in range(cfg.num_layers):
+            if i in self.numpy:
+                d = self.numpy[i]
+                layers.append((d["gate"], d["up"], d["down"]))
+            else:  # a dense layer: a 1-expert placeholder keeps the pool's layer numbers the model's
+                dtype = next(iter(self.numpy.values()))["gate"].dtype
+                layers.append((np.ones((1, 1, 1), dtype), np.ones((1, 1, 1), dtype), np.ones((1, 1, 1), dtype)))
+        return HostExpertStore(layers)
+
+
+def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int = 5) -> dict:
+    """PCIe GB/s and fixed cost of an in-graph fetch, host pool GB/s, and the cost of one io_callback."""
+    from jax.experimental import io_callback
+    layer = cfg.sparse_layers.index(True)
+    w = weights.layers[layer].ffn
+    ebytes = cfg.expert_bytes(w.gate.dtype.itemsize)
+
+    def fetch_graph(n):
+        @jax.jit
+        def fetch(g, u, d, ids):
+            def body(i, acc):
+                parts = [offload.to_device(jax.lax.dynamic_index_in_dim(a, ids[i], keepdims=True)) for a in (g, u, d)]
+                return acc + sum(jnp.sum(p[0, 0, :8].astype(jnp.float32)) for p in parts)
+            return jax.lax.fori_loop(0, n, body, jnp.float32(0))
+        return fetch
+
+    def timed(fn, *args):
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    n = min(8, cfg.num_experts)
+    ids = jnp.arange(n, dtype=jnp.int32)
+    t_n = timed(fetch_graph(n), w.gate, w.up, w.down, ids)
+    t_1 = timed(fetch_graph(1), w.gate, w.up, w.down, ids)
+    pcie_gbs = (n - 1) * ebytes / max(t_n - t_1, 1e-9) / 1e9
+    pcie_call_s = max(t_1 - ebytes / (pcie_gbs * 1e9), 0.0)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
+    k = min(4, cfg.num_experts)
+    pool_ids = np.arange(k, dtype=np.int32)
+    pw = rng.random((1, k)).astype(np.float32)
+    pool.compute(layer, x, pool_ids, pw)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        pool.compute(layer, x, pool_ids, pw)
+        times.append(time.perf_counter() - t0)
+    pool_gbs = k * ebytes / float(np.median(times)) / 1e9
+    pool.stats.reset()
+
+    @jax.jit
+    def one_callback(v):
+        return io_callback(lambda a: a, jax.ShapeDtypeStruct((), jnp.float32), v, ordered=False)
+    callback_s = timed(one_callback, jnp.float32(1))
+    return dict(pcie_gbs=pcie_gbs, pcie_call_s=pcie_call_s, pool_gbs=pool_gbs, callback_s=callback_s)
+
+
+def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: HostExperts, slots: int,
+          why: str) -> Placement:
+    from host_pool import HostPool
+    # A failed pool job is reported as one line by the engine; JAX's own traceback log would repeat it.
+    logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
+    threads = opts.cpu_threads or os.cpu_count() or 1
+    pool = HostPool(host.store(cfg), threads=threads, timeout_s=opts.cpu_timeout_s)
+    host.numpy.clear()
+    itemsize = jnp.dtype(opts.dtype).itemsize
+    lines = [f"expert cache: {slots} of {cfg.num_experts} slots per MoE layer ({why}), policy {opts.cache_policy}, "
+             f"{offload.slot_bytes(cfg, slots, itemsize) / 2**20:.1f} MiB on the device; experts in "
+             f"{host.kind} memory; host pool: {threads} threads"]
+    costs = None
+    if opts.pcie_frac == "auto":
+        costs = measure_costs(cfg, weights, pool)
+        frac, by_frac = offload.choose_pcie_frac(cfg, slots, itemsize, **costs)
+        lines.append(
+            f"pcie_frac: {frac:g} (auto: PCIe {costs['pcie_gbs']:.1f} GB/s + {costs['pcie_call_s'] * 1e3:.2f} ms a "
+            f"fetch loop, host pool {costs['pool_gbs']:.1f} GB/s, io_callback {costs['callback_s'] * 1e3:.2f} ms; "
+            f"modelled ms per layer at T=1: " + ", ".join(f"{f:g}: {c * 1e3:.2f}" for f, c in by_frac.items()) + ")")
+        costs["by_frac"] = by_frac
+    else:
+        frac = float(opts.pcie_frac)
+        lines.append(f"pcie_frac: {frac:g}")
+    return Placement(slots=slots, policy=opts.cache_policy, pcie_frac=frac, pool=pool, host_kind=host.kind,
+                     lines=lines, costs=costs)
