@@ -326,22 +326,38 @@ class Engine:
 
     def _generate(self, ids, budget, stops, sampling, stats: RequestStats, out: list[int], on_token) -> None:
         t0 = time.perf_counter()
-        out.append(self._prefill_all(ids, sampling)[0])
+        first, _ = self._prefill_all(ids, sampling)
+        out.append(first)
         stats.prefill_s = time.perf_counter() - t0
         stats.prefill_experts = self._take_expert_stats()
         if self.placement and self.placement.policy == "static":
             self._fill_static_slots()
         if on_token:
-            on_token(out[-1])
+            on_token(first)
+        if first in stops:
+            return
+        # Each window's token feeds the next window on the device, and Python reads it one window late: the next
+        # window is already queued when the host waits, so dispatch hides behind the device's work. After a stop
+        # token, the one window in flight is discarded.
         t0 = time.perf_counter()
-        while len(out) < budget and out[-1] not in stops:
-            pos = ids.size + len(out) - 1
-            tokens, _, self.cache = self._decode[1](self.weights, self.cache, np.asarray(out[-1:], np.int32),
-                                                    jnp.int32(pos), sampling)
-            out.append(int(tokens[0]))
-            stats.windows += 1
-            if on_token:
-                on_token(out[-1])
+        cur = jnp.asarray([first], jnp.int32)
+        pos = ids.size
+        in_flight: list[jax.Array] = []
+        while True:
+            if len(out) + len(in_flight) < budget:
+                cur, _, self.cache = self._decode[1](self.weights, self.cache, cur, jnp.int32(pos), sampling)
+                pos += 1
+                stats.windows += 1
+                in_flight.append(cur)
+            if not in_flight:
+                break
+            if len(in_flight) >= 2 or len(out) + len(in_flight) >= budget:
+                token = int(in_flight.pop(0)[0])
+                out.append(token)
+                if on_token:
+                    on_token(token)
+                if token in stops:
+                    break
         stats.decode_s = time.perf_counter() - t0
         stats.decode_experts = self._take_expert_stats()
 
@@ -361,8 +377,8 @@ class Engine:
                 part = ids[start:start + w]
                 _, logits, self.cache = self._decode[part.size](self.weights, self.cache, part, jnp.int32(start),
                                                                 sampling)
-                rows.append(np.asarray(logits))
-            return np.concatenate(rows).astype(np.float32)
+                rows.append(logits)  # read after the loop, so windows queue back to back
+            return np.concatenate([np.asarray(r) for r in rows]).astype(np.float32)
         logits = self._guarded(run)
         self.stats.last = RequestStats(prompt_tokens=int(ids.size), decode_experts=self._take_expert_stats())
         return logits
