@@ -187,14 +187,38 @@ class Engine:
         say(f"model: {path} ({cfg.num_layers} layers, {cfg.num_sparse_layers} MoE, {cfg.num_experts} experts "
             f"top-{cfg.num_experts_per_tok}, {model.param_bytes(weights) / 2**20:.1f} MiB of {opts.dtype} weights) "
             f"loaded in {time.perf_counter() - t0:.1f} s")
+        return cls._assemble(cfg, weights, opts, host, slots, why, say, tokenizer=tok, model_dir=path,
+                             raw_config=raw, verbose=verbose)
+
+    @classmethod
+    def from_random(cls, cfg: ModelConfig, seed: int = 0, verbose: bool = True, **options) -> "Engine":
+        """An engine over random weights of a model shape (benchmarks): non-expert weights made on the device,
+        experts made on the device layer by layer and moved to host memory when offload is on."""
+        opts = build(EngineOptions, options)
+        enable_compilation_cache(opts.resolved_cache_dir())
+        say = log if verbose else (lambda _: None)
+        dtype = jnp.dtype(opts.dtype)
+        context, chunk = context_and_chunk(cfg, opts)
+        kv_bytes = 2 * cfg.num_layers * (context + chunk) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
+        host = placement_mod.HostExperts(cfg) if slots is not None else None
+        t0 = time.perf_counter()
+        weights = model.random_weights(cfg, seed, dtype, place_experts=host.place if host else None,
+                                       progress=_progress(say, cfg))
+        say(f"model: random {cfg.num_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
+            f"{model.param_bytes(weights) / 2**30:.2f} GiB of {opts.dtype} weights, made in "
+            f"{time.perf_counter() - t0:.1f} s")
+        return cls._assemble(cfg, weights, opts, host, slots, why, say, verbose=verbose)
+
+    @classmethod
+    def _assemble(cls, cfg, weights, opts, host, slots, why, say, **kwargs) -> "Engine":
         if slots is None:
             if any(cfg.sparse_layers):
                 say(f"expert cache: every expert on the device, offload off ({why})")
             placement = None
         else:
             placement = placement_mod.build(cfg, opts, weights, host, slots, why)
-        return cls(cfg, weights, opts, tokenizer=tok, model_dir=path, raw_config=raw, verbose=verbose,
-                   placement=placement)
+        return cls(cfg, weights, opts, placement=placement, **kwargs)
 
     def save_state(self, path: str | Path) -> None:
         """Save the converted weights with orbax; `from_pretrained(path)` restores them without conversion."""

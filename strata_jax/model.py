@@ -176,8 +176,14 @@ def param_bytes(weights: Weights) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
 
 
-def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float = 0.02) -> Weights:
-    """Random weights made on the device layer by layer (benchmarks: no checkpoint needed, no host copy)."""
+def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float = 0.02,
+                   place_experts: Callable[[str, jax.Array], jax.Array] | None = None,
+                   progress: Callable[[str], None] | None = None) -> Weights:
+    """Random weights made on the device layer by layer (benchmarks: no checkpoint needed, no host copy).
+
+    `place_experts(name, array)` may move each MoE layer's stacked experts elsewhere (host memory) as they are
+    made, so the device never holds all of them."""
+    place_experts = place_experts or (lambda name, x: x)
     key = jax.random.PRNGKey(seed)
     h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
 
@@ -195,12 +201,20 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
     for i in range(cfg.num_layers):
         attn = AttentionWeights(wq=rnd((h, nq * d)), wk=rnd((h, nkv * d)), wv=rnd((h, nkv * d)),
                                 wo=rnd((nq * d, h)), q_norm=ones(d), k_norm=ones(d))
+        if cfg.attention_bias:
+            attn = attn.replace(bq=rnd((nq * d,)), bk=rnd((nkv * d,)), bv=rnd((nkv * d,)), bo=rnd((h,)))
         if cfg.sparse_layers[i]:
             e, f = cfg.num_experts, cfg.moe_intermediate_size
-            ffn = moe.MoEWeights(router=rnd((h, e)), gate=rnd((e, f, h)), up=rnd((e, f, h)), down=rnd((e, h, f)))
+            ffn = moe.MoEWeights(router=rnd((h, e)),
+                                 gate=place_experts(f"layers.{i}.experts.gate", rnd((e, f, h))),
+                                 up=place_experts(f"layers.{i}.experts.up", rnd((e, f, h))),
+                                 down=place_experts(f"layers.{i}.experts.down", rnd((e, h, f))))
         else:
             f = cfg.intermediate_size
             ffn = MLPWeights(gate=rnd((h, f)), up=rnd((h, f)), down=rnd((f, h)))
         layers.append(LayerWeights(attn_norm=ones(h), attn=attn, ffn_norm=ones(h), ffn=ffn))
+        if progress:
+            jax.block_until_ready(layers[-1])
+            progress(f"random weights: layer {i + 1}/{cfg.num_layers}")
     return Weights(embed=rnd((cfg.vocab_size, h)), layers=layers, final_norm=ones(h),
                    lm_head=None if cfg.tie_word_embeddings else rnd((h, cfg.vocab_size)))

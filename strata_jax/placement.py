@@ -63,10 +63,12 @@ class HostExperts:
         self.sharding = offload.device_sharding(self.kind)
         self.numpy: dict[int, dict[str, np.ndarray]] = {}
 
-    def place(self, name: str, x: np.ndarray):
+    def place(self, name: str, x):
+        """x: numpy (from a checkpoint) or a device array (random weights for benchmarks)."""
         _, layer, _, which = name.split(".")  # layers.{i}.experts.{gate,up,down}
-        self.numpy.setdefault(int(layer), {})[which] = x
-        return jax.device_put(x, self.sharding)
+        on_host = jax.device_put(x, self.sharding)
+        self.numpy.setdefault(int(layer), {})[which] = x if isinstance(x, np.ndarray) else np.asarray(on_host)
+        return on_host
 
     def store(self, cfg: ModelConfig):
         from host_pool import HostExpertStore
