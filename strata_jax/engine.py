@@ -239,13 +239,24 @@ class Engine:
                                            sampling).compile()
         self._prefill = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), pos,
                                       jnp.int32(1), sampling).compile()
-        if self.placement and self.placement.policy == "static":
-            self._fill = jax.jit(offload.fill_slots, donate_argnums=(0,))
+        self._fill = jax.jit(offload.fill_slots, donate_argnums=(0,))
         self.stats.compile_s = time.perf_counter() - t0
         if self.verbose:
             log(f"graphs: window T=1..{self.options.window} and prefill chunk {self.chunk} compiled in "
                 f"{self.stats.compile_s:.1f} s (persistent cache: {jax.config.jax_compilation_cache_dir}); "
                 f"context {self.context} tokens")
+
+    def reconfigure(self, pcie_frac: float | None = None, cache_policy: str | None = None) -> None:
+        """Change the PCIe/CPU split or the cache policy without recompiling (both are data in the graphs);
+        the expert cache starts empty again."""
+        if not self.placement:
+            raise StrataError("offload is off (expert_cache_slots=all): nothing to reconfigure")
+        opts = build(EngineOptions, dict(pcie_frac=self.placement.pcie_frac if pcie_frac is None else pcie_frac,
+                                         cache_policy=cache_policy or self.placement.policy))
+        if opts.pcie_frac == "auto":
+            raise StrataError("reconfigure takes a number for pcie_frac")
+        self.placement.pcie_frac, self.placement.policy = float(opts.pcie_frac), opts.cache_policy
+        self._reset_state()
 
     # ---- expert counters -------------------------------------------------------------------------------------
 

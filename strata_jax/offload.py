@@ -199,6 +199,8 @@ class OffloadedExperts:
 def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Array) -> SlotCache:
     """Static policy: load `experts` [S] (-1 = leave empty) into slots 0..S-1 from host memory; jit with donation."""
     s = state.slots
+    if s == 0:
+        return state
 
     def put(i, slots):
         e = jnp.maximum(experts[i], 0)

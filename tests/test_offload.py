@@ -1,0 +1,170 @@
+"""Experts off the device: the exact path does not depend on placement, and the counters tell what happened.
+
+Exactness tolerance: float32 logits, ||offloaded - all_resident||_F / ||all_resident||_F <= 1e-5 over the whole
+[N, V] matrix (the host pool and the block-wise device sums add in another order; nothing else differs).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from strata_jax import Engine, StrataError
+from strata_jax.config import preset
+from conftest import REPO
+
+REL_TOL = 1e-5
+N_EXPERTS = 16  # the embedded model (configs/tiny.json)
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    rng = np.random.default_rng(20261129)
+    return rng.integers(0, 256, size=29).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(engine_factory, tokens):
+    """All experts resident on the device: score() per window size, and a greedy continuation."""
+    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all")
+    assert eng.placement is None
+    scores = {w: eng.score(tokens, window=w) for w in (1, 2, 3, 4)}
+    return scores, eng.generate(tokens[:9], 12, stop_token_ids=[])
+
+
+def offload_engine(engine_factory, slots):
+    return engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=slots, pcie_frac=1.0,
+                          cpu_threads=2)
+
+
+@pytest.mark.parametrize("slots", [0, 5, N_EXPERTS])
+def test_logits_and_greedy_do_not_depend_on_placement(engine_factory, reference, tokens, slots):
+    ref_scores, ref_greedy = reference
+    eng = offload_engine(engine_factory, slots)
+    assert eng.placement is not None and eng.placement.slots == slots
+    for policy in ("lru", "static"):
+        for frac in (0.0, 0.5, 1.0):
+            eng.reconfigure(pcie_frac=frac, cache_policy=policy)
+            for w in (1, 2, 3, 4):
+                got = eng.score(tokens, window=w)
+                assert rel(got, ref_scores[w]) <= REL_TOL, (policy, frac, w)
+                # the same window run again on a now-warm cache
+            assert rel(eng.score(tokens, window=4), ref_scores[4]) <= REL_TOL
+            assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy, (policy, frac)
+            d = eng.stats.last.decode_experts
+            assert d.entries == d.entries_resident + d.entries_fetched + d.entries_cpu > 0
+            if frac == 0.0:
+                assert d.distinct_fetched == 0
+            if frac == 1.0:
+                assert d.distinct_cpu == 0
+            if slots == 0:
+                assert d.distinct_resident == 0
+
+
+def test_counters_add_up(engine_factory, tokens):
+    cfg = preset("tiny")  # the embedded model's shape
+    eng = offload_engine(engine_factory, 5)
+    eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
+    prompt, new = tokens[:20], 10
+    out = eng.generate(prompt, new, stop_token_ids=[])
+    assert len(out) == new
+    k, layers = cfg.num_experts_per_tok, cfg.num_sparse_layers
+    p, d = eng.stats.last.prefill_experts, eng.stats.last.decode_experts
+    # Every valid row routes to K experts in every MoE layer; padding rows of the prefill chunk route nowhere.
+    assert p.entries == len(prompt) * k * layers
+    assert d.entries == (new - 1) * k * layers  # windows of one token after the prefill's token
+    for s in (p, d):
+        assert s.distinct == s.distinct_resident + s.distinct_fetched + s.distinct_cpu
+        assert s.pcie_bytes == s.distinct_fetched * cfg.expert_bytes(4)
+        assert 0.0 <= s.hit_rate <= 1.0
+    # T=1 windows: each (token, expert) entry is a distinct expert of its window.
+    assert d.distinct == d.entries
+    # The prefill chunk streams each missed expert once per layer: an empty cache has no hits.
+    eng.reconfigure(pcie_frac=1.0)
+    eng.generate(prompt, 1)
+    p = eng.stats.last.prefill_experts
+    assert p.distinct_resident == 0 and p.distinct_fetched == p.distinct <= N_EXPERTS * layers
+    # Since-start totals add the requests up.
+    assert eng.stats.decode_experts.entries >= d.entries
+
+
+def test_no_callback_without_cpu_entries(engine_factory, tokens):
+    eng = offload_engine(engine_factory, 5)
+    pool = eng.placement.pool
+    eng.reconfigure(pcie_frac=1.0)
+    pool.stats.reset()
+    eng.generate(tokens[:9], 6)
+    assert pool.stats.calls == 0
+    eng.reconfigure(pcie_frac=0.0)
+    eng.generate(tokens[:9], 6)
+    assert eng.stats.last.decode_experts.pool_s > 0
+    assert eng.stats.last.decode_experts.distinct_cpu > 0
+
+
+def test_lru_keeps_experts_and_static_freezes(engine_factory, tokens):
+    eng = offload_engine(engine_factory, N_EXPERTS)
+    eng.reconfigure(pcie_frac=1.0, cache_policy="lru")
+    eng.generate(tokens[:9], 8)
+    # Every expert fits: a second identical request finds all of them resident.
+    eng.generate(tokens[:9], 8)
+    assert eng.stats.last.prefill_experts.hit_rate == 1.0
+    assert eng.stats.last.decode_experts.hit_rate == 1.0
+
+    small = offload_engine(engine_factory, 5)
+    small.reconfigure(pcie_frac=1.0, cache_policy="static")
+    small.generate(tokens[:20], 1)  # prefill, then the fill from its usage
+    tables = [np.asarray(s.table) for s in small.cache.experts if s is not None]
+    for t in tables:
+        assert (t >= 0).sum() == 5  # the 5 slots hold 5 distinct experts
+    small.generate(tokens[:20], 10)
+    after = [np.asarray(s.table) for s in small.cache.experts if s is not None]
+    for t0, t1 in zip(tables, after):
+        np.testing.assert_array_equal(t0, t1)  # decode never changes a static cache
+
+
+@pytest.mark.parametrize("fault", ["raise", "hang"])
+def test_pool_failure_is_one_error_and_the_engine_recovers(engine_factory, reference, tokens, fault):
+    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=0, pcie_frac=0.0,
+                         cpu_threads=2, cpu_timeout_s=1.0)
+    _, ref_greedy = reference
+    eng.placement.pool.inject_fault(1, fault)
+    with pytest.raises(StrataError) as info:
+        eng.generate(tokens[:9], 12, stop_token_ids=[])
+    msg = str(info.value)
+    assert "layer 1" in msg and "\n" not in msg
+    if fault == "hang":
+        assert "did not answer within 1.0 s" in msg
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
+
+
+def test_auto_slots_and_refusals(engine_factory, cache_dir):
+    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="auto", pcie_frac="auto")
+    # The CPU backend reports no device memory: auto takes half the experts, and auto pcie_frac is measured.
+    assert eng.placement.slots == N_EXPERTS // 2
+    assert eng.placement.costs["pcie_gbs"] > 0 and eng.placement.costs["pool_gbs"] > 0
+    assert 0.0 <= eng.placement.pcie_frac <= 1.0
+    with pytest.raises(StrataError, match="expert_cache_slots"):
+        Engine.from_pretrained(None, expert_cache_slots="many", cache_dir=str(cache_dir))
+    with pytest.raises(StrataError, match="pcie_frac"):
+        Engine.from_pretrained(None, pcie_frac="1.5", cache_dir=str(cache_dir))
+    with pytest.raises(StrataError, match="cache_policy"):
+        Engine.from_pretrained(None, cache_policy="fifo", cache_dir=str(cache_dir))
+
+
+def test_cli_prints_the_offload_counters(cache_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_jax.decode", "--dtype=float32", "--window=4", "--context=64",
+         "--expert_cache_slots=5", "--pcie_frac=0.5", "--max_new_tokens=6", f"--cache_dir={cache_dir}"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "expert cache: 5 of 16 slots per MoE layer" in out.stderr
+    assert "pcie_frac: 0.5" in out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("experts, decode: hit rate") for line in lines)
+    assert any(line.startswith("experts, prefill: hit rate") for line in lines)
