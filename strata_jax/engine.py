@@ -1,6 +1,7 @@
 """The engine: a loaded model, its KV cache and one compiled graph per window size, behind generate() / score()."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -234,11 +235,14 @@ class Engine:
         decode = graphs.jit_decode_window(self.cfg, self.expert_path)
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
         self._decode = {}
-        for t in range(1, self.options.window + 1):
-            self._decode[t] = decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos,
-                                           sampling).compile()
-        self._prefill = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), pos,
-                                      jnp.int32(1), sampling).compile()
+        # float32 means float32 matmuls (not TF32 on a GPU): the exactness checks and the host pool rely on it.
+        full_f32 = jax.default_matmul_precision("highest") if self.dtype == jnp.float32 else contextlib.nullcontext()
+        with full_f32:
+            for t in range(1, self.options.window + 1):
+                self._decode[t] = decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos,
+                                               sampling).compile()
+            self._prefill = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), pos,
+                                          jnp.int32(1), sampling).compile()
         self._fill = jax.jit(offload.fill_slots, donate_argnums=(0,))
         self.stats.compile_s = time.perf_counter() - t0
         if self.verbose:
