@@ -8,7 +8,8 @@
 # the script exits 1 if any step failed. To add a step: one more `step NAME LIMIT_S command...` line below.
 #
 # On the GPU machine the repository's pinned .venv is not used: the image's python3 has jax (CUDA), absl, numpy,
-# flax, orbax. Override with PY=..., the limits with SMOKE_LIMIT_S=... / DECODE_LIMIT_S=..., the decode flags with DECODE_ARGS="...".
+# flax, orbax. Override with PY=..., the limits with SMOKE_LIMIT_S=... / DECODE_LIMIT_S=... / OFFLOAD_LIMIT_S=..., the
+# decode flags with DECODE_ARGS="...", the offload flags with OFFLOAD_ARGS="...".
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -60,6 +61,12 @@ step decode_smoke "${SMOKE_LIMIT_S:-180}" "$PY" -m benchmarks.decode_bench --mod
 step decode "${DECODE_LIMIT_S:-480}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --windows=1,2,4,8 --context=2048 --pos=512 \
   --dtype=bfloat16 --iters=30 --warmup=3 --json="$OUT/decode.json" --compilation_cache_dir="$JIT_CACHE" \
   ${DECODE_ARGS:-} "$@"
+
+# Offload: experts in pinned host memory behind a device cache of S = 100/50/25/10 % of the experts, PCIe-only and
+# auto PCIe/host-pool split, against all experts resident; copy bandwidths measured in the same run. 12 of 48 layers
+# (the default cut): the host holds the experts twice (pinned + numpy for the pool), 2 x 14.5 GB here.
+step offload "${OFFLOAD_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b --dtype=bfloat16 \
+  --json="$OUT/offload.json" --cache_dir="$JIT_CACHE" ${OFFLOAD_ARGS:-}
 
 echo
 echo "=== steps"

@@ -404,7 +404,7 @@ class Engine:
         """Teacher-forced logits [N, V] float32 of every position, through the decode-window graphs of size
         `window` (default: the engine's W); row i is the distribution of token i+1."""
         ids = self._check_prompt(token_ids)
-        w = window or self.options.window
+        w = self.options.window if window is None else window
         if not 1 <= w <= self.options.window:
             raise StrataError(f"window {w} is not compiled (1..{self.options.window})")
         self._take_expert_stats()
