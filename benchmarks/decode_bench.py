@@ -3,7 +3,7 @@
     python -m benchmarks.decode_bench --model=tiny --iters=5                       # CPU, seconds
     python -m benchmarks.decode_bench --model=qwen3-30b-a3b --windows=1,2,4,8 --json=out/decode.json   # H200
 
-One question: how long does one `decode_window` call (embed -> all layers -> logits -> sampling) take per window
+One question: how long does one `decode_window` call (embed -> all layers -> logits -> greedy argmax) take per window
 size T, and how close is that to the time the bytes it must read take at the measured HBM bandwidth?
 
 Bytes one step must read = non-expert weights (attention, norms, routers, dense MLPs, T embedding rows, final norm,
@@ -134,7 +134,6 @@ def run(s) -> dict:
     from strata_jax import graphs, model
     from strata_jax.config import preset
     from strata_jax.errors import StrataError
-    from strata_jax.sampling import SamplingParams
 
     windows = sorted(common.int_list(s.windows, "windows"))
     cfg = preset(s.model, layers=s.layers or None)
@@ -186,7 +185,7 @@ def run(s) -> dict:
     say(f"KV cache: {s.context} positions (static), {common.fmt_bytes(kv_bytes)}, contents zero; windows decoded at "
         f"positions {s.pos}..{s.pos}+T-1 (fill position {s.pos})")
     say("timed: one decode_window call as the engine's generate loop makes it (AOT-compiled graph; embed -> all "
-        "layers -> logits [T, V] -> greedy sampling), random token ids, the donated cache threaded through; each "
+        "layers -> logits [T, V] -> greedy argmax), random token ids, the donated cache threaded through; each "
         "step synchronised with block_until_ready: ms/step INCLUDES Python dispatch (shown alone as 'dispatch ms'); "
         "'pipelined ms' = steps dispatched back to back, one sync at the end (dispatch hidden)")
     say(f"routing: random weights route near-uniformly; distinct experts per layer are counted from this run's own "
@@ -201,7 +200,7 @@ def run(s) -> dict:
                                          hidden=cfg.hidden_size, expert_intermediate=cfg.moe_intermediate_size,
                                          vocab=cfg.vocab_size, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim),
                   bandwidth=bw, weight_bytes=wb, kv_cache_bytes=kv_bytes,
-                  timing_scope=("one AOT-compiled decode_window call (embed -> layers -> logits -> greedy sampling), "
+                  timing_scope=("one AOT-compiled decode_window call (embed -> layers -> logits -> greedy argmax), "
                                 "block_until_ready after each; includes Python dispatch"),
                   routing_note="random weights: near-uniform routing", rows=[], complete=False)
 
@@ -227,7 +226,6 @@ def run(s) -> dict:
 
     decode = graphs.jit_decode_window(cfg)
     probe = make_probe(cfg, s.context, dtype) if s.probe_windows and n_moe else None
-    sampling = jax.device_put(SamplingParams.make())
     pos = jax.device_put(jnp.int32(s.pos))
     rng = np.random.default_rng(s.seed)
     base_ms = None
@@ -239,7 +237,7 @@ def run(s) -> dict:
 
         common.progress(f"T={t}: compiling decode_window ({n_layers} layers unrolled)")
         t0 = time.perf_counter()
-        lowered = decode.lower(weights, cache, tokens[0], pos, sampling)
+        lowered = decode.lower(weights, cache, tokens[0], pos)
         lower_s = time.perf_counter() - t0
         compiled = lowered.compile()
         compile_s = time.perf_counter() - t0 - lower_s
@@ -247,7 +245,7 @@ def run(s) -> dict:
 
         def call(i):
             nonlocal cache
-            next_tokens, _, cache = compiled(weights, cache, tokens[i % n_calls], pos, sampling)
+            next_tokens, _, cache = compiled(weights, cache, tokens[i % n_calls], pos)
             return next_tokens  # the cache comes out of the same executable, ready with it
 
         common.progress(f"T={t}: {s.warmup} warm-up + {s.iters} timed steps")

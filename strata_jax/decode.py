@@ -41,6 +41,7 @@ def run() -> None:
             prompt = Path(FLAGS.prompt_file).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise StrataError(f"cannot read --prompt_file {FLAGS.prompt_file}: {e}") from None
+    check_prompt_fits(FLAGS.model, engine_opts, prompt)
     engine = Engine.from_pretrained(FLAGS.model, **{k: getattr(engine_opts, k) for k in
                                                     engine_opts.__dataclass_fields__})
     if FLAGS.save_state:
@@ -53,6 +54,22 @@ def run() -> None:
     if engine.placement:
         print(f"experts, prefill: {engine.stats.last.prefill_experts.summary()}")
         print(f"experts, decode: {engine.stats.last.decode_experts.summary()}", flush=True)
+
+
+def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:
+    """Refuse a prompt longer than the context before loading or compiling anything."""
+    from strata_jax.config import load_config
+    from strata_jax.embedded import embedded_model_dir
+    from strata_jax.engine import context_and_chunk
+    from strata_jax.tokenizer import load_tokenizer
+    folder = embedded_model_dir(engine_opts.resolved_cache_dir()) if model == "embedded" else Path(model)
+    if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
+        return  # from_pretrained gives the precise error
+    context, _ = context_and_chunk(load_config(folder), engine_opts)
+    n = len(load_tokenizer(folder).encode(prompt).ids)
+    if n >= context:
+        raise StrataError(f"the prompt has {n} tokens but the context holds {context} "
+                          f"(at least one must be left to generate; see --context)")
 
 
 def main(argv: list[str]) -> None:

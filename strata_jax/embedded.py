@@ -4,6 +4,7 @@ loaded like any other, so `make run` works offline on a fresh machine."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -61,15 +62,19 @@ def random_checkpoint(raw_config: dict, seed: int) -> dict[str, np.ndarray]:
 def write_checkpoint(folder: Path, raw_config: dict, seed: int, with_tokenizer: bool = True) -> Path:
     """Write config.json + model.safetensors (+ tokenizer.json) atomically (a temp folder, then a rename)."""
     folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # two processes may write it at once
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(raw_config, indent=1))
     save_file(random_checkpoint(raw_config, seed), str(tmp / "model.safetensors"))
     if with_tokenizer:
         byte_level_tokenizer().save(str(tmp / "tokenizer.json"))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished first: its copy is the same
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "model.safetensors").is_file():
+            raise
     return folder
 
 

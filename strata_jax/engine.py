@@ -228,21 +228,25 @@ class Engine:
             self.tokenizer.save(str(Path(path) / "tokenizer.json"))
 
     def _compile(self) -> None:
-        """Every window size 1..W and the prefill chunk, ahead of time."""
+        """Every window size 1..W, the prefill chunk and the samplers, ahead of time."""
         t0 = time.perf_counter()
-        sampling = SamplingParams.make()
         pos = jnp.int32(0)
         decode = graphs.jit_decode_window(self.cfg, self.expert_path)
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
-        self._decode = {}
+        sampler = graphs.jit_sample()
+        sampling = SamplingParams.make()
+        v = self.cfg.vocab_size
+        self._decode, self._sample = {}, {}
         # float32 means float32 matmuls (not TF32 on a GPU): the exactness checks and the host pool rely on it.
         full_f32 = jax.default_matmul_precision("highest") if self.dtype == jnp.float32 else contextlib.nullcontext()
         with full_f32:
             for t in range(1, self.options.window + 1):
-                self._decode[t] = decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos,
-                                               sampling).compile()
+                self._decode[t] = decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile()
+                self._sample[t] = sampler.lower(jnp.zeros((t, v), jnp.float32), jnp.zeros((t,), jnp.int32),
+                                                sampling).compile()
             self._prefill = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), pos,
-                                          jnp.int32(1), sampling).compile()
+                                          jnp.int32(1)).compile()
+        self._prefill_logits = None  # compiled on first use (teacher-forced prompt scoring only)
         self._fill = jax.jit(offload.fill_slots, donate_argnums=(0,))
         self.stats.compile_s = time.perf_counter() - t0
         if self.verbose:
@@ -324,25 +328,38 @@ class Engine:
                               f"(at least one must be left to generate; see --context)")
         return arr.astype(np.int32)
 
-    def _prefill_all(self, ids: np.ndarray, sampling: SamplingParams, want_logits: bool = False):
-        """Run the prompt through the prefill graph chunk by chunk; returns (next token, logits [P, V] or None)."""
+    def _prefill_all(self, ids: np.ndarray, want_logits: bool = False):
+        """The prompt through the prefill graph chunk by chunk. Returns (argmax token after the prompt, its logits
+        [1, V]) as device arrays, or with want_logits the logits [P, V] of every prompt position (numpy)."""
+        if want_logits and self._prefill_logits is None:
+            full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
+                        else contextlib.nullcontext())
+            with full_f32:
+                self._prefill_logits = graphs.jit_prefill_logits(self.cfg, self.expert_path)
+                self._prefill_logits = self._prefill_logits.lower(
+                    self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), jnp.int32(0), jnp.int32(1)).compile()
         chunks = []
-        next_token = None
+        token = last = None
         for start in range(0, ids.size, self.chunk):
             part = ids[start:start + self.chunk]
             tokens = np.zeros((self.chunk,), np.int32)
             tokens[:part.size] = part
-            next_token, logits, self.cache = self._prefill(self.weights, self.cache, tokens, jnp.int32(start),
-                                                           jnp.int32(part.size), sampling)
             if want_logits:
-                chunks.append(np.asarray(logits[:part.size]))
-        return int(next_token), (np.concatenate(chunks) if want_logits else None)
+                logits, self.cache = self._prefill_logits(self.weights, self.cache, tokens, jnp.int32(start),
+                                                          jnp.int32(part.size))
+                chunks.append(logits[:part.size])
+            else:
+                token, last, self.cache = self._prefill(self.weights, self.cache, tokens, jnp.int32(start),
+                                                        jnp.int32(part.size))
+        if want_logits:
+            return np.concatenate([np.asarray(c) for c in chunks]).astype(np.float32)
+        return token, last
 
     def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Logits [P, V] float32 of every prompt position through the prefill graph."""
+        """Logits [P, V] float32 of every prompt position through the prefill path (chunked)."""
         ids = self._check_prompt(token_ids)
         self._take_expert_stats()
-        return self._guarded(lambda: self._prefill_all(ids, SamplingParams.make(), want_logits=True)[1])
+        return self._guarded(lambda: self._prefill_all(ids, want_logits=True))
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_token_ids: Sequence[int] | None = None,
@@ -364,8 +381,12 @@ class Engine:
         return out
 
     def _generate(self, ids, budget, stops, sampling, stats: RequestStats, out: list[int], on_token) -> None:
+        sampled = float(sampling.temperature) > 0
         t0 = time.perf_counter()
-        first, _ = self._prefill_all(ids, sampling)
+        token, last = self._prefill_all(ids)
+        if sampled:
+            token = self._sample[1](last, jnp.asarray([ids.size], jnp.int32), sampling)[0]
+        first = int(token)
         out.append(first)
         stats.prefill_s = time.perf_counter() - t0
         stats.prefill_experts = self._take_expert_stats()
@@ -384,7 +405,9 @@ class Engine:
         in_flight: list[jax.Array] = []
         while True:
             if len(out) + len(in_flight) < budget:
-                cur, _, self.cache = self._decode[1](self.weights, self.cache, cur, jnp.int32(pos), sampling)
+                cur, logits, self.cache = self._decode[1](self.weights, self.cache, cur, jnp.int32(pos))
+                if sampled:  # the token at position pos + 1
+                    cur = self._sample[1](logits, jnp.asarray([pos + 1], jnp.int32), sampling)
                 pos += 1
                 stats.windows += 1
                 in_flight.append(cur)
@@ -411,11 +434,9 @@ class Engine:
 
         def run():
             rows = []
-            sampling = SamplingParams.make()
             for start in range(0, ids.size, w):
                 part = ids[start:start + w]
-                _, logits, self.cache = self._decode[part.size](self.weights, self.cache, part, jnp.int32(start),
-                                                                sampling)
+                _, logits, self.cache = self._decode[part.size](self.weights, self.cache, part, jnp.int32(start))
                 rows.append(logits)  # read after the loop, so windows queue back to back
             return np.concatenate([np.asarray(r) for r in rows]).astype(np.float32)
         logits = self._guarded(run)

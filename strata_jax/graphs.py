@@ -2,11 +2,13 @@
 
     from strata_jax import graphs, model
     step = graphs.jit_decode_window(cfg)                  # one compiled graph per window size T (by shape)
-    next_tokens, logits, cache = step(weights, cache, tokens_T, pos, SamplingParams.make())
+    greedy_tokens, logits, cache = step(weights, cache, tokens_T, pos)
+    tokens = graphs.jit_sample()(logits, positions, SamplingParams.make(temperature=0.7))   # when sampling
 
-`decode_window` runs T tokens at positions pos..pos+T-1 and picks the token after each; `prefill_chunk` runs a
-chunk of C prompt tokens of which the first n_valid are real and picks the token after the last real one. Both
-donate the cache (updated in place) when jitted with the helpers below.
+`decode_window` runs T tokens at positions pos..pos+T-1 and returns each row's argmax beside the logits;
+`prefill_chunk` runs a chunk of C prompt tokens of which the first n_valid are real. Both donate the cache (updated
+in place) when jitted with the helpers below. Sampling is a graph of its own: a window graph with a data-dependent
+branch (lax.cond) would make the GPU stream wait for the host in every window, greedy or not.
 """
 from __future__ import annotations
 
@@ -17,27 +19,37 @@ import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig
 from strata_jax.model import ExpertPath, KVCache, Weights, forward
-from strata_jax.sampling import SamplingParams, sample, sample_row
+from strata_jax.sampling import SamplingParams, sample
 
 
-def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, sampling: SamplingParams,
+def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
                   *, cfg: ModelConfig, experts: ExpertPath | None = None):
-    """tokens [T] at positions pos.. -> (next_tokens [T], logits [T, V] float32, cache)."""
+    """tokens [T] at positions pos.. -> (argmax tokens [T], logits [T, V] float32, cache)."""
     t = tokens.shape[0]
     logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts)
-    with jax.named_scope("sample"):
-        next_tokens = sample(logits, pos + 1 + jnp.arange(t, dtype=jnp.int32), sampling)
-    return next_tokens, logits, cache
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
 
 
 def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
-                  sampling: SamplingParams, *, cfg: ModelConfig, experts: ExpertPath | None = None):
-    """tokens [C] (first n_valid real) -> (next token after the last real one, logits [C, V] float32, cache)."""
+                  *, cfg: ModelConfig, experts: ExpertPath | None = None):
+    """tokens [C] (first n_valid real) -> (argmax after the last real one, its logits [1, V], cache).
+
+    Only the last real row's logits leave the graph: a chunk's [C, V] would be a large copy for nothing."""
     logits, cache = forward(weights, cache, tokens, pos, n_valid, cfg, experts)
-    with jax.named_scope("sample"):
-        last = jax.lax.dynamic_index_in_dim(logits, n_valid - 1, keepdims=False)
-        next_token = sample_row(last, pos + n_valid, sampling)
-    return next_token, logits, cache
+    last = jax.lax.dynamic_slice_in_dim(logits, n_valid - 1, 1, axis=0)  # [1, V]
+    return jnp.argmax(last[0]).astype(jnp.int32), last, cache
+
+
+def prefill_logits(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
+                   *, cfg: ModelConfig, experts: ExpertPath | None = None):
+    """As prefill_chunk, returning every row's logits [C, V] (teacher-forced prompt scoring)."""
+    logits, cache = forward(weights, cache, tokens, pos, n_valid, cfg, experts)
+    return logits, cache
+
+
+def sample_window(logits: jax.Array, positions: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """logits [T, V] float32, positions [T] (of the tokens being chosen) -> tokens [T]."""
+    return sample(logits, positions, sampling)
 
 
 def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None):
@@ -46,3 +58,11 @@ def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None):
 
 def jit_prefill_chunk(cfg: ModelConfig, experts: ExpertPath | None = None):
     return jax.jit(functools.partial(prefill_chunk, cfg=cfg, experts=experts), donate_argnums=(1,))
+
+
+def jit_prefill_logits(cfg: ModelConfig, experts: ExpertPath | None = None):
+    return jax.jit(functools.partial(prefill_logits, cfg=cfg, experts=experts), donate_argnums=(1,))
+
+
+def jit_sample():
+    return jax.jit(sample_window)

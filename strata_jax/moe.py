@@ -49,7 +49,9 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -
     topk_w = jnp.where(valid[:, None], topk_w, 0.0)
     topk_ids = jnp.where(valid[:, None], topk_ids, e).astype(jnp.int32)
     n = min(t * k, e)
-    if n == e:  # large windows (prefill chunks): every expert in order, -1 where no row chose it
+    if t == 1:  # one token's top-K are distinct already: no sort
+        expert_ids = topk_ids[0]
+    elif n == e:  # large windows (prefill chunks): every expert in order, -1 where no row chose it
         expert_ids = jnp.arange(e, dtype=jnp.int32)
         chosen = jnp.zeros((e + 1,), bool).at[topk_ids.reshape(-1)].set(True)[:e]
         expert_ids = jnp.where(chosen, expert_ids, e)

@@ -40,11 +40,11 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 def sample_row(logits: jax.Array, position: jax.Array, params: SamplingParams) -> jax.Array:
-    """One token from float32 logits [V]; `position` is the absolute position of the token being chosen."""
-    def draw(_):
-        key = jax.random.fold_in(jax.random.PRNGKey(params.seed), position)
-        return jax.random.categorical(key, filtered_logits(logits, params)).astype(jnp.int32)
-    return jax.lax.cond(params.temperature > 0, draw, lambda _: jnp.argmax(logits).astype(jnp.int32), None)
+    """One token from float32 logits [V]; `position` is the absolute position of the token being chosen.
+    Temperature 0 is the argmax (the engine does not call the sampler then; this keeps the function total)."""
+    key = jax.random.fold_in(jax.random.PRNGKey(params.seed), position)
+    drawn = jax.random.categorical(key, filtered_logits(logits, params)).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32))
 
 
 def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:

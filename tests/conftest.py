@@ -1,0 +1,75 @@
+"""Shared test set-up: the `gpu` marker, one persistent compilation cache per session, and engines built once.
+
+Engine construction compiles a graph per window size and the prefill chunk (seconds each on a CPU), so tests share
+engines through `engine_factory` (cached per (path, options) for the whole session) and every engine, and every CLI
+subprocess, points at the same `cache_dir`, where JAX's persistent compilation cache lets a second engine of the same
+shapes skip compilation.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `pytest tests` (not `python -m pytest`) does not put the repo root on sys.path
+    sys.path.insert(0, str(REPO))
+
+HF_FIXTURES = REPO / "tests" / "fixtures" / "hf"
+
+
+def hf_fixture_names() -> list[str]:
+    """Every committed HF reference folder (one with a config.json and a reference.npz)."""
+    return sorted(p.name for p in HF_FIXTURES.iterdir()
+                  if (p / "config.json").is_file() and (p / "reference.npz").is_file())
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a JAX GPU backend; skipped (with the reason) elsewhere")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import jax
+    backend = jax.default_backend()
+    if backend != "gpu":
+        skip = pytest.mark.skip(reason=f"needs a GPU: jax.default_backend() is {backend!r}")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One folder per session for the persistent compilation cache and the embedded model."""
+    return tmp_path_factory.mktemp("strata_cache")
+
+
+@pytest.fixture(scope="session")
+def engine_factory(cache_dir):
+    """`engine_factory(path, **options)` -> an Engine, built once per (path, options) in the session.
+
+    Defaults: verbose=False, the session cache_dir; path None is the embedded model. Engines are shared between
+    tests: every request starts at position 0 and the causal mask hides stale cache rows, so reuse is safe.
+    """
+    from strata_jax import Engine
+
+    engines: dict = {}
+
+    def get(path=None, **options):
+        options.setdefault("cache_dir", str(cache_dir))
+        key = (None if path is None else str(path), tuple(sorted(options.items())))
+        if key not in engines:
+            engines[key] = Engine.from_pretrained(path, verbose=False, **options)
+        return engines[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def embedded_engine(engine_factory):
+    """The embedded tiny model, exact: float32, every expert resident, W=4, a 64-token context (small, so context
+    limits are cheap to reach). test_cli runs the CLI with the same options, so the graphs are compiled once."""
+    return engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all")

@@ -1,0 +1,106 @@
+"""The benchmarks run end to end on the tiny preset (CPU, seconds): one row per window size, positive numbers."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import common, decode_bench
+
+
+def test_decode_bench_tiny(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    result = decode_bench.main(["decode_bench", "--model=tiny", "--windows=1,2", "--iters=2", "--warmup=1",
+                                "--context=64", "--pos=8", "--bw_mib=8", "--probe_windows=2", f"--json={out}"])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and result["complete"]
+    assert [r["T"] for r in saved["rows"]] == [1, 2]
+    for r in saved["rows"]:
+        for key in ("ms_per_step", "ms_per_step_mean", "ms_per_step_pipelined", "ms_per_token", "tok_s",
+                    "roofline_ms", "roofline_fraction", "distinct_experts_per_layer"):
+            assert r[key] > 0 and math.isfinite(r[key]), key
+        assert r["bytes"]["total"] == pytest.approx(r["bytes"]["non_expert"] + r["bytes"]["experts"]
+                                                    + r["bytes"]["kv_cache"])
+        assert r["distinct_source"] == "measured"
+    assert saved["rows"][0]["distinct_experts_per_layer"] == 4  # T=1: exactly top-K
+    assert saved["bandwidth"]["bandwidth_Bps"] > 0
+    # The table: a header, a separator and one line per window size.
+    table_lines = [ln for ln in printed.splitlines() if ln.startswith("|")]
+    assert len(table_lines) == 2 + 2
+    assert "% of roofline" in table_lines[0]
+
+
+def test_expected_distinct():
+    assert decode_bench.expected_distinct(128, 8, 1) == pytest.approx(8)
+    assert decode_bench.expected_distinct(128, 8, 4) == pytest.approx(128 * (1 - (120 / 128) ** 4))
+    assert decode_bench.expected_distinct(16, 4, 1000) == pytest.approx(16)
+
+
+def test_bad_flags_exit(capsys):
+    with pytest.raises(SystemExit) as e:
+        decode_bench.main(["decode_bench", "--windows=1,x"])
+    assert e.value.code == 1
+    assert "error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        decode_bench.main(["decode_bench", "--model=tiny", "--context=16", "--pos=15", "--windows=4"])
+    assert e.value.code == 1
+
+
+def test_format_table():
+    table = common.format_table(["T", "name"], [[1, "a"], [16, "bb"]])
+    lines = table.splitlines()
+    assert len(lines) == 4 and lines[1].startswith("| --:")
+
+
+def test_offload_bench_tiny(tmp_path, capsys, cache_dir):
+    from benchmarks import offload_bench
+    out = tmp_path / "offload.json"
+    new_tokens = 6
+    result = offload_bench.main(["offload_bench", "--model=tiny", "--dtype=float32", "--slot_fracs=0.25",
+                                 "--pcie_fracs=0.5,auto", f"--new_tokens={new_tokens}", "--prompt_len=5",
+                                 "--context=32", "--copy_mib=4", "--cpu_threads=2", f"--cache_dir={cache_dir}",
+                                 f"--json={out}"])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and result["complete"]
+    arms = saved["arms"]
+    assert [a["arm"] for a in arms] == ["all-resident", "S=4 pcie=0.5", "S=4 pcie=auto"]
+    base = arms[0]
+    expert_bytes = saved["model"]["expert_bytes"]
+    for a in arms:
+        assert a["generated_tokens"] == new_tokens and a["decode_windows"] == new_tokens - 1
+        for key in ("decode_tok_s", "ms_per_token", "x_vs_all_resident"):
+            assert a[key] > 0 and math.isfinite(a[key]), (a["arm"], key)
+        assert a["x_vs_all_resident"] == pytest.approx(a["decode_tok_s"] / base["decode_tok_s"])
+        assert 0.0 <= a["hit_rate"] <= 1.0
+    assert base["hit_rate"] == 1.0 and base["fetched_per_token"] == base["cpu_per_token"] == 0
+    for a in arms[1:]:
+        d = a["decode_experts"]
+        assert d["distinct"] == d["distinct_resident"] + d["distinct_fetched"] + d["distinct_cpu"] > 0
+        assert d["pcie_bytes"] == d["distinct_fetched"] * expert_bytes
+        assert a["pcie_bytes_per_token"] * a["decode_windows"] == pytest.approx(d["pcie_bytes"])
+        assert a["fetched_per_token"] + a["cpu_per_token"] > 0  # 4 of 16 slots: misses every window
+        assert a["expected_hit_rate"] == 0.25 and 0.25 <= a["top_slots_entry_share"] <= 1.0
+    half = arms[1]
+    assert half["pcie_frac_chosen"] == 0.5
+    assert half["fetched_per_token"] > 0 and half["cpu_per_token"] > 0 and half["pool_ms_per_token"] > 0
+    assert arms[2]["pcie_frac_chosen"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    for name in ("device_put", "in_graph_fetch", "pool", "memcpy"):
+        assert saved["bandwidth"][name]["GBps"] > 0, name
+    # Two tables: the arms (header, separator, one line per arm) and the bandwidths (four copies + the engine's).
+    table_lines = [ln for ln in printed.splitlines() if ln.startswith("|")]
+    assert len(table_lines) == (2 + 3) + (2 + 5)
+    assert "PCIe MB/token" in table_lines[0] and "auto -> " in printed
+    assert saved["table"] in printed and saved["bandwidth_table"] in printed
+
+
+def test_offload_bench_bad_flags(capsys):
+    from benchmarks import offload_bench
+    for bad in ("--slot_fracs=0", "--pcie_fracs=1.5", "--pcie_fracs=x", "--new_tokens=40"):
+        with pytest.raises(SystemExit) as e:
+            offload_bench.main(["offload_bench", "--model=tiny", "--context=32", bad])
+        assert e.value.code == 1, bad
+        assert "error:" in capsys.readouterr().err
+    assert offload_bench.frac_list("1,0.5,auto,1", "x", allow_auto=True, lo_open=False) == [1.0, 0.5, "auto"]

@@ -1,0 +1,101 @@
+"""`python -m strata_jax.decode`: the printed continuation and summary, and one-line refusals (no traceback).
+
+Every run is a subprocess that imports JAX and maybe compiles, so the runs are few, share the session's
+compilation cache, and the refusals run a few at a time in parallel."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from strata_jax.embedded import embedded_model_dir
+
+SUMMARY = re.compile(r"prompt tokens: (\d+), prefill: [\d.]+ tok/s, generated tokens: 8, decode: [\d.]+ tok/s")
+
+
+def cli(args, cache_dir) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    return subprocess.run([sys.executable, "-m", "strata_jax.decode", *args, f"--cache_dir={cache_dir}"],
+                          cwd=REPO, env=env, capture_output=True, timeout=300)
+
+
+def prompt_text(seed, n):
+    """Random words of ASCII letters with some non-ASCII characters (multi-byte in UTF-8)."""
+    rng = np.random.default_rng(seed)
+    alphabet = list("abcdefghijklmnopqrstuvwxyz") + ["é", "ß", "λ", "ж", "字"]
+    words = ["".join(rng.choice(alphabet, rng.integers(1, 7))) for _ in range(n)]
+    return " ".join(words)
+
+
+PROMPT = prompt_text(31, 4)
+LONG_PROMPT = prompt_text(32, 6)  # well over 8 bytes
+
+REFUSALS = {  # case: (args, what the error line must name)
+    "window=0": (["--window=0"], "window"),
+    "window=abc": (["--window=abc"], "window"),
+    "temperature=-1": (["--temperature=-1"], "temperature"),
+    "no model": (["--model=/nonexistent"], "/nonexistent"),
+    "no prompt_file": (["--prompt_file=/nonexistent"], "/nonexistent"),
+    "unknown flag": (["--no_such_flag=1"], "no_such_flag"),
+    "positional": (["stray"], "stray"),
+    "prompt too long": (["--context=8", "--window=1", "--expert_cache_slots=all", f"--prompt={LONG_PROMPT}"],
+                        "context"),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(cache_dir):
+    embedded_model_dir(cache_dir)  # written once here, not raced by parallel first uses
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {case: pool.submit(cli, args, cache_dir) for case, (args, _) in REFUSALS.items()}
+        return {case: f.result() for case, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def success(cache_dir):
+    # the embedded_engine fixture's options (float32, all experts resident, 64-token context): the same graphs
+    # (compiled once) and the same output
+    return cli(["--max_new_tokens=8", "--window=2", "--dtype=float32", "--context=64", "--expert_cache_slots=all",
+                f"--prompt={PROMPT}"], cache_dir)
+
+
+def test_decode_prints_continuation_and_summary(success, embedded_engine):
+    err = success.stderr.decode("utf-8", "replace")
+    assert success.returncode == 0, err
+    assert "Traceback" not in err
+    out = success.stdout.decode("utf-8")
+    # the continuation may contain newlines; the summary is the one line matching SUMMARY (more may follow it)
+    found = list(re.finditer(f"^{SUMMARY.pattern}$", out, re.MULTILINE))
+    assert len(found) == 1, out
+    m = found[0]
+    assert out[:m.start()].endswith("\n") and out.endswith("\n")
+    text = out[:m.start() - 1]
+    assert int(m.group(1)) == len(PROMPT.encode("utf-8"))  # byte-level tokenizer: one token per byte
+    assert text.startswith(PROMPT)
+    # the same continuation as the API on the same model and options
+    new = embedded_engine.generate(embedded_engine.encode(PROMPT), 8)
+    assert len(new) == 8, "the prompt's greedy continuation meets <|endoftext|>: pick another prompt"
+    assert text == PROMPT + embedded_engine.decode(new)
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusal_is_one_error_line(refusals, case):
+    result, culprit = refusals[case], REFUSALS[case][1]
+    err = result.stderr.decode("utf-8", "replace")
+    assert result.returncode != 0
+    assert "Traceback" not in err
+    assert result.stdout == b""
+    lines = err.splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    assert culprit in errors[0], errors[0]
+    if case != "prompt too long":
+        # refused before the model loads: the error is all there is on stderr. (A too-long prompt is found after
+        # the engine is built, so the loading/compile progress lines come first.)
+        assert lines == errors, err

@@ -1,0 +1,263 @@
+"""Decoding on the embedded tiny model: window independence, greedy/teacher-forced consistency, sampling, stops,
+limits and refusals, and the byte-level tokenizer."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata_jax import Engine, StrataError
+from strata_jax.sampling import SamplingParams, filtered_logits, sample
+
+W = 4
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_engine):
+    assert embedded_engine.options.window == W
+    return embedded_engine
+
+
+def random_ids(engine, n, seed):
+    # The byte-level vocabulary's last id is <|endoftext|>, the embedded model's eos: keep it out of prompts.
+    return np.random.default_rng(seed).integers(0, engine.cfg.vocab_size - 1, n).tolist()
+
+
+def rel_fro(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def one_line_refusal(fn, *args, **kwargs) -> str:
+    with pytest.raises(StrataError) as e:
+        fn(*args, **kwargs)
+    msg = str(e.value)
+    assert "\n" not in msg, f"not one line: {msg!r}"
+    return msg
+
+
+# ---- exactness across window sizes and graphs ------------------------------------------------------------------
+
+def test_score_window_independent(engine):
+    ids = random_ids(engine, 31, seed=1)  # 31 tokens: several windows of every size, a partial last window
+    ref = engine.score(ids, window=1)
+    assert ref.shape == (31, engine.cfg.vocab_size)
+    for w in range(2, W + 1):
+        # float32, same math in a different window shape: 1e-5 relative Frobenius over the whole [31, V]
+        assert rel_fro(engine.score(ids, window=w), ref) <= 1e-5, w
+    # ... and the prefill graph (one padded chunk) agrees too
+    assert rel_fro(engine.prefill_logits(ids), ref) <= 1e-5
+
+
+def test_greedy_is_argmax_of_teacher_forced_scores(engine):
+    prompt = random_ids(engine, 9, seed=2)
+    out = engine.generate(prompt, 20, stop_token_ids=[])
+    assert len(out) == 20
+    rows = engine.score(prompt + out[:-1])[len(prompt) - 1:]  # row P-1+t predicts generated token t
+    assert np.argmax(rows, axis=1).tolist() == out
+    assert len(set(out)) > 1  # not a degenerate constant continuation
+
+
+def test_on_token_streams_the_result(engine):
+    prompt = random_ids(engine, 7, seed=3)
+    seen = []
+    out = engine.generate(prompt, 10, temperature=0.9, seed=4, stop_token_ids=[], on_token=seen.append)
+    assert seen == out and len(out) == 10
+
+
+# ---- sampling ------------------------------------------------------------------------------------------------------
+
+def test_same_seed_same_tokens(engine):
+    prompt = random_ids(engine, 8, seed=5)
+    first = engine.generate(prompt, 16, temperature=1.0, seed=1234, stop_token_ids=[])
+    engine.generate(random_ids(engine, 20, seed=6), 5, temperature=1.0, seed=99)  # other work in between
+    assert engine.generate(prompt, 16, temperature=1.0, seed=1234, stop_token_ids=[]) == first
+
+
+def test_different_seeds_differ(engine):
+    prompt = random_ids(engine, 8, seed=5)
+    greedy = engine.generate(prompt, 16, stop_token_ids=[])
+    runs = [tuple(engine.generate(prompt, 16, temperature=1.0, seed=s, stop_token_ids=[])) for s in range(1, 5)]
+    # 16 draws at temperature 1 from a ~257-way distribution: equal sequences across seeds would mean a fixed key
+    assert len(set(runs)) == len(runs), runs
+    assert any(list(r) != greedy for r in runs)
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0.8, top_k=1), dict(temperature=1.5, top_p=1e-6),
+                                     dict(temperature=1.0, top_k=1, top_p=0.5)])
+def test_degenerate_sampling_is_greedy(engine, options):
+    prompt = random_ids(engine, 8, seed=7)
+    greedy = engine.generate(prompt, 12, stop_token_ids=[])
+    for seed in (0, 17):
+        assert engine.generate(prompt, 12, seed=seed, stop_token_ids=[], **options) == greedy
+
+
+def np_filtered(x, temperature, top_k, top_p):
+    """Reference: temperature, top-k, then the smallest set of top tokens (renormalised after top-k) whose mass
+    reaches top_p (transformers' TopK then TopP warpers). Returns (kept indices, scaled logits, the top-p margin)."""
+    s = np.asarray(x, np.float64) / temperature
+    order = np.argsort(-s, kind="stable")
+    if top_k > 0:
+        order = order[:top_k]
+    p = np.exp(s[order] - s[order].max())
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    if top_p >= 1.0:  # off
+        return set(order.tolist()), s, np.inf
+    keep = before < top_p
+    keep[0] = True
+    margin = np.min(np.abs(before[1:] - top_p)) if len(before) > 1 else np.inf
+    return set(order[keep].tolist()), s, margin
+
+
+@pytest.mark.parametrize("v,seed", [(8, 20), (64, 21)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (1.0, 3, 1.0), (0.7, 1, 1.0), (1.0, 0, 0.5), (1.3, 0, 0.9), (0.5, 5, 0.8), (2.0, 100, 0.3),
+])
+def test_filtered_logits_matches_numpy(v, seed, temperature, top_k, top_p):
+    x = np.random.default_rng(seed).standard_normal(v).astype(np.float32) * 2.0
+    kept, scaled, margin = np_filtered(x, temperature, top_k, top_p)
+    assert margin > 1e-4, "the random vector puts a cumulative mass next to top_p; pick another seed"
+    got = np.asarray(filtered_logits(jnp.asarray(x), SamplingParams.make(temperature, top_p, top_k)))
+    assert set(np.flatnonzero(np.isfinite(got)).tolist()) == kept
+    assert np.all(np.isneginf(got[~np.isfinite(got)]))
+    idx = sorted(kept)
+    # kept logits are the temperature-scaled inputs: float32 division, 1e-6 relative per element
+    np.testing.assert_allclose(got[idx], scaled[idx], rtol=1e-6)
+    if top_k > 0:
+        assert len(kept) <= top_k
+        assert set(np.argsort(-x)[:len(kept)].tolist()) == kept  # the kept set is a top slice of x
+
+
+@pytest.mark.parametrize("top_k", [0, 200])
+def test_top_p_one_keeps_everything(top_k):
+    """top_p=1 is off even when the tail's probabilities vanish in float32 (logits spread over ~40 units)."""
+    x = np.random.default_rng(23).standard_normal(257).astype(np.float32) * 8.0
+    got = np.asarray(filtered_logits(jnp.asarray(x), SamplingParams.make(1.0, 1.0, top_k)))
+    assert np.isfinite(got).sum() == (top_k or 257)
+
+
+def test_sample_distribution():
+    """Draws (one key per position) follow softmax(filtered logits)."""
+    rng = np.random.default_rng(22)
+    x = jnp.asarray(rng.standard_normal(6).astype(np.float32))
+    params = SamplingParams.make(temperature=0.8, top_p=0.9, top_k=4, seed=7)
+    n = 6000
+    draws = np.asarray(jax.jit(sample)(jnp.broadcast_to(x, (n, 6)), jnp.arange(n, dtype=jnp.int32), params))
+    freq = np.bincount(draws, minlength=6) / n
+    expected = np.asarray(jax.nn.softmax(filtered_logits(x, params)))
+    # n = 6000 draws: a frequency's standard deviation is <= sqrt(0.25 / 6000) ~ 0.0065; 0.03 max-abs is > 4.5 sigma
+    np.testing.assert_allclose(freq, expected, atol=0.03)
+    assert np.all(freq[expected == 0] == 0)  # filtered tokens are never drawn
+
+
+# ---- stopping and limits -------------------------------------------------------------------------------------------
+
+def test_stop_token_ends_generation(engine):
+    prompt = random_ids(engine, 10, seed=8)
+    greedy = engine.generate(prompt, 20, stop_token_ids=[])
+    # the first token at index >= 2 that greedy has not produced before: stopping on it ends there
+    i = next(i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])
+    never = next(t for t in range(engine.cfg.vocab_size) if t not in greedy)
+    out = engine.generate(prompt, 20, stop_token_ids=[never, greedy[i]])
+    assert out == greedy[:i + 1]
+    assert engine.stats.last.generated_tokens == i + 1
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7])
+def test_max_new_tokens(engine, n):
+    prompt = random_ids(engine, 6, seed=9)
+    greedy = engine.generate(prompt, 12, stop_token_ids=[])
+    assert engine.generate(prompt, n, stop_token_ids=[]) == greedy[:n]
+
+
+def test_prompt_not_shorter_than_context_refused_before_any_work(engine, monkeypatch):
+    before = engine.score(random_ids(engine, 12, seed=10))
+    requests = engine.stats.requests
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a graph ran for a refused request")
+    monkeypatch.setattr(engine, "_prefill", no_work)
+    monkeypatch.setattr(engine, "_decode", {t: no_work for t in range(1, W + 1)})
+    for n in (engine.context, engine.context + 9):
+        ids = random_ids(engine, n, seed=11)
+        for call in (lambda: engine.generate(ids, 4), lambda: engine.score(ids), lambda: engine.prefill_logits(ids)):
+            msg = one_line_refusal(call)
+            assert str(n) in msg and "context" in msg
+    assert engine.stats.requests == requests
+    monkeypatch.undo()
+    assert np.array_equal(engine.score(random_ids(engine, 12, seed=10)), before)  # the engine still works
+
+
+@pytest.mark.parametrize("ids", [[], [-1, 3], "vocab"])
+def test_bad_token_ids_refused(engine, ids):
+    if ids == "vocab":
+        ids = [5, engine.cfg.vocab_size]
+    one_line_refusal(engine.generate, ids, 4)
+
+
+def test_context_exhausted_stops_at_context_end(engine):
+    prompt = random_ids(engine, engine.context - 5, seed=12)
+    out = engine.generate(prompt, 20, stop_token_ids=[])
+    assert len(out) == 5 and len(prompt) + len(out) == engine.context
+    # the last cache positions are written and read correctly: same tokens as the teacher-forced argmax
+    rows = engine.score(prompt + out[:-1])[len(prompt) - 1:]
+    assert np.argmax(rows, axis=1).tolist() == out
+    # one slot left: exactly one token
+    assert len(engine.generate(prompt + out[:4], 20, stop_token_ids=[])) == 1
+
+
+@pytest.mark.parametrize("option,value", [
+    ("top_p", 0.0), ("top_p", 1.5), ("temperature", -1.0), ("temperature", float("nan")), ("top_k", -1),
+    ("top_k", 2.5), ("max_new_tokens", -1), ("seed", -1),
+])
+def test_bad_request_options_refused(engine, option, value):
+    prompt = random_ids(engine, 5, seed=13)
+    kwargs = {"max_new_tokens": 4, option: value}
+    msg = one_line_refusal(engine.generate, prompt, **kwargs)
+    assert option in msg
+
+
+@pytest.mark.parametrize("window", [W + 1, -1, 0])
+def test_score_uncompiled_window_refused(engine, window):
+    msg = one_line_refusal(engine.score, random_ids(engine, 5, seed=14), window=window)
+    assert "window" in msg
+
+
+@pytest.mark.parametrize("options,name", [
+    (dict(windw=4), "windw"), (dict(temperature=0.5), "temperature"), (dict(window=0), "window"),
+    (dict(window=17), "window"), (dict(dtype="float16"), "dtype"), (dict(prefill_chunk=0), "prefill_chunk"),
+    (dict(context=-1), "context"),
+])
+def test_bad_engine_options_refused(cache_dir, options, name):
+    msg = one_line_refusal(Engine.from_pretrained, None, verbose=False, cache_dir=str(cache_dir), **options)
+    assert name in msg
+
+
+# ---- tokenizer -----------------------------------------------------------------------------------------------------
+
+def random_text(rng, n):
+    ranges = [(0x20, 0x7E), (0xA0, 0xFF), (0x370, 0x3FF), (0x400, 0x4FF), (0x4E00, 0x9FFF), (0x1F300, 0x1F64F)]
+    chars = []
+    for _ in range(n):
+        lo, hi = ranges[rng.integers(len(ranges))]
+        chars.append(chr(int(rng.integers(lo, hi + 1))))
+        if rng.random() < 0.05:
+            chars.append("\n\t "[rng.integers(3)])
+    return "".join(chars)
+
+
+def test_byte_tokenizer_round_trips_unicode(engine):
+    rng = np.random.default_rng(15)
+    for n in (1, 40, 300):
+        text = random_text(rng, n)
+        ids = engine.encode(text)
+        assert ids == list(text.encode("utf-8"))  # token id = byte value
+        assert engine.decode(ids) == text
+    assert engine.encode("<|endoftext|>") == list(engine.cfg.eos_token_ids)
+
+
+def test_text_round_trip_through_generate(engine):
+    text = random_text(np.random.default_rng(16), 6)  # <= 24 bytes: fits the 64-token context
+    out = engine.generate(engine.encode(text), 6, stop_token_ids=[])
+    assert engine.decode(engine.encode(text) + out).startswith(text)
