@@ -51,6 +51,7 @@ def run() -> None:
     out = engine.generate(ids, **{k: getattr(request, k) for k in request.__dataclass_fields__})
     sys.stdout.write(prompt + engine.decode(out) + "\n")
     print(engine.stats.last.summary(), flush=True)
+    print(engine.stats.last.draft_summary(), flush=True)
     if engine.placement:
         print(f"experts, prefill: {engine.stats.last.prefill_experts.summary()}")
         print(f"experts, decode: {engine.stats.last.decode_experts.summary()}", flush=True)

@@ -16,6 +16,7 @@ import numpy as np
 from strata_jax import checkpoint, graphs, model, moe, offload
 from strata_jax import placement as placement_mod
 from strata_jax.config import ModelConfig, config_from_dict
+from strata_jax.drafts import make_drafter
 from strata_jax.embedded import embedded_model_dir
 from strata_jax.errors import StrataError
 from strata_jax.options import EngineOptions, RequestOptions, build, split_options
@@ -66,6 +67,9 @@ class RequestStats:
     generated_tokens: int = 0
     decode_s: float = 0.0
     windows: int = 0  # decode windows run (graph calls after the prefill)
+    window_tokens: int = 0  # tokens those windows ran (the last accepted one + drafts)
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
     prefill_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
     decode_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
 
@@ -79,9 +83,25 @@ class RequestStats:
         n = max(self.generated_tokens - 1, 0)
         return n / self.decode_s if self.decode_s > 0 else 0.0
 
+    @property
+    def mean_accepted(self) -> float:
+        """Drafts accepted per decode window."""
+        return self.drafts_accepted / self.windows if self.windows else 0.0
+
+    @property
+    def mean_window(self) -> float:
+        """Tokens per decode window (1 + drafts)."""
+        return self.window_tokens / self.windows if self.windows else 0.0
+
     def summary(self) -> str:
         return (f"prompt tokens: {self.prompt_tokens}, prefill: {self.prefill_tok_s:.1f} tok/s, "
                 f"generated tokens: {self.generated_tokens}, decode: {self.decode_tok_s:.1f} tok/s")
+
+    def draft_summary(self) -> str:
+        rate = self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+        return (f"drafts: proposed {self.drafts_proposed}, accepted {self.drafts_accepted} ({rate:.0%}); "
+                f"{self.windows} windows, mean accepted per window {self.mean_accepted:.2f}, "
+                f"mean window size {self.mean_window:.2f}")
 
 
 @dataclasses.dataclass
@@ -91,6 +111,9 @@ class Stats:
     requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    windows: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
     compile_s: float = 0.0
     prefill_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
     decode_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
@@ -100,6 +123,9 @@ class Stats:
         self.requests += 1
         self.prompt_tokens += r.prompt_tokens
         self.generated_tokens += r.generated_tokens
+        self.windows += r.windows
+        self.drafts_proposed += r.drafts_proposed
+        self.drafts_accepted += r.drafts_accepted
         self.prefill_experts += r.prefill_experts
         self.decode_experts += r.decode_experts
 
@@ -233,10 +259,10 @@ class Engine:
         pos = jnp.int32(0)
         decode = graphs.jit_decode_window(self.cfg, self.expert_path)
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
-        sampler = graphs.jit_sample()
+        sampler, verifier = graphs.jit_sample(), graphs.jit_verify()
         sampling = SamplingParams.make()
         v = self.cfg.vocab_size
-        self._decode, self._sample = {}, {}
+        self._decode, self._sample, self._verify = {}, {}, {}
         # float32 means float32 matmuls (not TF32 on a GPU): the exactness checks and the host pool rely on it.
         full_f32 = jax.default_matmul_precision("highest") if self.dtype == jnp.float32 else contextlib.nullcontext()
         with full_f32:
@@ -244,6 +270,9 @@ class Engine:
                 self._decode[t] = decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile()
                 self._sample[t] = sampler.lower(jnp.zeros((t, v), jnp.float32), jnp.zeros((t,), jnp.int32),
                                                 sampling).compile()
+                if t > 1:
+                    self._verify[t] = verifier.lower(jnp.zeros((t, v), jnp.float32), jnp.zeros((t - 1,), jnp.int32),
+                                                     jnp.zeros((t,), jnp.int32), sampling).compile()
             self._prefill = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), pos,
                                           jnp.int32(1)).compile()
         self._prefill_logits = None  # compiled on first use (teacher-forced prompt scoring only)
@@ -362,11 +391,23 @@ class Engine:
         return self._guarded(lambda: self._prefill_all(ids, want_logits=True))
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_token_ids: Sequence[int] | None = None,
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, draft: str = "ngram", spec: int = -1,
+                 stop_token_ids: Sequence[int] | None = None,
                  on_token: Callable[[int], None] | None = None) -> list[int]:
-        """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible."""
+        """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
+
+        Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', or a drafts.Drafter
+        object) run with the last accepted token; greedy output is the same with or without them, sampled output
+        follows the same distribution."""
+        drafter = None if isinstance(draft, str) else draft  # a Drafter object (API): used as given
         req = build(RequestOptions, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                         top_k=top_k, seed=seed))
+                                         top_k=top_k, seed=seed, draft=draft if drafter is None else "ngram",
+                                         spec=spec))
+        spec = self.options.window - 1 if req.spec < 0 else req.spec
+        if spec > self.options.window - 1:
+            raise StrataError(f"spec {spec} needs window >= {spec + 1} (this engine compiled T=1..{self.options.window})")
+        if req.draft == "none":
+            spec = 0
         ids = self._check_prompt(token_ids)
         stops = set(self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
         budget = min(req.max_new_tokens, self.context - ids.size)
@@ -375,12 +416,14 @@ class Engine:
         out: list[int] = []
         self._take_expert_stats()
         if budget > 0:
-            self._guarded(self._generate, ids, budget, stops, sampling, stats, out, on_token)
+            self._guarded(self._generate, ids, budget, stops, sampling, stats, out, on_token, spec,
+                          drafter or make_drafter(req.draft))
         stats.generated_tokens = len(out)
         self.stats.add(stats)
         return out
 
-    def _generate(self, ids, budget, stops, sampling, stats: RequestStats, out: list[int], on_token) -> None:
+    def _generate(self, ids, budget, stops, sampling, stats: RequestStats, out: list[int], on_token, spec: int,
+                  drafter) -> None:
         sampled = float(sampling.temperature) > 0
         t0 = time.perf_counter()
         token, last = self._prefill_all(ids)
@@ -394,13 +437,20 @@ class Engine:
             self._fill_static_slots()
         if on_token:
             on_token(first)
-        if first in stops:
-            return
-        # Each window's token feeds the next window on the device, and Python reads it one window late: the next
-        # window is already queued when the host waits, so dispatch hides behind the device's work. After a stop
-        # token, the one window in flight is discarded.
-        t0 = time.perf_counter()
-        cur = jnp.asarray([first], jnp.int32)
+        if first not in stops:
+            t0 = time.perf_counter()
+            if spec > 0:
+                self._decode_verify(ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter)
+            else:
+                self._decode_pipelined(ids, budget, stops, sampling, sampled, stats, out, on_token)
+            stats.decode_s = time.perf_counter() - t0
+        stats.decode_experts = self._take_expert_stats()
+
+    def _decode_pipelined(self, ids, budget, stops, sampling, sampled, stats, out, on_token) -> None:
+        """One token a window. Each window's token feeds the next window on the device and Python reads it one
+        window late: the next window is already queued when the host waits, so dispatch hides behind the device's
+        work. After a stop token, the one window in flight is discarded."""
+        cur = jnp.asarray(out[-1:], jnp.int32)
         pos = ids.size
         in_flight: list[jax.Array] = []
         while True:
@@ -410,6 +460,7 @@ class Engine:
                     cur = self._sample[1](logits, jnp.asarray([pos + 1], jnp.int32), sampling)
                 pos += 1
                 stats.windows += 1
+                stats.window_tokens += 1
                 in_flight.append(cur)
             if not in_flight:
                 break
@@ -420,8 +471,47 @@ class Engine:
                     on_token(token)
                 if token in stops:
                     break
-        stats.decode_s = time.perf_counter() - t0
-        stats.decode_experts = self._take_expert_stats()
+
+    def _decode_verify(self, ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter) -> None:
+        """Verify windows: the last accepted token + up to `spec` drafts, the graph of that size; accept the drafts
+        the target agrees with, then one more token from the target. Rejected drafts leave K/V rows past the
+        accepted position: the next window writes those positions before any query reads them, and the causal
+        mask hides the rest, so no stale entry is read (the expert slots keep what they fetched: placement only)."""
+        context = list(ids) + out
+        pos = ids.size  # position of out[-1], the last accepted token, not yet in the KV cache
+        while len(out) < budget:
+            k = min(spec, budget - len(out) - 1)
+            drafts = drafter.propose(context, k) if k > 0 else []
+            t = len(drafts) + 1
+            window = np.asarray(out[-1:] + drafts, np.int32)
+            greedy, logits, self.cache = self._decode[t](self.weights, self.cache, window, jnp.int32(pos))
+            positions = jnp.asarray(np.arange(pos + 1, pos + 1 + t), jnp.int32)
+            if not sampled:
+                target = np.asarray(greedy)
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+                    accepted += 1
+                new = drafts[:accepted] + [int(target[accepted])]
+            elif drafts:
+                accept, drawn = self._verify[t](logits, jnp.asarray(drafts, jnp.int32), positions, sampling)
+                accept, drawn = np.asarray(accept), np.asarray(drawn)
+                accepted = int(np.argmin(accept)) if not accept.all() else len(drafts)
+                new = drafts[:accepted] + [int(drawn[accepted])]
+            else:
+                accepted, new = 0, [int(self._sample[1](logits, positions, sampling)[0])]
+            stats.windows += 1
+            stats.window_tokens += t
+            stats.drafts_proposed += len(drafts)
+            stats.drafts_accepted += accepted
+            drafter.observe(new)
+            pos += len(new)
+            for token in new:
+                out.append(token)
+                context.append(token)
+                if on_token:
+                    on_token(token)
+                if token in stops:
+                    return
 
     def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:
         """Teacher-forced logits [N, V] float32 of every position, through the decode-window graphs of size

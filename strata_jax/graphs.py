@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig
 from strata_jax.model import ExpertPath, KVCache, Weights, forward
-from strata_jax.sampling import SamplingParams, sample
+from strata_jax.sampling import SamplingParams, sample, verify
 
 
 def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
@@ -52,6 +52,12 @@ def sample_window(logits: jax.Array, positions: jax.Array, sampling: SamplingPar
     return sample(logits, positions, sampling)
 
 
+def verify_window(logits: jax.Array, drafts: jax.Array, positions: jax.Array, sampling: SamplingParams):
+    """Speculative sampling of a verify window: logits [T, V], drafts [T-1], positions [T] -> (accept [T-1],
+    tokens [T]); see sampling.verify."""
+    return verify(logits, drafts, positions, sampling)
+
+
 def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None):
     return jax.jit(functools.partial(decode_window, cfg=cfg, experts=experts), donate_argnums=(1,))
 
@@ -66,3 +72,7 @@ def jit_prefill_logits(cfg: ModelConfig, experts: ExpertPath | None = None):
 
 def jit_sample():
     return jax.jit(sample_window)
+
+
+def jit_verify():
+    return jax.jit(verify_window)

@@ -94,6 +94,10 @@ class RequestOptions:
     top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1]; 1 = off.", _float_range(0.0, 1.0, lo_open=True))
     top_k: int = opt(0, "Sample among the k most likely tokens; 0 = off.", _int_range(0))
     seed: int = opt(0, "Sampling seed (same seed, same output).", _int_range(0, 2**32 - 1))
+    draft: str = opt("ngram", "Draft proposer for verify windows: ngram (prompt lookup) or none.",
+                     _choice("ngram", "none"))
+    spec: int = opt(-1, "Most drafts per verify window (window size spec+1, at most --window); -1 = window - 1, "
+                    "0 = no speculation.", _int_range(-1, 15))
 
 
 def validate(obj) -> None:

@@ -50,3 +50,28 @@ def sample_row(logits: jax.Array, position: jax.Array, params: SamplingParams) -
 def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
     """logits [T, V], positions [T] -> tokens [T]."""
     return jax.vmap(sample_row, in_axes=(0, 0, None))(logits, positions, params)
+
+
+def verify_row(logits: jax.Array, draft: jax.Array, position: jax.Array, params: SamplingParams):
+    """Speculative rejection sampling for one row whose draft is a single proposed token (the drafter's q is
+    one-hot): accept the draft with probability p(draft); else draw from the residual max(0, p - q), i.e. p
+    without the draft, renormalised. The result follows p exactly. Returns (accept, the token drawn if not).
+    `position` is the absolute position of the token this row chooses (its key, as in sample_row)."""
+    p = jax.nn.softmax(filtered_logits(logits, params))  # [V]
+    key = jax.random.fold_in(jax.random.PRNGKey(params.seed), position)
+    accept = jax.random.uniform(jax.random.fold_in(key, 1)) < p[draft]
+    residual = p.at[draft].set(0.0)
+    residual = jnp.where(jnp.sum(residual) > 0, residual, p)
+    drawn = jax.random.categorical(jax.random.fold_in(key, 2), jnp.log(residual)).astype(jnp.int32)
+    return accept, drawn
+
+
+def verify(logits: jax.Array, drafts: jax.Array, positions: jax.Array, params: SamplingParams):
+    """A verify window: logits [T, V], drafts [T-1] (row i checks drafts[i]), positions [T] of the tokens chosen.
+
+    Returns accept [T-1] bool, and tokens [T]: row i < T-1 the residual draw used when drafts[i] is rejected, row
+    T-1 a plain sample (the token after the last draft when every draft is accepted)."""
+    t = logits.shape[0]
+    accept, drawn = jax.vmap(verify_row, in_axes=(0, 0, 0, None))(logits[:t - 1], drafts, positions[:t - 1], params)
+    last = sample_row(logits[t - 1], positions[t - 1], params)
+    return accept, jnp.concatenate([drawn, last[None]])

@@ -1,0 +1,69 @@
+"""Draft proposers for verify windows: given the tokens so far, propose up to k next tokens.
+
+A verify window runs the last accepted token plus the drafts through the model at once; the drafts the target
+agrees with are accepted (greedy: equal to its argmax; sampling: speculative rejection sampling), so the window
+shares each expert's fetch between several tokens. A drafter only proposes; it never changes the output, only how
+many windows it takes.
+
+The interface is one method, so a model's own multi-token-prediction head can plug in later: it would keep the
+hidden state it needs from `observe` and propose from it.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+DRAFTERS = ("ngram", "none")
+
+
+class Drafter(Protocol):
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k draft tokens to follow `tokens` (the prompt and everything accepted so far)."""
+
+    def observe(self, accepted: Sequence[int]) -> None:
+        """Called with the tokens each window accepted (a stateful drafter may use it)."""
+
+
+class NoDrafter:
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        return []
+
+    def observe(self, accepted: Sequence[int]) -> None:
+        pass
+
+
+class NgramDrafter:
+    """Prompt lookup: the longest suffix of the context (max_n down to min_n tokens) that occurred earlier proposes
+    the tokens that followed its most recent earlier occurrence. Strong where the output quotes the context (code,
+    agent turns that echo files)."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1, window: int = 4096):
+        self.max_n, self.min_n, self.window = max_n, min_n, window
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) < 2:
+            return []
+        ctx = np.asarray(tokens[-self.window:], np.int64)
+        size = ctx.size
+        # Ends j of earlier occurrences of the last token; each n keeps those whose n-1 tokens before match too.
+        ends = np.nonzero(ctx[:-1] == ctx[-1])[0]
+        best = None
+        for n in range(1, min(self.max_n, size - 1) + 1):
+            if n > 1:
+                ends = ends[ends >= n - 1]
+                ends = ends[ctx[ends - (n - 1)] == ctx[size - n]]
+            if ends.size == 0:
+                break
+            if n >= self.min_n:
+                best = int(ends[-1])  # the most recent occurrence of the longest matching suffix so far
+        if best is None:
+            return []
+        return ctx[best + 1:best + 1 + k].tolist()
+
+    def observe(self, accepted: Sequence[int]) -> None:
+        pass
+
+
+def make_drafter(name: str) -> Drafter:
+    return NgramDrafter() if name == "ngram" else NoDrafter()

@@ -1,0 +1,192 @@
+"""Verify windows: drafts change how many windows a request takes, never what it says.
+
+Greedy: the output is identical with speculation on and off (any window size, offload on or off). Sampling: a
+fixed seed reproduces the output, and speculative rejection sampling draws from the same distribution as plain
+sampling (checked on the sampler itself with 40,000 draws, and end to end on the tiny model).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO
+from strata_jax import StrataError
+from strata_jax.drafts import NgramDrafter
+from strata_jax.sampling import SamplingParams, filtered_logits, verify
+
+W = 5
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    # Repeats give the n-gram drafter something to find; the random tail keeps it from being trivial.
+    rng = np.random.default_rng(4)
+    motif = rng.integers(0, 256, 6).tolist()
+    return motif * 4 + rng.integers(0, 256, 5).tolist() + motif[:3]
+
+
+def resident(engine_factory):
+    return engine_factory(None, dtype="float32", window=W, context=128, expert_cache_slots="all")
+
+
+def offloaded(engine_factory):
+    return engine_factory(None, dtype="float32", window=W, context=128, expert_cache_slots=5, pcie_frac=0.5,
+                          cpu_threads=2)
+
+
+@pytest.mark.parametrize("placement", ["resident", "offloaded"])
+def test_greedy_output_is_the_same_with_and_without_drafts(engine_factory, prompt, placement):
+    eng = resident(engine_factory) if placement == "resident" else offloaded(engine_factory)
+    plain = eng.generate(prompt, 40, spec=0, stop_token_ids=[])
+    assert eng.stats.last.drafts_proposed == 0 and eng.stats.last.mean_window == 1.0
+    accepted = 0
+    for spec in range(1, W):  # windows of 2..5 tokens (spec 0 above: windows of 1)
+        assert eng.generate(prompt, 40, spec=spec, stop_token_ids=[]) == plain, spec
+        last = eng.stats.last
+        assert last.drafts_accepted <= last.drafts_proposed
+        assert last.window_tokens == last.windows + last.drafts_proposed
+        assert 1.0 <= last.mean_window <= spec + 1
+        assert last.generated_tokens == 40
+        accepted += last.drafts_accepted
+    assert accepted > 0  # the drafts were right some of the time, so the accept path ran
+    assert eng.generate(prompt, 40, draft="none", stop_token_ids=[]) == plain
+
+
+def test_window_one_engine_never_drafts(engine_factory, prompt):
+    eng = engine_factory(None, dtype="float32", window=1, context=128, expert_cache_slots="all")
+    ref = resident(engine_factory).generate(prompt, 20, spec=0, stop_token_ids=[])
+    assert eng.generate(prompt, 20, stop_token_ids=[]) == ref
+    assert eng.stats.last.drafts_proposed == 0
+    with pytest.raises(StrataError, match="spec 2 needs window >= 3"):
+        eng.generate(prompt, 4, spec=2)
+
+
+def test_sampled_output_is_reproducible(engine_factory, prompt):
+    eng = resident(engine_factory)
+    a = eng.generate(prompt, 30, temperature=0.9, top_p=0.95, seed=11, stop_token_ids=[])
+    assert eng.stats.last.drafts_proposed > 0
+    assert eng.generate(prompt, 30, temperature=0.9, top_p=0.95, seed=11, stop_token_ids=[]) == a
+    assert eng.generate(prompt, 30, temperature=0.9, top_p=0.95, seed=12, stop_token_ids=[]) != a
+
+
+def test_rollback_leaves_the_cache_of_a_run_without_the_rejected_drafts(engine_factory, prompt):
+    eng = resident(engine_factory)
+    out = eng.generate(prompt, 30, spec=4, stop_token_ids=[])
+    assert eng.stats.last.drafts_proposed > eng.stats.last.drafts_accepted  # some drafts were rejected
+    valid = len(prompt) + len(out) - 1  # the last token is not in the cache yet
+    spec_k = [np.asarray(k[:valid]) for k in eng.cache.k]
+    spec_v = [np.asarray(v[:valid]) for v in eng.cache.v]
+    assert eng.generate(prompt, 30, spec=0, stop_token_ids=[]) == out
+    for k0, k1 in zip(spec_k, eng.cache.k):
+        np.testing.assert_allclose(k0, np.asarray(k1[:valid]), rtol=1e-5, atol=1e-5)
+    for v0, v1 in zip(spec_v, eng.cache.v):
+        np.testing.assert_allclose(v0, np.asarray(v1[:valid]), rtol=1e-5, atol=1e-5)
+
+
+def emitted_distribution(logits, drafts, params, n):
+    """Empirical distribution of the first token a verify window emits (draft 0 if accepted, else the residual
+    draw), and of the second given the first draft was accepted, over n seeds."""
+    positions = jnp.arange(1, logits.shape[0] + 1, dtype=jnp.int32)
+
+    def one(seed):
+        p = params.replace(seed=seed)
+        accept, drawn = verify(logits, drafts, positions, p)
+        first = jnp.where(accept[0], drafts[0], drawn[0])
+        second = jnp.where(accept[1], drafts[1], drawn[1])
+        return first, accept[0], second
+
+    first, acc0, second = jax.jit(jax.vmap(one))(jnp.arange(n, dtype=jnp.uint32))
+    v = logits.shape[1]
+    f = np.bincount(np.asarray(first), minlength=v) / n
+    acc0 = np.asarray(acc0)
+    s = np.bincount(np.asarray(second)[acc0], minlength=v) / max(acc0.sum(), 1)
+    return f, s, acc0.mean()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)])
+def test_speculative_sampling_draws_from_the_target_distribution(temperature, top_k, top_p):
+    rng = np.random.default_rng(int(temperature * 10) + top_k)
+    v = 12
+    logits = jnp.asarray(rng.standard_normal((3, v)) * 1.5, jnp.float32)
+    params = SamplingParams.make(temperature, top_p, top_k, 0)
+    p = [np.asarray(jax.nn.softmax(filtered_logits(logits[i], params))) for i in range(3)]
+    # One draft the target likes, one it does not: both the accept and the reject branches carry weight.
+    drafts = jnp.asarray([int(np.argmax(p[0])), int(np.argsort(p[1])[-2])], jnp.int32)
+    f, s, acc = emitted_distribution(logits, drafts, params, 40_000)
+    assert 0.05 < acc < 0.95
+    # Total variation distance; with 40,000 draws over 12 outcomes the sampling noise is ~0.01.
+    assert 0.5 * np.abs(f - p[0]).sum() < 0.02
+    assert 0.5 * np.abs(s - p[1]).sum() < 0.03
+    assert f[np.asarray(p[0]) == 0].sum() == 0  # filtered tokens never come out
+
+
+class TopTokenDrafter:
+    """Proposes the target's greedy continuation (precomputed): likely under sampling, so accepted often."""
+
+    def __init__(self, continuation):
+        self.continuation = continuation
+
+    def propose(self, tokens, k):
+        return self.continuation[:k]
+
+    def observe(self, accepted):
+        pass
+
+
+def test_speculative_sampling_matches_plain_sampling_end_to_end(engine_factory, prompt):
+    """The second generated token (the first one a verify window chooses) has the same distribution with a draft
+    as without, on the tiny model. Compared given the most common first token (the prefill's draw, the same for
+    both runs of a seed), so both are samples of one top-4 distribution."""
+    eng = resident(engine_factory)
+    kwargs = dict(temperature=1.0, top_k=4, stop_token_ids=[])
+    n = 600
+    firsts = np.array([eng.generate(prompt, 1, seed=s, **kwargs)[0] for s in range(n)])
+    mode = np.bincount(firsts).argmax()
+    seeds = np.nonzero(firsts == mode)[0]
+    likely = eng.generate(prompt + [int(mode)], 1, spec=0, stop_token_ids=[])  # the target's favourite next token
+    drafter = TopTokenDrafter(likely)
+    plain = np.array([eng.generate(prompt, 2, spec=0, seed=int(s), **kwargs)[1] for s in seeds])
+    spec, accepted = [], 0
+    for s in seeds:
+        spec.append(eng.generate(prompt, 3, spec=1, seed=int(s), draft=drafter, **kwargs)[1])
+        assert eng.stats.last.drafts_proposed == 1
+        accepted += eng.stats.last.drafts_accepted
+    spec = np.array(spec)
+    assert 0 < accepted < len(seeds)  # the draft was accepted sometimes and rejected sometimes
+    support = np.union1d(plain, spec)
+    assert len(support) <= 4  # top_k=4: nothing outside the filtered set, with or without the draft
+    hp = np.array([(plain == t).mean() for t in support])
+    hs = np.array([(spec == t).mean() for t in support])
+    # Two samples of ~200 draws over 4 outcomes: total variation noise ~0.07; an accept rule that favoured the
+    # draft (e.g. always accepting it) would move ~0.5 of the mass.
+    assert 0.5 * np.abs(hp - hs).sum() < 0.2
+
+
+def test_ngram_drafter():
+    d = NgramDrafter(max_n=3)
+    assert d.propose([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]
+    assert d.propose([1, 2, 3, 9, 2, 3, 7, 2, 3], 2) == [7, 2]  # the longest suffix, most recent occurrence
+    assert d.propose([5, 6, 7, 8], 3) == []
+    assert d.propose([1, 2, 1, 2], 0) == []
+
+
+def test_bad_draft_options_are_refused(engine_factory, prompt):
+    eng = resident(engine_factory)
+    with pytest.raises(StrataError, match="draft"):
+        eng.generate(prompt, 4, draft="medusa")
+    with pytest.raises(StrataError, match="spec"):
+        eng.generate(prompt, 4, spec=W)
+
+
+def test_cli_prints_the_draft_counters(cache_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "strata_jax.decode", "--dtype=float32", "--window=5", "--context=128",
+         "--expert_cache_slots=all", "--prompt=abcabcabcabcabc", "--max_new_tokens=12", f"--cache_dir={cache_dir}"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert any(line.startswith("drafts: proposed ") and "mean window size" in line for line in out.stdout.splitlines())
