@@ -78,13 +78,15 @@ def test_counters_add_up(engine_factory, tokens):
     p, d = eng.stats.last.prefill_experts, eng.stats.last.decode_experts
     # Every valid row routes to K experts in every MoE layer; padding rows of the prefill chunk route nowhere.
     assert p.entries == len(prompt) * k * layers
-    assert d.entries == (new - 1) * k * layers  # windows of one token after the prefill's token
+    # Every token a decode window ran (accepted or a rejected draft) routes K entries in every MoE layer.
+    assert d.entries == eng.stats.last.window_tokens * k * layers
+    assert eng.stats.last.window_tokens >= new - 1
     for s in (p, d):
         assert s.distinct == s.distinct_resident + s.distinct_fetched + s.distinct_cpu
         assert s.pcie_bytes == s.distinct_fetched * cfg.expert_bytes(4)
         assert 0.0 <= s.hit_rate <= 1.0
-    # T=1 windows: each (token, expert) entry is a distinct expert of its window.
-    assert d.distinct == d.entries
+    # Distinct experts of a window are at most its entries, and at most E per layer.
+    assert d.distinct <= d.entries
     # The prefill chunk streams each missed expert once per layer: an empty cache has no hits.
     eng.reconfigure(pcie_frac=1.0)
     eng.generate(prompt, 1)
@@ -144,11 +146,15 @@ def test_pool_failure_is_one_error_and_the_engine_recovers(engine_factory, refer
 
 
 def test_auto_slots_and_refusals(engine_factory, cache_dir):
+    import jax
     eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="auto", pcie_frac="auto")
-    # The CPU backend reports no device memory: auto takes half the experts, and auto pcie_frac is measured.
-    assert eng.placement.slots == N_EXPERTS // 2
-    assert eng.placement.costs["pcie_gbs"] > 0 and eng.placement.costs["pool_gbs"] > 0
-    assert 0.0 <= eng.placement.pcie_frac <= 1.0
+    if not (jax.devices()[0].memory_stats() or {}).get("bytes_limit"):
+        # The CPU backend reports no device memory: auto takes half the experts, and auto pcie_frac is measured.
+        assert eng.placement.slots == N_EXPERTS // 2
+        assert eng.placement.costs["pcie_gbs"] > 0 and eng.placement.costs["pool_gbs"] > 0
+        assert 0.0 <= eng.placement.pcie_frac <= 1.0
+    else:
+        assert eng.placement is None  # a GPU holds the whole tiny model: auto turns offload off
     with pytest.raises(StrataError, match="expert_cache_slots"):
         Engine.from_pretrained(None, expert_cache_slots="many", cache_dir=str(cache_dir))
     with pytest.raises(StrataError, match="pcie_frac"):
