@@ -42,6 +42,20 @@ def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str], prog: str = 
     return rest
 
 
+def run_main(flag_values: flags.FlagValues, argv: Sequence[str], prog: str, run: Callable[[Any], dict]) -> dict:
+    """A benchmark's entry: parse argv into flag_values, then run(flag_values); a bad value or a refused setting is
+    one `error:` line and exit status 1, Ctrl-C exit 130."""
+    parse_flags(flag_values, argv, prog=prog)
+    from strata_jax.errors import StrataError
+    try:
+        return run(flag_values)
+    except (StrataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
 def int_list(text: str, name: str = "list") -> list[int]:
     """'1,2,4' -> [1, 2, 4] (positive, deduplicated, in the given order)."""
     out: list[int] = []

@@ -323,17 +323,8 @@ def run(s) -> dict:
 
 def main(argv: list[str]) -> dict:
     """Parse argv (argv[0] = program name) into FLAGS and run; returns the numbers. Errors: one line, exit 1."""
-    common.parse_flags(FLAGS, argv, prog="benchmarks.decode_bench")
-    from strata_jax.errors import StrataError
-    try:
-        return run(FLAGS)
-    except (StrataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    return common.run_main(FLAGS, argv, "benchmarks.decode_bench", run)
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    main(sys.argv)
