@@ -150,13 +150,19 @@ class Engine:
         self.placement = placement
         self.dtype = jnp.dtype(options.dtype)
         self.context, self.chunk = context_and_chunk(cfg, options)
-        self.expert_path = offload.OffloadedExperts(cfg, placement.pool) if placement else None
+        self.expert_path = self._expert_path()
         self.stats = Stats()
         self._reset_state()
         if placement and verbose:
             for line in placement.lines:
                 log(line)
         self._compile()
+
+    def _expert_path(self):
+        """The offload path of the graphs; with pcie_frac 1 it is built without the host pool (no callback)."""
+        if not self.placement:
+            return None
+        return offload.OffloadedExperts(self.cfg, self.placement.pool if self.placement.pcie_frac < 1 else None)
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
@@ -284,16 +290,20 @@ class Engine:
                 f"context {self.context} tokens")
 
     def reconfigure(self, pcie_frac: float | None = None, cache_policy: str | None = None) -> None:
-        """Change the PCIe/CPU split or the cache policy without recompiling (both are data in the graphs);
-        the expert cache starts empty again."""
+        """Change the PCIe/CPU split or the cache policy (data in the graphs: no recompilation, except when the
+        split moves to or from 1, which adds or removes the host pool's callback); the expert cache starts empty."""
         if not self.placement:
             raise StrataError("offload is off (expert_cache_slots=all): nothing to reconfigure")
         opts = build(EngineOptions, dict(pcie_frac=self.placement.pcie_frac if pcie_frac is None else pcie_frac,
                                          cache_policy=cache_policy or self.placement.policy))
         if opts.pcie_frac == "auto":
             raise StrataError("reconfigure takes a number for pcie_frac")
+        uses_pool = self.placement.pcie_frac < 1
         self.placement.pcie_frac, self.placement.policy = float(opts.pcie_frac), opts.cache_policy
         self._reset_state()
+        if (self.placement.pcie_frac < 1) != uses_pool:
+            self.expert_path = self._expert_path()
+            self._compile()
 
     # ---- expert counters -------------------------------------------------------------------------------------
 

@@ -81,14 +81,16 @@ def to_device(x: jax.Array) -> jax.Array:
     return jax.device_put(x, device_sharding())
 
 
-def plan(r: moe.Route, state: SlotCache) -> tuple[jax.Array, jax.Array]:
-    """Kinds [N] (NONE / RESIDENT / FETCH / CPU) and slots [N] of the window's distinct experts."""
+def plan(r: moe.Route, state: SlotCache, cpu: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Kinds [N] (NONE / RESIDENT / FETCH / CPU) and slots [N] of the window's distinct experts. cpu=False (a
+    graph built without the host pool): every miss is fetched, whatever state.pcie_frac says."""
     ids = r.expert_ids
     used = ids >= 0
     slot = jnp.where(used, state.table[jnp.maximum(ids, 0)], -1)
     resident = used & (slot >= 0)
     miss = used & ~resident
-    n_fetch = jnp.floor(state.pcie_frac * jnp.sum(miss) + 0.5).astype(jnp.int32)
+    frac = state.pcie_frac if cpu else 1.0
+    n_fetch = jnp.floor(frac * jnp.sum(miss) + 0.5).astype(jnp.int32)
     mass = jnp.sum(r.combine, axis=0)  # [N]
     order = jnp.argsort(jnp.where(miss, -mass, jnp.inf))  # misses, heaviest first
     miss_rank = jnp.zeros_like(ids).at[order].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
@@ -107,8 +109,9 @@ def count(kind: jax.Array, r: moe.Route) -> jax.Array:
 class OffloadedExperts:
     """The expert path of a sparse layer with offload: `(layer, x, host weights, valid, state) -> (y, state)`.
 
-    `w.gate/up/down` are the layer's experts in host memory; `pool` computes the cpu kind (None: pcie_frac must
-    be 1, every miss is fetched). `block`: experts per GPU block (bounds the staging memory of prefill chunks).
+    `w.gate/up/down` are the layer's experts in host memory; `pool` computes the cpu kind. Without a pool the
+    graph has no callback and no lax.cond around it (each makes the GPU stream wait for the host): every miss is
+    fetched. `block`: experts per GPU block (bounds the staging memory of prefill chunks).
     """
 
     def __init__(self, cfg: ModelConfig, pool=None, block: int = 32):
@@ -119,7 +122,7 @@ class OffloadedExperts:
         with jax.named_scope("moe_route"):
             r = moe.route(x, w.router, cfg, valid)
         with jax.named_scope("moe_plan"):
-            kind, slot = plan(r, state)
+            kind, slot = plan(r, state, cpu=self.pool is not None)
             ids, n = r.expert_ids, r.expert_ids.shape[0]
             s = state.slots
             # Victims: slots not read by this window, least recently used (empty ones first); the trash row last.
