@@ -1,49 +1,37 @@
-"""Set the thread count of the OpenBLAS that numpy uses (threadpoolctl-free).
+"""The thread count of numpy's BLAS, through threadpoolctl (OpenBLAS, MKL, BLIS alike).
 
-Pool threads each run small matmuls; if OpenBLAS also spreads every call over
-all cores, the cores are oversubscribed (measured: see host_pool.measure).
+Pool threads each run small matmuls; if the BLAS also spreads every call over all cores, the cores are
+oversubscribed (measured on a 2-core machine: 1.5 to 6x slower; see host_pool.measure).
 """
 
 from __future__ import annotations
 
-import ctypes
+import numpy  # noqa: F401  (loads numpy's BLAS before threadpoolctl looks for it)
+from threadpoolctl import threadpool_info, threadpool_limits
 
-# Names OpenBLAS builds export (numpy wheels use the scipy_ prefixed ILP64 build).
-_SET_NAMES = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-              "openblas_set_num_threads64_", "openblas_set_num_threads")
-_GET_NAMES = tuple(name.replace("set_", "get_") for name in _SET_NAMES)
-
-
-def _loaded_openblas() -> list[str]:
-    """Paths of OpenBLAS libraries mapped into this process (numpy imported first)."""
-    import numpy  # noqa: F401  (loads numpy's BLAS)
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
-    except OSError:
-        return []
-    return sorted(path for path in paths if path.startswith("/"))
-
-
-def _find(names: tuple[str, ...]):
-    for path in _loaded_openblas():
-        lib = ctypes.CDLL(path)
-        for name in names:
-            function = getattr(lib, name, None)
-            if function is not None:
-                return function
-    return None
+_limits = None  # kept alive: the limit holds until it is restored
 
 
 def set_blas_threads(threads: int) -> bool:
-    """Process-wide OpenBLAS thread count; False if numpy's BLAS was not found."""
-    function = _find(_SET_NAMES)
-    if function is None:
+    """Process-wide BLAS thread count; False if no BLAS library was found."""
+    global _limits
+    if not blas_libraries():
         return False
-    function(ctypes.c_int(threads))
+    _limits = threadpool_limits(limits=threads, user_api="blas")
     return True
 
 
 def get_blas_threads() -> int | None:
-    function = _find(_GET_NAMES)
-    return None if function is None else int(function())
+    libs = blas_libraries()
+    return min(lib["num_threads"] for lib in libs) if libs else None
+
+
+def blas_libraries() -> list[dict]:
+    return [lib for lib in threadpool_info() if lib.get("user_api") == "blas"]
+
+
+def describe() -> str:
+    libs = blas_libraries()
+    if not libs:
+        return "no BLAS library found"
+    return ", ".join(f"{lib['internal_api']} {lib['num_threads']} thread(s) per call" for lib in libs)

@@ -138,7 +138,7 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
 
 def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: HostExperts, slots: int,
           why: str) -> Placement:
-    from host_pool import HostPool
+    from host_pool import HostPool, blas
     # A failed pool job is reported as one line by the engine; JAX's own traceback log would repeat it.
     logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
     threads = opts.cpu_threads or os.cpu_count() or 1
@@ -147,7 +147,7 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
     itemsize = jnp.dtype(opts.dtype).itemsize
     lines = [f"expert cache: {slots} of {cfg.num_experts} slots per MoE layer ({why}), policy {opts.cache_policy}, "
              f"{offload.slot_bytes(cfg, slots, itemsize) / 2**20:.1f} MiB on the device; experts in "
-             f"{host.kind} memory; host pool: {threads} threads"]
+             f"{host.kind} memory; host pool: {threads} threads ({blas.describe()})"]
     costs = None
     if opts.pcie_frac == "auto":
         costs = measure_costs(cfg, weights, pool)
