@@ -307,8 +307,9 @@ class Engine:
 
     # ---- expert counters -------------------------------------------------------------------------------------
 
-    def _take_expert_stats(self) -> ExpertStats:
-        """Read and zero the in-graph counters (and the pool's time) of the windows run since the last call."""
+    def _take_expert_stats(self, new_request: bool = False) -> ExpertStats:
+        """Read and zero the in-graph counters (and the pool's time) of the windows run since the last call; at the
+        start of a request also zero the routing usage (the static policy fills from this request's prefill)."""
         if not self.placement:
             return ExpertStats()
         states = [s for s in self.cache.experts if s is not None]
@@ -318,9 +319,10 @@ class Engine:
         out.pool_s = self.placement.pool.stats.wall_seconds
         self.placement.pool.stats.reset()
         # A buffer per layer: the graphs donate the cache, and one buffer must not be donated twice.
-        self.cache = self.cache.replace(experts=[
-            None if s is None else s.replace(counters=jnp.zeros((len(offload.COUNTERS),), jnp.int32))
-            for s in self.cache.experts])
+        def zeroed(s):
+            s = s.replace(counters=jnp.zeros((len(offload.COUNTERS),), jnp.int32))
+            return s.replace(usage=jnp.zeros_like(s.usage)) if new_request else s
+        self.cache = self.cache.replace(experts=[None if s is None else zeroed(s) for s in self.cache.experts])
         return out
 
     def _fill_static_slots(self) -> None:
@@ -424,7 +426,7 @@ class Engine:
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
         stats = RequestStats(prompt_tokens=int(ids.size))
         out: list[int] = []
-        self._take_expert_stats()
+        self._take_expert_stats(new_request=True)
         if budget > 0:
             self._guarded(self._generate, ids, budget, stops, sampling, stats, out, on_token, spec,
                           drafter or make_drafter(req.draft))
