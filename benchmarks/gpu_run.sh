@@ -22,10 +22,18 @@ JIT_CACHE=${JIT_CACHE:-/tmp/strata_jax_jit_cache}  # persistent compilation cach
 FAILED=0
 : > "$OUT/steps.txt"
 
+# STEPS="decode offload" runs only those steps (one device call is at most 10 minutes: the three together are
+# longer, so run them in separate calls). Default: all.
+STEPS=${STEPS:-all}
+
 # step NAME LIMIT_S command...: run it with stdout+stderr to the screen and $OUT/NAME.log; record the status.
 step() {
   local name=$1 limit=$2
   shift 2
+  if [ "$STEPS" != all ] && [[ " $STEPS " != *" $name "* ]]; then
+    echo "=== step $name: skipped (STEPS=$STEPS)"
+    return 0
+  fi
   echo
   echo "=== step $name (limit ${limit}s): $*"
   local t0=$SECONDS
