@@ -5,7 +5,6 @@ for a few cache sizes, the counters. Not a benchmark (see offload_bench.py); a f
 """
 from __future__ import annotations
 
-import sys
 
 from absl import app, flags
 

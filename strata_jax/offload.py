@@ -17,7 +17,6 @@ float summation order.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
