@@ -130,6 +130,19 @@ def test_lru_keeps_experts_and_static_freezes(engine_factory, tokens):
         np.testing.assert_array_equal(t0, t1)  # decode never changes a static cache
 
 
+def test_static_policy_fills_the_prefills_most_used_experts(engine_factory, tokens):
+    eng = offload_engine(engine_factory, 5)
+    eng.reconfigure(pcie_frac=1.0, cache_policy="lru")
+    eng.generate(tokens[:20], 1)  # the prefill only: usage holds the prompt's routing
+    usage = [np.asarray(s.usage) for s in eng.cache.experts if s is not None]
+    eng.reconfigure(cache_policy="static")
+    eng.generate(tokens[:20], 1)  # the same prefill, then the fill
+    for u, s in zip(usage, [s for s in eng.cache.experts if s is not None]):
+        chosen = np.asarray(s.table) >= 0
+        assert chosen.sum() == 5
+        assert u[chosen].min() >= u[~chosen].max()  # no expert left out was used more than one kept
+
+
 @pytest.mark.parametrize("fault", ["raise", "hang"])
 def test_pool_failure_is_one_error_and_the_engine_recovers(engine_factory, reference, tokens, fault):
     eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=0, pcie_frac=0.0,
