@@ -262,6 +262,8 @@ class Engine:
     def _compile(self) -> None:
         """Every window size 1..W, the prefill chunk and the samplers, ahead of time."""
         t0 = time.perf_counter()
+        if self.verbose:
+            log(f"compiling: window T=1..{self.options.window}, prefill chunk {self.chunk}, samplers ...")
         pos = jnp.int32(0)
         decode = graphs.jit_decode_window(self.cfg, self.expert_path)
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
