@@ -83,6 +83,13 @@ class RequestStats:
         n = max(self.generated_tokens - 1, 0)
         return n / self.decode_s if self.decode_s > 0 else 0.0
 
+    def __iadd__(self, other: "RequestStats") -> "RequestStats":
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            value += getattr(other, f.name)  # numbers, and ExpertStats in place
+            setattr(self, f.name, value)
+        return self
+
     @property
     def mean_accepted(self) -> float:
         """Drafts accepted per decode window."""
@@ -106,28 +113,16 @@ class RequestStats:
 
 @dataclasses.dataclass
 class Stats:
-    """What the engine did: the last request, and totals since start."""
+    """What the engine did: the last request, and every request since start summed."""
     last: RequestStats = dataclasses.field(default_factory=RequestStats)
+    total: RequestStats = dataclasses.field(default_factory=RequestStats)
     requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    windows: int = 0
-    drafts_proposed: int = 0
-    drafts_accepted: int = 0
     compile_s: float = 0.0
-    prefill_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
-    decode_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
 
     def add(self, r: RequestStats) -> None:
         self.last = r
         self.requests += 1
-        self.prompt_tokens += r.prompt_tokens
-        self.generated_tokens += r.generated_tokens
-        self.windows += r.windows
-        self.drafts_proposed += r.drafts_proposed
-        self.drafts_accepted += r.drafts_accepted
-        self.prefill_experts += r.prefill_experts
-        self.decode_experts += r.decode_experts
+        self.total += r
 
 
 def enable_compilation_cache(cache_dir: Path) -> Path:
