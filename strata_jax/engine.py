@@ -193,10 +193,7 @@ class Engine:
         cfg = config_from_dict(raw, where=str(cfg_path))
         say = log if verbose else (lambda _: None)
         dtype = jnp.dtype(opts.dtype)
-        context, chunk = context_and_chunk(cfg, opts)
-        kv_bytes = 2 * cfg.num_layers * (context + chunk) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-        slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
-        host = placement_mod.HostExperts(cfg) if slots is not None else None
+        slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
         if checkpoint.is_state_dir(path):
             saved = json.loads((path / checkpoint.STATE_META).read_text())
@@ -226,10 +223,7 @@ class Engine:
         enable_compilation_cache(opts.resolved_cache_dir())
         say = log if verbose else (lambda _: None)
         dtype = jnp.dtype(opts.dtype)
-        context, chunk = context_and_chunk(cfg, opts)
-        kv_bytes = 2 * cfg.num_layers * (context + chunk) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-        slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
-        host = placement_mod.HostExperts(cfg) if slots is not None else None
+        slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
         weights = model.random_weights(cfg, seed, dtype, place_experts=host.place if host else None,
                                        progress=_progress(say, cfg))
@@ -553,6 +547,16 @@ class Engine:
         if self.tokenizer is None:
             raise StrataError(f"no tokenizer.json in {self.model_dir}")
         return self.tokenizer.decode(list(ids))
+
+
+def plan_placement(cfg: ModelConfig, opts: EngineOptions):
+    """Before the weights are read: the slot count (None: every expert on the device), why, and where the host
+    copies of the experts go when offload is on."""
+    context, chunk = context_and_chunk(cfg, opts)
+    itemsize = jnp.dtype(opts.dtype).itemsize
+    kv_bytes = 2 * cfg.num_layers * (context + chunk) * cfg.num_kv_heads * cfg.head_dim * itemsize
+    slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
+    return slots, why, (placement_mod.HostExperts(cfg) if slots is not None else None)
 
 
 def context_and_chunk(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, int]:
