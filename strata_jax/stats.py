@@ -1,0 +1,102 @@
+"""What the engine did, in numbers people read: per request and since start, the speed, the verify windows'
+drafts, and where the experts ran."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class ExpertStats:
+    """Where the experts of the windows ran (offload on): (token, expert) entries and distinct experts per layer
+    and window, summed over layers and windows."""
+    entries: int = 0
+    entries_resident: int = 0
+    entries_fetched: int = 0
+    entries_cpu: int = 0
+    distinct: int = 0
+    distinct_resident: int = 0
+    distinct_fetched: int = 0
+    distinct_cpu: int = 0
+    pcie_bytes: int = 0
+    pool_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of the distinct experts the windows needed that were already in a device slot."""
+        return self.distinct_resident / self.distinct if self.distinct else 0.0
+
+    def __iadd__(self, other: "ExpertStats") -> "ExpertStats":
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def summary(self) -> str:
+        return (f"hit rate {self.hit_rate:.1%}; distinct experts resident/fetched/cpu "
+                f"{self.distinct_resident}/{self.distinct_fetched}/{self.distinct_cpu}, entries "
+                f"{self.entries_resident}/{self.entries_fetched}/{self.entries_cpu}; "
+                f"PCIe {self.pcie_bytes / 2**20:.1f} MiB; host pool {self.pool_s * 1e3:.1f} ms")
+
+
+@dataclasses.dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    generated_tokens: int = 0
+    decode_s: float = 0.0
+    windows: int = 0  # decode windows run (graph calls after the prefill)
+    window_tokens: int = 0  # tokens those windows ran (the last accepted one + drafts)
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    prefill_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
+    decode_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first generated token comes out of the prefill; the decode rate counts the ones after it.
+        n = max(self.generated_tokens - 1, 0)
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+    def __iadd__(self, other: "RequestStats") -> "RequestStats":
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            value += getattr(other, f.name)  # numbers, and ExpertStats in place
+            setattr(self, f.name, value)
+        return self
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafts accepted per decode window."""
+        return self.drafts_accepted / self.windows if self.windows else 0.0
+
+    @property
+    def mean_window(self) -> float:
+        """Tokens per decode window (1 + drafts)."""
+        return self.window_tokens / self.windows if self.windows else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt tokens: {self.prompt_tokens}, prefill: {self.prefill_tok_s:.1f} tok/s, "
+                f"generated tokens: {self.generated_tokens}, decode: {self.decode_tok_s:.1f} tok/s")
+
+    def draft_summary(self) -> str:
+        rate = self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+        return (f"drafts: proposed {self.drafts_proposed}, accepted {self.drafts_accepted} ({rate:.0%}); "
+                f"{self.windows} windows, mean accepted per window {self.mean_accepted:.2f}, "
+                f"mean window size {self.mean_window:.2f}")
+
+
+@dataclasses.dataclass
+class Stats:
+    """What the engine did: the last request, and every request since start summed."""
+    last: RequestStats = dataclasses.field(default_factory=RequestStats)
+    total: RequestStats = dataclasses.field(default_factory=RequestStats)
+    requests: int = 0
+    compile_s: float = 0.0
+
+    def add(self, r: RequestStats) -> None:
+        self.last = r
+        self.requests += 1
+        self.total += r
