@@ -7,6 +7,9 @@ shapes skip compilation.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +26,21 @@ def hf_fixture_names() -> list[str]:
     """Every committed HF reference folder (one with a config.json and a reference.npz)."""
     return sorted(p.name for p in HF_FIXTURES.iterdir()
                   if (p / "config.json").is_file() and (p / "reference.npz").is_file())
+
+
+def run_cli(args, cache_dir, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m strata_jax.decode ARGS --cache_dir=...` from the repo root; stdout and stderr as bytes (the
+    embedded model's text is arbitrary bytes)."""
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    return subprocess.run([sys.executable, "-m", "strata_jax.decode", *args, f"--cache_dir={cache_dir}"],
+                          cwd=REPO, env=env, capture_output=True, timeout=timeout)
+
+
+def copy_fixture(tmp_path: Path, name: str) -> Path:
+    """A writable copy of one HF fixture folder, to break in a test."""
+    dst = tmp_path / name
+    shutil.copytree(HF_FIXTURES / name, dst)
+    return dst
 
 
 def pytest_configure(config):

@@ -4,25 +4,19 @@ Every run is a subprocess that imports JAX and maybe compiles, so the runs are f
 compilation cache, and the refusals run a few at a time in parallel."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import run_cli
 from strata_jax.embedded import embedded_model_dir
 
 SUMMARY = re.compile(r"prompt tokens: (\d+), prefill: [\d.]+ tok/s, generated tokens: 8, decode: [\d.]+ tok/s")
 
 
-def cli(args, cache_dir) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONIOENCODING="utf-8")
-    return subprocess.run([sys.executable, "-m", "strata_jax.decode", *args, f"--cache_dir={cache_dir}"],
-                          cwd=REPO, env=env, capture_output=True, timeout=300)
+cli = run_cli
 
 
 def prompt_text(seed, n):

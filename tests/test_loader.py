@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import HF_FIXTURES
+from conftest import HF_FIXTURES, copy_fixture
 from strata_jax import Engine, StrataError
 
 W = 4
@@ -34,9 +34,7 @@ def shape_in(msg: str, shape) -> bool:
 
 @pytest.fixture
 def base_copy(tmp_path):
-    dst = tmp_path / "base"
-    shutil.copytree(HF_FIXTURES / "base", dst)
-    return dst
+    return copy_fixture(tmp_path, "base")
 
 
 def test_missing_tensor(base_copy, cache_dir):
@@ -103,9 +101,7 @@ def test_no_safetensors(base_copy, cache_dir):
 
 @pytest.fixture
 def sharded_copy(tmp_path):
-    dst = tmp_path / "gqa4_sharded"
-    shutil.copytree(HF_FIXTURES / "gqa4_sharded", dst)
-    return dst
+    return copy_fixture(tmp_path, "gqa4_sharded")
 
 
 def test_index_points_to_missing_shard(sharded_copy, cache_dir):

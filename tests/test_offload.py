@@ -5,15 +5,13 @@ Exactness tolerance: float32 logits, ||offloaded - all_resident||_F / ||all_resi
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from strata_jax import Engine, StrataError
 from strata_jax.config import preset
-from conftest import REPO
+from conftest import run_cli
 
 REL_TOL = 1e-5
 N_EXPERTS = 16  # the embedded model (configs/tiny.json)
@@ -177,13 +175,12 @@ def test_auto_slots_and_refusals(engine_factory, cache_dir):
 
 
 def test_cli_prints_the_offload_counters(cache_dir):
-    out = subprocess.run(
-        [sys.executable, "-m", "strata_jax.decode", "--dtype=float32", "--window=4", "--context=64",
-         "--expert_cache_slots=5", "--pcie_frac=0.5", "--max_new_tokens=6", f"--cache_dir={cache_dir}"],
-        capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    assert "expert cache: 5 of 16 slots per MoE layer" in out.stderr
-    assert "pcie_frac: 0.5" in out.stderr
-    lines = out.stdout.splitlines()
+    out = run_cli(["--dtype=float32", "--window=4", "--context=64", "--expert_cache_slots=5", "--pcie_frac=0.5",
+                   "--max_new_tokens=6"], cache_dir, timeout=600)
+    err = out.stderr.decode("utf-8", "replace")
+    assert out.returncode == 0, err
+    assert "expert cache: 5 of 16 slots per MoE layer" in err
+    assert "pcie_frac: 0.5" in err
+    lines = out.stdout.decode("utf-8", "replace").splitlines()
     assert any(line.startswith("experts, decode: hit rate") for line in lines)
     assert any(line.startswith("experts, prefill: hit rate") for line in lines)

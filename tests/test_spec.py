@@ -6,15 +6,13 @@ sampling (checked on the sampler itself with 40,000 draws, and end to end on the
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import run_cli
 from strata_jax import StrataError
 from strata_jax.drafts import NgramDrafter
 from strata_jax.sampling import SamplingParams, filtered_logits, verify
@@ -184,9 +182,8 @@ def test_bad_draft_options_are_refused(engine_factory, prompt):
 
 
 def test_cli_prints_the_draft_counters(cache_dir):
-    out = subprocess.run(
-        [sys.executable, "-m", "strata_jax.decode", "--dtype=float32", "--window=5", "--context=128",
-         "--expert_cache_slots=all", "--prompt=abcabcabcabcabc", "--max_new_tokens=12", f"--cache_dir={cache_dir}"],
-        capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    assert any(line.startswith("drafts: proposed ") and "mean window size" in line for line in out.stdout.splitlines())
+    out = run_cli(["--dtype=float32", "--window=5", "--context=128", "--expert_cache_slots=all",
+                   "--prompt=abcabcabcabcabc", "--max_new_tokens=12"], cache_dir, timeout=600)
+    assert out.returncode == 0, out.stderr.decode("utf-8", "replace")
+    lines = out.stdout.decode("utf-8", "replace").splitlines()
+    assert any(line.startswith("drafts: proposed ") and "mean window size" in line for line in lines)
