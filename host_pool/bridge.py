@@ -12,6 +12,22 @@ It is raised where the result is first needed: at the jitted call on CPU
 `unwrap_pool_error` turns it back into a HostPoolError for a one-line report;
 to drop JAX's logged traceback too:
 logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL).
+
+Split jobs (deferred CPU rows): `submit_cpu_rows` hands a layer's CPU entries
+to the pool and returns a ticket at once; `wait_heavy_rows` blocks until the
+heavy entries (weight >= threshold) are done; `collect_cpu_rows` blocks until
+all are. Ordering: these callbacks are unordered (ordered=False), and XLA may
+run an unordered callback as soon as its operands exist, in any order
+relative to other work. So
+  * the ticket operand is what orders wait/collect after submit;
+  * nothing orders wait_heavy vs collect, nor places collect late by itself:
+    a collect whose only operand is the ticket may run (and block the graph)
+    right after submit. Pass `after=` (any jax array computed where collect
+    should go, e.g. the next layer's attention output) to add a data
+    dependency; it is handed to the callback and ignored.
+  * Each ticket must be collected once; if the graph fails before its
+    collect ran, `pool.drop_split_jobs()` forgets the leftovers.
+Timeouts are the pool's `timeout_s`, counted from submit.
 """
 
 from __future__ import annotations
@@ -27,6 +43,8 @@ from host_pool.pool import HostPool, HostPoolError
 
 # Our messages are one line: "host pool: layer <n> <what happened>".
 _POOL_MESSAGE = re.compile(r"host pool: layer (\d+) [^\n]*")
+# A split job's phase: "host pool: layer <n> heavy|light rows ...".
+_SPLIT_PHASE = re.compile(r"host pool: layer \d+ (heavy|light) rows ")
 
 
 def cpu_expert_rows(pool: HostPool, layer, x, ids, w):
@@ -49,6 +67,50 @@ def cpu_expert_rows(pool: HostPool, layer, x, ids, w):
         ordered=False)
 
 
+def submit_cpu_rows(pool: HostPool, layer, x, ids, weights, threshold):
+    """Ticket (int32 scalar) of a split job for x [T, H], ids [T, K] (-1 = not
+    a CPU entry), weights [T, K]; see `HostPool.submit_split`. The callback
+    returns at once: the graph does not wait for the compute. `layer` and
+    `threshold` may be Python numbers or traced scalars."""
+    layer = jnp.asarray(layer, jnp.int32)
+    threshold = jnp.asarray(threshold, jnp.float32)
+
+    def on_host(layer, x, ids, weights, threshold):
+        ticket = pool.submit_split(int(layer), np.asarray(x), np.asarray(ids),
+                                   np.asarray(weights), float(threshold))
+        return np.int32(ticket)
+
+    return io_callback(
+        on_host, jax.ShapeDtypeStruct((), jnp.int32),
+        layer, x.astype(jnp.float32), ids.astype(jnp.int32), weights.astype(jnp.float32),
+        threshold, ordered=False)
+
+
+def wait_heavy_rows(pool: HostPool, ticket, T: int, K: int, H: int, after=None):
+    """rows [T, K, H] float32, unweighted, heavy entries filled, others zero;
+    blocks until the ticket's heavy phase is done (`HostPool.wait_heavy`).
+    `after`: optional jax array, passed along and ignored (see module doc)."""
+    return _split_callback(pool.wait_heavy, ticket, (T, K, H), after)
+
+
+def collect_cpu_rows(pool: HostPool, ticket, T: int, K: int, H: int, after=None):
+    """rows [T, K, H] float32, unweighted, every entry filled; blocks until the
+    ticket's job is done and forgets the ticket (`HostPool.collect_split`).
+    `after`: optional jax array, passed along and ignored: collect cannot run
+    before it exists (see module doc)."""
+    return _split_callback(pool.collect_split, ticket, (T, K, H), after)
+
+
+def _split_callback(method, ticket, shape, after):
+    def on_host(ticket, *after):
+        del after  # only a data dependency
+        return np.asarray(method(int(ticket)), np.float32)
+
+    extra = () if after is None else (after,)
+    return io_callback(on_host, jax.ShapeDtypeStruct(shape, jnp.float32),
+                       jnp.asarray(ticket, jnp.int32), *extra, ordered=False)
+
+
 def unwrap_pool_error(exc: BaseException) -> HostPoolError | None:
     """The HostPoolError behind `exc` (itself, a chained cause, or our message
     inside a JAX runtime error's text), or None if it is not ours."""
@@ -62,5 +124,7 @@ def unwrap_pool_error(exc: BaseException) -> HostPoolError | None:
         matches = list(_POOL_MESSAGE.finditer(str(error)))
         if matches:
             last = matches[-1]  # the traceback ends with the raised message
-            return HostPoolError(last.group(0).rstrip(), int(last.group(1)))
+            phase = _SPLIT_PHASE.match(last.group(0))
+            return HostPoolError(last.group(0).rstrip(), int(last.group(1)),
+                                 phase.group(1) if phase else None)
     return None

@@ -9,11 +9,18 @@ Each job writes a disjoint slice, so no locks and a fixed summation order.
 numpy's BLAS releases the GIL, so the jobs run in parallel. Activations are
 kept transposed ([rows, T]): OpenBLAS runs W @ xT about 2x faster than
 x @ W^T for T = 4 (measured), and the same for T = 1.
+
+Split jobs (`submit_split`, for deferred CPU rows) return per-entry unweighted
+rows [T, K, H] instead of the weighted sum, in two phases: first the "heavy"
+entries (routing weight >= threshold), then a signal, then the "light" ones.
+Each phase runs the same two kinds of thread jobs, over entries grouped by
+expert (one weight read per expert and phase).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import threading
@@ -32,11 +39,13 @@ MIN_ROWS_PER_JOB = 16
 
 
 class HostPoolError(RuntimeError):
-    """A layer job failed or timed out. `layer` is the layer index."""
+    """A layer job failed or timed out. `layer` is the layer index; `phase` is
+    "heavy" or "light" for a split job's phase, else None."""
 
-    def __init__(self, message: str, layer: int | None = None):
+    def __init__(self, message: str, layer: int | None = None, phase: str | None = None):
         super().__init__(message)
         self.layer = layer
+        self.phase = phase
 
 
 @dataclasses.dataclass
@@ -59,6 +68,27 @@ class PoolHandle:
     future: Future          # -> y [T, H] float32
     deadline: float         # perf_counter() time
     generation: "_Generation"
+
+
+PHASES = ("heavy", "light")
+# Split jobs kept in the registry at most; beyond it, the oldest finished ones
+# (never collected, e.g. because the graph failed before collect_split) go.
+MAX_SPLIT_JOBS = 256
+
+
+@dataclasses.dataclass
+class SplitJob:
+    """A submitted split job (see `HostPool.submit_split`), found by its ticket."""
+    layer: int
+    ticket: int
+    heavy_rows: np.ndarray          # [T, K, H] float32, written by the heavy phase only
+    light_rows: np.ndarray          # [T, K, H] float32, written by the light phase only
+    heavy_done: threading.Event     # set when the heavy phase ends, fails, or the job is dropped
+    future: Future | None           # the whole job -> None (set right after submit)
+    deadline: float                 # perf_counter() time, from submit
+    generation: "_Generation"
+    failed_phase: str | None = None  # set by the driver before it raises
+    heavy_error: BaseException | None = None
 
 
 class _Generation:
@@ -94,7 +124,10 @@ class HostPool:
         self.timeout_s = timeout_s
         self.stats = PoolStats()
         self._lock = threading.Lock()       # guards stats, faults, generation
-        self._faults: dict[int, str] = {}   # layer -> "raise" | "hang", one-shot
+        # layer (plain jobs) or (layer, phase) (split jobs) -> "raise" | "hang", one-shot
+        self._faults: dict[int | tuple[int, str], str] = {}
+        self._splits: dict[int, SplitJob] = {}  # ticket -> in-flight split job
+        self._tickets = itertools.count(1)
         self._generation = _Generation(self.threads)
         if blas_threads is not None:
             set_blas_threads(blas_threads)
@@ -135,13 +168,115 @@ class HostPool:
                 layer) from error
         return handle.future.result()
 
-    def inject_fault(self, layer: int, kind: str = "raise") -> None:
+    def inject_fault(self, layer: int, kind: str = "raise", phase: str | None = None) -> None:
         """Test hook: the next job of `layer` raises ("raise") or never
-        answers ("hang", until the pool gives up on it)."""
+        answers ("hang", until the pool gives up on it).
+
+        phase None: the next plain job (`submit`/`compute`); "heavy" or
+        "light": that phase of the next split job (`submit_split`) of `layer`.
+        """
         if kind not in ("raise", "hang"):
             raise ValueError(f"fault kind {kind!r}, want 'raise' or 'hang'")
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"fault phase {phase!r}, want None, 'heavy' or 'light'")
         with self._lock:
-            self._faults[int(layer)] = kind
+            self._faults[int(layer) if phase is None else (int(layer), phase)] = kind
+
+    # ---- split jobs: per-entry rows, heavy entries first --------------------
+
+    def submit_split(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                     threshold: float) -> int:
+        """Start a split job and return its ticket (an int > 0, < 2**31) at once.
+
+        x [T, H] float32, ids [T, K] int (-1 = not a CPU entry), weights [T, K].
+        The job fills rows[t, k] = down_e @ (silu(gate_e @ x[t]) * (up_e @ x[t])),
+        e = ids[t, k], UNWEIGHTED (the caller applies weights); rows of ids == -1
+        stay zero. Entries with weights[t, k] >= threshold ("heavy", compared in
+        float32, so a weight equal to the threshold is heavy) are computed first,
+        then `wait_heavy` can return, then the light ones. Both phases count
+        their timeout from this submit (queueing behind earlier jobs included).
+        Pass the ticket to `wait_heavy` (optional) and then `collect_split`.
+        """
+        layer = int(layer)
+        x, ids, weights = self._check_split_inputs(layer, x, ids, weights)
+        heavy = (ids >= 0) & (weights >= np.float32(threshold))
+        light = (ids >= 0) & ~heavy
+        T, K = ids.shape
+        started = time.perf_counter()
+        with self._lock:  # so a concurrent timeout cannot shut the generation in between
+            faults = {phase: self._faults.pop((layer, phase), None) for phase in PHASES}
+            ticket = self._new_ticket()
+            rows_shape = (T, K, x.shape[1])
+            job = SplitJob(layer, ticket, np.zeros(rows_shape, np.float32),
+                           np.zeros(rows_shape, np.float32), threading.Event(), None,
+                           started + self.timeout_s, self._generation)
+            job.future = job.generation.driver.submit(
+                self._run_split, job, x, ids, heavy, light, faults, started)
+            # A job dropped before it ran never reaches its heavy phase: wake wait_heavy.
+            job.future.add_done_callback(lambda _: job.heavy_done.set())
+            self._splits[ticket] = job
+        return ticket
+
+    def wait_heavy(self, ticket: int, timeout: float | None = None) -> np.ndarray:
+        """rows [T, K, H] float32 with the heavy entries filled, the others zero.
+
+        Waits until the split job's heavy phase is done; the light phase may
+        still run. timeout None: until `timeout_s` after submit; else `timeout`
+        seconds from now. Raises HostPoolError (phase "heavy") on timeout or
+        failure. The ticket stays registered: `collect_split` it afterwards.
+        The returned array is the job's own: do not modify it.
+        """
+        job = self._split_job(ticket, remove=False)
+        limit, remaining = self._wait_limit(job, timeout)
+        if not job.heavy_done.wait(remaining):
+            self._abandon(job.generation)
+            raise self._split_error(job, "heavy", f"did not arrive within {limit} s")
+        if job.future.cancelled():
+            raise self._split_error(job, "heavy", "failed: dropped after an earlier timeout")
+        if job.heavy_error is not None:
+            raise self._split_failure(job, "heavy", job.heavy_error)
+        return job.heavy_rows
+
+    def collect_split(self, ticket: int, timeout: float | None = None) -> np.ndarray:
+        """rows [T, K, H] float32 with every entry filled (heavy and light).
+
+        Waits for the whole split job and removes its ticket, also when it
+        raises. timeout as for `wait_heavy`. Raises HostPoolError naming the
+        phase that failed or was still running at the timeout.
+        """
+        job = self._split_job(ticket, remove=True)
+        limit, remaining = self._wait_limit(job, timeout)
+        done, _ = wait([job.future], timeout=remaining)
+        if not done:
+            phase = "light" if job.heavy_done.is_set() else "heavy"
+            self._abandon(job.generation)
+            raise self._split_error(job, phase, f"did not arrive within {limit} s")
+        if job.future.cancelled():
+            raise self._split_error(job, "heavy", "failed: dropped after an earlier timeout")
+        error = job.future.exception()
+        if error is not None:
+            raise self._split_failure(job, job.failed_phase or "heavy", error)
+        # Heavy and light entries are disjoint (the other is 0 there): exact.
+        return job.heavy_rows + job.light_rows
+
+    def compute_split(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                      threshold: float = 0.0) -> np.ndarray:
+        """submit_split + collect_split: rows [T, K, H] float32 for every entry."""
+        return self.collect_split(self.submit_split(layer, x, ids, weights, threshold))
+
+    def split_tickets(self) -> list[int]:
+        """Tickets of split jobs submitted and not yet collected (or dropped)."""
+        with self._lock:
+            return list(self._splits)
+
+    def drop_split_jobs(self) -> int:
+        """Forget every uncollected split job (e.g. after a graph failed
+        before its collect_split ran); returns how many. Running jobs finish
+        on their own; their tickets become unknown."""
+        with self._lock:
+            count = len(self._splits)
+            self._splits.clear()
+        return count
 
     def close(self) -> None:
         with self._lock:
@@ -170,6 +305,58 @@ class HostPool:
             raise fail(f"expert ids outside [-1, {store.num_experts(layer)})")
         keep = ids >= 0
         return x, ids[keep].astype(np.int64), np.ascontiguousarray(w[:, keep])  # [Nv], [T, Nv]
+
+    def _check_split_inputs(self, layer, x, ids, weights):
+        store = self.store
+        fail = lambda why: HostPoolError(f"host pool: layer {layer} bad input: {why}", layer)
+        if not 0 <= layer < store.num_layers:
+            raise fail(f"store has {store.num_layers} layers")
+        x = np.ascontiguousarray(x, dtype=np.float32)  # [T, H]
+        ids = np.asarray(ids)                           # [T, K]
+        weights = np.asarray(weights, dtype=np.float32)  # [T, K]
+        if (x.ndim != 2 or x.shape[1] != store.hidden_size(layer) or ids.ndim != 2
+                or ids.shape[0] != x.shape[0] or weights.shape != ids.shape):
+            raise fail(f"x {x.shape}, ids {ids.shape}, weights {weights.shape}, "
+                       f"hidden {store.hidden_size(layer)}")
+        if ids.size and not (-1 <= ids.min() and ids.max() < store.num_experts(layer)):
+            raise fail(f"expert ids outside [-1, {store.num_experts(layer)})")
+        return x, ids.astype(np.int64), weights
+
+    def _new_ticket(self) -> int:
+        """A fresh ticket (caller holds the lock); makes room in the registry."""
+        if len(self._splits) >= MAX_SPLIT_JOBS:
+            for ticket in [t for t, job in self._splits.items() if job.future.done()]:
+                del self._splits[ticket]
+                if len(self._splits) < MAX_SPLIT_JOBS // 2:
+                    break
+        while True:  # tickets fit an int32 and skip any still registered
+            ticket = next(self._tickets) % (2**31 - 1) + 1
+            if ticket not in self._splits:
+                return ticket
+
+    def _split_job(self, ticket, remove: bool) -> SplitJob:
+        ticket = int(ticket)
+        with self._lock:
+            job = self._splits.pop(ticket, None) if remove else self._splits.get(ticket)
+        if job is None:
+            raise HostPoolError(f"host pool: unknown split job ticket {ticket} "
+                                "(collected already, dropped, or never submitted)")
+        return job
+
+    def _wait_limit(self, job: SplitJob, timeout: float | None) -> tuple[float, float]:
+        """(limit for the message, seconds left to wait)."""
+        if timeout is None:
+            return self.timeout_s, max(0.0, job.deadline - time.perf_counter())
+        return timeout, max(0.0, timeout)
+
+    @staticmethod
+    def _split_error(job: SplitJob, phase: str, what: str) -> HostPoolError:
+        return HostPoolError(f"host pool: layer {job.layer} {phase} rows {what}", job.layer, phase)
+
+    def _split_failure(self, job: SplitJob, phase: str, error: BaseException) -> HostPoolError:
+        failure = self._split_error(job, phase, f"failed: {type(error).__name__}: {error}")
+        failure.__cause__ = error
+        return failure
 
     def _abandon(self, generation: _Generation) -> None:
         """Give up on a generation whose job timed out: later calls get fresh threads."""
@@ -213,14 +400,80 @@ class HostPool:
             stats.wall_seconds += time.perf_counter() - started
         return np.ascontiguousarray(yT.T)
 
+    def _run_split(self, job, x, ids, heavy, light, faults, started):
+        """Driver thread: heavy phase, signal, light phase (see submit_split)."""
+        results = []
+        try:
+            job.failed_phase = "heavy"
+            results += self._run_split_phase(job, x, ids, heavy, job.heavy_rows, faults["heavy"])
+        except BaseException as error:
+            job.heavy_error = error
+            raise
+        finally:
+            job.heavy_done.set()
+        job.failed_phase = "light"
+        results += self._run_split_phase(job, x, ids, light, job.light_rows, faults["light"])
+        job.failed_phase = None
+
+        with self._lock:
+            stats = self.stats
+            stats.calls += 1
+            stats.jobs += len(results)
+            stats.job_seconds += sum(seconds for seconds, _ in results)
+            stats.bytes_read += sum(nbytes for _, nbytes in results)
+            stats.wall_seconds += time.perf_counter() - started
+
+    def _run_split_phase(self, job, x, ids, mask, rows, fault) -> list:
+        """rows[t, k] = unweighted expert output for every entry in mask [T, K].
+
+        Same thread jobs as a plain layer job, over the phase's entries grouped
+        by expert: gate/up jobs cut by (expert, rows of I), down jobs by rows
+        of H; each job writes a disjoint slice.
+        """
+        layer, generation = job.layer, job.generation
+        groups = _group_by_expert(ids, mask)  # [(expert, tokens, ks)]
+        if not groups:
+            _injected_fault(fault, generation)
+            return []
+        H, I = x.shape[1], self.store.intermediate_size(layer)
+        # Per group: the tokens' activations [H, n] and SwiGLU activations [I, n].
+        xTs = [np.ascontiguousarray(x[tokens].T) for _, tokens, _ in groups]
+        hTs = [np.empty((I, len(tokens)), np.float32) for _, tokens, _ in groups]
+
+        target_jobs = self.threads * JOBS_PER_THREAD
+        rows_up = _rows_per_job(len(groups) * I, target_jobs, I)
+        gate_up_jobs = [(g, r0, min(r0 + rows_up, I)) for g in range(len(groups))
+                        for r0 in range(0, I, rows_up)]
+        rows_down = _rows_per_job(H, target_jobs, H)
+        down_jobs = [(r0, min(r0 + rows_down, H)) for r0 in range(0, H, rows_down)]
+
+        pool = generation.workers
+        unweighted = np.float32(1.0)  # x * 1 == x: the plain job's arithmetic
+        results = _run_all([
+            pool.submit(self._gate_up_job, layer, xTs[g], groups[g][0], unweighted,
+                        hTs[g], r0, r1, fault if i == 0 else None, generation)
+            for i, (g, r0, r1) in enumerate(gate_up_jobs)])
+        results += _run_all([
+            pool.submit(self._split_down_job, layer, groups, hTs, rows, r0, r1)
+            for r0, r1 in down_jobs])
+        return results
+
+    def _split_down_job(self, layer, groups, hTs, rows, r0, r1):
+        """rows[t, k, r0:r1] = down[e, r0:r1] @ hT (column of entry (t, k)), per group."""
+        t0 = time.perf_counter()
+        nbytes = 0
+        for (expert, tokens, ks), hT in zip(groups, hTs):
+            down_rows = self.store.down[layer][expert, r0:r1]  # [R, I]
+            nbytes += down_rows.nbytes
+            for c0, down in row_chunks_f32(down_rows):
+                c1 = r0 + c0 + len(down)
+                rows[tokens, ks, r0 + c0:c1] = (down @ hT).T  # [n, c]
+        return time.perf_counter() - t0, nbytes
+
     def _gate_up_job(self, layer, xT, expert, w_n, hT_n, r0, r1, fault, generation):
         """hT_n[r0:r1] = w_n * silu(gate[r0:r1] @ xT) * (up[r0:r1] @ xT)."""
         t0 = time.perf_counter()
-        if fault == "raise":
-            raise RuntimeError("injected fault")
-        if fault == "hang":
-            generation.release_hangs.wait()
-            raise RuntimeError("injected hang released")
+        _injected_fault(fault, generation)
         gate_rows = self.store.gate[layer][expert, r0:r1]  # [R, H]
         up_rows = self.store.up[layer][expert, r0:r1]      # [R, H]
         out = hT_n[r0:r1]                                   # [R, T] view
@@ -242,6 +495,23 @@ class HostPool:
             for c0, down in row_chunks_f32(down_rows):
                 out[c0:c0 + len(down)] += down @ hT[n]       # [c, T]
         return time.perf_counter() - t0, nbytes
+
+
+def _injected_fault(fault: str | None, generation: _Generation) -> None:
+    """Act out an injected test fault (see HostPool.inject_fault), if any."""
+    if fault == "raise":
+        raise RuntimeError("injected fault")
+    if fault == "hang":
+        generation.release_hangs.wait()
+        raise RuntimeError("injected hang released")
+
+
+def _group_by_expert(ids: np.ndarray, mask: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """[(expert, token indices, k indices)] of the entries (t, k) where mask
+    is true, one item per expert, in expert order."""
+    tokens, ks = np.nonzero(mask)
+    experts = ids[tokens, ks]
+    return [(int(e), tokens[experts == e], ks[experts == e]) for e in np.unique(experts)]
 
 
 def _rows_per_job(total_rows: int, target_jobs: int, limit: int) -> int:

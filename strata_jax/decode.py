@@ -55,6 +55,8 @@ def run() -> None:
     if engine.placement:
         print(f"experts, prefill: {engine.stats.last.prefill_experts.summary()}")
         print(f"experts, decode: {engine.stats.last.decode_experts.summary()}", flush=True)
+        for line in engine.stats.total.decode_experts.approx_lines(engine.approx):
+            print(line, flush=True)
 
 
 def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:

@@ -18,7 +18,7 @@ from strata_jax.config import ModelConfig, config_from_dict
 from strata_jax.drafts import make_drafter
 from strata_jax.embedded import embedded_model_dir
 from strata_jax.errors import StrataError
-from strata_jax.options import EngineOptions, RequestOptions, build, split_options
+from strata_jax.options import EngineOptions, RequestOptions, build, route_approx, split_options
 from strata_jax.sampling import SamplingParams
 from strata_jax.stats import ExpertStats, RequestStats, Stats
 from strata_jax.tokenizer import load_tokenizer
@@ -48,19 +48,26 @@ class Engine:
         self.placement = placement
         self.dtype = jnp.dtype(options.dtype)
         self.context, self.chunk = context_and_chunk(cfg, options)
-        self.expert_path = self._expert_path()
+        self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
+        self.expert_path, self.decode_expert_path = self._expert_paths()
         self.stats = Stats()
         self._reset_state()
         if placement and verbose:
             for line in placement.lines:
                 log(line)
+        if verbose:
+            for line in approx_lines:
+                log(line)
         self._compile()
 
-    def _expert_path(self):
-        """The offload path of the graphs; with pcie_frac 1 it is built without the host pool (no callback)."""
+    def _expert_paths(self):
+        """The offload paths of the prefill and of the decode graphs (the routing approximations act in decode
+        windows only); with pcie_frac 1 they are built without the host pool (no callback)."""
         if not self.placement:
-            return None
-        return offload.OffloadedExperts(self.cfg, self.placement.pool if self.placement.pcie_frac < 1 else None)
+            return None, None
+        pool = self.placement.pool if self.placement.pcie_frac < 1 else None
+        exact = offload.OffloadedExperts(self.cfg, pool)
+        return exact, (offload.OffloadedExperts(self.cfg, pool, route=self.approx) if self.approx.active else exact)
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
@@ -157,7 +164,7 @@ class Engine:
         if self.verbose:
             log(f"compiling: window T=1..{self.options.window}, prefill chunk {self.chunk}, samplers ...")
         pos = jnp.int32(0)
-        decode = graphs.jit_decode_window(self.cfg, self.expert_path)
+        decode = graphs.jit_decode_window(self.cfg, self.decode_expert_path)
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
         sampler, verifier = graphs.jit_sample(), graphs.jit_verify()
         sampling = SamplingParams.make()
@@ -196,7 +203,7 @@ class Engine:
         self.placement.pcie_frac, self.placement.policy = float(opts.pcie_frac), opts.cache_policy
         self._reset_state()
         if (self.placement.pcie_frac < 1) != uses_pool:
-            self.expert_path = self._expert_path()
+            self.expert_path, self.decode_expert_path = self._expert_paths()
             self._compile()
 
     # ---- expert counters -------------------------------------------------------------------------------------

@@ -35,17 +35,26 @@ class Route:
     entry_counts: jax.Array  # [N] int32: rows of the window that chose expert_ids[n]
 
 
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """x [T, H] -> float32 router logits [T, E]."""
+    return jnp.einsum("th,he->te", x, router, preferred_element_type=jnp.float32)
+
+
 def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -> Route:
     """x: [T, H]; valid: [T] bool (padding rows route nowhere)."""
-    t = x.shape[0]
-    e, k = cfg.num_experts, cfg.num_experts_per_tok
-    logits = jnp.einsum("th,he->te", x, router, preferred_element_type=jnp.float32)  # [T, E]
-    probs = jax.nn.softmax(logits, axis=-1)
-    topk_w, topk_ids = jax.lax.top_k(probs, k)  # [T, K]
+    probs = jax.nn.softmax(router_logits(x, router), axis=-1)  # [T, E]
+    topk_w, topk_ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [T, K]
     if cfg.norm_topk_prob:
         topk_w = topk_w / jnp.sum(topk_w, axis=-1, keepdims=True)
+    return make_route(topk_ids, topk_w, cfg, valid, x.dtype)
+
+
+def make_route(topk_ids: jax.Array, topk_w: jax.Array, cfg: ModelConfig, valid: jax.Array, dtype) -> Route:
+    """Each row's picked experts (ordered by weight) and float32 weights -> the window's Route."""
+    t, k = topk_ids.shape
+    e = cfg.num_experts
     # transformers casts the routing weights to the hidden dtype before the weighted sum.
-    topk_w = topk_w.astype(x.dtype).astype(jnp.float32)
+    topk_w = topk_w.astype(dtype).astype(jnp.float32)
     topk_w = jnp.where(valid[:, None], topk_w, 0.0)
     topk_ids = jnp.where(valid[:, None], topk_ids, e).astype(jnp.int32)
     n = min(t * k, e)

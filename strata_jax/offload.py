@@ -23,12 +23,15 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from strata_jax import moe
+from strata_jax import approx, moe
 from strata_jax.config import ModelConfig
 
-NONE, RESIDENT, FETCH, CPU = 0, 1, 2, 3
+NONE, RESIDENT, FETCH, CPU, SKIP = 0, 1, 2, 3, 4
 COUNTERS = ("entries", "entries_resident", "entries_fetched", "entries_cpu",
-            "distinct", "distinct_resident", "distinct_fetched", "distinct_cpu")
+            "distinct", "distinct_resident", "distinct_fetched", "distinct_cpu",
+            # the routing approximations (strata_jax.approx); zero when they are off
+            "distinct_skipped", "entries_skipped", "prior_tokens", "prior_tokens_changed", "prior_entries",
+            "prior_hits_unbiased", "prior_hits", "swaps")
 POLICIES = ("lru", "static")
 
 
@@ -47,6 +50,9 @@ class SlotCache:
     # Settings as data, so one compiled graph serves every policy and PCIe share.
     pcie_frac: jax.Array  # [] float32: share of misses fetched over PCIe; the rest go to the host pool
     lru: jax.Array  # [] bool: fetched experts enter slots (lru); False: slots frozen (static)
+    # The route prior's range mode: running sum and count of decode tokens' logit ranges (max - min).
+    range_sum: jax.Array  # [] float32
+    range_count: jax.Array  # [] int32
 
     @property
     def slots(self) -> int:
@@ -72,7 +78,8 @@ def init_slot_cache(cfg: ModelConfig, slots: int, dtype, policy: str = "lru", pc
         table=jnp.full((e,), -1, jnp.int32), expert_of=jnp.full((slots + 1,), -1, jnp.int32),
         last_use=jnp.full((slots + 1,), -1, jnp.int32), clock=jnp.int32(0),
         usage=jnp.zeros((e,), jnp.int32), counters=jnp.zeros((len(COUNTERS),), jnp.int32),
-        pcie_frac=jnp.float32(pcie_frac), lru=jnp.bool_(policy == "lru"))
+        pcie_frac=jnp.float32(pcie_frac), lru=jnp.bool_(policy == "lru"),
+        range_sum=jnp.float32(0), range_count=jnp.int32(0))
 
 
 def to_device(x: jax.Array) -> jax.Array:
@@ -80,29 +87,38 @@ def to_device(x: jax.Array) -> jax.Array:
     return jax.device_put(x, device_sharding())
 
 
-def plan(r: moe.Route, state: SlotCache, cpu: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Kinds [N] (NONE / RESIDENT / FETCH / CPU) and slots [N] of the window's distinct experts. cpu=False (a
-    graph built without the host pool): every miss is fetched, whatever state.pcie_frac says."""
+def plan(r: moe.Route, state: SlotCache, cpu: bool = True, tail_skip: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Kinds [N] (NONE / RESIDENT / FETCH / CPU / SKIP) and slots [N] of the window's distinct experts. cpu=False
+    (a graph built without the host pool): every miss is fetched, whatever state.pcie_frac says. tail_skip=R > 0:
+    a miss that every entry routes at rank >= R is skipped (approx.py)."""
     ids = r.expert_ids
     used = ids >= 0
     slot = jnp.where(used, state.table[jnp.maximum(ids, 0)], -1)
     resident = used & (slot >= 0)
     miss = used & ~resident
+    skip = jnp.zeros_like(miss)
+    if tail_skip:
+        skip = miss & (approx.min_rank(r, r.topk_ids.shape[1]) >= tail_skip)
+        miss = miss & ~skip
     frac = state.pcie_frac if cpu else 1.0
     n_fetch = jnp.floor(frac * jnp.sum(miss) + 0.5).astype(jnp.int32)
     mass = jnp.sum(r.combine, axis=0)  # [N]
     order = jnp.argsort(jnp.where(miss, -mass, jnp.inf))  # misses, heaviest first
     miss_rank = jnp.zeros_like(ids).at[order].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
     fetch = miss & (miss_rank < n_fetch)
-    kind = jnp.where(resident, RESIDENT, jnp.where(fetch, FETCH, jnp.where(miss, CPU, NONE))).astype(jnp.int32)
+    kind = jnp.where(resident, RESIDENT, jnp.where(fetch, FETCH, jnp.where(miss, CPU, NONE)))
+    kind = jnp.where(skip, SKIP, kind).astype(jnp.int32)
     return kind, slot
 
 
-def count(kind: jax.Array, r: moe.Route) -> jax.Array:
-    """This window's counters [len(COUNTERS)]."""
+def count(kind: jax.Array, r: moe.Route, extra: dict | None = None) -> jax.Array:
+    """This window's counters [len(COUNTERS)]; `extra`: the approximations' counters by name."""
     entries = [jnp.sum(jnp.where(kind == k, r.entry_counts, 0)) for k in (RESIDENT, FETCH, CPU)]
     distinct = [jnp.sum(kind == k) for k in (RESIDENT, FETCH, CPU)]
-    return jnp.stack([sum(entries), *entries, sum(distinct), *distinct]).astype(jnp.int32)
+    values = dict(distinct_skipped=jnp.sum(kind == SKIP), entries_skipped=jnp.sum(jnp.where(kind == SKIP, r.entry_counts, 0)),
+                  **(extra or {}))
+    rest = [values.get(name, 0) for name in COUNTERS[8:]]
+    return jnp.stack([jnp.asarray(v, jnp.int32) for v in [sum(entries), *entries, sum(distinct), *distinct, *rest]])
 
 
 class OffloadedExperts:
@@ -110,18 +126,51 @@ class OffloadedExperts:
 
     `w.gate/up/down` are the layer's experts in host memory; `pool` computes the cpu kind. Without a pool the
     graph has no callback and no lax.cond around it (each makes the GPU stream wait for the host): every miss is
-    fetched. `block`: experts per GPU block (bounds the staging memory of prefill chunks).
+    fetched. `block`: experts per GPU block (bounds the staging memory of prefill chunks). `route`: the routing
+    approximations (strata_jax.approx; the decode graphs only), off by default.
     """
 
-    def __init__(self, cfg: ModelConfig, pool=None, block: int = 32):
-        self.cfg, self.pool, self.block = cfg, pool, block
+    def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF):
+        self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
+
+    def route(self, x: jax.Array, w: moe.MoEWeights, valid: jax.Array, state: SlotCache):
+        """The window's Route with the approximations applied (prior, then resident swap), their counters, and
+        the state (the range mode's running mean)."""
+        cfg, a = self.cfg, self.approx
+        if a.prior is None and not a.resident:
+            return moe.route(x, w.router, cfg, valid), {}, state
+        k = cfg.num_experts_per_tok
+        logits = moe.router_logits(x, w.router)  # [T, E] float32
+        probs = approx.router_probs(logits)
+        _, unbiased = jax.lax.top_k(probs, k)  # [T, K], the exact path's choice
+        resident = state.table >= 0  # [E]
+        ids, extra = unbiased, {}
+        if a.prior is not None:
+            with jax.named_scope("moe_route_prior"):
+                lam = jnp.full((x.shape[0],), a.prior, jnp.float32)
+                if a.prior_mode == "range":
+                    add_sum, add_count = approx.logit_range(logits, valid)
+                    state = state.replace(range_sum=state.range_sum + add_sum, range_count=state.range_count + add_count)
+                    lam = lam * state.range_sum / jnp.maximum(state.range_count, 1).astype(jnp.float32)
+                ids, changed = approx.prior_pick(logits, resident, lam, k, a.prior_keep)
+                hits = lambda i: jnp.sum(jnp.where(valid[:, None], resident[i], False))
+                extra.update(prior_tokens=jnp.sum(valid), prior_tokens_changed=jnp.sum(changed & valid),
+                             prior_entries=jnp.sum(valid) * k,
+                             prior_hits_unbiased=hits(unbiased), prior_hits=hits(ids))
+        if a.resident:
+            with jax.named_scope("moe_route_resident"):
+                ids, _ = approx.weights_of(probs, ids, cfg.norm_topk_prob)
+                ids, swaps = approx.resident_swap(logits, ids, resident, a.resident_rank, a.resident_margin)
+                extra["swaps"] = jnp.sum(jnp.where(valid, swaps, 0))
+        ids, weights = approx.weights_of(probs, ids, cfg.norm_topk_prob)
+        return moe.make_route(ids, weights, cfg, valid, x.dtype), extra, state
 
     def __call__(self, layer: int, x: jax.Array, w: moe.MoEWeights, valid: jax.Array, state: SlotCache):
         cfg = self.cfg
         with jax.named_scope("moe_route"):
-            r = moe.route(x, w.router, cfg, valid)
+            r, extra, state = self.route(x, w, valid, state)
         with jax.named_scope("moe_plan"):
-            kind, slot = plan(r, state, cpu=self.pool is not None)
+            kind, slot = plan(r, state, cpu=self.pool is not None, tail_skip=self.approx.tail_skip)
             ids, n = r.expert_ids, r.expert_ids.shape[0]
             s = state.slots
             # Victims: slots not read by this window, least recently used (empty ones first); the trash row last.
@@ -194,7 +243,7 @@ class OffloadedExperts:
             usage = state.usage.at[jnp.where(ids >= 0, ids, e)].add(r.entry_counts, mode="drop")
             state = state.replace(gate=slots[0], up=slots[1], down=slots[2], table=table, expert_of=expert_of,
                                   last_use=last_use, clock=state.clock + 1, usage=usage,
-                                  counters=state.counters + count(kind, r))
+                                  counters=state.counters + count(kind, r, extra))
         return y, state
 
 

@@ -82,6 +82,22 @@ class EngineOptions:
     cpu_timeout_s: float = opt(20.0, "A host pool job that does not answer within this many seconds ends the "
                                "request with an error.", _float_range(0.0, 3600.0, lo_open=True))
 
+    # The routing approximations (strata_jax.approx): '' = read the STRATA_* environment variable of the same name.
+    # A bad value is one line and the switch stays off (as the original engine does), not an error.
+    route_tail_skip: str = opt("", "STRATA_ROUTE_TAIL_SKIP=R: skip a missed expert that every token of a decode "
+                               "window routes at rank >= R (0-based). Off when unset.")
+    route_prior: str = opt("", "STRATA_ROUTE_PRIOR=lambda: re-pick each token's top-K with lambda added to the "
+                           "logits of resident experts. Off when unset.")
+    route_prior_mode: str = opt("", "STRATA_ROUTE_PRIOR_MODE=plain|range: range scales lambda by the layer's "
+                                "running mean logit range (max - min). Default plain.")
+    route_prior_keep: str = opt("", "STRATA_ROUTE_PRIOR_KEEP=J: the unbiased top-J are always kept. Default 1 in "
+                                "range mode, 0 in plain mode.")
+    route_resident: str = opt("", "STRATA_ROUTE_RESIDENT=1: swap a missed tail expert for the best resident one "
+                              "within a margin. Off when unset.")
+    route_resident_rank: str = opt("", "STRATA_ROUTE_RESIDENT_RANK=r: first rank the swap may replace. Default: the "
+                                   "last 40% of the ranks (6 for K = 10).")
+    route_resident_margin: str = opt("", "STRATA_ROUTE_RESIDENT_MARGIN=m: largest logit gap of a swap. Default 1.0.")
+
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else Path.home() / ".cache" / "strata_jax"
 
@@ -106,6 +122,8 @@ def validate(obj) -> None:
         value = getattr(obj, f.name)
         if f.type == "float" and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if f.type == "str" and isinstance(value, bool):
+            value = "1" if value else "0"  # route_resident=True from the API
         if f.type == "str" and isinstance(value, (int, float)) and not isinstance(value, bool):
             value = str(value)  # expert_cache_slots=8, pcie_frac=0.5 from the API
         object.__setattr__(obj, f.name, value)
@@ -144,3 +162,98 @@ def define_flags(flag_values, classes=(EngineOptions, RequestOptions)) -> None:
 
 def from_flags(cls, flag_values):
     return build(cls, {f.name: getattr(flag_values, f.name) for f in dataclasses.fields(cls)})
+
+
+# ---- the STRATA_* approximation switches ----------------------------------------------------------------------
+
+ROUTE_SWITCHES = ("route_tail_skip", "route_prior", "route_prior_mode", "route_prior_keep", "route_resident",
+                  "route_resident_rank", "route_resident_margin")
+
+
+def env_name(option: str) -> str:
+    return "STRATA_" + option.upper()
+
+
+def switch_values(opts: EngineOptions, names, environ=None) -> dict[str, str]:
+    """Each switch's raw text: the option (flag / API keyword) when given, else its STRATA_* variable, else ''."""
+    import os
+    environ = os.environ if environ is None else environ
+    return {n: (getattr(opts, n) or environ.get(env_name(n), "")).strip() for n in names}
+
+
+def _number(text: str, kind=float):
+    try:
+        v = kind(text)
+    except ValueError:
+        return None
+    return v if v == v else None  # NaN is not a number here
+
+
+def route_approx(opts: EngineOptions, k: int, offload: bool, environ=None):
+    """(RouteApprox, start-up lines) from the options and the environment; K = the model's experts per token."""
+    from strata_jax.approx import OFF, RouteApprox, default_resident_rank
+    raw = switch_values(opts, ROUTE_SWITCHES, environ)
+    lines, out = [], {}
+    if raw["route_tail_skip"]:
+        r = _number(raw["route_tail_skip"], int)
+        name = f"{env_name('route_tail_skip')}={raw['route_tail_skip']}"
+        if r is None or r < 1:
+            lines.append(f"route tail skip: {name} is not an integer >= 1; tail skip off")
+        else:
+            out["tail_skip"] = r
+            what = (f"skips nothing (R >= K = {k})" if r >= k else
+                    f"a missed expert that every entry of a decode window routes at rank >= {r} (ranks 0..{k - 1}) "
+                    "is skipped")
+            lines.append(f"route tail skip: R = {r}: {what}")
+    if raw["route_prior"]:
+        lam = _number(raw["route_prior"])
+        name = f"{env_name('route_prior')}={raw['route_prior']}"
+        if lam is None or lam < 0:
+            lines.append(f"route prior: {name} is not a number >= 0; prior off")
+        else:
+            mode = raw["route_prior_mode"] or "plain"
+            if mode not in ("plain", "range"):
+                lines.append(f"route prior: {env_name('route_prior_mode')}={mode} is not plain or range; plain")
+                mode = "plain"
+            keep = 1 if mode == "range" else 0
+            if raw["route_prior_keep"]:
+                j = _number(raw["route_prior_keep"], int)
+                if j is None or not 0 <= j <= k:
+                    lines.append(f"route prior: {env_name('route_prior_keep')}={raw['route_prior_keep']} is not an "
+                                 f"integer in 0..{k}; {keep}")
+                else:
+                    keep = j
+            out.update(prior=float(lam), prior_mode=mode, prior_keep=keep)
+            scale = " x the layer's running mean logit range" if mode == "range" else ""
+            lines.append(f"route prior: lambda = {lam:g}{scale} added to resident experts' logits, top-K re-picked "
+                         f"(Pallas kernel), unbiased top-{keep} always kept; mode {mode}")
+    elif raw["route_prior_mode"] or raw["route_prior_keep"]:
+        lines.append("route prior: STRATA_ROUTE_PRIOR_MODE / _KEEP set but the prior is off: ignored")
+    if raw["route_resident"]:
+        if raw["route_resident"] not in ("0", "1"):
+            lines.append(f"route resident swap: {env_name('route_resident')}={raw['route_resident']} is not 0 or 1; off")
+        elif raw["route_resident"] == "1":
+            first = default_resident_rank(k)
+            if raw["route_resident_rank"]:
+                v = _number(raw["route_resident_rank"], int)
+                if v is None or not 0 <= v < k:
+                    lines.append(f"route resident swap: {env_name('route_resident_rank')}="
+                                 f"{raw['route_resident_rank']} is not an integer in 0..{k - 1}; {first}")
+                else:
+                    first = v
+            margin = 1.0
+            if raw["route_resident_margin"]:
+                v = _number(raw["route_resident_margin"])
+                if v is None or v < 0:
+                    lines.append(f"route resident swap: {env_name('route_resident_margin')}="
+                                 f"{raw['route_resident_margin']} is not a number >= 0; 1.0")
+                else:
+                    margin = v
+            out.update(resident=True, resident_rank=first, resident_margin=margin)
+            lines.append(f"route resident swap: a missed expert at rank {first}..{k - 1} is swapped for the best "
+                         f"resident one within a logit margin of {margin:g}")
+    approx = RouteApprox(**out)
+    if approx.active and not offload:
+        lines.append("route approximations: every expert is on the device (offload off): nothing to do")
+        approx = OFF
+    return approx, lines

@@ -17,6 +17,15 @@ class ExpertStats:
     distinct_resident: int = 0
     distinct_fetched: int = 0
     distinct_cpu: int = 0
+    # The routing approximations (strata_jax.approx)
+    distinct_skipped: int = 0  # tail skip: missed experts neither copied nor computed
+    entries_skipped: int = 0
+    prior_tokens: int = 0  # route prior: decode tokens routed with it
+    prior_tokens_changed: int = 0  # ... whose top-K set it changed
+    prior_entries: int = 0  # their (token, expert) entries
+    prior_hits_unbiased: int = 0  # entries on a resident expert without the prior
+    prior_hits: int = 0  # ... with it
+    swaps: int = 0  # resident swap: missed experts swapped for resident ones
     pcie_bytes: int = 0
     pool_s: float = 0.0
 
@@ -24,6 +33,22 @@ class ExpertStats:
     def hit_rate(self) -> float:
         """Share of the distinct experts the windows needed that were already in a device slot."""
         return self.distinct_resident / self.distinct if self.distinct else 0.0
+
+    def approx_lines(self, approx) -> list[str]:
+        """One line per routing approximation that is on (counts since the engine started when self is the total)."""
+        lines = []
+        if approx.tail_skip:
+            lines.append(f"route tail skip: {self.distinct_skipped} missed experts skipped "
+                         f"({self.entries_skipped} entries) since the start")
+        if approx.prior is not None:
+            entries = self.prior_entries
+            with_, without = (self.prior_hits / entries, self.prior_hits_unbiased / entries) if entries else (0.0, 0.0)
+            lines.append(f"route prior: {self.prior_tokens_changed} of {self.prior_tokens} token routings changed "
+                         f"their top-K; entry hit rate {with_:.1%} with the prior, {without:.1%} without, "
+                         "since the start")
+        if approx.resident:
+            lines.append(f"route resident swap: {self.swaps} swaps since the start")
+        return lines
 
     def __iadd__(self, other: "ExpertStats") -> "ExpertStats":
         for f in dataclasses.fields(self):

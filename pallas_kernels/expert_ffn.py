@@ -1,0 +1,168 @@
+"""The window's SwiGLU experts for decode, read in place from the stacked slot array (no gather copy).
+
+out[t] = sum_n combine[t, n] * bf16(down_n @ bf16(silu(g) * u)),  g = bf16(gate_n x_t), u = bf16(up_n x_t)
+(f32 accumulation in every matmul and in the weighted sum; the roundings are the XLA path's, `moe.expert_ffn`).
+
+`moe.resident_experts` gathers the window's experts (`gate[ids]`, ...) before its einsums: XLA materialises that
+copy, so each expert's bytes cross HBM three times (read, write, read). Decode is bound by those bytes; these
+kernels index the [S, I, H] / [S, H, I] arrays by slot inside the kernel, so every expert is read once per window.
+
+Two Triton kernels (the down projection needs every I row of h, which a gate/up program does not own):
+  1. gate/up, grid (N, I / block_i): program (n, j) reads rows j*block_i.. of expert n's gate and up, looping over
+     H in block_k chunks, and writes h[n, :, j-block] = bf16(silu(g) * u) for all (padded) tokens.
+  2. down, grid (H / block_h, n_split): program (b, s) owns output columns b*block_h.. and the s-th share of the
+     experts; per expert it reduces over I in block_i_down chunks, rounds the expert's output to bf16, weights it
+     by combine[:, n] and accumulates in f32. The n_split partial sums are added by XLA (n_split * Tp * H floats).
+Padding slots (-1) are skipped in both kernels: they read nothing and contribute nothing.
+
+Triton constraints: every block is a power of 2 and tl.dot needs dims >= 16, so T is padded to Tp = 16 (a power of
+2 >= T beyond that) and H and I must be multiples of 16 (each block is the largest power of 2 <= the requested size
+that divides its dimension). Other H or I are rejected with a ValueError: padding them would mean copying the
+stacked weights, which is what this kernel exists to avoid.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MIN_DOT = 16  # tl.dot: every dimension >= 16
+
+
+def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, h_ref, *, block_k: int):
+    """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 (whole arrays, indexed by slot); h block [Tp, BI]."""
+    n, j = pl.program_id(0), pl.program_id(1)
+    tp, bi = h_ref.shape
+    hidden = x_ref.shape[1]
+    slot = ids_ref[n]
+    rows = pl.ds(j * bi, bi)
+
+    @pl.when(slot >= 0)  # padding: h is never read (the down kernel skips it too)
+    def _():
+        def body(k, carry):
+            g, u = carry
+            cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+            xk = x_ref[:, cols]  # [Tp, BK]
+            g += plgpu.dot(xk, gate_ref[slot, rows, cols], trans_b=True)  # [Tp, BK] x [BI, BK]^T -> [Tp, BI] f32
+            u += plgpu.dot(xk, up_ref[slot, rows, cols], trans_b=True)
+            return g, u
+
+        zero = jnp.zeros((tp, bi), jnp.float32)
+        g, u = jax.lax.fori_loop(0, hidden // block_k, body, (zero, zero))
+        # The XLA path's einsums return bf16 g and u; round them the same way before the SwiGLU.
+        g = g.astype(jnp.bfloat16).astype(jnp.float32)
+        u = u.astype(jnp.bfloat16).astype(jnp.float32)
+        h_ref[...] = (g / (1.0 + jnp.exp(-g)) * u).astype(h_ref.dtype)  # silu(g) * u, [Tp, BI]
+
+
+def _down_kernel(ids_ref, h_ref, down_ref, comb_ref, out_ref, *, block_i: int, per_split: int):
+    """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 (whole); comb [Np, Tp] f32; out block [Tp, BH] f32."""
+    b, s = pl.program_id(0), pl.program_id(1)
+    tp, bh = out_ref.shape
+    inter = h_ref.shape[2]
+    cols = pl.ds(b * bh, bh)
+
+    def expert(e, acc):
+        n = s * per_split + e
+        slot = ids_ref[n]
+
+        def contribute(acc):
+            def body(k, y):
+                ik = pl.ds(pl.multiple_of(k * block_i, block_i), block_i)
+                # [Tp, BI] x [BH, BI]^T -> [Tp, BH] f32
+                return y + plgpu.dot(h_ref[n, :, ik], down_ref[slot, cols, ik], trans_b=True)
+
+            y = jax.lax.fori_loop(0, inter // block_i, body, jnp.zeros((tp, bh), jnp.float32))
+            y = y.astype(jnp.bfloat16).astype(jnp.float32)  # each expert's output rounded to bf16, as the XLA path
+            return acc + comb_ref[n, :][:, None] * y  # [Tp, 1] * [Tp, BH]
+
+        return jax.lax.cond(slot >= 0, contribute, lambda a: a, acc)
+
+    out_ref[...] = jax.lax.fori_loop(0, per_split, expert, jnp.zeros((tp, bh), jnp.float32))
+
+
+def _block(dim: int, want: int, what: str) -> int:
+    """The largest power of 2 <= want that divides dim; >= 16 (tl.dot), else a ValueError."""
+    b = 1 << (max(want, 1).bit_length() - 1)
+    while b >= MIN_DOT and dim % b:
+        b //= 2
+    if b < MIN_DOT:
+        raise ValueError(f"expert_ffn: {what}={dim} must be a multiple of {MIN_DOT} (Triton blocks are powers of 2 "
+                         f">= {MIN_DOT}); the kernel does not pad the stacked weights")
+    return b
+
+
+def _padded_tokens(t: int) -> int:
+    return max(MIN_DOT, 1 << (t - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_i", "block_k", "block_h", "block_i_down",
+                                             "n_split", "num_warps", "num_stages"))
+def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,
+               combine: jax.Array, *, interpret: bool = False, block_i: int = 32, block_k: int = 256,
+               block_h: int = 32, block_i_down: int = 256, n_split: int = 4, num_warps: int = 4,
+               num_stages: int = 3) -> jax.Array:
+    """x [T, H] bf16; gate, up [S, I, H]; down [S, H, I]; slot_ids [N] int32 (-1 = padding); combine [T, N] f32.
+    Returns [T, H] float32. Slot ids must be < S (a device value: not checked). T <= 16 costs the same as T = 16.
+
+    Tuning (static): block_i rows of I per gate/up program, block_k the H chunk of its loop; block_h output columns
+    per down program, block_i_down its I chunk, n_split the programs sharing the experts of one column block;
+    num_warps / num_stages for both kernels. Blocks shrink to a power of 2 dividing their dimension."""
+    t, hidden = x.shape
+    s, inter, _ = gate.shape
+    n = slot_ids.shape[0]
+    if gate.shape != (s, inter, hidden) or up.shape != gate.shape or down.shape != (s, hidden, inter):
+        raise ValueError(f"expert_ffn: shapes x {x.shape}, gate {gate.shape}, up {up.shape}, down {down.shape} do "
+                         "not match x [T, H], gate/up [S, I, H], down [S, H, I]")
+    if {x.dtype, gate.dtype, up.dtype, down.dtype} != {jnp.dtype(jnp.bfloat16)}:
+        raise ValueError(f"expert_ffn: x and the experts must be bfloat16 (got x {x.dtype}, gate {gate.dtype}, "
+                         f"up {up.dtype}, down {down.dtype})")
+    if combine.shape != (t, n):
+        raise ValueError(f"expert_ffn: combine {combine.shape} is not [T, N] = {(t, n)}")
+    bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
+    bh, bid = _block(hidden, block_h, "H"), _block(inter, block_i_down, "I")
+    tp = _padded_tokens(t)
+    splits = max(1, min(n_split, n))
+    per_split = -(-n // splits)
+    np_ = per_split * splits  # N padded with -1 slots so each split has the same count
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+    ids = jnp.pad(slot_ids.astype(jnp.int32), (0, np_ - n), constant_values=-1)  # [Np]
+    xp = jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, H]
+    # Padding experts and padding tokens weigh 0; transposed so an expert's weights are one contiguous row.
+    comb = jnp.where(slot_ids[None, :] >= 0, combine.astype(jnp.float32), 0.0)
+    comb = jnp.pad(comb, ((0, tp - t), (0, np_ - n))).T  # [Np, Tp]
+
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # the full array, indexed in-kernel
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, block_k=bk),
+        grid=(np_, inter // bi),
+        in_specs=[whole((np_,)), whole((tp, hidden)), whole(gate.shape), whole(up.shape)],
+        out_specs=pl.BlockSpec((None, tp, bi), lambda i, j: (i, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((np_, tp, inter), jnp.bfloat16),  # [Np, Tp, I]
+        compiler_params=params, interpret=interpret, name="expert_ffn_gate_up",
+    )(ids, xp, gate, up)
+
+    partials = pl.pallas_call(
+        functools.partial(_down_kernel, block_i=bid, per_split=per_split),
+        grid=(hidden // bh, splits),
+        in_specs=[whole((np_,)), whole(h.shape), whole(down.shape), whole(comb.shape)],
+        out_specs=pl.BlockSpec((None, tp, bh), lambda b, sp: (sp, 0, b)),
+        out_shape=jax.ShapeDtypeStruct((splits, tp, hidden), jnp.float32),  # [n_split, Tp, H]
+        compiler_params=params, interpret=interpret, name="expert_ffn_down",
+    )(ids, h, down, comb)
+    return partials.sum(axis=0)[:t]  # [T, H]
+
+
+def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,
+                         combine: jax.Array) -> jax.Array:
+    """The XLA path's arithmetic (`moe.expert_ffn` on gathered weights), padding slots zero-weighted. [T, H] f32."""
+    ids = jnp.maximum(slot_ids, 0)  # [N]: padding reads slot 0 ...
+    combine = jnp.where(slot_ids[None, :] >= 0, combine, 0.0)  # ... with weight 0
+    g = jnp.einsum("th,nih->nti", x, gate[ids])  # [N, T, I] bf16
+    u = jnp.einsum("th,nih->nti", x, up[ids])
+    y = jnp.einsum("nti,nhi->nth", jax.nn.silu(g) * u, down[ids])  # [N, T, H] bf16
+    return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))

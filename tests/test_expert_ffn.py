@@ -1,0 +1,166 @@
+"""pallas_kernels.expert_ffn: the kernel in interpret mode against its reference, the reference against the XLA path,
+the CUDA lowering at the Qwen3-30B-A3B shape, and the benchmark end to end on tiny flags.
+
+Bounds (Frobenius, ||kernel - ref|| / ||ref||):
+- 1e-2 against `expert_ffn_reference` (= the XLA path): both round g, u, h and each expert's output to bf16, but XLA
+  computes the bf16 silu with extra roundings, so single bf16 ulps (2^-8) differ here and there; measured ~5e-3.
+- 1e-3 against a float64 numpy model that rounds exactly where the kernel does (g, u, h, each expert's output):
+  only f32-vs-f64 accumulation order can move a rounding; measured ~1e-7.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.cuda_lowering import lower_for_cuda
+from pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
+from strata_jax import moe
+
+REF_RTOL = 1e-2
+MODEL_RTOL = 1e-3
+SMALL_BLOCKS = dict(block_i=16, block_k=32, block_h=16, block_i_down=16, n_split=3)  # several loop steps, uneven split
+
+
+def _bf16(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def make_case(seed: int, t: int, slot_ids, *, s: int = 12, h: int = 128, i: int = 64, unused=(), pad_weight=True):
+    """Random bf16 x [T, H] and experts [S, ...]; combine [T, N] random positive, zero in the `unused` columns.
+    Padding columns (slot -1) get a nonzero weight when pad_weight: the kernel must ignore it."""
+    rng = np.random.default_rng(seed)
+    ids = np.asarray(slot_ids, np.int32)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal((s, i, h)) / math.sqrt(h), jnp.bfloat16)
+    up = jnp.asarray(rng.standard_normal((s, i, h)) / math.sqrt(h), jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((s, h, i)) / math.sqrt(i), jnp.bfloat16)
+    combine = rng.random((t, len(ids))).astype(np.float32) + 0.05
+    combine[:, list(unused)] = 0.0
+    if not pad_weight:
+        combine[:, ids < 0] = 0.0
+    return x, gate, up, down, jnp.asarray(ids), jnp.asarray(combine)
+
+
+def f64_model(x, gate, up, down, slot_ids, combine) -> np.ndarray:
+    """The kernel's arithmetic in float64: bf16 roundings of g, u, h and each expert's output; padding skipped."""
+    x, gate, up, down = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, gate, up, down))
+    ids = np.asarray(slot_ids)
+    out = np.zeros((x.shape[0], x.shape[1]))
+    for n, slot in enumerate(ids):
+        if slot < 0:
+            continue
+        g, u = _bf16(x @ gate[slot].T), _bf16(x @ up[slot].T)  # [T, I]
+        h = _bf16(g / (1 + np.exp(-g)) * u)
+        out += np.asarray(combine, np.float64)[:, n:n + 1] * _bf16(h @ down[slot].T)  # [T, H]
+    return out
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+CASES = {
+    # T=1, eight distinct experts (a decode step's top-8).
+    "t1_eight_experts": dict(seed=1, t=1, slot_ids=[3, 0, 11, 7, 5, 1, 9, 2]),
+    # An expert no token uses (slot 9's column is zero), slot 5 twice, one padding slot with a nonzero weight.
+    "t3_unused_repeat_pad": dict(seed=2, t=3, slot_ids=[5, 2, 5, -1, 9, 3], unused=(4,)),
+    # Every token on one expert.
+    "t8_one_expert": dict(seed=3, t=8, slot_ids=[7]),
+    # Eight columns, the last two padding (the engine pads N to T*K with -1).
+    "t8_padded": dict(seed=4, t=8, slot_ids=[4, 10, 0, 6, 8, 1, -1, -1]),
+    # H and I multiples of 16 but not powers of 2.
+    "t3_h96_i48": dict(seed=5, t=3, slot_ids=[2, -1, 0, 4], h=96, i=48),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name):
+    args = make_case(**CASES[name])
+    out = expert_ffn(*args, interpret=True)
+    assert out.shape == args[0].shape and out.dtype == jnp.float32
+    assert rel(out, expert_ffn_reference(*args)) < REF_RTOL
+    assert rel(out, f64_model(*args)) < MODEL_RTOL
+
+
+@pytest.mark.parametrize("name", ["t3_unused_repeat_pad", "t8_padded"])
+def test_kernel_small_blocks(name):
+    """Blocks smaller than the dimensions: the H and I loops take several steps, the experts split unevenly."""
+    args = make_case(**CASES[name])
+    out = expert_ffn(*args, interpret=True, **SMALL_BLOCKS)
+    assert rel(out, f64_model(*args)) < MODEL_RTOL
+
+
+def test_padding_reads_nothing():
+    """A padding slot (-1) is skipped, not read as slot 0 with weight 0: NaNs in slot 0 do not reach the output."""
+    x, gate, up, down, ids, combine = make_case(**CASES["t3_unused_repeat_pad"])
+    assert 0 not in np.asarray(ids).tolist()
+    poison = lambda w: w.at[0].set(jnp.nan)
+    out = expert_ffn(x, poison(gate), poison(up), poison(down), ids, combine, interpret=True)
+    assert np.isfinite(np.asarray(out)).all()
+    assert rel(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < REF_RTOL
+
+
+@pytest.mark.parametrize("name", ["t3_unused_repeat_pad", "t8_padded"])
+def test_reference_is_the_xla_path(name):
+    x, gate, up, down, ids, combine = make_case(**CASES[name])
+    gathered = jnp.maximum(ids, 0)
+    zeroed = jnp.where(ids[None, :] >= 0, combine, 0.0)
+    want = jax.jit(moe.expert_ffn)(x, gate[gathered], up[gathered], down[gathered], zeroed)
+    got = jax.jit(expert_ffn_reference)(x, gate, up, down, ids, combine)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_rejects_unsupported_shapes():
+    args = make_case(seed=6, t=2, slot_ids=[1, 2], h=96, i=40)
+    with pytest.raises(ValueError, match="I=40 must be a multiple of 16"):
+        expert_ffn(*args, interpret=True)
+    x, gate, up, down, ids, combine = make_case(seed=6, t=2, slot_ids=[1, 2])
+    with pytest.raises(ValueError, match="combine"):
+        expert_ffn(x, gate, up, down, ids, combine[:, :1], interpret=True)
+    with pytest.raises(ValueError, match="bfloat16"):
+        expert_ffn(x, gate.astype(jnp.float32), up, down, ids, combine, interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        expert_ffn(x, gate, up, jnp.swapaxes(down, 1, 2), ids, combine, interpret=True)
+
+
+def _specs(t: int, n: int, s: int, h: int, i: int):
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    return sd((t, h), bf), sd((s, i, h), bf), sd((s, i, h), bf), sd((s, h, i), bf), sd((n,), jnp.int32), \
+        sd((t, n), jnp.float32)
+
+
+@pytest.mark.parametrize("t,n,s,h,i,tuning", [
+    (1, 8, 64, 2048, 768, {}),  # Qwen3-30B-A3B, T=1, K=8
+    (4, 32, 64, 2048, 768, {}),  # T=4
+    (4, 32, 64, 2048, 768, dict(block_i=64, block_k=512, block_h=64, block_i_down=128, n_split=1, num_warps=8,
+                                num_stages=2)),
+    (3, 6, 12, 128, 64, {}),  # the tiny test shape
+    (3, 6, 12, 128, 64, SMALL_BLOCKS),
+])
+def test_lowers_for_cuda(t, n, s, h, i, tuning):
+    text = lower_for_cuda(lambda *a: expert_ffn(*a, **tuning), *_specs(t, n, s, h, i))
+    assert text.count("__gpu$xla.gpu.triton") == 2  # the gate/up and the down kernel
+
+
+def test_benchmark_runs_on_cpu(tmp_path, capsys):
+    from benchmarks import expert_ffn_bench
+    out = tmp_path / "expert_ffn.json"
+    result = expert_ffn_bench.main(["expert_ffn_bench", "--t=1,2", "--hidden=128", "--inter=64", "--slots=16",
+                                    "--iters=2", "--warmup=1", "--inner=2", "--bw_mib=8", f"--json={out}"])
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and result["complete"] and saved["interpret"]
+    assert [r["T"] for r in saved["rows"]] == [1, 2]
+    assert [r["distinct_experts"] for r in saved["rows"]] == [8, 16]
+    for r in saved["rows"]:
+        for key in ("xla_us", "pallas_us", "roofline_us", "bytes"):
+            assert r[key] > 0 and math.isfinite(r[key]), key
+        assert r["max_rel_err"] < 5e-2 and r["fro_rel_err"] < REF_RTOL
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
+    assert len(table) == 2 + 2 and "Pallas % of roofline" in table[0]
