@@ -62,10 +62,38 @@ flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Array size of the device_put and memcpy bandwidth copies in MiB (0 = 1024 on an "
                      "accelerator, 64 on CPU).", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_string("switch_arms", "", "Approximation arms run beside each (slots, pcie_frac) arm, ';'-separated, each "
+                    "name:STRATA_VAR=value,STRATA_VAR=value (e.g. 'skip:STRATA_ROUTE_TAIL_SKIP=5;prior:"
+                    "STRATA_ROUTE_PRIOR=0.5'). Each gets its own engine over the same weights and placement; the "
+                    "plain arm and these run interleaved and mirrored (A B C C B A) and each reports its decode "
+                    "ratio to the plain arm.", flag_values=FLAGS)
 flags.DEFINE_string("cache_dir", "", "Engine cache_dir: persistent compilation cache under <dir>/jax ('' = "
                     "~/.cache/strata_jax).", flag_values=FLAGS)
 
 DEFAULT_LAYERS = {"qwen3-30b-a3b": 12}
+
+
+def parse_switch_arms(text: str) -> list[tuple[str, dict]]:
+    """'skip:STRATA_ROUTE_TAIL_SKIP=5;both:A=1,B=2' -> [('skip', {'route_tail_skip': '5'}), ...] (engine options)."""
+    from strata_jax.errors import StrataError
+    from strata_jax.options import EngineOptions
+    known = {f for f in EngineOptions.__dataclass_fields__}
+    arms = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        name, _, body = part.partition(":")
+        if not name or not body:
+            raise StrataError(f"--switch_arms: {part!r} is not name:STRATA_VAR=value,...")
+        switches = {}
+        for item in body.split(","):
+            var, eq, value = item.strip().partition("=")
+            option = var[len("STRATA_"):].lower() if var.startswith("STRATA_") else ""
+            if not eq or option not in known:
+                raise StrataError(f"--switch_arms: {item!r} is not STRATA_VAR=value with a known STRATA_ variable")
+            switches[option] = value
+        arms.append((name, switches))
+    return arms
 
 
 def frac_list(text: str, name: str, allow_auto: bool, lo_open: bool) -> list:
@@ -190,6 +218,7 @@ def run(s) -> dict:
     from strata_jax.options import EngineOptions, build
 
     slot_fracs = frac_list(s.slot_fracs, "slot_fracs", allow_auto=False, lo_open=True)
+    switch_arms = parse_switch_arms(s.switch_arms)
     pcie_fracs = frac_list(s.pcie_fracs, "pcie_fracs", allow_auto=True, lo_open=False)
     layers = s.layers or DEFAULT_LAYERS.get(s.model, 0)
     cfg = preset(s.model, layers=layers or None)
@@ -326,6 +355,36 @@ def run(s) -> dict:
             arm["top_slots_entry_share"] = top_share(engine, engine.placement.slots)
         return arm
 
+    def run_switch_arms(engine, plain: dict, name: str, opts: dict) -> None:
+        """The approximation arms at this (slots, pcie_frac): one engine each over the same weights and placement,
+        run with the plain engine interleaved and mirrored; ratios to the plain arm."""
+        engines = {"plain": engine}
+        for arm_name, switches in switch_arms:
+            common.progress(f"arm {name} {arm_name}: building the engine ({switches})")
+            engines[arm_name] = Engine(cfg, weights, build(EngineOptions, dict(opts, **switches)),
+                                       placement=engine.placement, verbose=False)
+        order = list(engines) + list(engines)[::-1]
+        runs: dict[str, list] = {k: [] for k in engines}
+        for arm_name in order:
+            runs[arm_name].append(timed(engines[arm_name], dict(arm=arm_name)))
+        plain_tok_s = float(np.mean([r["decode_tok_s"] for r in runs["plain"]]))
+        plain.update(plain_mirrored_tok_s=plain_tok_s, switch_arms=[])
+        for arm_name, switches in [("plain", {})] + switch_arms:
+            rs = runs[arm_name]
+            tok_s = float(np.mean([r["decode_tok_s"] for r in rs]))
+            d = rs[-1]["decode_experts"]
+            plain["switch_arms"].append(dict(
+                arm=arm_name, switches=switches, decode_tok_s=tok_s, decode_tok_s_runs=[r["decode_tok_s"] for r in rs],
+                x_vs_plain=tok_s / plain_tok_s if plain_tok_s else None, hit_rate=rs[-1]["hit_rate"],
+                fetched_per_token=rs[-1]["fetched_per_token"], skipped_per_token=d["distinct_skipped"] / max(rs[-1]["decode_windows"], 1),
+                prior_tokens_changed=d["prior_tokens_changed"], prior_tokens=d["prior_tokens"], swaps=d["swaps"],
+                approx_lines=engines[arm_name].stats.last.decode_experts.approx_lines(engines[arm_name].approx)))
+            common.progress(f"arm {name} {arm_name}: {tok_s:,.1f} tok/s (x{tok_s / plain_tok_s:.2f} vs plain), hit rate "
+                            f"{rs[-1]['hit_rate']:.1%}, {rs[-1]['fetched_per_token']:.1f} fetched/token")
+        for arm_name in list(engines)[1:]:
+            del engines[arm_name]
+        gc.collect()
+
     # ---- baseline: every expert on the device ----
     common.progress("arm all-resident: device copy of the experts, building the engine")
     t0 = time.perf_counter()
@@ -376,6 +435,9 @@ def run(s) -> dict:
                        compile_s=engine.stats.compile_s if source == "engine" else 0.0,
                        placement_costs=engine.placement.costs if source == "engine" else None)
             timed(engine, arm)
+            if switch_arms:
+                run_switch_arms(engine, arm, name, dict(opts_common, expert_cache_slots=str(slots),
+                                                        pcie_frac=str(chosen)))
             arm["x_vs_all_resident"] = arm["decode_tok_s"] / base["decode_tok_s"] if base["decode_tok_s"] else None
             arm["overhead_ms_per_token"] = arm["ms_per_token"] - base["ms_per_token"]
             # What the misses cost at the rates measured above (the engine's T=1 cost model, per token):
@@ -412,6 +474,17 @@ def run(s) -> dict:
                      frac_cell, a["decode_tok_s"], a["x_vs_all_resident"], a["hit_rate"], a["fetched_per_token"],
                      a["cpu_per_token"], a["pcie_bytes_per_token"] / 1e6, a["pool_ms_per_token"]])
     table = common.format_table(headers, rows)
+    switch_rows = []
+    for a in result["arms"]:
+        for sa in a.get("switch_arms", []):
+            switch_rows.append([a["arm"], sa["arm"], sa["decode_tok_s"], sa["x_vs_plain"], sa["hit_rate"],
+                                sa["fetched_per_token"], sa["skipped_per_token"],
+                                f"{sa['prior_tokens_changed']}/{sa['prior_tokens']}" if sa["prior_tokens"] else "-",
+                                sa["swaps"]])
+    if switch_rows:
+        result["switch_table"] = common.format_table(
+            ["arm", "switches", "decode tok/s", "x vs plain", "hit rate", "fetched/token", "skipped/token",
+             "prior changed tokens", "swaps"], switch_rows)
     bw = result["bandwidth"]
     bw_rows = [
         ["pinned device_put", bw["device_put"]["GBps"], f"{host_kind} -> device, {common.fmt_bytes(copy_bytes)} array"],
@@ -427,6 +500,13 @@ def run(s) -> dict:
     result["table"], result["bandwidth_table"] = table, bw_table
     say(table)
     say()
+    if switch_rows:
+        say("approximation arms (decode tok/s: mean of 2 runs, plain and arms interleaved and mirrored; each arm's "
+            "ratio to the plain engine at the same slots and pcie_frac):")
+        say("  " + "; ".join(f"{n}: {', '.join(f'STRATA_{k.upper()}={v}' for k, v in sw.items())}"
+                             for n, sw in switch_arms))
+        say(result["switch_table"])
+        say()
     say(bw_table)
     say()
     say(f"tokens: the timed request's {base['generated_tokens']} tokens hold {base['distinct_tokens']} distinct ids "

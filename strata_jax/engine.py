@@ -18,7 +18,7 @@ from strata_jax.config import ModelConfig, config_from_dict
 from strata_jax.drafts import make_drafter
 from strata_jax.embedded import embedded_model_dir
 from strata_jax.errors import StrataError
-from strata_jax.options import EngineOptions, RequestOptions, build, route_approx, split_options
+from strata_jax.options import EngineOptions, RequestOptions, build, defer_cpu, route_approx, split_options
 from strata_jax.sampling import SamplingParams
 from strata_jax.stats import ExpertStats, RequestStats, Stats
 from strata_jax.tokenizer import load_tokenizer
@@ -49,6 +49,8 @@ class Engine:
         self.dtype = jnp.dtype(options.dtype)
         self.context, self.chunk = context_and_chunk(cfg, options)
         self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
+        self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.pcie_frac < 1)
+        approx_lines += defer_lines
         self.expert_path, self.decode_expert_path = self._expert_paths()
         self.stats = Stats()
         self._reset_state()
@@ -67,7 +69,9 @@ class Engine:
             return None, None
         pool = self.placement.pool if self.placement.pcie_frac < 1 else None
         exact = offload.OffloadedExperts(self.cfg, pool)
-        return exact, (offload.OffloadedExperts(self.cfg, pool, route=self.approx) if self.approx.active else exact)
+        if not (self.approx.active or self.defer.active):
+            return exact, exact
+        return exact, offload.OffloadedExperts(self.cfg, pool, route=self.approx, defer_cpu=self.defer)
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
@@ -203,6 +207,7 @@ class Engine:
         self.placement.pcie_frac, self.placement.policy = float(opts.pcie_frac), opts.cache_policy
         self._reset_state()
         if (self.placement.pcie_frac < 1) != uses_pool:
+            self.defer, _ = defer_cpu(self.options, self.placement.pcie_frac < 1)
             self.expert_path, self.decode_expert_path = self._expert_paths()
             self._compile()
 
@@ -253,6 +258,7 @@ class Engine:
             self._reset_state()
             if self.placement:
                 self.placement.pool.stats.reset()
+                self.placement.pool.drop_split_jobs()  # a failed window leaves its deferred jobs uncollected
             if pool_error is not None:
                 raise StrataError(str(pool_error)) from None
             raise

@@ -133,7 +133,8 @@ def dense_mlp(x: jax.Array, w: MLPWeights) -> jax.Array:
 
 
 # The expert path of a sparse layer with its own state: (layer, x [T, H], MoEWeights, valid [T], state)
-# -> (y [T, H], state). None: all experts resident on the device (moe.moe_block); offload.OffloadedExperts
+# -> (y [T, H], state), or (y, state, pending) when the layer's CPU rows join later: `experts.join(h, pending)` adds
+# them before the next layer's FFN half (right away when `experts.join_now`). None: all experts resident on the device (moe.moe_block); offload.OffloadedExperts
 # reads them from slots, pinned host memory and the host pool.
 ExpertPath = Callable[[int, jax.Array, "moe.MoEWeights", jax.Array, object], tuple[jax.Array, object]]
 
@@ -149,6 +150,7 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
     valid = jnp.arange(t) < n_valid  # [T]
     h = weights.embed[tokens]  # [T, H]
     new_k, new_v = [], []
+    pending = None  # a deferred layer's CPU rows (strata_jax.defer), owed before the next FFN half
     for i, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer{i}"):
             with jax.named_scope("attention"):
@@ -157,6 +159,8 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
             h = h + a
             new_k.append(kc)
             new_v.append(vc)
+            if pending is not None:  # pre(i): layer i-1's late rows join before this FFN half
+                h, pending = experts.join(h, pending), None
             x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
             if isinstance(layer.ffn, MLPWeights):
                 with jax.named_scope("mlp"):
@@ -164,8 +168,11 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
             elif experts is None:
                 h = h + moe.moe_block(x, layer.ffn, cfg, valid)
             else:
-                y, expert_state[i] = experts(i, x, layer.ffn, valid, expert_state[i])
+                y, expert_state[i], *deferred = experts(i, x, layer.ffn, valid, expert_state[i])
                 h = h + y
+                pending = deferred[0] if deferred else None
+                if pending is not None and experts.join_now:
+                    h, pending = experts.join(h, pending), None
     h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
     logits = jnp.einsum("th,hv->tv", h, head, preferred_element_type=jnp.float32)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from strata_jax import approx, moe
+from strata_jax import approx, defer, moe
 from strata_jax.config import ModelConfig
 
 NONE, RESIDENT, FETCH, CPU, SKIP = 0, 1, 2, 3, 4
@@ -130,8 +130,18 @@ class OffloadedExperts:
     approximations (strata_jax.approx; the decode graphs only), off by default.
     """
 
-    def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF):
+    def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
+                 defer_cpu: defer.DeferCPU = defer.OFF):
         self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
+        self.defer = defer_cpu if pool is not None else defer.OFF
+        # check mode: the layer's late rows join right after its own combine (model.forward asks).
+        self.join_now = self.defer.mode == "check"
+
+    def join(self, h: jax.Array, pending: defer.Pending) -> jax.Array:
+        """Add a deferred layer's rows still owed to the residual h (model.forward: pre(l+1), or post(l) in check
+        mode)."""
+        with jax.named_scope(f"moe_deferred_join_layer{pending.layer}"):
+            return defer.join_light(self.pool, h, pending, self.defer.below)
 
     def route(self, x: jax.Array, w: moe.MoEWeights, valid: jax.Array, state: SlotCache):
         """The window's Route with the approximations applied (prior, then resident swap), their counters, and
@@ -184,6 +194,12 @@ class OffloadedExperts:
             gpu = (kind == RESIDENT) | fetch
             gpu_order = jnp.argsort(~gpu, stable=True).astype(jnp.int32)  # gpu experts first
             n_gpu = jnp.sum(gpu)
+        pending = None
+        if self.defer.active and layer < cfg.num_layers - 1:  # the model's last layer is never deferred
+            with jax.named_scope("moe_cpu_submit"):
+                cpu_entries = defer.cpu_entries(r, kind, CPU)
+                ticket = defer.submit(self.pool, layer, x, r, cpu_entries, self.defer.below)
+                pending = defer.Pending(layer=layer, ticket=ticket, weights=r.topk_weights, cpu=cpu_entries)
         with jax.named_scope("moe_experts"):
             y = jnp.zeros(x.shape, jnp.float32)
             slots = (state.gate, state.up, state.down)
@@ -222,7 +238,11 @@ class OffloadedExperts:
                     y, slots = jax.lax.cond(start < n_gpu, run_block, lambda c: c, (y, slots))
         with jax.named_scope("moe_cpu"):
             cpu = kind == CPU
-            if self.pool is not None:
+            if pending is not None:
+                y_cpu = jnp.zeros(x.shape, jnp.float32)
+                if self.defer.split:  # post(l) waits for the heavy rows only
+                    y = defer.join_heavy(self.pool, y, pending, self.defer.below, after=y[0, :1])
+            elif self.pool is not None:
                 from host_pool import cpu_expert_rows
                 y_cpu = jax.lax.cond(
                     jnp.any(cpu),
@@ -244,6 +264,8 @@ class OffloadedExperts:
             state = state.replace(gate=slots[0], up=slots[1], down=slots[2], table=table, expert_of=expert_of,
                                   last_use=last_use, clock=state.clock + 1, usage=usage,
                                   counters=state.counters + count(kind, r, extra))
+        if pending is not None:
+            return y, state, pending
         return y, state
 
 

@@ -79,7 +79,7 @@ class EngineOptions:
                          "'auto' picks it from costs measured at start-up.", _frac)
     cpu_threads: int = opt(0, "Host pool threads; 0 = the machine's cores.", _int_range(0, 1024))
     vram_reserve_mib: int = opt(1024, "Device memory (MiB) kept free when expert_cache_slots=auto.", _int_range(0))
-    cpu_timeout_s: float = opt(20.0, "A host pool job that does not answer within this many seconds ends the "
+    callback_timeout_s: float = opt(20.0, "A host pool job that does not answer within this many seconds ends the "
                                "request with an error.", _float_range(0.0, 3600.0, lo_open=True))
 
     # The routing approximations (strata_jax.approx): '' = read the STRATA_* environment variable of the same name.
@@ -97,6 +97,13 @@ class EngineOptions:
     route_resident_rank: str = opt("", "STRATA_ROUTE_RESIDENT_RANK=r: first rank the swap may replace. Default: the "
                                    "last 40% of the ranks (6 for K = 10).")
     route_resident_margin: str = opt("", "STRATA_ROUTE_RESIDENT_MARGIN=m: largest logit gap of a swap. Default 1.0.")
+
+    verify_defer_cpu: str = opt("", "STRATA_VERIFY_DEFER_CPU=1|check: 1: a decode window's CPU expert rows of layer "
+                                "l join before layer l+1's FFN half (the GPU does not wait for the host pool); "
+                                "check: bookkeeping only. Off when unset or 0.")
+    verify_defer_cpu_below: str = opt("", "STRATA_VERIFY_DEFER_CPU_BELOW=w: defer only the CPU rows of routing "
+                                      "weight below w (heavier ones are waited for in their own layer); w >= 1: "
+                                      "every row. Default 0.1.")
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else Path.home() / ".cache" / "strata_jax"
@@ -257,3 +264,47 @@ def route_approx(opts: EngineOptions, k: int, offload: bool, environ=None):
         lines.append("route approximations: every expert is on the device (offload off): nothing to do")
         approx = OFF
     return approx, lines
+
+
+DEFER_SWITCHES = ("verify_defer_cpu", "verify_defer_cpu_below")
+
+
+def defer_cpu(opts: EngineOptions, makes_cpu_rows: bool, environ=None):
+    """(DeferCPU, start-up lines) from the options and the environment; makes_cpu_rows: the placement sends misses
+    to the host pool (offload on and pcie_frac < 1)."""
+    from strata_jax.defer import DEFAULT_BELOW, OFF, DeferCPU
+    raw = switch_values(opts, DEFER_SWITCHES, environ)
+    mode_text, below_text = raw["verify_defer_cpu"], raw["verify_defer_cpu_below"]
+    name, below_name = env_name("verify_defer_cpu"), env_name("verify_defer_cpu_below")
+    mode = {"": "off", "0": "off", "1": "defer", "check": "check"}.get(mode_text)
+    lines = []
+    if mode is None:
+        lines.append(f"{name}={mode_text}: not 0, 1 or check; the deferral is off")
+        mode = "off"
+    if mode == "off":
+        if below_text:
+            lines.append(f"{below_name}={below_text}: ignored ({name} is off)")
+        return OFF, lines
+    below, default = DEFAULT_BELOW, True
+    if below_text:
+        v = _number(below_text)
+        if v is None or v <= 0:
+            lines.append(f"{below_name}={below_text}: not a number above 0; {DEFAULT_BELOW:g}")
+        else:
+            below, default = v, False
+    if mode == "check":
+        lines.append(f"{name}=check: bookkeeping only: a layer's CPU rows of routing weight >= {below:g} join in "
+                     "post(l), the lighter ones right after, in the same layer (the exact sums in another order)")
+    else:
+        lines.append(f"{name}=1: layer l's deferred CPU expert rows join before layer l+1's FFN half (layer l+1's "
+                     "mixer runs without them); the model's last layer is never deferred")
+    if below >= 1.0:
+        lines.append(f"{below_name}={below:g}: every CPU row joins late (no split, no partial wait)")
+    else:
+        lines.append(f"{below_name}={below:g}{' (the default)' if default else ''}: a deferred layer waits for its "
+                     f"CPU rows of routing weight >= {below:g} in post(l) and defers the lighter ones")
+    if not makes_cpu_rows:
+        lines.append(f"{name}: the placement makes no CPU rows (every miss fetched over PCIe, or every expert "
+                     "resident): nothing to defer")
+        return OFF, lines
+    return DeferCPU(mode=mode, below=below), lines

@@ -142,7 +142,7 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
     # A failed pool job is reported as one line by the engine; JAX's own traceback log would repeat it.
     logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
     threads = opts.cpu_threads or os.cpu_count() or 1
-    pool = HostPool(host.store(cfg), threads=threads, timeout_s=opts.cpu_timeout_s)
+    pool = HostPool(host.store(cfg), threads=threads, timeout_s=opts.callback_timeout_s)
     host.numpy.clear()
     itemsize = jnp.dtype(opts.dtype).itemsize
     lines = [f"expert cache: {slots} of {cfg.num_experts} slots per MoE layer ({why}), policy {opts.cache_policy}, "

@@ -1,0 +1,136 @@
+"""What only a GPU shows about the Pallas kernels: compiled (Triton, not interpret mode) against their jnp references
+on realistic shapes, with fresh random inputs for each compiled shape. Skipped without a GPU.
+
+Bounds, as the CPU tests of the same kernels (tests/test_route_prior.py, test_copy_rows.py, test_expert_ffn.py):
+- route_prior: ids and changed equal, weights within 1e-6;
+- copy_rows: within 1e-6 of the reference (relative), heavy + light within 1e-6 of the whole sum;
+- expert_ffn: ||kernel - reference||_F / ||reference||_F < 1e-2 (bf16 roundings differ by an ulp here and there).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.copy_rows import (copy_rows_by_weight, copy_rows_by_weight_reference, copy_rows_from_mapped,
+                                      copy_rows_from_mapped_reference)
+from pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
+from pallas_kernels.route_prior import route_prior, route_prior_reference
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]
+
+DRAWS = 3  # fresh random inputs per compiled shape
+EXPERT_FFN_RTOL = 1e-2  # tests/test_expert_ffn.py's REF_RTOL
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# ------------------------------------------------------------------------------------------------------- route_prior
+
+@pytest.mark.parametrize("keep", [0, 1])
+@pytest.mark.parametrize("t", [1, 4, 64])
+@pytest.mark.parametrize("e,k", [(128, 8), (512, 10)])
+def test_route_prior_matches_reference(e, k, t, keep):
+    rng = np.random.default_rng(1000 * e + 10 * t + keep)
+    kw = dict(k=k, keep=keep)
+    for _ in range(DRAWS):
+        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)  # [T, E]
+        resident = jnp.asarray(rng.random(e) < rng.uniform(0.1, 0.9))  # [E]: a random share resident
+        lam = jnp.asarray(rng.random(t) * 2.0, jnp.float32)  # [T]: large enough to change routes
+        ids, w, changed = route_prior(logits, resident, lam, interpret=False, **kw)
+        want_ids, want_w, want_changed = route_prior_reference(logits, resident, lam, **kw)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(changed), np.asarray(want_changed))
+
+
+# --------------------------------------------------------------------------------------------------------- copy_rows
+
+def copy_rows_inputs(rng, t: int, k: int, h: int, dtype):
+    """y [T, H] f32, mapped [T, K, H] dtype with NaN in the rows of non-CPU entries (undefined there), weights
+    [T, K] top-K-like (positive, rows sum to 1), cpu mask [T, K] with at least one CPU entry per token."""
+    y = rng.standard_normal((t, h)).astype(np.float32)
+    mapped = rng.standard_normal((t, k, h)).astype(np.float32)
+    w = rng.random((t, k)).astype(np.float32) + 0.01
+    w /= w.sum(axis=1, keepdims=True)
+    mask = rng.random((t, k)) < 0.5
+    mask[:, 0] = True
+    mapped[~mask] = np.nan
+    return jnp.asarray(y), jnp.asarray(mapped, dtype), jnp.asarray(w), jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_copy_rows_match_references(t, dtype):
+    k, h = 8, 2048
+    rng = np.random.default_rng(10 * t + (dtype == jnp.float32))
+    thr = jnp.float32(1.0 / k)  # about half the weights on each side
+    for _ in range(DRAWS):
+        y, mapped, w, mask = copy_rows_inputs(rng, t, k, h, dtype)
+        whole = copy_rows_from_mapped(y, mapped, w, mask, interpret=False)
+        want = copy_rows_from_mapped_reference(y, mapped, w, mask)
+        assert np.isfinite(np.asarray(whole)).all()  # the NaN rows were selected out, not multiplied by 0
+        assert rel(whole, want) <= 1e-6
+        np.testing.assert_allclose(np.asarray(whole), np.asarray(want), rtol=1e-6, atol=1e-6)
+        for heavy in (True, False):
+            got = copy_rows_by_weight(y, mapped, w, mask, thr, heavy=heavy, interpret=False)
+            want = copy_rows_by_weight_reference(y, mapped, w, mask, thr, heavy=heavy)
+            assert rel(got, want) <= 1e-6
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+        heavy = copy_rows_by_weight(y, mapped, w, mask, thr, heavy=True, interpret=False)
+        both = copy_rows_by_weight(heavy, mapped, w, mask, thr, heavy=False, interpret=False)
+        assert rel(both, whole) <= 1e-6
+
+
+# -------------------------------------------------------------------------------------------------------- expert_ffn
+
+QWEN3 = dict(h=2048, i=768, s=64, k=8)  # Qwen3-30B-A3B: hidden, expert intermediate; a 64-slot cache, top-8
+
+
+@pytest.fixture(scope="module")
+def qwen3_experts():
+    """Random bf16 stacked experts gate, up [S, I, H], down [S, H, I] at the Qwen3 shape, made on the device."""
+    h, i, s = QWEN3["h"], QWEN3["i"], QWEN3["s"]
+    kg, ku, kd = jax.random.split(jax.random.key(0), 3)
+    gate = (jax.random.normal(kg, (s, i, h), jnp.float32) / np.sqrt(h)).astype(jnp.bfloat16)
+    up = (jax.random.normal(ku, (s, i, h), jnp.float32) / np.sqrt(h)).astype(jnp.bfloat16)
+    down = (jax.random.normal(kd, (s, h, i), jnp.float32) / np.sqrt(i)).astype(jnp.bfloat16)
+    return jax.block_until_ready((gate, up, down))
+
+
+def expert_ffn_inputs(rng, t: int):
+    """x [T, H] bf16, slot_ids [N] with N = min(T * K, S) (distinct slots but one repeated, the last one padding
+    -1), combine [T, N]: each token K random columns with positive weights summing to 1, plus a nonzero weight on the
+    padding column that the kernel must ignore."""
+    h, s, k = QWEN3["h"], QWEN3["s"], QWEN3["k"]
+    n = min(t * k, s)
+    ids = rng.permutation(s)[:n].astype(np.int32)
+    ids[-2] = ids[0]  # a repeated slot
+    ids[-1] = -1  # a padding slot
+    combine = np.zeros((t, n), np.float32)
+    for j in range(t):
+        cols = rng.choice(n, k, replace=False)
+        w = rng.random(k) + 0.1
+        combine[j, cols] = w / w.sum()
+    combine[0, [0, n - 2]] += 0.2  # both copies of the repeated slot used
+    combine[:, n - 1] = 0.3  # padding: ignored by kernel and reference alike
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    return x, jnp.asarray(ids), jnp.asarray(combine)
+
+
+@pytest.mark.parametrize("t", [1, 4, 8])
+def test_expert_ffn_matches_reference(qwen3_experts, t):
+    gate, up, down = qwen3_experts
+    rng = np.random.default_rng(100 + t)
+    reference = jax.jit(expert_ffn_reference)
+    for _ in range(DRAWS):
+        x, ids, combine = expert_ffn_inputs(rng, t)
+        out = expert_ffn(x, gate, up, down, ids, combine, interpret=False)
+        assert out.shape == x.shape and out.dtype == jnp.float32
+        assert np.isfinite(np.asarray(out)).all()
+        assert rel(out, reference(x, gate, up, down, ids, combine)) < EXPERT_FFN_RTOL

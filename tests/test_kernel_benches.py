@@ -1,0 +1,39 @@
+"""The kernel benchmarks end to end on tiny flags (CPU, seconds; the Pallas kernels in interpret mode)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import route_prior_bench
+
+
+def test_route_prior_bench_tiny(tmp_path, capsys):
+    out = tmp_path / "route_prior.json"
+    result = route_prior_bench.main(["route_prior_bench", "--shapes=16x4", "--tokens=1,3", "--iters=2", "--inner=2",
+                                     "--warmup=1", "--keep=1", f"--json={out}"])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and result["complete"] and saved["interpret"]
+    assert [(r["E"], r["K"], r["T"]) for r in saved["rows"]] == [(16, 4, 1), (16, 4, 3)]
+    for r in saved["rows"]:
+        assert r["check"] == "ok" and r["max_weight_diff"] <= 1e-6
+        assert r["resident"] == 8
+        assert 0 <= r["changed_tokens_mean"] <= r["T"]
+        for key in ("xla_us", "pallas_us", "jnp_us", "pallas_over_xla"):
+            assert r[key] > 0 and math.isfinite(r[key]), key
+    # The table: a header, a separator and one line per (shape, T), each with the check column "ok".
+    table = [ln for ln in printed.splitlines() if ln.startswith("|")]
+    assert len(table) == 2 + 2
+    assert "Pallas/XLA" in table[0] and table[0].rstrip(" |").endswith("check")
+    assert all(ln.rstrip(" |").endswith("ok") for ln in table[2:])
+    assert "MISMATCH" not in printed
+
+
+@pytest.mark.parametrize("bad", ["--shapes=16x20", "--shapes=16by4", "--tokens=1,x", "--keep=5"])
+def test_route_prior_bench_bad_flags_exit(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        route_prior_bench.main(["route_prior_bench", "--shapes=16x4", "--tokens=1", bad])
+    assert e.value.code == 1
+    assert "error:" in capsys.readouterr().err
