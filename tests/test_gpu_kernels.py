@@ -127,10 +127,11 @@ def expert_ffn_inputs(rng, t: int):
 def test_expert_ffn_matches_reference(qwen3_experts, t):
     gate, up, down = qwen3_experts
     rng = np.random.default_rng(100 + t)
-    reference = jax.jit(expert_ffn_reference)
     for _ in range(DRAWS):
         x, ids, combine = expert_ffn_inputs(rng, t)
         out = expert_ffn(x, gate, up, down, ids, combine, interpret=False)
         assert out.shape == x.shape and out.dtype == jnp.float32
         assert np.isfinite(np.asarray(out)).all()
-        assert rel(out, reference(x, gate, up, down, ids, combine)) < EXPERT_FFN_RTOL
+        # The reference op by op, as the CPU test calls it (under one jit, XLA:CPU's fused bf16 einsums land ~2e-2
+        # from a float64 model; op by op ~5e-3).
+        assert rel(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < EXPERT_FFN_RTOL
