@@ -76,6 +76,26 @@ step decode "${DECODE_LIMIT_S:-480}" "$PY" -m benchmarks.decode_bench --model=qw
 step offload "${OFFLOAD_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b --dtype=bfloat16 \
   --json="$OUT/offload.json" --cache_dir="$JIT_CACHE" ${OFFLOAD_ARGS:-}
 
+# The GPU-only tests: compiled Pallas kernels against their references, pinned memory, exact offload, pool faults.
+step gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests
+
+# Kernels beside their XLA paths, timed in one run with the copy bandwidth as roofline.
+step route_prior "${KERNEL_LIMIT_S:-120}" "$PY" -m benchmarks.route_prior_bench --json="$OUT/route_prior.json"
+step expert_ffn "${KERNEL_LIMIT_S:-180}" "$PY" -m benchmarks.expert_ffn_bench --json="$OUT/expert_ffn.json"
+
+# The routing approximations (issue 5): at 50% and 25% of the experts, PCIe only, each arm's ratio to the plain
+# engine, interleaved and mirrored. R = K - 3 = 5 for top-8.
+step route_arms "${ARMS_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b --dtype=bfloat16 \
+  --slot_fracs=0.5,0.25 --pcie_fracs=1 --new_tokens=48 --json="$OUT/route_arms.json" --cache_dir="$JIT_CACHE" \
+  --switch_arms="skip:STRATA_ROUTE_TAIL_SKIP=5;prior:STRATA_ROUTE_PRIOR=0.5;both:STRATA_ROUTE_TAIL_SKIP=5,STRATA_ROUTE_PRIOR=0.5;resident:STRATA_ROUTE_RESIDENT=1" \
+  ${ROUTE_ARMS_ARGS:-}
+
+# Deferred CPU rows (issue 6): a large CPU share (pcie_frac 0 and 0.5).
+step defer_arms "${ARMS_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b --dtype=bfloat16 \
+  --slot_fracs=0.5 --pcie_fracs=0,0.5 --new_tokens=32 --json="$OUT/defer_arms.json" --cache_dir="$JIT_CACHE" \
+  --switch_arms="every:STRATA_VERIFY_DEFER_CPU=1,STRATA_VERIFY_DEFER_CPU_BELOW=1;split:STRATA_VERIFY_DEFER_CPU=1;check:STRATA_VERIFY_DEFER_CPU=check" \
+  ${DEFER_ARMS_ARGS:-}
+
 echo
 echo "=== steps"
 cat "$OUT/steps.txt"

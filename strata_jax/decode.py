@@ -48,7 +48,13 @@ def run() -> None:
         engine.save_state(FLAGS.save_state)
         print(f"saved state: {FLAGS.save_state}", file=sys.stderr)
     ids = engine.encode(prompt)
-    out = engine.generate(ids, **{k: getattr(request, k) for k in request.__dataclass_fields__})
+    logpos = options.logpos_path(request)
+    if logpos:
+        n = engine.write_logpos(ids, logpos, read=request.logpos_read)
+        print(f"logpos: {n} positions of the prompt, read through the {request.logpos_read}, written to {logpos}",
+              file=sys.stderr, flush=True)
+    out = engine.generate(ids, **{k: getattr(request, k) for k in request.__dataclass_fields__
+                                  if k not in ("logpos", "logpos_read")})
     sys.stdout.write(prompt + engine.decode(out) + "\n")
     print(engine.stats.last.summary(), flush=True)
     print(engine.stats.last.draft_summary(), flush=True)

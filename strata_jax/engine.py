@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -451,6 +452,27 @@ class Engine:
         logits = self._guarded(run)
         self.stats.last = RequestStats(prompt_tokens=int(ids.size), decode_experts=self._take_expert_stats())
         return logits
+
+    def write_logpos(self, token_ids: Sequence[int], path: str | Path, read: str = "windows",
+                     window: int | None = None, top: int = 20, meta: dict | None = None) -> int:
+        """Teacher-forced log-probs of a known text to a logpos file (strata_jax.logpos): for every position, the
+        top-`top` next-token log-probs and the known next token's. read='windows': every position takes the decode
+        path (verify windows of `window` tokens, default W, with this engine's placement and approximations);
+        'prefill': the prompt path. Returns the positions written."""
+        from strata_jax.logpos import LogposWriter
+        if read not in ("windows", "prefill"):
+            raise StrataError(f"logpos read must be windows or prefill, not {read!r}")
+        ids = self._check_prompt(token_ids)
+        w = self.options.window if window is None else window
+        logits = self.score(ids, window=w) if read == "windows" else self.prefill_logits(ids)
+        info = dict(model=str(self.model_dir or "random"), vocab=self.cfg.vocab_size, read=read,
+                    window=w if read == "windows" else None, dtype=self.options.dtype,
+                    expert_cache_slots=self.placement.slots if self.placement else "all",
+                    pcie_frac=self.placement.pcie_frac if self.placement else None,
+                    route=dataclasses.asdict(self.approx), defer_cpu=dataclasses.asdict(self.defer), **(meta or {}))
+        with LogposWriter(path, top=top, meta=info) as writer:
+            writer.write_many(0, logits[:-1], ids[1:])
+        return int(ids.size - 1)
 
     # ---- text helpers ----------------------------------------------------------------------------------------
 

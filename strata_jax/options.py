@@ -119,6 +119,10 @@ class RequestOptions:
     seed: int = opt(0, "Sampling seed (same seed, same output).", _int_range(0, 2**32 - 1))
     draft: str = opt("ngram", "Draft proposer for verify windows: ngram (prompt lookup) or none.",
                      _choice("ngram", "none"))
+    logpos: str = opt("", "STRATA_LOGPOS=path: first write the prompt's teacher-forced top-20 log-probs of every "
+                      "position to this file (strata_jax.logpos; compare runs with benchmarks/kl_report.py).")
+    logpos_read: str = opt("windows", "How --logpos reads the prompt: windows (every position takes the decode "
+                           "path, verify windows of --window tokens) or prefill.", _choice("windows", "prefill"))
     spec: int = opt(-1, "Most drafts per verify window (window size spec+1, at most --window); -1 = window - 1, "
                     "0 = no speculation.", _int_range(-1, 15))
 
@@ -308,3 +312,10 @@ def defer_cpu(opts: EngineOptions, makes_cpu_rows: bool, environ=None):
                      "resident): nothing to defer")
         return OFF, lines
     return DeferCPU(mode=mode, below=below), lines
+
+
+def logpos_path(request: RequestOptions, environ=None) -> str:
+    """The --logpos file, else STRATA_LOGPOS, else '' (none)."""
+    import os
+    environ = os.environ if environ is None else environ
+    return request.logpos or environ.get("STRATA_LOGPOS", "").strip()
