@@ -14,8 +14,11 @@ lam [T] = --lam for every token, keep = --keep.
 Timing: each sample is one jitted call that runs the op --inner times in a fori_loop, each time on other random
 logits and another resident mask (so XLA cannot hoist the op), summing every output of the op into the loop carry
 (so none of it is dead code), synchronised with block_until_ready; per-op time = sample / inner; the median over
---iters samples after --warmup untimed calls. The samples rotate over a few input sets. With --inner=1 a sample is
-one call and includes Python dispatch (microseconds: most of the time of an op this small on a GPU).
+--iters samples after --warmup untimed calls. The samples rotate over a few input sets. The loop is unrolled, so a
+call is `inner` ops back to back as in a forward pass: the ops take microseconds, and a rolled loop's own per-step
+cost on a GPU is of the same order (a few us per op on an H200). Per-op time still holds 1/inner of the call's
+dispatch and synchronisation (tens of us on a GPU): a larger --inner shrinks that share; with --inner=1 it is all
+in.
 
 Check: on the first input set, the kernel against the reference, op by op: ids equal, weights within 1e-6
 (absolute), changed equal; "ok" or "MISMATCH". Changed tokens: how many of the T tokens got a top-K set other than
@@ -91,12 +94,12 @@ def run(s) -> dict:
     say(f"device: {dev['device_kind']} ({dev['platform']}); jax {dev['jax']}"
         + ("" if on_gpu else "; Pallas kernel in INTERPRET mode (not a GPU: its time means nothing)"))
     say(f"timed: per op, median of {s.iters} synchronised calls (after {s.warmup} warm-up), each call a jitted "
-        f"fori_loop of {s.inner} op(s) on different random logits and resident masks, every output summed into the "
-        "loop carry; XLA top-k = top_k(softmax(logits), K) + renormalisation, Pallas prior = route_prior, "
+        f"unrolled fori_loop of {s.inner} op(s) on different random logits and resident masks, every output summed "
+        "into the loop carry; XLA top-k = top_k(softmax(logits), K) + renormalisation, Pallas prior = route_prior, "
         "jnp prior = route_prior_reference")
 
     def looped(op):
-        """A jitted fori_loop of op over [inner, ...] input sets, summing every output (bools as int32)."""
+        """A jitted, unrolled fori_loop of op over [inner, ...] input sets, summing every output (bools as int32)."""
         @jax.jit
         def f(logits_sets, resident_sets, lam):  # [inner, T, E], [inner, E], [T]
             shapes_ = jax.eval_shape(op, logits_sets[0], resident_sets[0], lam)
@@ -106,14 +109,14 @@ def run(s) -> dict:
             def body(r, acc):
                 out = op(logits_sets[r], resident_sets[r], lam)
                 return jax.tree.map(lambda a, o: a + o.astype(a.dtype), acc, out)
-            return jax.lax.fori_loop(0, logits_sets.shape[0], body, init)
+            return jax.lax.fori_loop(0, logits_sets.shape[0], body, init, unroll=True)
         return f
 
     rng = np.random.default_rng(s.seed)
     result = dict(benchmark="route_prior_bench", settings={name: getattr(s, name) for name in FLAGS}, device=dev,
                   interpret=interpret,
-                  timing_scope=(f"median over iters of synchronised jitted calls, each a fori_loop of {s.inner} ops "
-                                "on different logits and resident masks; per-op time = call time / inner"),
+                  timing_scope=(f"median over iters of synchronised jitted calls, each an unrolled fori_loop of "
+                                f"{s.inner} ops on different logits and resident masks; per-op = call / inner"),
                   rows=[], complete=False)
 
     for e, k in shapes:

@@ -28,10 +28,11 @@ def hf_fixture_names() -> list[str]:
                   if (p / "config.json").is_file() and (p / "reference.npz").is_file())
 
 
-def run_cli(args, cache_dir, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -m strata_jax.decode ARGS --cache_dir=...` from the repo root; stdout and stderr as bytes (the
-    embedded model's text is arbitrary bytes)."""
-    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+def run_cli(args, cache_dir, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m strata_jax.decode ARGS --cache_dir=...` from the repo root, with `env` added to the environment;
+    stdout and stderr as bytes (the embedded model's text is arbitrary bytes)."""
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}, PYTHONIOENCODING="utf-8",
+               **(env or {}))
     return subprocess.run([sys.executable, "-m", "strata_jax.decode", *args, f"--cache_dir={cache_dir}"],
                           cwd=REPO, env=env, capture_output=True, timeout=timeout)
 

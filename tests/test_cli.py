@@ -93,3 +93,23 @@ def test_refusal_is_one_error_line(refusals, case):
         # refused before the model loads: the error is all there is on stderr. (A too-long prompt is found after
         # the engine is built, so the loading/compile progress lines come first.)
         assert lines == errors, err
+
+
+def test_switches_print_their_lines_and_logpos_writes_the_prompt(cache_dir, tmp_path):
+    """STRATA_* switches: a start-up line each (a bad value is a line, not an error), the cumulative counter line
+    after the request; --logpos writes every prompt position."""
+    from strata_jax.logpos import read_logpos
+    path = tmp_path / "run.jsonl"
+    env = {"STRATA_ROUTE_TAIL_SKIP": "2", "STRATA_ROUTE_PRIOR": "much", "STRATA_VERIFY_DEFER_CPU_BELOW": "0.2"}
+    result = cli(["--max_new_tokens=8", "--dtype=float32", "--context=64", "--expert_cache_slots=4",
+                  "--pcie_frac=1", f"--prompt={PROMPT}", f"--logpos={path}"], cache_dir, env=env)
+    err, out = result.stderr.decode("utf-8", "replace"), result.stdout.decode("utf-8", "replace")
+    assert result.returncode == 0 and "Traceback" not in err, err
+    assert "route tail skip: R = 2" in err
+    assert "STRATA_ROUTE_PRIOR=much is not a number >= 0; prior off" in err
+    assert "STRATA_VERIFY_DEFER_CPU_BELOW=0.2: ignored (STRATA_VERIFY_DEFER_CPU is off)" in err
+    assert re.search(r"^route tail skip: \d+ missed experts skipped \(\d+ entries\) since the start$", out, re.M), out
+    header, records = read_logpos(path)
+    n = len(PROMPT.encode("utf-8"))
+    assert header["meta"]["read"] == "windows" and header["meta"]["route"]["tail_skip"] == 2
+    assert list(records["pos"]) == list(range(n - 1)) and (records["target_logp"] <= 0).all()
