@@ -30,9 +30,10 @@ skew on held-out data: the share of the routed entries (token x top-K slot) that
 used experts (uniform routing: skew_top / E). Printed as a table, written to <out>/training_report.json and --json.
 
 Output (--out): config.json (Qwen3MoeForCausalLM), model.safetensors (the Hub tensor names strata_jax/checkpoint.py
-reads, --save_dtype), tokenizer.json (the byte-level tokenizer), training_report.json. Reproducible: the same flags
-on the same machine give the same model.safetensors (its sha256 is in the report); on a GPU, --deterministic sets
-XLA's deterministic ops (scatter-add in the embedding gradient, autotuning) before JAX starts its backend.
+reads, --save_dtype; or, with --max_shard_mb, Hub-style shards and model.safetensors.index.json, for transfers that
+cap a file's size), tokenizer.json (the byte-level tokenizer), training_report.json. Reproducible: the same flags on
+the same machine give the same weight files (their sha256 is in the report); on a GPU, --deterministic sets XLA's
+deterministic ops (scatter-add in the embedding gradient, autotuning) before JAX starts its backend.
 """
 from __future__ import annotations
 
@@ -73,6 +74,10 @@ flags.DEFINE_integer("max_position_embeddings", 2048, "Written to config.json (t
 flags.DEFINE_integer("seq_len", 256, "Tokens (bytes) per training sequence L.", lower_bound=2, flag_values=FLAGS)
 flags.DEFINE_integer("batch", 64, "Sequences per step B.", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("steps", 3000, "Optimizer steps.", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_float("time_limit_s", 0.0, "Stop training at the first progress line past this many seconds of "
+                   "training (0 = no limit) and save what was trained; the report records the steps done. With a "
+                   "limit the checkpoint depends on the machine's speed: reproducible only without it.",
+                   lower_bound=0.0, flag_values=FLAGS)
 flags.DEFINE_float("lr", 3e-3, "Peak learning rate.", lower_bound=0.0, flag_values=FLAGS)
 flags.DEFINE_integer("warmup_steps", 100, "Linear warm-up steps (at most half of --steps).", lower_bound=0,
                      flag_values=FLAGS)
@@ -93,6 +98,8 @@ flags.DEFINE_enum("compute_dtype", "bfloat16", ["bfloat16", "float32"], "Dtype o
                   flag_values=FLAGS)
 flags.DEFINE_enum("save_dtype", "bfloat16", ["bfloat16", "float32"], "Dtype of model.safetensors.",
                   flag_values=FLAGS)
+flags.DEFINE_float("max_shard_mb", 0.0, "Split the weights into safetensors shards of at most this many MiB, with "
+                   "model.safetensors.index.json (0 = one model.safetensors).", lower_bound=0.0, flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the initial weights and of the batches.", flag_values=FLAGS)
 flags.DEFINE_bool("deterministic", True, "Append --xla_gpu_deterministic_ops=true to XLA_FLAGS (GPU run-to-run "
                   "determinism; no effect on a CPU, nor once JAX has started its backend in this process).",
@@ -311,6 +318,7 @@ def make_optimizer(lr: float, steps: int, warmup_steps: int = 0, min_lr_frac: fl
 def make_update(cfg, optimizer, aux_loss_coef: float, compute_dtype):
     """(master weights, optimizer state, batch [B, L+1]) -> (weights, state, metrics): one optimizer step."""
     import jax
+    import jax.numpy as jnp
     import optax
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg=cfg, aux_loss_coef=aux_loss_coef,
                                                    compute_dtype=compute_dtype), has_aux=True)
@@ -318,8 +326,8 @@ def make_update(cfg, optimizer, aux_loss_coef: float, compute_dtype):
     def update(master, opt_state, batch):
         (loss, (ce, aux)), grads = grad_fn(master, batch)
         updates, opt_state = optimizer.update(grads, opt_state, master)
-        return optax.apply_updates(master, updates), opt_state, dict(loss=loss, ce=ce, aux=aux,
-                                                                     grad_norm=optax.tree.norm(grads))
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))  # before clipping
+        return optax.apply_updates(master, updates), opt_state, dict(loss=loss, ce=ce, aux=aux, grad_norm=grad_norm)
     return update
 
 
@@ -444,20 +452,50 @@ def hf_tensors(weights, cfg, dtype: str) -> dict:
     return out
 
 
-def save_checkpoint(folder: Path, weights, cfg, raw_config: dict, dtype: str) -> dict:
-    """config.json, model.safetensors and tokenizer.json into folder; returns the safetensors file's size and
-    sha256."""
+def shard(tensors: dict, max_bytes: int) -> list[dict]:
+    """Split name -> array into consecutive groups of at most max_bytes each (0 = one group; a larger tensor alone)."""
+    groups, size = [{}], 0
+    for name, x in tensors.items():
+        if max_bytes and groups[-1] and size + x.nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = x
+        size += x.nbytes
+    return groups
+
+
+def save_checkpoint(folder: Path, weights, cfg, raw_config: dict, dtype: str, max_shard_bytes: int = 0) -> dict:
+    """config.json, the safetensors file(s) and tokenizer.json into folder: model.safetensors, or with
+    max_shard_bytes the Hub's shards model-0000i-of-0000n.safetensors and model.safetensors.index.json (the engine
+    reads both). Returns the weight files' names and sizes, and the sha256 of their bytes in that order (one file:
+    what `sha256sum model.safetensors` prints)."""
     from safetensors.numpy import save_file
     from strata_jax.tokenizer import byte_level_tokenizer
     folder.mkdir(parents=True, exist_ok=True)
+    # A previous run's weight files would be read beside (or instead of) this run's: remove only those names.
+    for old in [folder / "model.safetensors", folder / "model.safetensors.index.json",
+                *folder.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
     (folder / "config.json").write_text(json.dumps(raw_config, indent=1) + "\n")
     byte_level_tokenizer().save(str(folder / "tokenizer.json"))
-    tmp = folder / "model.safetensors.tmp"
-    save_file(hf_tensors(weights, cfg, dtype), str(tmp), metadata={"format": "pt"})  # "pt": transformers reads it
-    os.chmod(tmp, 0o644)  # safetensors creates the file owner-only; the other files are readable by all
-    os.replace(tmp, folder / "model.safetensors")
-    data = (folder / "model.safetensors").read_bytes()
-    return dict(path=str(folder / "model.safetensors"), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    tensors = hf_tensors(weights, cfg, dtype)
+    groups = shard(tensors, max_shard_bytes)
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    digest, files = hashlib.sha256(), []
+    for name, group in zip(names, groups):
+        tmp = folder / (name + ".tmp")
+        save_file(group, str(tmp), metadata={"format": "pt"})  # "pt": transformers reads it
+        os.chmod(tmp, 0o644)  # safetensors creates the file owner-only; the other files are readable by all
+        os.replace(tmp, folder / name)
+        data = (folder / name).read_bytes()
+        digest.update(data)
+        files.append(dict(name=name, bytes=len(data)))
+    if len(groups) > 1:
+        index = dict(metadata=dict(total_size=sum(x.nbytes for x in tensors.values())),
+                     weight_map={t: name for name, group in zip(names, groups) for t in group})
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+    return dict(folder=str(folder), files=files, bytes=sum(f["bytes"] for f in files), sha256=digest.hexdigest())
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
@@ -568,12 +606,16 @@ def run(s) -> dict:
         eta = elapsed / (i + 1) * (s.steps - i - 1)
         common.progress(f"step {i + 1:>{len(str(s.steps))}}/{s.steps}  loss {row['loss']:.4f} "
                         f"({row['loss'] / math.log(2):.3f} bits)  aux {row['aux']:.3f}  lr {row['lr']:.2e}  "
-                        f"{row['tok_s'] / 1e3:,.0f}k tok/s  elapsed {elapsed:.0f}s  eta {eta:.0f}s")
+                        f"{row['tok_s']:,.0f} tok/s  elapsed {elapsed:.0f}s  eta {eta:.0f}s")
         pending, t_last = [], now
+        if s.time_limit_s and elapsed > s.time_limit_s and i + 1 < s.steps:
+            common.progress(f"time limit {s.time_limit_s:g} s reached after {i + 1} of {s.steps} steps: stopping")
+            break
     jax.block_until_ready(master)
     train_s = time.perf_counter() - t_start
-    report.update(train_s=train_s, tokens_trained=s.steps * tokens_per_step,
-                  tok_s=s.steps * tokens_per_step / train_s, final_train_loss=report["curve"][-1]["loss"])
+    steps_done = report["curve"][-1]["step"]
+    report.update(train_s=train_s, steps_done=steps_done, tokens_trained=steps_done * tokens_per_step,
+                  tok_s=steps_done * tokens_per_step / train_s, final_train_loss=report["curve"][-1]["loss"])
 
     # ---- held-out ----
     common.progress(f"held-out: {held_np.size - 1:,} targets in windows of {s.seq_len}, {eval_batch} a call")
@@ -583,7 +625,7 @@ def run(s) -> dict:
     report["heldout"] = heldout
 
     # ---- checkpoint ----
-    report["checkpoint"] = save_checkpoint(out, master, cfg, raw, s.save_dtype)
+    report["checkpoint"] = save_checkpoint(out, master, cfg, raw, s.save_dtype, int(s.max_shard_mb * 2**20))
     report["complete"] = True
 
     top = heldout["skew_top"]
@@ -593,15 +635,18 @@ def run(s) -> dict:
     report["table"] = common.format_table(headers, rows)
     say(report["table"])
     say()
+    where = (f"the first {s.eval_tokens:,} tokens of the held-out files (--eval_tokens)" if s.eval_tokens else
+             f"{len(corpus['heldout_files'])} held-out file(s)")
     say(f"held-out: {heldout['bits_per_byte']:.4f} bits per byte ({heldout['loss_nats']:.4f} nats) over "
-        f"{heldout['bytes']:,} bytes of {len(corpus['heldout_files'])} files; last training loss "
+        f"{heldout['bytes']:,} bytes of {where}; last training loss "
         f"{report['final_train_loss'] / math.log(2):.4f} bits per token")
     say(f"routing skew: share of the routed entries (token x top-{k} slot) going to each layer's {top} most used of "
         f"{e} experts, on held-out data (uniform: {top / e:.3f})")
     say(f"trained {report['tokens_trained'] / 1e6:.1f}M tokens in {train_s:.1f} s ({report['tok_s']:,.0f} tok/s; "
         f"compile {report['compile_s']:.1f} s)")
-    say(f"checkpoint: {out} (model.safetensors {common.fmt_bytes(report['checkpoint']['bytes'])}, sha256 "
-        f"{report['checkpoint']['sha256'][:16]})")
+    ckpt = report["checkpoint"]
+    say(f"checkpoint: {out} ({len(ckpt['files'])} safetensors file(s), {common.fmt_bytes(ckpt['bytes'])}, sha256 "
+        f"{ckpt['sha256'][:16]})")
     common.write_json(out / "training_report.json", report)
     if s.json:
         common.write_json(s.json, report)

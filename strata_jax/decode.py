@@ -14,9 +14,10 @@ from strata_jax import options
 from strata_jax.errors import StrataError
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "embedded", "Model folder (config.json, *.safetensors, tokenizer.json), a folder "
-                    "written by --save_state, or 'embedded' (the tiny built-in model).", flag_values=FLAGS)
-flags.DEFINE_string("prompt", "The quick brown fox", "Prompt text.", flag_values=FLAGS)
+flags.DEFINE_string("model", "reference", "Model folder (config.json, *.safetensors, tokenizer.json), a folder "
+                    "written by --save_state, 'reference' (the committed MoE trained on Python code: 64 experts "
+                    "top-8) or 'embedded' (a tiny random MoE, for tests).", flag_values=FLAGS)
+flags.DEFINE_string("prompt", "import os\n\n\ndef walk(top):\n    ", "Prompt text.", flag_values=FLAGS)
 flags.DEFINE_string("prompt_file", "", "Read the prompt from this file (overrides --prompt).", flag_values=FLAGS)
 flags.DEFINE_string("save_state", "", "After loading, save the converted weights here with orbax.", flag_values=FLAGS)
 options.define_flags(FLAGS)
@@ -68,10 +69,10 @@ def run() -> None:
 def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:
     """Refuse a prompt longer than the context before loading or compiling anything."""
     from strata_jax.config import load_config
-    from strata_jax.embedded import embedded_model_dir
+    from strata_jax.embedded import resolve_model
     from strata_jax.engine import context_and_chunk
     from strata_jax.tokenizer import load_tokenizer
-    folder = embedded_model_dir(engine_opts.resolved_cache_dir()) if model == "embedded" else Path(model)
+    folder = resolve_model(model, engine_opts.resolved_cache_dir())
     if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
         return  # from_pretrained gives the precise error
     context, _ = context_and_chunk(load_config(folder), engine_opts)

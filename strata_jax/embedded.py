@@ -16,6 +16,20 @@ from strata_jax.tokenizer import byte_level_tokenizer
 
 EMBEDDED_NAME = "embedded"
 FORMAT_VERSION = 1
+# The reference model: a small MoE (64 experts, top-8) trained on the Python standard library's sources by
+# benchmarks/train_reference_moe.py, committed; the default model of the CLI (`make run`).
+REFERENCE_NAME = "reference"
+REFERENCE_DIR = Path(__file__).resolve().parent / "models" / "moe-stdlib"
+
+
+def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
+    """A model argument -> its folder: None / 'embedded' (the tiny random model, written on first use),
+    'reference' (the committed trained model), or a path."""
+    if model is None or str(model) == EMBEDDED_NAME:
+        return embedded_model_dir(cache_dir)
+    if str(model) == REFERENCE_NAME:
+        return REFERENCE_DIR
+    return Path(model)
 
 
 def random_checkpoint(raw_config: dict, seed: int) -> dict[str, np.ndarray]:

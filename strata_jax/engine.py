@@ -17,7 +17,7 @@ from strata_jax import checkpoint, graphs, model, moe, offload
 from strata_jax import placement as placement_mod
 from strata_jax.config import ModelConfig, config_from_dict
 from strata_jax.drafts import make_drafter
-from strata_jax.embedded import embedded_model_dir
+from strata_jax.embedded import resolve_model
 from strata_jax.errors import StrataError
 from strata_jax.options import EngineOptions, RequestOptions, build, defer_cpu, route_approx, split_options
 from strata_jax.sampling import SamplingParams
@@ -86,16 +86,15 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, verbose: bool = True, **options) -> "Engine":
         """Load a Hugging Face Qwen3-MoE folder (config.json, *.safetensors, tokenizer.json), a folder saved by
-        `save_state`, or (path None / 'embedded') the embedded tiny model. Options are the CLI flags' names."""
+        `save_state`, 'reference' (the committed trained model), or (path None / 'embedded') the embedded tiny
+        random model. Options are the CLI flags' names."""
         engine_opts, request_opts = split_options(options)
         if request_opts:
             raise StrataError(f"{sorted(request_opts)} are generate() options, not engine options")
         opts = build(EngineOptions, engine_opts)
         cache_dir = opts.resolved_cache_dir()
         enable_compilation_cache(cache_dir)
-        if path is None or str(path) == "embedded":
-            path = embedded_model_dir(cache_dir)
-        path = Path(path)
+        path = resolve_model(path, cache_dir)
         if not path.is_dir():
             raise StrataError(f"model folder {path} does not exist")
         cfg_path = path / "config.json"

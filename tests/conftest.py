@@ -33,6 +33,8 @@ def run_cli(args, cache_dir, timeout: int = 300, env: dict | None = None) -> sub
     stdout and stderr as bytes (the embedded model's text is arbitrary bytes)."""
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}, PYTHONIOENCODING="utf-8",
                **(env or {}))
+    if not any(str(a).startswith("--model") for a in args):
+        args = ["--model=embedded", *args]  # the tests' tiny model (the CLI's default is the reference model)
     return subprocess.run([sys.executable, "-m", "strata_jax.decode", *args, f"--cache_dir={cache_dir}"],
                           cwd=REPO, env=env, capture_output=True, timeout=timeout)
 
