@@ -37,6 +37,8 @@ flags.DEFINE_integer("iters", 20, "Timed steps per window size (median and mean 
 flags.DEFINE_integer("warmup", 3, "Untimed steps per window size before timing.", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each window size).",
                     flag_values=FLAGS)
+flags.DEFINE_enum("expert_kernel", "xla", ["xla", "pallas"], "Expert FFN: XLA gather + einsums, or the Pallas "
+                  "kernel (pallas_kernels/expert_ffn.py; bf16 on a GPU).", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and token ids.", flag_values=FLAGS)
 flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth copy in MiB (0 = 1024 on an accelerator, 64 on CPU).",
                      lower_bound=0, flag_values=FLAGS)
@@ -131,7 +133,7 @@ def run(s) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from strata_jax import graphs, model
+    from strata_jax import graphs, model, moe
     from strata_jax.config import preset
     from strata_jax.errors import StrataError
 
@@ -224,7 +226,8 @@ def run(s) -> dict:
     jax.block_until_ready(cache)
     result["device_bytes_in_use"] = common.device_memory_in_use()
 
-    decode = graphs.jit_decode_window(cfg)
+    experts = moe.ResidentExperts(cfg, interpret=dev["platform"] != "gpu") if s.expert_kernel == "pallas" else None
+    decode = graphs.jit_decode_window(cfg, experts)
     probe = make_probe(cfg, s.context, dtype) if s.probe_windows and n_moe else None
     pos = jax.device_put(jnp.int32(s.pos))
     rng = np.random.default_rng(s.seed)

@@ -96,6 +96,17 @@ step defer_arms "${ARMS_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model
   --switch_arms="every:STRATA_VERIFY_DEFER_CPU=1,STRATA_VERIFY_DEFER_CPU_BELOW=1;split:STRATA_VERIFY_DEFER_CPU=1;check:STRATA_VERIFY_DEFER_CPU=check" \
   ${DEFER_ARMS_ARGS:-}
 
+# The Pallas expert FFN in the whole decode step (issue 8), every expert resident, 8 of 48 layers: XLA then Pallas.
+for kernel in xla pallas; do
+  step "decode_$kernel" "${DECODE_KERNEL_LIMIT_S:-150}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=8 \
+    --windows=1,2,4,8 --context=2048 --pos=512 --iters=30 --expert_kernel=$kernel --json="$OUT/decode_$kernel.json" \
+    --compilation_cache_dir="$JIT_CACHE"
+done
+
+# The agent-turns A/B (issue 7) on the reference model: routing arms at a quarter of the experts, PCIe only.
+step agent_turns "${AGENT_LIMIT_S:-300}" "$PY" -m benchmarks.agent_turns_bench ${AGENT_ARGS:-} --json="$OUT/agent_turns.json" \
+  --plot="$OUT/agent_turns.png"
+
 echo
 echo "=== steps"
 cat "$OUT/steps.txt"

@@ -67,7 +67,15 @@ class Engine:
         """The offload paths of the prefill and of the decode graphs (the routing approximations act in decode
         windows only); with pcie_frac 1 they are built without the host pool (no callback)."""
         if not self.placement:
+            if self.options.expert_kernel == "pallas":
+                if jax.default_backend() != "gpu" or self.dtype != jnp.bfloat16:
+                    raise StrataError("expert_kernel=pallas needs a GPU and dtype=bfloat16")
+                path = moe.ResidentExperts(self.cfg)
+                return path, path
             return None, None
+        if self.options.expert_kernel == "pallas":
+            raise StrataError("expert_kernel=pallas is for every expert on the device (expert_cache_slots=all); "
+                              "the offload path runs the XLA expert FFN")
         pool = self.placement.pool if self.placement.pcie_frac < 1 else None
         exact = offload.OffloadedExperts(self.cfg, pool)
         if not (self.approx.active or self.defer.active):

@@ -168,7 +168,10 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
             elif experts is None:
                 h = h + moe.moe_block(x, layer.ffn, cfg, valid)
             else:
-                y, expert_state[i], *deferred = experts(i, x, layer.ffn, valid, expert_state[i])
+                state = expert_state[i] if expert_state is not None else None
+                y, state, *deferred = experts(i, x, layer.ffn, valid, state)
+                if expert_state is not None:
+                    expert_state[i] = state
                 h = h + y
                 pending = deferred[0] if deferred else None
                 if pending is not None and experts.join_now:

@@ -92,6 +92,24 @@ def resident_experts(x: jax.Array, w: MoEWeights, r: Route) -> jax.Array:
     return expert_ffn(x, w.gate[ids], w.up[ids], w.down[ids], r.combine)
 
 
+class ResidentExperts:
+    """The expert path of a model whose experts are all on the device, with the Pallas expert FFN kernel
+    (pallas_kernels/expert_ffn.py: each distinct expert's weights read in place, once per window, no gather copy)
+    instead of XLA's gather + einsums. bf16 on a GPU only; `(layer, x, w, valid, state) -> (y, state)`."""
+
+    def __init__(self, cfg: ModelConfig, interpret: bool = False):
+        self.cfg, self.interpret = cfg, interpret
+
+    def __call__(self, layer: int, x: jax.Array, w: MoEWeights, valid: jax.Array, state=None):
+        from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
+        with jax.named_scope("moe_route"):
+            r = route(x, w.router, self.cfg, valid)
+        with jax.named_scope("moe_experts_pallas"):
+            y = expert_ffn_kernel(x, w.gate, w.up, w.down, r.expert_ids, r.combine, interpret=self.interpret)
+        with jax.named_scope("moe_combine"):
+            return y.astype(x.dtype), state
+
+
 def moe_block(x: jax.Array, w: MoEWeights, cfg: ModelConfig, valid: jax.Array) -> jax.Array:
     with jax.named_scope("moe_route"):
         r = route(x, w.router, cfg, valid)

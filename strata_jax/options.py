@@ -79,6 +79,9 @@ class EngineOptions:
                          "'auto' picks it from costs measured at start-up.", _frac)
     cpu_threads: int = opt(0, "Host pool threads; 0 = the machine's cores.", _int_range(0, 1024))
     vram_reserve_mib: int = opt(1024, "Device memory (MiB) kept free when expert_cache_slots=auto.", _int_range(0))
+    expert_kernel: str = opt("xla", "Expert FFN with every expert on the device: xla (gather + einsums, the tested "
+                             "exact path) or pallas (pallas_kernels/expert_ffn.py: experts read in place; bf16 on a "
+                             "GPU only).", _choice("xla", "pallas"))
     callback_timeout_s: float = opt(20.0, "A host pool job that does not answer within this many seconds ends the "
                                "request with an error.", _float_range(0.0, 3600.0, lo_open=True))
 
