@@ -1,0 +1,175 @@
+"""benchmarks/agent_turns_bench.py: the workload (deterministic, the same for every arm, growing, capped), the arms'
+syntax, the mirrored order, a tiny end-to-end A/B run of two arms in worker processes, and its one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import agent_turns_bench as bench
+from conftest import REPO
+
+
+def byte_encode():
+    from strata_jax.tokenizer import byte_level_tokenizer
+    tok = byte_level_tokenizer()
+    return lambda text: tok.encode(text).ids
+
+
+def cli(*args, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, PYTHONIOENCODING="utf-8", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "benchmarks.agent_turns_bench", *args], cwd=REPO, env=environ,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---- the workload ----------------------------------------------------------------------------------------------
+
+
+def test_workload_is_deterministic_grows_and_respects_the_cap():
+    enc = byte_encode()
+    a = bench.build_workload(enc, 900, 7, 2, seed=3)
+    b = bench.build_workload(enc, 900, 7, 2, seed=3)
+    assert a == b  # the same seed: the same texts and ids, whoever asks (each arm reads this one workload)
+    other = bench.build_workload(enc, 900, 7, 2, seed=4)
+    assert [t["ids"] for t in other["turns"]] != [t["ids"] for t in a["turns"]]
+    turns = a["turns"]
+    assert len(turns) == 7 and [t["index"] for t in turns] == list(range(7))
+    for t in turns:
+        assert t["ids"] == enc(t["text"]) and t["prompt_tokens"] == len(t["ids"]) <= 900
+        assert t["prompt_sha256"] == bench.ids_sha(t["ids"])
+    by_session: dict[int, list] = {}
+    for t in turns:
+        by_session.setdefault(t["session"], []).append(t)
+    assert len(by_session) >= 2
+    for ts in by_session.values():
+        assert [t["turn"] for t in ts] == list(range(len(ts)))
+        first = ts[0]
+        assert first["text"].startswith(bench.ROLE_SYSTEM + bench.SYSTEM) and first["tools"] == []
+        assert 150 <= first["prompt_tokens"] <= 260  # a short first turn: system prompt and task
+        for prev, cur in zip(ts, ts[1:]):
+            # The conversation grows by appending: earlier text (with its fixed placeholder replies) is kept.
+            assert cur["text"].startswith(prev["text"]) and cur["prompt_tokens"] > prev["prompt_tokens"]
+            assert cur["tools"] and "<tool_result name=" in cur["text"][len(prev["text"]):]
+            assert cur["text"].endswith(bench.ROLE_ASSISTANT)
+    # A session planned with more turns reaches the longest prompt.
+    assert max(t["prompt_tokens"] for t in turns) >= 900 - 40
+    # Every source file is in the repository's code folders, none from fixtures or models.
+    files = bench.source_files()
+    assert files == sorted(files) and "strata_jax/engine.py" in files and "benchmarks/agent_turns_bench.py" in files
+    assert not [f for f in files if "/fixtures/" in f or "/models/" in f or not f.endswith((".py", ".md"))]
+
+
+def test_workload_sessions_end_at_the_context():
+    enc = byte_encode()
+    w = bench.build_workload(enc, 120, 3, 1, seed=0)  # too short for a second turn: one turn a session
+    assert len(w["turns"]) == 3 and all(t["prompt_tokens"] <= 120 for t in w["turns"])
+    assert [s["turns"] for s in w["sessions"]] == [1, 1, 1]
+    assert [s["ended_by_context"] for s in w["sessions"]] == [True, True, False]
+    with pytest.raises(ValueError, match="cannot hold a session's first turn"):
+        bench.build_workload(enc, 60, 3, 1, seed=0)
+    with pytest.raises(ValueError, match="fewer than --sessions"):
+        bench.build_workload(enc, 900, 2, 3, seed=0)
+
+
+# ---- arms and order --------------------------------------------------------------------------------------------
+
+
+def test_parse_arms_order_and_env():
+    arms = bench.parse_arms("base:; skip:STRATA_ROUTE_TAIL_SKIP=5;both:STRATA_ROUTE_TAIL_SKIP=5, "
+                            "STRATA_ROUTE_PRIOR=0.5;defer:STRATA_VERIFY_DEFER_CPU=1,STRATA_VERIFY_DEFER_CPU_BELOW=1")
+    assert arms == [("base", {}), ("skip", {"STRATA_ROUTE_TAIL_SKIP": "5"}),
+                    ("both", {"STRATA_ROUTE_TAIL_SKIP": "5", "STRATA_ROUTE_PRIOR": "0.5"}),
+                    ("defer", {"STRATA_VERIFY_DEFER_CPU": "1", "STRATA_VERIFY_DEFER_CPU_BELOW": "1"})]
+    assert "STRATA_LOGPOS" in bench.known_switches() and "STRATA_ROUTE_RESIDENT_MARGIN" in bench.known_switches()
+    for bad, what in (("base", "no ':'"), ("base:;base:", "twice"), ("x:STRATA_NOPE=1", "unknown variable"),
+                      ("x:STRATA_WINDOW=2", "unknown variable"), ("x:STRATA_ROUTE_PRIOR", "not STRATA_VAR=value"),
+                      ("x:STRATA_ROUTE_PRIOR=1,STRATA_ROUTE_PRIOR=2", "twice"), (":STRATA_ROUTE_PRIOR=1", "name"),
+                      (";", "empty")):
+        with pytest.raises(ValueError, match=what):
+            bench.parse_arms(bad)
+    assert bench.run_order(["A", "B", "C"], 1) == ["A", "B", "C", "C", "B", "A"]
+    assert bench.run_order(["A", "B"], 2) == ["A", "B", "B", "A", "A", "B", "B", "A"]
+    env = bench.worker_env({"STRATA_ROUTE_TAIL_SKIP": "2"},
+                           {"PATH": "/bin", "STRATA_ROUTE_PRIOR": "0.5", "STRATA_LOGPOS": "x"})
+    assert env == {"PATH": "/bin", "STRATA_ROUTE_TAIL_SKIP": "2"}
+
+
+# ---- end to end ------------------------------------------------------------------------------------------------
+
+TINY = ["--model=embedded", "--dtype=float32", "--turns=3", "--sessions=1", "--new_tokens=4",
+        "--expert_cache_slots=4"]
+
+
+def test_two_arms_end_to_end(tmp_path, cache_dir):
+    out, plot = tmp_path / "agent.json", tmp_path / "agent.png"
+    # A stray switch in the caller's environment must not reach any run.
+    res = cli(*TINY, "--max_prompt_tokens=700", "--arms=base:;skip:STRATA_ROUTE_TAIL_SKIP=2", f"--json={out}",
+              f"--plot={plot}", f"--cache_dir={cache_dir}", env={"STRATA_ROUTE_PRIOR": "0.5"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    table = [ln for ln in res.stdout.splitlines() if ln.startswith("|")]
+    assert "x median" in table[0] and "turns won" in table[0]
+    assert [ln.split("|")[1].strip() for ln in table[2:]] == ["base", "skip"]
+    assert "removed from every run's environment" in res.stdout
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and saved["order"] == ["base", "skip", "skip", "base"]
+    assert saved["warmup_run"]["arm"] == "base" and saved["warmup_run"]["decode_tok_s_mean"] > 0  # not counted
+    assert "order: (warm-up base) base skip skip base" in res.stdout
+    runs = saved["runs"]
+    assert [r["arm"] for r in runs] == saved["order"] and [r["run"] for r in runs] == [1, 1, 2, 2]
+    lengths = [t["prompt_tokens"] for t in saved["workload"]["turns"]]
+    assert len(lengths) == 3 and lengths == sorted(lengths) and lengths[0] < lengths[-1] <= 700
+    for r in runs:
+        assert r["workload_sha256"] == saved["workload"]["sha256"]
+        assert r["env"] == ({} if r["arm"] == "base" else {"STRATA_ROUTE_TAIL_SKIP": "2"})
+        assert [t["prompt_tokens"] for t in r["turns"]] == lengths
+        assert [t["prompt_sha256"] for t in r["turns"]] == [t["prompt_sha256"] for t in runs[0]["turns"]]
+        for t in r["turns"]:
+            assert t["generated_tokens"] == 4 and t["decode_tok_s"] > 0 and 0 <= t["hit_rate"] <= 1
+    base, skip = saved["summary"]
+    assert base["baseline"] and base["name"] == "base" and skip["name"] == "skip"
+    assert base["approx"]["prior"] is None and not base["approx_active"]  # the stray STRATA_ROUTE_PRIOR was removed
+    assert skip["approx"]["tail_skip"] == 2 and skip["approx_active"]
+    for a in (base, skip):
+        assert len(a["per_turn"]) == 3 and a["runs"] == 2
+        assert all(p["ratio"] > 0 for p in a["per_turn"])
+        assert a["ratio"]["median"] > 0 and a["ratio"]["min"] <= a["ratio"]["median"] <= a["ratio"]["max"]
+    assert base["counters_total"]["distinct_skipped"] == 0
+    assert skip["counters_total"]["distinct_skipped"] > 0
+    assert sum(t["distinct_skipped"] for r in runs if r["arm"] == "skip" for t in r["turns"]) > 0
+    noise = saved["baseline_noise"]
+    assert len(noise["per_turn"]) == 3 and noise["ratio"]["median"] > 0
+    assert saved["table"] in res.stdout
+    if saved.get("plot"):
+        assert plot.stat().st_size > 0
+    else:
+        assert "matplotlib is not importable" in res.stdout
+
+
+def test_bad_arms_is_one_line():
+    for arms, what in (("base;skip:STRATA_ROUTE_TAIL_SKIP=5", "no ':'"),
+                       ("base:;skip:STRATA_ROUTE_TAILSKIP=5", "unknown variable STRATA_ROUTE_TAILSKIP")):
+        res = cli("--model=embedded", f"--arms={arms}", timeout=60)
+        assert res.returncode == 1, res.stderr
+        assert "Traceback" not in res.stderr and res.stdout == ""
+        err = res.stderr.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --arms") and what in err[0], res.stderr
+
+
+def test_failing_worker_is_one_line(tmp_path, cache_dir):
+    from strata_jax.embedded import embedded_model_dir
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    src = embedded_model_dir(cache_dir)
+    for name in ("config.json", "tokenizer.json"):  # no weights: the worker's engine cannot load
+        shutil.copy(src / name, broken / name)
+    res = cli(*TINY[1:], f"--model={broken}", "--max_prompt_tokens=120", "--arms=base:", f"--cache_dir={cache_dir}",
+              timeout=120)
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and res.stderr.strip().splitlines()[-1] == errors[0]
+    assert "arm base run 1: the worker failed (exit status 1): 'error:" in errors[0], errors[0]
