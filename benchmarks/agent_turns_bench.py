@@ -353,13 +353,12 @@ def build_workload(encode: Callable[[str], list[int]], max_prompt: int, turns: i
                 for kind in kinds:
                     call, head_, content = repo.tool(kind, rng, unread)
                     trial = lambda m: text + tool_message(calls + [(call, head_, content, m)])  # noqa: E731
-                    limit = target
-                    if count(trial(len(content))) <= limit:
+                    if count(trial(len(content))) <= target:
                         calls.append((call, head_, content, len(content)))
-                        if limit - count(text + tool_message(calls)) < ROOM_TOKENS:
+                        if target - count(text + tool_message(calls)) < ROOM_TOKENS:
                             break
                         continue
-                    m = _largest_fit(lambda m: count(trial(m)) <= limit, len(content))
+                    m = _largest_fit(lambda m: count(trial(m)) <= target, len(content))
                     if m >= min(MIN_CONTENT_CHARS, len(content)):
                         calls.append((call, head_, content, m))
                     elif not calls:  # the target is too close: the shortest message, if max_prompt allows
@@ -598,12 +597,12 @@ def make_plot(path: str, summary: list[dict], noise: dict) -> tuple[str | None, 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     pts = sorted((t["prompt_tokens"], t["ratio"]) for t in noise["per_turn"] if t["ratio"] is not None)
     if pts:
-        ax.plot(*zip(*pts), color="gray", linestyle=":", marker=".", label=f"{summary[0]['name']}: run 2 / run 1 "
-                "(noise)")
+        ax.plot(*zip(*pts), color="gray", linestyle="none", marker="x", markersize=5,
+                label=f"{summary[0]['name']}: run 2 / run 1 (noise)")
     for a in summary[1:]:
         pts = sorted((t["prompt_tokens"], t["ratio"]) for t in a["per_turn"] if t["ratio"] is not None)
         if pts:
-            ax.plot(*zip(*pts), marker="o", markersize=3, label=a["name"])
+            ax.plot(*zip(*pts), linestyle="none", marker="o", markersize=4, alpha=0.8, label=a["name"])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel(f"decode tok/s / {summary[0]['name']}'s (same turn)")
