@@ -391,6 +391,11 @@ class HostPool:
         results += _run_all([
             pool.submit(self._down_job, layer, experts, hT, yT, r0, r1) for r0, r1 in down_jobs])
 
+        self._record(results, started)
+        return np.ascontiguousarray(yT.T)
+
+    def _record(self, results: list, started: float) -> None:
+        """Add one finished layer job's thread jobs ((seconds, bytes) each) to the stats."""
         with self._lock:
             stats = self.stats
             stats.calls += 1
@@ -398,7 +403,6 @@ class HostPool:
             stats.job_seconds += sum(seconds for seconds, _ in results)
             stats.bytes_read += sum(nbytes for _, nbytes in results)
             stats.wall_seconds += time.perf_counter() - started
-        return np.ascontiguousarray(yT.T)
 
     def _run_split(self, job, x, ids, heavy, light, faults, started):
         """Driver thread: heavy phase, signal, light phase (see submit_split)."""
@@ -414,14 +418,7 @@ class HostPool:
         job.failed_phase = "light"
         results += self._run_split_phase(job, x, ids, light, job.light_rows, faults["light"])
         job.failed_phase = None
-
-        with self._lock:
-            stats = self.stats
-            stats.calls += 1
-            stats.jobs += len(results)
-            stats.job_seconds += sum(seconds for seconds, _ in results)
-            stats.bytes_read += sum(nbytes for _, nbytes in results)
-            stats.wall_seconds += time.perf_counter() - started
+        self._record(results, started)
 
     def _run_split_phase(self, job, x, ids, mask, rows, fault) -> list:
         """rows[t, k] = unweighted expert output for every entry in mask [T, K].
