@@ -164,3 +164,20 @@ def test_a_late_phase_is_one_error_naming_layer_and_phase(engine_factory, tokens
     assert "layer 1" in msg and f"{phase} rows did not arrive within 2.0 s" in msg and "\n" not in msg
     eng.reconfigure(pcie_frac=0.0)
     assert rel(eng.score(tokens, window=4), want) <= REL_TOL  # usable again, same result
+
+
+def test_a_window_without_cpu_entries_makes_no_callback(engine_factory, tokens):
+    """Every expert resident (a full cache, filled): the deferring graph submits nothing to the pool."""
+    from strata_jax import offload
+    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=16, pcie_frac=0.5,
+                         cpu_threads=2, callback_timeout_s=2.0, verify_defer_cpu="1")
+    eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
+    every = jnp.arange(16, dtype=jnp.int32)
+    eng.cache = eng.cache.replace(experts=[
+        None if s is None else offload.fill_slots(s, *(getattr(eng.weights.layers[i].ffn, n) for n in
+                                                      ("gate", "up", "down")), every)
+        for i, s in enumerate(eng.cache.experts)])
+    eng.placement.pool.stats.reset()
+    eng.score(tokens, window=4)
+    assert eng.stats.last.decode_experts.distinct_resident > 0
+    assert eng.placement.pool.stats.calls == 0 and eng.placement.pool.split_tickets() == []
