@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from absl import flags
 
@@ -37,6 +38,9 @@ flags.DEFINE_integer("iters", 20, "Timed steps per window size (median and mean 
 flags.DEFINE_integer("warmup", 3, "Untimed steps per window size before timing.", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each window size).",
                     flag_values=FLAGS)
+flags.DEFINE_enum("hf", "auto", ["auto", "off"], "Also time Hugging Face transformers on the same shape (random "
+                  "weights; benchmarks/hf_decode.py in a subprocess, before JAX takes the device) when torch and "
+                  "transformers are importable, and print the ratio to it.", flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "xla", ["xla", "pallas"], "Expert FFN: XLA gather + einsums, or the Pallas "
                   "kernel (pallas_kernels/expert_ffn.py; bf16 on a GPU).", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and token ids.", flag_values=FLAGS)
@@ -127,6 +131,30 @@ def _xla_bytes(compiled) -> float | None:
         return None
 
 
+def run_hf(s, windows) -> dict | None:
+    """benchmarks/hf_decode.py in a subprocess (it needs torch and transformers, not JAX); its JSON plus a line."""
+    import importlib.util
+    import json
+    import subprocess
+    import tempfile
+    if not (importlib.util.find_spec("torch") and importlib.util.find_spec("transformers")):
+        return dict(line="HF transformers: torch or transformers is not importable here: no comparison")
+    out = Path(tempfile.mkdtemp(prefix="hf_decode_")) / "hf.json"
+    cmd = [sys.executable, "-m", "benchmarks.hf_decode", f"--model={s.model}", f"--layers={s.layers}",
+           f"--windows={','.join(map(str, windows))}", f"--pos={s.pos}", f"--iters={s.iters}",
+           f"--warmup={s.warmup}", f"--dtype={s.dtype}", f"--json={out}"]
+    common.progress("HF transformers on the same shape (subprocess): " + " ".join(cmd[2:]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    if proc.returncode != 0 or not out.is_file():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return dict(line=f"HF transformers: the comparison failed ({last})")
+    hf = json.loads(out.read_text())
+    hf["line"] = (f"HF transformers {hf['transformers']} (torch {hf['torch']}, {hf['device_name']}): the same shape, "
+                  f"random weights, one window step synchronised, the fastest of {', '.join(hf['impls'])} per T; "
+                  "x vs HF = its ms/step / ours (each step synced)")
+    return hf
+
+
 def run(s) -> dict:
     """The benchmark with settings `s` (the parsed FLAGS or any object with the same attributes); returns all
     numbers (also written to s.json when set)."""
@@ -146,6 +174,7 @@ def run(s) -> dict:
     if s.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", s.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    hf = run_hf(s, windows) if s.hf == "auto" else None  # before JAX holds the device's memory
     dtype = jnp.dtype(s.dtype)
     itemsize = dtype.itemsize
     dev = common.device_info()
@@ -301,10 +330,18 @@ def run(s) -> dict:
                      r["distinct_experts_per_layer"] if r["distinct_source"] == "measured" else "-",
                      r["distinct_uniform_expectation"], common.gb(r["bytes"]["total"]), r["roofline_ms"],
                      100 * r["roofline_fraction"]])
+    if hf and hf.get("best"):
+        headers += ["HF ms/step (fastest impl)", "x vs HF"]
+        for row, r in zip(rows, result["rows"]):
+            best = hf["best"].get(str(r["T"]))
+            row += [f"{best['ms']:.2f} ({best['impl']})", best["ms"] / r["ms_per_step"]] if best else ["-", "-"]
+        result["hf"] = hf
     table = common.format_table(headers, rows)
     result["table"] = table
     say(table)
     say()
+    if hf is not None:
+        say(hf["line"])
     say(f"baseline: the engine's own decode_window graph; roofline: bytes/step at the {bandwidth / 1e9:,.0f} GB/s "
         f"measured above. bytes/step = {common.fmt_bytes(wb['fixed_non_expert'])} non-expert + distinct experts x "
         f"{common.fmt_bytes(wb['expert'])} x {n_moe} MoE layers + {common.fmt_bytes(kv_bytes)} KV (whole "

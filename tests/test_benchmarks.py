@@ -104,3 +104,30 @@ def test_offload_bench_bad_flags(capsys):
         assert e.value.code == 1, bad
         assert "error:" in capsys.readouterr().err
     assert offload_bench.frac_list("1,0.5,auto,1", "x", allow_auto=True, lo_open=False) == [1.0, 0.5, "auto"]
+
+
+def test_decode_bench_puts_the_hf_baseline_beside_each_window(tmp_path, capsys, monkeypatch):
+    """benchmarks/hf_decode.py needs torch (not in this venv): its JSON, as it writes it, stands in for the
+    subprocess; the table gets HF's fastest implementation per T and our speed-up over it."""
+    hf = {"transformers": "5.x", "torch": "2.x", "device_name": "cpu", "impls": {"eager": {"1": 3.0, "2": 5.0},
+          "grouped_mm": {"1": 2.5, "2": 6.0}}, "best": {"1": {"impl": "grouped_mm", "ms": 2.5},
+                                                         "2": {"impl": "eager", "ms": 5.0}}, "line": "HF: stand-in"}
+    monkeypatch.setattr(decode_bench, "run_hf", lambda s, windows: hf)
+    result = decode_bench.main(["decode_bench", "--model=tiny", "--windows=1,2", "--iters=2", "--warmup=1",
+                                "--context=64", "--pos=8", "--bw_mib=8", "--probe_windows=0",
+                                f"--json={tmp_path / 'd.json'}"])
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
+    assert "x vs HF" in table[0]
+    for line, row, best in zip(table[2:], result["rows"], ("2.50 (grouped_mm)", "5.00 (eager)")):
+        assert best in line
+        speedup = float(line.rstrip(" |").split("|")[-1])
+        assert speedup == pytest.approx(float(best.split()[0]) / row["ms_per_step"], rel=0.01)
+
+
+def test_decode_bench_says_when_hf_cannot_run(capsys):
+    import importlib.util
+    if importlib.util.find_spec("torch"):
+        pytest.skip("torch is importable here: the comparison runs instead")
+    decode_bench.main(["decode_bench", "--model=tiny", "--windows=1", "--iters=1", "--warmup=0", "--context=32",
+                       "--pos=4", "--bw_mib=8", "--probe_windows=0"])
+    assert "HF transformers: torch or transformers is not importable here" in capsys.readouterr().out
