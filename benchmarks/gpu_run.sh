@@ -103,6 +103,13 @@ for kernel in xla pallas; do
     --compilation_cache_dir="$JIT_CACHE"
 done
 
+# The Pallas expert FFN in the offload path (issue 8): 50% and 25% of the experts, PCIe only, XLA then Pallas.
+for kernel in xla pallas; do
+  step "offload_$kernel" "${OFFLOAD_KERNEL_LIMIT_S:-240}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b \
+    --dtype=bfloat16 --slot_fracs=1.0,0.5,0.25 --pcie_fracs=1 --new_tokens=48 --expert_kernel=$kernel \
+    --json="$OUT/offload_$kernel.json" --cache_dir="$JIT_CACHE"
+done
+
 # The agent-turns A/B (issue 7) on the reference model: routing arms at a quarter of the experts, PCIe only.
 step agent_turns "${AGENT_LIMIT_S:-300}" "$PY" -m benchmarks.agent_turns_bench ${AGENT_ARGS:-} --json="$OUT/agent_turns.json" \
   --plot="$OUT/agent_turns.png"

@@ -62,6 +62,8 @@ flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Array size of the device_put and memcpy bandwidth copies in MiB (0 = 1024 on an "
                      "accelerator, 64 on CPU).", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_enum("expert_kernel", "xla", ["xla", "pallas"], "Expert FFN of every engine (the engine option; "
+                  "pallas: bf16 on a GPU).", flag_values=FLAGS)
 flags.DEFINE_string("switch_arms", "", "Approximation arms run beside each (slots, pcie_frac) arm, ';'-separated, each "
                     "name:STRATA_VAR=value,STRATA_VAR=value (e.g. 'skip:STRATA_ROUTE_TAIL_SKIP=5;prior:"
                     "STRATA_ROUTE_PRIOR=0.5'). Each gets its own engine over the same weights and placement; the "
@@ -248,7 +250,7 @@ def run(s) -> dict:
         raise StrataError(f"{host_copies} host copies of {common.fmt_bytes(experts_total)} of experts do not fit in "
                           f"{common.fmt_bytes(ram)} of host RAM (cut with --layers)")
     opts_common = dict(window=s.window, dtype=s.dtype, context=s.context, cache_dir=s.cache_dir,
-                       cpu_threads=s.cpu_threads, cache_policy="lru")
+                       cpu_threads=s.cpu_threads, cache_policy="lru", expert_kernel=s.expert_kernel)
     cache_path = enable_compilation_cache(build(EngineOptions, opts_common).resolved_cache_dir())
     host_kind = offload.host_memory_kind()
     threads = s.cpu_threads or os.cpu_count() or 1

@@ -64,23 +64,19 @@ class Engine:
         self._compile()
 
     def _expert_paths(self):
-        """The offload paths of the prefill and of the decode graphs (the routing approximations act in decode
-        windows only); with pcie_frac 1 they are built without the host pool (no callback)."""
+        """The expert paths of the prefill and of the decode graphs. The routing approximations, the deferral and
+        the Pallas expert FFN act in decode windows only; the prefill keeps the exact XLA path. With pcie_frac 1 the
+        offload paths are built without the host pool (no callback)."""
+        kernel = self.options.expert_kernel == "pallas"
+        if kernel and (jax.default_backend() != "gpu" or self.dtype != jnp.bfloat16):
+            raise StrataError("expert_kernel=pallas needs a GPU and dtype=bfloat16")
         if not self.placement:
-            if self.options.expert_kernel == "pallas":
-                if jax.default_backend() != "gpu" or self.dtype != jnp.bfloat16:
-                    raise StrataError("expert_kernel=pallas needs a GPU and dtype=bfloat16")
-                path = moe.ResidentExperts(self.cfg)
-                return path, path
-            return None, None
-        if self.options.expert_kernel == "pallas":
-            raise StrataError("expert_kernel=pallas is for every expert on the device (expert_cache_slots=all); "
-                              "the offload path runs the XLA expert FFN")
+            return None, (moe.ResidentExperts(self.cfg) if kernel else None)
         pool = self.placement.pool if self.placement.pcie_frac < 1 else None
         exact = offload.OffloadedExperts(self.cfg, pool)
-        if not (self.approx.active or self.defer.active):
+        if not (self.approx.active or self.defer.active or kernel):
             return exact, exact
-        return exact, offload.OffloadedExperts(self.cfg, pool, route=self.approx, defer_cpu=self.defer)
+        return exact, offload.OffloadedExperts(self.cfg, pool, route=self.approx, defer_cpu=self.defer, kernel=kernel)
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""

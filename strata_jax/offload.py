@@ -131,8 +131,11 @@ class OffloadedExperts:
     """
 
     def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
-                 defer_cpu: defer.DeferCPU = defer.OFF):
+                 defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False):
         self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
+        # kernel: the Pallas expert FFN (pallas_kernels/expert_ffn.py) reads resident and fetched experts in their
+        # slots (fetched ones are copied straight into their victim slots); bf16 on a GPU.
+        self.kernel = kernel
         self.defer = defer_cpu if pool is not None else defer.OFF
         # check mode: the layer's late rows join right after its own combine (model.forward asks).
         self.join_now = self.defer.mode == "check"
@@ -191,7 +194,10 @@ class OffloadedExperts:
             fetch_rank = jnp.cumsum(fetch) - 1  # [N]
             insert = fetch & (fetch_rank < n_victims)
             dest = jnp.where(insert, victims[jnp.clip(fetch_rank, 0, s)], s)  # [N], trash row s when not kept
-            gpu = (kind == RESIDENT) | fetch
+            # The XLA blocks run the resident and fetched experts; with the Pallas kernel they run only the fetched
+            # ones that found no slot (overflow, staged in the block), the kernel reads the rest in their slots.
+            block_kind = jnp.where(fetch & ~insert, FETCH, NONE) if self.kernel else kind
+            gpu = (block_kind == RESIDENT) | (block_kind == FETCH)
             gpu_order = jnp.argsort(~gpu, stable=True).astype(jnp.int32)  # gpu experts first
             n_gpu = jnp.sum(gpu)
         pending = None
@@ -204,13 +210,21 @@ class OffloadedExperts:
             y = jnp.zeros(x.shape, jnp.float32)
             slots = (state.gate, state.up, state.down)
             hosts = (w.gate, w.up, w.down)
+            if self.kernel:
+                with jax.named_scope("moe_fetch"):
+                    slots = fetch_into_slots(slots, hosts, ids, dest, fetch & insert)
+                with jax.named_scope("moe_experts_pallas"):
+                    from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
+                    slot_ids = jnp.where(kind == RESIDENT, slot, jnp.where(fetch & insert, dest, -1))
+                    y = expert_ffn_kernel(x, *slots, slot_ids.astype(jnp.int32), r.combine,
+                                          interpret=jax.default_backend() != "gpu")
             b = min(self.block, n)
             for start in range(0, n, b):
                 def run_block(carry, start=start):
                     y, slots = carry
                     sel = gpu_order[start:start + b]  # [B] positions in the window's expert list
                     in_block = (start + jnp.arange(sel.shape[0])) < n_gpu
-                    k_sel = jnp.where(in_block, kind[sel], NONE)
+                    k_sel = jnp.where(in_block, block_kind[sel], NONE)
                     rows = jnp.where(k_sel == RESIDENT, slot[sel], s)
                     block = tuple(a[rows] for a in slots)  # gather resident experts [B, ...]
                     is_fetch = k_sel == FETCH
@@ -232,7 +246,7 @@ class OffloadedExperts:
                     combine = r.combine[:, sel] * (k_sel != NONE)[None, :]
                     return y + moe.expert_ffn(x, *block, combine), slots
 
-                if start == 0:
+                if start == 0 and not self.kernel:
                     y, slots = run_block((y, slots))
                 else:
                     y, slots = jax.lax.cond(start < n_gpu, run_block, lambda c: c, (y, slots))
@@ -267,6 +281,19 @@ class OffloadedExperts:
         if pending is not None:
             return y, state, pending
         return y, state
+
+
+def fetch_into_slots(slots: tuple, hosts: tuple, ids: jax.Array, dest: jax.Array, which: jax.Array) -> tuple:
+    """Copy the experts ids[n] with which[n] from host memory (PCIe) into slot dest[n] of each slot array."""
+    order = jnp.argsort(~which, stable=True)
+
+    def one(i, slots):
+        j = order[i]
+        return tuple(jax.lax.dynamic_update_index_in_dim(
+            sl, to_device(jax.lax.dynamic_index_in_dim(host, ids[j], keepdims=True)), dest[j], 0)
+            for sl, host in zip(slots, hosts))
+
+    return jax.lax.fori_loop(0, jnp.sum(which), one, slots)
 
 
 def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Array) -> SlotCache:

@@ -182,3 +182,45 @@ def test_the_model_with_the_kernel_matches_the_xla_path():
     err = np.linalg.norm(out["pallas"] - out["xla"]) / np.linalg.norm(out["xla"])
     assert err < 2e-2, err
     assert (out["pallas"].argmax(-1) == out["xla"].argmax(-1)).mean() >= 2 / 3
+
+
+@pytest.mark.parametrize("slots,filled", [(0, 0), (6, 3), (16, 10)])
+def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled):
+    """offload.OffloadedExperts(kernel=True) (interpret mode): resident experts read in their slots, fetched ones
+    copied into their victim slots first, the overflow (no slot left: S=0, S=6) through the XLA block: the layer's
+    output within bf16 rounding of the XLA path, and the same slot table and slot contents after the window."""
+    from strata_jax import moe, offload
+    from strata_jax.config import preset
+    cfg = preset("tiny")
+    rng = np.random.default_rng(slots + 7)
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    f = lambda *shape, scale=0.1: jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+    w = moe.MoEWeights(router=f(h, e, scale=1.0), gate=f(e, i, h), up=f(e, i, h), down=f(e, h, i))
+    state = offload.init_slot_cache(cfg, slots, jnp.bfloat16)
+    if filled:
+        chosen = np.full(slots, -1, np.int32)
+        chosen[:filled] = rng.permutation(e)[:filled]
+        state = offload.fill_slots(state, w.gate, w.up, w.down, jnp.asarray(chosen))
+    x = f(3, h, scale=1.0)
+    valid = jnp.ones((3,), bool)
+    out = {}
+    for kernel in (False, True):
+        path = offload.OffloadedExperts(cfg, kernel=kernel)
+        out[kernel] = jax.jit(path, static_argnums=0)(0, x, w, valid, state)
+    (y_xla, s_xla), (y_pallas, s_pallas) = out[False], out[True]
+    y_xla, y_pallas = np.asarray(y_xla, np.float32), np.asarray(y_pallas, np.float32)
+    assert np.linalg.norm(y_pallas - y_xla) / np.linalg.norm(y_xla) < 2e-2
+    np.testing.assert_array_equal(np.asarray(s_pallas.table), np.asarray(s_xla.table))
+    np.testing.assert_array_equal(np.asarray(s_pallas.counters), np.asarray(s_xla.counters))
+    if slots:
+        np.testing.assert_array_equal(np.asarray(s_pallas.gate[:slots]), np.asarray(s_xla.gate[:slots]))
+        np.testing.assert_array_equal(np.asarray(s_pallas.down[:slots]), np.asarray(s_xla.down[:slots]))
+
+
+def test_the_engine_refuses_the_kernel_where_it_cannot_run(engine_factory):
+    import jax
+    from strata_jax import StrataError
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU bf16 runs the kernel: tests/test_gpu.py covers it")
+    with pytest.raises(StrataError, match="needs a GPU and dtype=bfloat16"):
+        engine_factory(None, dtype="bfloat16", window=2, context=64, expert_cache_slots="all", expert_kernel="pallas")

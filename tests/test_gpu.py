@@ -48,3 +48,19 @@ def test_pool_failure_on_gpu_is_one_line_and_recovers(engine_factory, tokens):
     with pytest.raises(StrataError, match="layer 2"):
         eng.generate(tokens[:9], 8, stop_token_ids=[])
     assert eng.generate(tokens[:9], 8, stop_token_ids=[]) == expected
+
+
+@pytest.mark.parametrize("slots", ["all", "5"])
+def test_the_pallas_expert_kernel_in_the_engine(engine_factory, tokens, slots):
+    """expert_kernel=pallas (bf16): the decode windows' logits within bf16 rounding of the XLA path, all experts
+    resident and offloaded (resident and fetched experts read in their slots)."""
+    common = dict(dtype="bfloat16", window=4, context=64, expert_cache_slots=slots, pcie_frac=1.0)
+    xla = engine_factory(None, **common).score(tokens, window=4)
+    pallas = engine_factory(None, expert_kernel="pallas", **common).score(tokens, window=4)
+    assert rel(pallas, xla) < 3e-2
+    assert (pallas.argmax(-1) == xla.argmax(-1)).mean() > 0.8
+
+
+def test_the_pallas_expert_kernel_is_refused_off_bfloat16(engine_factory):
+    with pytest.raises(StrataError, match="bfloat16"):
+        engine_factory(None, dtype="float32", window=2, context=64, expert_cache_slots="all", expert_kernel="pallas")
