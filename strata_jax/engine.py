@@ -402,12 +402,16 @@ class Engine:
         mask hides the rest, so no stale entry is read (the expert slots keep what they fetched: placement only)."""
         context = list(ids) + out
         pos = ids.size  # position of out[-1], the last accepted token, not yet in the KV cache
+        ready = None  # when the host had the last window's result: the device waits from then to the next dispatch
         while len(out) < budget:
             k = min(spec, budget - len(out) - 1)
             drafts = drafter.propose(context, k) if k > 0 else []
             t = len(drafts) + 1
             window = np.asarray(out[-1:] + drafts, np.int32)
             greedy, logits, self.cache = self._decode[t](self.weights, self.cache, window, jnp.int32(pos))
+            if ready is not None:  # drafting, bookkeeping and this dispatch: host time between two windows
+                stats.host_gap_s += time.perf_counter() - ready
+                stats.host_gaps += 1
             positions = jnp.asarray(np.arange(pos + 1, pos + 1 + t), jnp.int32)
             if not sampled:
                 target = np.asarray(greedy)
@@ -422,6 +426,7 @@ class Engine:
                 new = drafts[:accepted] + [int(drawn[accepted])]
             else:
                 accepted, new = 0, [int(self._sample[1](logits, positions, sampling)[0])]
+            ready = time.perf_counter()
             stats.windows += 1
             stats.window_tokens += t
             stats.drafts_proposed += len(drafts)

@@ -72,6 +72,10 @@ class RequestStats:
     window_tokens: int = 0  # tokens those windows ran (the last accepted one + drafts)
     drafts_proposed: int = 0
     drafts_accepted: int = 0
+    # Verify windows: host time from one window's result to the next window's dispatch (the device idles then;
+    # the T=1 loop without drafts queues the next window before it reads, so it has no such gap).
+    host_gap_s: float = 0.0
+    host_gaps: int = 0
     prefill_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
     decode_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
 
@@ -108,9 +112,11 @@ class RequestStats:
 
     def draft_summary(self) -> str:
         rate = self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+        gap = (f"; host time between windows {self.host_gap_s / self.host_gaps * 1e3:.2f} ms (mean of "
+               f"{self.host_gaps})" if self.host_gaps else "")
         return (f"drafts: proposed {self.drafts_proposed}, accepted {self.drafts_accepted} ({rate:.0%}); "
                 f"{self.windows} windows, mean accepted per window {self.mean_accepted:.2f}, "
-                f"mean window size {self.mean_window:.2f}")
+                f"mean window size {self.mean_window:.2f}{gap}")
 
 
 @dataclasses.dataclass

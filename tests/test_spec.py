@@ -187,3 +187,13 @@ def test_cli_prints_the_draft_counters(cache_dir):
     assert out.returncode == 0, out.stderr.decode("utf-8", "replace")
     lines = out.stdout.decode("utf-8", "replace").splitlines()
     assert any(line.startswith("drafts: proposed ") and "mean window size" in line for line in lines)
+
+
+def test_host_time_between_verify_windows_is_measured(engine_factory, prompt):
+    eng = resident(engine_factory)
+    eng.generate(prompt, 10, stop_token_ids=[])  # verify windows (drafts on)
+    r = eng.stats.last
+    assert r.windows >= 2 and r.host_gaps == r.windows - 1 and r.host_gap_s > 0
+    assert "host time between windows" in r.draft_summary()
+    eng.generate(prompt, 10, stop_token_ids=[], spec=0)  # the pipelined T=1 loop: the next window is queued first
+    assert eng.stats.last.host_gaps == 0 and "host time" not in eng.stats.last.draft_summary()
