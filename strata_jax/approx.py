@@ -72,16 +72,12 @@ def weights_of(probs: jax.Array, ids: jax.Array, norm_topk_prob: bool) -> tuple[
     return ids, w
 
 
-def use_kernel() -> tuple[bool, bool]:
-    """(run the Pallas kernel, in interpret mode): compiled on a GPU, interpreted elsewhere."""
-    return True, jax.default_backend() != "gpu"
-
-
 def prior_pick(logits: jax.Array, resident: jax.Array, lam: jax.Array, k: int, keep: int) -> tuple[jax.Array, jax.Array]:
-    """The biased re-pick (Pallas kernel): logits [T, E], resident [E], lam [T] -> (ids [T, K], changed [T])."""
+    """The biased re-pick (the Pallas kernel: compiled on a GPU, interpreted elsewhere): logits [T, E],
+    resident [E], lam [T] -> (ids [T, K], changed [T]). The weights are recomputed by `weights_of`, with the exact
+    router's arithmetic, so a re-pick that changes nothing changes no bit."""
     from pallas_kernels.route_prior import route_prior
-    _, interpret = use_kernel()
-    ids, _, changed = route_prior(logits, resident, lam, k=k, keep=keep, interpret=interpret)
+    ids, _, changed = route_prior(logits, resident, lam, k=k, keep=keep, interpret=jax.default_backend() != "gpu")
     return ids, changed
 
 

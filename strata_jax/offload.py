@@ -166,7 +166,9 @@ class OffloadedExperts:
                     state = state.replace(range_sum=state.range_sum + add_sum, range_count=state.range_count + add_count)
                     lam = lam * state.range_sum / jnp.maximum(state.range_count, 1).astype(jnp.float32)
                 ids, changed = approx.prior_pick(logits, resident, lam, k, a.prior_keep)
-                hits = lambda i: jnp.sum(jnp.where(valid[:, None], resident[i], False))
+
+                def hits(picked):  # entries of the valid tokens on a resident expert
+                    return jnp.sum(jnp.where(valid[:, None], resident[picked], False))
                 extra.update(prior_tokens=jnp.sum(valid), prior_tokens_changed=jnp.sum(changed & valid),
                              prior_entries=jnp.sum(valid) * k,
                              prior_hits_unbiased=hits(unbiased), prior_hits=hits(ids))
