@@ -43,6 +43,9 @@ flags.DEFINE_enum("hf", "auto", ["auto", "off"], "Also time Hugging Face transfo
                   "transformers are importable, and print the ratio to it.", flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "xla", ["xla", "pallas"], "Expert FFN: XLA gather + einsums, or the Pallas "
                   "kernel (pallas_kernels/expert_ffn.py; bf16 on a GPU).", flag_values=FLAGS)
+flags.DEFINE_enum("attention_kernel", "xla", ["xla", "pallas"], "Attention: XLA einsums over the whole static "
+                  "cache, or the Pallas decode-attention kernel (reads the cache up to the window's last position).",
+                  flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and token ids.", flag_values=FLAGS)
 flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth copy in MiB (0 = 1024 on an accelerator, 64 on CPU).",
                      lower_bound=0, flag_values=FLAGS)
@@ -256,7 +259,7 @@ def run(s) -> dict:
     result["device_bytes_in_use"] = common.device_memory_in_use()
 
     experts = moe.ResidentExperts(cfg, interpret=dev["platform"] != "gpu") if s.expert_kernel == "pallas" else None
-    decode = graphs.jit_decode_window(cfg, experts)
+    decode = graphs.jit_decode_window(cfg, experts, attention_kernel=s.attention_kernel == "pallas")
     probe = make_probe(cfg, s.context, dtype) if s.probe_windows and n_moe else None
     pos = jax.device_put(jnp.int32(s.pos))
     rng = np.random.default_rng(s.seed)

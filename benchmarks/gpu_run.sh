@@ -97,6 +97,9 @@ step defer_arms "${ARMS_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model
   ${DEFER_ARMS_ARGS:-}
 
 # The Pallas expert FFN in the whole decode step (issue 8), every expert resident, 8 of 48 layers: XLA then Pallas.
+step decode_attention "${DECODE_KERNEL_LIMIT_S:-150}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=8 \
+  --windows=1,2,4,8 --context=2048 --pos=512 --iters=30 --attention_kernel=pallas --expert_kernel=pallas --hf=off \
+  --json="$OUT/decode_attention.json" --compilation_cache_dir="$JIT_CACHE"
 for kernel in xla pallas; do
   step "decode_$kernel" "${DECODE_KERNEL_LIMIT_S:-150}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=8 \
     --windows=1,2,4,8 --context=2048 --pos=512 --iters=30 --expert_kernel=$kernel --json="$OUT/decode_$kernel.json" \

@@ -52,6 +52,7 @@ class Engine:
         self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
         self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.pcie_frac < 1)
         approx_lines += defer_lines
+        self._check_attention_kernel()
         self.expert_path, self.decode_expert_path = self._expert_paths()
         self.stats = Stats()
         self._reset_state()
@@ -62,6 +63,11 @@ class Engine:
             for line in approx_lines:
                 log(line)
         self._compile()
+
+    def _check_attention_kernel(self) -> None:
+        d = self.cfg.head_dim
+        if self.options.attention_kernel == "pallas" and (d < 16 or d & (d - 1)):
+            raise StrataError(f"attention_kernel=pallas needs head_dim a power of 2 >= 16 (this model: {d})")
 
     def _expert_paths(self):
         """The expert paths of the prefill and of the decode graphs. The routing approximations, the deferral and
@@ -81,7 +87,10 @@ class Engine:
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
         # Slack past the context: a padded prefill chunk writes up to `chunk` positions beyond the last real one.
-        kv = model.init_cache(self.cfg, self.context + self.chunk, self.dtype)
+        length = self.context + self.chunk
+        if self.options.attention_kernel == "pallas":
+            length = -(-length // 64) * 64  # the kernel's key blocks divide the cache length
+        kv = model.init_cache(self.cfg, length, self.dtype)
         experts = self.placement.init_state(self.cfg, self.dtype) if self.placement else None
         self.cache = kv.replace(experts=experts)
 
@@ -172,7 +181,8 @@ class Engine:
         if self.verbose:
             log(f"compiling: window T=1..{self.options.window}, prefill chunk {self.chunk}, samplers ...")
         pos = jnp.int32(0)
-        decode = graphs.jit_decode_window(self.cfg, self.decode_expert_path)
+        decode = graphs.jit_decode_window(self.cfg, self.decode_expert_path,
+                                          attention_kernel=self.options.attention_kernel == "pallas")
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
         sampler, verifier = graphs.jit_sample(), graphs.jit_verify()
         sampling = SamplingParams.make()

@@ -23,10 +23,11 @@ from strata_jax.sampling import SamplingParams, sample, verify
 
 
 def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
-                  *, cfg: ModelConfig, experts: ExpertPath | None = None):
-    """tokens [T] at positions pos.. -> (argmax tokens [T], logits [T, V] float32, cache)."""
+                  *, cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False):
+    """tokens [T] at positions pos.. -> (argmax tokens [T], logits [T, V] float32, cache). attention_kernel: the
+    Pallas decode-attention kernel instead of XLA's einsums."""
     t = tokens.shape[0]
-    logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts)
+    logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
 
 
@@ -58,8 +59,9 @@ def verify_window(logits: jax.Array, drafts: jax.Array, positions: jax.Array, sa
     return verify(logits, drafts, positions, sampling)
 
 
-def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None):
-    return jax.jit(functools.partial(decode_window, cfg=cfg, experts=experts), donate_argnums=(1,))
+def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False):
+    return jax.jit(functools.partial(decode_window, cfg=cfg, experts=experts, attention_kernel=attention_kernel),
+                   donate_argnums=(1,))
 
 
 def jit_prefill_chunk(cfg: ModelConfig, experts: ExpertPath | None = None):

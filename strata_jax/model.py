@@ -96,8 +96,10 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
-              cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attention of T window tokens at positions pos..pos+T-1 over the cache. x: [T, H]."""
+              cfg: ModelConfig, kernel: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention of T window tokens at positions pos..pos+T-1 over the cache. x: [T, H]. kernel: the Pallas
+    decode-attention kernel (pallas_kernels/decode_attention.py: reads the cache in place, only up to pos+T-1)
+    instead of XLA's einsums over the whole static cache."""
     t = x.shape[0]
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -114,6 +116,11 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     # Write this window's keys/values, then attend over the whole static cache with a causal mask.
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (pos, 0, 0))  # [S, Nkv, D]
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (pos, 0, 0))
+    if kernel:
+        from pallas_kernels.decode_attention import decode_attention
+        out = decode_attention(q, k_cache, v_cache, pos, interpret=jax.default_backend() != "gpu").reshape(t, nq * d)
+        out = out @ w.wo
+        return (out if w.bo is None else out + w.bo), k_cache, v_cache
     qg = q.reshape(t, nkv, nq // nkv, d)  # head h uses kv head h // (Nq/Nkv), as transformers' repeat_kv
     scores = jnp.einsum("tgrd,sgd->tgrs", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)
@@ -140,7 +147,8 @@ ExpertPath = Callable[[int, jax.Array, "moe.MoEWeights", jax.Array, object], tup
 
 
 def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
-            cfg: ModelConfig, experts: ExpertPath | None = None) -> tuple[jax.Array, KVCache]:
+            cfg: ModelConfig, experts: ExpertPath | None = None,
+            attention_kernel: bool = False) -> tuple[jax.Array, KVCache]:
     """One window: tokens [T] at positions pos.., of which the first n_valid are real (the rest padding).
 
     Returns float32 logits [T, V] and the updated cache.
@@ -155,7 +163,7 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
         with jax.named_scope(f"layer{i}"):
             with jax.named_scope("attention"):
                 a, kc, vc = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn,
-                                      cache.k[i], cache.v[i], pos, cfg)
+                                      cache.k[i], cache.v[i], pos, cfg, kernel=attention_kernel)
             h = h + a
             new_k.append(kc)
             new_v.append(vc)

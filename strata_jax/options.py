@@ -82,6 +82,10 @@ class EngineOptions:
     expert_kernel: str = opt("xla", "Expert FFN with every expert on the device: xla (gather + einsums, the tested "
                              "exact path) or pallas (pallas_kernels/expert_ffn.py: experts read in place; bf16 on a "
                              "GPU only).", _choice("xla", "pallas"))
+    attention_kernel: str = opt("xla", "Attention of the decode windows: xla (einsums over the whole static cache, "
+                                "the tested exact path) or pallas (pallas_kernels/decode_attention.py: the cache "
+                                "read in place up to the window's last position; interpreted, slowly, off the GPU).",
+                                _choice("xla", "pallas"))
     callback_timeout_s: float = opt(20.0, "A host pool job that does not answer within this many seconds ends the "
                                "request with an error.", _float_range(0.0, 3600.0, lo_open=True))
 
