@@ -97,6 +97,10 @@ step defer_arms "${ARMS_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model
   ${DEFER_ARMS_ARGS:-}
 
 # The Pallas expert FFN in the whole decode step (issue 8), every expert resident, 8 of 48 layers: XLA then Pallas.
+# Where a window's device time goes, by named scope (issue 8's per-phase profile), XLA and both Pallas kernels.
+step profile "${PROFILE_LIMIT_S:-150}" bash -c "$PY -m benchmarks.profile_window --model=qwen3-30b-a3b --layers=8 --windows=1,4 \
+  --json=$OUT/profile_xla.json && $PY -m benchmarks.profile_window --model=qwen3-30b-a3b --layers=8 --windows=1,4 \
+  --expert_kernel=pallas --attention_kernel=pallas --json=$OUT/profile_pallas.json"
 step decode_attention "${DECODE_KERNEL_LIMIT_S:-150}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=8 \
   --windows=1,2,4,8 --context=2048 --pos=512 --iters=30 --attention_kernel=pallas --expert_kernel=pallas --hf=off \
   --json="$OUT/decode_attention.json" --compilation_cache_dir="$JIT_CACHE"

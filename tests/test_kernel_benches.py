@@ -39,3 +39,20 @@ def test_route_prior_bench_bad_flags_exit(bad, capsys):
         route_prior_bench.main(["route_prior_bench", "--shapes=16x4", "--tokens=1", bad])
     assert e.value.code == 1
     assert "error:" in capsys.readouterr().err
+
+
+def test_profile_window_attributes_op_time_to_the_named_scopes(tmp_path):
+    import warnings
+    from benchmarks import profile_window
+    assert profile_window.scope_of("jit(decode_window)/layer3/moe_experts/nti,nhi->nth/dot_general") == "moe_experts"
+    assert profile_window.scope_of("jit(decode_window)/layer0/attention/add") == "attention"
+    assert profile_window.scope_of("jit(decode_window)/argmax") == "(outside the layers)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        result = profile_window.main(["profile_window", "--model=tiny", "--windows=4", "--context=64", "--pos=8",
+                                      "--iters=2", f"--json={tmp_path / 'p.json'}"])
+    phases = result["windows"][0]["phases"]
+    for scope in ("attention", "moe_route", "moe_experts"):
+        assert phases.get(scope, 0) > 0, phases
+    assert abs(sum(phases.values()) - result["windows"][0]["op_us"]) < 1e-6 * result["windows"][0]["op_us"] + 1e-9
+    assert result["windows"][0]["wall_us"] > 0
