@@ -51,7 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MIN_DOT = 16  # tl.dot: every dimension >= 16
+from pallas_kernels.blocks import MIN_DOT, pow2_divisor
+
 DEFAULT_SPLITS = 16
 M_INIT = float(jnp.finfo(jnp.float32).min)  # running max before any key: finite, so exp(M_INIT - m) is 0, never nan
 
@@ -112,10 +113,8 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, 
 
 def _block_k(seq: int, want: int) -> int:
     """The largest power of 2 <= want that divides seq; >= 16 (tl.dot), else a ValueError."""
-    b = 1 << (max(want, 1).bit_length() - 1)
-    while b >= MIN_DOT and seq % b:
-        b //= 2
-    if b < MIN_DOT:
+    b = pow2_divisor(seq, want)
+    if b is None:
         raise ValueError(f"decode_attention: the cache length S={seq} must be a multiple of {MIN_DOT} with block_k="
                          f"{want} (blocks are powers of 2 >= {MIN_DOT} dividing S); the kernel does not pad the cache")
     return b
