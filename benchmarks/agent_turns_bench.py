@@ -71,6 +71,7 @@ from typing import Callable
 from absl import flags
 
 from benchmarks import common
+from benchmarks.common import known_switches, parse_arms  # noqa: F401 (known_switches: part of this module's API)
 
 REPO = Path(__file__).resolve().parent.parent
 PROG = "benchmarks.agent_turns_bench"
@@ -131,46 +132,6 @@ PROGRESS = "@progress "  # a worker's stderr line the parent shows as progress
 # ---- arms ----------------------------------------------------------------------------------------------------
 
 
-def known_switches() -> list[str]:
-    """The STRATA_* variables an arm may set: the route_* and verify_* engine options, and STRATA_LOGPOS."""
-    from strata_jax.options import EngineOptions, env_name
-    names = [env_name(f.name) for f in dataclasses.fields(EngineOptions)
-             if f.name.startswith(("route_", "verify_"))]
-    return names + ["STRATA_LOGPOS"]
-
-
-def parse_arms(text: str) -> list[tuple[str, dict[str, str]]]:
-    """'base:;skip:STRATA_ROUTE_TAIL_SKIP=5' -> [('base', {}), ('skip', {'STRATA_ROUTE_TAIL_SKIP': '5'})]."""
-    known = known_switches()
-    arms: list[tuple[str, dict[str, str]]] = []
-    for part in (p.strip() for p in text.split(";")):
-        if not part:
-            continue
-        name, colon, body = part.partition(":")
-        name = name.strip()
-        if not colon:
-            raise ValueError(f"--arms: {part!r} is not name:STRATA_VAR=value,... (no ':')")
-        if not re.fullmatch(r"[A-Za-z0-9_.+=-]+", name):
-            raise ValueError(f"--arms: {part!r}: the arm name must be letters, digits or _.+=- (not {name!r})")
-        if name in [a for a, _ in arms]:
-            raise ValueError(f"--arms: the arm name {name!r} twice")
-        env: dict[str, str] = {}
-        for item in (i.strip() for i in body.split(",")):
-            if not item:
-                continue
-            var, eq, value = item.partition("=")
-            var = var.strip()
-            if not eq or not var:
-                raise ValueError(f"--arms: arm {name}: {item!r} is not STRATA_VAR=value")
-            if var not in known:
-                raise ValueError(f"--arms: arm {name}: unknown variable {var} (known: {', '.join(known)})")
-            if var in env:
-                raise ValueError(f"--arms: arm {name}: {var} twice")
-            env[var] = value.strip()
-        arms.append((name, env))
-    if not arms:
-        raise ValueError("--arms is empty (e.g. --arms='base:;skip:STRATA_ROUTE_TAIL_SKIP=5')")
-    return arms
 
 
 def run_order(names: list[str], rounds: int) -> list[str]:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -74,6 +75,53 @@ def int_list(text: str, name: str = "list") -> list[int]:
     if not out:
         raise ValueError(f"--{name} is empty")
     return out
+
+
+# ---- A/B arms ----------------------------------------------------------------------------------------------------
+
+
+def known_switches() -> list[str]:
+    """The STRATA_* variables an arm may set: the route_* and verify_* engine options, and STRATA_LOGPOS."""
+    import dataclasses
+    from strata_jax.options import EngineOptions, env_name
+    names = [env_name(f.name) for f in dataclasses.fields(EngineOptions)
+             if f.name.startswith(("route_", "verify_"))]
+    return names + ["STRATA_LOGPOS"]
+
+
+def parse_arms(text: str, flag: str = "arms") -> list[tuple[str, dict[str, str]]]:
+    """'base:;skip:STRATA_ROUTE_TAIL_SKIP=5' -> [('base', {}), ('skip', {'STRATA_ROUTE_TAIL_SKIP': '5'})]: the
+    arms of an A/B benchmark (--arms, --switch_arms), each a name and the STRATA_* variables it sets."""
+    known = known_switches()
+    arms: list[tuple[str, dict[str, str]]] = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        name, colon, body = part.partition(":")
+        name = name.strip()
+        if not colon:
+            raise ValueError(f"--{flag}: {part!r} is not name:STRATA_VAR=value,... (no ':')")
+        if not re.fullmatch(r"[A-Za-z0-9_.+= -]+", name):
+            raise ValueError(f"--{flag}: {part!r}: the arm name must be letters, digits, spaces or _.+=- (not {name!r})")
+        if name in [a for a, _ in arms]:
+            raise ValueError(f"--{flag}: the arm name {name!r} twice")
+        env: dict[str, str] = {}
+        for item in (i.strip() for i in body.split(",")):
+            if not item:
+                continue
+            var, eq, value = item.partition("=")
+            var = var.strip()
+            if not eq or not var:
+                raise ValueError(f"--{flag}: arm {name}: {item!r} is not STRATA_VAR=value")
+            if var not in known:
+                raise ValueError(f"--{flag}: arm {name}: unknown variable {var} (known: {', '.join(known)})")
+            if var in env:
+                raise ValueError(f"--{flag}: arm {name}: {var} twice")
+            env[var] = value.strip()
+        arms.append((name, env))
+    if not arms:
+        raise ValueError(f"--{flag} is empty (e.g. --arms='base:;skip:STRATA_ROUTE_TAIL_SKIP=5')")
+    return arms
 
 
 # ---- output --------------------------------------------------------------------------------------------------

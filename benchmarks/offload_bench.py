@@ -76,25 +76,18 @@ DEFAULT_LAYERS = {"qwen3-30b-a3b": 12}
 
 
 def parse_switch_arms(text: str) -> list[tuple[str, dict]]:
-    """'skip:STRATA_ROUTE_TAIL_SKIP=5;both:A=1,B=2' -> [('skip', {'route_tail_skip': '5'}), ...] (engine options)."""
-    from strata_jax.errors import StrataError
+    """'skip:STRATA_ROUTE_TAIL_SKIP=5;both:A=1,B=2' -> [('skip', {'route_tail_skip': '5'}), ...]: common.parse_arms,
+    each variable as the engine option of the same name ('' = no arms)."""
     from strata_jax.options import EngineOptions
-    known = {f for f in EngineOptions.__dataclass_fields__}
+    if not text.strip():
+        return []
     arms = []
-    for part in (p.strip() for p in text.split(";")):
-        if not part:
-            continue
-        name, _, body = part.partition(":")
-        if not name or not body:
-            raise StrataError(f"--switch_arms: {part!r} is not name:STRATA_VAR=value,...")
-        switches = {}
-        for item in body.split(","):
-            var, eq, value = item.strip().partition("=")
-            option = var[len("STRATA_"):].lower() if var.startswith("STRATA_") else ""
-            if not eq or option not in known:
-                raise StrataError(f"--switch_arms: {item!r} is not STRATA_VAR=value with a known STRATA_ variable")
-            switches[option] = value
-        arms.append((name, switches))
+    for name, env in common.parse_arms(text, "switch_arms"):
+        options = {var[len("STRATA_"):].lower(): value for var, value in env.items()}
+        unknown = sorted(o for o in options if o not in EngineOptions.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"--switch_arms: arm {name}: {', '.join(unknown)} is not an engine switch")
+        arms.append((name, options))
     return arms
 
 
