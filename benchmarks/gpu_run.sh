@@ -77,7 +77,7 @@ step offload "${OFFLOAD_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model
   --json="$OUT/offload.json" --cache_dir="$JIT_CACHE" ${OFFLOAD_ARGS:-}
 
 # The GPU-only tests: compiled Pallas kernels against their references, pinned memory, exact offload, pool faults.
-step gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests
+step gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu --durations=8 tests
 
 # Kernels beside their XLA paths, timed in one run with the copy bandwidth as roofline.
 step route_prior "${KERNEL_LIMIT_S:-120}" "$PY" -m benchmarks.route_prior_bench --json="$OUT/route_prior.json"
@@ -96,16 +96,18 @@ step defer_arms "${ARMS_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model
   --switch_arms="every:STRATA_VERIFY_DEFER_CPU=1,STRATA_VERIFY_DEFER_CPU_BELOW=1;split:STRATA_VERIFY_DEFER_CPU=1;check:STRATA_VERIFY_DEFER_CPU=check" \
   ${DEFER_ARMS_ARGS:-}
 
-# The Pallas expert FFN in the whole decode step (issue 8), every expert resident, 8 of 48 layers: XLA then Pallas.
+# The Pallas expert FFN in the whole decode step (issue 8), every expert resident, KERNEL_LAYERS of 48 layers (default
+# 8; 0 = all 48): XLA (beside HF transformers when torch is there), the expert kernel, both kernels.
+KERNEL_LAYERS=${KERNEL_LAYERS:-8}
 # Where a window's device time goes, by named scope (issue 8's per-phase profile), XLA and both Pallas kernels.
 step profile "${PROFILE_LIMIT_S:-150}" bash -c "$PY -m benchmarks.profile_window --model=qwen3-30b-a3b --layers=8 --windows=1,4 \
   --json=$OUT/profile_xla.json && $PY -m benchmarks.profile_window --model=qwen3-30b-a3b --layers=8 --windows=1,4 \
   --expert_kernel=pallas --attention_kernel=pallas --json=$OUT/profile_pallas.json"
-step decode_attention "${DECODE_KERNEL_LIMIT_S:-150}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=8 \
+step decode_attention "${DECODE_KERNEL_LIMIT_S:-150}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=$KERNEL_LAYERS \
   --windows=1,2,4,8 --context=2048 --pos=512 --iters=30 --attention_kernel=pallas --expert_kernel=pallas --hf=off \
   --json="$OUT/decode_attention.json" --compilation_cache_dir="$JIT_CACHE"
 for kernel in xla pallas; do
-  step "decode_$kernel" "${DECODE_KERNEL_LIMIT_S:-150}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=8 \
+  step "decode_$kernel" "${DECODE_KERNEL_LIMIT_S:-150}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=$KERNEL_LAYERS \
     --windows=1,2,4,8 --context=2048 --pos=512 --iters=30 --expert_kernel=$kernel --json="$OUT/decode_$kernel.json" \
     --compilation_cache_dir="$JIT_CACHE"
 done
