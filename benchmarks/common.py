@@ -286,7 +286,7 @@ def device_info() -> dict:
         pass
     return dict(platform=d.platform, device_kind=d.device_kind, device=str(d), device_count=jax.device_count(),
                 memory_limit_bytes=stats.get("bytes_limit"), jax=jax.__version__, jaxlib=jaxlib.__version__,
-                python=platform.python_version(), host=platform.node())
+                python=platform.python_version(), host=platform.node(), xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 def device_memory_in_use() -> int | None:

@@ -210,7 +210,7 @@ def run(s) -> dict:
         f"expert I={cfg.moe_intermediate_size}, V={cfg.vocab_size}), {s.dtype}")
     memory = f", {common.gb(limit):.1f} GB {'host RAM' if on_cpu else 'usable'}" if limit else ""
     say(f"device: {dev['device_kind']} ({dev['platform']}, {dev['device_count']} device(s){memory}); "
-        f"jax {dev['jax']}, python {dev['python']}")
+        f"jax {dev['jax']}, python {dev['python']}" + (f"; XLA_FLAGS={dev['xla_flags']}" if dev["xla_flags"] else ""))
     say(f"memory bandwidth (measured now): {bandwidth / 1e9:,.0f} GB/s  [{bw['method']}, "
         f"{bw['array_bytes'] / 2**30:.2f} GiB array, median of {len(bw['samples_ms'])}; best "
         f"{bw['best_Bps'] / 1e9:,.0f} GB/s]")

@@ -99,23 +99,29 @@ step defer_arms "${ARMS_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model
 # The Pallas expert FFN in the whole decode step (issue 8), every expert resident, KERNEL_LAYERS of 48 layers (default
 # 8; 0 = all 48): XLA (beside HF transformers when torch is there), the expert kernel, both kernels.
 KERNEL_LAYERS=${KERNEL_LAYERS:-8}
+KERNEL_WINDOWS=${KERNEL_WINDOWS:-1,2,4,8}
+PROFILE_WINDOWS=${PROFILE_WINDOWS:-1,4}
 # Where a window's device time goes, by named scope (issue 8's per-phase profile), XLA and both Pallas kernels.
-step profile "${PROFILE_LIMIT_S:-150}" bash -c "$PY -m benchmarks.profile_window --model=qwen3-30b-a3b --layers=8 --windows=1,4 \
-  --json=$OUT/profile_xla.json && $PY -m benchmarks.profile_window --model=qwen3-30b-a3b --layers=8 --windows=1,4 \
+step profile "${PROFILE_LIMIT_S:-150}" bash -c "$PY -m benchmarks.profile_window --model=qwen3-30b-a3b --layers=8 --windows=$PROFILE_WINDOWS \
+  --json=$OUT/profile_xla.json && $PY -m benchmarks.profile_window --model=qwen3-30b-a3b --layers=8 --windows=$PROFILE_WINDOWS \
   --expert_kernel=pallas --attention_kernel=pallas --json=$OUT/profile_pallas.json"
 step decode_attention "${DECODE_KERNEL_LIMIT_S:-150}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=$KERNEL_LAYERS \
-  --windows=1,2,4,8 --context=2048 --pos=512 --iters=30 --attention_kernel=pallas --expert_kernel=pallas --hf=off \
+  --windows=$KERNEL_WINDOWS --context=2048 --pos=512 --iters=30 --attention_kernel=pallas --expert_kernel=pallas --hf=off \
   --json="$OUT/decode_attention.json" --compilation_cache_dir="$JIT_CACHE"
+# The same with XLA's command buffers (CUDA graphs) off: what they save in launches.
+step decode_cmdbuf_off "${DECODE_KERNEL_LIMIT_S:-150}" env XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}" \
+  "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=$KERNEL_LAYERS --windows=$KERNEL_WINDOWS --context=2048 \
+  --pos=512 --iters=30 --attention_kernel=pallas --expert_kernel=pallas --hf=off --json="$OUT/decode_cmdbuf_off.json"
 for kernel in xla pallas; do
   step "decode_$kernel" "${DECODE_KERNEL_LIMIT_S:-150}" "$PY" -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=$KERNEL_LAYERS \
-    --windows=1,2,4,8 --context=2048 --pos=512 --iters=30 --expert_kernel=$kernel --json="$OUT/decode_$kernel.json" \
-    --compilation_cache_dir="$JIT_CACHE"
+    --windows=$KERNEL_WINDOWS --context=2048 --pos=512 --iters=30 --expert_kernel=$kernel --json="$OUT/decode_$kernel.json" \
+    --compilation_cache_dir="$JIT_CACHE" ${KERNEL_DECODE_ARGS:-}
 done
 
 # The Pallas expert FFN in the offload path (issue 8): 50% and 25% of the experts, PCIe only, XLA then Pallas.
 for kernel in xla pallas; do
   step "offload_$kernel" "${OFFLOAD_KERNEL_LIMIT_S:-240}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b \
-    --dtype=bfloat16 --slot_fracs=1.0,0.5,0.25 --pcie_fracs=1 --new_tokens=48 --expert_kernel=$kernel \
+    --dtype=bfloat16 --slot_fracs=${OFFLOAD_KERNEL_FRACS:-1.0,0.5,0.25} --pcie_fracs=1 --new_tokens=48 --expert_kernel=$kernel \
     --json="$OUT/offload_$kernel.json" --cache_dir="$JIT_CACHE"
 done
 

@@ -38,7 +38,8 @@ flags.DEFINE_string("json", "", "Write the numbers to this JSON file.", flag_val
 
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLS = re.compile(r'calls=%?([\w.\-]+)')
+_CALLS = re.compile(r'(?:calls|to_apply)=%?([\w.\-]+)')  # fusions, and calls (command buffers wrap thunks in calls)
+_TRITON_NAME = re.compile(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)\\?"')
 _COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
 _LAYER = re.compile(r"^layer\d+$")
 
@@ -76,15 +77,34 @@ def instruction_scopes(hlo_text: str) -> dict[str, str]:
         called = _CALLS.search(line)
         if called:
             calls[name] = called.group(1)
+        kernel = _TRITON_NAME.search(line) if "custom_call_target" in line else None
+        if kernel and name in own:  # a Pallas kernel: its launches are named after the kernel, not the instruction
+            own.setdefault(kernel.group(1), own[name])
     for name, callee in calls.items():
         if name not in own and computation_scopes.get(callee):
             own[name] = computation_scopes[callee].most_common(1)[0][0]
+    # A GPU kernel is named after its fusion with '.' and '-' made '_': the fallback key when an event's hlo_op is a
+    # command buffer (one thunk running many kernels) rather than the kernel's own instruction.
+    for name in list(own):
+        own.setdefault(_kernel_key(name), own[name])
     return own
 
 
-def op_events(xplane_path: str, module_prefix: str) -> list[tuple[str, float]]:
-    """(hlo_op, duration ns) of the executed ops of the modules whose name starts with module_prefix; the GPU's
-    device planes when they carry such events, else every plane (the CPU's thunks)."""
+def _kernel_key(name: str) -> str:
+    return re.sub(r"[.\-]", "_", name)
+
+
+def scope_for(hlo_op: str, kernel: str, scopes: dict[str, str]) -> str | None:
+    """The scope of one executed op: by its kernel's name first (exact inside command buffers), else its hlo_op."""
+    for key in (kernel, _kernel_key(kernel), hlo_op, _kernel_key(hlo_op)):
+        if key and key in scopes:
+            return scopes[key]
+    return None
+
+
+def op_events(xplane_path: str, module_prefix: str) -> list[tuple[str, str, float]]:
+    """(hlo_op, kernel name, duration ns) of the executed ops of the modules whose name starts with module_prefix;
+    the GPU's device planes when they carry such events, else every plane (the CPU's thunks)."""
     from jax.profiler import ProfileData
     data = ProfileData.from_file(xplane_path)
     by_plane = collections.defaultdict(list)
@@ -93,7 +113,7 @@ def op_events(xplane_path: str, module_prefix: str) -> list[tuple[str, float]]:
             for ev in line.events:
                 stats = {k: v for k, v in ev.stats}
                 if "hlo_op" in stats and str(stats.get("hlo_module", "")).startswith(module_prefix):
-                    by_plane[plane.name].append((str(stats["hlo_op"]), float(ev.duration_ns)))
+                    by_plane[plane.name].append((str(stats["hlo_op"]), str(ev.name), float(ev.duration_ns)))
     device = [p for p in by_plane if p.startswith("/device:GPU")]
     return [e for p in (device or list(by_plane)) for e in by_plane[p]]
 
@@ -141,9 +161,14 @@ def run(s) -> dict:
             raise StrataError("the profiler wrote no trace")
         events = op_events(files[0], "jit_decode_window")
         per_scope: dict[str, float] = collections.defaultdict(float)
-        for op, ns in events:
-            per_scope[scopes.get(op, "(no scope: compiler-inserted)")] += ns / s.iters / 1e3
+        unmatched: dict[str, float] = collections.defaultdict(float)
+        for op, kernel, ns in events:
+            scope = scope_for(op, kernel, scopes)
+            if scope is None:
+                unmatched[f"{kernel} ({op})"] += ns / s.iters / 1e3
+            per_scope[scope or "(no scope: compiler-inserted)"] += ns / s.iters / 1e3
         op_us = sum(per_scope.values())
+        top_unmatched = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
         rows = sorted(per_scope.items(), key=lambda kv: -kv[1])
         table = common.format_table(
             ["phase (named scope)", "us per window", "us per layer", "share of op time"],
@@ -151,9 +176,12 @@ def run(s) -> dict:
         common.say(f"T={t}: window wall time {wall_ms * 1e3:,.0f} us under the profiler (synchronised, median of "
                    f"{s.iters} not taken: mean); op time {op_us:,.0f} us ({len(events) // s.iters} ops a window)")
         common.say(table)
+        if top_unmatched:
+            common.say("ops without a scope, largest first: " + "; ".join(f"{k} {v:,.0f} us" for k, v in top_unmatched))
         common.say()
         result["windows"].append(dict(T=t, wall_us=wall_ms * 1e3, op_us=op_us, phases=dict(per_scope),
-                                      ops_per_window=len(events) / s.iters, table=table))
+                                      ops_per_window=len(events) / s.iters, table=table,
+                                      unmatched_us=dict(top_unmatched)))
     common.say("op time: the executed XLA ops' own durations, by the named scope of their HLO instruction; the "
                "rest of the wall time is launch latency, host work and waits between ops")
     if s.json:

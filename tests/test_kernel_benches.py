@@ -56,3 +56,29 @@ def test_profile_window_attributes_op_time_to_the_named_scopes(tmp_path):
         assert phases.get(scope, 0) > 0, phases
     assert abs(sum(phases.values()) - result["windows"][0]["op_us"]) < 1e-6 * result["windows"][0]["op_us"] + 1e-9
     assert result["windows"][0]["wall_us"] > 0
+
+
+def test_profile_window_finds_scopes_of_gpu_kernels_and_command_buffers():
+    """On a GPU an event's hlo_op can be a command buffer (a call of many fusions) and its name the kernel's: the
+    fusion's name with '.' made '_', or a Pallas kernel's own name from the custom call's backend config."""
+    from benchmarks import profile_window
+    hlo = "\n".join([
+        "%fused_computation.1 (p: bf16[4]) -> bf16[4] {",
+        '  ROOT %m = bf16[4] multiply(%p, %p), metadata={op_name="jit(decode_window)/layer1/attention/mul"}',
+        "}",
+        "%command_buffer (a: bf16[4]) -> bf16[4] {",
+        '  %loop_multiply_fusion.3 = bf16[4] fusion(%a), kind=kLoop, calls=%fused_computation.1, '
+        'metadata={op_name="jit(decode_window)/layer1/attention/mul"}',
+        '  ROOT %custom-call.7 = bf16[4] custom-call(%loop_multiply_fusion.3), custom_call_target="__gpu$xla.gpu.triton", '
+        'backend_config={"name":"expert_ffn_kernel","num_warps":4}, '
+        'metadata={op_name="jit(decode_window)/layer1/moe_experts/pallas_call"}',
+        "}",
+        "ENTRY %main (x: bf16[4]) -> bf16[4] {",
+        "  ROOT %call.2 = bf16[4] call(%x), to_apply=%command_buffer",
+        "}",
+    ])
+    scopes = profile_window.instruction_scopes(hlo)
+    assert profile_window.scope_for("call.2", "loop_multiply_fusion_3", scopes) == "attention"
+    assert profile_window.scope_for("call.2", "expert_ffn_kernel", scopes) == "moe_experts"
+    assert profile_window.scope_for("custom-call.7", "", scopes) == "moe_experts"
+    assert profile_window.scope_for("call.9", "unknown_kernel", scopes) is None
