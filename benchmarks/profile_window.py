@@ -162,13 +162,16 @@ def run(s) -> dict:
         events = op_events(files[0], "jit_decode_window")
         per_scope: dict[str, float] = collections.defaultdict(float)
         unmatched: dict[str, float] = collections.defaultdict(float)
+        by_kernel: dict[str, float] = collections.defaultdict(float)
         for op, kernel, ns in events:
             scope = scope_for(op, kernel, scopes)
+            by_kernel[f"{scope or '?'}: {kernel or op}"] += ns / s.iters / 1e3
             if scope is None:
                 unmatched[f"{kernel} ({op})"] += ns / s.iters / 1e3
             per_scope[scope or "(no scope: compiler-inserted)"] += ns / s.iters / 1e3
         op_us = sum(per_scope.values())
         top_unmatched = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
+        top_kernels = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
         rows = sorted(per_scope.items(), key=lambda kv: -kv[1])
         table = common.format_table(
             ["phase (named scope)", "us per window", "us per layer", "share of op time"],
@@ -176,12 +179,14 @@ def run(s) -> dict:
         common.say(f"T={t}: window wall time {wall_ms * 1e3:,.0f} us under the profiler (synchronised, median of "
                    f"{s.iters} not taken: mean); op time {op_us:,.0f} us ({len(events) // s.iters} ops a window)")
         common.say(table)
+        common.say("largest kernels (scope: kernel, us per window): "
+                   + "; ".join(f"{k} {v:,.0f}" for k, v in top_kernels))
         if top_unmatched:
             common.say("ops without a scope, largest first: " + "; ".join(f"{k} {v:,.0f} us" for k, v in top_unmatched))
         common.say()
         result["windows"].append(dict(T=t, wall_us=wall_ms * 1e3, op_us=op_us, phases=dict(per_scope),
                                       ops_per_window=len(events) / s.iters, table=table,
-                                      unmatched_us=dict(top_unmatched)))
+                                      unmatched_us=dict(top_unmatched), top_kernels_us=dict(top_kernels)))
     common.say("op time: the executed XLA ops' own durations, by the named scope of their HLO instruction; the "
                "rest of the wall time is launch latency, host work and waits between ops")
     if s.json:

@@ -82,3 +82,31 @@ def test_profile_window_finds_scopes_of_gpu_kernels_and_command_buffers():
     assert profile_window.scope_for("call.2", "expert_ffn_kernel", scopes) == "moe_experts"
     assert profile_window.scope_for("custom-call.7", "", scopes) == "moe_experts"
     assert profile_window.scope_for("call.9", "unknown_kernel", scopes) is None
+
+
+def test_dense_bench_formulations_compute_the_same_projections():
+    """Every way dense_bench writes the q/k/v/o projections gives the model's `x @ w` result (float32, T = 1 and 3),
+    and the benchmark runs end to end with its table."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from benchmarks import dense_bench
+    rng = np.random.default_rng(7)
+    h, nq, nkv = 64, 128, 32
+
+    def rnd(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.1)
+
+    weights = []
+    for _ in range(2):
+        wq, wk, wv, wo = rnd(h, nq), rnd(h, nkv), rnd(h, nkv), rnd(nq, h)
+        weights.append((wq, wk, wv, wo, jnp.concatenate([wq, wk, wv], axis=1)))
+    for t in (1, 3):
+        x = rnd(t, h)
+        want = np.asarray(jax.jit(dense_bench.layers_fn("matmul"))(x, weights))
+        for kind in dense_bench.FORMULATIONS[1:]:
+            got = np.asarray(jax.jit(dense_bench.layers_fn(kind))(x, weights))
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{kind} T={t}")
+    result = dense_bench.main(["dense_bench", "--layers=1", "--hidden=64", "--q_out=128", "--kv_out=32", "--t=1",
+                               "--iters=1", "--warmup=0", "--dtype=float32"])
+    assert set(dense_bench.FORMULATIONS) <= set(result["rows"][0]) and "roofline us/layer" in result["table"]
