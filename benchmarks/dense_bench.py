@@ -15,7 +15,6 @@ synchronised, median of --iters after --warmup; per-layer time = call / layers (
 """
 from __future__ import annotations
 
-import functools
 import sys
 
 from absl import flags
@@ -100,7 +99,7 @@ def run(s) -> dict:
         for kind in FORMULATIONS:
             fn = jax.jit(layers_fn(kind))
             compiled = fn.lower(x, weights).compile()
-            timing = common.time_synced(lambda i: compiled(x, weights), iters=s.iters, warmup=s.warmup)
+            timing = common.time_synced(lambda i, c=compiled, x=x: c(x, weights), iters=s.iters, warmup=s.warmup)
             us = timing.median_ms * 1e3 / s.layers
             row[kind] = us
             common.progress(f"  T={t} {kind}: {us:.1f} us a layer ({roof_us / us:.0%} of the roofline)")
