@@ -17,6 +17,7 @@ from flax import struct
 
 from strata_jax.config import ModelConfig
 from strata_jax import moe
+from strata_jax.linear import linear
 
 
 @struct.dataclass
@@ -104,7 +105,7 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def proj(w_, b_, n):
-        y = x @ w_
+        y = linear(x, w_)
         return (y if b_ is None else y + b_).reshape(t, n, d)
 
     q = rms_norm(proj(w.wq, w.bq, nq), w.q_norm, cfg.rms_norm_eps)  # [T, Nq, D]
@@ -119,7 +120,7 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     if kernel:
         from pallas_kernels.decode_attention import decode_attention
         out = decode_attention(q, k_cache, v_cache, pos, interpret=jax.default_backend() != "gpu").reshape(t, nq * d)
-        out = out @ w.wo
+        out = linear(out, w.wo)
         return (out if w.bo is None else out + w.bo), k_cache, v_cache
     qg = q.reshape(t, nkv, nq // nkv, d)  # head h uses kv head h // (Nq/Nkv), as transformers' repeat_kv
     scores = jnp.einsum("tgrd,sgd->tgrs", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32)
@@ -129,14 +130,14 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     scores = jnp.where(causal[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("tgrs,sgd->tgrd", probs, v_cache.astype(q.dtype)).reshape(t, nq * d)
-    out = out @ w.wo
+    out = linear(out, w.wo)
     if w.bo is not None:
         out = out + w.bo
     return out, k_cache, v_cache
 
 
 def dense_mlp(x: jax.Array, w: MLPWeights) -> jax.Array:
-    return (jax.nn.silu(x @ w.gate) * (x @ w.up)) @ w.down
+    return linear(jax.nn.silu(linear(x, w.gate)) * linear(x, w.up), w.down)
 
 
 # The expert path of a sparse layer with its own state: (layer, x [T, H], MoEWeights, valid [T], state)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.config import ModelConfig
+from strata_jax.linear import linear
 
 
 @struct.dataclass
@@ -37,7 +38,7 @@ class Route:
 
 def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
     """x [T, H] -> float32 router logits [T, E]."""
-    return jnp.einsum("th,he->te", x, router, preferred_element_type=jnp.float32)
+    return linear(x, router, preferred_element_type=jnp.float32)
 
 
 def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -> Route:
