@@ -112,6 +112,9 @@ flags.DEFINE_bool("warmup_run", True, "First one untimed run of the baseline arm
                   "H200 a first base run was 1.18x slower than its mirrored twin).", flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 1, "Untimed generate() calls of the first turn's prompt in each run, before the "
                      "timed turns.", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_string("from_json", "", "Print the report (table, notes; --plot, --json) of an earlier run's JSON file, "
+                    "also one cut short (its arms' ratios from the runs it has), without running anything.",
+                    flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each run).", flag_values=FLAGS)
 flags.DEFINE_string("plot", "", "Write a PNG of the per-turn ratios against prompt tokens here (needs matplotlib).",
                     flag_values=FLAGS)
@@ -519,8 +522,9 @@ def summarize(arms: list[tuple[str, dict]], runs: list[dict], workload: dict) ->
     for i in range(n_turns):
         f, m = turn_mean(forward, "decode_tok_s", i), turn_mean(mirrored, "decode_tok_s", i)
         noise_turns.append(dict(index=i, prompt_tokens=workload["turns"][i]["prompt_tokens"],
-                                ratio=m / f if f > 0 else None,
-                                same_tokens=forward[0]["turns"][i]["tokens"] == mirrored[0]["turns"][i]["tokens"]))
+                                ratio=m / f if f > 0 and mirrored else None,  # None: a run cut short
+                                same_tokens=bool(mirrored)
+                                and forward[0]["turns"][i]["tokens"] == mirrored[0]["turns"][i]["tokens"]))
     noise = dict(what="base: per turn, mean decode tok/s of its mirrored runs / its forward runs (run 2 / run 1)",
                  ratio=_stats([t["ratio"] for t in noise_turns]),
                  faster_turns=sum(1 for t in noise_turns if t["ratio"] is not None and t["ratio"] > 1),
@@ -535,7 +539,7 @@ def make_table(summary: list[dict], noise: dict, n_turns: int) -> str:
     for a in summary:
         c = a["counters_total"]
         if a["baseline"]:
-            x, won = noise["ratio"], f"({noise['faster_turns']}/{n_turns})"
+            x, won = noise["ratio"], f"({noise['faster_turns']}/{n_turns})" if noise["ratio"]["n"] else "-"
         else:
             x, won = a["ratio"], f"{a['turns_won']}/{n_turns}"
         switches = ",".join(f"{k[len('STRATA_'):]}={v}" for k, v in a["env"].items()) or "-"
@@ -675,14 +679,26 @@ def benchmark(s) -> dict:
             tok = _mean([t["decode_tok_s"] for t in out["turns"]])
             common.progress(f"{label}: done in {wall:.1f} s (engine built in {out['build_s']:.1f} s): mean decode "
                             f"{tok:,.1f} tok/s, mean hit rate {_mean([t['hit_rate'] for t in out['turns']]):.1%}")
+    return report(s, arms, runs, workload, result)
+
+
+def report(s, arms: list[tuple[str, dict]], runs: list[dict], workload: dict, result: dict) -> dict:
+    """The summary, table, notes and plot of the runs made; into result (and --json, --plot)."""
+    say = common.say
+
+    def save():
+        if s.json:
+            common.write_json(s.json, result)
+
     summary, noise = summarize(arms, runs, workload)
     n_turns = len(workload["turns"])
     table = make_table(summary, noise, n_turns)
-    notes = [f"x: per turn, the arm's decode tok/s / {arms[0][0]}'s for the same turn (each the mean of its "
-             f"{2 * s.rounds} runs); median, min and max over the {n_turns} turns; turns won: x > 1",
+    notes = [f"x: per turn, the arm's decode tok/s / {arms[0][0]}'s for the same turn (each the mean of the "
+             f"runs it has, {2 * result['settings']['rounds']} when complete); median, min and max over the {n_turns} turns; turns won: x > 1",
              f"{arms[0][0]} row (the baseline): the noise floor, its mirrored runs / its forward runs per turn "
              f"(run 2 / run 1); in brackets the turns where run 2 was faster; its runs gave the same tokens in "
-             f"{noise['same_tokens']} of {n_turns} turns",
+             f"{noise['same_tokens']} of {n_turns} turns" if noise["ratio"]["n"] else
+             f"{arms[0][0]} row (the baseline): no noise floor (one run of it)",
              "hit rate: share of the distinct experts a decode window needed already in a slot, mean over turns; "
              "fetched / cpu / skipped per turn: distinct experts of the decode windows, summed over layers and "
              "windows; same tokens: turns whose generated tokens equal the base's (first runs)"]
@@ -693,7 +709,13 @@ def benchmark(s) -> dict:
         elif a["switch_lines"]:
             notes.append(f"{a['name']}: {'; '.join(a['switch_lines'])}")
     device = runs[0]["device"]
-    result.update(device=device, summary=summary, baseline_noise=noise, table=table, notes=notes, complete=True)
+    missing = len(result["order"]) - len(runs)
+    if missing:
+        notes.append(f"note: {missing} of the {len(result['order'])} runs of the order are missing (the benchmark was cut "
+                     "short): each arm's ratios use the runs it has" + ("" if noise["ratio"]["n"] else
+                                                                          f"; {arms[0][0]}'s noise floor needs both its runs"))
+    result.update(device=device, summary=summary, baseline_noise=noise, table=table, notes=notes,
+                  complete=not missing)
     say()
     say(table)
     say()
@@ -710,8 +732,27 @@ def benchmark(s) -> dict:
     return result
 
 
+def from_json(s) -> dict:
+    """--from_json: the report of a result file written by an earlier run (complete or cut short), without running."""
+    try:
+        result = json.loads(Path(s.from_json).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--from_json={s.from_json}: {e}") from None
+    if result.get("benchmark") != "agent_turns_bench" or not result.get("runs"):
+        raise ValueError(f"--from_json={s.from_json}: not an agent_turns_bench result with runs")
+    present = {r["arm"] for r in result["runs"]}
+    arms = [(a["name"], a["env"]) for a in result["arms"] if a["name"] in present]
+    if not arms or arms[0][0] != result["arms"][0]["name"]:
+        raise ValueError(f"--from_json={s.from_json}: the baseline arm {result['arms'][0]['name']} has no run")
+    common.say(f"agent_turns_bench: the report of {s.from_json} ({len(result['runs'])} of {len(result['order'])} runs; "
+               f"settings {', '.join(f'{k}={v}' for k, v in result['settings'].items() if k != 'arms')})")
+    return report(s, arms, result["runs"], result["workload"], result)
+
+
 def run(s) -> dict:
-    return worker(s) if s.worker else benchmark(s)
+    if s.worker:
+        return worker(s)
+    return from_json(s) if s.from_json else benchmark(s)
 
 
 def main(argv: list[str]) -> dict:

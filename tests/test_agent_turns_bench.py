@@ -148,6 +148,23 @@ def test_two_arms_end_to_end(tmp_path, cache_dir):
     else:
         assert "matplotlib is not importable" in res.stdout
 
+    # --from_json: the same report from the file, and from a file cut short before base's second run.
+    again = cli(f"--from_json={out}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert saved["table"] in again.stdout
+    cut = dict(saved, runs=saved["runs"][:3], complete=False)
+    cut_path = tmp_path / "cut.json"
+    cut_path.write_text(json.dumps(cut))
+    partial = cli(f"--from_json={cut_path}", f"--json={tmp_path / 'cut_report.json'}")
+    assert partial.returncode == 0, partial.stderr[-3000:]
+    assert "1 of the 4 runs of the order are missing" in partial.stdout
+    report = json.loads((tmp_path / "cut_report.json").read_text())
+    assert not report["complete"] and report["baseline_noise"]["ratio"]["n"] == 0
+    skip_cut = report["summary"][1]
+    assert skip_cut["runs"] == 2 and skip_cut["ratio"]["median"] > 0  # against base's one run
+    bad = cli(f"--from_json={tmp_path / 'missing.json'}")
+    assert bad.returncode == 1 and "--from_json=" in bad.stderr and "Traceback" not in bad.stderr
+
 
 def test_bad_arms_is_one_line():
     for arms, what in (("base;skip:STRATA_ROUTE_TAIL_SKIP=5", "no ':'"),
