@@ -59,6 +59,7 @@ def instruction_scopes(hlo_text: str) -> dict[str, str]:
     own: dict[str, str] = {}
     calls: dict[str, str] = {}
     computation_scopes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    custom_lines: list[tuple[str, str]] = []  # (a custom call's line, its scope): a kernel name may sit anywhere in it
     current = None
     for line in hlo_text.splitlines():
         head = _COMPUTATION.match(line)
@@ -80,6 +81,8 @@ def instruction_scopes(hlo_text: str) -> dict[str, str]:
         kernel = _TRITON_NAME.search(line) if "custom_call_target" in line else None
         if kernel and name in own:  # a Pallas kernel: its launches are named after the kernel, not the instruction
             own.setdefault(kernel.group(1), own[name])
+        if "custom_call_target" in line and name in own:
+            custom_lines.append((line, own[name]))
     for name, callee in calls.items():
         if name not in own and computation_scopes.get(callee):
             own[name] = computation_scopes[callee].most_common(1)[0][0]
@@ -87,6 +90,12 @@ def instruction_scopes(hlo_text: str) -> dict[str, str]:
     # command buffer (one thunk running many kernels) rather than the kernel's own instruction.
     for name in list(own):
         own.setdefault(_kernel_key(name), own[name])
+    # Last, every identifier of a custom call's line (its backend config names the Pallas kernel in a form that
+    # varies by version): only looked up by a launched kernel's exact name, and never over a real instruction's.
+    stems = {re.split(r"[.]", n)[0] for n in own}  # 'loop_multiply_fusion' of 'loop_multiply_fusion.3': operands
+    for line, scope in custom_lines:
+        for word in set(re.findall(r"[A-Za-z_][\w]{5,}", line)) - stems:
+            own.setdefault(word, scope)
     return own
 
 

@@ -82,6 +82,12 @@ def test_profile_window_finds_scopes_of_gpu_kernels_and_command_buffers():
     assert profile_window.scope_for("call.2", "expert_ffn_kernel", scopes) == "moe_experts"
     assert profile_window.scope_for("custom-call.7", "", scopes) == "moe_experts"
     assert profile_window.scope_for("call.9", "unknown_kernel", scopes) is None
+    # A kernel named only inside a custom call's serialized config (another version's format) still finds its scope.
+    other = hlo.replace('backend_config={"name":"expert_ffn_kernel","num_warps":4}',
+                        "backend_config=kernel_name: decode_attention_split ir: 0x1f")
+    scopes = profile_window.instruction_scopes(other)
+    assert profile_window.scope_for("call.2", "decode_attention_split", scopes) == "moe_experts"
+    assert profile_window.scope_for("call.2", "loop_multiply_fusion_3", scopes) == "attention"
 
 
 def test_dense_bench_formulations_compute_the_same_projections():
