@@ -443,6 +443,12 @@ def run(s) -> dict:
             arm["modelled_pool_ms_per_token"] = 1e3 * (layers_pooling * costs["callback_s"]
                                                        + arm["cpu_per_token"] * ebytes
                                                        / (result["bandwidth"]["pool"]["GBps"] * 1e9))
+            # The bound the offloaded engine is held to: the all-resident time plus its fetched bytes at the pinned
+            # device_put bandwidth and its CPU experts' bytes at the pool's, both measured above in this run.
+            arm["bound_ms_per_token"] = base["ms_per_token"] + 1e3 * (
+                arm["pcie_bytes_per_token"] / (result["bandwidth"]["device_put"]["GBps"] * 1e9)
+                + arm["cpu_per_token"] * ebytes / (result["bandwidth"]["pool"]["GBps"] * 1e9))
+            arm["share_of_bound"] = arm["bound_ms_per_token"] / arm["ms_per_token"] if arm["ms_per_token"] else None
             arm["tokens_match_baseline"] = arm["tokens"] == base["tokens"]
             result["arms"].append(arm)
             common.progress(f"arm {name}: {arm['decode_tok_s']:,.1f} tok/s ({arm['x_vs_all_resident']:.2f}x), hit "
@@ -456,7 +462,7 @@ def run(s) -> dict:
     # ---- tables ----
     result["complete"] = True
     headers = ["arm", "slots", "pcie_frac", "decode tok/s", "x vs all-resident", "hit rate", "fetched/token",
-               "cpu experts/token", "PCIe MB/token", "pool ms/token"]
+               "cpu experts/token", "PCIe MB/token", "pool ms/token", "ms/token", "bound ms/token", "% of bound"]
     rows = []
     for a in result["arms"]:
         if a["pcie_frac"] is None:
@@ -467,7 +473,9 @@ def run(s) -> dict:
             frac_cell = f"{a['pcie_frac']:g}"
         rows.append([a["arm"], str(a["slots"]) if a["slots"] == "all" else f"{a['slots']} ({a['slot_frac']:g})",
                      frac_cell, a["decode_tok_s"], a["x_vs_all_resident"], a["hit_rate"], a["fetched_per_token"],
-                     a["cpu_per_token"], a["pcie_bytes_per_token"] / 1e6, a["pool_ms_per_token"]])
+                     a["cpu_per_token"], a["pcie_bytes_per_token"] / 1e6, a["pool_ms_per_token"], a["ms_per_token"],
+                     a.get("bound_ms_per_token", "-"),
+                     100 * a["share_of_bound"] if a.get("share_of_bound") is not None else "-"])
     table = common.format_table(headers, rows)
     switch_rows = []
     for a in result["arms"]:
@@ -520,6 +528,8 @@ def run(s) -> dict:
             "skew): " + ", ".join(f"S={a['slots']}: {a['hit_rate']:.2f} / {a['expected_hit_rate']:.2f} / "
                                   f"{a['top_slots_entry_share']:.2f}"
                                   for a in offload_arms if a["pcie_frac"] == pcie_fracs[0]))
+        say("bound ms/token: the all-resident ms/token + PCIe MB/token at the pinned device_put GB/s + cpu experts' "
+            "bytes at the pool GB/s (table below), both measured in this run; % of bound = bound / measured ms/token")
         same = sum(a["tokens_match_baseline"] for a in offload_arms)
         say(f"tokens identical to all-resident in {same} of {len(offload_arms)} offload arms (the same "
             f"weights; a difference comes from float summation order flipping a near-tie)")

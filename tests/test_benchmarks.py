@@ -24,12 +24,13 @@ def test_decode_bench_tiny(tmp_path, capsys):
         assert r["bytes"]["total"] == pytest.approx(r["bytes"]["non_expert"] + r["bytes"]["experts"]
                                                     + r["bytes"]["kv_cache"])
         assert r["distinct_source"] == "measured"
+        assert r["roofline_fraction_pipelined"] == pytest.approx(r["roofline_ms"] / r["ms_per_step_pipelined"])
     assert saved["rows"][0]["distinct_experts_per_layer"] == 4  # T=1: exactly top-K
     assert saved["bandwidth"]["bandwidth_Bps"] > 0
     # The table: a header, a separator and one line per window size.
     table_lines = [ln for ln in printed.splitlines() if ln.startswith("|")]
     assert len(table_lines) == 2 + 2
-    assert "% of roofline" in table_lines[0]
+    assert "% of roofline" in table_lines[0] and "% of roofline (pipelined)" in table_lines[0]
 
 
 def test_expected_distinct():
@@ -83,6 +84,12 @@ def test_offload_bench_tiny(tmp_path, capsys, cache_dir):
         assert a["pcie_bytes_per_token"] * a["decode_windows"] == pytest.approx(d["pcie_bytes"])
         assert a["fetched_per_token"] + a["cpu_per_token"] > 0  # 4 of 16 slots: misses every window
         assert a["expected_hit_rate"] == 0.25 and 0.25 <= a["top_slots_entry_share"] <= 1.0
+        # The bound: all-resident time + this arm's fetched bytes at device_put + its CPU bytes at the pool's rate.
+        bw = saved["bandwidth"]
+        want = base["ms_per_token"] + 1e3 * (a["pcie_bytes_per_token"] / (bw["device_put"]["GBps"] * 1e9)
+                                             + a["cpu_per_token"] * expert_bytes / (bw["pool"]["GBps"] * 1e9))
+        assert a["bound_ms_per_token"] == pytest.approx(want) and a["bound_ms_per_token"] > base["ms_per_token"]
+        assert a["share_of_bound"] == pytest.approx(a["bound_ms_per_token"] / a["ms_per_token"])
     half = arms[1]
     assert half["pcie_frac_chosen"] == 0.5
     assert half["fetched_per_token"] > 0 and half["cpu_per_token"] > 0 and half["pool_ms_per_token"] > 0
@@ -92,7 +99,7 @@ def test_offload_bench_tiny(tmp_path, capsys, cache_dir):
     # Two tables: the arms (header, separator, one line per arm) and the bandwidths (four copies + the engine's).
     table_lines = [ln for ln in printed.splitlines() if ln.startswith("|")]
     assert len(table_lines) == (2 + 3) + (2 + 5)
-    assert "PCIe MB/token" in table_lines[0] and "auto -> " in printed
+    assert "PCIe MB/token" in table_lines[0] and "% of bound" in table_lines[0] and "auto -> " in printed
     assert saved["table"] in printed and saved["bandwidth_table"] in printed
 
 
