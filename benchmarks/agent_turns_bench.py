@@ -103,7 +103,8 @@ flags.DEFINE_integer("max_prompt_tokens", 0, "Longest prompt; 0 = context - new_
                      flag_values=FLAGS)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy. Turn i is sampled with seed --seed + i.",
                    lower_bound=0.0, flag_values=FLAGS)
-flags.DEFINE_enum("draft", "ngram", ["ngram", "none"], "Draft proposer of the verify windows.", flag_values=FLAGS)
+flags.DEFINE_enum("draft", "ngram", ["ngram", "none", "device"], "Draft proposer of the verify windows (device: "
+                  "drafting and acceptance on the device, windows back to back).", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the workload (and of the sampling).", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_integer("rounds", 1, "Mirrored rounds: each runs every arm twice (A B C C B A).", lower_bound=1,
                      flag_values=FLAGS)

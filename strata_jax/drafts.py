@@ -14,7 +14,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-DRAFTERS = ("ngram", "none")
+DRAFTERS = ("ngram", "none", "device")  # device: strata_jax.device_drafts (the n-gram rule on the device)
 
 
 class Drafter(Protocol):
@@ -66,4 +66,4 @@ class NgramDrafter:
 
 
 def make_drafter(name: str) -> Drafter:
-    return NgramDrafter() if name == "ngram" else NoDrafter()
+    return NgramDrafter() if name in ("ngram", "device") else NoDrafter()  # device: the host loop's tail

@@ -201,6 +201,7 @@ class Engine:
             self._prefill = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), pos,
                                           jnp.int32(1)).compile()
         self._prefill_logits = None  # compiled on first use (teacher-forced prompt scoring only)
+        self._device_verify = {}  # (T, sampled) -> graph; compiled on first use (generate(draft="device") only)
         self._fill = jax.jit(offload.fill_slots, donate_argnums=(0,))
         self.stats.compile_s = time.perf_counter() - t0
         if self.verbose:
@@ -329,9 +330,10 @@ class Engine:
                  on_token: Callable[[int], None] | None = None) -> list[int]:
         """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
 
-        Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', or a drafts.Drafter
-        object) run with the last accepted token; greedy output is the same with or without them, sampled output
-        follows the same distribution."""
+        Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', 'device', or a
+        drafts.Drafter object) run with the last accepted token; greedy output is the same with or without them,
+        sampled output follows the same distribution. 'device': the n-gram drafts and their acceptance run on the
+        device and windows of spec+1 tokens go back to back, read one window late (strata_jax.device_drafts)."""
         drafter = None if isinstance(draft, str) else draft  # a Drafter object (API): used as given
         req = build(RequestOptions, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                          top_k=top_k, seed=seed, draft=draft if drafter is None else "ngram",
@@ -350,13 +352,13 @@ class Engine:
         self._take_expert_stats(new_request=True)
         if budget > 0:
             self._guarded(self._generate, ids, budget, stops, sampling, stats, out, on_token, spec,
-                          drafter or make_drafter(req.draft))
+                          drafter or make_drafter(req.draft), drafter is None and req.draft == "device")
         stats.generated_tokens = len(out)
         self.stats.add(stats)
         return out
 
     def _generate(self, ids, budget, stops, sampling, stats: RequestStats, out: list[int], on_token, spec: int,
-                  drafter) -> None:
+                  drafter, device_drafts: bool = False) -> None:
         sampled = float(sampling.temperature) > 0
         t0 = time.perf_counter()
         token, last = self._prefill_all(ids)
@@ -371,8 +373,12 @@ class Engine:
         if on_token:
             on_token(first)
         if first not in stops:
+            if spec > 0 and device_drafts:
+                self._device_verify_graph(spec + 1, sampled)  # compiled on first use, outside the decode's time
             t0 = time.perf_counter()
-            if spec > 0:
+            if spec > 0 and device_drafts:
+                self._decode_device(ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter)
+            elif spec > 0:
                 self._decode_verify(ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter)
             else:
                 self._decode_pipelined(ids, budget, stops, sampling, sampled, stats, out, on_token)
@@ -405,13 +411,72 @@ class Engine:
                 if token in stops:
                     break
 
+    def _device_verify_graph(self, t: int, sampled: bool):
+        key = (t, sampled)
+        if key not in self._device_verify:
+            t0 = time.perf_counter()
+            fn = graphs.jit_device_verify_window(self.cfg, t, sampled, self.decode_expert_path,
+                                                 attention_kernel=self.options.attention_kernel == "pallas")
+            hist = jnp.zeros((self.context + t,), jnp.int32)
+            full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
+                        else contextlib.nullcontext())
+            with full_f32:
+                self._device_verify[key] = fn.lower(self.weights, self.cache, hist, jnp.int32(1),
+                                                    SamplingParams.make()).compile()
+            if self.verbose:
+                log(f"graphs: device verify window T={t} ({'sampled' if sampled else 'greedy'}) compiled in "
+                    f"{time.perf_counter() - t0:.1f} s")
+        return self._device_verify[key]
+
+    def _decode_device(self, ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter) -> None:
+        """Verify windows dispatched back to back: drafting and acceptance run on the device
+        (strata_jax.device_drafts, the host loop's rules), each window's tokens are read one window late, so the
+        device never waits for the host. Windows of spec+1 tokens (padding rows route to no expert), one queued
+        ahead of the one being read. A window that might pass the context is not dispatched: the last tokens go
+        through the host loop."""
+        t = spec + 1
+        step = self._device_verify_graph(t, sampled)
+        hist = np.zeros((self.context + t,), np.int32)
+        hist[:ids.size] = ids
+        hist[ids.size:ids.size + len(out)] = out
+        hist, length = jnp.asarray(hist), jnp.int32(ids.size + len(out))
+        exact = ids.size + len(out)  # tokens in the history as the host knows it
+        in_flight: list[tuple[jax.Array, jax.Array, jax.Array]] = []
+        while True:
+            upper = exact + t * len(in_flight)  # the most tokens the history can hold once those windows end
+            if len(in_flight) < 2 and len(out) + len(in_flight) < budget and upper - 1 + t <= self.context:
+                hist, length, new, n_new, m, self.cache = step(self.weights, self.cache, hist, length, sampling)
+                in_flight.append((new, n_new, m))
+                continue
+            if not in_flight:
+                break
+            new, n_new, m = in_flight.pop(0)
+            n, m = int(n_new), int(m)
+            if len(out) >= budget:
+                return  # a window dispatched ahead whose tokens are not needed
+            stats.windows += 1
+            stats.window_tokens += 1 + m
+            stats.drafts_proposed += m
+            stats.drafts_accepted += n - 1
+            exact += n
+            for token in np.asarray(new)[:n].tolist():
+                if len(out) >= budget:
+                    return
+                out.append(token)
+                if on_token:
+                    on_token(token)
+                if token in stops:
+                    return  # the windows still in flight are discarded (their K/V rows are never read)
+        if len(out) < budget:  # the context's end is nearer than a whole window: the host loop finishes
+            self._decode_verify(ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter)
+
     def _decode_verify(self, ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter) -> None:
         """Verify windows: the last accepted token + up to `spec` drafts, the graph of that size; accept the drafts
         the target agrees with, then one more token from the target. Rejected drafts leave K/V rows past the
         accepted position: the next window writes those positions before any query reads them, and the causal
         mask hides the rest, so no stale entry is read (the expert slots keep what they fetched: placement only)."""
         context = list(ids) + out
-        pos = ids.size  # position of out[-1], the last accepted token, not yet in the KV cache
+        pos = ids.size + len(out) - 1  # position of out[-1], the last accepted token, not yet in the KV cache
         ready = None  # when the host had the last window's result: the device waits from then to the next dispatch
         while len(out) < budget:
             k = min(spec, budget - len(out) - 1)

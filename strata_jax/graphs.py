@@ -48,6 +48,24 @@ def prefill_logits(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax
     return logits, cache
 
 
+def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, length: jax.Array,
+                         sampling: SamplingParams, *, cfg: ModelConfig, t: int, sampled: bool,
+                         experts: ExpertPath | None = None, attention_kernel: bool = False):
+    """A verify window that needs nothing from the host (strata_jax.device_drafts): hist [C] int32 holds the tokens
+    so far, the first `length` of them (the last not yet in the KV cache). Proposes up to t-1 n-gram drafts, runs
+    the window at position length-1 (padding rows route nowhere), accepts as the host loop would, and appends the
+    new tokens. -> (hist, length, new [t] (the first n_new real), n_new, drafts proposed m, cache)."""
+    from strata_jax import device_drafts
+    drafts, m = device_drafts.ngram_propose(hist, length, t - 1)  # [t-1]
+    pos = length - 1
+    window = jnp.concatenate([jax.lax.dynamic_slice_in_dim(hist, pos, 1), drafts])  # [t]
+    logits, cache = forward(weights, cache, window, pos, 1 + m, cfg, experts, attention_kernel)
+    positions = pos + 1 + jnp.arange(t, dtype=jnp.int32)
+    new, n_new = device_drafts.accept(logits, drafts, m, positions, sampling, sampled)
+    hist = jax.lax.dynamic_update_slice_in_dim(hist, new, length, axis=0)  # past length + n_new: overwritten later
+    return hist, length + n_new, new, n_new, m, cache
+
+
 def sample_window(logits: jax.Array, positions: jax.Array, sampling: SamplingParams) -> jax.Array:
     """logits [T, V] float32, positions [T] (of the tokens being chosen) -> tokens [T]."""
     return sample(logits, positions, sampling)
@@ -70,6 +88,12 @@ def jit_prefill_chunk(cfg: ModelConfig, experts: ExpertPath | None = None):
 
 def jit_prefill_logits(cfg: ModelConfig, experts: ExpertPath | None = None):
     return jax.jit(functools.partial(prefill_logits, cfg=cfg, experts=experts), donate_argnums=(1,))
+
+
+def jit_device_verify_window(cfg: ModelConfig, t: int, sampled: bool, experts: ExpertPath | None = None,
+                             attention_kernel: bool = False):
+    return jax.jit(functools.partial(device_verify_window, cfg=cfg, t=t, sampled=sampled, experts=experts,
+                                     attention_kernel=attention_kernel), donate_argnums=(1, 2))
 
 
 def jit_sample():

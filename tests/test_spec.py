@@ -197,3 +197,66 @@ def test_host_time_between_verify_windows_is_measured(engine_factory, prompt):
     assert "host time between windows" in r.draft_summary()
     eng.generate(prompt, 10, stop_token_ids=[], spec=0)  # the pipelined T=1 loop: the next window is queued first
     assert eng.stats.last.host_gaps == 0 and "host time" not in eng.stats.last.draft_summary()
+
+
+# ---- draft="device": drafting and acceptance on the device, windows back to back ------------------------------
+
+
+def test_device_ngram_proposes_what_the_host_drafter_proposes():
+    """strata_jax.device_drafts.ngram_propose against drafts.NgramDrafter on random histories (small vocabularies,
+    so suffixes of 1..3 tokens recur), a short look-back window included."""
+    from strata_jax.device_drafts import ngram_propose
+    rng = np.random.default_rng(9)
+    checked = 0
+    for window in (4096, 7):
+        host = NgramDrafter(window=window)
+        for _ in range(150):
+            n = int(rng.integers(1, 40))
+            tokens = rng.integers(0, int(rng.choice([2, 3, 5, 50])), n).tolist()
+            k = int(rng.integers(1, 6))
+            hist = np.zeros(n + k + int(rng.integers(0, 8)), np.int32)
+            hist[:n] = tokens
+            hist[n:] = rng.integers(0, 50, hist.size - n)  # past the history: must never be read as context
+            drafts, m = ngram_propose(jnp.asarray(hist), jnp.int32(n), k, window=window)
+            assert np.asarray(drafts)[:int(m)].tolist() == host.propose(tokens, k), (tokens, k, window)
+            checked += int(m) > 0
+    assert checked > 100  # most cases found a draft
+
+
+@pytest.mark.parametrize("placement", ["resident", "offloaded"])
+def test_device_drafts_give_the_host_loops_tokens(engine_factory, prompt, placement):
+    """Greedy: the same tokens as without drafts and as the host verify loop, at every spec. Sampled: the same
+    tokens as the host loop with the same seed (same drafts, same acceptance rule, same keys)."""
+    eng = resident(engine_factory) if placement == "resident" else offloaded(engine_factory)
+    plain = eng.generate(prompt, 40, spec=0, stop_token_ids=[])
+    for spec in (1, W - 1):
+        host = eng.generate(prompt, 40, spec=spec, stop_token_ids=[])
+        host_stats = eng.stats.last
+        assert eng.generate(prompt, 40, spec=spec, draft="device", stop_token_ids=[]) == host == plain
+        dev = eng.stats.last
+        # The same drafts window by window, except near the budget, where the host proposes fewer (it never
+        # drafts past the last token wanted) and the device its usual spec.
+        assert dev.drafts_accepted >= host_stats.drafts_accepted > 0
+        assert dev.windows <= host_stats.windows <= dev.windows + 1
+        assert dev.window_tokens == dev.windows + dev.drafts_proposed and dev.generated_tokens == 40
+    kw = dict(temperature=0.9, top_p=0.95, seed=5, stop_token_ids=[])
+    sampled = eng.generate(prompt, 30, spec=W - 1, **kw)
+    assert eng.generate(prompt, 30, spec=W - 1, draft="device", **kw) == sampled
+    assert eng.stats.last.drafts_proposed > 0
+
+
+def test_device_drafts_stop_tokens_budget_and_the_context_end(engine_factory, prompt):
+    eng = resident(engine_factory)
+    ref = eng.generate(prompt, 40, spec=W - 1, stop_token_ids=[])
+    stop = ref[17]
+    first = ref.index(stop)
+    got = eng.generate(prompt, 40, spec=W - 1, draft="device", stop_token_ids=[stop])
+    assert got == ref[:first + 1]  # ends at the stop token; the windows in flight are dropped
+    assert eng.generate(prompt, 7, spec=W - 1, draft="device", stop_token_ids=[]) == ref[:7]
+    # 128-token context: the last tokens cannot take a whole window; the host loop finishes them.
+    long_prompt = (prompt * 4)[:120]
+    want = eng.generate(long_prompt, 50, spec=W - 1, stop_token_ids=[])
+    assert len(want) == 128 - 120
+    assert eng.generate(long_prompt, 50, spec=W - 1, draft="device", stop_token_ids=[]) == want
+    # The engine is unchanged for the next request.
+    assert eng.generate(prompt, 40, spec=W - 1, stop_token_ids=[]) == ref
