@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from strata_jax import device_drafts
 from strata_jax.config import ModelConfig
 from strata_jax.model import ExpertPath, KVCache, Weights, forward
 from strata_jax.sampling import SamplingParams, sample, verify
@@ -55,7 +56,6 @@ def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, leng
     so far, the first `length` of them (the last not yet in the KV cache). Proposes up to t-1 n-gram drafts, runs
     the window at position length-1 (padding rows route nowhere), accepts as the host loop would, and appends the
     new tokens. -> (hist, length, new [t] (the first n_new real), n_new, drafts proposed m, cache)."""
-    from strata_jax import device_drafts
     drafts, m = device_drafts.ngram_propose(hist, length, t - 1)  # [t-1]
     pos = length - 1
     window = jnp.concatenate([jax.lax.dynamic_slice_in_dim(hist, pos, 1), drafts])  # [t]
