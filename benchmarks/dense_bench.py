@@ -8,7 +8,8 @@ Formulations (each jitted as --layers chained layers of x -> q, k, v projections
 XLA can neither hoist nor drop a layer):
   matmul      `x @ w` in the weights' dtype (the model's code)
   einsum_f32  `einsum(x, w, preferred_element_type=float32)`, cast back
-  pad2        at T = 1, the row padded to two (a zero row behind an optimization barrier), `x @ w`, the row sliced
+  pad2        `strata_jax.linear.linear`, the model's own: at T = 1 the row padded to two (a zero row behind an
+              optimization barrier), `x @ w`, the row sliced
   fused_qkv   one `x @ [wq | wk | wv]` (the three weights concatenated once, outside the timing), then `q @ wo`
 Bytes per layer = the four weight matrices (activations are kilobytes). Timing: one jitted call of all layers,
 synchronised, median of --iters after --warmup; per-layer time = call / layers (includes the kernels' launches).
@@ -40,13 +41,12 @@ FORMULATIONS = ("matmul", "einsum_f32", "pad2", "fused_qkv")
 
 def project(kind: str, x, w):
     """x [T, H] @ w [H, N] -> [T, N] as formulation `kind` (fused_qkv's single products use matmul)."""
-    import jax
     import jax.numpy as jnp
     if kind == "einsum_f32":
         return jnp.einsum("th,hn->tn", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    if kind == "pad2" and x.shape[0] == 1:
-        x2 = jax.lax.optimization_barrier(jnp.concatenate([x, jnp.zeros_like(x)]))  # [2, H]
-        return (x2 @ w)[:1]
+    if kind == "pad2":
+        from strata_jax.linear import linear
+        return linear(x, w)
     return x @ w
 
 

@@ -19,14 +19,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from strata_jax.drafts import NGRAM_MAX_N, NGRAM_WINDOW
 from strata_jax.sampling import SamplingParams, sample_row, verify_row
 
-MAX_N = 3  # as drafts.NgramDrafter
-WINDOW = 4096
 
-
-def ngram_propose(hist: jax.Array, length: jax.Array, k: int, max_n: int = MAX_N,
-                  window: int = WINDOW) -> tuple[jax.Array, jax.Array]:
+def ngram_propose(hist: jax.Array, length: jax.Array, k: int, max_n: int = NGRAM_MAX_N,
+                  window: int = NGRAM_WINDOW) -> tuple[jax.Array, jax.Array]:
     """hist [C] int32 (the first `length` are the tokens so far) -> (drafts [k] int32, m: how many are real)."""
     c = hist.shape[0]
     j = jnp.arange(c)

@@ -14,6 +14,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+NGRAM_MAX_N = 3  # longest suffix the n-gram drafter matches (device_drafts uses the same)
+NGRAM_WINDOW = 4096  # tokens it looks back over
 DRAFTERS = ("ngram", "none", "device")  # device: strata_jax.device_drafts (the n-gram rule on the device)
 
 
@@ -38,7 +40,7 @@ class NgramDrafter:
     the tokens that followed its most recent earlier occurrence. Strong where the output quotes the context (code,
     agent turns that echo files)."""
 
-    def __init__(self, max_n: int = 3, min_n: int = 1, window: int = 4096):
+    def __init__(self, max_n: int = NGRAM_MAX_N, min_n: int = 1, window: int = NGRAM_WINDOW):
         self.max_n, self.min_n, self.window = max_n, min_n, window
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:

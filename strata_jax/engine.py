@@ -373,10 +373,11 @@ class Engine:
         if on_token:
             on_token(first)
         if first not in stops:
-            if spec > 0 and device_drafts:
+            on_device = spec > 0 and device_drafts
+            if on_device:
                 self._device_verify_graph(spec + 1, sampled)  # compiled on first use, outside the decode's time
             t0 = time.perf_counter()
-            if spec > 0 and device_drafts:
+            if on_device:
                 self._decode_device(ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter)
             elif spec > 0:
                 self._decode_verify(ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter)
