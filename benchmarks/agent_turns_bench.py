@@ -33,6 +33,7 @@ engine.encode of every turn's text gives the ids it was handed.
 
 Arms: --arms="name:ENV=VAL,ENV=VAL;name2:..." (an empty list: no switch), the first arm is the baseline. Only the
 approximation switches are taken: STRATA_ + the upper-cased name of an EngineOptions field route_* or verify_*,
+draft=ngram|none|device (the arm's draft proposer instead of --draft's, e.g. --arms="ngram:;device:draft=device"),
 and STRATA_LOGPOS (then each run also writes the teacher-forced log-probs of the workload's longest prompt there,
 after its timed turns: run 1 to the path, run k to <stem>.runk<suffix>; compare arms with benchmarks/kl_report.py).
 
@@ -78,7 +79,8 @@ PROG = "benchmarks.agent_turns_bench"
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside the others
 flags.DEFINE_string("arms", "base:;skip:STRATA_ROUTE_TAIL_SKIP=5", "Arms, ';'-separated, each name:STRATA_VAR=value,"
-                    "STRATA_VAR=value (an empty list after the ':' = no switch); the first arm is the baseline.",
+                    "STRATA_VAR=value or draft=ngram|none|device (an empty list after the ':' = no switch); the first "
+                    "arm is the baseline.",
                     flag_values=FLAGS)
 flags.DEFINE_string("model", "reference", "Model: 'reference' (the committed 64-expert top-8 byte-level model), "
                     "'embedded' (the tiny random model) or a model folder.", flag_values=FLAGS)
@@ -92,7 +94,7 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Engine option: 
                   flag_values=FLAGS)
 flags.DEFINE_integer("context", 0, "Engine option: KV cache tokens; 0 = the model's max_position_embeddings "
                      "(at most 4096).", lower_bound=0, flag_values=FLAGS)
-flags.DEFINE_integer("cpu_threads", 0, "Engine option: host pool threads; 0 = the machine's cores.", lower_bound=0,
+flags.DEFINE_integer("cpu_threads", 0, "Engine option: host pool threads; 0 = the cores this process may use.", lower_bound=0,
                      flag_values=FLAGS)
 flags.DEFINE_string("cache_dir", "", "Engine option: folder of the persistent compilation cache and the embedded "
                     "model ('' = ~/.cache/strata_jax).", flag_values=FLAGS)
@@ -138,6 +140,14 @@ PROGRESS = "@progress "  # a worker's stderr line the parent shows as progress
 
 
 
+ARM_OPTIONS = {"draft": ("ngram", "none", "device")}  # per-arm worker flags an arm may set besides STRATA_*
+
+
+def arm_flags(s, switches: dict[str, str]) -> dict[str, str]:
+    """The worker flags of an arm: --draft's value unless the arm sets its own."""
+    return {k: switches.get(k, getattr(s, k)) for k in ARM_OPTIONS}
+
+
 def run_order(names: list[str], rounds: int) -> list[str]:
     """Interleaved and mirrored: A B C C B A, `rounds` times."""
     return (names + names[::-1]) * rounds
@@ -147,7 +157,7 @@ def worker_env(switches: dict[str, str], base: dict | None = None) -> dict[str, 
     """A copy of the environment without any STRATA_* variable, plus the arm's switches."""
     base = os.environ if base is None else base
     env = {k: v for k, v in base.items() if not k.startswith("STRATA_")}
-    env.update(switches)
+    env.update({k: v for k, v in switches.items() if k not in ARM_OPTIONS})
     return env
 
 
@@ -418,7 +428,7 @@ def worker(s) -> dict:
                pcie_frac=engine.placement.pcie_frac if engine.placement else None,
                approx=dataclasses.asdict(engine.approx), approx_active=engine.approx.active,
                defer=dataclasses.asdict(engine.defer), defer_active=engine.defer.active,
-               env={k: v for k, v in sorted(os.environ.items()) if k.startswith("STRATA_")},
+               env={k: v for k, v in sorted(os.environ.items()) if k.startswith("STRATA_")}, draft=s.draft,
                workload_sha256=workload["sha256"], logpos=written, turns=rows)
     common.write_json(s.worker_out, out)
     return out
@@ -437,7 +447,8 @@ def start_worker(s, arm: str, switches: dict, run_index: int, workload_path: Pat
             f"--expert_cache_slots={s.expert_cache_slots}", f"--pcie_frac={s.pcie_frac}", f"--window={s.window}",
             f"--dtype={s.dtype}", f"--context={s.context}", f"--cpu_threads={s.cpu_threads}",
             f"--cache_dir={str(Path(s.cache_dir).expanduser().resolve()) if s.cache_dir else ''}",
-            f"--new_tokens={s.new_tokens}", f"--temperature={s.temperature}", f"--draft={s.draft}",
+            f"--new_tokens={s.new_tokens}", f"--temperature={s.temperature}",
+            *(f"--{k}={v}" for k, v in arm_flags(s, switches).items()),
             f"--seed={s.seed}", f"--warmup={s.warmup}"]
     env = worker_env(switches)
     if "STRATA_LOGPOS" in env:
@@ -513,6 +524,8 @@ def summarize(arms: list[tuple[str, dict]], runs: list[dict], workload: dict) ->
                         ratio=_stats(ratios), turns_won=sum(1 for x in ratios if x is not None and x > 1),
                         hit_rate_mean=_mean([p["hit_rate"] for p in per_turn]),
                         same_tokens_as_base=sum(p["same_tokens_as_base"] for p in per_turn),
+                        **{k: _mean([sum(t.get(k, 0) for t in r["turns"]) for r in rs])
+                           for k in ("windows", "drafts_proposed", "drafts_accepted")},
                         counters_total=totals, approx=rs[0]["approx"], approx_active=rs[0]["approx_active"],
                         defer=rs[0]["defer"], defer_active=rs[0]["defer_active"],
                         switch_lines=rs[0]["switch_lines"], per_turn=per_turn))
@@ -535,7 +548,8 @@ def summarize(arms: list[tuple[str, dict]], runs: list[dict], workload: dict) ->
 
 def make_table(summary: list[dict], noise: dict, n_turns: int) -> str:
     headers = ["arm", "switches", "decode tok/s", "x median", "x min", "x max", "turns won", "hit rate",
-               "fetched/turn", "cpu/turn", "skipped/turn", "prior changed", "swaps", "same tokens"]
+               "fetched/turn", "cpu/turn", "skipped/turn", "prior changed", "swaps", "windows/turn",
+               "drafts accepted", "same tokens"]
     rows = []
     for a in summary:
         c = a["counters_total"]
@@ -543,12 +557,13 @@ def make_table(summary: list[dict], noise: dict, n_turns: int) -> str:
             x, won = noise["ratio"], f"({noise['faster_turns']}/{n_turns})" if noise["ratio"]["n"] else "-"
         else:
             x, won = a["ratio"], f"{a['turns_won']}/{n_turns}"
-        switches = ",".join(f"{k[len('STRATA_'):]}={v}" for k, v in a["env"].items()) or "-"
+        switches = ",".join(f"{k.removeprefix('STRATA_')}={v}" for k, v in a["env"].items()) or "-"
         rows.append([a["name"], switches, a["decode_tok_s_mean"],
                      *(x[k] if x[k] is not None else "-" for k in ("median", "min", "max")), won, a["hit_rate_mean"],
                      c["distinct_fetched"] / n_turns, c["distinct_cpu"] / n_turns, c["distinct_skipped"] / n_turns,
                      f"{c['prior_tokens_changed']:g}/{c['prior_tokens']:g}" if c["prior_tokens"] else "-",
-                     c["swaps"], f"{a['same_tokens_as_base']}/{n_turns}"])
+                     c["swaps"], a["windows"] / n_turns, f"{a['drafts_accepted']:g}/{a['drafts_proposed']:g}",
+                     f"{a['same_tokens_as_base']}/{n_turns}"])
     return common.format_table(headers, rows)
 
 
@@ -594,7 +609,7 @@ def benchmark(s) -> dict:
     from strata_jax.options import EngineOptions, build
     from strata_jax.tokenizer import load_tokenizer
 
-    arms = parse_arms(s.arms)
+    arms = parse_arms(s.arms, options=ARM_OPTIONS)
     if s.turns < s.sessions:
         raise ValueError(f"--turns={s.turns} is fewer than --sessions={s.sessions}")
     opts = build(EngineOptions, engine_options(s))
@@ -702,9 +717,10 @@ def report(s, arms: list[tuple[str, dict]], runs: list[dict], workload: dict, re
              f"{arms[0][0]} row (the baseline): no noise floor (one run of it)",
              "hit rate: share of the distinct experts a decode window needed already in a slot, mean over turns; "
              "fetched / cpu / skipped per turn: distinct experts of the decode windows, summed over layers and "
-             "windows; same tokens: turns whose generated tokens equal the base's (first runs)"]
+             "windows; windows/turn: verify windows per turn; drafts accepted: accepted / proposed drafts over all "
+             "turns; same tokens: turns whose generated tokens equal the base's (first runs)"]
     for a in summary:
-        if set(a["env"]) - {"STRATA_LOGPOS"} and not (a["approx_active"] or a["defer_active"]):
+        if set(a["env"]) - {"STRATA_LOGPOS", *ARM_OPTIONS} and not (a["approx_active"] or a["defer_active"]):
             notes.append(f"note: arm {a['name']}: no switch is active in its engine"
                          + (f" ({'; '.join(a['switch_lines'])})" if a["switch_lines"] else ""))
         elif a["switch_lines"]:

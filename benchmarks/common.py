@@ -89,10 +89,14 @@ def known_switches() -> list[str]:
     return names + ["STRATA_LOGPOS"]
 
 
-def parse_arms(text: str, flag: str = "arms") -> list[tuple[str, dict[str, str]]]:
+def parse_arms(text: str, flag: str = "arms", options: dict[str, tuple[str, ...]] | None = None
+               ) -> list[tuple[str, dict[str, str]]]:
     """'base:;skip:STRATA_ROUTE_TAIL_SKIP=5' -> [('base', {}), ('skip', {'STRATA_ROUTE_TAIL_SKIP': '5'})]: the
-    arms of an A/B benchmark (--arms, --switch_arms), each a name and the STRATA_* variables it sets."""
-    known = known_switches()
+    arms of an A/B benchmark (--arms, --switch_arms), each a name and the STRATA_* variables it sets. `options`
+    names the benchmark's own lower-case per-arm settings and their values (e.g. {'draft': ('ngram', 'device')});
+    they land in the same dict, under their lower-case name."""
+    options = options or {}
+    known = known_switches() + list(options)
     arms: list[tuple[str, dict[str, str]]] = []
     for part in (p.strip() for p in text.split(";")):
         if not part:
@@ -117,6 +121,8 @@ def parse_arms(text: str, flag: str = "arms") -> list[tuple[str, dict[str, str]]
                 raise ValueError(f"--{flag}: arm {name}: unknown variable {var} (known: {', '.join(known)})")
             if var in env:
                 raise ValueError(f"--{flag}: arm {name}: {var} twice")
+            if var in options and value.strip() not in options[var]:
+                raise ValueError(f"--{flag}: arm {name}: {var}={value.strip()} is not one of {', '.join(options[var])}")
             env[var] = value.strip()
         arms.append((name, env))
     if not arms:

@@ -131,6 +131,28 @@ done
 step agent_turns "${AGENT_LIMIT_S:-300}" "$PY" -m benchmarks.agent_turns_bench ${AGENT_ARGS:-} --json="$OUT/agent_turns.json" \
   --plot="$OUT/agent_turns.png"
 
+# Issue 7's tables, one A/B per step (each ~5 minutes on the H200; CPU_THREADS: the host pool's threads, 0 = the
+# cores this process may use). agent_route16/32: the routing arms at 25% / 50% of the 64 experts, PCIe only, 24
+# turns; agent_defer16/32: the deferred CPU rows at pcie_frac 0.5, 8 turns; agent_draft_all/16: the n-gram drafts
+# on the host against on the device.
+AGENT=("$PY" -m benchmarks.agent_turns_bench --model=reference --cache_dir="$JIT_CACHE" --cpu_threads="${CPU_THREADS:-0}")
+ROUTE_ARMS="base:;skip:STRATA_ROUTE_TAIL_SKIP=5;prior:STRATA_ROUTE_PRIOR=0.5;both:STRATA_ROUTE_TAIL_SKIP=5,STRATA_ROUTE_PRIOR=0.5;resident:STRATA_ROUTE_RESIDENT=1"
+DEFER_ARMS="base:;every:STRATA_VERIFY_DEFER_CPU=1,STRATA_VERIFY_DEFER_CPU_BELOW=1;split:STRATA_VERIFY_DEFER_CPU=1;check:STRATA_VERIFY_DEFER_CPU=check"
+for slots in 16 32; do
+  step "agent_route$slots" "${AGENT_LIMIT_S:-330}" "${AGENT[@]}" --expert_cache_slots=$slots --pcie_frac=1 \
+    --arms="$ROUTE_ARMS" --json="$OUT/agent_route$slots.json" --plot="$OUT/agent_route$slots.png"
+  step "agent_defer$slots" "${AGENT_LIMIT_S:-330}" "${AGENT[@]}" --expert_cache_slots=$slots --pcie_frac=0.5 \
+    --turns=8 --sessions=1 --max_prompt_tokens=900 --arms="$DEFER_ARMS" --json="$OUT/agent_defer$slots.json" \
+    --plot="$OUT/agent_defer$slots.png"
+done
+for slots in all 16; do
+  step "agent_draft_$slots" "${DRAFT_LIMIT_S:-200}" "${AGENT[@]}" --expert_cache_slots=$slots --pcie_frac=1 \
+    --arms="ngram:;device:draft=device" --json="$OUT/agent_draft_$slots.json" --plot="$OUT/agent_draft_$slots.png"
+done
+# KL of every arm against the exact engine, teacher-forced through verify windows (float32).
+step kl_arms "${KL_LIMIT_S:-420}" "$PY" -m benchmarks.kl_arms --cache_dir="$JIT_CACHE" --cpu_threads="${CPU_THREADS:-0}" \
+  --json="$OUT/kl_arms.json"
+
 echo
 echo "=== steps"
 cat "$OUT/steps.txt"

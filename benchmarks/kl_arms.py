@@ -43,7 +43,7 @@ flags.DEFINE_string("arms", DEFAULT_ARMS, "Arms, ';'-separated name:STRATA_VAR=v
 flags.DEFINE_integer("window", 4, "Verify window of the reads (every position takes the decode path).",
                      lower_bound=1, upper_bound=16, flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.", flag_values=FLAGS)
-flags.DEFINE_integer("cpu_threads", 0, "Host pool threads (0 = the machine's cores).", lower_bound=0,
+flags.DEFINE_integer("cpu_threads", 0, "Host pool threads (0 = the cores this process may use).", lower_bound=0,
                      flag_values=FLAGS)
 flags.DEFINE_string("out_dir", "", "Keep the logpos files here ('' = a temporary folder).", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)

@@ -30,6 +30,7 @@ import time
 from absl import flags
 
 from benchmarks import common
+from host_pool.pool import usable_cores
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside the others
 flags.DEFINE_string("model", "tiny", "Model preset from configs/ (tiny, qwen3-30b-a3b).", flag_values=FLAGS)
@@ -57,7 +58,7 @@ flags.DEFINE_integer("context", 512, "KV cache positions (prompt + new tokens mu
                      flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weight, activation and KV cache dtype.",
                   flag_values=FLAGS)
-flags.DEFINE_integer("cpu_threads", 0, "Host pool threads; 0 = the machine's cores.", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_integer("cpu_threads", 0, "Host pool threads; 0 = the cores this process may use.", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each arm).", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Array size of the device_put and memcpy bandwidth copies in MiB (0 = 1024 on an "
@@ -246,14 +247,14 @@ def run(s) -> dict:
                        cpu_threads=s.cpu_threads, cache_policy="lru", expert_kernel=s.expert_kernel)
     cache_path = enable_compilation_cache(build(EngineOptions, opts_common).resolved_cache_dir())
     host_kind = offload.host_memory_kind()
-    threads = s.cpu_threads or os.cpu_count() or 1
+    threads = s.cpu_threads or usable_cores()
 
     say = common.say
     say(f"offload_bench: {s.model}, {n_layers} layers ({n_moe} MoE, {e} experts top-{k}, H={cfg.hidden_size}, "
         f"expert I={cfg.moe_intermediate_size}, V={cfg.vocab_size}), {s.dtype}; experts "
         f"{common.fmt_bytes(experts_total)} ({common.fmt_bytes(ebytes)} each)")
     say(f"device: {dev['device_kind']} ({dev['platform']}, {dev['device_count']} device(s)); jax {dev['jax']}, "
-        f"python {dev['python']}; host RAM {common.fmt_bytes(ram) if ram else '?'}, {os.cpu_count()} cores, "
+        f"python {dev['python']}; host RAM {common.fmt_bytes(ram) if ram else '?'}, {usable_cores()} usable cores, "
         f"host pool {threads} threads")
     if s.model in DEFAULT_LAYERS and not s.layers:
         say(f"layers: cut to {layers} (the default for {s.model}): the host holds the experts twice (pinned for the "
@@ -274,7 +275,7 @@ def run(s) -> dict:
                   model=dict(preset=s.model, layers=n_layers, moe_layers=n_moe, experts=e, top_k=k,
                              hidden=cfg.hidden_size, expert_intermediate=cfg.moe_intermediate_size,
                              vocab=cfg.vocab_size, expert_bytes=ebytes, experts_bytes=experts_total),
-                  host=dict(memory_kind=host_kind, ram_bytes=ram, cores=os.cpu_count(), pool_threads=threads),
+                  host=dict(memory_kind=host_kind, ram_bytes=ram, cores=usable_cores(), pool_threads=threads),
                   compilation_cache=str(cache_path),
                   routing_note="random weights: near-uniform routing, so the hit rate is about S/E",
                   bandwidth={}, arms=[], complete=False)

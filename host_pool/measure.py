@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import time
 
 import numpy as np
@@ -54,7 +53,7 @@ def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=pool_module.usable_cores())
     parser.add_argument("--blas-threads", type=int, default=1, help="-1: leave OpenBLAS default")
     parser.add_argument("--experts", type=int, default=8, help="experts per layer job")
     parser.add_argument("--store-experts", type=int, default=48)

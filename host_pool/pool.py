@@ -108,6 +108,14 @@ class _Generation:
         self.workers.shutdown(wait=wait, cancel_futures=True)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: taskset, a container's cpuset), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no sched_getaffinity on this OS
+        return os.cpu_count() or 1
+
+
 class HostPool:
     """Computes expert FFN rows for one layer at a time on `threads` threads.
 
@@ -120,7 +128,7 @@ class HostPool:
     def __init__(self, store: HostExpertStore, threads: int | None = None,
                  timeout_s: float = 20.0, blas_threads: int | None = 1):
         self.store = store
-        self.threads = threads or os.cpu_count() or 1
+        self.threads = threads or usable_cores()
         self.timeout_s = timeout_s
         self.stats = PoolStats()
         self._lock = threading.Lock()       # guards stats, faults, generation

@@ -77,7 +77,7 @@ class EngineOptions:
                             _choice("lru", "static"))
     pcie_frac: str = opt("auto", "Share of missed experts fetched over PCIe (0..1); the rest run on the host pool. "
                          "'auto' picks it from costs measured at start-up.", _frac)
-    cpu_threads: int = opt(0, "Host pool threads; 0 = the machine's cores.", _int_range(0, 1024))
+    cpu_threads: int = opt(0, "Host pool threads; 0 = the cores this process may use.", _int_range(0, 1024))
     vram_reserve_mib: int = opt(1024, "Device memory (MiB) kept free when expert_cache_slots=auto.", _int_range(0))
     expert_kernel: str = opt("xla", "Expert FFN with every expert on the device: xla (gather + einsums, the tested "
                              "exact path) or pallas (pallas_kernels/expert_ffn.py: experts read in place; bf16 on a "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 import jax
@@ -139,9 +138,10 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
 def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: HostExperts, slots: int,
           why: str) -> Placement:
     from host_pool import HostPool, blas
+    from host_pool.pool import usable_cores
     # A failed pool job is reported as one line by the engine; JAX's own traceback log would repeat it.
     logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
-    threads = opts.cpu_threads or os.cpu_count() or 1
+    threads = opts.cpu_threads or usable_cores()
     pool = HostPool(host.store(cfg), threads=threads, timeout_s=opts.callback_timeout_s)
     host.numpy.clear()
     itemsize = jnp.dtype(opts.dtype).itemsize

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -93,9 +94,19 @@ def test_parse_arms_order_and_env():
             bench.parse_arms(bad)
     assert bench.run_order(["A", "B", "C"], 1) == ["A", "B", "C", "C", "B", "A"]
     assert bench.run_order(["A", "B"], 2) == ["A", "B", "B", "A", "A", "B", "B", "A"]
-    env = bench.worker_env({"STRATA_ROUTE_TAIL_SKIP": "2"},
+    env = bench.worker_env({"STRATA_ROUTE_TAIL_SKIP": "2", "draft": "device"},
                            {"PATH": "/bin", "STRATA_ROUTE_PRIOR": "0.5", "STRATA_LOGPOS": "x"})
-    assert env == {"PATH": "/bin", "STRATA_ROUTE_TAIL_SKIP": "2"}
+    assert env == {"PATH": "/bin", "STRATA_ROUTE_TAIL_SKIP": "2"}  # draft= is a worker flag, not a variable
+    # draft=: the arm's own proposer, the --draft flag's otherwise.
+    arms = bench.parse_arms("ngram:;device:draft=device", options=bench.ARM_OPTIONS)
+    assert arms == [("ngram", {}), ("device", {"draft": "device"})]
+    s = types.SimpleNamespace(draft="ngram")  # the --draft flag
+    assert [bench.arm_flags(s, e) for _, e in arms] == [{"draft": "ngram"}, {"draft": "device"}]
+    for bad, what in (("x:draft=gpu", "is not one of ngram, none, device"), ("x:draft=none,draft=device", "twice")):
+        with pytest.raises(ValueError, match=what):
+            bench.parse_arms(bad, options=bench.ARM_OPTIONS)
+    with pytest.raises(ValueError, match="unknown variable draft"):
+        bench.parse_arms("x:draft=device")  # only where the benchmark takes it
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------
@@ -107,7 +118,8 @@ TINY = ["--model=embedded", "--dtype=float32", "--turns=3", "--sessions=1", "--n
 def test_two_arms_end_to_end(tmp_path, cache_dir):
     out, plot = tmp_path / "agent.json", tmp_path / "agent.png"
     # A stray switch in the caller's environment must not reach any run.
-    res = cli(*TINY, "--max_prompt_tokens=700", "--arms=base:;skip:STRATA_ROUTE_TAIL_SKIP=2", f"--json={out}",
+    res = cli(*TINY, "--max_prompt_tokens=700", "--arms=base:;skip:STRATA_ROUTE_TAIL_SKIP=2,draft=device",
+              f"--json={out}",
               f"--plot={plot}", f"--cache_dir={cache_dir}", env={"STRATA_ROUTE_PRIOR": "0.5"})
     assert res.returncode == 0, res.stderr[-3000:]
     table = [ln for ln in res.stdout.splitlines() if ln.startswith("|")]
@@ -125,6 +137,7 @@ def test_two_arms_end_to_end(tmp_path, cache_dir):
     for r in runs:
         assert r["workload_sha256"] == saved["workload"]["sha256"]
         assert r["env"] == ({} if r["arm"] == "base" else {"STRATA_ROUTE_TAIL_SKIP": "2"})
+        assert r["draft"] == ("ngram" if r["arm"] == "base" else "device")
         assert [t["prompt_tokens"] for t in r["turns"]] == lengths
         assert [t["prompt_sha256"] for t in r["turns"]] == [t["prompt_sha256"] for t in runs[0]["turns"]]
         for t in r["turns"]:

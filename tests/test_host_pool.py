@@ -6,6 +6,7 @@ bf16 weights the reference uses the same bf16 values (bf16 -> f32 is exact),
 so the same 1e-5 applies: only float32 accumulation differs.
 """
 
+import os
 import time
 import zlib
 
@@ -16,6 +17,7 @@ import pytest
 
 from host_pool import (HostExpertStore, HostPool, HostPoolError, cpu_expert_rows,
                        unwrap_pool_error)
+from host_pool import pool as pool_module
 from host_pool import store as store_module
 from host_pool.store import BF16
 
@@ -94,6 +96,23 @@ def test_matches_reference(make_pool, dtype, threads, T, ids_case):
     y = pool.compute(1, x, ids, w)
     assert y.dtype == np.float32 and y.shape == (T, H)
     assert rel_error(y, reference(layers[1], x, ids, w)) < REL_TOL
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_default_threads_follow_the_cpu_affinity(make_pool):
+    # Pinned to one core (taskset, a container's cpuset), the pool must not start one thread per machine core.
+    rng = rng_for("affinity")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        assert pool_module.usable_cores() == 1
+        layers = make_layers(rng, np.float32)
+        pool = make_pool(layers)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert pool.threads == 1 and pool_module.usable_cores() == len(before)
+    x, ids, w = make_inputs(rng, 2, [3, 1])
+    assert rel_error(pool.compute(0, x, ids, w), reference(layers[0], x, ids, w)) < REL_TOL
 
 
 def test_bf16_converted_in_many_chunks(make_pool, monkeypatch):
