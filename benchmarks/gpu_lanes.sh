@@ -18,12 +18,14 @@ n=${#lanes[@]}
 cores=$(nproc)
 share=$((cores / n))
 if [ "$share" -lt 1 ]; then echo "gpu_lanes.sh: $n lanes need at least $n cores (this machine has $cores)" >&2; exit 1; fi
+pin=(taskset -c)
+command -v taskset > /dev/null || { echo "gpu_lanes.sh: no taskset here: lanes not pinned to cores"; pin=(); }
 pids=()
 for i in "${!lanes[@]}"; do
   first=$((i * share)); last=$((first + share - 1))
   echo "=== lane $i: GPU $i, cores $first-$last, steps: ${lanes[$i]}"
   CUDA_VISIBLE_DEVICES=$i CPU_THREADS=$share STEPS="${lanes[$i]}" OUT="$OUT/lane$i" timeout --kill-after=10 \
-    "${LANES_LIMIT_S:-540}" taskset -c "$first-$last" bash benchmarks/gpu_run.sh > "$OUT/lane$i.log" 2>&1 &
+    "${LANES_LIMIT_S:-540}" ${pin[@]:+"${pin[@]}" "$first-$last"} bash benchmarks/gpu_run.sh > "$OUT/lane$i.log" 2>&1 &
   pids+=($!)
 done
 FAILED=0
