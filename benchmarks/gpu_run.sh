@@ -147,7 +147,8 @@ for slots in 16 32; do
 done
 for slots in all 16; do
   step "agent_draft_$slots" "${DRAFT_LIMIT_S:-200}" "${AGENT[@]}" --expert_cache_slots=$slots --pcie_frac=1 \
-    --arms="ngram:;device:draft=device" --json="$OUT/agent_draft_$slots.json" --plot="$OUT/agent_draft_$slots.png"
+    --arms="ngram:;device:draft=device" --json="$OUT/agent_draft_$slots.json" --plot="$OUT/agent_draft_$slots.png" \
+    ${AGENT_DRAFT_ARGS:-}
 done
 # KL of every arm against the exact engine, teacher-forced through verify windows (float32).
 step kl_arms "${KL_LIMIT_S:-420}" "$PY" -m benchmarks.kl_arms --cache_dir="$JIT_CACHE" --cpu_threads="${CPU_THREADS:-0}" \
