@@ -61,6 +61,17 @@ def test_the_pallas_expert_kernel_in_the_engine(engine_factory, tokens, slots):
     assert (pallas.argmax(-1) == xla.argmax(-1)).mean() > 0.8
 
 
+@pytest.mark.parametrize("dtype,bound", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_the_pallas_attention_kernel_in_the_engine(engine_factory, tokens, dtype, bound):
+    """attention_kernel=pallas, compiled: every decode window's logits against the XLA attention (offloaded, so the
+    kernel runs beside the fetches), within f32 / bf16 rounding; greedy tokens mostly the same."""
+    common = dict(dtype=dtype, window=4, context=64, expert_cache_slots="5", pcie_frac=1.0)
+    xla = engine_factory(None, **common).score(tokens, window=4)
+    pallas = engine_factory(None, attention_kernel="pallas", **common).score(tokens, window=4)
+    assert rel(pallas, xla) < bound
+    assert (pallas.argmax(-1) == xla.argmax(-1)).mean() > 0.8
+
+
 def test_the_pallas_expert_kernel_is_refused_off_bfloat16(engine_factory):
     with pytest.raises(StrataError, match="bfloat16"):
         engine_factory(None, dtype="float32", window=2, context=64, expert_cache_slots="all", expert_kernel="pallas")

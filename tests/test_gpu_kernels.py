@@ -4,7 +4,8 @@ on realistic shapes, with fresh random inputs for each compiled shape. Skipped w
 Bounds, as the CPU tests of the same kernels (tests/test_route_prior.py, test_copy_rows.py, test_expert_ffn.py):
 - route_prior: ids and changed equal, weights within 1e-6;
 - copy_rows: within 1e-6 of the reference (relative), heavy + light within 1e-6 of the whole sum;
-- expert_ffn: ||kernel - reference||_F / ||reference||_F < 1e-2 (bf16 roundings differ by an ulp here and there).
+- expert_ffn: ||kernel - reference||_F / ||reference||_F < 1e-2 (bf16 roundings differ by an ulp here and there);
+- decode_attention: 1e-5 (f32) / 2e-2 (bf16) relative, and rows past the window (NaN, inf, 1e30) never read.
 """
 from __future__ import annotations
 
@@ -15,8 +16,13 @@ import pytest
 
 from pallas_kernels.copy_rows import (copy_rows_by_weight, copy_rows_by_weight_reference, copy_rows_from_mapped,
                                       copy_rows_from_mapped_reference)
+from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
 from pallas_kernels.route_prior import route_prior, route_prior_reference
+from test_decode_attention import CASES as ATTN_CASES
+from test_decode_attention import DTYPES as ATTN_DTYPES
+from test_decode_attention import RTOL as ATTN_RTOL
+from test_decode_attention import make_case, with_garbage
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]
@@ -135,3 +141,24 @@ def test_expert_ffn_matches_reference(qwen3_experts, t):
         # The reference op by op, as the CPU test calls it (under one jit, XLA:CPU's fused bf16 einsums land ~2e-2
         # from a float64 model; op by op ~5e-3).
         assert rel(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < EXPERT_FFN_RTOL
+
+
+# -------------------------------------------------------------------------------------------------- decode_attention
+
+# The CPU test's cases (tests/test_decode_attention.py), compiled: its bounds, and garbage past the window unread.
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", ["t1_pos77", "t4_pos60", "t3_r4_s192", "qwen3_t1_s2112", "t4_to_the_end"])
+def test_decode_attention_matches_reference(name, dtype):
+    dtype = ATTN_DTYPES[dtype]
+    t, nq, nkv, d, s, pos = ATTN_CASES[name]
+    for draw in range(DRAWS):
+        q, k, v, p = make_case(100 * draw + len(name), *ATTN_CASES[name], dtype)
+        out = decode_attention(q, k, v, p, interpret=False)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        with jax.default_matmul_precision("highest"):  # the reference's f32 einsums, not TF32
+            ref = decode_attention_reference(q, k, v, p)
+        assert rel(out, ref) < ATTN_RTOL[dtype]
+        if pos + t < s:
+            kg, vg = with_garbage(k, pos + t, seed=draw + 1), with_garbage(v, pos + t, seed=draw + 2)
+            np.testing.assert_array_equal(np.asarray(decode_attention(q, kg, vg, p, interpret=False)),
+                                          np.asarray(out))
