@@ -94,8 +94,8 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Engine option: 
                   flag_values=FLAGS)
 flags.DEFINE_integer("context", 0, "Engine option: KV cache tokens; 0 = the model's max_position_embeddings "
                      "(at most 4096).", lower_bound=0, flag_values=FLAGS)
-flags.DEFINE_integer("cpu_threads", 0, "Engine option: host pool threads; 0 = the cores this process may use.", lower_bound=0,
-                     flag_values=FLAGS)
+flags.DEFINE_integer("cpu_threads", 0, "Engine option: host pool threads; 0 = the cores this process may use.",
+                     lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("cache_dir", "", "Engine option: folder of the persistent compilation cache and the embedded "
                     "model ('' = ~/.cache/strata_jax).", flag_values=FLAGS)
 flags.DEFINE_integer("sessions", 3, "Agent sessions the turns are split over.", lower_bound=1, flag_values=FLAGS)
@@ -136,9 +136,6 @@ MARGIN = 8  # tokens kept free past prompt + new_tokens
 PROGRESS = "@progress "  # a worker's stderr line the parent shows as progress
 
 # ---- arms ----------------------------------------------------------------------------------------------------
-
-
-
 
 ARM_OPTIONS = {"draft": ("ngram", "none", "device")}  # per-arm worker flags an arm may set besides STRATA_*
 

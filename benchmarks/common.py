@@ -122,7 +122,8 @@ def parse_arms(text: str, flag: str = "arms", options: dict[str, tuple[str, ...]
             if var in env:
                 raise ValueError(f"--{flag}: arm {name}: {var} twice")
             if var in options and value.strip() not in options[var]:
-                raise ValueError(f"--{flag}: arm {name}: {var}={value.strip()} is not one of {', '.join(options[var])}")
+                raise ValueError(f"--{flag}: arm {name}: {var}={value.strip()} is not one of "
+                                 f"{', '.join(options[var])}")
             env[var] = value.strip()
         arms.append((name, env))
     if not arms:

@@ -17,7 +17,10 @@ IFS='|' read -r -a lanes <<< "${LANES:?LANES=\"steps of lane 0|steps of lane 1|.
 n=${#lanes[@]}
 cores=$(nproc)
 share=$((cores / n))
-if [ "$share" -lt 1 ]; then echo "gpu_lanes.sh: $n lanes need at least $n cores (this machine has $cores)" >&2; exit 1; fi
+if [ "$share" -lt 1 ]; then
+  echo "gpu_lanes.sh: $n lanes need at least $n cores (this machine has $cores)" >&2
+  exit 1
+fi
 pin=(taskset -c)
 command -v taskset > /dev/null || { echo "gpu_lanes.sh: no taskset here: lanes not pinned to cores"; pin=(); }
 pids=()

@@ -58,7 +58,8 @@ flags.DEFINE_integer("context", 512, "KV cache positions (prompt + new tokens mu
                      flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weight, activation and KV cache dtype.",
                   flag_values=FLAGS)
-flags.DEFINE_integer("cpu_threads", 0, "Host pool threads; 0 = the cores this process may use.", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_integer("cpu_threads", 0, "Host pool threads; 0 = the cores this process may use.", lower_bound=0,
+                     flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each arm).", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Array size of the device_put and memcpy bandwidth copies in MiB (0 = 1024 on an "

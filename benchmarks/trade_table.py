@@ -66,16 +66,16 @@ def join(kl: dict, abs_: list[dict]) -> list[dict]:
         rows.append(dict(slots=str(r["slots"]), pcie_frac=float(r["pcie_frac"]), name=r["name"], switches=env,
                          kl_all=r["kl"]["all"],
                          kl_640=r["kl"].get("640+"), top1=r["top1"], kl_hit_rate=r["hit_rate"],
-                         kl_fetched_per_token=r["fetched_per_token"], kl_pcie_frac=r["pcie_frac"],
+                         kl_fetched_per_token=r["fetched_per_token"],
                          ab=ab_arms.get(key)))
     for key, ab in ab_arms.items():
         if key in used:
             continue
         slots, pcie_frac, env = key
         exact = not env
-        rows.append(dict(slots=slots, pcie_frac=pcie_frac, name=ab["arm"], switches=dict(env), kl_all=0.0 if exact else None,
-                         kl_640=0.0 if exact else None, top1=1.0 if exact else None, kl_hit_rate=None,
-                         kl_fetched_per_token=None, kl_pcie_frac=None, ab=ab))
+        rows.append(dict(slots=slots, pcie_frac=pcie_frac, name=ab["arm"], switches=dict(env),
+                         kl_all=0.0 if exact else None, kl_640=0.0 if exact else None, top1=1.0 if exact else None,
+                         kl_hit_rate=None, kl_fetched_per_token=None, ab=ab))
     return sorted(rows, key=_order)
 
 
