@@ -54,7 +54,7 @@ def join(kl: dict, abs_: list[dict]) -> list[dict]:
         for arm in ab["summary"]:
             env = {k: v for k, v in arm["env"].items() if k != "STRATA_LOGPOS"}
             ab_arms[_key(slots, ab["settings"]["pcie_frac"], env)] = dict(
-                arm=arm["name"], pcie_frac=ab["settings"]["pcie_frac"], turns=len(arm["per_turn"]),
+                arm=arm["name"], env=env, pcie_frac=ab["settings"]["pcie_frac"], turns=len(arm["per_turn"]),
                 ratio=noise["ratio"] if arm["baseline"] else arm["ratio"], noise_floor=arm["baseline"],
                 turns_won=noise["faster_turns"] if arm["baseline"] else arm["turns_won"],
                 hit_rate=arm["hit_rate_mean"], decode_tok_s=arm["decode_tok_s_mean"])
@@ -71,9 +71,9 @@ def join(kl: dict, abs_: list[dict]) -> list[dict]:
     for key, ab in ab_arms.items():
         if key in used:
             continue
-        slots, pcie_frac, env = key
-        exact = not env
-        rows.append(dict(slots=slots, pcie_frac=pcie_frac, name=ab["arm"], switches=dict(env),
+        slots, pcie_frac, _ = key
+        exact = not ab["env"]
+        rows.append(dict(slots=slots, pcie_frac=pcie_frac, name=ab["arm"], switches=ab["env"],
                          kl_all=0.0 if exact else None, kl_640=0.0 if exact else None, top1=1.0 if exact else None,
                          kl_hit_rate=None, kl_fetched_per_token=None, ab=ab))
     return sorted(rows, key=_order)
