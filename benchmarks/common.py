@@ -321,6 +321,40 @@ def measure_bandwidth(nbytes: int, reps: int = 10, warmup: int = 2) -> dict:
                 best_Bps=moved / (t.min_ms * 1e-3), samples_ms=t.summary()["samples_ms"])
 
 
+NOMINAL_HBM_Bps = {"H200": 4.8e12, "H100": 3.35e12}  # vendor datasheets, printed beside the measured figure
+
+
+def nominal_bandwidth(device_kind: str) -> float | None:
+    return next((v for k, v in NOMINAL_HBM_Bps.items() if k in device_kind), None)
+
+
+def measure_read_bandwidth(nbytes: int, reps: int = 10) -> dict:
+    """The roofline's denominator: device memory READ bandwidth, back to back (calls dispatched one after another,
+    one sync at the end, so no launch gap counts), the larger of two read-dominated kernels over `nbytes` of bf16:
+    a sum to one float32 (read nbytes) and a [8, 2048] x [2048, n] GEMV (read nbytes of matrix, write n * 8 * 2).
+    A decode step is such a read; `x * 2` (read + write, synced) under-reads the bandwidth by 10-30%."""
+    import jax
+    import jax.numpy as jnp
+    out = {}
+    cols = max(nbytes // 2 // 2048, 1)
+    key = jax.random.PRNGKey(0)
+    w = jax.random.normal(key, (2048, cols), jnp.bfloat16)  # random, not zeros
+    x = jax.random.normal(key, (8, 2048), jnp.bfloat16)
+    moved = {"sum": w.size * 2, "gemv": w.size * 2 + 8 * cols * 2}
+    fns = {"sum": (jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), (w,)),
+           "gemv": (jax.jit(lambda a, b: a @ b), (x, w))}
+    for name, (fn, args) in fns.items():
+        f = fn.lower(*args).compile()
+        jax.block_until_ready(f(*args))
+        seconds = time_pipelined(lambda _: f(*args), iters=reps)
+        out[name] = dict(seconds=seconds, bytes=moved[name], Bps=moved[name] / seconds)
+    del w, x
+    best = max(out, key=lambda k: out[k]["Bps"])
+    return dict(method=f"read-dominated, back to back: the larger of a sum over {nbytes / 2**30:.2f} GiB bf16 and a "
+                       f"[8, 2048] x [2048, {cols}] bf16 GEMV ({best})",
+                array_bytes=moved["sum"], kernels=out, bandwidth_Bps=out[best]["Bps"], best_Bps=out[best]["Bps"])
+
+
 def gb(nbytes: float) -> float:
     return nbytes / 1e9
 

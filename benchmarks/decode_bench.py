@@ -46,8 +46,10 @@ flags.DEFINE_enum("expert_kernel", "xla", ["xla", "pallas"], "Expert FFN: XLA ga
 flags.DEFINE_enum("attention_kernel", "xla", ["xla", "pallas"], "Attention: XLA einsums over the whole static "
                   "cache, or the Pallas decode-attention kernel (reads the cache up to the window's last position).",
                   flag_values=FLAGS)
+flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "Layers as one scanned body over weights stacked on "
+                  "a layer axis (the engine's default), or unrolled (one copy per layer).", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and token ids.", flag_values=FLAGS)
-flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth copy in MiB (0 = 1024 on an accelerator, 64 on CPU).",
+flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth read in MiB (0 = 4096 on an accelerator, 64 on CPU).",
                      lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_integer("probe_windows", 8, "Windows of the run whose routing is replayed to count distinct experts "
                      "(0 = off: the uniform expectation is used for the bytes).", lower_bound=0, flag_values=FLAGS)
@@ -107,7 +109,8 @@ def make_probe(cfg, context: int, dtype):
     def probe(weights, tokens, pos):
         h = embed(weights.embed, tokens)
         out = []
-        for i, layer in enumerate(weights.layers):
+        for i in range(cfg.num_layers):
+            layer = jax.tree.map(lambda a: a[i], weights.layers) if weights.stacked else weights.layers[i]
             h, ids = layer_fn(layer, h, pos)
             if cfg.sparse_layers[i]:
                 out.append(ids)
@@ -185,10 +188,11 @@ def run(s) -> dict:
     e, k, n_moe, n_layers = cfg.num_experts, cfg.num_experts_per_tok, cfg.num_sparse_layers, cfg.num_layers
 
     # ---- bandwidth, before anything else holds memory ----
-    bw_bytes = (s.bw_mib or (64 if on_cpu else 1024)) * 2**20
-    common.progress(f"measuring memory bandwidth: x * 2 over {bw_bytes / 2**30:.2f} GiB, median of 10")
-    bw = common.measure_bandwidth(bw_bytes, reps=10)
+    bw_bytes = (s.bw_mib or (64 if on_cpu else 4096)) * 2**20
+    common.progress(f"measuring read bandwidth over {bw_bytes / 2**30:.2f} GiB (a sum and a GEMV, back to back)")
+    bw = common.measure_read_bandwidth(bw_bytes, reps=10)
     bandwidth = bw["bandwidth_Bps"]
+    nominal = common.nominal_bandwidth(dev["device_kind"])
 
     # ---- sizes, before allocating ----
     abstract = jax.eval_shape(lambda: model.random_weights(cfg, s.seed, dtype))
@@ -211,9 +215,9 @@ def run(s) -> dict:
     memory = f", {common.gb(limit):.1f} GB {'host RAM' if on_cpu else 'usable'}" if limit else ""
     say(f"device: {dev['device_kind']} ({dev['platform']}, {dev['device_count']} device(s){memory}); "
         f"jax {dev['jax']}, python {dev['python']}" + (f"; XLA_FLAGS={dev['xla_flags']}" if dev["xla_flags"] else ""))
-    say(f"memory bandwidth (measured now): {bandwidth / 1e9:,.0f} GB/s  [{bw['method']}, "
-        f"{bw['array_bytes'] / 2**30:.2f} GiB array, median of {len(bw['samples_ms'])}; best "
-        f"{bw['best_Bps'] / 1e9:,.0f} GB/s]")
+    say(f"memory read bandwidth (measured now, the roofline's denominator): {bandwidth / 1e9:,.0f} GB/s  "
+        f"[{bw['method']}; sum {bw['kernels']['sum']['Bps'] / 1e9:,.0f}, GEMV {bw['kernels']['gemv']['Bps'] / 1e9:,.0f} "
+        f"GB/s]" + (f"; nominal {nominal / 1e9:,.0f} GB/s (datasheet)" if nominal else ""))
     say(f"weights: random (seed {s.seed}), made on the device, all experts resident: {common.fmt_bytes(wb['total'])} "
         f"({common.fmt_bytes(wb['experts_all'])} of experts, {common.fmt_bytes(wb['expert'])} each)")
     say(f"KV cache: {s.context} positions (static), {common.fmt_bytes(kv_bytes)}, contents zero; windows decoded at "
@@ -241,20 +245,15 @@ def run(s) -> dict:
     # ---- weights, layer by layer as the device finishes them ----
     t0 = time.perf_counter()
     common.progress(f"making {common.fmt_bytes(wb['total'])} of random {s.dtype} weights on the device")
-    weights = model.random_weights(cfg, s.seed, dtype)  # dispatched asynchronously; wait layer by layer
-    step = max(1, n_layers // 8)
-    made = 0
-    for i, layer in enumerate(weights.layers):
-        jax.block_until_ready(layer)
-        made += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
-        if (i + 1) % step == 0 or i + 1 == n_layers:
-            common.progress(f"  weights: layer {i + 1}/{n_layers} ({common.fmt_bytes(made)}, "
-                            f"{time.perf_counter() - t0:.1f} s)")
+    weights = model.random_weights(cfg, s.seed, dtype, progress=common.progress)
+    scanned = s.layer_loop == "scan" and model.can_stack(cfg)
+    if scanned:
+        weights = model.stack_layers(weights, consume=True)
     jax.block_until_ready(weights)
     common.progress(f"  weights: embedding, final norm, lm_head done ({common.fmt_bytes(wb['total'])}, "
                     f"{time.perf_counter() - t0:.1f} s)")
     result["weights_made_s"] = time.perf_counter() - t0
-    cache = model.init_cache(cfg, s.context, dtype)
+    cache = model.init_cache(cfg, s.context, dtype, stacked=scanned)
     jax.block_until_ready(cache)
     result["device_bytes_in_use"] = common.device_memory_in_use()
 
@@ -270,7 +269,8 @@ def run(s) -> dict:
         token_rows = rng.integers(0, cfg.vocab_size, size=(n_calls, t), dtype=np.int32)
         tokens = [jax.device_put(row) for row in token_rows]
 
-        common.progress(f"T={t}: compiling decode_window ({n_layers} layers unrolled)")
+        common.progress(f"T={t}: compiling decode_window ({n_layers} layers "
+                        f"{'in one scanned body' if scanned else 'unrolled'})")
         t0 = time.perf_counter()
         lowered = decode.lower(weights, cache, tokens[0], pos)
         lower_s = time.perf_counter() - t0
@@ -325,7 +325,7 @@ def run(s) -> dict:
         del compiled, lowered
 
     result["complete"] = True
-    headers = ["T", "ms/step", "mean ms", "pipelined ms", "dispatch ms", "ms/token", "tok/s", "x tok/s vs T=1",
+    headers = ["T", "ms/step", "mean ms", "pipelined ms", "host ms (call)", "ms/token", "tok/s", "x tok/s vs T=1",
                "experts/layer (run)", "experts/layer (uniform)", "GB/step", "roofline ms/step", "% of roofline",
                "% of roofline (pipelined)"]
     rows = []

@@ -34,6 +34,8 @@ flags.DEFINE_integer("iters", 10, "Windows run inside the trace.", lower_bound=1
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations.", flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "xla", ["xla", "pallas"], "Expert FFN (pallas: bf16).", flag_values=FLAGS)
 flags.DEFINE_enum("attention_kernel", "xla", ["xla", "pallas"], "Attention.", flag_values=FLAGS)
+flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "Layers scanned over stacked weights (the engine's "
+                  "default) or unrolled.", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write the numbers to this JSON file.", flag_values=FLAGS)
 
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=')
@@ -145,12 +147,15 @@ def run(s) -> dict:
     common.progress(f"profile_window: {s.model} x {cfg.num_layers} layers, {s.dtype}, on {dev['device_kind']}; "
                     f"experts {s.expert_kernel}, attention {s.attention_kernel}")
     weights = model.random_weights(cfg, 0, dtype)
+    scanned = s.layer_loop == "scan" and model.can_stack(cfg)
+    if scanned:
+        weights = model.stack_layers(weights, consume=True)
     experts = moe.ResidentExperts(cfg, interpret=interpret) if s.expert_kernel == "pallas" else None
     step = graphs.jit_decode_window(cfg, experts, attention_kernel=s.attention_kernel == "pallas")
     rng = np.random.default_rng(0)
     result = dict(benchmark="profile_window", settings={n: getattr(s, n) for n in FLAGS}, device=dev, windows=[])
     for t in windows:
-        cache = model.init_cache(cfg, s.context, dtype)
+        cache = model.init_cache(cfg, s.context, dtype, stacked=scanned)
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=t), jnp.int32)
         pos = jnp.int32(s.pos)
         compiled = step.lower(weights, cache, tokens, pos).compile()
@@ -185,6 +190,8 @@ def run(s) -> dict:
         table = common.format_table(
             ["phase (named scope)", "us per window", "us per layer", "share of op time"],
             [[name, us, us / cfg.num_layers, us / op_us if op_us else 0.0] for name, us in rows])
+        kernels = sum(1 for line in compiled.as_text().splitlines() if " fusion(" in line or "custom-call(" in line)
+        common.say(f"T={t}: {kernels} fusions and custom calls in the compiled module ({s.layer_loop})")
         common.say(f"T={t}: window wall time {wall_ms * 1e3:,.0f} us under the profiler (synchronised, median of "
                    f"{s.iters} not taken: mean); op time {op_us:,.0f} us ({len(events) // s.iters} ops a window)")
         common.say(table)

@@ -53,6 +53,12 @@ class Engine:
         self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.pcie_frac < 1)
         approx_lines += defer_lines
         self._check_attention_kernel()
+        # All experts resident and one kind of layer: the layers run as one scanned body over stacked weights.
+        self.scanned = options.layer_loop == "scan" and placement is None and model.can_stack(cfg)
+        if self.scanned:
+            self.weights = weights = model.stack_layers(weights)
+        elif weights.stacked:
+            self.weights = weights = model.unstack_layers(weights)
         self.expert_path, self.decode_expert_path = self._expert_paths()
         self.stats = Stats()
         self._reset_state()
@@ -90,7 +96,7 @@ class Engine:
         length = self.context + self.chunk
         if self.options.attention_kernel == "pallas":
             length = -(-length // 64) * 64  # the kernel's key blocks divide the cache length
-        kv = model.init_cache(self.cfg, length, self.dtype)
+        kv = model.init_cache(self.cfg, length, self.dtype, stacked=self.scanned)
         experts = self.placement.init_state(self.cfg, self.dtype) if self.placement else None
         self.cache = kv.replace(experts=experts)
 
@@ -165,13 +171,17 @@ class Engine:
             if any(cfg.sparse_layers):
                 say(f"expert cache: every expert on the device, offload off ({why})")
             placement = None
+            if opts.layer_loop == "scan" and model.can_stack(cfg):
+                # Stacked here, where nothing else holds the loaded arrays: one leaf at a time, the old freed.
+                weights = model.stack_layers(weights, consume=True)
+                say(f"layers: {cfg.num_layers} stacked, one scanned body per window graph (layer_loop=scan)")
         else:
             placement = placement_mod.build(cfg, opts, weights, host, slots, why)
         return cls(cfg, weights, opts, placement=placement, **kwargs)
 
     def save_state(self, path: str | Path) -> None:
         """Save the converted weights with orbax; `from_pretrained(path)` restores them without conversion."""
-        checkpoint.save_state(path, self.weights, self.raw_config or {}, self.options.dtype)
+        checkpoint.save_state(path, model.unstack_layers(self.weights), self.raw_config or {}, self.options.dtype)
         if self.tokenizer is not None:
             self.tokenizer.save(str(Path(path) / "tokenizer.json"))
 

@@ -52,29 +52,73 @@ class LayerWeights:
 
 @struct.dataclass
 class Weights:
+    """`layers` is a list (one LayerWeights per layer: the graph unrolls the layers) or one LayerWeights whose
+    leaves carry a leading layer axis [L, ...] (`stack_layers`: the graph runs one scanned layer body)."""
     embed: jax.Array  # [V, H]
-    layers: list[LayerWeights]
+    layers: list[LayerWeights] | LayerWeights
     final_norm: jax.Array  # [H]
     lm_head: jax.Array | None  # [H, V]; None when tied to `embed`
+
+    @property
+    def stacked(self) -> bool:
+        return isinstance(self.layers, LayerWeights)
 
 
 @struct.dataclass
 class KVCache:
-    """What a window updates: the static-size key/value cache (one array per layer, so a donated step updates it
-    in place) and, when experts are offloaded, each sparse layer's device expert cache (offload.SlotCache)."""
-    k: list[jax.Array]  # per layer [S, Nkv, D]
-    v: list[jax.Array]  # per layer [S, Nkv, D]
+    """What a window updates: the static-size key/value cache (one array per layer, or one [L, S, Nkv, D] array for
+    stacked weights; a donated step updates it in place) and, when experts are offloaded, each sparse layer's device
+    expert cache (offload.SlotCache)."""
+    k: list[jax.Array] | jax.Array  # per layer [S, Nkv, D], or stacked [L, S, Nkv, D]
+    v: list[jax.Array] | jax.Array
     experts: list | None = None  # per layer SlotCache (None for dense layers), or None when all experts resident
 
     @property
     def length(self) -> int:
-        return self.k[0].shape[0]
+        return self.k.shape[1] if isinstance(self.k, jax.Array) else self.k[0].shape[0]
 
 
-def init_cache(cfg: ModelConfig, length: int, dtype=jnp.float32) -> KVCache:
+def init_cache(cfg: ModelConfig, length: int, dtype=jnp.float32, stacked: bool = False) -> KVCache:
     shape = (length, cfg.num_kv_heads, cfg.head_dim)
+    if stacked:
+        return KVCache(k=jnp.zeros((cfg.num_layers, *shape), dtype), v=jnp.zeros((cfg.num_layers, *shape), dtype))
     return KVCache(k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
                    v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)])
+
+
+def can_stack(cfg: ModelConfig) -> bool:
+    """One scanned body needs every layer of one kind (all MoE or all dense)."""
+    return len(set(cfg.sparse_layers)) <= 1
+
+
+def stack_layers(weights: Weights, consume: bool = False) -> Weights:
+    """The per-layer list -> one LayerWeights with a leading layer axis on every leaf. consume: delete each layer's
+    arrays once its leaf is stacked (the peak is one stacked leaf, not a second copy of the model); only for weights
+    nobody else holds."""
+    if weights.stacked:
+        return weights
+    layers = weights.layers
+    leaves_per_layer = [jax.tree.leaves(layer) for layer in layers]
+    treedef = jax.tree.structure(layers[0])
+    if any(jax.tree.structure(layer) != treedef for layer in layers):
+        raise ValueError("stack_layers: the layers differ in kind (dense and MoE): they cannot share one body")
+    stacked = []
+    for j in range(len(leaves_per_layer[0])):
+        parts = [leaves[j] for leaves in leaves_per_layer]
+        stacked.append(jnp.stack(parts))
+        if consume:
+            jax.block_until_ready(stacked[-1])
+            for p in parts:
+                p.delete()
+    return weights.replace(layers=jax.tree.unflatten(treedef, stacked))
+
+
+def unstack_layers(weights: Weights) -> Weights:
+    """Stacked -> the per-layer list (slices: a copy of the layer weights)."""
+    if not weights.stacked:
+        return weights
+    n = jax.tree.leaves(weights.layers)[0].shape[0]
+    return weights.replace(layers=[jax.tree.map(lambda a, i=i: a[i], weights.layers) for i in range(n)])
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -97,10 +141,12 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
-              cfg: ModelConfig, kernel: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+              cfg: ModelConfig, kernel: bool = False, layer: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of T window tokens at positions pos..pos+T-1 over the cache. x: [T, H]. kernel: the Pallas
     decode-attention kernel (pallas_kernels/decode_attention.py: reads the cache in place, only up to pos+T-1)
-    instead of XLA's einsums over the whole static cache."""
+    instead of XLA's einsums over the whole static cache. layer: the caches are the stacked [L, S, Nkv, D] arrays
+    and this is the layer's index (a traced int32 in the scanned body); they are updated and returned whole."""
     t = x.shape[0]
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -115,21 +161,30 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
 
     # Write this window's keys/values, then attend over the whole static cache with a causal mask.
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (pos, 0, 0))  # [S, Nkv, D]
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (pos, 0, 0))
+    if layer is None:
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (pos, 0, 0))  # [S, Nkv, D]
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (pos, 0, 0))
+        k_layer, v_layer = k_cache, v_cache
+    else:
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype)[None], (layer, pos, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype)[None], (layer, pos, 0, 0))
+        if not kernel:
+            k_layer = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)  # [S, Nkv, D]
+            v_layer = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
     if kernel:
         from pallas_kernels.decode_attention import decode_attention
-        out = decode_attention(q, k_cache, v_cache, pos, interpret=jax.default_backend() != "gpu").reshape(t, nq * d)
+        out = decode_attention(q, k_cache, v_cache, pos, layer=layer,
+                               interpret=jax.default_backend() != "gpu").reshape(t, nq * d)
         out = linear(out, w.wo)
         return (out if w.bo is None else out + w.bo), k_cache, v_cache
     qg = q.reshape(t, nkv, nq // nkv, d)  # head h uses kv head h // (Nq/Nkv), as transformers' repeat_kv
-    scores = jnp.einsum("tgrd,sgd->tgrs", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.einsum("tgrd,sgd->tgrs", qg, k_layer.astype(q.dtype), preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)
-    key_pos = jnp.arange(k_cache.shape[0], dtype=jnp.int32)
+    key_pos = jnp.arange(k_layer.shape[0], dtype=jnp.int32)
     causal = key_pos[None, :] <= positions[:, None]  # [T, S]
     scores = jnp.where(causal[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("tgrs,sgd->tgrd", probs, v_cache.astype(q.dtype)).reshape(t, nq * d)
+    out = jnp.einsum("tgrs,sgd->tgrd", probs, v_layer.astype(q.dtype)).reshape(t, nq * d)
     out = linear(out, w.wo)
     if w.bo is not None:
         out = out + w.bo
@@ -154,6 +209,8 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
 
     Returns float32 logits [T, V] and the updated cache.
     """
+    if weights.stacked:
+        return forward_scanned(weights, cache, tokens, pos, n_valid, cfg, experts, attention_kernel)
     expert_state = list(cache.experts) if cache.experts is not None else None
     t = tokens.shape[0]
     valid = jnp.arange(t) < n_valid  # [T]
@@ -185,10 +242,64 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
                 pending = deferred[0] if deferred else None
                 if pending is not None and experts.join_now:
                     h, pending = experts.join(h, pending), None
+    return head_logits(weights, h, cfg), KVCache(k=new_k, v=new_v, experts=expert_state)
+
+
+def head_logits(weights: Weights, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm and lm_head: h [T, H] -> float32 logits [T, V]."""
     h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    logits = jnp.einsum("th,hv->tv", h, head, preferred_element_type=jnp.float32)
-    return logits, KVCache(k=new_k, v=new_v, experts=expert_state)
+    return jnp.einsum("th,hv->tv", h, head, preferred_element_type=jnp.float32)
+
+
+def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
+                    cfg: ModelConfig, experts=None, attention_kernel: bool = False) -> tuple[jax.Array, KVCache]:
+    """`forward` over stacked weights (`stack_layers`) and a stacked cache: one layer body in a `lax.scan`.
+
+    The graph holds one copy of the layer's kernels instead of L (fewer launches for the host to issue, a tenth of
+    the compile time) and takes a handful of arguments instead of ~10 per layer. The body reads layer i's dense
+    weights as slices of the stacked arrays; the experts stay one flat [L*E, ...] array indexed by i*E + expert, so
+    no layer's experts are sliced out whole. The stacked KV cache rides in the carry and is updated in place.
+    All-resident experts only (`experts` None or moe.ResidentExperts): offload keeps the unrolled graph."""
+    t = tokens.shape[0]
+    valid = jnp.arange(t) < n_valid  # [T]
+    stack = weights.layers
+    n_layers = jax.tree.leaves(stack)[0].shape[0]
+    sparse = isinstance(stack.ffn, moe.MoEWeights)
+    if sparse:  # [L, E, I, H] -> [L*E, I, H]: a bitcast, read in place by the gather or the kernel
+        flat = lambda a: a.reshape(-1, *a.shape[2:])
+        experts_flat = moe.MoEWeights(router=stack.ffn.router, gate=flat(stack.ffn.gate), up=flat(stack.ffn.up),
+                                      down=flat(stack.ffn.down))
+        dense_part = stack.replace(ffn=None)
+    else:
+        dense_part = stack
+
+    def body(carry, i):
+        h, k_all, v_all = carry
+        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), dense_part)
+        with jax.named_scope("layer"):
+            with jax.named_scope("attention"):
+                a, k_all, v_all = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn, k_all, v_all,
+                                            pos, cfg, kernel=attention_kernel, layer=i)
+            h = h + a
+            x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
+            if not sparse:
+                with jax.named_scope("mlp"):
+                    h = h + dense_mlp(x, layer.ffn)
+            else:
+                router = jax.lax.dynamic_index_in_dim(experts_flat.router, i, 0, keepdims=False)  # [H, E]
+                w = experts_flat.replace(router=router)
+                offset = i * cfg.num_experts
+                if experts is None:
+                    h = h + moe.moe_block(x, w, cfg, valid, offset=offset)
+                else:
+                    y, _ = experts(i, x, w, valid, None, offset=offset)
+                    h = h + y
+        return (h, k_all, v_all), None
+
+    h = weights.embed[tokens]  # [T, H]
+    (h, k_all, v_all), _ = jax.lax.scan(body, (h, cache.k, cache.v), jnp.arange(n_layers, dtype=jnp.int32))
+    return head_logits(weights, h, cfg), cache.replace(k=k_all, v=v_all)
 
 
 def param_bytes(weights: Weights) -> int:

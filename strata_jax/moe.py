@@ -87,9 +87,10 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, co
     return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
 
 
-def resident_experts(x: jax.Array, w: MoEWeights, r: Route) -> jax.Array:
-    """All experts on the device: gather the window's distinct experts (padding reads expert 0, weight 0)."""
-    ids = jnp.maximum(r.expert_ids, 0)
+def resident_experts(x: jax.Array, w: MoEWeights, r: Route, offset: jax.Array | int = 0) -> jax.Array:
+    """All experts on the device: gather the window's distinct experts (padding reads expert 0, weight 0).
+    offset: row of expert 0 in w.gate/up/down (stacked layers: [L*E, ...] arrays, offset = layer * E)."""
+    ids = jnp.maximum(r.expert_ids, 0) + offset
     return expert_ffn(x, w.gate[ids], w.up[ids], w.down[ids], r.combine)
 
 
@@ -101,20 +102,23 @@ class ResidentExperts:
     def __init__(self, cfg: ModelConfig, interpret: bool = False):
         self.cfg, self.interpret = cfg, interpret
 
-    def __call__(self, layer: int, x: jax.Array, w: MoEWeights, valid: jax.Array, state=None):
+    def __call__(self, layer: int, x: jax.Array, w: MoEWeights, valid: jax.Array, state=None,
+                 offset: jax.Array | int = 0):
         from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
         with jax.named_scope("moe_route"):
             r = route(x, w.router, self.cfg, valid)
         with jax.named_scope("moe_experts_pallas"):
-            y = expert_ffn_kernel(x, w.gate, w.up, w.down, r.expert_ids, r.combine, interpret=self.interpret)
+            rows = jnp.where(r.expert_ids >= 0, r.expert_ids + offset, -1)  # stacked layers: row layer * E + expert
+            y = expert_ffn_kernel(x, w.gate, w.up, w.down, rows, r.combine, interpret=self.interpret)
         with jax.named_scope("moe_combine"):
             return y.astype(x.dtype), state
 
 
-def moe_block(x: jax.Array, w: MoEWeights, cfg: ModelConfig, valid: jax.Array) -> jax.Array:
+def moe_block(x: jax.Array, w: MoEWeights, cfg: ModelConfig, valid: jax.Array,
+              offset: jax.Array | int = 0) -> jax.Array:
     with jax.named_scope("moe_route"):
         r = route(x, w.router, cfg, valid)
     with jax.named_scope("moe_experts"):
-        y = resident_experts(x, w, r)
+        y = resident_experts(x, w, r, offset)
     with jax.named_scope("moe_combine"):
         return y.astype(x.dtype)

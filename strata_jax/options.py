@@ -86,6 +86,10 @@ class EngineOptions:
                                 "the tested exact path) or pallas (pallas_kernels/decode_attention.py: the cache "
                                 "read in place up to the window's last position; interpreted, slowly, off the GPU).",
                                 _choice("xla", "pallas"))
+    layer_loop: str = opt("scan", "How a window's graph runs the layers: scan (weights stacked on a layer axis, one "
+                          "layer body in a loop: a few hundred kernel launches less per layer count, a fraction of "
+                          "the compile time) or unrolled (one copy of the body per layer). Offload and models that "
+                          "mix dense and MoE layers always unroll.", _choice("scan", "unrolled"))
     callback_timeout_s: float = opt(20.0, "A host pool job that does not answer within this many seconds ends the "
                                "request with an error.", _float_range(0.0, 3600.0, lo_open=True))
 

@@ -1,0 +1,175 @@
+"""The user's number beside the peer's: our generate loop and llama.cpp's llama-bench on the same model shape, the
+same GPU, in one run, one table.
+
+    python -m benchmarks.peer_bench --layers=24 --llama_bench=/tmp/llama.cpp/build/bin/llama-bench --gguf=/tmp/m24.gguf
+
+One question: how many tokens per second does a user get from `generate` (default engine settings, the loop that
+`make run` runs) against llama.cpp decoding the same shape? llama.cpp is built from source on the GPU machine
+(benchmarks/peer/: trim_llama_src.sh here, build_llama.sh there, write_gguf.py writes the F16 GGUF of our preset).
+
+Peer arms: `llama-bench -ngl 99 -fa 1 -p 0 -n N` (all on the GPU) and `-ncmoe C` (the experts of C layers on the CPU)
+for each --ncmoe. llama-bench's tg N: N tokens after an empty prompt, no speculation, mean of --reps.
+Our arms (--ours): `engine option=value` sets, each an Engine.from_random of the same shape (defaults otherwise,
+i.e. what `make run` does on that shape); a request of --prompt_tokens random ids then --n_gen new tokens with stop
+tokens off, the first one from the prefill; decode tok/s = (n_gen - 1) / decode time, median of --reps requests
+after one warm-up request. The default arm speculates (window 4, n-gram drafts): its windows and accepted drafts
+are printed beside it; `spec=0` is the plain one-token loop, the like of llama-bench's tg.
+Run the peer first: JAX takes most of the GPU's memory once it starts.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from absl import flags
+
+from benchmarks import common
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("model", "qwen3-30b-a3b", "Model preset from configs/.", flag_values=FLAGS)
+flags.DEFINE_integer("layers", 24, "Cut the model to its first N layers (0 = all).", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_string("llama_bench", "/tmp/llama.cpp/build/bin/llama-bench", "The peer's llama-bench binary ('' = no "
+                    "peer arms).", flag_values=FLAGS)
+flags.DEFINE_string("gguf", "", "The peer's GGUF of the same shape; written with benchmarks/peer/write_gguf.py when "
+                    "missing ('' = /tmp/<model>-<layers>.gguf).", flag_values=FLAGS)
+flags.DEFINE_string("gguf_py", "/tmp/llama.cpp/gguf-py", "gguf-py of the peer's source tree (to write the GGUF).",
+                    flag_values=FLAGS)
+flags.DEFINE_string("ncmoe", "", "Peer offload arms: layers whose experts stay on the CPU, comma-separated.",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("threads", 0, "CPU threads of the peer's offload arms (0 = the cores this process may use).",
+                     lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_string("ours", "default;spec=0", "Our arms, ';'-separated; each a ','-separated list of "
+                    "option=value (engine or request options; 'default' = none).", flag_values=FLAGS)
+flags.DEFINE_integer("n_gen", 128, "Tokens generated per request (llama-bench -n).", lower_bound=2, flag_values=FLAGS)
+flags.DEFINE_integer("prompt_tokens", 16, "Random prompt ids of our requests.", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("reps", 3, "Timed requests per arm (llama-bench -r).", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
+
+
+def parse_ours(text: str) -> list[tuple[str, dict]]:
+    arms = []
+    for part in [p.strip() for p in text.split(";") if p.strip()]:
+        opts = {}
+        if part != "default":
+            for item in part.split(","):
+                if "=" not in item:
+                    raise ValueError(f"--ours: {item!r} is not option=value")
+                name, value = item.split("=", 1)
+                opts[name.strip()] = value.strip()
+        arms.append((part, opts))
+    return arms
+
+
+def run_peer(s, gguf: Path) -> list[dict]:
+    import os
+    rows = []
+    threads = s.threads or len(os.sched_getaffinity(0))
+    for ncmoe in [None] + common.int_list(s.ncmoe, "ncmoe") if s.ncmoe else [None]:
+        cmd = [s.llama_bench, "-m", str(gguf), "-ngl", "99", "-fa", "1", "-p", "0", "-n", str(s.n_gen),
+               "-r", str(s.reps), "-o", "json"]
+        if ncmoe:
+            cmd += ["-ncmoe", str(ncmoe), "-t", str(threads)]
+        common.progress("peer: " + " ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            rows.append(dict(arm=" ".join(cmd[5:]), error=(proc.stderr.strip().splitlines() or ["?"])[-1]))
+            continue
+        rec = json.loads(proc.stdout)[0]
+        rows.append(dict(arm=f"-ngl 99 -fa 1" + (f" -ncmoe {ncmoe}" if ncmoe else ""), tok_s=rec["avg_ts"],
+                         tok_s_stdev=rec.get("stddev_ts"), build=rec.get("build_commit"), gpu=rec.get("gpu_info"),
+                         ncmoe=ncmoe or 0))
+        common.progress(f"peer: {rows[-1]['arm']}: {rec['avg_ts']:.1f} tok/s")
+    return rows
+
+
+def run_ours(s, cfg) -> list[dict]:
+    import jax
+    import numpy as np
+    from strata_jax.engine import Engine
+    from strata_jax.options import RequestOptions, split_options
+    import dataclasses
+    request_names = {f.name for f in dataclasses.fields(RequestOptions)}
+    rows = []
+    rng = np.random.default_rng(0)
+    for name, opts in parse_ours(s.ours):
+        engine_opts, request_opts = split_options(opts)
+        request_opts = {k: (int(v) if k in ("spec", "max_new_tokens", "top_k", "seed") else v)
+                        for k, v in request_opts.items() if k in request_names}
+        common.progress(f"ours [{name}]: building the engine (random weights, {cfg.num_layers} layers)")
+        t0 = time.perf_counter()
+        engine = Engine.from_random(cfg, seed=0, verbose=True, **engine_opts)
+        start_s = time.perf_counter() - t0
+        samples, windows, drafted, accepted, host = [], [], [], [], []
+        for rep in range(s.reps + 1):
+            prompt = rng.integers(0, cfg.vocab_size, size=s.prompt_tokens).tolist()
+            engine.generate(prompt, max_new_tokens=s.n_gen, stop_token_ids=[], **request_opts)
+            st = engine.stats.last
+            if rep == 0:
+                continue  # warm-up
+            samples.append(st.decode_tok_s)
+            windows.append(st.windows)
+            drafted.append(st.drafts_proposed)
+            accepted.append(st.drafts_accepted)
+            host.append(st.host_gap_s / st.host_gaps * 1e3 if st.host_gaps else 0.0)
+        tok_s = statistics.median(samples)
+        rows.append(dict(arm=name, options=opts, tok_s=tok_s, samples=samples, windows=statistics.median(windows),
+                         drafts_proposed=statistics.median(drafted), drafts_accepted=statistics.median(accepted),
+                         host_gap_ms=statistics.median(host), start_s=start_s, compile_s=engine.stats.compile_s,
+                         scanned=engine.scanned))
+        common.progress(f"ours [{name}]: {tok_s:.1f} tok/s (median of {s.reps}; {rows[-1]['windows']} windows, "
+                        f"{rows[-1]['drafts_accepted']}/{rows[-1]['drafts_proposed']} drafts accepted; start-up "
+                        f"{start_s:.1f} s, compile {engine.stats.compile_s:.1f} s)")
+        del engine
+        jax.clear_caches()
+    return rows
+
+
+def run(s) -> dict:
+    from strata_jax.config import preset
+    cfg = preset(s.model, layers=s.layers or None)
+    result = dict(benchmark="peer_bench", settings={n: getattr(s, n) for n in FLAGS}, peer=[], ours=[])
+    peer_ok = bool(s.llama_bench) and Path(s.llama_bench).is_file()
+    if s.llama_bench and not peer_ok:
+        common.say(f"peer: {s.llama_bench} not found: our arms only (build it with benchmarks/peer/build_llama.sh)")
+    if peer_ok:
+        gguf = Path(s.gguf or f"/tmp/{s.model}-{cfg.num_layers}.gguf")
+        if not gguf.is_file():
+            common.progress(f"peer: writing {gguf} (F16, {cfg.num_layers} layers)")
+            subprocess.run([sys.executable, str(Path(__file__).parent / "peer" / "write_gguf.py"), f"--out={gguf}",
+                            f"--model={s.model}", f"--layers={cfg.num_layers}", f"--gguf_py={s.gguf_py}"], check=True)
+        result["peer"] = run_peer(s, gguf)
+    dev = common.device_info()
+    result["device"] = dev
+    result["ours"] = run_ours(s, cfg)
+    base = next((r["tok_s"] for r in result["peer"] if r.get("ncmoe") == 0 and "tok_s" in r), None)
+    rows = []
+    for r in result["peer"]:
+        rows.append(["llama.cpp", r["arm"], r.get("tok_s", r.get("error")), 1000 / r["tok_s"] if "tok_s" in r else "-",
+                     "1.00" if r.get("ncmoe") == 0 and "tok_s" in r else (r["tok_s"] / base if base and "tok_s" in r
+                                                                         else "-"), "-"])
+    for r in result["ours"]:
+        extra = (f"{r['windows']:.0f} windows, {r['drafts_accepted']:.0f}/{r['drafts_proposed']:.0f} drafts "
+                 f"accepted" if r["drafts_proposed"] else f"{r['windows']:.0f} windows")
+        rows.append(["strata_jax", r["arm"], r["tok_s"], 1000 / r["tok_s"], r["tok_s"] / base if base else "-", extra])
+    table = common.format_table(["engine", "arm", "tok/s", "ms/token", "x llama.cpp all-GPU", "notes"], rows)
+    result["table"] = table
+    common.say(f"peer_bench: {s.model} cut to {cfg.num_layers} layers, bf16/F16, on {dev['device_kind']}; "
+               f"{s.n_gen} new tokens per request")
+    common.say(table)
+    common.say("llama.cpp: llama-bench tg (mean of -r); strata_jax: Engine.generate's decode tok/s (median of "
+               "--reps requests after a warm-up; random weights, random prompt, stop tokens off)")
+    if s.json:
+        common.write_json(s.json, result)
+    return result
+
+
+def main(argv: list[str]) -> dict:
+    return common.run_main(FLAGS, argv, "benchmarks.peer_bench", run)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
