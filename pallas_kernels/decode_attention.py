@@ -62,13 +62,13 @@ def _next_pow2(n: int) -> int:
 
 
 def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, *, t: int, r: int, block_k: int,
-                             blocks_per_split: int, sm_scale: float):
+                             blocks_per_split: int, sm_scale: float, stacked: bool):
     """pos [2] int32 (position, layer); q block [Mp, D] (kv head g's rows); k, v blocks [L, S, D] (kv head g's
-    strided view of the stacked cache; the layer is picked in-kernel); outputs for split j: o [Mp, D] f32
+    strided view of the stacked cache, the layer picked in-kernel; [S, D] when not stacked); outputs for split j: o [Mp, D] f32
     (unnormalised), l [Mp] f32 (row sums), m [Mp] f32 (row maxima)."""
     j = pl.program_id(1)
     mp, d = q_ref.shape
-    seq = k_ref.shape[1]
+    seq = k_ref.shape[1 if stacked else 0]
     split_len = blocks_per_split * block_k
     pos, layer = pos_ref[0], pos_ref[1]
     last = jnp.minimum(pos + (t - 1), seq - 1)  # the last key any row needs
@@ -92,8 +92,9 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, 
             key_pos = first + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # [BK, 1]
             in_range = key_pos <= last  # rows past the last needed position are not read
             rows = pl.ds(first, block_k)
-            k = plgpu.load(k_ref.at[layer, rows, :], mask=in_range, other=0).astype(q.dtype)  # [BK, D]
-            v = plgpu.load(v_ref.at[layer, rows, :], mask=in_range, other=0).astype(q.dtype)  # [BK, D]
+            at = (layer, rows, slice(None)) if stacked else (rows, slice(None))
+            k = plgpu.load(k_ref.at[at], mask=in_range, other=0).astype(q.dtype)  # [BK, D]
+            v = plgpu.load(v_ref.at[at], mask=in_range, other=0).astype(q.dtype)  # [BK, D]
             s = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * sm_scale  # [Mp, BK] f32
             visible = key_pos.reshape(1, block_k) <= row_limit  # [Mp, BK] causal mask
             s = jnp.where(visible, s, -jnp.inf)
@@ -128,10 +129,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
     """q [T, Nq, D], k_cache / v_cache [S, Nkv, D], pos int32 scalar -> out [T, Nq, D] (q.dtype). With `layer` (an
     int32 scalar, traced or not) the caches are the stacked [L, S, Nkv, D] arrays and layer `layer` is read, in
     place. See the module docstring for the semantics and the kernel."""
-    if layer is None:
-        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    stacked = layer is not None
     t, nq, d = q.shape
-    n_layers, seq, nkv, d_k = k_cache.shape
+    n_layers, seq, nkv, d_k = k_cache.shape if stacked else (1, *k_cache.shape)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"decode_attention: v_cache {v_cache.shape} must have k_cache's shape {k_cache.shape}")
     if d_k != d:
@@ -152,11 +152,14 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
     # q is small ([T, Nq, D]): regroup it per kv head, row t * r + h', padded to Mp rows. The cache is not touched.
     qg = q.reshape(t, nkv, r, d).transpose(1, 0, 2, 3).reshape(nkv, t * r, d)
     qg = jnp.pad(qg, ((0, 0), (0, mp - t * r), (0, 0)))  # [Nkv, Mp, D]
-    pos_arr = jnp.stack([jnp.asarray(pos, jnp.int32), jnp.asarray(layer, jnp.int32)])  # [2]
+    pos_arr = jnp.stack([jnp.asarray(pos, jnp.int32), jnp.asarray(0 if layer is None else layer, jnp.int32)])  # [2]
 
     kernel = functools.partial(_decode_attention_kernel, t=t, r=r, block_k=bk, blocks_per_split=blocks_per_split,
-                               sm_scale=d ** -0.5)
-    cache_spec = pl.BlockSpec((n_layers, seq, None, d), lambda g, j: (0, 0, g, 0))  # kv head g's [L, S, D] view
+                               sm_scale=d ** -0.5, stacked=stacked)
+    if stacked:  # kv head g's [L, S, D] view, read in place
+        cache_spec = pl.BlockSpec((n_layers, seq, None, d), lambda g, j: (0, 0, g, 0))
+    else:  # kv head g's [S, D] view, read in place
+        cache_spec = pl.BlockSpec((seq, None, d), lambda g, j: (0, g, 0))
     o, l, m = pl.pallas_call(
         kernel,
         grid=(nkv, splits),

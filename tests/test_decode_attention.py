@@ -163,3 +163,28 @@ def test_the_engine_with_the_kernel_matches_the_xla_path(engine_factory):
         a, b = pallas.score(tokens, window=w), xla.score(tokens, window=w)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) <= 1e-5, w
     assert pallas.generate(tokens[:7], 6, stop_token_ids=[]) == xla.generate(tokens[:7], 6, stop_token_ids=[])
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_stacked_cache_reads_its_layer_only(layer):
+    """The scanned model's form: [L, S, Nkv, D] caches and a traced layer index. The kernel reads that layer's rows
+    only: every other layer is NaN/inf garbage, and the result equals the reference on the layer's own cache."""
+    t, nq, nkv, d, s, pos = 4, 8, 2, 32, 128, 70
+    q, k, v, p = make_case(layer + 7, t, nq, nkv, d, s, pos, jnp.float32)
+    garbage_k = with_garbage(jnp.stack([k] * 3), 0, seed=1)  # [3, S, Nkv, D], all garbage
+    garbage_v = with_garbage(jnp.stack([v] * 3), 0, seed=2)
+    kc, vc = garbage_k.at[layer].set(k), garbage_v.at[layer].set(v)
+    out = jax.jit(lambda q, kc, vc, p, i: decode_attention(q, kc, vc, p, layer=i, interpret=True))(
+        q, kc, vc, p, jnp.int32(layer))
+    assert np.isfinite(np.asarray(out)).all()
+    assert rel(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
+
+
+def test_stacked_cache_lowers_for_cuda():
+    spec = jax.ShapeDtypeStruct
+    s, nkv, d = 2112, 4, 128
+    text = lower_for_cuda(lambda q, kc, vc, p, i: decode_attention(q, kc, vc, p, layer=i),
+                          spec((1, 32, d), jnp.bfloat16), spec((48, s, nkv, d), jnp.bfloat16),
+                          spec((48, s, nkv, d), jnp.bfloat16), spec((), jnp.int32), spec((), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2\)", text)  # the stacked caches, in place
