@@ -3,7 +3,7 @@
 # the other half, then the peer and our generate loop run on the same shape, one table. Everything lands in
 # $OUT/speed.tar.gz; the tables are printed last.
 #   STEPS="decode profile peer" bash benchmarks/gpu_speed.sh
-# Knobs: DECODE_ARMS (name:flags;...), DECODE_WINDOWS, PEER_LAYERS, PEER_OURS, PEER_NCMOE, PROFILE_LAYERS.
+# Knobs: DECODE_ARMS (name:flags[@XLA_FLAGS];...), DECODE_WINDOWS, PEER_LAYERS, PEER_OURS, PEER_NCMOE, PROFILE_LAYERS.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; R=$OUT/speed; mkdir -p "$R"
@@ -27,8 +27,9 @@ DECODE_ARMS=${DECODE_ARMS:-"scan_xla:;scan_pallas:--expert_kernel=pallas --atten
 if [[ " $STEPS " == *" decode "* ]]; then
   IFS=';' read -ra arms <<< "$DECODE_ARMS"
   for arm in "${arms[@]}"; do
-    name=${arm%%:*}; args=${arm#*:}
-    step "decode_$name" 200 $OURS python3 -m benchmarks.decode_bench --model=qwen3-30b-a3b --windows=$DECODE_WINDOWS \
+    name=${arm%%:*}; args=${arm#*:}; xla=""
+    if [[ "$args" == *@* ]]; then xla=${args#*@}; args=${args%%@*}; fi
+    step "decode_$name" 200 env XLA_FLAGS="$xla" $OURS python3 -m benchmarks.decode_bench --model=qwen3-30b-a3b --windows=$DECODE_WINDOWS \
       --hf=off --iters=20 --probe_windows=2 --json=$R/decode_$name.json $args
   done
 fi

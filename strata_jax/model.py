@@ -92,25 +92,34 @@ def can_stack(cfg: ModelConfig) -> bool:
 
 
 def stack_layers(weights: Weights, consume: bool = False) -> Weights:
-    """The per-layer list -> one LayerWeights with a leading layer axis on every leaf. consume: delete each layer's
-    arrays once its leaf is stacked (the peak is one stacked leaf, not a second copy of the model); only for weights
-    nobody else holds."""
+    """The per-layer list -> one LayerWeights with a leading layer axis on every leaf. consume: each layer's array
+    is deleted as soon as it is copied into its stack (the peak is the model plus one layer-stacked leaf, not two
+    copies of the model); only for weights nobody else holds."""
     if weights.stacked:
         return weights
     layers = weights.layers
-    leaves_per_layer = [jax.tree.leaves(layer) for layer in layers]
     treedef = jax.tree.structure(layers[0])
     if any(jax.tree.structure(layer) != treedef for layer in layers):
         raise ValueError("stack_layers: the layers differ in kind (dense and MoE): they cannot share one body")
+    leaves_per_layer = [jax.tree.leaves(layer) for layer in layers]
+    del layers
     stacked = []
     for j in range(len(leaves_per_layer[0])):
-        parts = [leaves[j] for leaves in leaves_per_layer]
-        stacked.append(jnp.stack(parts))
-        if consume:
-            jax.block_until_ready(stacked[-1])
-            for p in parts:
-                p.delete()
+        first = leaves_per_layer[0][j]
+        # Written in place into a buffer of the stacked shape (jnp.stack would hold a second copy of the parts).
+        buf = jax.device_put(jnp.zeros((len(leaves_per_layer), *first.shape), first.dtype), first.sharding)
+        for i, leaves in enumerate(leaves_per_layer):
+            buf = _put_layer(buf, leaves[j], jnp.int32(i))
+            if consume:
+                buf.block_until_ready()
+                leaves[j].delete()
+        stacked.append(buf)
     return weights.replace(layers=jax.tree.unflatten(treedef, stacked))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_layer(buf: jax.Array, part: jax.Array, i: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(buf, part.astype(buf.dtype), i, 0)
 
 
 def unstack_layers(weights: Weights) -> Weights:
