@@ -34,7 +34,7 @@ if [[ " $STEPS " == *" decode "* ]]; then
   done
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
-  step profile 150 $OURS python3 -m benchmarks.profile_window --model=qwen3-30b-a3b --layers=${PROFILE_LAYERS:-12} \
+  step profile 150 env XLA_FLAGS="${PROFILE_XLA:-}" $OURS python3 -m benchmarks.profile_window --model=qwen3-30b-a3b --layers=${PROFILE_LAYERS:-12} \
     --windows=1,4 --iters=10 --expert_kernel=pallas --attention_kernel=pallas --json=$R/profile.json
 fi
 if [[ " $STEPS " == *" peer "* ]]; then
