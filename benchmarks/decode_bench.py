@@ -245,10 +245,8 @@ def run(s) -> dict:
     # ---- weights, layer by layer as the device finishes them ----
     t0 = time.perf_counter()
     common.progress(f"making {common.fmt_bytes(wb['total'])} of random {s.dtype} weights on the device")
-    weights = model.random_weights(cfg, s.seed, dtype, progress=common.progress)
     scanned = s.layer_loop == "scan" and model.can_stack(cfg)
-    if scanned:
-        weights = model.stack_layers(weights, consume=True)
+    weights = model.random_weights(cfg, s.seed, dtype, progress=common.progress, stacked=scanned)
     jax.block_until_ready(weights)
     common.progress(f"  weights: embedding, final norm, lm_head done ({common.fmt_bytes(wb['total'])}, "
                     f"{time.perf_counter() - t0:.1f} s)")

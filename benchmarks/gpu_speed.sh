@@ -43,4 +43,8 @@ if [[ " $STEPS " == *" peer "* ]]; then
   step peer 420 python3 -m benchmarks.peer_bench --layers=${PEER_LAYERS:-24} --llama_bench=$LLAMA/build/bin/llama-bench \
     --gguf_py=$LLAMA/gguf-py --ours="${PEER_OURS:-default;spec=0}" --ncmoe="${PEER_NCMOE:-}" --json=$R/peer.json
 fi
+if [[ " $STEPS " == *" peer "* ]] && [ -n "${PEER_XLA:-}" ]; then  # our arms again under other XLA flags
+  step peer_xla 300 env XLA_FLAGS="$PEER_XLA" python3 -m benchmarks.peer_bench --layers=${PEER_LAYERS:-24} --llama_bench= \
+    --ours="${PEER_OURS:-default;spec=0}" --json=$R/peer_xla.json
+fi
 tar czf "$OUT/speed.tar.gz" -C "$OUT" speed && rm -rf "$R"

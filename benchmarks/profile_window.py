@@ -50,7 +50,7 @@ def scope_of(op_name: str) -> str:
     """'jit(decode_window)/layer3/moe_experts/dot_general' -> 'moe_experts' (the scope path without the jit,
     the layer and the op itself; '(outside the layers)' when no scope is left)."""
     parts = [p for p in op_name.split("/")[1:-1] if not _LAYER.match(p) and "->" not in p]  # no einsum specs
-    parts = [p for p in parts if not p.startswith(("jit(", "pjit(", "while", "cond", "body", "branch", "closed_call",
+    parts = [p for p in parts if not p.startswith(("jit(", "pjit(", "eval_jaxpr", "while", "cond", "body", "branch", "closed_call",
                                                   "remat", "checkpoint", "jvp(", "transpose("))]
     return "/".join(parts) or "(outside the layers)"
 
@@ -146,10 +146,8 @@ def run(s) -> dict:
     interpret = dev["platform"] != "gpu"
     common.progress(f"profile_window: {s.model} x {cfg.num_layers} layers, {s.dtype}, on {dev['device_kind']}; "
                     f"experts {s.expert_kernel}, attention {s.attention_kernel}")
-    weights = model.random_weights(cfg, 0, dtype)
     scanned = s.layer_loop == "scan" and model.can_stack(cfg)
-    if scanned:
-        weights = model.stack_layers(weights, consume=True)
+    weights = model.random_weights(cfg, 0, dtype, stacked=scanned)
     experts = moe.ResidentExperts(cfg, interpret=interpret) if s.expert_kernel == "pallas" else None
     step = graphs.jit_decode_window(cfg, experts, attention_kernel=s.attention_kernel == "pallas")
     rng = np.random.default_rng(0)

@@ -158,8 +158,9 @@ class Engine:
         dtype = jnp.dtype(opts.dtype)
         slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
+        stacked = slots is None and opts.layer_loop == "scan" and model.can_stack(cfg)
         weights = model.random_weights(cfg, seed, dtype, place_experts=host.place if host else None,
-                                       progress=_progress(say, cfg))
+                                       progress=say if stacked else _progress(say, cfg), stacked=stacked)
         say(f"model: random {cfg.num_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
             f"{model.param_bytes(weights) / 2**30:.2f} GiB of {opts.dtype} weights, made in "
             f"{time.perf_counter() - t0:.1f} s")

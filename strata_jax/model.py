@@ -258,7 +258,7 @@ def head_logits(weights: Weights, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm and lm_head: h [T, H] -> float32 logits [T, V]."""
     h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    return jnp.einsum("th,hv->tv", h, head, preferred_element_type=jnp.float32)
+    return linear(h, head, preferred_element_type=jnp.float32)  # a GEMM at T=1 too (linear.py)
 
 
 def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
@@ -317,11 +317,14 @@ def param_bytes(weights: Weights) -> int:
 
 def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float = 0.02,
                    place_experts: Callable[[str, jax.Array], jax.Array] | None = None,
-                   progress: Callable[[str], None] | None = None) -> Weights:
+                   progress: Callable[[str], None] | None = None, stacked: bool = False) -> Weights:
     """Random weights made on the device layer by layer (benchmarks: no checkpoint needed, no host copy).
 
     `place_experts(name, array)` may move each MoE layer's stacked experts elsewhere (host memory) as they are
-    made, so the device never holds all of them."""
+    made, so the device never holds all of them. stacked: the layers made directly as [L, ...] leaves (other random
+    values than the list form; no second copy of the model at any time)."""
+    if stacked:
+        return _random_stacked(cfg, seed, dtype, scale, progress)
     place_experts = place_experts or (lambda name, x: x)
     key = jax.random.PRNGKey(seed)
     h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -357,3 +360,36 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
             progress(f"random weights: layer {i + 1}/{cfg.num_layers}")
     return Weights(embed=rnd((cfg.vocab_size, h)), layers=layers, final_norm=ones(h),
                    lm_head=None if cfg.tie_word_embeddings else rnd((h, cfg.vocab_size)))
+
+
+def _random_stacked(cfg: ModelConfig, seed: int, dtype, scale: float, progress) -> Weights:
+    """random_weights(stacked=True): each [L, ...] leaf filled layer by layer inside one graph (the float32 draw of
+    one layer at a time is the only temporary)."""
+    if not can_stack(cfg):
+        raise ValueError("random_weights(stacked=True) needs every layer of one kind")
+    abstract = jax.eval_shape(lambda: random_weights(cfg, seed, dtype, scale))
+    n = cfg.num_layers
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def fill(key, shape, ones):
+        def body(i, buf):
+            layer = jnp.ones(shape, dtype) if ones else (
+                jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * scale).astype(dtype)
+            return jax.lax.dynamic_update_index_in_dim(buf, layer, i, 0)
+        return jax.lax.fori_loop(0, n, body, jnp.zeros((n, *shape), dtype))
+
+    key = jax.random.PRNGKey(seed)
+    leaves, treedef = jax.tree.flatten(abstract.layers[0])
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract.layers[0])[0]]
+    stacked = []
+    for j, (leaf, path) in enumerate(zip(leaves, paths)):
+        ones = "norm" in path  # RMSNorm weights are ones, as in the list form
+        stacked.append(fill(jax.random.fold_in(key, j), tuple(leaf.shape), ones))
+        if progress:
+            jax.block_until_ready(stacked[-1])
+            progress(f"random weights (stacked): {path.strip('.')} [{n}, {', '.join(map(str, leaf.shape))}]")
+    key, k_embed, k_head = jax.random.split(key, 3)
+    normal = lambda k, shape: (jax.random.normal(k, shape, jnp.float32) * scale).astype(dtype)
+    return Weights(embed=normal(k_embed, abstract.embed.shape), layers=jax.tree.unflatten(treedef, stacked),
+                   final_norm=jnp.ones(abstract.final_norm.shape, dtype),
+                   lm_head=None if abstract.lm_head is None else normal(k_head, abstract.lm_head.shape))
