@@ -75,3 +75,21 @@ def test_the_pallas_attention_kernel_in_the_engine(engine_factory, tokens, dtype
 def test_the_pallas_expert_kernel_is_refused_off_bfloat16(engine_factory):
     with pytest.raises(StrataError, match="bfloat16"):
         engine_factory(None, dtype="float32", window=2, context=64, expert_cache_slots="all", expert_kernel="pallas")
+
+
+@pytest.mark.parametrize("dtype,kernels,bound", [
+    ("float32", {}, 1e-5),
+    ("bfloat16", {}, 3e-2),
+    ("bfloat16", dict(expert_kernel="pallas", attention_kernel="pallas"), 3e-2)])
+def test_the_scanned_layers_on_gpu(engine_factory, tokens, dtype, kernels, bound):
+    """layer_loop=scan (stacked weights, one layer body), compiled for the GPU, with and without both kernels:
+    every decode window's logits against the unrolled XLA graph (float32: summation order only), greedy the same."""
+    common = dict(dtype=dtype, window=4, context=64, expert_cache_slots="all")
+    unrolled = engine_factory(None, layer_loop="unrolled", **common)
+    scanned = engine_factory(None, layer_loop="scan", **common, **kernels)
+    assert scanned.scanned and not unrolled.scanned
+    for w in (1, 4):
+        a, b = scanned.score(tokens, window=w), unrolled.score(tokens, window=w)
+        assert rel(a, b) < bound
+        assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.8
+    assert scanned.generate(tokens[:9], 10, stop_token_ids=[]) == scanned.generate(tokens[:9], 10, stop_token_ids=[])
