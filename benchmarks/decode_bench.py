@@ -41,9 +41,9 @@ flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten
 flags.DEFINE_enum("hf", "auto", ["auto", "off"], "Also time Hugging Face transformers on the same shape (random "
                   "weights; benchmarks/hf_decode.py in a subprocess, before JAX takes the device) when torch and "
                   "transformers are importable, and print the ratio to it.", flag_values=FLAGS)
-flags.DEFINE_enum("expert_kernel", "xla", ["xla", "pallas"], "Expert FFN: XLA gather + einsums, or the Pallas "
+flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FFN: XLA gather + einsums, or the Pallas "
                   "kernel (pallas_kernels/expert_ffn.py; bf16 on a GPU).", flag_values=FLAGS)
-flags.DEFINE_enum("attention_kernel", "xla", ["xla", "pallas"], "Attention: XLA einsums over the whole static "
+flags.DEFINE_enum("attention_kernel", "auto", ["auto", "xla", "pallas"], "Attention: XLA einsums over the whole static "
                   "cache, or the Pallas decode-attention kernel (reads the cache up to the window's last position).",
                   flag_values=FLAGS)
 flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "Layers as one scanned body over weights stacked on "
@@ -255,8 +255,12 @@ def run(s) -> dict:
     jax.block_until_ready(cache)
     result["device_bytes_in_use"] = common.device_memory_in_use()
 
-    experts = moe.ResidentExperts(cfg, interpret=dev["platform"] != "gpu") if s.expert_kernel == "pallas" else None
-    decode = graphs.jit_decode_window(cfg, experts, attention_kernel=s.attention_kernel == "pallas")
+    expert_kernel, attention_kernel = common.kernels(s, cfg)
+    result["kernels"] = dict(expert=expert_kernel, attention=attention_kernel)
+    say(f"kernels: expert FFN {expert_kernel}, attention {attention_kernel}; layers "
+        f"{'scanned over stacked weights' if scanned else 'unrolled'}")
+    experts = moe.ResidentExperts(cfg, interpret=dev["platform"] != "gpu") if expert_kernel == "pallas" else None
+    decode = graphs.jit_decode_window(cfg, experts, attention_kernel=attention_kernel == "pallas")
     probe = make_probe(cfg, s.context, dtype) if s.probe_windows and n_moe else None
     pos = jax.device_put(jnp.int32(s.pos))
     rng = np.random.default_rng(s.seed)

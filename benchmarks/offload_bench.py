@@ -64,7 +64,7 @@ flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Array size of the device_put and memcpy bandwidth copies in MiB (0 = 1024 on an "
                      "accelerator, 64 on CPU).", lower_bound=0, flag_values=FLAGS)
-flags.DEFINE_enum("expert_kernel", "xla", ["xla", "pallas"], "Expert FFN of every engine (the engine option; "
+flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FFN of every engine (the engine option; "
                   "pallas: bf16 on a GPU).", flag_values=FLAGS)
 flags.DEFINE_string("switch_arms", "", "Approximation arms run beside each (slots, pcie_frac) arm, ';'-separated, each "
                     "name:STRATA_VAR=value,STRATA_VAR=value (e.g. 'skip:STRATA_ROUTE_TAIL_SKIP=5;prior:"

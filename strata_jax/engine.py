@@ -52,6 +52,7 @@ class Engine:
         self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
         self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.pcie_frac < 1)
         approx_lines += defer_lines
+        self.expert_kernel, self.attention_kernel = resolve_kernels(options, cfg)
         self._check_attention_kernel()
         # All experts resident and one kind of layer: the layers run as one scanned body over stacked weights.
         self.scanned = options.layer_loop == "scan" and placement is None and model.can_stack(cfg)
@@ -68,18 +69,21 @@ class Engine:
         if verbose:
             for line in approx_lines:
                 log(line)
+            log(f"kernels: expert FFN {self.expert_kernel}, attention {self.attention_kernel}"
+                + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel) else "")
+                + f"; layers {'scanned (one body over stacked weights)' if self.scanned else 'unrolled'}")
         self._compile()
 
     def _check_attention_kernel(self) -> None:
         d = self.cfg.head_dim
-        if self.options.attention_kernel == "pallas" and (d < 16 or d & (d - 1)):
+        if self.attention_kernel == "pallas" and (d < 16 or d & (d - 1)):
             raise StrataError(f"attention_kernel=pallas needs head_dim a power of 2 >= 16 (this model: {d})")
 
     def _expert_paths(self):
         """The expert paths of the prefill and of the decode graphs. The routing approximations, the deferral and
         the Pallas expert FFN act in decode windows only; the prefill keeps the exact XLA path. With pcie_frac 1 the
         offload paths are built without the host pool (no callback)."""
-        kernel = self.options.expert_kernel == "pallas"
+        kernel = self.expert_kernel == "pallas"
         if kernel and (jax.default_backend() != "gpu" or self.dtype != jnp.bfloat16):
             raise StrataError("expert_kernel=pallas needs a GPU and dtype=bfloat16")
         if not self.placement:
@@ -94,7 +98,7 @@ class Engine:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
         # Slack past the context: a padded prefill chunk writes up to `chunk` positions beyond the last real one.
         length = self.context + self.chunk
-        if self.options.attention_kernel == "pallas":
+        if self.attention_kernel == "pallas":
             length = -(-length // 64) * 64  # the kernel's key blocks divide the cache length
         kv = model.init_cache(self.cfg, length, self.dtype, stacked=self.scanned)
         experts = self.placement.init_state(self.cfg, self.dtype) if self.placement else None
@@ -193,7 +197,7 @@ class Engine:
             log(f"compiling: window T=1..{self.options.window}, prefill chunk {self.chunk}, samplers ...")
         pos = jnp.int32(0)
         decode = graphs.jit_decode_window(self.cfg, self.decode_expert_path,
-                                          attention_kernel=self.options.attention_kernel == "pallas")
+                                          attention_kernel=self.attention_kernel == "pallas")
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
         sampler, verifier = graphs.jit_sample(), graphs.jit_verify()
         sampling = SamplingParams.make()
@@ -428,7 +432,7 @@ class Engine:
         if key not in self._device_verify:
             t0 = time.perf_counter()
             fn = graphs.jit_device_verify_window(self.cfg, t, sampled, self.decode_expert_path,
-                                                 attention_kernel=self.options.attention_kernel == "pallas")
+                                                 attention_kernel=self.attention_kernel == "pallas")
             hist = jnp.zeros((self.context + t,), jnp.int32)
             full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
                         else contextlib.nullcontext())
@@ -580,6 +584,18 @@ class Engine:
         if self.tokenizer is None:
             raise StrataError(f"no tokenizer.json in {self.model_dir}")
         return self.tokenizer.decode(list(ids))
+
+
+def resolve_kernels(opts: EngineOptions, cfg: ModelConfig) -> tuple[str, str]:
+    """(expert kernel, attention kernel): 'auto' is pallas on a GPU in bfloat16 (the attention kernel also needs a
+    power-of-2 head_dim >= 16), else xla. float32 keeps the XLA path: the exactness checks' dtype."""
+    fast = jax.default_backend() == "gpu" and opts.dtype == "bfloat16"
+    d = cfg.head_dim
+    expert = ("pallas" if fast else "xla") if opts.expert_kernel == "auto" else opts.expert_kernel
+    attention = opts.attention_kernel
+    if attention == "auto":
+        attention = "pallas" if fast and d >= 16 and not d & (d - 1) else "xla"
+    return expert, attention
 
 
 def plan_placement(cfg: ModelConfig, opts: EngineOptions):

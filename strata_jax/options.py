@@ -79,13 +79,14 @@ class EngineOptions:
                          "'auto' picks it from costs measured at start-up.", _frac)
     cpu_threads: int = opt(0, "Host pool threads; 0 = the cores this process may use.", _int_range(0, 1024))
     vram_reserve_mib: int = opt(1024, "Device memory (MiB) kept free when expert_cache_slots=auto.", _int_range(0))
-    expert_kernel: str = opt("xla", "Expert FFN with every expert on the device: xla (gather + einsums, the tested "
-                             "exact path) or pallas (pallas_kernels/expert_ffn.py: experts read in place; bf16 on a "
-                             "GPU only).", _choice("xla", "pallas"))
-    attention_kernel: str = opt("xla", "Attention of the decode windows: xla (einsums over the whole static cache, "
-                                "the tested exact path) or pallas (pallas_kernels/decode_attention.py: the cache "
-                                "read in place up to the window's last position; interpreted, slowly, off the GPU).",
-                                _choice("xla", "pallas"))
+    expert_kernel: str = opt("auto", "Expert FFN of the decode windows: pallas (pallas_kernels/expert_ffn.py: each "
+                             "expert read in place, once per window; bf16 on a GPU only), xla (gather + einsums), or "
+                             "auto (pallas on a GPU in bfloat16, else xla).", _choice("auto", "xla", "pallas"))
+    attention_kernel: str = opt("auto", "Attention of the decode windows: pallas (pallas_kernels/decode_attention.py: "
+                                "the cache read in place up to the window's last position; interpreted, slowly, off "
+                                "the GPU), xla (einsums over the whole static cache), or auto (pallas on a GPU in "
+                                "bfloat16 when head_dim is a power of 2 >= 16, else xla).",
+                                _choice("auto", "xla", "pallas"))
     layer_loop: str = opt("scan", "How a window's graph runs the layers: scan (weights stacked on a layer axis, one "
                           "layer body in a loop: a few hundred kernel launches less per layer count, a fraction of "
                           "the compile time) or unrolled (one copy of the body per layer). Offload and models that "

@@ -55,8 +55,8 @@ def test_the_pallas_expert_kernel_in_the_engine(engine_factory, tokens, slots):
     """expert_kernel=pallas (bf16): the decode windows' logits within bf16 rounding of the XLA path, all experts
     resident and offloaded (resident and fetched experts read in their slots)."""
     common = dict(dtype="bfloat16", window=4, context=64, expert_cache_slots=slots, pcie_frac=1.0)
-    xla = engine_factory(None, **common).score(tokens, window=4)
-    pallas = engine_factory(None, expert_kernel="pallas", **common).score(tokens, window=4)
+    xla = engine_factory(None, expert_kernel="xla", attention_kernel="xla", **common).score(tokens, window=4)
+    pallas = engine_factory(None, expert_kernel="pallas", attention_kernel="xla", **common).score(tokens, window=4)
     assert rel(pallas, xla) < 3e-2
     assert (pallas.argmax(-1) == xla.argmax(-1)).mean() > 0.8
 
@@ -66,8 +66,8 @@ def test_the_pallas_attention_kernel_in_the_engine(engine_factory, tokens, dtype
     """attention_kernel=pallas, compiled: every decode window's logits against the XLA attention (offloaded, so the
     kernel runs beside the fetches), within f32 / bf16 rounding; greedy tokens mostly the same."""
     common = dict(dtype=dtype, window=4, context=64, expert_cache_slots="5", pcie_frac=1.0)
-    xla = engine_factory(None, **common).score(tokens, window=4)
-    pallas = engine_factory(None, attention_kernel="pallas", **common).score(tokens, window=4)
+    xla = engine_factory(None, expert_kernel="xla", attention_kernel="xla", **common).score(tokens, window=4)
+    pallas = engine_factory(None, expert_kernel="xla", attention_kernel="pallas", **common).score(tokens, window=4)
     assert rel(pallas, xla) < bound
     assert (pallas.argmax(-1) == xla.argmax(-1)).mean() > 0.8
 
@@ -85,8 +85,9 @@ def test_the_scanned_layers_on_gpu(engine_factory, tokens, dtype, kernels, bound
     """layer_loop=scan (stacked weights, one layer body), compiled for the GPU, with and without both kernels:
     every decode window's logits against the unrolled XLA graph (float32: summation order only), greedy the same."""
     common = dict(dtype=dtype, window=4, context=64, expert_cache_slots="all")
-    unrolled = engine_factory(None, layer_loop="unrolled", **common)
-    scanned = engine_factory(None, layer_loop="scan", **common, **kernels)
+    unrolled = engine_factory(None, layer_loop="unrolled", expert_kernel="xla", attention_kernel="xla", **common)
+    scanned = engine_factory(None, layer_loop="scan", **{"expert_kernel": "xla", "attention_kernel": "xla", **kernels},
+                             **common)
     assert scanned.scanned and not unrolled.scanned
     for w in (1, 4):
         a, b = scanned.score(tokens, window=w), unrolled.score(tokens, window=w)
