@@ -321,13 +321,14 @@ def measure_bandwidth(nbytes: int, reps: int = 10, warmup: int = 2) -> dict:
                 best_Bps=moved / (t.min_ms * 1e-3), samples_ms=t.summary()["samples_ms"])
 
 
-def kernels(s, cfg) -> tuple[str, str]:
-    """The (expert, attention) kernels of a benchmark's --expert_kernel / --attention_kernel / --dtype flags, 'auto'
-    resolved as the engine resolves it (strata_jax.engine.resolve_kernels)."""
+def kernels(s, cfg) -> tuple[str, str, str]:
+    """The (expert, attention, dense) kernels of a benchmark's --expert_kernel / --attention_kernel /
+    --dense_kernel / --dtype flags, 'auto' resolved as the engine resolves it (strata_jax.engine.resolve_kernels)."""
     from strata_jax.engine import resolve_kernels
     from strata_jax.options import EngineOptions, build
     return resolve_kernels(build(EngineOptions, dict(dtype=s.dtype, expert_kernel=s.expert_kernel,
-                                                     attention_kernel=s.attention_kernel)), cfg)
+                                                     attention_kernel=s.attention_kernel,
+                                                     dense_kernel=getattr(s, "dense_kernel", "xla"))), cfg)
 
 
 NOMINAL_HBM_Bps = {"H200": 4.8e12, "H100": 3.35e12}  # vendor datasheets, printed beside the measured figure

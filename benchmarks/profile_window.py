@@ -34,6 +34,8 @@ flags.DEFINE_integer("iters", 10, "Windows run inside the trace.", lower_bound=1
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations.", flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FFN (pallas: bf16).", flag_values=FLAGS)
 flags.DEFINE_enum("attention_kernel", "auto", ["auto", "xla", "pallas"], "Attention.", flag_values=FLAGS)
+flags.DEFINE_enum("dense_kernel", "auto", ["auto", "xla", "pallas"], "Attention products of the scanned graph: "
+                  "the stacked weights read in place (pallas) or sliced out by XLA.", flag_values=FLAGS)
 flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "Layers scanned over stacked weights (the engine's "
                   "default) or unrolled.", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write the numbers to this JSON file.", flag_values=FLAGS)
@@ -145,12 +147,13 @@ def run(s) -> dict:
     dev = common.device_info()
     interpret = dev["platform"] != "gpu"
     common.progress(f"profile_window: {s.model} x {cfg.num_layers} layers, {s.dtype}, on {dev['device_kind']}; "
-                    f"experts {common.kernels(s, cfg)[0]}, attention {common.kernels(s, cfg)[1]}")
+                    f"kernels (expert, attention, dense) {common.kernels(s, cfg)}")
     scanned = s.layer_loop == "scan" and model.can_stack(cfg)
     weights = model.random_weights(cfg, 0, dtype, stacked=scanned)
-    expert_kernel, attention_kernel = common.kernels(s, cfg)
+    expert_kernel, attention_kernel, dense_kernel = common.kernels(s, cfg)
     experts = moe.ResidentExperts(cfg, interpret=interpret) if expert_kernel == "pallas" else None
-    step = graphs.jit_decode_window(cfg, experts, attention_kernel=attention_kernel == "pallas")
+    step = graphs.jit_decode_window(cfg, experts, attention_kernel=attention_kernel == "pallas",
+                                    dense_kernel=scanned and dense_kernel == "pallas")
     rng = np.random.default_rng(0)
     result = dict(benchmark="profile_window", settings={n: getattr(s, n) for n in FLAGS}, device=dev, windows=[])
     for t in windows:

@@ -52,7 +52,7 @@ class Engine:
         self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
         self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.pcie_frac < 1)
         approx_lines += defer_lines
-        self.expert_kernel, self.attention_kernel = resolve_kernels(options, cfg)
+        self.expert_kernel, self.attention_kernel, self.dense_kernel = resolve_kernels(options, cfg)
         self._check_attention_kernel()
         # All experts resident and one kind of layer: the layers run as one scanned body over stacked weights.
         self.scanned = options.layer_loop == "scan" and placement is None and model.can_stack(cfg)
@@ -70,7 +70,9 @@ class Engine:
             for line in approx_lines:
                 log(line)
             log(f"kernels: expert FFN {self.expert_kernel}, attention {self.attention_kernel}"
-                + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel) else "")
+                + (f", attention products {self.dense_kernel}" if self.scanned else "")
+                + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel, options.dense_kernel)
+                   else "")
                 + f"; layers {'scanned (one body over stacked weights)' if self.scanned else 'unrolled'}")
         self._compile()
 
@@ -197,7 +199,8 @@ class Engine:
             log(f"compiling: window T=1..{self.options.window}, prefill chunk {self.chunk}, samplers ...")
         pos = jnp.int32(0)
         decode = graphs.jit_decode_window(self.cfg, self.decode_expert_path,
-                                          attention_kernel=self.attention_kernel == "pallas")
+                                          attention_kernel=self.attention_kernel == "pallas",
+                                          dense_kernel=self.scanned and self.dense_kernel == "pallas")
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
         sampler, verifier = graphs.jit_sample(), graphs.jit_verify()
         sampling = SamplingParams.make()
@@ -432,7 +435,8 @@ class Engine:
         if key not in self._device_verify:
             t0 = time.perf_counter()
             fn = graphs.jit_device_verify_window(self.cfg, t, sampled, self.decode_expert_path,
-                                                 attention_kernel=self.attention_kernel == "pallas")
+                                                 attention_kernel=self.attention_kernel == "pallas",
+                                                 dense_kernel=self.scanned and self.dense_kernel == "pallas")
             hist = jnp.zeros((self.context + t,), jnp.int32)
             full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
                         else contextlib.nullcontext())
@@ -586,16 +590,17 @@ class Engine:
         return self.tokenizer.decode(list(ids))
 
 
-def resolve_kernels(opts: EngineOptions, cfg: ModelConfig) -> tuple[str, str]:
-    """(expert kernel, attention kernel): 'auto' is pallas on a GPU in bfloat16 (the attention kernel also needs a
-    power-of-2 head_dim >= 16), else xla. float32 keeps the XLA path: the exactness checks' dtype."""
+def resolve_kernels(opts: EngineOptions, cfg: ModelConfig) -> tuple[str, str, str]:
+    """(expert kernel, attention kernel, dense kernel): 'auto' is pallas on a GPU in bfloat16 (the attention kernel
+    also needs a power-of-2 head_dim >= 16), else xla. float32 keeps the XLA path: the exactness checks' dtype."""
     fast = jax.default_backend() == "gpu" and opts.dtype == "bfloat16"
     d = cfg.head_dim
     expert = ("pallas" if fast else "xla") if opts.expert_kernel == "auto" else opts.expert_kernel
     attention = opts.attention_kernel
     if attention == "auto":
         attention = "pallas" if fast and d >= 16 and not d & (d - 1) else "xla"
-    return expert, attention
+    dense = ("pallas" if fast else "xla") if opts.dense_kernel == "auto" else opts.dense_kernel
+    return expert, attention, dense
 
 
 def plan_placement(cfg: ModelConfig, opts: EngineOptions):

@@ -24,11 +24,13 @@ from strata_jax.sampling import SamplingParams, sample, verify
 
 
 def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
-                  *, cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False):
+                  *, cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False,
+                  dense_kernel: bool = False):
     """tokens [T] at positions pos.. -> (argmax tokens [T], logits [T, V] float32, cache). attention_kernel: the
-    Pallas decode-attention kernel instead of XLA's einsums."""
+    Pallas decode-attention kernel instead of XLA's einsums; dense_kernel (stacked weights): the attention products
+    read the stacks in place (pallas_kernels/stacked_linear.py)."""
     t = tokens.shape[0]
-    logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel)
+    logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel, dense_kernel)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
 
 
@@ -51,7 +53,8 @@ def prefill_logits(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax
 
 def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, length: jax.Array,
                          sampling: SamplingParams, *, cfg: ModelConfig, t: int, sampled: bool,
-                         experts: ExpertPath | None = None, attention_kernel: bool = False):
+                         experts: ExpertPath | None = None, attention_kernel: bool = False,
+                         dense_kernel: bool = False):
     """A verify window that needs nothing from the host (strata_jax.device_drafts): hist [C] int32 holds the tokens
     so far, the first `length` of them (the last not yet in the KV cache). Proposes up to t-1 n-gram drafts, runs
     the window at position length-1 (padding rows route nowhere), accepts as the host loop would, and appends the
@@ -59,7 +62,7 @@ def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, leng
     drafts, m = device_drafts.ngram_propose(hist, length, t - 1)  # [t-1]
     pos = length - 1
     window = jnp.concatenate([jax.lax.dynamic_slice_in_dim(hist, pos, 1), drafts])  # [t]
-    logits, cache = forward(weights, cache, window, pos, 1 + m, cfg, experts, attention_kernel)
+    logits, cache = forward(weights, cache, window, pos, 1 + m, cfg, experts, attention_kernel, dense_kernel)
     positions = pos + 1 + jnp.arange(t, dtype=jnp.int32)
     new, n_new = device_drafts.accept(logits, drafts, m, positions, sampling, sampled)
     hist = jax.lax.dynamic_update_slice_in_dim(hist, new, length, axis=0)  # past length + n_new: overwritten later
@@ -77,9 +80,10 @@ def verify_window(logits: jax.Array, drafts: jax.Array, positions: jax.Array, sa
     return verify(logits, drafts, positions, sampling)
 
 
-def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False):
-    return jax.jit(functools.partial(decode_window, cfg=cfg, experts=experts, attention_kernel=attention_kernel),
-                   donate_argnums=(1,))
+def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False,
+                      dense_kernel: bool = False):
+    return jax.jit(functools.partial(decode_window, cfg=cfg, experts=experts, attention_kernel=attention_kernel,
+                                     dense_kernel=dense_kernel), donate_argnums=(1,))
 
 
 def jit_prefill_chunk(cfg: ModelConfig, experts: ExpertPath | None = None):
@@ -91,9 +95,10 @@ def jit_prefill_logits(cfg: ModelConfig, experts: ExpertPath | None = None):
 
 
 def jit_device_verify_window(cfg: ModelConfig, t: int, sampled: bool, experts: ExpertPath | None = None,
-                             attention_kernel: bool = False):
+                             attention_kernel: bool = False, dense_kernel: bool = False):
     return jax.jit(functools.partial(device_verify_window, cfg=cfg, t=t, sampled=sampled, experts=experts,
-                                     attention_kernel=attention_kernel), donate_argnums=(1, 2))
+                                     attention_kernel=attention_kernel, dense_kernel=dense_kernel),
+                   donate_argnums=(1, 2))
 
 
 def jit_sample():

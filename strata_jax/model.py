@@ -150,22 +150,30 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
-              cfg: ModelConfig, kernel: bool = False, layer: jax.Array | None = None
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+              cfg: ModelConfig, kernel: bool = False, layer: jax.Array | None = None,
+              w_stack: AttentionWeights | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of T window tokens at positions pos..pos+T-1 over the cache. x: [T, H]. kernel: the Pallas
     decode-attention kernel (pallas_kernels/decode_attention.py: reads the cache in place, only up to pos+T-1)
     instead of XLA's einsums over the whole static cache. layer: the caches are the stacked [L, S, Nkv, D] arrays
-    and this is the layer's index (a traced int32 in the scanned body); they are updated and returned whole."""
+    and this is the layer's index (a traced int32 in the scanned body); they are updated and returned whole.
+    w_stack: the stacked weights of every layer; the q/k/v and o products then read layer `layer` of them in place
+    (pallas_kernels/stacked_linear.py) instead of products with w's slices (w still gives the norms and biases)."""
     t = x.shape[0]
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    interpret = jax.default_backend() != "gpu"
+    if w_stack is not None:
+        from pallas_kernels.stacked_linear import stacked_linear
+        qkv = stacked_linear(x, (w_stack.wq, w_stack.wk, w_stack.wv), layer, interpret=interpret).astype(x.dtype)
+        ys = jnp.split(qkv, [nq * d, (nq + nkv) * d], axis=1)  # as linear() rounds each product to x.dtype
+    else:
+        ys = [linear(x, w.wq), linear(x, w.wk), linear(x, w.wv)]
 
-    def proj(w_, b_, n):
-        y = linear(x, w_)
+    def proj(y, b_, n):
         return (y if b_ is None else y + b_).reshape(t, n, d)
 
-    q = rms_norm(proj(w.wq, w.bq, nq), w.q_norm, cfg.rms_norm_eps)  # [T, Nq, D]
-    k = rms_norm(proj(w.wk, w.bk, nkv), w.k_norm, cfg.rms_norm_eps)  # [T, Nkv, D]
-    v = proj(w.wv, w.bv, nkv)  # [T, Nkv, D]
+    q = rms_norm(proj(ys[0], w.bq, nq), w.q_norm, cfg.rms_norm_eps)  # [T, Nq, D]
+    k = rms_norm(proj(ys[1], w.bk, nkv), w.k_norm, cfg.rms_norm_eps)  # [T, Nkv, D]
+    v = proj(ys[2], w.bv, nkv)  # [T, Nkv, D]
     positions = pos + jnp.arange(t, dtype=jnp.int32)
     q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
 
@@ -182,10 +190,21 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
             v_layer = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
     if kernel:
         from pallas_kernels.decode_attention import decode_attention
-        out = decode_attention(q, k_cache, v_cache, pos, layer=layer,
-                               interpret=jax.default_backend() != "gpu").reshape(t, nq * d)
+        out = decode_attention(q, k_cache, v_cache, pos, layer=layer, interpret=interpret).reshape(t, nq * d)
+    else:
+        out = _xla_attention(q, k_layer, v_layer, positions)
+    if w_stack is not None:
+        from pallas_kernels.stacked_linear import stacked_linear
+        out = stacked_linear(out, (w_stack.wo,), layer, interpret=interpret).astype(x.dtype)
+    else:
         out = linear(out, w.wo)
-        return (out if w.bo is None else out + w.bo), k_cache, v_cache
+    return (out if w.bo is None else out + w.bo), k_cache, v_cache
+
+
+def _xla_attention(q: jax.Array, k_layer: jax.Array, v_layer: jax.Array, positions: jax.Array) -> jax.Array:
+    """q [T, Nq, D] over one layer's whole static cache [S, Nkv, D], causal mask -> [T, Nq*D] in q.dtype."""
+    t, nq, d = q.shape
+    nkv = k_layer.shape[1]
     qg = q.reshape(t, nkv, nq // nkv, d)  # head h uses kv head h // (Nq/Nkv), as transformers' repeat_kv
     scores = jnp.einsum("tgrd,sgd->tgrs", qg, k_layer.astype(q.dtype), preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)
@@ -193,11 +212,7 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     causal = key_pos[None, :] <= positions[:, None]  # [T, S]
     scores = jnp.where(causal[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("tgrs,sgd->tgrd", probs, v_layer.astype(q.dtype)).reshape(t, nq * d)
-    out = linear(out, w.wo)
-    if w.bo is not None:
-        out = out + w.bo
-    return out, k_cache, v_cache
+    return jnp.einsum("tgrs,sgd->tgrd", probs, v_layer.astype(q.dtype)).reshape(t, nq * d)
 
 
 def dense_mlp(x: jax.Array, w: MLPWeights) -> jax.Array:
@@ -213,13 +228,13 @@ ExpertPath = Callable[[int, jax.Array, "moe.MoEWeights", jax.Array, object], tup
 
 def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
             cfg: ModelConfig, experts: ExpertPath | None = None,
-            attention_kernel: bool = False) -> tuple[jax.Array, KVCache]:
+            attention_kernel: bool = False, dense_kernel: bool = False) -> tuple[jax.Array, KVCache]:
     """One window: tokens [T] at positions pos.., of which the first n_valid are real (the rest padding).
 
     Returns float32 logits [T, V] and the updated cache.
     """
     if weights.stacked:
-        return forward_scanned(weights, cache, tokens, pos, n_valid, cfg, experts, attention_kernel)
+        return forward_scanned(weights, cache, tokens, pos, n_valid, cfg, experts, attention_kernel, dense_kernel)
     expert_state = list(cache.experts) if cache.experts is not None else None
     t = tokens.shape[0]
     valid = jnp.arange(t) < n_valid  # [T]
@@ -262,13 +277,16 @@ def head_logits(weights: Weights, h: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
-                    cfg: ModelConfig, experts=None, attention_kernel: bool = False) -> tuple[jax.Array, KVCache]:
+                    cfg: ModelConfig, experts=None, attention_kernel: bool = False,
+                    dense_kernel: bool = False) -> tuple[jax.Array, KVCache]:
     """`forward` over stacked weights (`stack_layers`) and a stacked cache: one layer body in a `lax.scan`.
 
     The graph holds one copy of the layer's kernels instead of L (fewer launches for the host to issue, a tenth of
     the compile time) and takes a handful of arguments instead of ~10 per layer. The body reads layer i's dense
     weights as slices of the stacked arrays; the experts stay one flat [L*E, ...] array indexed by i*E + expert, so
     no layer's experts are sliced out whole. The stacked KV cache rides in the carry and is updated in place.
+    dense_kernel: the attention products read the stacks in place too (pallas_kernels/stacked_linear.py), where
+    XLA would copy layer i's q/k/v/o matrices out of the stacks first.
     All-resident experts only (`experts` None or moe.ResidentExperts): offload keeps the unrolled graph."""
     t = tokens.shape[0]
     valid = jnp.arange(t) < n_valid  # [T]
@@ -289,7 +307,8 @@ def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: ja
         with jax.named_scope("layer"):
             with jax.named_scope("attention"):
                 a, k_all, v_all = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn, k_all, v_all,
-                                            pos, cfg, kernel=attention_kernel, layer=i)
+                                            pos, cfg, kernel=attention_kernel, layer=i,
+                                            w_stack=stack.attn if dense_kernel else None)
             h = h + a
             x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
             if not sparse:

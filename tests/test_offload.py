@@ -29,9 +29,10 @@ def tokens():
 
 @pytest.fixture(scope="module")
 def reference(engine_factory, tokens):
-    """All experts resident on the device: score() per window size, and a greedy continuation."""
+    """All experts resident on the device (the layers scanned over stacked weights, the default): score() per window
+    size, and a greedy continuation. Every offloaded engine (unrolled graphs) must match it."""
     eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all")
-    assert eng.placement is None
+    assert eng.placement is None and eng.scanned
     scores = {w: eng.score(tokens, window=w) for w in (1, 2, 3, 4)}
     return scores, eng.generate(tokens[:9], 12, stop_token_ids=[])
 

@@ -1,0 +1,104 @@
+"""A window's dense products against weights stacked on a layer axis, read in place (no per-layer copy).
+
+y = x @ concat_j(w_j[layer], axis=1):  x [T, K], w_j [L, K, N_j] (the model's [in, out] layout, stacked by
+`model.stack_layers`), layer an int32 scalar (traced inside the scanned layer body). Returns float32 [T, sum N_j]
+(f32 accumulation; the caller rounds to the compute dtype where the XLA path's product does).
+
+Why: in the scanned graph, XLA slices layer l's q/k/v/o matrices out of the stacks before each product, a copy of
+every attention weight per layer (read + write + read again: ~20 us a layer at the Qwen3-30B-A3B shape on an H200).
+This kernel reads the stacked arrays at the layer's offset directly, like the expert FFN kernel reads experts by slot.
+Several matrices of one input (q, k, v) run in one launch: the output columns are cut into blocks over all of them.
+
+Kernel: grid (column blocks over sum N_j, k_splits). Program (b, s) owns output columns b*BN.. (inside one w_j) and
+the s-th share of K; it loops over its share in BK chunks, [Tp, BK] x [BK, BN] tl.dot per chunk (each weight row
+segment of BN bf16 is contiguous), and writes its f32 partial [Tp, BN]. The wrapper sums the k_splits partials
+(k_splits * Tp * N floats: small). T is padded to Tp = 16 (tl.dot's minimum; a power of 2 beyond that).
+Every N_j must be a multiple of the column block and K of k_splits * BK (powers of 2, >= 16), else ValueError.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.blocks import MIN_DOT, pow2_divisor
+
+
+def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, k_per_split: int,
+                           col_blocks: tuple[int, ...]):
+    """layer [1] int32; x [Tp, K]; w_j [L, K, N_j] (whole, indexed in-kernel); out block [Tp, BN] f32."""
+    w_refs, o_ref = refs[:-1], refs[-1]
+    b, s = pl.program_id(0), pl.program_id(1)
+    tp = o_ref.shape[0]
+    layer = layer_ref[0]
+    precision = lax.Precision.HIGHEST  # float32 inputs: IEEE f32, not TF32 (bf16 is unaffected)
+
+    def run(w_ref, first_block):
+        cols = pl.ds(pl.multiple_of((b - first_block) * block_n, block_n), block_n)
+
+        def body(k, acc):
+            ks = pl.ds(pl.multiple_of(s * k_per_split + k * block_k, block_k), block_k)
+            return acc + plgpu.dot(x_ref[:, ks], w_ref[layer, ks, cols], precision=precision)  # [Tp, BN]
+
+        o_ref[...] = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((tp, block_n), jnp.float32))
+
+    first = 0
+    for w_ref, n_blocks in zip(w_refs, col_blocks):  # the matrix that owns column block b
+        pl.when((b >= first) & (b < first + n_blocks))(functools.partial(run, w_ref, first))
+        first += n_blocks
+
+
+def _pick(dim: int, want: int, what: str) -> int:
+    b = pow2_divisor(dim, want)
+    if b is None:
+        raise ValueError(f"stacked_linear: {what}={dim} must be a multiple of {MIN_DOT} (Triton blocks are powers of "
+                         f"2 >= {MIN_DOT}); the kernel does not pad the stacked weights")
+    return b
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k", "k_splits", "num_warps",
+                                             "num_stages"))
+def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array, *, interpret: bool = False,
+                   block_n: int = 64, block_k: int = 128, k_splits: int = 4, num_warps: int = 4,
+                   num_stages: int = 3) -> jax.Array:
+    """x [T, K]; weights: a tuple of [L, K, N_j] arrays of x's dtype; layer: int32 scalar -> float32 [T, sum N_j].
+    The layer index is a device value: not checked (0 <= layer < L is the caller's promise)."""
+    t, k = x.shape
+    weights = tuple(weights)
+    if not weights or any(w.ndim != 3 or w.shape[:2] != weights[0].shape[:2] or w.shape[1] != k for w in weights):
+        raise ValueError(f"stacked_linear: x {x.shape} and weights {[w.shape for w in weights]} do not match "
+                         "x [T, K], w_j [L, K, N_j]")
+    if any(w.dtype != x.dtype for w in weights):
+        raise ValueError(f"stacked_linear: x ({x.dtype}) and the weights ({[str(w.dtype) for w in weights]}) differ")
+    bn = min(_pick(w.shape[2], block_n, "N") for w in weights)
+    splits = max(1, k_splits)
+    while splits > 1 and (k % splits or pow2_divisor(k // splits, block_k) is None):
+        splits //= 2
+    k_per_split = k // splits
+    bk = _pick(k_per_split, block_k, "K / k_splits")
+    col_blocks = tuple(w.shape[2] // bn for w in weights)
+    n_total = sum(w.shape[2] for w in weights)
+    tp = max(MIN_DOT, 1 << (t - 1).bit_length())
+    xp = jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, K]
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    partials = pl.pallas_call(
+        functools.partial(_stacked_linear_kernel, block_n=bn, block_k=bk, k_per_split=k_per_split,
+                          col_blocks=col_blocks),
+        grid=(sum(col_blocks), splits),
+        in_specs=[whole((1,)), whole(xp.shape), *[whole(w.shape) for w in weights]],
+        out_specs=pl.BlockSpec((None, tp, bn), lambda b, s: (s, 0, b)),
+        out_shape=jax.ShapeDtypeStruct((splits, tp, n_total), jnp.float32),  # [k_splits, Tp, sum N_j]
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="stacked_linear",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), xp, *weights)
+    return partials.sum(axis=0)[:t]  # [T, sum N_j]
+
+
+def stacked_linear_reference(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array) -> jax.Array:
+    """The XLA path: slice the layer out of each stack, one float32-accumulated product over the concatenation."""
+    w = jnp.concatenate([lax.dynamic_index_in_dim(w_, layer, 0, keepdims=False) for w_ in weights], axis=1)
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)

@@ -1,0 +1,72 @@
+"""layer_loop=scan: the layers as one scanned body over weights stacked on a layer axis (the default with every
+expert resident). The same logits as the unrolled graph (float32: summation order only, 1e-5) in every window size,
+with the Pallas attention and attention-product kernels (interpret mode here) too. Placement independence of the
+scanned engine against offloaded ones (which keep the unrolled graph) is test_offload's: its reference is the
+scanned all-resident engine. A model that mixes dense and MoE layers falls back to unrolled."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata_jax import model
+from strata_jax.config import preset
+from strata_jax.engine import Engine
+from strata_jax.options import EngineOptions, build
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(123).integers(0, 256, size=21).tolist()
+
+
+@pytest.fixture(scope="module")
+def unrolled(engine_factory):
+    return engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all",
+                          layer_loop="unrolled")
+
+
+@pytest.mark.parametrize("kernels", [{}, dict(attention_kernel="pallas", dense_kernel="pallas")])
+def test_scanned_matches_unrolled(engine_factory, unrolled, tokens, kernels):
+    scanned = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all", **kernels)
+    assert scanned.scanned and scanned.weights.stacked and scanned.cache.k.ndim == 4
+    assert not unrolled.scanned and isinstance(unrolled.cache.k, list)
+    for w in ((1, 3, 4) if not kernels else (1, 4)):
+        assert rel(scanned.score(tokens, window=w), unrolled.score(tokens, window=w)) <= 1e-5
+    assert scanned.generate(tokens[:7], 9, stop_token_ids=[]) == unrolled.generate(tokens[:7], 9, stop_token_ids=[])
+
+
+def test_stack_and_unstack_round_trip():
+    cfg = preset("tiny")
+    w = model.random_weights(cfg, 3, jnp.float32)
+    s = model.stack_layers(w)
+    assert s.stacked and jax.tree.leaves(s.layers)[0].shape[0] == cfg.num_layers
+    back = model.unstack_layers(s)
+    for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_stacked_random_weights_are_random_and_stacked():
+    cfg = preset("tiny")
+    w = model.random_weights(cfg, 0, jnp.float32, stacked=True)
+    assert w.stacked
+    gate = np.asarray(w.layers.ffn.gate)  # [L, E, I, H]
+    assert gate.shape[0] == cfg.num_layers and np.std(gate) > 0.01
+    assert not np.allclose(gate[0], gate[1])  # each layer its own draw
+    np.testing.assert_array_equal(np.asarray(w.layers.attn_norm), 1.0)
+
+
+def test_mixed_layers_fall_back_to_unrolled(tokens):
+    """mlp_only_layers: dense and MoE layers cannot share one body; the engine unrolls and still decodes."""
+    cfg = preset("tiny")
+    cfg = cfg.replace(sparse_layers=(False,) + tuple(cfg.sparse_layers[1:]))
+    assert not model.can_stack(cfg)
+    opts = build(EngineOptions, dict(dtype="float32", window=2, context=64, expert_cache_slots="all"))
+    eng = Engine(cfg, model.random_weights(cfg, 0, jnp.float32), opts, verbose=False)
+    assert not eng.scanned
+    assert len(eng.generate(tokens[:5], 4, stop_token_ids=[])) == 4
