@@ -23,14 +23,15 @@ build)
     setsid nohup bash benchmarks/peer/build_llama.sh "$PWD/.peer/llama.tar.xz" $LLAMA > /dev/null 2>&1 < /dev/null &
   fi ;;
 tests)
-  step tests 420 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu.py tests/test_gpu_kernels.py
+  step tests ${TESTS_LIMIT_S:-420} python3 -m pytest -q -p no:cacheprovider -x ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu.py \
+    tests/test_gpu_kernels.py
   echo "[build] $(cat $LLAMA.done 2>/dev/null || echo running: $(tail -1 $LLAMA.log 2>/dev/null | cut -c1-60))" ;;
 decode)
   IFS=';' read -ra arms <<< "${DECODE_ARMS:-"scan_xla:;scan_pallas:--expert_kernel=pallas --attention_kernel=pallas"}"
   for arm in "${arms[@]}"; do
     name=${arm%%:*}; args=${arm#*:}; xla=""
     if [[ "$args" == *@* ]]; then xla=${args#*@}; args=${args%%@*}; fi
-    step "decode_$name" 200 env XLA_FLAGS="$xla" python3 -m benchmarks.decode_bench --model=qwen3-30b-a3b \
+    step "decode_$name" ${DECODE_LIMIT_S:-200} env XLA_FLAGS="$xla" python3 -m benchmarks.decode_bench --model=qwen3-30b-a3b \
       --windows=${DECODE_WINDOWS:-1,2,4,8} --hf=off --iters=20 --probe_windows=2 --json=$R/decode_$name.json $args
   done ;;
 profile)
@@ -40,8 +41,12 @@ profile)
 peer)
   t0=$SECONDS; while [ -f .peer/llama.tar.xz ] && [ ! -f $LLAMA.done ] && [ $((SECONDS - t0)) -lt ${BUILD_WAIT_S:-240} ]; do sleep 5; done
   echo "[peer] build: $(cat $LLAMA.done 2>/dev/null || echo 'not done') (waited $((SECONDS - t0)) s)"
-  step peer 420 python3 -m benchmarks.peer_bench --layers=${PEER_LAYERS:-24} --llama_bench=$LLAMA/build/bin/llama-bench \
+  step peer ${PEER_LIMIT_S:-420} python3 -m benchmarks.peer_bench --layers=${PEER_LAYERS:-24} --llama_bench=${PEER_LLAMA-$LLAMA/build/bin/llama-bench} \
     --gguf_py=$LLAMA/gguf-py --ours="${PEER_OURS:-default;spec=0}" --ncmoe="${PEER_NCMOE:-}" --json=$R/peer.json
+  if [ -n "${PEER_LAYERS2:-}" ]; then  # our arms at a second depth (no peer there: its GGUF would not fit the disk)
+    step peer_ours2 ${PEER2_LIMIT_S:-200} python3 -m benchmarks.peer_bench --layers=$PEER_LAYERS2 --llama_bench= \
+      --ours="${PEER_OURS:-default;spec=0}" --json=$R/peer_ours_$PEER_LAYERS2.json
+  fi
   if [ -n "${PEER_XLA:-}" ]; then
     step peer_xla 300 env XLA_FLAGS="$PEER_XLA" python3 -m benchmarks.peer_bench --layers=${PEER_LAYERS:-24} \
       --llama_bench= --ours="${PEER_OURS:-default;spec=0}" --json=$R/peer_xla.json

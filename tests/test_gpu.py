@@ -80,14 +80,15 @@ def test_the_pallas_expert_kernel_is_refused_off_bfloat16(engine_factory):
 @pytest.mark.parametrize("dtype,kernels,bound", [
     ("float32", {}, 1e-5),
     ("bfloat16", {}, 3e-2),
-    ("bfloat16", dict(expert_kernel="pallas", attention_kernel="pallas"), 3e-2)])
+    ("bfloat16", dict(dense_kernel="pallas"), 3e-2),
+    ("bfloat16", dict(expert_kernel="pallas", attention_kernel="pallas", dense_kernel="pallas"), 3e-2)])
 def test_the_scanned_layers_on_gpu(engine_factory, tokens, dtype, kernels, bound):
     """layer_loop=scan (stacked weights, one layer body), compiled for the GPU, with and without both kernels:
     every decode window's logits against the unrolled XLA graph (float32: summation order only), greedy the same."""
     common = dict(dtype=dtype, window=4, context=64, expert_cache_slots="all")
     unrolled = engine_factory(None, layer_loop="unrolled", expert_kernel="xla", attention_kernel="xla", **common)
-    scanned = engine_factory(None, layer_loop="scan", **{"expert_kernel": "xla", "attention_kernel": "xla", **kernels},
-                             **common)
+    scanned = engine_factory(None, layer_loop="scan", **{"expert_kernel": "xla", "attention_kernel": "xla",
+                                                          "dense_kernel": "xla", **kernels}, **common)
     assert scanned.scanned and not unrolled.scanned
     for w in (1, 4):
         a, b = scanned.score(tokens, window=w), unrolled.score(tokens, window=w)
