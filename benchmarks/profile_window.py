@@ -45,7 +45,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r'(?:calls|to_apply)=%?([\w.\-]+)')  # fusions, and calls (command buffers wrap thunks in calls)
 _TRITON_NAME = re.compile(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)\\?"')
 _COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
-_LAYER = re.compile(r"^layer\d+$")
+_LAYER = re.compile(r"^layer\d*$")  # layerN (unrolled) or layer (the scanned body)
 
 
 def scope_of(op_name: str) -> str:

@@ -30,12 +30,31 @@ def cli(*args, env: dict | None = None, timeout: int = 240) -> subprocess.Comple
 # ---- the workload ----------------------------------------------------------------------------------------------
 
 
-def test_workload_is_deterministic_grows_and_respects_the_cap():
+def synthetic_repo(root):
+    """A fixed little repository (its files never change, unlike this one's, which the workload would read)."""
+    import random
+    rng = random.Random(0)
+    words = ["engine", "window", "expert", "slot", "layer", "cache", "token", "route", "fetch", "pool"]
+    for d, n in (("strata_jax", 6), ("benchmarks", 3), ("tests", 4)):
+        (root / d).mkdir(parents=True)
+        for i in range(n):
+            name = f"test_{d}_{i}.py" if d == "tests" else f"{d}_{i}.py"
+            body = []
+            for j in range(12):
+                fn = f"test_{rng.choice(words)}_{j}" if d == "tests" else f"{rng.choice(words)}_{rng.choice(words)}_{j}"
+                body.append(f"def {fn}(x):\n    return " + " + ".join(rng.choice(words) for _ in range(12)) + "\n")
+            (root / d / name).write_text("\n".join(body))
+    return root
+
+
+def test_workload_is_deterministic_grows_and_respects_the_cap(tmp_path):
     enc = byte_encode()
-    a = bench.build_workload(enc, 900, 7, 2, seed=3)
-    b = bench.build_workload(enc, 900, 7, 2, seed=3)
+    root = synthetic_repo(tmp_path)
+    build = lambda seed: bench.build_workload(enc, 900, 7, 2, seed=seed, root=root)  # noqa: E731
+    a = build(3)
+    b = build(3)
     assert a == b  # the same seed: the same texts and ids, whoever asks (each arm reads this one workload)
-    other = bench.build_workload(enc, 900, 7, 2, seed=4)
+    other = build(4)
     assert [t["ids"] for t in other["turns"]] != [t["ids"] for t in a["turns"]]
     turns = a["turns"]
     assert len(turns) == 7 and [t["index"] for t in turns] == list(range(7))
