@@ -304,23 +304,6 @@ def device_memory_in_use() -> int | None:
         return None
 
 
-def measure_bandwidth(nbytes: int, reps: int = 10, warmup: int = 2) -> dict:
-    """Device memory bandwidth from an elementwise `x * 2` over a float32 array of `nbytes` (a fresh output
-    buffer, no donation): each call reads nbytes and writes nbytes, so bytes moved = 2 * nbytes. The median of
-    `reps` synchronised calls; the arrays are freed before returning."""
-    import jax
-    import jax.numpy as jnp
-    n = max(nbytes // 4, 1)
-    x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(lambda a: a * 2).lower(x).compile()
-    t = time_synced(lambda _: f(x), iters=reps, warmup=warmup)
-    del x
-    moved = 2 * n * 4
-    return dict(method="x * 2 over a float32 array (read + write counted)", array_bytes=n * 4, bytes_moved=moved,
-                median_ms=t.median_ms, bandwidth_Bps=moved / (t.median_ms * 1e-3),
-                best_Bps=moved / (t.min_ms * 1e-3), samples_ms=t.summary()["samples_ms"])
-
-
 def kernels(s, cfg) -> tuple[str, str, str]:
     """The (expert, attention, dense) kernels of a benchmark's --expert_kernel / --attention_kernel /
     --dense_kernel / --dtype flags, 'auto' resolved as the engine resolves it (strata_jax.engine.resolve_kernels)."""

@@ -12,6 +12,11 @@ lm_head) + the distinct experts the window routes to (x expert size, per MoE lay
 expert count is measured from the routing of the benchmark's own windows (a per-layer probe replaying the same
 tokens through the same weights), with the uniform-routing expectation E * (1 - (1 - K/E)^T) beside it.
 Random weights route near-uniformly; a real checkpoint's windows share more experts (fewer distinct ones).
+
+The bandwidth is a read measured back to back (common.measure_read_bandwidth: the larger of a big sum and a big
+GEMV; ~4.4 TB/s on an H200, beside the datasheet's 4.8): what a decode step does, with no launch gap in it. The
+"host ms (call)" column is the time the call takes to return: the host's share of a window, which the device
+waits for when it is longer than the window's device time.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ flags.DEFINE_integer("kv_out", 512, "Nkv x D (k and v projections' outputs).", l
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations.", flag_values=FLAGS)
 flags.DEFINE_integer("iters", 30, "Timed calls per (formulation, T).", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("warmup", 3, "Untimed calls first.", lower_bound=0, flag_values=FLAGS)
-flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth copy in MiB (0 = 1024 on an accelerator, 64 on CPU).",
+flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth read in MiB (0 = 4096 on an accelerator, 64 on CPU).",
                      lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
 
@@ -76,7 +76,7 @@ def run(s) -> dict:
     dtype = jnp.dtype(s.dtype)
     dev = common.device_info()
     on_accel = dev["platform"] != "cpu"
-    bw = common.measure_bandwidth((s.bw_mib or (1024 if on_accel else 64)) << 20)
+    bw = common.measure_read_bandwidth((s.bw_mib or (4096 if on_accel else 64)) << 20)
     rng = np.random.default_rng(0)
 
     def rnd(*shape):

@@ -7,7 +7,7 @@ in place from the stacked slot array, beside the bytes' roofline measured in the
 For each window size T: N = min(T * K, slots) distinct random slots (every token picks K experts no other token
 picks: the most distinct experts a window can have), random routing weights. Bytes = N experts x (gate + up + down)
 x itemsize: each expert read once, the least any implementation must read (x, h and the output are ignored:
-kilobytes). Roofline = bytes / the device bandwidth measured now (x * 2 over a --bw_mib array).
+kilobytes). Roofline = bytes / the read bandwidth measured now (common.measure_read_bandwidth over --bw_mib).
 
 Timing: each sample is one jitted call that runs the op --inner times in a fori_loop, each time on another set of
 random slots (so neither XLA can hoist the op nor the L2 cache serve a repeat), synchronised with block_until_ready;
@@ -36,7 +36,7 @@ flags.DEFINE_integer("warmup", 3, "Untimed calls per T and path before timing.",
 flags.DEFINE_integer("inner", 10, "Ops per timed call (a fori_loop over slot sets); 1 = one op per call.",
                      lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the weights, slots and routing weights.", flag_values=FLAGS)
-flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth copy in MiB (0 = 1024 on an accelerator, 64 on CPU).",
+flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth read in MiB (0 = 4096 on an accelerator, 64 on CPU).",
                      lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each T).", flag_values=FLAGS)
 # Kernel tuning (see pallas_kernels.expert_ffn.expert_ffn).
@@ -69,9 +69,9 @@ def run(s) -> dict:
     itemsize = 2  # bf16
     expert_bytes = 3 * inter * hidden * itemsize
 
-    bw_bytes = (s.bw_mib or (1024 if dev["platform"] != "cpu" else 64)) * 2**20
-    common.progress(f"measuring memory bandwidth: x * 2 over {bw_bytes / 2**30:.2f} GiB, median of 10")
-    bw = common.measure_bandwidth(bw_bytes, reps=10)
+    bw_bytes = (s.bw_mib or (4096 if dev["platform"] != "cpu" else 64)) * 2**20
+    common.progress(f"measuring read bandwidth over {bw_bytes / 2**30:.2f} GiB (a sum and a GEMV, back to back)")
+    bw = common.measure_read_bandwidth(bw_bytes, reps=10)
     bandwidth = bw["bandwidth_Bps"]
 
     say = common.say
@@ -79,8 +79,7 @@ def run(s) -> dict:
         f"{common.fmt_bytes(expert_bytes)} per expert")
     say(f"device: {dev['device_kind']} ({dev['platform']}); jax {dev['jax']}"
         + ("" if on_gpu else "; Pallas kernel in INTERPRET mode (not a GPU: its time means nothing)"))
-    say(f"memory bandwidth (measured now): {bandwidth / 1e9:,.0f} GB/s  [{bw['method']}, "
-        f"{bw['array_bytes'] / 2**30:.2f} GiB array, median of {len(bw['samples_ms'])}]")
+    say(f"memory read bandwidth (measured now): {bandwidth / 1e9:,.0f} GB/s  [{bw['method']}]")
     say(f"timed: per op, median of {s.iters} synchronised calls (after {s.warmup} warm-up), each call a jitted "
         f"fori_loop of {s.inner} op(s) on different random slots; XLA = moe.expert_ffn on gate[ids], up[ids], "
         f"down[ids] (the gather copy included); Pallas = the two kernels + the wrapper's padding and split sum"
