@@ -11,3 +11,13 @@ def pow2_divisor(dim: int, want: int) -> int | None:
     while b >= MIN_DOT and dim % b:
         b //= 2
     return b if b >= MIN_DOT else None
+
+
+def block_or_error(dim: int, want: int, kernel: str, what: str) -> int:
+    """pow2_divisor(dim, want), or a ValueError naming the kernel and the dimension: the kernels do not pad the
+    (stacked, in-place) arrays they read."""
+    b = pow2_divisor(dim, want)
+    if b is None:
+        raise ValueError(f"{kernel}: {what}={dim} must be a multiple of {MIN_DOT} (Triton blocks are powers of 2 "
+                         f">= {MIN_DOT}); the kernel does not pad the stacked weights")
+    return b

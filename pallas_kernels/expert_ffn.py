@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.blocks import MIN_DOT, pow2_divisor
+from pallas_kernels.blocks import MIN_DOT, block_or_error
 
 
 def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, h_ref, *, block_k: int):
@@ -86,11 +86,7 @@ def _down_kernel(ids_ref, h_ref, down_ref, comb_ref, out_ref, *, block_i: int, p
 
 def _block(dim: int, want: int, what: str) -> int:
     """The largest power of 2 <= want that divides dim; >= 16 (tl.dot), else a ValueError."""
-    b = pow2_divisor(dim, want)
-    if b is None:
-        raise ValueError(f"expert_ffn: {what}={dim} must be a multiple of {MIN_DOT} (Triton blocks are powers of 2 "
-                         f">= {MIN_DOT}); the kernel does not pad the stacked weights")
-    return b
+    return block_or_error(dim, want, "expert_ffn", what)
 
 
 def _padded_tokens(t: int) -> int:

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.blocks import MIN_DOT, pow2_divisor
+from pallas_kernels.blocks import MIN_DOT, block_or_error, pow2_divisor
 
 
 def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, k_per_split: int,
@@ -53,11 +53,7 @@ def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, 
 
 
 def _pick(dim: int, want: int, what: str) -> int:
-    b = pow2_divisor(dim, want)
-    if b is None:
-        raise ValueError(f"stacked_linear: {what}={dim} must be a multiple of {MIN_DOT} (Triton blocks are powers of "
-                         f"2 >= {MIN_DOT}); the kernel does not pad the stacked weights")
-    return b
+    return block_or_error(dim, want, "stacked_linear", what)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k", "k_splits", "num_warps",
