@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -23,6 +25,16 @@ from strata_jax.options import EngineOptions, RequestOptions, build, defer_cpu, 
 from strata_jax.sampling import SamplingParams
 from strata_jax.stats import ExpertStats, RequestStats, Stats
 from strata_jax.tokenizer import load_tokenizer
+
+
+def _serialized(method):
+    """One request at a time per engine: the requests of several threads queue on the engine's lock (the KV cache
+    is donated to every graph and the expert counters are per engine, so interleaved requests would corrupt both)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 def log(line: str) -> None:
@@ -44,6 +56,7 @@ class Engine:
     def __init__(self, cfg: ModelConfig, weights: model.Weights, options: EngineOptions, tokenizer=None,
                  model_dir: Path | None = None, raw_config: dict | None = None, verbose: bool = True,
                  placement: placement_mod.Placement | None = None):
+        self._lock = threading.RLock()  # requests of several threads run one after the other (_serialized)
         self.cfg, self.weights, self.options, self.tokenizer = cfg, weights, options, tokenizer
         self.model_dir, self.raw_config, self.verbose = model_dir, raw_config, verbose
         self.placement = placement
@@ -186,6 +199,7 @@ class Engine:
             placement = placement_mod.build(cfg, opts, weights, host, slots, why)
         return cls(cfg, weights, opts, placement=placement, **kwargs)
 
+    @_serialized
     def save_state(self, path: str | Path) -> None:
         """Save the converted weights with orbax; `from_pretrained(path)` restores them without conversion."""
         checkpoint.save_state(path, model.unstack_layers(self.weights), self.raw_config or {}, self.options.dtype)
@@ -227,6 +241,7 @@ class Engine:
                 f"{self.stats.compile_s:.1f} s (persistent cache: {jax.config.jax_compilation_cache_dir}); "
                 f"context {self.context} tokens")
 
+    @_serialized
     def reconfigure(self, pcie_frac: float | None = None, cache_policy: str | None = None) -> None:
         """Change the PCIe/CPU split or the cache policy (data in the graphs: no recompilation, except when the
         split moves to or from 1, which adds or removes the host pool's callback); the expert cache starts empty."""
@@ -299,11 +314,9 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------------------------
 
     def _check_prompt(self, ids: Sequence[int]) -> np.ndarray:
-        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        arr = check_token_ids(ids, self.cfg.vocab_size, "the prompt")
         if arr.size == 0:
             raise StrataError("the prompt is empty")
-        if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
-            raise StrataError(f"token ids must be in 0..{self.cfg.vocab_size - 1}")
         if arr.size >= self.context:
             raise StrataError(f"the prompt has {arr.size} tokens but the context holds {self.context} "
                               f"(at least one must be left to generate; see --context)")
@@ -336,12 +349,14 @@ class Engine:
             return np.concatenate([np.asarray(c) for c in chunks]).astype(np.float32)
         return token, last
 
+    @_serialized
     def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits [P, V] float32 of every prompt position through the prefill path (chunked)."""
         ids = self._check_prompt(token_ids)
         self._take_expert_stats()
         return self._guarded(lambda: self._prefill_all(ids, want_logits=True))
 
+    @_serialized
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, draft: str = "ngram", spec: int = -1,
                  stop_token_ids: Sequence[int] | None = None,
@@ -352,6 +367,12 @@ class Engine:
         drafts.Drafter object) run with the last accepted token; greedy output is the same with or without them,
         sampled output follows the same distribution. 'device': the n-gram drafts and their acceptance run on the
         device and windows of spec+1 tokens go back to back, read one window late (strata_jax.device_drafts)."""
+        if not isinstance(draft, str) and not (callable(getattr(draft, "propose", None))
+                                                and callable(getattr(draft, "observe", None))):
+            raise StrataError(f"draft must be 'ngram', 'none', 'device' or an object with propose() and observe() "
+                              f"(drafts.Drafter), not {type(draft).__name__}")
+        if stop_token_ids is not None:
+            stop_token_ids = check_token_ids(stop_token_ids, self.cfg.vocab_size, "stop_token_ids").tolist()
         drafter = None if isinstance(draft, str) else draft  # a Drafter object (API): used as given
         req = build(RequestOptions, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                          top_k=top_k, seed=seed, draft=draft if drafter is None else "ngram",
@@ -536,6 +557,7 @@ class Engine:
                 if token in stops:
                     return
 
+    @_serialized
     def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:
         """Teacher-forced logits [N, V] float32 of every position, through the decode-window graphs of size
         `window` (default: the engine's W); row i is the distribution of token i+1."""
@@ -556,6 +578,7 @@ class Engine:
         self.stats.last = RequestStats(prompt_tokens=int(ids.size), decode_experts=self._take_expert_stats())
         return logits
 
+    @_serialized
     def write_logpos(self, token_ids: Sequence[int], path: str | Path, read: str = "windows",
                      window: int | None = None, top: int = 20, meta: dict | None = None) -> int:
         """Teacher-forced log-probs of a known text to a logpos file (strata_jax.logpos): for every position, the
@@ -582,12 +605,39 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise StrataError(f"no tokenizer.json in {self.model_dir}: give token ids instead of text")
+        if not isinstance(text, str):
+            raise StrataError(f"encode: expected text (str), got {type(text).__name__}")
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             raise StrataError(f"no tokenizer.json in {self.model_dir}")
-        return self.tokenizer.decode(list(ids))
+        return self.tokenizer.decode(check_token_ids(ids, self.cfg.vocab_size, "decode").tolist())
+
+
+def check_token_ids(ids, vocab_size: int, what: str = "token ids") -> np.ndarray:
+    """A 1-D sequence of integer token ids in 0..vocab_size-1 -> int32 array, or one StrataError line. Nothing is
+    converted silently: floats (1.7), bools, strings, None, nested lists and 2-D arrays are refused, not truncated
+    or flattened."""
+    if ids is None or isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise StrataError(f"{what}: expected a list of integer token ids, got {type(ids).__name__}"
+                          + (" (encode text first: engine.encode(text))" if isinstance(ids, str) else ""))
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise StrataError(f"{what}: expected a 1-D sequence of token ids, got an array of shape {ids.shape}")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise StrataError(f"{what}: expected integer token ids, got an array of {ids.dtype}")
+        values = [int(v) for v in ids.tolist()]
+    else:
+        values = []
+        for v in ids:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise StrataError(f"{what}: expected integer token ids, got {v!r} ({type(v).__name__})")
+            values.append(int(v))
+    bad = [v for v in values if not 0 <= v < vocab_size]
+    if bad:
+        raise StrataError(f"{what}: token ids must be in 0..{vocab_size - 1} (got {bad[0]})")
+    return np.asarray(values, np.int32).reshape(-1)
 
 
 def resolve_kernels(opts: EngineOptions, cfg: ModelConfig) -> tuple[str, str, str]:
