@@ -74,9 +74,33 @@ class SafetensorsReader:
         if got != tuple(shape):
             raise StrataError(f"checkpoint tensor {name!r} has shape {list(got)}, expected {list(shape)}")
         try:
-            return handle.get_tensor(name)
+            x = handle.get_tensor(name)
         except Exception as e:
             raise StrataError(f"checkpoint tensor {name!r} cannot be read from {path}: {e}") from None
+        check_weight(name, x)
+        return x
+
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+EXPONENT_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80}  # all exponent bits set: inf or NaN
+
+
+def check_weight(name: str, x: np.ndarray) -> None:
+    """One line for a tensor that would load silently wrong: a non-float dtype (an int or FP8 tensor would be cast
+    and change the output) or a non-finite value (NaN / inf). One pass over the tensor as it is read; 16-bit types
+    test their exponent bits, so no float copy is made."""
+    kind = str(x.dtype)
+    if kind not in FLOAT_DTYPES:
+        raise StrataError(f"checkpoint tensor {name!r} has dtype {kind}: expected a floating-point type "
+                          f"({', '.join(FLOAT_DTYPES[:3])}); quantized and integer weights are not supported")
+    if kind in EXPONENT_MASK:
+        mask = EXPONENT_MASK[kind]
+        bad = int(np.count_nonzero((x.view(np.uint16) & mask) == mask))
+    else:
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+    if bad:
+        raise StrataError(f"checkpoint tensor {name!r} holds {bad} non-finite value(s) (NaN or inf): the checkpoint "
+                          "is damaged")
 
 
 def to_dtype(x: np.ndarray, dtype) -> np.ndarray:

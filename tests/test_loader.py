@@ -167,3 +167,35 @@ def test_orbax_broken_state(engine_factory, cache_dir, tmp_path):
     engine.save_state(state)
     shutil.rmtree(state / "weights")
     assert str(state) in refused(state, cache_dir)
+
+
+@pytest.mark.parametrize("name,value", [("model.norm.weight", np.nan),
+                                        ("model.layers.0.mlp.gate.weight", np.inf),
+                                        ("model.layers.1.mlp.experts.3.down_proj.weight", np.nan)])
+def test_non_finite_weights_refused(base_copy, cache_dir, name, value):
+    """A NaN final norm, a +inf router row, a NaN expert: one line naming the tensor, not NUL bytes and exit 0."""
+    tensors = load_file(base_copy / "model.safetensors")
+    bad = tensors[name].copy()
+    bad.reshape(-1)[np.random.default_rng(5).integers(bad.size)] = value
+    save_file(dict(tensors, **{name: bad}), base_copy / "model.safetensors")
+    msg = refused(base_copy, cache_dir)
+    assert name in msg and "non-finite" in msg, msg
+
+
+def test_non_finite_bfloat16_weights_refused(base_copy, cache_dir):
+    import ml_dtypes
+    tensors = load_file(base_copy / "model.safetensors")
+    name = "lm_head.weight"
+    bad = tensors[name].astype(ml_dtypes.bfloat16)
+    bad.reshape(-1)[3] = np.inf
+    save_file(dict(tensors, **{name: bad}), base_copy / "model.safetensors")
+    msg = refused(base_copy, cache_dir)
+    assert name in msg and "non-finite" in msg, msg
+
+
+def test_integer_weights_refused(base_copy, cache_dir):
+    tensors = load_file(base_copy / "model.safetensors")
+    name = "model.layers.0.mlp.experts.0.up_proj.weight"
+    save_file(dict(tensors, **{name: np.ones(tensors[name].shape, np.int32)}), base_copy / "model.safetensors")
+    msg = refused(base_copy, cache_dir)
+    assert name in msg and "int32" in msg and "floating-point" in msg, msg
