@@ -100,7 +100,7 @@ class _Generation:
         self.workers = ThreadPoolExecutor(threads, thread_name_prefix="host-pool")
         # Runs the phases of one layer job at a time, in submit order.
         self.driver = ThreadPoolExecutor(1, thread_name_prefix="host-pool-driver")
-        self.release_hangs = threading.Event()  # frees injected "hang" faults
+        self.release_hangs = threading.Event()  # set when abandoned: frees injected "hang" faults and the driver
 
     def shutdown(self, wait: bool) -> None:
         self.release_hangs.set()
@@ -395,9 +395,10 @@ class HostPool:
         results = _run_all([
             pool.submit(self._gate_up_job, layer, xT, int(experts[n]), weights[:, n],
                         hT[n], r0, r1, fault if i == 0 else None, generation)
-            for i, (n, r0, r1) in enumerate(gate_up_jobs)])
+            for i, (n, r0, r1) in enumerate(gate_up_jobs)], generation.release_hangs)
         results += _run_all([
-            pool.submit(self._down_job, layer, experts, hT, yT, r0, r1) for r0, r1 in down_jobs])
+            pool.submit(self._down_job, layer, experts, hT, yT, r0, r1) for r0, r1 in down_jobs],
+            generation.release_hangs)
 
         self._record(results, started)
         return np.ascontiguousarray(yT.T)
@@ -457,10 +458,10 @@ class HostPool:
         results = _run_all([
             pool.submit(self._gate_up_job, layer, xTs[g], groups[g][0], unweighted,
                         hTs[g], r0, r1, fault if i == 0 else None, generation)
-            for i, (g, r0, r1) in enumerate(gate_up_jobs)])
+            for i, (g, r0, r1) in enumerate(gate_up_jobs)], generation.release_hangs)
         results += _run_all([
             pool.submit(self._split_down_job, layer, groups, hTs, rows, r0, r1)
-            for r0, r1 in down_jobs])
+            for r0, r1 in down_jobs], generation.release_hangs)
         return results
 
     def _split_down_job(self, layer, groups, hTs, rows, r0, r1):
@@ -524,12 +525,27 @@ def _rows_per_job(total_rows: int, target_jobs: int, limit: int) -> int:
     return max(1, min(limit, max(MIN_ROWS_PER_JOB, math.ceil(total_rows / target_jobs))))
 
 
-def _run_all(futures: list[Future]) -> list:
-    """Results of all futures; on the first failure cancel the rest and raise it."""
-    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+ABANDON_POLL_S = 0.05  # how often a driver waiting on thread jobs looks whether its generation was abandoned
+
+
+def _run_all(futures: list[Future], abandoned: threading.Event | None = None) -> list:
+    """Results of all futures; on the first failure cancel the rest and raise it. `abandoned` (the generation's
+    event, set when a timeout gives it up): raise instead of waiting on. Thread jobs cancelled by the executor's
+    shutdown never wake a plain wait(), so without this the driver thread would wait forever, and the process
+    would hang at exit joining it."""
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=ABANDON_POLL_S if abandoned is not None else None,
+                             return_when=FIRST_EXCEPTION)
+        if any(not f.cancelled() and f.exception() is not None for f in done):
+            break
+        if pending and abandoned is not None and abandoned.is_set():
+            for future in pending:
+                future.cancel()
+            raise HostPoolError("host pool: job abandoned after a timeout")
     for future in pending:
         future.cancel()
     for future in futures:
-        if future in done and future.exception() is not None:
+        if future.done() and not future.cancelled() and future.exception() is not None:
             raise future.exception()
     return [future.result() for future in futures]

@@ -189,8 +189,41 @@ def test_hanging_job_times_out_then_next_call_succeeds(make_pool, threads):
         pool.compute(0, x, ids, w)
     assert info.value.layer == 0
     assert time.perf_counter() - start < 2.0
-    # The stuck thread is left behind; the next call runs on fresh threads.
+    # The next call runs on fresh threads.
     assert rel_error(pool.compute(0, x, ids, w), reference(layers[0], x, ids, w)) < REL_TOL
+    # The abandoned generation's threads end (its driver was left waiting forever on cancelled thread jobs before,
+    # and the process then hung at exit joining it): at most the fresh generation's driver is left.
+    deadline = time.perf_counter() + 3.0
+    while time.perf_counter() < deadline and _drivers() > 1:
+        time.sleep(0.05)
+    assert _drivers() <= 1
+
+
+def test_a_timeout_while_jobs_are_queued_leaves_no_thread_behind(make_pool):
+    """A timeout that fires while thread jobs still wait in the queue (a callback timeout far below the job's
+    time): the queued jobs are cancelled, and the driver waiting on them must end too. It used to wait forever on
+    futures that a cancel never wakes, and the CLI then hung at exit joining it."""
+    rng = rng_for("queued-timeout")
+    big = [tuple((0.1 * rng.standard_normal(shape)).astype(np.float32)
+                 for shape in ((16, 512, 256), (16, 512, 256), (16, 256, 512)))]
+    before = _drivers()
+    for _ in range(3):
+        pool = make_pool(big, threads=1, timeout_s=0.001)  # one worker: every other thread job queues
+        ids = np.arange(16, dtype=np.int32)
+        x = rng.standard_normal((8, 256)).astype(np.float32)
+        w = rng.random((8, 16)).astype(np.float32)
+        with pytest.raises(HostPoolError, match="did not answer"):
+            pool.compute(0, x, ids, w)
+        pool.close()
+    deadline = time.perf_counter() + 5.0
+    while time.perf_counter() < deadline and _drivers() > before:
+        time.sleep(0.05)
+    assert _drivers() <= before
+
+
+def _drivers() -> int:
+    import threading
+    return sum(1 for t in threading.enumerate() if t.name.startswith("host-pool-driver") and t.is_alive())
 
 
 def test_bridge_inside_jit_matches_pool(make_pool):
