@@ -43,7 +43,14 @@ def log(line: str) -> None:
 
 def enable_compilation_cache(cache_dir: Path) -> Path:
     path = cache_dir / "jax"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise StrataError(f"cache_dir {cache_dir}: not a writable folder ({e.strerror or e}); pass --cache_dir= "
+                          "a folder you can write") from None
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -607,6 +614,10 @@ class Engine:
             raise StrataError(f"no tokenizer.json in {self.model_dir}: give token ids instead of text")
         if not isinstance(text, str):
             raise StrataError(f"encode: expected text (str), got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # e.g. invalid UTF-8 bytes on the command line, kept as surrogates
+            raise StrataError("the text is not valid UTF-8") from None
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -21,6 +21,9 @@ def _choice(*allowed):
     return check
 
 
+INT32_MAX = 2**31 - 1  # the graphs hold counts and positions in int32
+
+
 def _int_range(lo, hi=None):
     def check(v):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
@@ -66,7 +69,8 @@ class EngineOptions:
     """Options fixed when an engine is built (graphs are compiled for them)."""
     window: int = opt(4, "Largest verify window W: graphs for T = 1..W tokens are compiled at start-up.", _int_range(1, 16))
     dtype: str = opt("bfloat16", "Compute and weight dtype.", _choice(*DTYPES))
-    context: int = opt(0, "Tokens the KV cache holds (prompt + generated); 0 = min(max_position_embeddings, 4096).", _int_range(0))
+    context: int = opt(0, "Tokens the KV cache holds (prompt + generated); 0 = min(max_position_embeddings, 4096).",
+                       _int_range(0, INT32_MAX))
     prefill_chunk: int = opt(64, "Prompt tokens per prefill step.", _int_range(1, 8192))
     cache_dir: str = opt("", "Folder for the persistent compilation cache and the embedded model; '' = ~/.cache/strata_jax.")
     expert_cache_slots: str = opt("auto", "Device expert cache slots per MoE layer: a number (offload on; 0 = no "
@@ -78,7 +82,8 @@ class EngineOptions:
     pcie_frac: str = opt("auto", "Share of missed experts fetched over PCIe (0..1); the rest run on the host pool. "
                          "'auto' picks it from costs measured at start-up.", _frac)
     cpu_threads: int = opt(0, "Host pool threads; 0 = the cores this process may use.", _int_range(0, 1024))
-    vram_reserve_mib: int = opt(1024, "Device memory (MiB) kept free when expert_cache_slots=auto.", _int_range(0))
+    vram_reserve_mib: int = opt(1024, "Device memory (MiB) kept free when expert_cache_slots=auto.",
+                                _int_range(0, INT32_MAX))
     expert_kernel: str = opt("auto", "Expert FFN of the decode windows: pallas (pallas_kernels/expert_ffn.py: each "
                              "expert read in place, once per window; bf16 on a GPU only), xla (gather + einsums), or "
                              "auto (pallas on a GPU in bfloat16, else xla).", _choice("auto", "xla", "pallas"))
@@ -129,10 +134,10 @@ class EngineOptions:
 @dataclasses.dataclass(frozen=True)
 class RequestOptions:
     """Options of one generate() call."""
-    max_new_tokens: int = opt(64, "Most tokens to generate.", _int_range(0))
+    max_new_tokens: int = opt(64, "Most tokens to generate.", _int_range(0, INT32_MAX))
     temperature: float = opt(0.0, "Sampling temperature; 0 = greedy.", _float_range(0.0, 100.0))
     top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1]; 1 = off.", _float_range(0.0, 1.0, lo_open=True))
-    top_k: int = opt(0, "Sample among the k most likely tokens; 0 = off.", _int_range(0))
+    top_k: int = opt(0, "Sample among the k most likely tokens; 0 = off.", _int_range(0, INT32_MAX))
     seed: int = opt(0, "Sampling seed (same seed, same output).", _int_range(0, 2**32 - 1))
     draft: str = opt("ngram", "Draft proposer for verify windows: ngram (prompt lookup, on the host), none, or "
                      "device (the same n-gram rule and the acceptance run on the device: windows of spec+1 tokens "
@@ -230,6 +235,7 @@ def route_approx(opts: EngineOptions, k: int, offload: bool, environ=None):
         if r is None or r < 1:
             lines.append(f"route tail skip: {name} is not an integer >= 1; tail skip off")
         else:
+            r = min(r, k)  # R >= K skips nothing; capped so a huge R cannot overflow the graph's int32
             out["tail_skip"] = r
             what = (f"skips nothing (R >= K = {k})" if r >= k else
                     f"a missed expert that every entry of a decode window routes at rank >= {r} (ranks 0..{k - 1}) "

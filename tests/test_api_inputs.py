@@ -91,3 +91,26 @@ def test_threads_share_one_engine_safely(engine):
         t.join(timeout=300)
     assert not errors, errors
     assert [got[j] for j in range(len(jobs))] == want
+
+
+def test_values_past_the_int32_range_are_refused(engine):
+    refused(engine.generate, prompt(6), 4, top_k=2**31, match="top_k")
+    refused(engine.generate, prompt(6), 2**31, match="max_new_tokens")
+
+
+def test_invalid_utf8_text_is_one_line(engine):
+    bad = b"def f(\xff\xfe):".decode("utf-8", "surrogateescape")  # how invalid bytes on a command line arrive
+    refused(engine.encode, bad, match="UTF-8")
+
+
+def test_cache_dir_that_is_a_file_is_one_line(tmp_path):
+    from strata_jax import Engine
+    a_file = tmp_path / "not_a_folder"
+    a_file.write_text("x")
+    refused(Engine.from_pretrained, None, verbose=False, cache_dir=str(a_file), match="not a writable folder")
+
+
+def test_a_huge_tail_skip_is_capped_not_overflowed():
+    from strata_jax.options import EngineOptions, build, route_approx
+    approx, lines = route_approx(build(EngineOptions, dict(route_tail_skip=str(2**40))), 8, True, environ={})
+    assert approx.tail_skip == 8 and "skips nothing" in lines[0]
