@@ -307,7 +307,13 @@ class Engine:
             return fn(*args)
         except StrataError:
             raise
+        except KeyboardInterrupt:
+            self._reset_state()  # the donated caches of the interrupted window may be gone
+            raise
         except Exception as e:
+            if _interrupted(e):  # Ctrl-C landed inside an io_callback: JAX hands it back wrapped in its error
+                self._reset_state()
+                raise KeyboardInterrupt from None
             from host_pool import unwrap_pool_error
             pool_error = unwrap_pool_error(e) if self.placement else None
             self._reset_state()
@@ -624,6 +630,18 @@ class Engine:
         if self.tokenizer is None:
             raise StrataError(f"no tokenizer.json in {self.model_dir}")
         return self.tokenizer.decode(check_token_ids(ids, self.cfg.vocab_size, "decode").tolist())
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """A KeyboardInterrupt behind `exc`: chained, or named in the text of the JAX runtime error that wraps a
+    callback's exception."""
+    seen = []
+    while exc is not None and all(exc is not s for s in seen):
+        if isinstance(exc, KeyboardInterrupt) or "KeyboardInterrupt" in str(exc):
+            return True
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def check_token_ids(ids, vocab_size: int, what: str = "token ids") -> np.ndarray:

@@ -114,3 +114,23 @@ def test_a_huge_tail_skip_is_capped_not_overflowed():
     from strata_jax.options import EngineOptions, build, route_approx
     approx, lines = route_approx(build(EngineOptions, dict(route_tail_skip=str(2**40))), 8, True, environ={})
     assert approx.tail_skip == 8 and "skips nothing" in lines[0]
+
+
+def test_ctrl_c_inside_the_host_pool_is_a_keyboard_interrupt(engine_factory):
+    """Ctrl-C while an io_callback runs the host pool reaches the API as KeyboardInterrupt (JAX wraps it in its
+    runtime error), and the engine still answers the next request the same as before."""
+    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=0, pcie_frac=0.0)
+    ids = prompt(8)
+    want = eng.generate(ids, 6, stop_token_ids=[])
+    pool = eng.placement.pool
+    original = pool.compute
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    pool.compute = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(ids, 6, stop_token_ids=[])
+    finally:
+        pool.compute = original
+    assert eng.generate(ids, 6, stop_token_ids=[]) == want
