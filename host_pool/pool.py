@@ -30,6 +30,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 import numpy as np
 
 from host_pool.blas import set_blas_threads
+from host_pool.store import BF16
 from host_pool.store import HostExpertStore, row_chunks_f32
 
 # Thread jobs per thread and phase: >1 evens out uneven job times, more costs
@@ -130,6 +131,9 @@ class HostPool:
         self.store = store
         self.threads = threads or usable_cores()
         self.timeout_s = timeout_s
+        # bf16 experts: round where the device rounds (g, u, h and each expert's output), so an expert's rows do
+        # not depend on where it ran beyond float32 summation order.
+        self.round_bf16 = store.dtype == BF16
         self.stats = PoolStats()
         self._lock = threading.Lock()       # guards stats, faults, generation
         # layer (plain jobs) or (layer, phase) (split jobs) -> "raise" | "hang", one-shot
@@ -383,7 +387,7 @@ class HostPool:
         if N == 0:
             return yT.T.copy()
         xT = np.ascontiguousarray(x.T)        # [H, T]
-        hT = np.empty((N, I, T), np.float32)  # weighted SwiGLU activations
+        hT = np.empty((N, I, T), np.float32)  # SwiGLU activations (unweighted: each expert's output is weighted)
 
         target_jobs = self.threads * JOBS_PER_THREAD
         rows_up = _rows_per_job(N * I, target_jobs, I)
@@ -393,11 +397,11 @@ class HostPool:
 
         pool = generation.workers
         results = _run_all([
-            pool.submit(self._gate_up_job, layer, xT, int(experts[n]), weights[:, n],
-                        hT[n], r0, r1, fault if i == 0 else None, generation)
+            pool.submit(self._gate_up_job, layer, xT, int(experts[n]), hT[n], r0, r1,
+                        fault if i == 0 else None, generation)
             for i, (n, r0, r1) in enumerate(gate_up_jobs)], generation.release_hangs)
         results += _run_all([
-            pool.submit(self._down_job, layer, experts, hT, yT, r0, r1) for r0, r1 in down_jobs],
+            pool.submit(self._down_job, layer, experts, weights, hT, yT, r0, r1) for r0, r1 in down_jobs],
             generation.release_hangs)
 
         self._record(results, started)
@@ -454,10 +458,9 @@ class HostPool:
         down_jobs = [(r0, min(r0 + rows_down, H)) for r0 in range(0, H, rows_down)]
 
         pool = generation.workers
-        unweighted = np.float32(1.0)  # x * 1 == x: the plain job's arithmetic
         results = _run_all([
-            pool.submit(self._gate_up_job, layer, xTs[g], groups[g][0], unweighted,
-                        hTs[g], r0, r1, fault if i == 0 else None, generation)
+            pool.submit(self._gate_up_job, layer, xTs[g], groups[g][0], hTs[g], r0, r1,
+                        fault if i == 0 else None, generation)
             for i, (g, r0, r1) in enumerate(gate_up_jobs)], generation.release_hangs)
         results += _run_all([
             pool.submit(self._split_down_job, layer, groups, hTs, rows, r0, r1)
@@ -473,33 +476,39 @@ class HostPool:
             nbytes += down_rows.nbytes
             for c0, down in row_chunks_f32(down_rows):
                 c1 = r0 + c0 + len(down)
-                rows[tokens, ks, r0 + c0:c1] = (down @ hT).T  # [n, c]
+                rows[tokens, ks, r0 + c0:c1] = self._round(down @ hT).T  # [n, c], each entry's expert output
         return time.perf_counter() - t0, nbytes
 
-    def _gate_up_job(self, layer, xT, expert, w_n, hT_n, r0, r1, fault, generation):
-        """hT_n[r0:r1] = w_n * silu(gate[r0:r1] @ xT) * (up[r0:r1] @ xT)."""
+    def _round(self, a: np.ndarray) -> np.ndarray:
+        """a rounded to bf16 (kept in float32) when the experts are bf16, as the device's products round."""
+        return a.astype(BF16).astype(np.float32) if self.round_bf16 else a
+
+    def _gate_up_job(self, layer, xT, expert, hT_n, r0, r1, fault, generation):
+        """hT_n[r0:r1] = silu(g) * u, g = gate[r0:r1] @ xT, u = up[r0:r1] @ xT (bf16: g, u and the result rounded)."""
         t0 = time.perf_counter()
         _injected_fault(fault, generation)
         gate_rows = self.store.gate[layer][expert, r0:r1]  # [R, H]
         up_rows = self.store.up[layer][expert, r0:r1]      # [R, H]
         out = hT_n[r0:r1]                                   # [R, T] view
         for (c0, gate), (_, up) in zip(row_chunks_f32(gate_rows), row_chunks_f32(up_rows)):
-            g = gate @ xT                                    # [c, T]
-            u = up @ xT                                      # [c, T]
+            g = self._round(gate @ xT)                       # [c, T]
+            u = self._round(up @ xT)                         # [c, T]
             # silu(g) = g * sigmoid(g); tanh form does not overflow.
-            out[c0:c0 + len(gate)] = g * (0.5 + 0.5 * np.tanh(0.5 * g)) * u * w_n
+            out[c0:c0 + len(gate)] = self._round(g * (0.5 + 0.5 * np.tanh(0.5 * g)) * u)
         return time.perf_counter() - t0, gate_rows.nbytes + up_rows.nbytes
 
-    def _down_job(self, layer, experts, hT, yT, r0, r1):
-        """yT[r0:r1] = sum_n down[e_n, r0:r1] @ hT[n]."""
+    def _down_job(self, layer, experts, weights, hT, yT, r0, r1):
+        """yT[r0:r1] = sum_n weights[:, n] * (down[e_n, r0:r1] @ hT[n]) (bf16: each expert's output rounded first,
+        then weighted in float32, as the device combines)."""
         t0 = time.perf_counter()
         out = yT[r0:r1]  # [R, T] view, zeros
         nbytes = 0
         for n, expert in enumerate(experts):
             down_rows = self.store.down[layer][expert, r0:r1]  # [R, I]
             nbytes += down_rows.nbytes
+            w_n = weights[:, n][None, :]                      # [1, T]
             for c0, down in row_chunks_f32(down_rows):
-                out[c0:c0 + len(down)] += down @ hT[n]       # [c, T]
+                out[c0:c0 + len(down)] += self._round(down @ hT[n]) * w_n  # [c, T]
         return time.perf_counter() - t0, nbytes
 
 

@@ -82,7 +82,11 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, co
     """
     g = jnp.einsum("th,nih->nti", x, gate)
     u = jnp.einsum("th,nih->nti", x, up)
-    y = jnp.einsum("nti,nhi->nth", jax.nn.silu(g) * u, down)  # [N, T, H]
+    # silu(g) * u in float32, rounded once: the Pallas kernel and the host pool round at the same point, so an
+    # expert's rows do not depend on where it ran (XLA would otherwise round after every bf16 op, differently on
+    # each backend).
+    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
+    y = jnp.einsum("nti,nhi->nth", h, down)  # [N, T, H]
     # Each expert's output is rounded to the compute dtype before the weighted sum, as transformers does.
     return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
 

@@ -49,17 +49,24 @@ def make_inputs(rng, T, ids):
     return x, ids, w
 
 
+def bf16_round(a):
+    """float64 -> the nearest bf16 value, as float64."""
+    return a.astype(np.float32).astype(BF16).astype(np.float64)
+
+
 def reference(layer_weights, x, ids, w):
-    """float64 y [T, H] = sum_n w[:, n] * down_e @ (silu(gate_e @ x) * (up_e @ x))."""
+    """float64 y [T, H] = sum_n w[:, n] * down_e @ (silu(gate_e @ x) * (up_e @ x)). bf16 weights: g, u, h and each
+    expert's output rounded to bf16 where the device rounds them (the pool must round at the same points)."""
+    rnd = bf16_round if layer_weights[0].dtype == BF16 else (lambda a: a)
     gate, up, down = (a.astype(np.float64) for a in layer_weights)
     x, w = x.astype(np.float64), w.astype(np.float64)
     y = np.zeros((x.shape[0], gate.shape[2]))
     for n, e in enumerate(ids):
         if e < 0:
             continue
-        g, u = x @ gate[e].T, x @ up[e].T    # [T, I]
-        h = g / (1.0 + np.exp(-g)) * u        # silu(g) * u
-        y += w[:, n:n + 1] * (h @ down[e].T)  # [T, H]
+        g, u = rnd(x @ gate[e].T), rnd(x @ up[e].T)  # [T, I]
+        h = rnd(g / (1.0 + np.exp(-g)) * u)          # silu(g) * u
+        y += w[:, n:n + 1] * rnd(h @ down[e].T)      # [T, H]
     return y
 
 

@@ -49,6 +49,8 @@ def make_inputs(rng, T, K):
 
 def reference_rows(layer_weights, x, ids):
     """float64 rows [T, K, H] = down_e @ (silu(gate_e @ x[t]) * (up_e @ x[t])), 0 for ids == -1."""
+    rnd = (lambda a: a.astype(np.float32).astype(BF16).astype(np.float64)) if layer_weights[0].dtype == BF16 else (
+        lambda a: a)  # bf16: rounded where the device rounds (g, u, h, the expert's output)
     gate, up, down = (a.astype(np.float64) for a in layer_weights)
     T, K = ids.shape
     rows = np.zeros((T, K, x.shape[1]))
@@ -58,8 +60,8 @@ def reference_rows(layer_weights, x, ids):
             if e < 0:
                 continue
             xt = x[t].astype(np.float64)
-            g, u = gate[e] @ xt, up[e] @ xt
-            rows[t, k] = down[e] @ (g / (1.0 + np.exp(-g)) * u)
+            g, u = rnd(gate[e] @ xt), rnd(up[e] @ xt)
+            rows[t, k] = rnd(down[e] @ rnd(g / (1.0 + np.exp(-g)) * u))
     return rows
 
 
