@@ -60,6 +60,8 @@ def _rope_theta(raw: dict) -> float:
 
 
 def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise StrataError(f"{where}: malformed config.json: a JSON object is expected, not a {type(raw).__name__}")
     archs = raw.get("architectures") or []
     if not archs or any(a not in SUPPORTED_ARCHITECTURES for a in archs):
         raise StrataError(f"{where}: unsupported architectures {archs} (supported: {list(SUPPORTED_ARCHITECTURES)})")
@@ -70,6 +72,8 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     try:
         num_layers = int(raw["num_hidden_layers"])
         num_heads = int(raw["num_attention_heads"])
+        if num_heads <= 0:
+            raise StrataError(f"{where}: num_attention_heads must be positive (got {num_heads})")
         hidden = int(raw["hidden_size"])
         # transformers 5.x writes `num_local_experts`; Hub checkpoints have `num_experts`.
         num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)) or 0)
@@ -87,7 +91,7 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            num_kv_heads=num_heads if raw.get("num_key_value_heads") is None else int(raw["num_key_value_heads"]),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw),
@@ -106,6 +110,11 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
         raise StrataError(f"{where}: missing config field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise StrataError(f"{where}: malformed config value: {e}") from None
+    for name, value in (("num_hidden_layers", cfg.num_layers), ("num_attention_heads", cfg.num_heads),
+                        ("num_key_value_heads", cfg.num_kv_heads), ("hidden_size", cfg.hidden_size),
+                        ("head_dim", cfg.head_dim), ("vocab_size", cfg.vocab_size)):
+        if value <= 0:
+            raise StrataError(f"{where}: {name} must be positive (got {value})")
     if cfg.num_heads % cfg.num_kv_heads:
         raise StrataError(f"{where}: num_attention_heads {cfg.num_heads} is not a multiple of num_key_value_heads {cfg.num_kv_heads}")
     if any(cfg.sparse_layers) and not (0 < cfg.num_experts_per_tok <= cfg.num_experts):

@@ -72,9 +72,21 @@ def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:
     from strata_jax.embedded import resolve_model
     from strata_jax.engine import context_and_chunk
     from strata_jax.tokenizer import load_tokenizer
+    if not prompt:
+        raise StrataError("the prompt is empty: pass --prompt=... or --prompt_file=...")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # invalid bytes on the command line arrive as surrogates
+        raise StrataError("the prompt is not valid UTF-8") from None
     folder = resolve_model(model, engine_opts.resolved_cache_dir())
-    if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
+    if folder.is_file():
+        raise StrataError(f"--model={model} is a file, not a folder (a model folder holds config.json, "
+                          "*.safetensors and tokenizer.json)")
+    if not (folder / "config.json").is_file():
         return  # from_pretrained gives the precise error
+    if not (folder / "tokenizer.json").is_file():
+        raise StrataError(f"no tokenizer.json in {folder}: the command line takes text, which needs the model's "
+                          "tokenizer")
     context, _ = context_and_chunk(load_config(folder), engine_opts)
     n = len(load_tokenizer(folder).encode(prompt).ids)
     if n >= context:

@@ -140,6 +140,9 @@ class Engine:
         cache_dir = opts.resolved_cache_dir()
         enable_compilation_cache(cache_dir)
         path = resolve_model(path, cache_dir)
+        if path.is_file():
+            raise StrataError(f"model {path} is a file, not a folder (a model folder holds config.json, "
+                              "*.safetensors and tokenizer.json)")
         if not path.is_dir():
             raise StrataError(f"model folder {path} does not exist")
         cfg_path = path / "config.json"

@@ -134,3 +134,35 @@ def test_ctrl_c_inside_the_host_pool_is_a_keyboard_interrupt(engine_factory):
     finally:
         pool.compute = original
     assert eng.generate(ids, 6, stop_token_ids=[]) == want
+
+
+@pytest.mark.parametrize("raw,match", [([1, 2], "JSON object"), ("zero_heads", "num_attention_heads must be positive"),
+                                       ("zero_kv", "num_key_value_heads must be positive")])
+def test_malformed_configs_are_one_line(raw, match):
+    import json
+    from conftest import HF_FIXTURES
+    from strata_jax.config import config_from_dict
+    base = json.loads((HF_FIXTURES / "base" / "config.json").read_text())
+    if raw == "zero_heads":
+        raw = dict(base, num_attention_heads=0)
+    elif raw == "zero_kv":
+        raw = dict(base, num_key_value_heads=0)
+    refused(config_from_dict, raw, match=match)
+
+
+def test_cli_refuses_early_and_in_one_line(tmp_path, cache_dir):
+    """A file as --model, an empty prompt, a text prompt without tokenizer.json: one line, before any loading."""
+    import shutil
+    from conftest import HF_FIXTURES, run_cli
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"x")
+    no_tok = tmp_path / "no_tokenizer"
+    shutil.copytree(HF_FIXTURES / "base", no_tok)
+    (no_tok / "tokenizer.json").unlink(missing_ok=True)
+    for args, match in ([[f"--model={a_file}", "--prompt=hi"], "not a folder"],
+                        [["--model=embedded", "--prompt="], "the prompt is empty"],
+                        [[f"--model={no_tok}", "--prompt=hi"], "no tokenizer.json"]):
+        proc = run_cli(args, cache_dir, timeout=120)
+        err = proc.stderr.decode("utf-8", "replace")
+        lines = err.strip().splitlines()
+        assert proc.returncode == 1 and lines and match in lines[-1] and "Traceback" not in err, err
