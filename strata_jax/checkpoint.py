@@ -5,6 +5,8 @@ host never holds a second full copy of the model. Every failure names the file o
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 from pathlib import Path
 from typing import Callable
@@ -188,22 +190,59 @@ def save_state(path: str | Path, weights: Weights, cfg_raw: dict, dtype: str) ->
     """Save converted weights with orbax, beside the model's config.json, so a restore skips the conversion."""
     import orbax.checkpoint as ocp
     path = Path(path).absolute()
-    path.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckpt:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise StrataError(f"cannot save the state to {path}: {e.strerror or e} (it must be a folder you can "
+                          "write, or a new path whose parents are folders)") from None
+    with _quiet_orbax(), ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path / "weights", weights, force=True)
     (path / "config.json").write_text(json.dumps(cfg_raw, indent=1))
     (path / STATE_META).write_text(json.dumps({"dtype": dtype, "format": 1}))
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax and its asyncio workers log every failure with whole tracebacks (thousands of lines for a corrupt
+    state); the engine reports one line itself, so their loggers stay at ERROR-free silence meanwhile."""
+    import logging as py_logging
+    names = ("orbax", "absl", "asyncio", "tensorstore")
+    loggers = [py_logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(py_logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def is_state_dir(path: str | Path) -> bool:
     return (Path(path) / STATE_META).is_file()
 
 
+def read_state_meta(path: str | Path) -> dict:
+    """The saved state's strata_state.json, checked: one line when it is malformed or incomplete."""
+    meta_path = Path(path) / STATE_META
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise StrataError(f"{meta_path}: malformed saved-state file: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str) or "format" not in meta:
+        raise StrataError(f"{meta_path}: incomplete saved-state file (dtype and format expected); save it again "
+                          "with --save_state")
+    return meta
+
+
 def restore_state(path: str | Path, abstract: Weights) -> Weights:
     import orbax.checkpoint as ocp
     path = Path(path).absolute()
     try:
-        with ocp.StandardCheckpointer() as ckpt:
+        with _quiet_orbax(), ocp.StandardCheckpointer() as ckpt:
             return ckpt.restore(path / "weights", abstract)
     except Exception as e:
         raise StrataError(f"cannot restore the saved state at {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None

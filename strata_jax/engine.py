@@ -158,7 +158,7 @@ class Engine:
         slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
         if checkpoint.is_state_dir(path):
-            saved = json.loads((path / checkpoint.STATE_META).read_text())
+            saved = checkpoint.read_state_meta(path)
             if saved["dtype"] != opts.dtype:
                 raise StrataError(f"the saved state at {path} holds {saved['dtype']} weights, but dtype={opts.dtype}")
             weights = checkpoint.restore_state(path, abstract_weights(cfg, dtype, host))

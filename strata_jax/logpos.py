@@ -54,7 +54,11 @@ class LogposWriter:
             raise ValueError(f"logpos meta vocab must be an integer >= top ({top}), not {meta['vocab']!r}")
         self.path, self.top, self.meta = Path(path), top, meta
         self.vocab: int | None = meta.get("vocab")
-        self._file = open(self.path, "w", encoding="utf-8")
+        try:
+            self._file = open(self.path, "w", encoding="utf-8")
+        except OSError as e:
+            from strata_jax.errors import StrataError
+            raise StrataError(f"cannot write the logpos file {self.path}: {e.strerror or e}") from None
         self._header_written = False
         if self.vocab is not None:
             self._write_header()

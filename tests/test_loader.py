@@ -169,6 +169,38 @@ def test_orbax_broken_state(engine_factory, cache_dir, tmp_path):
     assert str(state) in refused(state, cache_dir)
 
 
+@pytest.mark.parametrize("meta", ["{not json", "[]", '{"format": 1}'])
+def test_malformed_state_meta_is_one_line(engine_factory, cache_dir, tmp_path, meta):
+    engine = engine_factory(HF_FIXTURES / "base", dtype="float32", window=W, **RESIDENT)
+    state = tmp_path / "state"
+    engine.save_state(state)
+    (state / "strata_state.json").write_text(meta)
+    assert "strata_state.json" in refused(state, cache_dir)
+
+
+def test_corrupt_orbax_data_is_one_quiet_line(engine_factory, cache_dir, tmp_path, capfd):
+    engine = engine_factory(HF_FIXTURES / "base", dtype="float32", window=W, **RESIDENT)
+    state = tmp_path / "state"
+    engine.save_state(state)
+    for f in (state / "weights").rglob("*"):
+        if f.is_file() and f.stat().st_size > 64:
+            f.write_bytes(b"\0garbage" * 8)
+    capfd.readouterr()
+    assert str(state) in refused(state, cache_dir)
+    err = capfd.readouterr().err
+    assert err.count("Traceback") == 0 and len(err.splitlines()) < 20, err[-2000:]
+
+
+def test_save_state_under_a_file_and_logpos_to_a_folder_are_one_line(engine_factory, tmp_path):
+    engine = engine_factory(HF_FIXTURES / "base", dtype="float32", window=W, **RESIDENT)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(StrataError, match="cannot save the state"):
+        engine.save_state(a_file / "state")
+    with pytest.raises(StrataError, match="cannot write the logpos file"):
+        engine.write_logpos([1, 2, 3, 4], tmp_path)
+
+
 @pytest.mark.parametrize("name,value", [("model.norm.weight", np.nan),
                                         ("model.layers.0.mlp.gate.weight", np.inf),
                                         ("model.layers.1.mlp.experts.3.down_proj.weight", np.nan)])
