@@ -122,7 +122,19 @@ class Engine:
         length = self.context + self.chunk
         if self.attention_kernel == "pallas":
             length = -(-length // 64) * 64  # the kernel's key blocks divide the cache length
-        kv = model.init_cache(self.cfg, length, self.dtype, stacked=self.scanned)
+        try:
+            kv = model.init_cache(self.cfg, length, self.dtype, stacked=self.scanned)
+        except (MemoryError, ValueError, RuntimeError) as e:  # jax's allocation failure is a RuntimeError
+            if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError) and "memory" not in str(e).lower():
+                raise
+            need = 2 * self.cfg.num_layers * length * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
+            per_token = need / length
+            stats = jax.devices()[0].memory_stats() or {}
+            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+            fits = f"; about {int(free // per_token):,} positions fit in the {free / 2**30:.1f} GiB free" if free > 0 else ""
+            raise StrataError(f"the KV cache for context {self.context} needs {need / 2**30:.1f} GiB "
+                              f"({per_token / 2**10:.1f} KiB a position) and cannot be allocated{fits}: "
+                              "lower --context") from None
         experts = self.placement.init_state(self.cfg, self.dtype) if self.placement else None
         self.cache = kv.replace(experts=experts)
 

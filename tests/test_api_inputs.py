@@ -166,3 +166,10 @@ def test_cli_refuses_early_and_in_one_line(tmp_path, cache_dir):
         err = proc.stderr.decode("utf-8", "replace")
         lines = err.strip().splitlines()
         assert proc.returncode == 1 and lines and match in lines[-1] and "Traceback" not in err, err
+
+
+def test_a_kv_cache_too_large_to_allocate_is_one_line(cache_dir):
+    from strata_jax import Engine
+    msg = refused(Engine.from_pretrained, None, verbose=False, cache_dir=str(cache_dir), context=2_000_000_000,
+                  match="cannot be allocated")
+    assert "GiB" in msg and "--context" in msg
