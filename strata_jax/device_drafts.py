@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.drafts import NGRAM_MAX_N, NGRAM_WINDOW
-from strata_jax.sampling import SamplingParams, sample_row, verify_row
+from strata_jax.sampling import SamplingParams, greedy, sample_row, verify_row
 
 
 def ngram_propose(hist: jax.Array, length: jax.Array, k: int, max_n: int = NGRAM_MAX_N,
@@ -57,7 +57,7 @@ def accept(logits: jax.Array, drafts: jax.Array, m: jax.Array, positions: jax.Ar
         plain = jax.vmap(sample_row, in_axes=(0, 0, None))(logits, positions, sampling)
         tokens = jnp.where(jnp.arange(t) < m, jnp.concatenate([drawn, plain[-1:]]), plain)  # row m: a plain sample
     else:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = greedy(logits)  # NON_FINITE rows never match a draft
         acc = drafts == tokens[:t - 1]
     accepted = jnp.sum(jnp.cumprod((acc & real).astype(jnp.int32))).astype(jnp.int32)
     new = jnp.where(jnp.arange(t) < accepted, jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]), 0)

@@ -22,7 +22,7 @@ from strata_jax.drafts import make_drafter
 from strata_jax.embedded import resolve_model
 from strata_jax.errors import StrataError
 from strata_jax.options import EngineOptions, RequestOptions, build, defer_cpu, route_approx, split_options
-from strata_jax.sampling import SamplingParams
+from strata_jax.sampling import NON_FINITE, SamplingParams
 from strata_jax.stats import ExpertStats, RequestStats, Stats
 from strata_jax.tokenizer import load_tokenizer
 
@@ -431,7 +431,7 @@ class Engine:
         token, last = self._prefill_all(ids)
         if sampled:
             token = self._sample[1](last, jnp.asarray([ids.size], jnp.int32), sampling)[0]
-        first = int(token)
+        first = self._checked(int(token), ids.size)
         out.append(first)
         stats.prefill_s = time.perf_counter() - t0
         stats.prefill_experts = self._take_expert_stats()
@@ -472,12 +472,21 @@ class Engine:
             if not in_flight:
                 break
             if len(in_flight) >= 2 or len(out) + len(in_flight) >= budget:
-                token = int(in_flight.pop(0)[0])
+                token = self._checked(int(in_flight.pop(0)[0]), ids.size + len(out))
                 out.append(token)
                 if on_token:
                     on_token(token)
                 if token in stops:
                     break
+
+    def _checked(self, token: int, position: int) -> int:
+        """A token read from a graph; NON_FINITE (the graph saw NaN or inf in the logits) ends the request."""
+        if token == NON_FINITE:
+            hint = ("; bfloat16 may overflow where float32 does not: try --dtype=float32"
+                    if self.dtype != jnp.float32 else "")
+            raise StrataError(f"non-finite logits (NaN or inf) for the token at position {position}: the request "
+                              f"ends{hint}")
+        return token
 
     def _device_verify_graph(self, t: int, sampled: bool):
         key = (t, sampled)
@@ -529,6 +538,7 @@ class Engine:
             stats.drafts_accepted += n - 1
             exact += n
             for token in np.asarray(new)[:n].tolist():
+                self._checked(token, ids.size + len(out))
                 if len(out) >= budget:
                     return
                 out.append(token)
@@ -570,6 +580,7 @@ class Engine:
                 new = drafts[:accepted] + [int(drawn[accepted])]
             else:
                 accepted, new = 0, [int(self._sample[1](logits, positions, sampling)[0])]
+            self._checked(new[-1], pos + 1 + accepted)
             ready = time.perf_counter()
             stats.windows += 1
             stats.window_tokens += t

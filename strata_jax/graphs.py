@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from strata_jax import device_drafts
 from strata_jax.config import ModelConfig
 from strata_jax.model import ExpertPath, KVCache, Weights, forward
-from strata_jax.sampling import SamplingParams, sample, verify
+from strata_jax.sampling import SamplingParams, greedy, sample, verify
 
 
 def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
@@ -31,7 +31,7 @@ def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.
     read the stacks in place (pallas_kernels/stacked_linear.py)."""
     t = tokens.shape[0]
     logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel, dense_kernel)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
+    return greedy(logits), logits, cache  # NON_FINITE (-1) for a row whose logits are not all finite
 
 
 def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
@@ -41,7 +41,7 @@ def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.
     Only the last real row's logits leave the graph: a chunk's [C, V] would be a large copy for nothing."""
     logits, cache = forward(weights, cache, tokens, pos, n_valid, cfg, experts)
     last = jax.lax.dynamic_slice_in_dim(logits, n_valid - 1, 1, axis=0)  # [1, V]
-    return jnp.argmax(last[0]).astype(jnp.int32), last, cache
+    return greedy(last[0]), last, cache
 
 
 def prefill_logits(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,

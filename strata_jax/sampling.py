@@ -39,12 +39,24 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.full((v,), -jnp.inf, scaled.dtype).at[order].set(jnp.where(keep, sorted_logits, -jnp.inf))
 
 
+NON_FINITE = -1  # the token a graph returns for a row whose logits hold NaN or inf: the host ends the request
+
+
+def greedy(logits: jax.Array) -> jax.Array:
+    """logits [..., V] -> argmax [...] int32, NON_FINITE where a row is not all finite (argmax would pick a NaN)."""
+    return mark_non_finite(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+def mark_non_finite(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NON_FINITE).astype(jnp.int32)
+
+
 def sample_row(logits: jax.Array, position: jax.Array, params: SamplingParams) -> jax.Array:
     """One token from float32 logits [V]; `position` is the absolute position of the token being chosen.
     Temperature 0 is the argmax (the engine does not call the sampler then; this keeps the function total)."""
     key = jax.random.fold_in(jax.random.PRNGKey(params.seed), position)
     drawn = jax.random.categorical(key, filtered_logits(logits, params)).astype(jnp.int32)
-    return jnp.where(params.temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32))
+    return mark_non_finite(logits, jnp.where(params.temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32)))
 
 
 def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
@@ -63,7 +75,8 @@ def verify_row(logits: jax.Array, draft: jax.Array, position: jax.Array, params:
     residual = p.at[draft].set(0.0)
     residual = jnp.where(jnp.sum(residual) > 0, residual, p)
     drawn = jax.random.categorical(jax.random.fold_in(key, 2), jnp.log(residual)).astype(jnp.int32)
-    return accept, drawn
+    finite = jnp.all(jnp.isfinite(logits))
+    return accept & finite, mark_non_finite(logits, drawn)
 
 
 def verify(logits: jax.Array, drafts: jax.Array, positions: jax.Array, params: SamplingParams):

@@ -173,3 +173,20 @@ def test_a_kv_cache_too_large_to_allocate_is_one_line(cache_dir):
     msg = refused(Engine.from_pretrained, None, verbose=False, cache_dir=str(cache_dir), context=2_000_000_000,
                   match="cannot be allocated")
     assert "GiB" in msg and "--context" in msg
+
+
+def test_non_finite_logits_end_the_request_in_one_line(cache_dir):
+    """Weights that turn the logits into NaN (a final norm of NaN, set after loading): every decode loop (plain,
+    verify windows greedy and sampled, device drafts) ends the request with one line instead of emitting the
+    argmax of NaN; the prefill's first token too."""
+    import jax.numpy as jnp
+    from strata_jax import Engine
+    eng = Engine.from_pretrained(None, verbose=False, cache_dir=str(cache_dir), dtype="float32", window=2,
+                                 context=64, expert_cache_slots="all")
+    eng.weights = eng.weights.replace(final_norm=jnp.full_like(eng.weights.final_norm, jnp.nan))
+    refused(eng.generate, prompt(9), 6, stop_token_ids=[], match="non-finite logits at|position 9")
+    # The decode loops: a finite first token from the prefill, NaN logits in every decode window after it.
+    finite_prefill = lambda ids: (jnp.int32(5), jnp.zeros((1, eng.cfg.vocab_size), jnp.float32))  # noqa: E731
+    eng._prefill_all = finite_prefill
+    for kw in (dict(spec=0), dict(), dict(temperature=0.7), dict(draft="device")):
+        refused(eng.generate, prompt(9), 6, stop_token_ids=[], match="non-finite logits", **kw)
