@@ -181,3 +181,24 @@ def test_a_window_without_cpu_entries_makes_no_callback(engine_factory, tokens):
     eng.score(tokens, window=4)
     assert eng.stats.last.decode_experts.distinct_resident > 0
     assert eng.placement.pool.stats.calls == 0 and eng.placement.pool.split_tickets() == []
+
+
+@pytest.mark.parametrize("defer,kind,phase", [(False, "raise", None), (False, "hang", None),
+                                              (True, "raise", "heavy"), (True, "raise", "light")])
+def test_fault_injection_sweep(engine_factory, tokens, defer, kind, phase):
+    """Each pool phase raising or hanging, plain jobs and deferred split jobs: one StrataError line naming the layer
+    (and the phase), no hang, and the engine's next request gives the same tokens as before the fault."""
+    opts = dict(verify_defer_cpu="1", verify_defer_cpu_below="0.3") if defer else {}
+    eng = all_cpu_engine(engine_factory, **opts)
+    eng.reconfigure(pcie_frac=0.0)
+    want = eng.generate(tokens[:6], 5, stop_token_ids=[])
+    eng.reconfigure(pcie_frac=0.0)
+    if defer:  # the prefill takes the exact path: the fault must wait for a decode window's split job
+        eng.generate(tokens[:6], 1, stop_token_ids=[])
+    eng.placement.pool.inject_fault(1, kind, phase=phase)
+    with pytest.raises(StrataError) as info:
+        eng.score(tokens, window=4) if defer else eng.generate(tokens[:6], 5, stop_token_ids=[])
+    msg = str(info.value)
+    assert "layer 1" in msg and "\n" not in msg and (phase is None or phase in msg), msg
+    eng.reconfigure(pcie_frac=0.0)
+    assert eng.generate(tokens[:6], 5, stop_token_ids=[]) == want
