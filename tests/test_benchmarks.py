@@ -138,3 +138,14 @@ def test_decode_bench_says_when_hf_cannot_run(capsys):
     decode_bench.main(["decode_bench", "--model=tiny", "--windows=1", "--iters=1", "--warmup=0", "--context=32",
                        "--pos=4", "--bw_mib=8", "--probe_windows=0"])
     assert "HF transformers: torch or transformers is not importable here" in capsys.readouterr().out
+
+
+def test_soak_mixed_requests_reproducible_and_flat(cache_dir, tmp_path):
+    """benchmarks/soak.py, shortened: 40 mixed requests on one engine (greedy / sampled, host / device / no drafts,
+    the pool's share changed between requests), every answer equal to its kind's first, RSS flat."""
+    import json
+    from benchmarks import soak
+    result = soak.main(["soak", "--requests=40", "--new_tokens=8", f"--cache_dir={cache_dir}",
+                        f"--json={tmp_path / 'soak.json'}"])
+    assert result["ok"] and not result["mismatches"] and result["rss_growth_mib"] <= 64
+    assert json.loads((tmp_path / "soak.json").read_text())["ok"]
