@@ -17,7 +17,7 @@ import numpy as np
 from safetensors import safe_open
 
 from strata_jax.config import ModelConfig
-from strata_jax.errors import StrataError
+from strata_jax.errors import StrataError, make_writable_folder
 from strata_jax.model import AttentionWeights, LayerWeights, MLPWeights, Weights
 from strata_jax.moe import MoEWeights
 
@@ -190,14 +190,7 @@ def save_state(path: str | Path, weights: Weights, cfg_raw: dict, dtype: str) ->
     """Save converted weights with orbax, beside the model's config.json, so a restore skips the conversion."""
     import orbax.checkpoint as ocp
     path = Path(path).absolute()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write_probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise StrataError(f"cannot save the state to {path}: {e.strerror or e} (it must be a folder you can "
-                          "write, or a new path whose parents are folders)") from None
+    make_writable_folder(path, f"cannot save the state to {path}")
     with _quiet_orbax(), ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path / "weights", weights, force=True)
     (path / "config.json").write_text(json.dumps(cfg_raw, indent=1))

@@ -20,7 +20,7 @@ from strata_jax import placement as placement_mod
 from strata_jax.config import ModelConfig, config_from_dict
 from strata_jax.drafts import make_drafter
 from strata_jax.embedded import resolve_model
-from strata_jax.errors import StrataError
+from strata_jax.errors import StrataError, make_writable_folder
 from strata_jax.options import EngineOptions, RequestOptions, build, defer_cpu, route_approx, split_options
 from strata_jax.sampling import NON_FINITE, SamplingParams
 from strata_jax.stats import ExpertStats, RequestStats, Stats
@@ -43,14 +43,7 @@ def log(line: str) -> None:
 
 def enable_compilation_cache(cache_dir: Path) -> Path:
     path = cache_dir / "jax"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write_probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise StrataError(f"cache_dir {cache_dir}: not a writable folder ({e.strerror or e}); pass --cache_dir= "
-                          "a folder you can write") from None
+    make_writable_folder(path, f"cache_dir {cache_dir}: not a writable folder for the compilation cache")
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
