@@ -158,5 +158,6 @@ def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax
     combine = jnp.where(slot_ids[None, :] >= 0, combine, 0.0)  # ... with weight 0
     g = jnp.einsum("th,nih->nti", x, gate[ids])  # [N, T, I] bf16
     u = jnp.einsum("th,nih->nti", x, up[ids])
-    y = jnp.einsum("nti,nhi->nth", jax.nn.silu(g) * u, down[ids])  # [N, T, H] bf16
+    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)  # rounded once, as moe.expert_ffn
+    y = jnp.einsum("nti,nhi->nth", h, down[ids])  # [N, T, H] bf16
     return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
