@@ -235,7 +235,7 @@ def route_approx(opts: EngineOptions, k: int, offload: bool, environ=None):
         if r is None or r < 1:
             lines.append(f"route tail skip: {name} is not an integer >= 1; tail skip off")
         else:
-            r = min(r, k)  # R >= K skips nothing; capped so a huge R cannot overflow the graph's int32
+            r = min(r, INT32_MAX)  # R >= K skips nothing; a huge R must not overflow the graph's int32
             out["tail_skip"] = r
             what = (f"skips nothing (R >= K = {k})" if r >= k else
                     f"a missed expert that every entry of a decode window routes at rank >= {r} (ranks 0..{k - 1}) "
