@@ -80,25 +80,34 @@ def verify_window(logits: jax.Array, drafts: jax.Array, positions: jax.Array, sa
     return verify(logits, drafts, positions, sampling)
 
 
+# XLA may keep a bf16 intermediate in float32 inside a fusion ("excess precision", on by default). Which values it
+# keeps then depends on how the graph fuses, so the scanned and unrolled graphs, and the device and the host pool,
+# would round in different places (7e-3 relative apart in bf16). Off: every graph rounds where the model code says.
+MODEL_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
 def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False,
                       dense_kernel: bool = False):
     return jax.jit(functools.partial(decode_window, cfg=cfg, experts=experts, attention_kernel=attention_kernel,
-                                     dense_kernel=dense_kernel), donate_argnums=(1,))
+                                     dense_kernel=dense_kernel), donate_argnums=(1,),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
 
 
 def jit_prefill_chunk(cfg: ModelConfig, experts: ExpertPath | None = None):
-    return jax.jit(functools.partial(prefill_chunk, cfg=cfg, experts=experts), donate_argnums=(1,))
+    return jax.jit(functools.partial(prefill_chunk, cfg=cfg, experts=experts), donate_argnums=(1,),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
 
 
 def jit_prefill_logits(cfg: ModelConfig, experts: ExpertPath | None = None):
-    return jax.jit(functools.partial(prefill_logits, cfg=cfg, experts=experts), donate_argnums=(1,))
+    return jax.jit(functools.partial(prefill_logits, cfg=cfg, experts=experts), donate_argnums=(1,),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
 
 
 def jit_device_verify_window(cfg: ModelConfig, t: int, sampled: bool, experts: ExpertPath | None = None,
                              attention_kernel: bool = False, dense_kernel: bool = False):
     return jax.jit(functools.partial(device_verify_window, cfg=cfg, t=t, sampled=sampled, experts=experts,
                                      attention_kernel=attention_kernel, dense_kernel=dense_kernel),
-                   donate_argnums=(1, 2))
+                   donate_argnums=(1, 2), compiler_options=MODEL_COMPILER_OPTIONS)
 
 
 def jit_sample():

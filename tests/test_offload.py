@@ -198,9 +198,11 @@ def test_bf16_logits_do_not_depend_on_history(engine_factory):
         eng.generate(np.random.default_rng(seed).integers(0, 255, size=9).tolist(), 8, stop_token_ids=[])
     after = eng.score(tokens, window=4)
     assert eng.stats.last.decode_experts.entries_cpu > 0
-    # float32 summation order (GPU blocks and the pool's share change with the slots) can flip a bf16 rounding of
-    # a layer's output: ||a-b||/||b|| 6e-4 measured (it was 7e-3, with the pool in float32 throughout).
+    # float32 summation order (GPU blocks and the pool's share change with the slots) may flip a bf16 rounding of
+    # a layer's output; on a CPU nothing moves (0 measured; 7e-3 with the pool in float32 throughout, 6e-4 with
+    # XLA's excess precision on). The reference is the default all-resident engine: the scanned graph.
     assert rel(after, before) < 1e-3
-    resident = engine_factory(None, dtype="bfloat16", window=4, context=64, expert_cache_slots="all",
-                              layer_loop="unrolled").score(tokens, window=4)
+    resident_engine = engine_factory(None, dtype="bfloat16", window=4, context=64, expert_cache_slots="all")
+    assert resident_engine.scanned
+    resident = resident_engine.score(tokens, window=4)
     assert max(rel(after, resident), rel(before, resident)) < 1e-3
