@@ -12,6 +12,7 @@ import numpy as np
 
 from strata_jax import model, offload
 from strata_jax.config import ModelConfig
+from strata_jax.errors import StrataError
 from strata_jax.options import EngineOptions
 
 
@@ -137,7 +138,7 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
 
 def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: HostExperts, slots: int,
           why: str) -> Placement:
-    from host_pool import HostPool, blas
+    from host_pool import HostPool, HostPoolError, blas
     from host_pool.pool import usable_cores
     # A failed pool job is reported as one line by the engine; JAX's own traceback log would repeat it.
     logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
@@ -150,7 +151,12 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
              f"{host.kind} memory; host pool: {threads} threads ({blas.describe()})"]
     costs = None
     if opts.pcie_frac == "auto":
-        costs = measure_costs(cfg, weights, pool)
+        try:
+            costs = measure_costs(cfg, weights, pool)
+        except HostPoolError as e:  # e.g. a --callback_timeout_s shorter than one expert's product
+            pool.close()
+            raise StrataError(f"{e} while measuring start-up costs for pcie_frac=auto "
+                              f"(see --callback_timeout_s)") from None
         frac, by_frac = offload.choose_pcie_frac(cfg, slots, itemsize, **costs)
         lines.append(
             f"pcie_frac: {frac:g} (auto: PCIe {costs['pcie_gbs']:.1f} GB/s + {costs['pcie_call_s'] * 1e3:.2f} ms a "

@@ -168,6 +168,21 @@ def test_cli_refuses_early_and_in_one_line(tmp_path, cache_dir):
         assert proc.returncode == 1 and lines and match in lines[-1] and "Traceback" not in err, err
 
 
+def test_a_pool_timeout_ends_the_cli_in_one_line(cache_dir):
+    """A --callback_timeout_s below one expert's product: during start-up's cost measurement (pcie_frac=auto) and
+    during decoding (pcie_frac=0, every miss on the pool). One error line naming the layer, exit 1, no traceback and
+    no hang (subprocess.run's timeout fails the test if the process does not exit)."""
+    from conftest import run_cli
+    for args, match in ((["--pcie_frac=auto"], "while measuring start-up costs"), (["--pcie_frac=0"], "layer")):
+        proc = run_cli(["--dtype=float32", "--window=4", "--context=64", "--expert_cache_slots=8", "--prompt=hello",
+                        "--max_new_tokens=8", "--callback_timeout_s=0.000001", *args], cache_dir, timeout=180)
+        err = proc.stderr.decode("utf-8", "replace")
+        lines = err.strip().splitlines()
+        assert proc.returncode == 1 and "Traceback" not in err, err
+        assert lines[-1].startswith("error: host pool: layer") and "did not answer" in lines[-1], err
+        assert match in lines[-1], err
+
+
 def test_a_kv_cache_too_large_to_allocate_is_one_line(cache_dir):
     from strata_jax import Engine
     msg = refused(Engine.from_pretrained, None, verbose=False, cache_dir=str(cache_dir), context=2_000_000_000,
