@@ -380,7 +380,7 @@ class Engine:
     @_serialized
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, draft: str = "ngram", spec: int = -1,
-                 stop_token_ids: Sequence[int] | None = None,
+                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                  on_token: Callable[[int], None] | None = None) -> list[int]:
         """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
 
@@ -397,14 +397,16 @@ class Engine:
         drafter = None if isinstance(draft, str) else draft  # a Drafter object (API): used as given
         req = build(RequestOptions, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                          top_k=top_k, seed=seed, draft=draft if drafter is None else "ngram",
-                                         spec=spec))
+                                         spec=spec, ignore_eos=ignore_eos))
         spec = self.options.window - 1 if req.spec < 0 else req.spec
         if spec > self.options.window - 1:
             raise StrataError(f"spec {spec} needs window >= {spec + 1} (this engine compiled T=1..{self.options.window})")
         if req.draft == "none":
             spec = 0
         ids = self._check_prompt(token_ids)
-        stops = set(self.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        # stop_token_ids replace the model's eos ids; ignore_eos drops those (given stop ids still stop).
+        eos = () if req.ignore_eos else self.cfg.eos_token_ids
+        stops = set(eos if stop_token_ids is None else stop_token_ids)
         budget = min(req.max_new_tokens, self.context - ids.size)
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
         stats = RequestStats(prompt_tokens=int(ids.size))

@@ -42,6 +42,10 @@ def _float_range(lo, hi, lo_open=False):
     return check
 
 
+def _bool(v):
+    return None if isinstance(v, bool) else "must be true or false"
+
+
 def _slots(v):
     if v in ("auto", "all"):
         return None
@@ -147,6 +151,8 @@ class RequestOptions:
                       "position to this file (strata_jax.logpos; compare runs with benchmarks/kl_report.py).")
     logpos_read: str = opt("windows", "How --logpos reads the prompt: windows (every position takes the decode "
                            "path, verify windows of --window tokens) or prefill.", _choice("windows", "prefill"))
+    ignore_eos: bool = opt(False, "Keep generating past the model's end-of-sequence tokens, up to "
+                           "--max_new_tokens (as llama.cpp's --ignore-eos: fixed-length runs for timing).", _bool)
     spec: int = opt(-1, "Most drafts per verify window (window size spec+1, at most --window); -1 = window - 1, "
                     "0 = no speculation.", _int_range(-1, 15))
 

@@ -4,13 +4,16 @@ Every run is a subprocess that imports JAX and maybe compiles, so the runs are f
 compilation cache, and the refusals run a few at a time in parallel."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from strata_jax.embedded import embedded_model_dir
 
 SUMMARY = re.compile(r"prompt tokens: (\d+), prefill: [\d.]+ tok/s, generated tokens: 8, decode: [\d.]+ tok/s")
@@ -114,3 +117,31 @@ def test_switches_print_their_lines_and_logpos_writes_the_prompt(cache_dir, tmp_
     assert header["meta"]["read"] == "windows" and header["meta"]["route"]["tail_skip"] == 2
     assert list(records["pos"]) == list(range(n - 1)) and (records["target_logp"] <= 0).all()
 
+
+
+def test_ctrl_c_while_the_host_pool_works_exits_130_quietly(cache_dir):
+    """SIGINT while the host pool computes every expert (pcie_frac=0): exit 130, no traceback. --ignore_eos keeps
+    the run going for seconds (without it the tiny model meets its eos within a second and a late signal found an
+    exited process). An interrupt that lands inside the io_callback comes back wrapped in JAX's error:
+    test_api_inputs raises one there directly."""
+    import signal
+    import time
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}, PYTHONIOENCODING="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "strata_jax.decode", "--model=embedded", "--prompt=hello world",
+                             "--max_new_tokens=16000", "--context=16384", "--ignore_eos", "--expert_cache_slots=0",
+                             "--pcie_frac=0", "--spec=0", f"--cache_dir={cache_dir}"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = b""
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        err += line
+        if b"graphs:" in line or not line:
+            break
+    time.sleep(1.0)
+    assert proc.poll() is None, err.decode(errors="replace")  # still decoding when interrupted
+    proc.send_signal(signal.SIGINT)
+    out, rest = proc.communicate(timeout=60)
+    err += rest
+    assert proc.returncode == 130 and b"Traceback" not in err, err.decode(errors="replace")[-3000:]
+    assert b"generated tokens" not in out  # stopped, not finished

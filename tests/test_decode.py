@@ -164,6 +164,20 @@ def test_stop_token_ends_generation(engine):
     assert engine.stats.last.generated_tokens == i + 1
 
 
+def test_eos_ends_generation_unless_ignored(engine, monkeypatch):
+    """The model's eos ids stop a request (the eos is the last token); ignore_eos runs on to max_new_tokens with the
+    same tokens; given stop_token_ids still stop with ignore_eos."""
+    import dataclasses
+    prompt = random_ids(engine, 10, seed=18)
+    greedy = engine.generate(prompt, 16, stop_token_ids=[])
+    i = next(i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])
+    monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, eos_token_ids=(greedy[i],)))
+    assert engine.generate(prompt, 16) == greedy[:i + 1]
+    assert engine.generate(prompt, 16, ignore_eos=True) == greedy
+    assert engine.generate(prompt, 16, ignore_eos=True, stop_token_ids=[greedy[i]]) == greedy[:i + 1]
+    assert "ignore_eos" in one_line_refusal(engine.generate, prompt, 4, ignore_eos="yes")
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 7])
 def test_max_new_tokens(engine, n):
     prompt = random_ids(engine, 6, seed=9)
