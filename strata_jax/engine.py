@@ -21,7 +21,8 @@ from strata_jax.config import ModelConfig, config_from_dict
 from strata_jax.drafts import make_drafter
 from strata_jax.embedded import resolve_model
 from strata_jax.errors import StrataError, make_writable_folder
-from strata_jax.options import EngineOptions, RequestOptions, build, defer_cpu, route_approx, split_options
+from strata_jax.options import (EngineOptions, RequestOptions, build, defer_cpu, route_approx, split_options,
+                                unknown_switches)
 from strata_jax.sampling import NON_FINITE, SamplingParams
 from strata_jax.stats import ExpertStats, RequestStats, Stats
 from strata_jax.tokenizer import load_tokenizer
@@ -64,7 +65,7 @@ class Engine:
         self.context, self.chunk = context_and_chunk(cfg, options)
         self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
         self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.pcie_frac < 1)
-        approx_lines += defer_lines
+        approx_lines += defer_lines + unknown_switches()
         self.expert_kernel, self.attention_kernel, self.dense_kernel = resolve_kernels(options, cfg)
         self._check_attention_kernel()
         # All experts resident and one kind of layer: the layers run as one scanned body over stacked weights.

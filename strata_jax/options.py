@@ -294,6 +294,8 @@ def route_approx(opts: EngineOptions, k: int, offload: bool, environ=None):
             out.update(resident=True, resident_rank=first, resident_margin=margin)
             lines.append(f"route resident swap: a missed expert at rank {first}..{k - 1} is swapped for the best "
                          f"resident one within a logit margin of {margin:g}")
+    if raw["route_resident"] in ("", "0") and (raw["route_resident_rank"] or raw["route_resident_margin"]):
+        lines.append("route resident swap: STRATA_ROUTE_RESIDENT_RANK / _MARGIN set but the swap is off: ignored")
     approx = RouteApprox(**out)
     if approx.active and not offload:
         lines.append("route approximations: every expert is on the device (offload off): nothing to do")
@@ -302,6 +304,20 @@ def route_approx(opts: EngineOptions, k: int, offload: bool, environ=None):
 
 
 DEFER_SWITCHES = ("verify_defer_cpu", "verify_defer_cpu_below")
+
+
+def unknown_switches(environ=None) -> list[str]:
+    """One start-up line for each STRATA_* variable that is no switch (a typo would otherwise be ignored silently)."""
+    import difflib
+    import os
+    environ = os.environ if environ is None else environ
+    known = [env_name(n) for n in (*ROUTE_SWITCHES, *DEFER_SWITCHES, "logpos")]
+    lines = []
+    for name in sorted(v for v in environ if v.startswith("STRATA_") and v not in known):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else "known: " + ", ".join(known)
+        lines.append(f"{name}: not a strata_jax switch; ignored ({hint})")
+    return lines
 
 
 def defer_cpu(opts: EngineOptions, makes_cpu_rows: bool, environ=None):

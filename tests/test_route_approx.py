@@ -227,6 +227,8 @@ def test_unset_is_off_and_prints_nothing():
      "not an integer in 0..9; 6"),
     ({"STRATA_ROUTE_RESIDENT": "yes"}, {}, "is not 0 or 1; off"),
     ({"STRATA_ROUTE_RESIDENT": "0"}, {}, None),
+    ({"STRATA_ROUTE_RESIDENT_MARGIN": "0.5"}, {}, "the swap is off: ignored"),
+    ({"STRATA_ROUTE_RESIDENT": "0", "STRATA_ROUTE_RESIDENT_RANK": "3"}, {}, "the swap is off: ignored"),
 ])
 def test_switch_values(env, expect, line):
     rule, lines = parse(env)
@@ -238,6 +240,17 @@ def test_switch_values(env, expect, line):
         assert lines == []
     else:
         assert len([l for l in lines if line in l]) == 1, lines
+
+
+def test_an_unknown_strata_variable_is_named_at_start_up():
+    """A typo (STRATA_DEFER_CPU for STRATA_VERIFY_DEFER_CPU) is one line with the nearest switch, not ignored
+    silently; the switches themselves are not flagged."""
+    from strata_jax.options import unknown_switches
+    lines = unknown_switches({"STRATA_DEFER_CPU": "1", "STRATA_ROUTE_PRIOR": "0.5", "STRATA_LOGPOS": "x",
+                              "STRATA_WHATEVER": "2", "HOME": "/root"})
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("STRATA_DEFER_CPU: not a strata_jax switch") and "STRATA_VERIFY_DEFER_CPU" in lines[0]
+    assert lines[1].startswith("STRATA_WHATEVER:")
 
 
 def test_the_option_overrides_the_environment_and_offload_off_disables():
