@@ -51,8 +51,8 @@ flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FF
 flags.DEFINE_enum("attention_kernel", "auto", ["auto", "xla", "pallas"], "Attention: XLA einsums over the whole static "
                   "cache, or the Pallas decode-attention kernel (reads the cache up to the window's last position).",
                   flag_values=FLAGS)
-flags.DEFINE_enum("dense_kernel", "auto", ["auto", "xla", "pallas"], "Attention products of the scanned graph: "
-                  "the stacked weights read in place (pallas) or sliced out by XLA.", flag_values=FLAGS)
+flags.DEFINE_enum("dense_kernel", "auto", ["auto", "xla", "pallas"], "Attention products (q/k/v, o): "
+                  "pallas_kernels/stacked_linear.py (scanned: the stacks read in place) or XLA's.", flag_values=FLAGS)
 flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "Layers as one scanned body over weights stacked on "
                   "a layer axis (the engine's default), or unrolled (one copy per layer).", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and token ids.", flag_values=FLAGS)
@@ -264,8 +264,8 @@ def run(s) -> dict:
 
     expert_kernel, attention_kernel, dense_kernel = common.kernels(s, cfg)
     result["kernels"] = dict(expert=expert_kernel, attention=attention_kernel)
-    dense = scanned and dense_kernel == "pallas"
-    result["kernels"]["dense"] = dense_kernel if scanned else "xla"
+    dense = dense_kernel == "pallas"
+    result["kernels"]["dense"] = dense_kernel
     say(f"kernels: expert FFN {expert_kernel}, attention {attention_kernel}, attention products "
         f"{'pallas' if dense else 'xla'}; layers {'scanned over stacked weights' if scanned else 'unrolled'}")
     experts = moe.ResidentExperts(cfg, interpret=dev["platform"] != "gpu") if expert_kernel == "pallas" else None

@@ -34,8 +34,8 @@ flags.DEFINE_integer("iters", 10, "Windows run inside the trace.", lower_bound=1
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations.", flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FFN (pallas: bf16).", flag_values=FLAGS)
 flags.DEFINE_enum("attention_kernel", "auto", ["auto", "xla", "pallas"], "Attention.", flag_values=FLAGS)
-flags.DEFINE_enum("dense_kernel", "auto", ["auto", "xla", "pallas"], "Attention products of the scanned graph: "
-                  "the stacked weights read in place (pallas) or sliced out by XLA.", flag_values=FLAGS)
+flags.DEFINE_enum("dense_kernel", "auto", ["auto", "xla", "pallas"], "Attention products (q/k/v, o): "
+                  "pallas_kernels/stacked_linear.py (scanned: the stacks read in place) or XLA's.", flag_values=FLAGS)
 flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "Layers scanned over stacked weights (the engine's "
                   "default) or unrolled.", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write the numbers to this JSON file.", flag_values=FLAGS)
@@ -153,7 +153,7 @@ def run(s) -> dict:
     expert_kernel, attention_kernel, dense_kernel = common.kernels(s, cfg)
     experts = moe.ResidentExperts(cfg, interpret=interpret) if expert_kernel == "pallas" else None
     step = graphs.jit_decode_window(cfg, experts, attention_kernel=attention_kernel == "pallas",
-                                    dense_kernel=scanned and dense_kernel == "pallas")
+                                    dense_kernel=dense_kernel == "pallas")
     rng = np.random.default_rng(0)
     result = dict(benchmark="profile_window", settings={n: getattr(s, n) for n in FLAGS}, device=dev, windows=[])
     for t in windows:

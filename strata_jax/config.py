@@ -59,6 +59,13 @@ def _rope_theta(raw: dict) -> float:
     return float(theta)
 
 
+def _as_int(value, name: str) -> int:
+    """A config integer as JSON writes it; a string, float or bool is refused rather than converted silently."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
 def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     if not isinstance(raw, dict):
         raise StrataError(f"{where}: malformed config.json: a JSON object is expected, not a {type(raw).__name__}")
@@ -70,38 +77,40 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     if raw.get("use_sliding_window", False):
         raise StrataError(f"{where}: unsupported config option: use_sliding_window=true")
     try:
-        num_layers = int(raw["num_hidden_layers"])
-        num_heads = int(raw["num_attention_heads"])
+        num_layers = _as_int(raw["num_hidden_layers"], "num_hidden_layers")
+        num_heads = _as_int(raw["num_attention_heads"], "num_attention_heads")
         if num_heads <= 0:
             raise StrataError(f"{where}: num_attention_heads must be positive (got {num_heads})")
-        hidden = int(raw["hidden_size"])
+        hidden = _as_int(raw["hidden_size"], "hidden_size")
         # transformers 5.x writes `num_local_experts`; Hub checkpoints have `num_experts`.
-        num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)) or 0)
-        sparse_step = int(raw.get("decoder_sparse_step", 1))
-        mlp_only = set(int(i) for i in (raw.get("mlp_only_layers") or []))
+        num_experts = _as_int(raw.get("num_experts", raw.get("num_local_experts", 0)) or 0, "num_experts")
+        sparse_step = _as_int(raw.get("decoder_sparse_step", 1), "decoder_sparse_step")
+        mlp_only = set(_as_int(i, "mlp_only_layers") for i in (raw.get("mlp_only_layers") or []))
         # As transformers' Qwen3MoeDecoderLayer decides which layers are sparse.
         sparse = tuple(
             (i not in mlp_only) and num_experts > 0 and sparse_step > 0 and (i + 1) % sparse_step == 0
             for i in range(num_layers)
         )
         eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        eos_ids = tuple(_as_int(e, "eos_token_id") for e in (eos if isinstance(eos, list) else
+                                                            ([] if eos is None else [eos])))
         cfg = ModelConfig(
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=_as_int(raw["vocab_size"], "vocab_size"),
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=num_heads if raw.get("num_key_value_heads") is None else int(raw["num_key_value_heads"]),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            num_kv_heads=(num_heads if raw.get("num_key_value_heads") is None
+                          else _as_int(raw["num_key_value_heads"], "num_key_value_heads")),
+            head_dim=_as_int(raw.get("head_dim") or hidden // num_heads, "head_dim"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            max_position_embeddings=_as_int(raw.get("max_position_embeddings", 32768), "max_position_embeddings"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             num_experts=num_experts,
-            num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)),
-            moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
-            intermediate_size=int(raw.get("intermediate_size", 0)),
+            num_experts_per_tok=_as_int(raw.get("num_experts_per_tok", 0), "num_experts_per_tok"),
+            moe_intermediate_size=_as_int(raw.get("moe_intermediate_size", 0), "moe_intermediate_size"),
+            intermediate_size=_as_int(raw.get("intermediate_size", 0), "intermediate_size"),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             sparse_layers=sparse,
             eos_token_ids=eos_ids,

@@ -12,6 +12,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from strata_jax.config import CONFIGS_DIR, config_from_dict
+from strata_jax.errors import make_writable_folder
 from strata_jax.tokenizer import byte_level_tokenizer
 
 EMBEDDED_NAME = "embedded"
@@ -97,5 +98,6 @@ def embedded_model_dir(cache_dir: Path, seed: int = 0) -> Path:
     raw = json.loads((CONFIGS_DIR / "tiny.json").read_text())
     folder = Path(cache_dir) / f"{EMBEDDED_NAME}-tiny-seed{seed}-v{FORMAT_VERSION}"
     if not (folder / "model.safetensors").is_file():
+        make_writable_folder(cache_dir, f"cache_dir {cache_dir}: not a writable folder for the embedded model")
         write_checkpoint(folder, raw, seed)
     return folder

@@ -84,7 +84,7 @@ class Engine:
             for line in approx_lines:
                 log(line)
             log(f"kernels: expert FFN {self.expert_kernel}, attention {self.attention_kernel}"
-                + (f", attention products {self.dense_kernel}" if self.scanned else "")
+                + f", attention products {self.dense_kernel}"
                 + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel, options.dense_kernel)
                    else "")
                 + f"; layers {'scanned (one body over stacked weights)' if self.scanned else 'unrolled'}")
@@ -230,7 +230,7 @@ class Engine:
         pos = jnp.int32(0)
         decode = graphs.jit_decode_window(self.cfg, self.decode_expert_path,
                                           attention_kernel=self.attention_kernel == "pallas",
-                                          dense_kernel=self.scanned and self.dense_kernel == "pallas")
+                                          dense_kernel=self.dense_kernel == "pallas")
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
         sampler, verifier = graphs.jit_sample(), graphs.jit_verify()
         sampling = SamplingParams.make()
@@ -490,7 +490,7 @@ class Engine:
             t0 = time.perf_counter()
             fn = graphs.jit_device_verify_window(self.cfg, t, sampled, self.decode_expert_path,
                                                  attention_kernel=self.attention_kernel == "pallas",
-                                                 dense_kernel=self.scanned and self.dense_kernel == "pallas")
+                                                 dense_kernel=self.dense_kernel == "pallas")
             hist = jnp.zeros((self.context + t,), jnp.int32)
             full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
                         else contextlib.nullcontext())

@@ -27,8 +27,8 @@ def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.
                   *, cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False,
                   dense_kernel: bool = False):
     """tokens [T] at positions pos.. -> (argmax tokens [T], logits [T, V] float32, cache). attention_kernel: the
-    Pallas decode-attention kernel instead of XLA's einsums; dense_kernel (stacked weights): the attention products
-    read the stacks in place (pallas_kernels/stacked_linear.py)."""
+    Pallas decode-attention kernel instead of XLA's einsums; dense_kernel: the attention products through
+    pallas_kernels/stacked_linear.py (stacked weights read in place)."""
     t = tokens.shape[0]
     logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel, dense_kernel)
     return greedy(logits), logits, cache  # NON_FINITE (-1) for a row whose logits are not all finite

@@ -151,19 +151,26 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
               cfg: ModelConfig, kernel: bool = False, layer: jax.Array | None = None,
-              w_stack: AttentionWeights | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              w_stack: AttentionWeights | None = None,
+              dense_kernel: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of T window tokens at positions pos..pos+T-1 over the cache. x: [T, H]. kernel: the Pallas
     decode-attention kernel (pallas_kernels/decode_attention.py: reads the cache in place, only up to pos+T-1)
     instead of XLA's einsums over the whole static cache. layer: the caches are the stacked [L, S, Nkv, D] arrays
     and this is the layer's index (a traced int32 in the scanned body); they are updated and returned whole.
     w_stack: the stacked weights of every layer; the q/k/v and o products then read layer `layer` of them in place
-    (pallas_kernels/stacked_linear.py) instead of products with w's slices (w still gives the norms and biases)."""
+    (pallas_kernels/stacked_linear.py) instead of products with w's slices (w still gives the norms and biases).
+    dense_kernel without w_stack (the unrolled graph): the same kernel over w as a stack of one layer, so both graphs
+    sum the products in the same order and round alike."""
     t = x.shape[0]
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     interpret = jax.default_backend() != "gpu"
+    product_layer = layer
+    if w_stack is None and dense_kernel:
+        w_stack, product_layer = jax.tree.map(lambda a: a[None], w), jnp.int32(0)  # [1, K, N]: a bitcast
     if w_stack is not None:
         from pallas_kernels.stacked_linear import stacked_linear
-        qkv = stacked_linear(x, (w_stack.wq, w_stack.wk, w_stack.wv), layer, interpret=interpret).astype(x.dtype)
+        qkv = stacked_linear(x, (w_stack.wq, w_stack.wk, w_stack.wv), product_layer,
+                             interpret=interpret).astype(x.dtype)
         ys = jnp.split(qkv, [nq * d, (nq + nkv) * d], axis=1)  # as linear() rounds each product to x.dtype
     else:
         ys = [linear(x, w.wq), linear(x, w.wk), linear(x, w.wv)]
@@ -195,7 +202,7 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
         out = _xla_attention(q, k_layer, v_layer, positions)
     if w_stack is not None:
         from pallas_kernels.stacked_linear import stacked_linear
-        out = stacked_linear(out, (w_stack.wo,), layer, interpret=interpret).astype(x.dtype)
+        out = stacked_linear(out, (w_stack.wo,), product_layer, interpret=interpret).astype(x.dtype)
     else:
         out = linear(out, w.wo)
     return (out if w.bo is None else out + w.bo), k_cache, v_cache
@@ -245,7 +252,8 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
         with jax.named_scope(f"layer{i}"):
             with jax.named_scope("attention"):
                 a, kc, vc = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn,
-                                      cache.k[i], cache.v[i], pos, cfg, kernel=attention_kernel)
+                                      cache.k[i], cache.v[i], pos, cfg, kernel=attention_kernel,
+                                      dense_kernel=dense_kernel)
             h = h + a
             new_k.append(kc)
             new_v.append(vc)

@@ -96,10 +96,11 @@ class EngineOptions:
                                 "the GPU), xla (einsums over the whole static cache), or auto (pallas on a GPU in "
                                 "bfloat16 when head_dim is a power of 2 >= 16, else xla).",
                                 _choice("auto", "xla", "pallas"))
-    dense_kernel: str = opt("auto", "Attention products (q/k/v, o) of the scanned decode graphs: pallas "
-                            "(pallas_kernels/stacked_linear.py: the stacked weights read in place), xla (each "
-                            "layer's matrices sliced out of the stacks, a copy, then XLA's product), or auto (pallas "
-                            "on a GPU in bfloat16, else xla). Unrolled graphs use XLA's.",
+    dense_kernel: str = opt("auto", "Attention products (q/k/v, o) of the decode graphs: pallas "
+                            "(pallas_kernels/stacked_linear.py: the scanned graph's stacked weights read in place; "
+                            "the unrolled graph runs the same kernel, so both round alike), xla (XLA's product; "
+                            "scanned: each layer's matrices sliced out of the stacks first, a copy), or auto (pallas "
+                            "on a GPU in bfloat16, else xla).",
                             _choice("auto", "xla", "pallas"))
     layer_loop: str = opt("scan", "How a window's graph runs the layers: scan (weights stacked on a layer axis, one "
                           "layer body in a loop: a few hundred kernel launches less per layer count, a fraction of "
