@@ -137,7 +137,9 @@ def test_ctrl_c_inside_the_host_pool_is_a_keyboard_interrupt(engine_factory):
 
 
 @pytest.mark.parametrize("raw,match", [([1, 2], "JSON object"), ("zero_heads", "num_attention_heads must be positive"),
-                                       ("zero_kv", "num_key_value_heads must be positive")])
+                                       ("zero_kv", "num_key_value_heads must be positive"),
+                                       ("text_int", "hidden_size must be an integer, got '128'"),
+                                       ("float_int", "num_experts_per_tok must be an integer, got 2.5")])
 def test_malformed_configs_are_one_line(raw, match):
     import json
     from conftest import HF_FIXTURES
@@ -147,6 +149,10 @@ def test_malformed_configs_are_one_line(raw, match):
         raw = dict(base, num_attention_heads=0)
     elif raw == "zero_kv":
         raw = dict(base, num_key_value_heads=0)
+    elif raw == "text_int":  # "128" is not converted silently
+        raw = dict(base, hidden_size="128")
+    elif raw == "float_int":
+        raw = dict(base, num_experts_per_tok=2.5)
     refused(config_from_dict, raw, match=match)
 
 
@@ -166,6 +172,10 @@ def test_cli_refuses_early_and_in_one_line(tmp_path, cache_dir):
         err = proc.stderr.decode("utf-8", "replace")
         lines = err.strip().splitlines()
         assert proc.returncode == 1 and lines and match in lines[-1] and "Traceback" not in err, err
+    # The CLI with a file as --cache_dir: checked before the embedded model is written there.
+    proc = run_cli(["--model=embedded", "--prompt=hi"], a_file, timeout=120)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 1 and "Traceback" not in err and "not a writable folder" in err.splitlines()[-1], err
 
 
 def test_a_pool_timeout_ends_the_cli_in_one_line(cache_dir):
