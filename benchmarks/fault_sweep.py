@@ -131,7 +131,7 @@ def sigint(args, cache_dir):
 
 def flag_cases(cache_dir: Path) -> list[Case]:
     bad = [("--window=0", "window"), ("--window=abc", "window"), ("--window=-2", "window"),
-           ("--context=0", "context"), ("--context=abc", "context"), ("--max_new_tokens=-5", "max_new_tokens"),
+           ("--context=-1", "context"), ("--context=abc", "context"), ("--max_new_tokens=-5", "max_new_tokens"),
            ("--temperature=-1", "temperature"), ("--temperature=nan", "temperature"), ("--top_p=0", "top_p"),
            ("--top_p=1.5", "top_p"), ("--top_k=-1", "top_k"), ("--top_k=3000000000", "top_k"),
            ("--seed=-1", "seed"), ("--dtype=float16", "dtype"), ("--expert_cache_slots=-3", "expert_cache_slots"),

@@ -1,10 +1,12 @@
-"""Command line: `python -m strata_jax.decode --prompt "..."` prints the continuation and one summary line.
+"""Command line: `python -m strata_jax.decode --prompt "..."` writes the prompt and its continuation to stdout as
+the tokens are accepted; start-up lines and the statistics go to stderr (`--quiet`: neither).
 
 Every flag is an engine or request option of the same name (strata_jax.options). Bad input gives one line on
 stderr and a non-zero exit status, never a traceback.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from absl import app, flags, logging
 
 from strata_jax import options
 from strata_jax.errors import StrataError
+from strata_jax.tokenizer import TextStream
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "reference", "Model folder (config.json, *.safetensors, tokenizer.json), a folder "
@@ -20,6 +23,8 @@ flags.DEFINE_string("model", "reference", "Model folder (config.json, *.safetens
 flags.DEFINE_string("prompt", "class Stack:\n    def __init__(self):\n", "Prompt text.", flag_values=FLAGS)
 flags.DEFINE_string("prompt_file", "", "Read the prompt from this file (overrides --prompt).", flag_values=FLAGS)
 flags.DEFINE_string("save_state", "", "After loading, save the converted weights here with orbax.", flag_values=FLAGS)
+flags.DEFINE_bool("quiet", False, "Only the text (stdout) and errors: no start-up lines, no statistics (stderr).",
+                  flag_values=FLAGS)
 options.define_flags(FLAGS)
 
 
@@ -43,8 +48,8 @@ def run() -> None:
         except (OSError, UnicodeDecodeError) as e:
             raise StrataError(f"cannot read --prompt_file {FLAGS.prompt_file}: {e}") from None
     check_prompt_fits(FLAGS.model, engine_opts, prompt)
-    engine = Engine.from_pretrained(FLAGS.model, **{k: getattr(engine_opts, k) for k in
-                                                    engine_opts.__dataclass_fields__})
+    engine = Engine.from_pretrained(FLAGS.model, verbose=not FLAGS.quiet,
+                                    **{k: getattr(engine_opts, k) for k in engine_opts.__dataclass_fields__})
     if FLAGS.save_state:
         engine.save_state(FLAGS.save_state)
         print(f"saved state: {FLAGS.save_state}", file=sys.stderr)
@@ -54,16 +59,35 @@ def run() -> None:
         n = engine.write_logpos(ids, logpos, read=request.logpos_read)
         print(f"logpos: {n} positions of the prompt, read through the {request.logpos_read}, written to {logpos}",
               file=sys.stderr, flush=True)
-    out = engine.generate(ids, **{k: getattr(request, k) for k in request.__dataclass_fields__
-                                  if k not in ("logpos", "logpos_read")})
-    sys.stdout.write(prompt + engine.decode(out) + "\n")
-    print(engine.stats.last.summary(), flush=True)
-    print(engine.stats.last.draft_summary(), flush=True)
+    # The text on stdout as it is accepted; the statistics on stderr (--quiet: none), so stdout is the text alone.
+    # The prompt goes out with the first token: a request refused before it leaves stdout empty.
+    text, shown = TextStream(engine.decode), []
+
+    def show(piece: str) -> None:
+        if not shown:
+            sys.stdout.write(prompt)
+            shown.append(True)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    try:
+        engine.generate(ids, on_token=lambda token: show(text.push(token)),
+                        **{k: getattr(request, k) for k in request.__dataclass_fields__
+                           if k not in ("logpos", "logpos_read")})
+    except BaseException:
+        if shown:  # the text so far ends with its line, before the error line
+            show(text.flush() + "\n")
+        raise
+    show(text.flush() + "\n")
+    if FLAGS.quiet:
+        return
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    say(engine.stats.last.summary())
+    say(engine.stats.last.draft_summary())
     if engine.placement:
-        print(f"experts, prefill: {engine.stats.last.prefill_experts.summary()}")
-        print(f"experts, decode: {engine.stats.last.decode_experts.summary()}", flush=True)
+        say(f"experts, prefill: {engine.stats.last.prefill_experts.summary()}")
+        say(f"experts, decode: {engine.stats.last.decode_experts.summary()}")
         for line in engine.stats.total.decode_experts.approx_lines(engine.approx):
-            print(line, flush=True)
+            say(line)
 
 
 def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:
@@ -108,5 +132,10 @@ def main(argv: list[str]) -> None:
         sys.exit(130)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `strata-decode` console script (pyproject.toml)."""
     app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    cli()

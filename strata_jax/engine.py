@@ -5,11 +5,12 @@ import contextlib
 import dataclasses
 import functools
 import json
+import queue
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -420,6 +421,41 @@ class Engine:
         self.stats.add(stats)
         return out
 
+    def stream(self, token_ids: Sequence[int], **request) -> Iterator[int]:
+        """`generate` as a generator: each new token id as soon as it is accepted (same options, same tokens).
+        Closing the generator early (break, or a client gone) stops the request at its next token."""
+        tokens: queue.Queue = queue.Queue()
+        closed = threading.Event()
+        done = object()
+
+        def on_token(token: int) -> None:
+            if closed.is_set():
+                raise _StreamClosed
+            tokens.put(token)
+
+        def run() -> None:
+            try:
+                self.generate(token_ids, on_token=on_token, **request)
+                tokens.put(done)
+            except _StreamClosed:
+                tokens.put(done)
+            except BaseException as e:  # noqa: BLE001 (handed to the consumer)
+                tokens.put(e)
+
+        worker = threading.Thread(target=run, name="strata-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = tokens.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            closed.set()
+            worker.join()
+
     def _generate(self, ids, budget, stops, sampling, stats: RequestStats, out: list[int], on_token, spec: int,
                   drafter, device_drafts: bool = False) -> None:
         sampled = float(sampling.temperature) > 0
@@ -652,6 +688,10 @@ class Engine:
         if self.tokenizer is None:
             raise StrataError(f"no tokenizer.json in {self.model_dir}")
         return self.tokenizer.decode(check_token_ids(ids, self.cfg.vocab_size, "decode").tolist())
+
+
+class _StreamClosed(Exception):
+    """Raised in `stream`'s on_token once its consumer has gone: ends the request."""
 
 
 def _interrupted(exc: BaseException) -> bool:

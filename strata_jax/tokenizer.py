@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -42,3 +43,33 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as e:
         raise StrataError(f"{path}: cannot load tokenizer: {e}") from None
+
+
+class TextStream:
+    """Token ids in, text out as soon as it is whole: a byte-level token can end inside a UTF-8 character, and a
+    tokenizer may decode a token differently after its neighbours, so each new piece is the text of the tokens since
+    the last cut, decoded with the piece before it as context, minus that context (as vLLM's incremental
+    detokenizer). Cost per token: the tokens since the last cut, not the whole output."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0  # context starts here
+        self._read = 0  # text up to here has been handed out
+
+    def push(self, token: int) -> str:
+        """Add one token; the text that became whole (maybe '')."""
+        self._ids.append(int(token))
+        before = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """The rest, whole or not (at the end of a request)."""
+        before = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return text[len(before):]

@@ -67,12 +67,12 @@ def test_decode_prints_continuation_and_summary(success, embedded_engine):
     assert success.returncode == 0, err
     assert "Traceback" not in err
     out = success.stdout.decode("utf-8")
-    # the continuation may contain newlines; the summary is the one line matching SUMMARY (more may follow it)
-    found = list(re.finditer(f"^{SUMMARY.pattern}$", out, re.MULTILINE))
-    assert len(found) == 1, out
+    # stdout is the text alone (prompt, continuation, a newline); the summary is one line on stderr
+    found = list(re.finditer(f"^{SUMMARY.pattern}$", err, re.MULTILINE))
+    assert len(found) == 1, err
     m = found[0]
-    assert out[:m.start()].endswith("\n") and out.endswith("\n")
-    text = out[:m.start() - 1]
+    assert out.endswith("\n") and not SUMMARY.search(out)
+    text = out[:-1]
     assert int(m.group(1)) == len(PROMPT.encode("utf-8"))  # byte-level tokenizer: one token per byte
     assert text.startswith(PROMPT)
     # the same continuation as the API on the same model and options
@@ -111,7 +111,7 @@ def test_switches_print_their_lines_and_logpos_writes_the_prompt(cache_dir, tmp_
     assert "route tail skip: R = 2" in err
     assert "STRATA_ROUTE_PRIOR=much is not a number >= 0; prior off" in err
     assert "STRATA_VERIFY_DEFER_CPU_BELOW=0.2: ignored (STRATA_VERIFY_DEFER_CPU is off)" in err
-    assert re.search(r"^route tail skip: \d+ missed experts skipped \(\d+ entries\) since the start$", out, re.M), out
+    assert re.search(r"^route tail skip: \d+ missed experts skipped \(\d+ entries\) since the start$", err, re.M), err
     header, records = read_logpos(path)
     n = len(PROMPT.encode("utf-8"))
     assert header["meta"]["read"] == "windows" and header["meta"]["route"]["tail_skip"] == 2
@@ -145,3 +145,18 @@ def test_ctrl_c_while_the_host_pool_works_exits_130_quietly(cache_dir):
     err += rest
     assert proc.returncode == 130 and b"Traceback" not in err, err.decode(errors="replace")[-3000:]
     assert b"generated tokens" not in out  # stopped, not finished
+
+
+def test_the_package_declares_what_exists():
+    """pyproject.toml: every package listed is a folder with __init__.py, every console script names a callable,
+    and the dependencies come from requirements.txt (one list of pins). `pip install -e .` itself was tried by hand
+    (it needs the package index for setuptools)."""
+    import importlib
+    import tomllib
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    for package in meta["tool"]["setuptools"]["packages"]:
+        assert (REPO / package / "__init__.py").is_file(), package
+    for name, target in meta["project"]["scripts"].items():
+        module, attr = target.split(":")
+        assert callable(getattr(importlib.import_module(module), attr)), name
+    assert meta["tool"]["setuptools"]["dynamic"]["dependencies"]["file"] == ["requirements.txt"]

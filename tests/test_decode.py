@@ -275,3 +275,27 @@ def test_text_round_trip_through_generate(engine):
     text = random_text(np.random.default_rng(16), 6)  # <= 24 bytes: fits the 64-token context
     out = engine.generate(engine.encode(text), 6, stop_token_ids=[])
     assert engine.decode(engine.encode(text) + out).startswith(text)
+
+
+def test_text_stream_hands_out_whole_characters(engine):
+    """Byte tokens pushed one at a time: the pieces join to the whole text, and none ends inside a character (a
+    4-byte emoji is held back until its last byte)."""
+    from strata_jax.tokenizer import TextStream
+    text = random_text(np.random.default_rng(17), 200)
+    stream = TextStream(engine.decode)
+    pieces = [stream.push(t) for t in engine.encode(text)]
+    pieces.append(stream.flush())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(p == "" for p in pieces) >= 200  # multi-byte characters wait for their last byte
+
+
+def test_stream_yields_what_generate_returns_and_stops_when_closed(engine):
+    prompt = random_ids(engine, 9, seed=19)
+    want = engine.generate(prompt, 12, stop_token_ids=[])
+    assert list(engine.stream(prompt, max_new_tokens=12, stop_token_ids=[])) == want
+    it = engine.stream(prompt, max_new_tokens=12, stop_token_ids=[])
+    assert [next(it) for _ in range(3)] == want[:3]
+    it.close()  # the consumer has gone: the request ends at its next token
+    assert engine.generate(prompt, 12, stop_token_ids=[]) == want  # and the engine serves the next one
+    assert "max_new_tokens" in one_line_refusal(lambda: list(engine.stream(prompt, max_new_tokens=-1)))

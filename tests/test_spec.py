@@ -185,7 +185,7 @@ def test_cli_prints_the_draft_counters(cache_dir):
     out = run_cli(["--dtype=float32", "--window=5", "--context=128", "--expert_cache_slots=all",
                    "--prompt=abcabcabcabcabc", "--max_new_tokens=12"], cache_dir, timeout=600)
     assert out.returncode == 0, out.stderr.decode("utf-8", "replace")
-    lines = out.stdout.decode("utf-8", "replace").splitlines()
+    lines = out.stderr.decode("utf-8", "replace").splitlines()  # the statistics go to stderr
     assert any(line.startswith("drafts: proposed ") and "mean window size" in line for line in lines)
 
 
