@@ -132,6 +132,7 @@ class Engine:
                               "lower --context") from None
         experts = self.placement.init_state(self.cfg, self.dtype) if self.placement else None
         self.cache = kv.replace(experts=experts)
+        self._kv_tokens: list[int] = []  # the tokens whose KV rows 0.. the cache holds (prefix reuse)
 
     # ---- construction ----------------------------------------------------------------------------------------
 
@@ -345,9 +346,10 @@ class Engine:
                               f"(at least one must be left to generate; see --context)")
         return arr.astype(np.int32)
 
-    def _prefill_all(self, ids: np.ndarray, want_logits: bool = False):
-        """The prompt through the prefill graph chunk by chunk. Returns (argmax token after the prompt, its logits
-        [1, V]) as device arrays, or with want_logits the logits [P, V] of every prompt position (numpy)."""
+    def _prefill_all(self, ids: np.ndarray, want_logits: bool = False, first: int = 0):
+        """The prompt through the prefill graph chunk by chunk, from position `first` (the rows before it are in
+        the cache already). Returns (argmax token after the prompt, its logits [1, V]) as device arrays, or with
+        want_logits the logits [P, V] of every prompt position (numpy)."""
         if want_logits and self._prefill_logits is None:
             full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
                         else contextlib.nullcontext())
@@ -357,7 +359,7 @@ class Engine:
                     self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), jnp.int32(0), jnp.int32(1)).compile()
         chunks = []
         token = last = None
-        for start in range(0, ids.size, self.chunk):
+        for start in range(first, ids.size, self.chunk):
             part = ids[start:start + self.chunk]
             tokens = np.zeros((self.chunk,), np.int32)
             tokens[:part.size] = part
@@ -377,6 +379,7 @@ class Engine:
         """Logits [P, V] float32 of every prompt position through the prefill path (chunked)."""
         ids = self._check_prompt(token_ids)
         self._take_expert_stats()
+        self._kv_tokens = []  # these rows will hold other tokens
         return self._guarded(lambda: self._prefill_all(ids, want_logits=True))
 
     @_serialized
@@ -411,12 +414,19 @@ class Engine:
         stops = set(eos if stop_token_ids is None else stop_token_ids)
         budget = min(req.max_new_tokens, self.context - ids.size)
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
-        stats = RequestStats(prompt_tokens=int(ids.size))
+        reuse = self._reusable(ids) if budget > 0 else 0
+        stats = RequestStats(prompt_tokens=int(ids.size), cached_tokens=reuse)
         out: list[int] = []
         self._take_expert_stats(new_request=True)
         if budget > 0:
+            self._kv_tokens = []  # until this request has finished
             self._guarded(self._generate, ids, budget, stops, sampling, stats, out, on_token, spec,
-                          drafter or make_drafter(req.draft), drafter is None and req.draft == "device")
+                          drafter or make_drafter(req.draft), drafter is None and req.draft == "device", reuse)
+            # Rows 0.. now hold the prompt and every generated token but the last (never fed back); rejected
+            # drafts wrote only rows past those. With an approximation on, the generated tokens' rows came from
+            # approximate decode windows: only the prompt's (prefilled exactly) are reused.
+            approximate = self.approx.active or self.defer.active
+            self._kv_tokens = ids.tolist() + ([] if approximate else out[:-1])
         stats.generated_tokens = len(out)
         self.stats.add(stats)
         return out
@@ -456,11 +466,20 @@ class Engine:
             closed.set()
             worker.join()
 
+    def _reusable(self, ids: np.ndarray) -> int:
+        """How many leading prompt tokens already have their KV rows in the cache (the last request's prompt and
+        output): the common prefix, less one (the last prompt token is always run, for its logits)."""
+        if not self.options.prefix_reuse or not self._kv_tokens:
+            return 0
+        cached = np.asarray(self._kv_tokens[:ids.size - 1], np.int32)
+        differ = np.flatnonzero(cached != ids[:cached.size])
+        return int(differ[0]) if differ.size else int(cached.size)
+
     def _generate(self, ids, budget, stops, sampling, stats: RequestStats, out: list[int], on_token, spec: int,
-                  drafter, device_drafts: bool = False) -> None:
+                  drafter, device_drafts: bool = False, reuse: int = 0) -> None:
         sampled = float(sampling.temperature) > 0
         t0 = time.perf_counter()
-        token, last = self._prefill_all(ids)
+        token, last = self._prefill_all(ids, first=reuse)
         if sampled:
             token = self._sample[1](last, jnp.asarray([ids.size], jnp.int32), sampling)[0]
         first = self._checked(int(token), ids.size)
@@ -637,6 +656,7 @@ class Engine:
         if not 1 <= w <= self.options.window:
             raise StrataError(f"window {w} is not compiled (1..{self.options.window})")
         self._take_expert_stats()
+        self._kv_tokens = []
 
         def run():
             rows = []

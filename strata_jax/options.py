@@ -108,6 +108,8 @@ class EngineOptions:
                           "mix dense and MoE layers always unroll.", _choice("scan", "unrolled"))
     callback_timeout_s: float = opt(20.0, "A host pool job that does not answer within this many seconds ends the "
                                "request with an error.", _float_range(0.0, 3600.0, lo_open=True))
+    prefix_reuse: bool = opt(True, "Keep the KV cache of the last request: a request whose tokens start with it "
+                             "prefills only the new part (exact: the same logits as a cold run).", _bool)
 
     # The routing approximations (strata_jax.approx): '' = read the STRATA_* environment variable of the same name.
     # A bad value is one line and the switch stays off (as the original engine does), not an error.

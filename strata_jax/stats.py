@@ -65,6 +65,7 @@ class ExpertStats:
 @dataclasses.dataclass
 class RequestStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV rows the last request left (prefix reuse): not prefilled
     prefill_s: float = 0.0
     generated_tokens: int = 0
     decode_s: float = 0.0
@@ -81,7 +82,7 @@ class RequestStats:
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -107,7 +108,8 @@ class RequestStats:
         return self.window_tokens / self.windows if self.windows else 0.0
 
     def summary(self) -> str:
-        return (f"prompt tokens: {self.prompt_tokens}, prefill: {self.prefill_tok_s:.1f} tok/s, "
+        cached = f" ({self.cached_tokens} reused)" if self.cached_tokens else ""
+        return (f"prompt tokens: {self.prompt_tokens}{cached}, prefill: {self.prefill_tok_s:.1f} tok/s, "
                 f"generated tokens: {self.generated_tokens}, decode: {self.decode_tok_s:.1f} tok/s")
 
     def draft_summary(self) -> str:

@@ -299,3 +299,35 @@ def test_stream_yields_what_generate_returns_and_stops_when_closed(engine):
     it.close()  # the consumer has gone: the request ends at its next token
     assert engine.generate(prompt, 12, stop_token_ids=[]) == want  # and the engine serves the next one
     assert "max_new_tokens" in one_line_refusal(lambda: list(engine.stream(prompt, max_new_tokens=-1)))
+
+
+# ---- prefix reuse ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("slots", ["all", 4])
+def test_prefix_reuse_prefills_only_the_new_part_and_matches_a_cold_run(engine_factory, slots):
+    """A second turn that extends the first (its prompt, its answer, new text) prefills only the new tokens; its
+    first-token logits and its tokens equal a cold engine's (float32: summation order only), resident or offloaded."""
+    opts = dict(dtype="float32", window=4, context=64, expert_cache_slots=slots)
+    warm, cold = engine_factory(None, **opts), engine_factory(None, prefix_reuse=False, **opts)
+    rng = np.random.default_rng(21)
+    turn1 = rng.integers(0, 255, 11).tolist()
+    out1 = warm.generate(turn1, 6, stop_token_ids=[])
+    turn2 = turn1 + out1 + rng.integers(0, 255, 5).tolist()
+    out2 = warm.generate(turn2, 6, stop_token_ids=[])
+    assert warm.stats.last.cached_tokens == len(turn1) + len(out1) - 1  # the last answer token was never fed back
+    assert out2 == cold.generate(turn2, 6, stop_token_ids=[]) and cold.stats.last.cached_tokens == 0
+    # the logits themselves: the prefill of turn 2 from the reused rows against a cold prefill of all of it
+    warm.generate(turn1 + out1, 1, stop_token_ids=[])
+    ids = np.asarray(turn2, np.int32)
+    reuse = warm._reusable(ids)
+    assert reuse == len(turn1) + len(out1)
+    _, warm_logits = warm._prefill_all(ids, first=reuse)
+    _, cold_logits = cold._prefill_all(ids)
+    assert rel_fro(np.asarray(warm_logits), np.asarray(cold_logits)) <= 1e-5
+    # a prompt that differs early reuses only the common part; score() leaves nothing to reuse
+    other = turn1[:3] + [(turn1[3] + 1) % 255] + turn1[4:]
+    warm.generate(other, 2, stop_token_ids=[])
+    assert warm.stats.last.cached_tokens == 3
+    warm.score(other[:8], window=4)
+    warm.generate(other, 2, stop_token_ids=[])
+    assert warm.stats.last.cached_tokens == 0
