@@ -23,6 +23,8 @@ flags.DEFINE_string("model", "reference", "Model folder (config.json, *.safetens
 flags.DEFINE_string("prompt", "class Stack:\n    def __init__(self):\n", "Prompt text.", flag_values=FLAGS)
 flags.DEFINE_string("prompt_file", "", "Read the prompt from this file (overrides --prompt).", flag_values=FLAGS)
 flags.DEFINE_string("save_state", "", "After loading, save the converted weights here with orbax.", flag_values=FLAGS)
+flags.DEFINE_bool("chat", False, "Talk through the model's chat template: --prompt is the user's turn; without a "
+                  "prompt, a REPL on stdin.", flag_values=FLAGS)
 flags.DEFINE_bool("quiet", False, "Only the text (stdout) and errors: no start-up lines, no statistics (stderr).",
                   flag_values=FLAGS)
 options.define_flags(FLAGS)
@@ -47,47 +49,98 @@ def run() -> None:
             prompt = Path(FLAGS.prompt_file).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise StrataError(f"cannot read --prompt_file {FLAGS.prompt_file}: {e}") from None
-    check_prompt_fits(FLAGS.model, engine_opts, prompt)
+    repl = FLAGS.chat and not (FLAGS["prompt"].present or FLAGS.prompt_file)
+    if not repl:
+        check_prompt_fits(FLAGS.model, engine_opts, prompt)
     engine = Engine.from_pretrained(FLAGS.model, verbose=not FLAGS.quiet,
                                     **{k: getattr(engine_opts, k) for k in engine_opts.__dataclass_fields__})
     if FLAGS.save_state:
         engine.save_state(FLAGS.save_state)
         print(f"saved state: {FLAGS.save_state}", file=sys.stderr)
+    # Sampling flags not given on the command line take the model's generation_config.json.
+    kwargs = {k: getattr(request, k) for k in request.__dataclass_fields__ if k not in ("logpos", "logpos_read")
+              and not (k in ("temperature", "top_p", "top_k") and not FLAGS[k].present)}
+    if FLAGS.chat:
+        chat(engine, [] if repl else [prompt], kwargs)
+        return
     ids = engine.encode(prompt)
     logpos = options.logpos_path(request)
     if logpos:
         n = engine.write_logpos(ids, logpos, read=request.logpos_read)
         print(f"logpos: {n} positions of the prompt, read through the {request.logpos_read}, written to {logpos}",
               file=sys.stderr, flush=True)
-    # The text on stdout as it is accepted; the statistics on stderr (--quiet: none), so stdout is the text alone.
-    # The prompt goes out with the first token: a request refused before it leaves stdout empty.
+    respond(engine, ids, prompt, kwargs)
+
+
+def respond(engine, ids: list[int], shown_prompt: str, kwargs: dict, drop_stop: bool = False) -> list[int]:
+    """One request, its text on stdout as it is accepted (after `shown_prompt`, sent with the first token: a
+    request refused before it leaves stdout empty); the statistics on stderr (--quiet: none). drop_stop: leave a
+    final end-of-turn token out of the text (chat)."""
     text, shown = TextStream(engine.decode), []
 
     def show(piece: str) -> None:
         if not shown:
-            sys.stdout.write(prompt)
+            sys.stdout.write(shown_prompt)
             shown.append(True)
         sys.stdout.write(piece)
         sys.stdout.flush()
+
+    held: list[int] = []  # chat: an end-of-turn token is held back until the request ends
+
+    def on_token(token: int) -> None:
+        if drop_stop and token in stops:
+            held.append(token)
+            return
+        for t in held:
+            show(text.push(t))
+        held.clear()
+        show(text.push(token))
+    stops = set(engine.cfg.eos_token_ids + engine.generation_defaults.eos_token_ids)
     try:
-        engine.generate(ids, on_token=lambda token: show(text.push(token)),
-                        **{k: getattr(request, k) for k in request.__dataclass_fields__
-                           if k not in ("logpos", "logpos_read")})
+        out = engine.generate(ids, on_token=on_token, **kwargs)
     except BaseException:
         if shown:  # the text so far ends with its line, before the error line
             show(text.flush() + "\n")
         raise
     show(text.flush() + "\n")
-    if FLAGS.quiet:
-        return
-    say = functools.partial(print, file=sys.stderr, flush=True)
-    say(engine.stats.last.summary())
-    say(engine.stats.last.draft_summary())
-    if engine.placement:
-        say(f"experts, prefill: {engine.stats.last.prefill_experts.summary()}")
-        say(f"experts, decode: {engine.stats.last.decode_experts.summary()}")
-        for line in engine.stats.total.decode_experts.approx_lines(engine.approx):
-            say(line)
+    if not FLAGS.quiet:
+        say = functools.partial(print, file=sys.stderr, flush=True)
+        say(engine.stats.last.summary())
+        say(engine.stats.last.draft_summary())
+        if engine.placement:
+            say(f"experts, prefill: {engine.stats.last.prefill_experts.summary()}")
+            say(f"experts, decode: {engine.stats.last.decode_experts.summary()}")
+            for line in engine.stats.total.decode_experts.approx_lines(engine.approx):
+                say(line)
+    return out
+
+
+def chat(engine, prompts: list[str], kwargs: dict) -> None:
+    """--chat: each prompt is a user turn through the model's chat template and the reply streams out; with no
+    prompt, a REPL (an empty line or end of input ends it). Later turns reuse the earlier ones' KV rows."""
+    messages: list[dict] = []
+    if engine.chat_template is None:
+        raise StrataError(f"--chat: {engine.model_dir} has no chat template (chat_template in "
+                          "tokenizer_config.json, or chat_template.jinja)")
+    interactive = not prompts
+    while True:
+        if interactive:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return
+            if not line.strip():
+                return
+        elif prompts:
+            line = prompts.pop(0)
+        else:
+            return
+        messages.append({"role": "user", "content": line})
+        ids = engine.chat_ids(messages)
+        out = respond(engine, ids, "", kwargs, drop_stop=True)
+        stops = set(engine.cfg.eos_token_ids + engine.generation_defaults.eos_token_ids)
+        messages.append({"role": "assistant", "content": engine.decode([t for t in out if t not in stops])})
 
 
 def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:

@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from strata_jax.chat import CODE_CHAT_TEMPLATE
 from strata_jax.config import CONFIGS_DIR, config_from_dict
 from strata_jax.errors import make_writable_folder
-from strata_jax.tokenizer import byte_level_tokenizer
+from strata_jax.tokenizer import EOS_TOKEN, byte_level_tokenizer
 
 EMBEDDED_NAME = "embedded"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tokenizer_config.json (chat template) and generation_config.json
 # The reference model: a small MoE (64 experts, top-8) trained on the Python standard library's sources by
 # benchmarks/train_reference_moe.py, committed; the default model of the CLI (`make run`).
 REFERENCE_NAME = "reference"
@@ -84,6 +85,11 @@ def write_checkpoint(folder: Path, raw_config: dict, seed: int, with_tokenizer: 
     save_file(random_checkpoint(raw_config, seed), str(tmp / "model.safetensors"))
     if with_tokenizer:
         byte_level_tokenizer().save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN,
+             "pad_token": EOS_TOKEN, "chat_template": CODE_CHAT_TEMPLATE}, indent=1))
+        eos = raw_config.get("eos_token_id")
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}))
     try:
         tmp.rename(folder)
     except OSError:  # another process finished first: its copy is the same

@@ -18,6 +18,7 @@ import numpy as np
 
 from strata_jax import checkpoint, graphs, model, moe, offload
 from strata_jax import placement as placement_mod
+from strata_jax.chat import ChatTemplate, GenerationDefaults, load_chat_template, load_generation_config
 from strata_jax.config import ModelConfig, config_from_dict
 from strata_jax.drafts import make_drafter
 from strata_jax.embedded import resolve_model
@@ -61,6 +62,9 @@ class Engine:
         self._lock = threading.RLock()  # requests of several threads run one after the other (_serialized)
         self.cfg, self.weights, self.options, self.tokenizer = cfg, weights, options, tokenizer
         self.model_dir, self.raw_config, self.verbose = model_dir, raw_config, verbose
+        # From the model folder (from_pretrained): its chat template and generation_config.json's defaults.
+        self.chat_template: ChatTemplate | None = None
+        self.generation_defaults = GenerationDefaults()
         self.placement = placement
         self.dtype = jnp.dtype(options.dtype)
         self.context, self.chunk = context_and_chunk(cfg, options)
@@ -179,11 +183,14 @@ class Engine:
             weights = checkpoint.load_weights(path, cfg, dtype, place_experts=host.place if host else None,
                                               progress=_progress(say, cfg))
         tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        template, generation = load_chat_template(path), load_generation_config(path)
         say(f"model: {path} ({cfg.num_layers} layers, {cfg.num_sparse_layers} MoE, {cfg.num_experts} experts "
             f"top-{cfg.num_experts_per_tok}, {model.param_bytes(weights) / 2**20:.1f} MiB of {opts.dtype} weights) "
             f"loaded in {time.perf_counter() - t0:.1f} s")
-        return cls._assemble(cfg, weights, opts, host, slots, why, say, tokenizer=tok, model_dir=path,
-                             raw_config=raw, verbose=verbose)
+        engine = cls._assemble(cfg, weights, opts, host, slots, why, say, tokenizer=tok, model_dir=path,
+                               raw_config=raw, verbose=verbose)
+        engine.chat_template, engine.generation_defaults = template, generation
+        return engine
 
     @classmethod
     def from_random(cls, cfg: ModelConfig, seed: int = 0, verbose: bool = True, **options) -> "Engine":
@@ -383,8 +390,9 @@ class Engine:
         return self._guarded(lambda: self._prefill_all(ids, want_logits=True))
 
     @_serialized
-    def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, draft: str = "ngram", spec: int = -1,
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, seed: int = 0, draft: str = "ngram",
+                 spec: int = -1,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                  on_token: Callable[[int], None] | None = None) -> list[int]:
         """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
@@ -392,7 +400,13 @@ class Engine:
         Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', 'device', or a
         drafts.Drafter object) run with the last accepted token; greedy output is the same with or without them,
         sampled output follows the same distribution. 'device': the n-gram drafts and their acceptance run on the
-        device and windows of spec+1 tokens go back to back, read one window late (strata_jax.device_drafts)."""
+        device and windows of spec+1 tokens go back to back, read one window late (strata_jax.device_drafts).
+        temperature / top_p / top_k left None take the model's generation_config.json (greedy without one); the
+        model's eos ids and generation_config's end a request unless stop_token_ids replace them."""
+        sampling_defaults = self.generation_defaults.request_defaults()
+        temperature = sampling_defaults["temperature"] if temperature is None else temperature
+        top_p = sampling_defaults["top_p"] if top_p is None else top_p
+        top_k = sampling_defaults["top_k"] if top_k is None else top_k
         if not isinstance(draft, str) and not (callable(getattr(draft, "propose", None))
                                                 and callable(getattr(draft, "observe", None))):
             raise StrataError(f"draft must be 'ngram', 'none', 'device' or an object with propose() and observe() "
@@ -410,7 +424,7 @@ class Engine:
             spec = 0
         ids = self._check_prompt(token_ids)
         # stop_token_ids replace the model's eos ids; ignore_eos drops those (given stop ids still stop).
-        eos = () if req.ignore_eos else self.cfg.eos_token_ids
+        eos = () if req.ignore_eos else self.cfg.eos_token_ids + self.generation_defaults.eos_token_ids
         stops = set(eos if stop_token_ids is None else stop_token_ids)
         budget = min(req.max_new_tokens, self.context - ids.size)
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
@@ -693,7 +707,7 @@ class Engine:
 
     # ---- text helpers ----------------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise StrataError(f"no tokenizer.json in {self.model_dir}: give token ids instead of text")
         if not isinstance(text, str):
@@ -702,7 +716,24 @@ class Engine:
             text.encode("utf-8")
         except UnicodeEncodeError:  # e.g. invalid UTF-8 bytes on the command line, kept as surrogates
             raise StrataError("the text is not valid UTF-8") from None
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """The conversation through the model's chat template, tokenized as transformers' apply_chat_template
+        does (no special tokens added: the template writes them)."""
+        if self.chat_template is None:
+            raise StrataError(f"{self.model_dir} has no chat template (chat_template in tokenizer_config.json, or "
+                              "chat_template.jinja): give a prompt instead")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: list[dict], **request) -> str:
+        """The assistant's reply to `messages` ([{'role': 'user', 'content': ...}, ...]) as text (its end-of-turn
+        token left out); request options as generate's."""
+        out = self.generate(self.chat_ids(messages), **request)
+        stops = set(self.cfg.eos_token_ids + self.generation_defaults.eos_token_ids)
+        stops = set(request.get("stop_token_ids") or ()) or stops
+        return self.decode(out[:-1] if out and out[-1] in stops else out)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
