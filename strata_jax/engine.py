@@ -323,7 +323,7 @@ class Engine:
         usable for the next request)."""
         try:
             return fn(*args)
-        except StrataError:
+        except (StrataError, StopRequest):
             raise
         except KeyboardInterrupt:
             self._reset_state()  # the donated caches of the interrupted window may be gone
@@ -402,7 +402,8 @@ class Engine:
         sampled output follows the same distribution. 'device': the n-gram drafts and their acceptance run on the
         device and windows of spec+1 tokens go back to back, read one window late (strata_jax.device_drafts).
         temperature / top_p / top_k left None take the model's generation_config.json (greedy without one); the
-        model's eos ids and generation_config's end a request unless stop_token_ids replace them."""
+        model's eos ids and generation_config's end a request unless stop_token_ids replace them. on_token sees
+        each new token as it is accepted; raising StopRequest there ends the request at that token."""
         sampling_defaults = self.generation_defaults.request_defaults()
         temperature = sampling_defaults["temperature"] if temperature is None else temperature
         top_p = sampling_defaults["top_p"] if top_p is None else top_p
@@ -434,8 +435,11 @@ class Engine:
         self._take_expert_stats(new_request=True)
         if budget > 0:
             self._kv_tokens = []  # until this request has finished
-            self._guarded(self._generate, ids, budget, stops, sampling, stats, out, on_token, spec,
-                          drafter or make_drafter(req.draft), drafter is None and req.draft == "device", reuse)
+            try:
+                self._guarded(self._generate, ids, budget, stops, sampling, stats, out, on_token, spec,
+                              drafter or make_drafter(req.draft), drafter is None and req.draft == "device", reuse)
+            except StopRequest:  # on_token asked to stop (a stop string, a client gone): a clean end
+                pass
             # Rows 0.. now hold the prompt and every generated token but the last (never fed back); rejected
             # drafts wrote only rows past those. With an approximation on, the generated tokens' rows came from
             # approximate decode windows: only the prompt's (prefilled exactly) are reused.
@@ -454,14 +458,12 @@ class Engine:
 
         def on_token(token: int) -> None:
             if closed.is_set():
-                raise _StreamClosed
+                raise StopRequest
             tokens.put(token)
 
         def run() -> None:
             try:
                 self.generate(token_ids, on_token=on_token, **request)
-                tokens.put(done)
-            except _StreamClosed:
                 tokens.put(done)
             except BaseException as e:  # noqa: BLE001 (handed to the consumer)
                 tokens.put(e)
@@ -741,8 +743,9 @@ class Engine:
         return self.tokenizer.decode(check_token_ids(ids, self.cfg.vocab_size, "decode").tolist())
 
 
-class _StreamClosed(Exception):
-    """Raised in `stream`'s on_token once its consumer has gone: ends the request."""
+class StopRequest(Exception):
+    """Raise it in generate's on_token to end the request there, cleanly: the tokens so far are returned and
+    counted, and their KV rows stay for prefix reuse (a stop string met, a consumer gone)."""
 
 
 def _interrupted(exc: BaseException) -> bool:

@@ -296,8 +296,24 @@ def test_stream_yields_what_generate_returns_and_stops_when_closed(engine):
     assert list(engine.stream(prompt, max_new_tokens=12, stop_token_ids=[])) == want
     it = engine.stream(prompt, max_new_tokens=12, stop_token_ids=[])
     assert [next(it) for _ in range(3)] == want[:3]
-    it.close()  # the consumer has gone: the request ends at its next token
+    it.close()  # the consumer has gone: the request ends at its next token, cleanly
+    assert engine.stats.last.generated_tokens == 4
     assert engine.generate(prompt, 12, stop_token_ids=[]) == want  # and the engine serves the next one
+    assert engine.stats.last.cached_tokens == 8  # the stopped request's rows were kept
+
+
+def test_stop_request_in_on_token_ends_the_request_cleanly(engine):
+    from strata_jax import StopRequest
+    prompt = random_ids(engine, 9, seed=22)
+    want = engine.generate(prompt, 12, stop_token_ids=[])
+
+    def stop_at_five(token):
+        if len(seen) == 4:
+            raise StopRequest
+        seen.append(token)
+    seen: list[int] = []
+    out = engine.generate(prompt, 12, stop_token_ids=[], on_token=stop_at_five)
+    assert out == want[:5] and seen == want[:4] and engine.stats.last.generated_tokens == 5
     assert "max_new_tokens" in one_line_refusal(lambda: list(engine.stream(prompt, max_new_tokens=-1)))
 
 
