@@ -1,0 +1,416 @@
+"""An OpenAI-compatible server over one engine:
+
+    python -m strata_jax.serve --model=... --host=127.0.0.1 --port=8000    (engine options as flags)
+
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true`: server-sent events in OpenAI's
+chunk format), GET /health, GET /metrics (the engine's counters, Prometheus text), GET / (a chat page).
+
+One engine, one request at a time: requests queue (the `x-strata-queue-position` header says how many were ahead,
+and the log says so). A request that starts with the previous one's tokens (a chat's next turn) prefills only the
+new part: `usage.prompt_tokens_details.cached_tokens` counts the rest. A bad request gets a 4xx with OpenAI's error
+object and the server stays up; a client that disconnects mid-stream stops its generation at the next token.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette.sse import EventSourceResponse
+
+from strata_jax.engine import Engine, StopRequest
+from strata_jax.errors import StrataError
+from strata_jax.tokenizer import TextStream
+
+PAGE = Path(__file__).resolve().parent / "chat_page.html"
+
+
+# ---- requests ------------------------------------------------------------------------------------------------------
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, metadata, ...)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # an extension (vLLM has it too)
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = Field(1, ge=1, le=1)
+    ignore_eos: bool = False  # an extension: run to max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = [p.get("text") for p in self.content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(parts) != len(self.content) or not all(isinstance(p, str) for p in parts):
+            raise StrataError("only text content parts are supported")
+        return "".join(parts)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = None
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
+                                                               "code": code}})
+
+
+# ---- one request ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Outcome:
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str = "length"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class StopStrings:
+    """Text as it arrives, cut before the first stop string; text that may still become one is held back."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # everything received
+        self.sent = 0  # characters handed out
+        self.hit = False
+
+    def add(self, piece: str) -> str:
+        """The text that is safe to hand out now."""
+        self.text += piece
+        for s in self.stops:
+            at = self.text.find(s, max(0, self.sent - len(s)))
+            if at >= 0:
+                self.text, self.hit = self.text[:at], True
+        end = len(self.text) if self.hit else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def rest(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+class Server:
+    """The engine, its queue and its counters."""
+
+    def __init__(self, engine: Engine, model_name: str, log=print):
+        self.engine, self.model_name, self.log = engine, model_name, log
+        self.created = int(time.time())
+        self._count = threading.Lock()
+        self.waiting = 0  # requests admitted and not finished
+        self.served = 0
+        self.history: list[dict] = []  # the last requests: tokens, finish reason, disconnected (tests, metrics)
+
+    def admit(self) -> int:
+        with self._count:
+            ahead = self.waiting
+            self.waiting += 1
+        if ahead:
+            self.log(f"request queued behind {ahead} (one engine: requests run one at a time)")
+        return ahead
+
+    def release(self) -> None:
+        with self._count:
+            self.waiting -= 1
+
+    def sampling(self, req: _Sampling, prompt_tokens: int) -> dict:
+        eng = self.engine
+        budget = req.max_tokens
+        if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+            budget = req.max_completion_tokens
+        if budget is None:  # OpenAI: 16 for completions; a chat runs to the end of the context
+            budget = 16 if isinstance(req, CompletionRequest) else eng.context - prompt_tokens
+        kw: dict[str, Any] = dict(max_new_tokens=budget, ignore_eos=req.ignore_eos)
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            if getattr(req, name) is not None:
+                kw[name] = getattr(req, name)
+        return kw
+
+    def run(self, ids: list[int], kw: dict, stops: list[str], emit=None, cancelled: threading.Event | None = None,
+            drop_eos: bool = False) -> Outcome:
+        """Generate in this (worker) thread; emit(text) gets each safe piece as it is accepted."""
+        eng = self.engine
+        text, stop = TextStream(eng.decode), StopStrings(stops)
+        eos = set(eng.cfg.eos_token_ids + eng.generation_defaults.eos_token_ids)
+        outcome = Outcome(prompt_tokens=len(ids))
+
+        def on_token(token: int) -> None:
+            if cancelled is not None and cancelled.is_set():
+                raise StopRequest
+            outcome.tokens += 1
+            if drop_eos and token in eos and not kw.get("ignore_eos"):
+                return
+            piece = stop.add(text.push(token))
+            if piece and emit:
+                emit(piece)
+            if stop.hit:
+                raise StopRequest
+        with eng._lock:  # this request's stats are read before the next request starts
+            out = eng.generate(ids, on_token=on_token, **kw)
+            stats = eng.stats.last
+        if not stop.hit:
+            piece = stop.add(text.flush()) + stop.rest()
+            if piece and emit:
+                emit(piece)
+        outcome.text = stop.text
+        outcome.cached_tokens = stats.cached_tokens
+        stopped_by_eos = bool(out) and out[-1] in eos and not kw.get("ignore_eos")
+        outcome.finish_reason = "stop" if stop.hit or stopped_by_eos else "length"
+        disconnected = cancelled is not None and cancelled.is_set()
+        self.served += 1
+        self.history = (self.history + [dict(tokens=outcome.tokens, max_tokens=kw["max_new_tokens"],
+                                             finish_reason=outcome.finish_reason, disconnected=disconnected,
+                                             cached_tokens=outcome.cached_tokens)])[-100:]
+        return outcome
+
+
+# ---- the app -------------------------------------------------------------------------------------------------------
+
+def create_app(engine: Engine, model_name: str, log=print) -> FastAPI:
+    app = FastAPI(title="strata_jax", docs_url=None, redoc_url=None)
+    server = Server(engine, model_name, log)
+    app.state.server = server
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_response(400, f"{where}: {first.get('msg', 'invalid request')}", param=where or None)
+
+    @app.exception_handler(StrataError)
+    async def strata_error(request: Request, exc: StrataError):
+        return error_response(400, str(exc))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "waiting": server.waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
+                                            "owned_by": "strata_jax"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        total = engine.stats.total
+        lines = {"strata_requests_total": server.served, "strata_requests_waiting": server.waiting,
+                 "strata_prompt_tokens_total": total.prompt_tokens, "strata_cached_tokens_total": total.cached_tokens,
+                 "strata_generated_tokens_total": total.generated_tokens,
+                 "strata_decode_tokens_per_second": round(total.decode_tok_s, 3),
+                 "strata_prefill_tokens_per_second": round(total.prefill_tok_s, 3)}
+        if engine.placement:
+            lines["strata_expert_hit_rate"] = round(total.decode_experts.hit_rate, 4)
+            lines["strata_expert_pcie_bytes_total"] = total.decode_experts.pcie_bytes
+            lines["strata_expert_cpu_entries_total"] = total.decode_experts.entries_cpu
+        return PlainTextResponse("".join(f"{k} {v}\n" for k, v in lines.items()))
+
+    @app.get("/")
+    async def page():
+        return HTMLResponse(PAGE.read_text().replace("{{MODEL}}", model_name))
+
+    def check_model(req: _Sampling):
+        if req.model not in (None, "", model_name):
+            return error_response(404, f"model {req.model!r} is not served here (this server has {model_name!r})",
+                                  code="model_not_found")
+        return None
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        if (bad := check_model(req)) is not None:
+            return bad
+        if req.echo or req.logprobs:
+            return error_response(400, "echo and logprobs are not supported", param="echo" if req.echo else "logprobs")
+        if isinstance(req.prompt, str):
+            ids = engine.encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+        return await respond(req, request, ids, "text_completion", drop_eos=True)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        if (bad := check_model(req)) is not None:
+            return bad
+        if req.logprobs:
+            return error_response(400, "logprobs are not supported", param="logprobs")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        ids = engine.chat_ids(messages)
+        return await respond(req, request, ids, "chat.completion", drop_eos=True)
+
+    async def respond(req: _Sampling, request: Request, ids: list[int], kind: str, drop_eos: bool):
+        kw = server.sampling(req, len(ids))
+        engine._check_prompt(ids)  # a prompt too long for the context: 400 before queueing
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        ahead = server.admit()
+        headers = {"x-strata-queue-position": str(ahead)}
+        if not req.stream:
+            try:
+                outcome = await anyio.to_thread.run_sync(lambda: server.run(ids, kw, stops, drop_eos=drop_eos))
+            finally:
+                server.release()
+            return JSONResponse(headers=headers, content=body(kind, rid, created, outcome))
+        return EventSourceResponse(stream(kind, rid, created, ids, kw, stops, drop_eos, req), headers=headers,
+                                   ping=15)
+
+    def usage(outcome: Outcome) -> dict:
+        return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.tokens,
+                "total_tokens": outcome.prompt_tokens + outcome.tokens,
+                "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
+
+    def body(kind: str, rid: str, created: int, outcome: Outcome) -> dict:
+        if kind == "chat.completion":
+            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text},
+                      "finish_reason": outcome.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None}
+        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
+                "usage": usage(outcome)}
+
+    def chunk(kind: str, rid: str, created: int, piece: str | None, finish: str | None, role: bool = False) -> dict:
+        if kind == "chat.completion":
+            delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
+
+    async def stream(kind, rid, created, ids, kw, stops, drop_eos, req):
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+        done = object()
+
+        def work():
+            try:
+                outcome = server.run(ids, kw, stops, emit=lambda p: loop.call_soon_threadsafe(pieces.put_nowait, p),
+                                     cancelled=cancelled, drop_eos=drop_eos)
+                loop.call_soon_threadsafe(pieces.put_nowait, (done, outcome))
+            except BaseException as e:  # noqa: BLE001 (sent to the client as an error event)
+                loop.call_soon_threadsafe(pieces.put_nowait, (done, e))
+            finally:
+                server.release()
+
+        worker = threading.Thread(target=work, name="strata-serve", daemon=True)
+        worker.start()
+        try:
+            if kind == "chat.completion":
+                yield json.dumps(chunk(kind, rid, created, None, None, role=True))
+            while True:
+                item = await pieces.get()
+                if isinstance(item, tuple) and item and item[0] is done:
+                    result = item[1]
+                    break
+                yield json.dumps(chunk(kind, rid, created, item, None))
+            if isinstance(result, BaseException):
+                message = str(result) if isinstance(result, StrataError) else f"internal error: {result!r}"
+                yield json.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                            "code": None}})
+                return
+            yield json.dumps(chunk(kind, rid, created, None, result.finish_reason))
+            if (req.stream_options or {}).get("include_usage"):
+                yield json.dumps({"id": rid, "object": chunk(kind, rid, created, None, None)["object"],
+                                  "created": created, "model": model_name, "choices": [], "usage": usage(result)})
+            yield "[DONE]"
+        finally:
+            cancelled.set()  # a client gone (the generator closed early): the request ends at its next token
+
+    return app
+
+
+# ---- command line --------------------------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> None:
+    import sys
+
+    import uvicorn
+    from absl import logging
+
+    from strata_jax import options
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]} (flags look like --name=value)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        opts = options.from_flags(options.EngineOptions, FLAGS)
+        engine = Engine.from_pretrained(FLAGS.model, **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
+    except StrataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    name = FLAGS.served_name or Path(str(engine.model_dir)).name
+    print(f"serving {name} on http://{FLAGS.host}:{FLAGS.port} (chat page at /, OpenAI API under /v1)",
+          file=sys.stderr, flush=True)
+    uvicorn.run(create_app(engine, name, log=lambda line: print(line, file=sys.stderr, flush=True)),
+                host=FLAGS.host, port=FLAGS.port, log_level="warning")
+
+
+def _define_flags():
+    from absl import flags
+
+    from strata_jax import options
+    values = flags.FlagValues()
+    flags.DEFINE_string("model", "reference", "Model folder, 'reference' or 'embedded' (as strata_jax.decode).",
+                        flag_values=values)
+    flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.", flag_values=values)
+    flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535, flag_values=values)
+    flags.DEFINE_string("served_name", "", "The model's name in the API (default: the folder's name).",
+                        flag_values=values)
+    options.define_flags(values, classes=(options.EngineOptions,))
+    return values
+
+
+FLAGS = _define_flags()
+
+
+def cli() -> None:
+    """The `strata-serve` console script (pyproject.toml)."""
+    import sys
+
+    from absl import flags
+    try:
+        argv = FLAGS(sys.argv)
+    except flags.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,155 @@
+"""The OpenAI-compatible server (strata_jax/serve.py) on a loopback port, driven by the official `openai` client:
+streamed chat, a second turn that reuses the first, plain completion, stop strings, bad requests, a client that
+disconnects mid-stream, two clients at once; the chat page."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")  # a test dependency (requirements.txt)
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_engine):
+    return embedded_engine
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """The app on a free loopback port, in a thread: (base url, the Server object)."""
+    from strata_jax.serve import create_app
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(engine, "tiny", log=lambda line: None)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{port}", app.state.server
+    srv.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def reply_of(engine, messages, n):
+    """What the engine itself answers (greedy), its end-of-turn token left out."""
+    return engine.chat(messages, max_new_tokens=n)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+
+
+def test_streamed_chat_is_the_engines_answer(engine, client):
+    messages = [{"role": "user", "content": "reverse a list"}]
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == reply_of(engine, messages, 6) and finish in (["length"], ["stop"])
+    assert chunks[-1].usage.completion_tokens == 6 or finish == ["stop"]
+    assert chunks[-1].usage.prompt_tokens == len(engine.chat_ids(messages))
+
+
+def test_a_second_turn_reuses_the_first(engine, client):
+    first = [{"role": "user", "content": "sort a dict"}]
+    r1 = client.chat.completions.create(model="tiny", messages=first, max_tokens=5)
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "by value"}]
+    r2 = client.chat.completions.create(model="tiny", messages=second, max_tokens=5)
+    assert r2.usage.prompt_tokens == len(engine.chat_ids(second))
+    assert r2.usage.prompt_tokens_details.cached_tokens >= len(engine.chat_ids(first))
+    assert r2.choices[0].message.content == reply_of(engine, second, 5)
+
+
+def test_completion_and_stop_strings(engine, client):
+    prompt = "def f(x):"
+    want = engine.decode([t for t in engine.generate(engine.encode(prompt), 12) if t != 256])
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12)
+    assert r.choices[0].text == want and r.object == "text_completion"
+    stop = next(want[i:i + 2] for i in range(2, len(want) - 1) if want[i:i + 2] not in want[:i + 1]
+                and "\ufffd" not in want[i:i + 2])
+    cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, stop=[stop, "never-seen"])
+    assert cut.choices[0].text == want[:want.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want[:want.index(stop)]
+
+
+def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="x", temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-9", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="tiny", prompt="x" * 100)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])
+    bad_json = httpx.post(server[0] + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "error" in bad_json.json()
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_a_client_that_disconnects_stops_its_generation(server, client):
+    srv = server[1]
+    stream = client.completions.create(model="tiny", prompt="def", max_tokens=50, stream=True,
+                                       extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it), next(it)
+    stream.close()  # the client goes away
+    deadline = time.time() + 60
+    while time.time() < deadline and not (srv.history and srv.history[-1]["disconnected"]):
+        time.sleep(0.05)
+    last = srv.history[-1]
+    assert last["disconnected"] and last["tokens"] < 50, last
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_two_clients_at_once_get_their_own_answers(engine, client):
+    prompts = ["import os", "class A:"]
+    want = [engine.decode([t for t in engine.generate(engine.encode(p), 8) if t != 256]) for p in prompts]
+    with ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=8).choices[0].text,
+                          prompts))
+    assert got == want
+
+
+def test_metrics_and_the_chat_page(server):
+    metrics = httpx.get(server[0] + "/metrics").text
+    assert "strata_requests_total" in metrics and "strata_generated_tokens_total" in metrics
+    page = httpx.get(server[0] + "/")
+    assert page.status_code == 200 and "/v1/chat/completions" in page.text and "tiny" in page.text
+
+
+def test_the_chat_page_in_a_headless_browser(server):
+    """Type a message, see a streamed reply. Needs playwright with a browser; skipped with the reason elsewhere."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (no headless "
+                                     "browser here): the page is checked without one in test_metrics_and_the_chat_page")
+    with playwright.sync_playwright() as p:
+        try:
+            browser = p.chromium.launch()
+        except Exception as e:  # noqa: BLE001
+            pytest.skip(f"no headless chromium: {e}")
+        page = browser.new_page()
+        page.goto(server[0] + "/")
+        page.fill("#text", "reverse a list")
+        page.press("#text", "Enter")
+        page.wait_for_function("document.querySelector('.assistant') && "
+                               "document.getElementById('counters').textContent.includes('last turn')")
+        assert page.inner_text("#counters").startswith("last turn")
+        browser.close()
