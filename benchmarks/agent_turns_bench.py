@@ -34,6 +34,7 @@ engine.encode of every turn's text gives the ids it was handed.
 Arms: --arms="name:ENV=VAL,ENV=VAL;name2:..." (an empty list: no switch), the first arm is the baseline. Only the
 approximation switches are taken: STRATA_ + the upper-cased name of an EngineOptions field route_* or verify_*,
 draft=ngram|none|device (the arm's draft proposer instead of --draft's, e.g. --arms="ngram:;device:draft=device"),
+prefix_reuse=1|0 (--arms="reuse:;cold:prefix_reuse=0": time to first token with and without prefix reuse),
 and STRATA_LOGPOS (then each run also writes the teacher-forced log-probs of the workload's longest prompt there,
 after its timed turns: run 1 to the path, run k to <stem>.runk<suffix>; compare arms with benchmarks/kl_report.py).
 
@@ -48,7 +49,8 @@ value for a turn is the mean over its runs. Before them, with --warmup_run (the 
 baseline arm that is not counted (the first process on a machine runs slower).
 
 Output: per arm, the per-turn decode ratio x = arm tok/s / base tok/s of the same turn, its median, min and max
-over the turns, the turns won (x > 1), and the mean decode hit rate and counters; for the base, the noise floor:
+over the turns, the turns won (x > 1), the median time to first token (the prefill: the first token comes out of
+it) and the prompt tokens reused per turn, and the mean decode hit rate and counters; for the base, the noise floor:
 its mirrored runs' ratio per turn (run 2 / run 1; with --rounds > 1 the mean of the mirrored runs over the mean of
 the forward ones). A Markdown table on stdout, every number in --json, and per-turn ratios against prompt tokens in
 --plot (matplotlib, when importable).
@@ -107,6 +109,8 @@ flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy. Turn i
                    lower_bound=0.0, flag_values=FLAGS)
 flags.DEFINE_enum("draft", "ngram", ["ngram", "none", "device"], "Draft proposer of the verify windows (device: "
                   "drafting and acceptance on the device, windows back to back).", flag_values=FLAGS)
+flags.DEFINE_enum("prefix_reuse", "1", ["1", "0"], "Engine option: keep the last turn's KV rows and prefill only "
+                  "a turn's new tokens (an arm may set prefix_reuse=0|1).", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the workload (and of the sampling).", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_integer("rounds", 1, "Mirrored rounds: each runs every arm twice (A B C C B A).", lower_bound=1,
                      flag_values=FLAGS)
@@ -137,7 +141,9 @@ PROGRESS = "@progress "  # a worker's stderr line the parent shows as progress
 
 # ---- arms ----------------------------------------------------------------------------------------------------
 
-ARM_OPTIONS = {"draft": ("ngram", "none", "device")}  # per-arm worker flags an arm may set besides STRATA_*
+# Per-arm worker flags an arm may set besides STRATA_*: the draft proposer, and prefix reuse (1: a turn that
+# extends the one before prefills only its new tokens; 0: every turn prefilled whole, a cold start each time).
+ARM_OPTIONS = {"draft": ("ngram", "none", "device"), "prefix_reuse": ("1", "0")}
 
 
 def arm_flags(s, switches: dict[str, str]) -> dict[str, str]:
@@ -366,7 +372,8 @@ def ids_sha(ids: list[int]) -> str:
 
 def engine_options(s) -> dict:
     return dict(window=s.window, dtype=s.dtype, context=s.context, cache_dir=s.cache_dir,
-                expert_cache_slots=s.expert_cache_slots, pcie_frac=s.pcie_frac, cpu_threads=s.cpu_threads)
+                expert_cache_slots=s.expert_cache_slots, pcie_frac=s.pcie_frac, cpu_threads=s.cpu_threads,
+                prefix_reuse=s.prefix_reuse == "1")
 
 
 def logpos_target(path: str, run_index: int) -> str:
@@ -402,6 +409,7 @@ def worker(s) -> dict:
         d = r.decode_experts
         rows.append(dict(index=t["index"], session=t["session"], turn=t["turn"], prompt_tokens=r.prompt_tokens,
                          prompt_sha256=ids_sha(t["ids"]), prefill_s=r.prefill_s, prefill_tok_s=r.prefill_tok_s,
+                         cached_tokens=r.cached_tokens,
                          decode_s=r.decode_s, decode_tok_s=r.decode_tok_s, generated_tokens=r.generated_tokens,
                          windows=r.windows, drafts_proposed=r.drafts_proposed, drafts_accepted=r.drafts_accepted,
                          hit_rate=d.hit_rate if engine.placement else 1.0, distinct_fetched=d.distinct_fetched,
@@ -506,6 +514,7 @@ def summarize(arms: list[tuple[str, dict]], runs: list[dict], workload: dict) ->
                        decode_tok_s=tok, decode_tok_s_runs=[r["turns"][i]["decode_tok_s"] for r in rs],
                        ratio=tok / base_tok[i] if base_tok[i] > 0 else None,
                        prefill_s=turn_mean(rs, "prefill_s", i), hit_rate=turn_mean(rs, "hit_rate", i),
+                       cached_tokens=_mean([r["turns"][i].get("cached_tokens", 0) for r in rs]),  # older JSON: 0
                        same_tokens_as_base=rs[0]["turns"][i]["tokens"] == base_tokens[i])
             for key in ("distinct_fetched", "distinct_cpu", "distinct_skipped"):
                 row[key] = turn_mean(rs, key, i)
@@ -544,7 +553,8 @@ def summarize(arms: list[tuple[str, dict]], runs: list[dict], workload: dict) ->
 
 
 def make_table(summary: list[dict], noise: dict, n_turns: int) -> str:
-    headers = ["arm", "switches", "decode tok/s", "x median", "x min", "x max", "turns won", "hit rate",
+    headers = ["arm", "switches", "decode tok/s", "x median", "x min", "x max", "turns won", "TTFT ms (median)",
+               "reused tokens/turn", "hit rate",
                "fetched/turn", "cpu/turn", "skipped/turn", "prior changed", "swaps", "windows/turn",
                "drafts accepted", "same tokens"]
     rows = []
@@ -556,7 +566,9 @@ def make_table(summary: list[dict], noise: dict, n_turns: int) -> str:
             x, won = a["ratio"], f"{a['turns_won']}/{n_turns}"
         switches = ",".join(f"{k.removeprefix('STRATA_')}={v}" for k, v in a["env"].items()) or "-"
         rows.append([a["name"], switches, a["decode_tok_s_mean"],
-                     *(x[k] if x[k] is not None else "-" for k in ("median", "min", "max")), won, a["hit_rate_mean"],
+                     *(x[k] if x[k] is not None else "-" for k in ("median", "min", "max")), won,
+                     1e3 * statistics.median(p["prefill_s"] for p in a["per_turn"]),
+                     _mean([p["cached_tokens"] for p in a["per_turn"]]), a["hit_rate_mean"],
                      c["distinct_fetched"] / n_turns, c["distinct_cpu"] / n_turns, c["distinct_skipped"] / n_turns,
                      f"{c['prior_tokens_changed']:g}/{c['prior_tokens']:g}" if c["prior_tokens"] else "-",
                      c["swaps"], a["windows"] / n_turns, f"{a['drafts_accepted']:g}/{a['drafts_proposed']:g}",
