@@ -7,6 +7,7 @@ stderr and a non-zero exit status, never a traceback.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -180,9 +181,21 @@ def main(argv: list[str]) -> None:
         run()
     except StrataError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        _exit_now(1)
     except KeyboardInterrupt:
-        sys.exit(130)
+        _exit_now(130)
+
+
+def _exit_now(code: int) -> None:
+    """Leave at once after a failed or interrupted request: a window may still be in flight on the runtime's
+    threads, its host callback waiting for the interpreter lock, and the interpreter's shutdown (joining threads,
+    tearing the backend down) could wait on it for ever (a clean-clone run hung after Ctrl-C, 2026-11-30)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def cli() -> None:
