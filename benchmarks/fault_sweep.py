@@ -283,46 +283,46 @@ def runtime_cases(cache_dir: Path) -> list[Case]:
 
 # ---- API cases (in this process) ---------------------------------------------------------------------------------
 
-def api_call(fn: Callable, limit_s: float) -> tuple[str, str]:
-    """Run fn in a thread: StrataError of one line -> clean; another exception -> traceback; a return -> silent."""
-    from strata_jax import StrataError
+def _in_thread(fn: Callable, limit_s: float) -> dict | None:
+    """fn() in a daemon thread: {'value': ...} or {'error': exception}; None when it has not ended in limit_s."""
     box: dict = {}
 
     def target():
         try:
             box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 (classed below)
+        except BaseException as e:  # noqa: BLE001 (the caller classes it)
             box["error"] = e
     th = threading.Thread(target=target, daemon=True)
     th.start()
     th.join(limit_s)
-    if th.is_alive():
+    return None if th.is_alive() else box
+
+
+def _raw(e: BaseException) -> tuple[str, str]:
+    return "traceback", f"{type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''}"
+
+
+def api_call(fn: Callable, limit_s: float) -> tuple[str, str]:
+    """A refusal: StrataError of one line -> clean; another exception -> traceback; a return -> silent."""
+    from strata_jax import StrataError
+    box = _in_thread(fn, limit_s)
+    if box is None:
         return "hang", f"no answer in {limit_s:g} s"
     e = box.get("error")
     if e is None:
         return "silent", f"returned {str(box.get('value'))[:100]}"
     if isinstance(e, StrataError) and "\n" not in str(e):
         return "clean", str(e)[:160]
-    return "traceback", f"{type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''}"
+    return _raw(e)
 
 
 def api_check(fn: Callable[[], bool | str], limit_s: float) -> tuple[str, str]:
     """A correctness check: fn returns True (clean) or a string saying what was wrong (silent)."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    th.join(limit_s)
-    if th.is_alive():
+    box = _in_thread(fn, limit_s)
+    if box is None:
         return "hang", f"no answer in {limit_s:g} s"
     if "error" in box:
-        e = box["error"]
-        return "traceback", f"{type(e).__name__}: {str(e).splitlines()[0][:140] if str(e) else ''}"
+        return _raw(box["error"])
     return ("clean", "as expected") if box["value"] is True else ("silent", str(box["value"])[:160])
 
 
