@@ -119,8 +119,12 @@ def test_parse_arms_order_and_env():
     # draft=: the arm's own proposer, the --draft flag's otherwise.
     arms = bench.parse_arms("ngram:;device:draft=device", options=bench.ARM_OPTIONS)
     assert arms == [("ngram", {}), ("device", {"draft": "device"})]
-    s = types.SimpleNamespace(draft="ngram")  # the --draft flag
-    assert [bench.arm_flags(s, e) for _, e in arms] == [{"draft": "ngram"}, {"draft": "device"}]
+    s = types.SimpleNamespace(draft="ngram", prefix_reuse="1")  # the --draft and --prefix_reuse flags
+    assert [bench.arm_flags(s, e) for _, e in arms] == [{"draft": "ngram", "prefix_reuse": "1"},
+                                                        {"draft": "device", "prefix_reuse": "1"}]
+    # prefix_reuse=: time to first token with and without the last turn's KV rows
+    arms = bench.parse_arms("reuse:;cold:prefix_reuse=0", options=bench.ARM_OPTIONS)
+    assert [bench.arm_flags(s, e)["prefix_reuse"] for _, e in arms] == ["1", "0"]
     for bad, what in (("x:draft=gpu", "is not one of ngram, none, device"), ("x:draft=none,draft=device", "twice")):
         with pytest.raises(ValueError, match=what):
             bench.parse_arms(bad, options=bench.ARM_OPTIONS)
