@@ -61,7 +61,10 @@ def cli(args: list[str], cache_dir: Path, env: dict | None = None, sigint_after:
     if not any(a.startswith("--model") for a in args):
         args = ["--model=embedded", *args]
     cmd = [sys.executable, "-m", "strata_jax.decode", *args, f"--cache_dir={cache_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            # SIGINT as from a terminal, even when this sweep runs as a background job (which
+                            # hands its children SIGINT ignored)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err = b""
     if sigint_after:
         deadline = time.time() + limit_s

@@ -6,8 +6,10 @@ stderr and a non-zero exit status, never a traceback.
 """
 from __future__ import annotations
 
+import faulthandler
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -174,6 +176,8 @@ def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:
 
 def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # absl's INFO lines (backend probing) are noise here
+    # `kill -USR1 <pid>` writes every thread's Python stack to stderr: what a stuck run is waiting for.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if len(argv) > 1:
         print(f"error: unexpected arguments {argv[1:]} (flags look like --name=value)", file=sys.stderr)
         sys.exit(2)
@@ -188,8 +192,8 @@ def main(argv: list[str]) -> None:
 
 def _exit_now(code: int) -> None:
     """Leave at once after a failed or interrupted request: a window may still be in flight on the runtime's
-    threads, its host callback waiting for the interpreter lock, and the interpreter's shutdown (joining threads,
-    tearing the backend down) could wait on it for ever (a clean-clone run hung after Ctrl-C, 2026-11-30)."""
+    threads, its host callback waiting for the interpreter lock or for the pool, and the interpreter's shutdown
+    (joining threads, tearing the backend down) must not wait on it."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
