@@ -502,7 +502,9 @@ class Engine:
         out.append(first)
         stats.prefill_s = time.perf_counter() - t0
         stats.prefill_experts = self._take_expert_stats()
-        if self.placement and self.placement.policy == "static":
+        if self.placement and self.placement.policy == "static" and not reuse:
+            # static: the slots take the prefill's most used experts. A reused prefix keeps the slots its first
+            # request chose (this prefill saw only the new tokens).
             self._fill_static_slots()
         if on_token:
             on_token(first)
