@@ -98,7 +98,7 @@ def respond(engine, ids: list[int], shown_prompt: str, kwargs: dict, drop_stop: 
             show(text.push(t))
         held.clear()
         show(text.push(token))
-    stops = set(engine.cfg.eos_token_ids + engine.generation_defaults.eos_token_ids)
+    stops = engine.end_of_turn_ids
     try:
         out = engine.generate(ids, on_token=on_token, **kwargs)
     except BaseException:
@@ -142,8 +142,8 @@ def chat(engine, prompts: list[str], kwargs: dict) -> None:
         messages.append({"role": "user", "content": line})
         ids = engine.chat_ids(messages)
         out = respond(engine, ids, "", kwargs, drop_stop=True)
-        stops = set(engine.cfg.eos_token_ids + engine.generation_defaults.eos_token_ids)
-        messages.append({"role": "assistant", "content": engine.decode([t for t in out if t not in stops])})
+        messages.append({"role": "assistant",
+                         "content": engine.decode([t for t in out if t not in engine.end_of_turn_ids])})
 
 
 def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:

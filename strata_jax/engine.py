@@ -425,7 +425,7 @@ class Engine:
             spec = 0
         ids = self._check_prompt(token_ids)
         # stop_token_ids replace the model's eos ids; ignore_eos drops those (given stop ids still stop).
-        eos = () if req.ignore_eos else self.cfg.eos_token_ids + self.generation_defaults.eos_token_ids
+        eos = frozenset() if req.ignore_eos else self.end_of_turn_ids
         stops = set(eos if stop_token_ids is None else stop_token_ids)
         budget = min(req.max_new_tokens, self.context - ids.size)
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
@@ -722,6 +722,11 @@ class Engine:
             raise StrataError("the text is not valid UTF-8") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    @property
+    def end_of_turn_ids(self) -> frozenset[int]:
+        """The ids that end a request by default: config.json's eos ids and generation_config.json's."""
+        return frozenset(self.cfg.eos_token_ids + self.generation_defaults.eos_token_ids)
+
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         """The conversation through the model's chat template, tokenized as transformers' apply_chat_template
         does (no special tokens added: the template writes them)."""
@@ -735,8 +740,7 @@ class Engine:
         """The assistant's reply to `messages` ([{'role': 'user', 'content': ...}, ...]) as text (its end-of-turn
         token left out); request options as generate's."""
         out = self.generate(self.chat_ids(messages), **request)
-        stops = set(self.cfg.eos_token_ids + self.generation_defaults.eos_token_ids)
-        stops = set(request.get("stop_token_ids") or ()) or stops
+        stops = set(request.get("stop_token_ids") or ()) or self.end_of_turn_ids
         return self.decode(out[:-1] if out and out[-1] in stops else out)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -162,7 +162,7 @@ class Server:
         """Generate in this (worker) thread; emit(text) gets each safe piece as it is accepted."""
         eng = self.engine
         text, stop = TextStream(eng.decode), StopStrings(stops)
-        eos = set(eng.cfg.eos_token_ids + eng.generation_defaults.eos_token_ids)
+        eos = eng.end_of_turn_ids
         outcome = Outcome(prompt_tokens=len(ids))
 
         def on_token(token: int) -> None:
