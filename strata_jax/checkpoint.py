@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from strata_jax.config import ModelConfig
 from strata_jax.errors import StrataError, make_writable_folder
+from strata_jax.deltanet import DeltaNetWeights
 from strata_jax.model import AttentionWeights, LayerWeights, MLPWeights, Weights
 from strata_jax.moe import MoEWeights
 
@@ -119,7 +120,8 @@ def default_place(name: str, x: np.ndarray):
 
 def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Placer = default_place,
                  place_experts: Placer | None = None, progress: Callable[[str], None] | None = None) -> Weights:
-    """Read a Qwen3-MoE checkpoint in the Hub layout into `Weights` (dense matrices transposed to [in, out]).
+    """Read a Qwen3-MoE or Qwen3-Next checkpoint in the Hub layout into `Weights` (dense matrices transposed to
+    [in, out]). Qwen3-Next's `mtp.*` tensors (its multi-token-prediction head) are not read.
 
     `place_experts` receives each sparse layer's stacked expert arrays (names `layers.{i}.experts.{gate,up,down}`);
     by default they go where `place` puts everything else.
@@ -135,11 +137,24 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     def maybe_bias(name, n):
         return get(name, (n,)) if cfg.attention_bias else None
 
+    def deltanet_weights(p):
+        nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim)
+        c, k = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
+        conv = to_dtype(reader.get(p + "conv1d.weight", (c, 1, k)), dtype)[:, 0, :]  # [C, K] -> [K, C] below
+        return DeltaNetWeights(
+            in_qkvz=get(p + "in_proj_qkvz.weight", (2 * nk * dk + 2 * nv * dv, h), True),
+            in_ba=get(p + "in_proj_ba.weight", (2 * nv, h), True),
+            conv=place(p + "conv1d.weight", np.ascontiguousarray(conv.T)),
+            dt_bias=get(p + "dt_bias", (nv,)), a_log=get(p + "A_log", (nv,)),
+            norm=get(p + "norm.weight", (dv,)), out=get(p + "out_proj.weight", (h, nv * dv), True))
+
+    qw = nq * d * (2 if cfg.next else 1)  # Qwen3-Next's q_proj holds each head's q and output gate
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        attn = AttentionWeights(
-            wq=get(p + "self_attn.q_proj.weight", (nq * d, h), True),
+        attn = deltanet_weights(p + "linear_attn.") if cfg.is_linear(i) else AttentionWeights(
+            wq=get(p + "self_attn.q_proj.weight", (qw, h), True),
             wk=get(p + "self_attn.k_proj.weight", (nkv * d, h), True),
             wv=get(p + "self_attn.v_proj.weight", (nkv * d, h), True),
             wo=get(p + "self_attn.o_proj.weight", (h, nq * d), True),
@@ -170,8 +185,15 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
             ffn = MLPWeights(gate=get(p + "mlp.gate_proj.weight", (f, h), True),
                              up=get(p + "mlp.up_proj.weight", (f, h), True),
                              down=get(p + "mlp.down_proj.weight", (h, f), True))
-        layers.append(LayerWeights(attn_norm=get(p + "input_layernorm.weight", (h,)), attn=attn,
-                                   ffn_norm=get(p + "post_attention_layernorm.weight", (h,)), ffn=ffn))
+        layer = LayerWeights(attn_norm=get(p + "input_layernorm.weight", (h,)), attn=attn,
+                             ffn_norm=get(p + "post_attention_layernorm.weight", (h,)), ffn=ffn)
+        if cfg.sparse_layers[i] and cfg.shared_expert_intermediate_size:
+            f, q = cfg.shared_expert_intermediate_size, p + "mlp.shared_expert."
+            layer = layer.replace(
+                shared=MLPWeights(gate=get(q + "gate_proj.weight", (f, h), True), up=get(q + "up_proj.weight", (f, h), True),
+                                  down=get(q + "down_proj.weight", (h, f), True)),
+                shared_gate=get(p + "mlp.shared_expert_gate.weight", (1, h), True))
+        layers.append(layer)
         if progress:
             progress(f"loading: layer {i + 1}/{cfg.num_layers}")
     lm_head = None

@@ -1,4 +1,4 @@
-"""Model configuration: the Qwen3-MoE family, read from a Hugging Face `config.json`.
+"""Model configuration: the Qwen3-MoE and Qwen3-Next families, read from a Hugging Face `config.json`.
 
 Every option the engine does not implement is refused with one line naming it, so a checkpoint is never
 decoded with silently wrong semantics.
@@ -11,7 +11,8 @@ from pathlib import Path
 
 from strata_jax.errors import StrataError
 
-SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +35,54 @@ class ModelConfig:
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense SwiGLU (False)
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen3-Next (arch "qwen3_next"); the defaults describe Qwen3-MoE. Next adds zero-centred RMSNorms (scale
+    # 1 + weight), an output gate on full attention (q_proj twice as wide), partial RoPE, a shared expert beside
+    # the routed ones, and Gated DeltaNet layers ("linear_attention") between the full-attention ones.
+    arch: str = "qwen3_moe"
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "linear_attention"; () = every layer full
+    partial_rotary_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint declares (mtp_num_hidden_layers)
 
     @property
     def num_sparse_layers(self) -> int:
         return sum(self.sparse_layers)
+
+    @property
+    def next(self) -> bool:
+        return self.arch == "qwen3_next"
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def has_linear(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    @property
+    def num_full_layers(self) -> int:
+        return sum(not self.is_linear(i) for i in range(self.num_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a DeltaNet layer's causal conv: q and k (key heads) and v (value heads)."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    def state_bytes(self, itemsize: int) -> int:
+        """Bytes of one position's recurrent state over every DeltaNet layer (conv inputs + float32 delta state)."""
+        per_layer = (self.linear_conv_kernel_dim - 1) * self.linear_conv_dim * itemsize + \
+            4 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        return per_layer * (self.num_layers - self.num_full_layers)
 
     def expert_bytes(self, itemsize: int) -> int:
         """Bytes of one expert's three matrices."""
@@ -57,6 +102,50 @@ def _rope_theta(raw: dict) -> float:
             raise StrataError(f"unsupported config option: rope scaling type {kind!r} (only the default RoPE)")
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     return float(theta)
+
+
+def _partial_rotary(raw: dict) -> float:
+    params = raw.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
+    return float(factor)
+
+
+def _next_fields(raw: dict, num_layers: int, where: str) -> dict:
+    """The Qwen3-Next part of the config (transformers 5.x's Qwen3NextConfig)."""
+    types = raw.get("layer_types")
+    if types is None:
+        interval = _as_int(raw.get("full_attention_interval", 4), "full_attention_interval")
+        if interval <= 0:
+            raise StrataError(f"{where}: full_attention_interval must be positive (got {interval})")
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise StrataError(f"{where}: layer_types must list one type per layer ({num_layers})")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise StrataError(f"{where}: unsupported config option: layer_types {unknown} (supported: {list(LAYER_TYPES)})")
+    if raw.get("attention_bias", False):
+        raise StrataError(f"{where}: unsupported config option: attention_bias=true for qwen3_next")
+    fields = dict(
+        arch="qwen3_next", layer_types=tuple(types), partial_rotary_factor=_partial_rotary(raw),
+        shared_expert_intermediate_size=_as_int(raw.get("shared_expert_intermediate_size", 0) or 0,
+                                                "shared_expert_intermediate_size"),
+        mtp_layers=_as_int(raw.get("mtp_num_hidden_layers", 0) or 0, "mtp_num_hidden_layers"))
+    if "linear_attention" in types:
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            if name not in raw:
+                raise KeyError(name)
+            fields[name] = _as_int(raw[name], name)
+            if fields[name] <= 0:
+                raise StrataError(f"{where}: {name} must be positive (got {fields[name]})")
+        if fields["linear_num_value_heads"] % fields["linear_num_key_heads"]:
+            raise StrataError(f"{where}: linear_num_value_heads {fields['linear_num_value_heads']} is not a multiple "
+                              f"of linear_num_key_heads {fields['linear_num_key_heads']}")
+        if fields["linear_conv_kernel_dim"] < 2:
+            raise StrataError(f"{where}: linear_conv_kernel_dim must be at least 2")
+    return fields
 
 
 def _as_int(value, name: str) -> int:
@@ -91,6 +180,8 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
             (i not in mlp_only) and num_experts > 0 and sparse_step > 0 and (i + 1) % sparse_step == 0
             for i in range(num_layers)
         )
+        next_fields = (_next_fields(raw, num_layers, where)
+                       if "Qwen3NextForCausalLM" in archs or raw.get("model_type") == "qwen3_next" else {})
         eos = raw.get("eos_token_id")
         eos_ids = tuple(_as_int(e, "eos_token_id") for e in (eos if isinstance(eos, list) else
                                                             ([] if eos is None else [eos])))
@@ -114,6 +205,7 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             sparse_layers=sparse,
             eos_token_ids=eos_ids,
+            **next_fields,
         )
     except KeyError as e:
         raise StrataError(f"{where}: missing config field {e.args[0]!r}") from None
@@ -124,6 +216,10 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
                         ("head_dim", cfg.head_dim), ("vocab_size", cfg.vocab_size)):
         if value <= 0:
             raise StrataError(f"{where}: {name} must be positive (got {value})")
+    if len(set(archs)) > 1:
+        raise StrataError(f"{where}: architectures {archs} name more than one model class")
+    if cfg.next and cfg.rotary_dim % 2:
+        raise StrataError(f"{where}: partial_rotary_factor {cfg.partial_rotary_factor} gives an odd rotary dimension")
     if cfg.num_heads % cfg.num_kv_heads:
         raise StrataError(f"{where}: num_attention_heads {cfg.num_heads} is not a multiple of num_key_value_heads {cfg.num_kv_heads}")
     if any(cfg.sparse_layers) and not (0 < cfg.num_experts_per_tok <= cfg.num_experts):
@@ -159,5 +255,6 @@ def preset(name: str, layers: int | None = None) -> ModelConfig:
         raise StrataError(f"unknown model preset {name!r} (known: {known})")
     cfg = load_config(path)
     if layers:
-        cfg = cfg.replace(num_layers=layers, sparse_layers=cfg.sparse_layers[:layers])
+        cfg = cfg.replace(num_layers=layers, sparse_layers=cfg.sparse_layers[:layers],
+                          layer_types=cfg.layer_types[:layers])
     return cfg

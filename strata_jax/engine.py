@@ -68,6 +68,9 @@ class Engine:
         self.placement = placement
         self.dtype = jnp.dtype(options.dtype)
         self.context, self.chunk = context_and_chunk(cfg, options)
+        # DeltaNet layers keep the states of the last `ring` positions: more than a window, so a verify window's
+        # accepted position and the last request's end (prefix reuse) are still there.
+        self.ring = options.window + 1
         self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
         self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.pcie_frac < 1)
         approx_lines += defer_lines + unknown_switches()
@@ -122,11 +125,11 @@ class Engine:
         if self.attention_kernel == "pallas":
             length = -(-length // 64) * 64  # the kernel's key blocks divide the cache length
         try:
-            kv = model.init_cache(self.cfg, length, self.dtype, stacked=self.scanned)
+            kv = model.init_cache(self.cfg, length, self.dtype, stacked=self.scanned, ring=self.ring)
         except (MemoryError, ValueError, RuntimeError) as e:  # jax's allocation failure is a RuntimeError
             if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError) and "memory" not in str(e).lower():
                 raise
-            need = 2 * self.cfg.num_layers * length * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
+            need = model.cache_bytes(self.cfg, length, self.dtype.itemsize, self.ring)
             per_token = need / length
             stats = jax.devices()[0].memory_stats() or {}
             free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
@@ -489,7 +492,12 @@ class Engine:
             return 0
         cached = np.asarray(self._kv_tokens[:ids.size - 1], np.int32)
         differ = np.flatnonzero(cached != ids[:cached.size])
-        return int(differ[0]) if differ.size else int(cached.size)
+        common = int(differ[0]) if differ.size else int(cached.size)
+        if self.cache.state_pos is not None:
+            # DeltaNet layers: the run may start at `first` only where the state after first-1 is kept.
+            kept = [int(p) + 1 for p in np.asarray(self.cache.state_pos) if 0 <= p < common]
+            common = max(kept, default=0)
+        return common
 
     def _generate(self, ids, budget, stops, sampling, stats: RequestStats, out: list[int], on_token, spec: int,
                   drafter, device_drafts: bool = False, reuse: int = 0) -> None:
@@ -809,7 +817,7 @@ def plan_placement(cfg: ModelConfig, opts: EngineOptions):
     copies of the experts go when offload is on."""
     context, chunk = context_and_chunk(cfg, opts)
     itemsize = jnp.dtype(opts.dtype).itemsize
-    kv_bytes = 2 * cfg.num_layers * (context + chunk) * cfg.num_kv_heads * cfg.head_dim * itemsize
+    kv_bytes = model.cache_bytes(cfg, context + chunk, itemsize, opts.window + 1)
     slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
     return slots, why, (placement_mod.HostExperts(cfg) if slots is not None else None)
 

@@ -1,8 +1,10 @@
-"""The Qwen3-MoE model as small pytree dataclasses, and the forward pass of one window of T tokens.
+"""The Qwen3-MoE and Qwen3-Next models as small pytree dataclasses, and the forward pass of one window of T tokens.
 
 Follows transformers' `Qwen3MoeForCausalLM`: RMSNorm computed in float32 then cast back, grouped-query attention
 with per-head q/k RMSNorm before RoPE (rotate-half form), a sparse MoE block or a dense SwiGLU MLP per layer, and
-a tied or untied `lm_head`. Dense matrices are stored [in, out] (transposed from the checkpoint) so that `x @ w`
+a tied or untied `lm_head`. `Qwen3NextForCausalLM` (cfg.next) adds: zero-centred RMSNorms (`norm`), an output gate
+on attention (q_proj twice as wide, per head [q, gate]), RoPE on the first `rotary_dim` dims, a shared expert with a
+sigmoid gate beside the routed ones (always resident), and Gated DeltaNet layers (strata_jax/deltanet.py). Dense matrices are stored [in, out] (transposed from the checkpoint) so that `x @ w`
 reads naturally; experts keep the checkpoint's [out, in] layout (see moe.MoEWeights). Shapes: T tokens in the window, H hidden, Nq/Nkv heads, D head_dim, E experts, I expert width,
 S cache length, V vocabulary.
 """
@@ -16,13 +18,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.config import ModelConfig
-from strata_jax import moe
+from strata_jax import deltanet, moe
+from strata_jax.deltanet import DeltaNetWeights, DeltaState
 from strata_jax.linear import linear
 
 
 @struct.dataclass
 class AttentionWeights:
-    wq: jax.Array  # [H, Nq*D]
+    wq: jax.Array  # [H, Nq*D]; Qwen3-Next [H, Nq*2D]: per head its q then its output gate
     wk: jax.Array  # [H, Nkv*D]
     wv: jax.Array  # [H, Nkv*D]
     wo: jax.Array  # [Nq*D, H]
@@ -45,9 +48,11 @@ class MLPWeights:
 @struct.dataclass
 class LayerWeights:
     attn_norm: jax.Array  # [H]
-    attn: AttentionWeights
+    attn: AttentionWeights | DeltaNetWeights
     ffn_norm: jax.Array  # [H]
     ffn: moe.MoEWeights | MLPWeights
+    shared: MLPWeights | None = None  # Qwen3-Next's shared expert of a sparse layer (resident)
+    shared_gate: jax.Array | None = None  # [H, 1]: its sigmoid gate
 
 
 @struct.dataclass
@@ -69,26 +74,40 @@ class KVCache:
     """What a window updates: the static-size key/value cache (one array per layer, or one [L, S, Nkv, D] array for
     stacked weights; a donated step updates it in place) and, when experts are offloaded, each sparse layer's device
     expert cache (offload.SlotCache)."""
-    k: list[jax.Array] | jax.Array  # per layer [S, Nkv, D], or stacked [L, S, Nkv, D]
-    v: list[jax.Array] | jax.Array
+    k: list[jax.Array | None] | jax.Array  # per layer [S, Nkv, D] (None: a DeltaNet layer), or stacked [L, S, Nkv, D]
+    v: list[jax.Array | None] | jax.Array
     experts: list | None = None  # per layer SlotCache (None for dense layers), or None when all experts resident
+    delta: list[DeltaState | None] | None = None  # per layer: a DeltaNet layer's recurrent state ring
+    state_pos: jax.Array | None = None  # [R] int32: the position each ring slot holds (-1: none)
 
     @property
     def length(self) -> int:
-        return self.k.shape[1] if isinstance(self.k, jax.Array) else self.k[0].shape[0]
+        return self.k.shape[1] if isinstance(self.k, jax.Array) else next(k for k in self.k if k is not None).shape[0]
 
 
-def init_cache(cfg: ModelConfig, length: int, dtype=jnp.float32, stacked: bool = False) -> KVCache:
+def init_cache(cfg: ModelConfig, length: int, dtype=jnp.float32, stacked: bool = False, ring: int = 8) -> KVCache:
+    """ring: how many positions' recurrent states a DeltaNet layer keeps (more than the largest window)."""
     shape = (length, cfg.num_kv_heads, cfg.head_dim)
     if stacked:
         return KVCache(k=jnp.zeros((cfg.num_layers, *shape), dtype), v=jnp.zeros((cfg.num_layers, *shape), dtype))
-    return KVCache(k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
-                   v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)])
+    full = [not cfg.is_linear(i) for i in range(cfg.num_layers)]
+    cache = KVCache(k=[jnp.zeros(shape, dtype) if f else None for f in full],
+                    v=[jnp.zeros(shape, dtype) if f else None for f in full])
+    if cfg.has_linear:
+        cache = cache.replace(delta=[None if f else deltanet.init_state(cfg, ring, dtype) for f in full],
+                              state_pos=jnp.full((ring,), -1, jnp.int32))
+    return cache
+
+
+def cache_bytes(cfg: ModelConfig, length: int, itemsize: int, ring: int = 8) -> int:
+    """Bytes of init_cache: K and V rows of the full-attention layers, the DeltaNet layers' state rings."""
+    kv = 2 * cfg.num_full_layers * length * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return kv + (ring * cfg.state_bytes(itemsize) if cfg.has_linear else 0)
 
 
 def can_stack(cfg: ModelConfig) -> bool:
-    """One scanned body needs every layer of one kind (all MoE or all dense)."""
-    return len(set(cfg.sparse_layers)) <= 1
+    """One scanned body needs every layer of one kind (all MoE or all dense); Qwen3-Next layers run unrolled."""
+    return len(set(cfg.sparse_layers)) <= 1 and not cfg.next
 
 
 def stack_layers(weights: Weights, consume: bool = False) -> Weights:
@@ -137,8 +156,20 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding in transformers' rotate-half form. x: [T, N, D], positions: [T]."""
+def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The model's RMSNorm: Qwen3-Next's is zero-centred and scales in float32 before the cast back."""
+    if not cfg.next:
+        return rms_norm(x, weight, cfg.rms_norm_eps)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None) -> jax.Array:
+    """Rotary embedding in transformers' rotate-half form on the first rotary_dim dims (all by default).
+    x: [T, N, D], positions: [T]."""
+    if rotary_dim is not None and rotary_dim < x.shape[-1]:
+        return jnp.concatenate([rope(x[..., :rotary_dim], positions, theta), x[..., rotary_dim:]], axis=-1)
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
@@ -163,6 +194,7 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     sum the products in the same order and round alike."""
     t = x.shape[0]
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qw = nq * d * (2 if cfg.next else 1)  # Qwen3-Next: each head's q then its output gate
     interpret = jax.default_backend() != "gpu"
     product_layer = layer
     if w_stack is None and dense_kernel:
@@ -171,18 +203,22 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
         from pallas_kernels.stacked_linear import stacked_linear
         qkv = stacked_linear(x, (w_stack.wq, w_stack.wk, w_stack.wv), product_layer,
                              interpret=interpret).astype(x.dtype)
-        ys = jnp.split(qkv, [nq * d, (nq + nkv) * d], axis=1)  # as linear() rounds each product to x.dtype
+        ys = jnp.split(qkv, [qw, qw + nkv * d], axis=1)  # as linear() rounds each product to x.dtype
     else:
         ys = [linear(x, w.wq), linear(x, w.wk), linear(x, w.wv)]
 
     def proj(y, b_, n):
         return (y if b_ is None else y + b_).reshape(t, n, d)
 
-    q = rms_norm(proj(ys[0], w.bq, nq), w.q_norm, cfg.rms_norm_eps)  # [T, Nq, D]
-    k = rms_norm(proj(ys[1], w.bk, nkv), w.k_norm, cfg.rms_norm_eps)  # [T, Nkv, D]
+    gate = None
+    if cfg.next:
+        q_gate = ys[0].reshape(t, nq, 2 * d)
+        ys[0], gate = q_gate[..., :d].reshape(t, nq * d), q_gate[..., d:].reshape(t, nq * d)
+    q = norm(proj(ys[0], w.bq, nq), w.q_norm, cfg)  # [T, Nq, D]
+    k = norm(proj(ys[1], w.bk, nkv), w.k_norm, cfg)  # [T, Nkv, D]
     v = proj(ys[2], w.bv, nkv)  # [T, Nkv, D]
     positions = pos + jnp.arange(t, dtype=jnp.int32)
-    q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
 
     # Write this window's keys/values, then attend over the whole static cache with a causal mask.
     if layer is None:
@@ -200,6 +236,8 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
         out = decode_attention(q, k_cache, v_cache, pos, layer=layer, interpret=interpret).reshape(t, nq * d)
     else:
         out = _xla_attention(q, k_layer, v_layer, positions)
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate)  # in the model dtype, as transformers
     if w_stack is not None:
         from pallas_kernels.stacked_linear import stacked_linear
         out = stacked_linear(out, (w_stack.wo,), product_layer, interpret=interpret).astype(x.dtype)
@@ -233,12 +271,19 @@ def dense_mlp(x: jax.Array, w: MLPWeights) -> jax.Array:
 ExpertPath = Callable[[int, jax.Array, "moe.MoEWeights", jax.Array, object], tuple[jax.Array, object]]
 
 
+def shared_expert(x: jax.Array, layer: LayerWeights) -> jax.Array:
+    """Qwen3-Next's shared expert: sigmoid(x @ gate) * SwiGLU(x), on every token."""
+    return jax.nn.sigmoid(linear(x, layer.shared_gate)) * dense_mlp(x, layer.shared)
+
+
 def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
             cfg: ModelConfig, experts: ExpertPath | None = None,
-            attention_kernel: bool = False, dense_kernel: bool = False) -> tuple[jax.Array, KVCache]:
+            attention_kernel: bool = False, dense_kernel: bool = False,
+            delta_kernel: bool = False) -> tuple[jax.Array, KVCache]:
     """One window: tokens [T] at positions pos.., of which the first n_valid are real (the rest padding).
 
-    Returns float32 logits [T, V] and the updated cache.
+    Returns float32 logits [T, V] and the updated cache. delta_kernel: DeltaNet layers' decode-time rule through
+    the Pallas kernel.
     """
     if weights.stacked:
         return forward_scanned(weights, cache, tokens, pos, n_valid, cfg, experts, attention_kernel, dense_kernel)
@@ -247,19 +292,29 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
     valid = jnp.arange(t) < n_valid  # [T]
     h = weights.embed[tokens]  # [T, H]
     new_k, new_v = [], []
+    new_delta = list(cache.delta) if cache.delta is not None else None
     pending = None  # a deferred layer's CPU rows (strata_jax.defer), owed before the next FFN half
     for i, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer{i}"):
-            with jax.named_scope("attention"):
-                a, kc, vc = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn,
-                                      cache.k[i], cache.v[i], pos, cfg, kernel=attention_kernel,
-                                      dense_kernel=dense_kernel)
+            if isinstance(layer.attn, DeltaNetWeights):
+                with jax.named_scope("deltanet"):
+                    a, new_delta[i] = deltanet.deltanet(norm(h, layer.attn_norm, cfg), layer.attn, cache.delta[i],
+                                                        cache.state_pos, pos, n_valid, cfg, kernel=delta_kernel)
+                kc = vc = None
+            else:
+                with jax.named_scope("attention"):
+                    a, kc, vc = attention(norm(h, layer.attn_norm, cfg), layer.attn,
+                                          cache.k[i], cache.v[i], pos, cfg, kernel=attention_kernel,
+                                          dense_kernel=dense_kernel)
             h = h + a
             new_k.append(kc)
             new_v.append(vc)
             if pending is not None:  # pre(i): layer i-1's late rows join before this FFN half
                 h, pending = experts.join(h, pending), None
-            x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
+            x = norm(h, layer.ffn_norm, cfg)
+            if layer.shared is not None:
+                with jax.named_scope("shared_expert"):
+                    h = h + shared_expert(x, layer)
             if isinstance(layer.ffn, MLPWeights):
                 with jax.named_scope("mlp"):
                     h = h + dense_mlp(x, layer.ffn)
@@ -274,12 +329,16 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
                 pending = deferred[0] if deferred else None
                 if pending is not None and experts.join_now:
                     h, pending = experts.join(h, pending), None
-    return head_logits(weights, h, cfg), KVCache(k=new_k, v=new_v, experts=expert_state)
+    state_pos = cache.state_pos
+    if state_pos is not None:
+        state_pos = deltanet.commit_pos(state_pos, pos, n_valid, t)
+    return head_logits(weights, h, cfg), KVCache(k=new_k, v=new_v, experts=expert_state, delta=new_delta,
+                                                 state_pos=state_pos)
 
 
 def head_logits(weights: Weights, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm and lm_head: h [T, H] -> float32 logits [T, V]."""
-    h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
+    h = norm(h, weights.final_norm, cfg)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
     return linear(h, head, preferred_element_type=jnp.float32)  # a GEMM at T=1 too (linear.py)
 
@@ -365,11 +424,15 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
         key, sub = jax.random.split(key)
         return normal(sub, tuple(shape))
 
-    ones = lambda n: jnp.ones((n,), dtype)
+    # Qwen3-Next's norms are zero-centred (scale 1 + weight): zeros are its identity.
+    ones = (lambda n: jnp.zeros((n,), dtype)) if cfg.next else (lambda n: jnp.ones((n,), dtype))
     layers = []
     for i in range(cfg.num_layers):
-        attn = AttentionWeights(wq=rnd((h, nq * d)), wk=rnd((h, nkv * d)), wv=rnd((h, nkv * d)),
-                                wo=rnd((nq * d, h)), q_norm=ones(d), k_norm=ones(d))
+        if cfg.is_linear(i):
+            attn = deltanet.random_weights(cfg, rnd, dtype)
+        else:
+            attn = AttentionWeights(wq=rnd((h, nq * d * (2 if cfg.next else 1))), wk=rnd((h, nkv * d)),
+                                    wv=rnd((h, nkv * d)), wo=rnd((nq * d, h)), q_norm=ones(d), k_norm=ones(d))
         if cfg.attention_bias:
             attn = attn.replace(bq=rnd((nq * d,)), bk=rnd((nkv * d,)), bv=rnd((nkv * d,)), bo=rnd((h,)))
         if cfg.sparse_layers[i]:
@@ -381,7 +444,12 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
         else:
             f = cfg.intermediate_size
             ffn = MLPWeights(gate=rnd((h, f)), up=rnd((h, f)), down=rnd((f, h)))
-        layers.append(LayerWeights(attn_norm=ones(h), attn=attn, ffn_norm=ones(h), ffn=ffn))
+        layer = LayerWeights(attn_norm=ones(h), attn=attn, ffn_norm=ones(h), ffn=ffn)
+        if cfg.sparse_layers[i] and cfg.shared_expert_intermediate_size:
+            f = cfg.shared_expert_intermediate_size
+            layer = layer.replace(shared=MLPWeights(gate=rnd((h, f)), up=rnd((h, f)), down=rnd((f, h))),
+                                  shared_gate=rnd((h, 1)))
+        layers.append(layer)
         if progress:
             jax.block_until_ready(layers[-1])
             progress(f"random weights: layer {i + 1}/{cfg.num_layers}")

@@ -116,3 +116,27 @@ def test_dense_bench_formulations_compute_the_same_projections():
     result = dense_bench.main(["dense_bench", "--layers=1", "--hidden=64", "--q_out=128", "--kv_out=32", "--t=1",
                                "--iters=1", "--warmup=0", "--dtype=float32"])
     assert set(dense_bench.FORMULATIONS) <= set(result["rows"][0]) and "roofline us/layer" in result["table"]
+
+
+def test_delta_bench_tiny(tmp_path, capsys):
+    """The gated delta rule bench on --tiny shapes (Pallas in interpret mode off the GPU): one row per T, the kernel
+    within 1e-5 of the XLA reference, the bytes = state read + T states written, the table and the JSON agree."""
+    from benchmarks import delta_bench
+    out = tmp_path / "delta.json"
+    result = delta_bench.main(["delta_bench", "--tiny", "--windows=1,3", "--layers=2", "--iters=2", "--warmup=1",
+                               "--bw_mib=8", f"--json={out}"])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and result["complete"]
+    assert saved["interpret"] == (jax.default_backend() != "gpu")
+    assert saved["shape"] == dict(heads_k=1, heads_v=2, dk=16, dv=16)
+    assert [r["T"] for r in saved["rows"]] == [1, 3]
+    for r in saved["rows"]:
+        assert r["bytes"] == 2 * 16 * 16 * 4 * (1 + r["T"])
+        assert r["out_rel_err"] < 1e-5 and r["states_rel_err"] < 1e-5
+        for key in ("xla_us", "pallas_us", "roofline_us"):
+            assert r[key] > 0 and math.isfinite(r[key]), key
+    table = [ln for ln in printed.splitlines() if ln.startswith("|")]
+    assert len(table) == 2 + 2
+    assert table[0].startswith("|   T | XLA us | Pallas us |") and "roofline us" in table[0]
+    assert "INTERPRET mode" in printed or saved["interpret"] is False

@@ -1,0 +1,172 @@
+"""Qwen3-Next: the hybrid model (Gated DeltaNet + gated attention, shared expert). Its logits and greedy output
+against transformers' Qwen3NextForCausalLM are in tests/test_hf_reference.py (the fixtures tests/fixtures/hf/next_*
+are among its folders); here: the config, the chunked delta rule, the recurrent state across verify windows and
+requests, chunked prefill, and placement independence."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import HF_FIXTURES, hf_fixture_names
+from strata_jax import StrataError, config, deltanet
+from strata_jax.config import config_from_dict
+from pallas_kernels.gated_delta import gated_delta_step_reference
+
+NEXT = sorted(p.name for p in HF_FIXTURES.glob("next_*") if (p / "reference.npz").is_file())
+W = 4
+EXACT = dict(dtype="float32", window=W, expert_cache_slots="all")
+TOL = 1e-4  # float32 against torch eager, as tests/test_hf_reference.py
+
+
+def reference(name):
+    with np.load(HF_FIXTURES / name / "reference.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def rel(a, b):
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+def test_next_fixtures_found():
+    assert len(NEXT) >= 3, f"expected the Qwen3-Next fixtures in {HF_FIXTURES}, found {NEXT}"
+    assert set(NEXT) <= set(hf_fixture_names())  # so test_hf_reference compares them with transformers
+
+
+# ---- config -----------------------------------------------------------------------------------------------------
+
+def test_the_80b_shape_reads_as_transformers_builds_it():
+    cfg = config.preset("qwen3-next-80b-a3b")
+    assert cfg.next and cfg.num_layers == 48
+    assert cfg.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)  # full_attention_interval 4
+    assert cfg.num_full_layers == 12 and cfg.rotary_dim == 64 and cfg.linear_conv_dim == 8192
+    assert cfg.shared_expert_intermediate_size == 512 and cfg.mtp_layers == 1
+
+
+def _next_raw(**changes):
+    raw = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 64,
+           "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+           "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 1,
+           "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+           "linear_conv_kernel_dim": 4}
+    raw.update(changes)
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(layer_types=["linear_attention", "sliding_attention"]), "sliding_attention"),
+    (dict(layer_types=["linear_attention"]), "one type per layer"),
+    (dict(linear_num_value_heads=3, linear_num_key_heads=2), "not a multiple"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(linear_conv_kernel_dim=None), "linear_conv_kernel_dim"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5}),
+     "partial_rotary_factor"),
+])
+def test_bad_next_configs_are_one_line(changes, says):
+    with pytest.raises(StrataError, match=says) as err:
+        config_from_dict(_next_raw(**changes))
+    assert "\n" not in str(err.value)
+
+
+def test_a_minimal_next_config_reads():
+    cfg = config_from_dict(_next_raw())
+    assert cfg.is_linear(0) and not cfg.is_linear(1) and cfg.partial_rotary_factor == 1.0
+
+
+# ---- the delta rule -----------------------------------------------------------------------------------------------
+
+def test_chunked_rule_equals_the_recurrent_rule():
+    """Prefill's chunked form (several blocks, padding rows) ends where the token-by-token rule does."""
+    rng = np.random.default_rng()
+    t, n_valid, nv, dk, dv = 150, 137, 3, 8, 16
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q = unit(rng.standard_normal((t, nv, dk))).astype(np.float32) * dk ** -0.5
+    k = unit(rng.standard_normal((t, nv, dk))).astype(np.float32)
+    v = rng.standard_normal((t, nv, dv)).astype(np.float32)
+    g = -rng.uniform(0.01, 0.5, (t, nv)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (t, nv)).astype(np.float32)
+    s0 = rng.standard_normal((nv, dk, dv)).astype(np.float32)
+    pad = (np.arange(t) < n_valid)[:, None]
+    out_c, last = deltanet.chunked_rule(q, k, v, np.where(pad, g, 0), np.where(pad, beta, 0), s0)
+    out_r, states = gated_delta_step_reference(q, k, v, g, beta, s0, np.int32(n_valid))
+    assert rel(np.asarray(out_c)[:n_valid], np.asarray(out_r)[:n_valid]) < 1e-5
+    assert rel(last, np.asarray(states)[n_valid - 1]) < 1e-5
+
+
+# ---- against transformers ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=NEXT)
+def fixture(request, engine_factory):
+    name = request.param
+    return name, engine_factory(HF_FIXTURES / name, **EXACT), reference(name)
+
+
+@pytest.mark.parametrize("chunk", [3, 7])  # 3: windows that keep every position's state; 7: the chunked rule
+def test_chunked_prefill(engine_factory, chunk):
+    name = NEXT[0]
+    ref = reference(name)
+    engine = engine_factory(HF_FIXTURES / name, **EXACT, prefill_chunk=chunk)
+    assert rel(engine.prefill_logits(ref["input_ids"]), ref["logits"]) < TOL
+    assert engine.generate(ref["prompt_ids"].tolist(), len(ref["greedy_ids"]), stop_token_ids=[]) == \
+        ref["greedy_ids"].tolist()
+
+
+class OracleDrafter:
+    """Proposes the known greedy continuation, wrong at every third draft: windows accept some drafts and reject
+    the rest, so the recurrent state must roll back to the accepted position."""
+
+    def __init__(self, prompt_len, greedy):
+        self.prompt_len, self.greedy, self.calls = prompt_len, greedy, 0
+
+    def propose(self, tokens, k):
+        at = len(tokens) - self.prompt_len
+        drafts = list(self.greedy[at:at + k])
+        self.calls += 1
+        for i in range(len(drafts)):
+            if (self.calls + i) % 3 == 2:
+                drafts[i] = (drafts[i] + 1) % 64
+        return drafts
+
+    def observe(self, accepted):
+        pass
+
+
+def test_verify_windows_roll_the_state_back(fixture):
+    name, engine, ref = fixture
+    prompt = ref["prompt_ids"].tolist()
+    greedy = engine.generate(prompt, 24, spec=0, stop_token_ids=[])
+    assert greedy[:12] == ref["greedy_ids"].tolist()
+    for spec in range(1, W):
+        assert engine.generate(prompt, 24, spec=spec, draft=OracleDrafter(len(prompt), greedy),
+                               stop_token_ids=[]) == greedy, spec
+        last = engine.stats.last
+        assert 0 < last.drafts_accepted < last.drafts_proposed  # both paths ran
+    assert engine.generate(prompt, 24, spec=W - 1, draft="device", stop_token_ids=[]) == greedy
+
+
+@pytest.mark.parametrize("slots, frac", [(3, 1.0), (3, 0.5), (5, 0.0)])
+def test_placement_does_not_change_the_logits(engine_factory, slots, frac):
+    name = NEXT[0]
+    ref = reference(name)
+    resident = engine_factory(HF_FIXTURES / name, **EXACT)
+    placed = engine_factory(HF_FIXTURES / name, dtype="float32", window=W, expert_cache_slots=slots, pcie_frac=frac,
+                            cpu_threads=2)
+    ids = ref["input_ids"]
+    assert rel(placed.score(ids), resident.score(ids)) < 1e-5
+    assert rel(placed.prefill_logits(ids), resident.prefill_logits(ids)) < 1e-5
+    prompt = ref["prompt_ids"].tolist()
+    assert placed.generate(prompt, 12, stop_token_ids=[]) == resident.generate(prompt, 12, stop_token_ids=[])
+
+
+def test_prefix_reuse_continues_from_the_kept_state(engine_factory):
+    name = NEXT[0]
+    ref = reference(name)
+    engine = engine_factory(HF_FIXTURES / name, **EXACT, prefill_chunk=5)
+    fresh = engine_factory(HF_FIXTURES / name, **EXACT, prefill_chunk=5, prefix_reuse=False)
+    prompt = ref["prompt_ids"].tolist()
+    for spec in (0, W - 1):
+        out = engine.generate(prompt, 9, spec=spec, stop_token_ids=[])
+        turn = prompt + out + [5, 6, 7]
+        second = engine.generate(turn, 8, spec=spec, stop_token_ids=[])
+        assert engine.stats.last.cached_tokens > len(prompt)  # the reuse ran
+        assert second == fresh.generate(turn, 8, spec=spec, stop_token_ids=[])
