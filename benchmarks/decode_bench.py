@@ -53,6 +53,8 @@ flags.DEFINE_enum("attention_kernel", "auto", ["auto", "xla", "pallas"], "Attent
                   flag_values=FLAGS)
 flags.DEFINE_enum("dense_kernel", "auto", ["auto", "xla", "pallas"], "Attention products (q/k/v, o): "
                   "pallas_kernels/stacked_linear.py (scanned: the stacks read in place) or XLA's.", flag_values=FLAGS)
+flags.DEFINE_enum("delta_kernel", "auto", ["auto", "xla", "pallas"], "Qwen3-Next's DeltaNet decode rule (engine "
+                  "option delta_kernel).", flag_values=FLAGS)
 flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "Layers as one scanned body over weights stacked on "
                   "a layer axis (the engine's default), or unrolled (one copy per layer).", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and token ids.", flag_values=FLAGS)
@@ -93,7 +95,7 @@ def make_probe(cfg, context: int, dtype):
     zero cache per layer gives the same hidden states, hence the same routing, as the timed graph."""
     import jax
     import jax.numpy as jnp
-    from strata_jax import model, moe
+    from strata_jax import deltanet, model, moe
 
     @jax.jit
     def embed(table, tokens):
@@ -103,10 +105,17 @@ def make_probe(cfg, context: int, dtype):
     def layer_fn(layer, h, pos):
         t = h.shape[0]
         zeros = jnp.zeros((context, cfg.num_kv_heads, cfg.head_dim), dtype)
-        a, _, _ = model.attention(model.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn, zeros, zeros,
-                                  pos, cfg)
+        x = model.norm(h, layer.attn_norm, cfg)
+        if isinstance(layer.attn, deltanet.DeltaNetWeights):  # Qwen3-Next: a fresh state, as zeros for attention
+            ring = t + 1
+            a, _ = deltanet.deltanet(x, layer.attn, deltanet.init_state(cfg, ring, dtype),
+                                     jnp.full((ring,), -1, jnp.int32), pos, jnp.int32(t), cfg)
+        else:
+            a, _, _ = model.attention(x, layer.attn, zeros, zeros, pos, cfg)
         h = h + a
-        x = model.rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
+        x = model.norm(h, layer.ffn_norm, cfg)
+        if layer.shared is not None:
+            h = h + model.shared_expert(x, layer)
         if isinstance(layer.ffn, model.MLPWeights):
             return h + model.dense_mlp(x, layer.ffn), jnp.zeros((t, 0), jnp.int32)
         valid = jnp.ones((t,), bool)
@@ -176,6 +185,8 @@ def run(s) -> dict:
     import numpy as np
     from strata_jax import graphs, model, moe
     from strata_jax.config import preset
+    from strata_jax.engine import resolve_delta_kernel
+    from strata_jax.options import EngineOptions, build
     from strata_jax.errors import StrataError
 
     windows = sorted(common.int_list(s.windows, "windows"))
@@ -204,7 +215,9 @@ def run(s) -> dict:
     # ---- sizes, before allocating ----
     abstract = jax.eval_shape(lambda: model.random_weights(cfg, s.seed, dtype))
     wb = weight_bytes(cfg, abstract, itemsize)
-    kv_bytes = 2 * n_layers * s.context * cfg.num_kv_heads * cfg.head_dim * itemsize
+    kv_bytes = 2 * cfg.num_full_layers * s.context * cfg.num_kv_heads * cfg.head_dim * itemsize
+    # Qwen3-Next's DeltaNet layers: a window reads one position's state and writes one per row (the state ring)
+    ring_bytes = (max(windows) + 1) * cfg.state_bytes(itemsize) if cfg.has_linear else 0
     limit = dev["memory_limit_bytes"]
     if not limit and on_cpu:
         try:
@@ -212,7 +225,7 @@ def run(s) -> dict:
             limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             limit = None
-    if limit and wb["total"] + kv_bytes > 0.97 * limit:
+    if limit and wb["total"] + kv_bytes + ring_bytes > 0.97 * limit:
         raise StrataError(f"{common.gb(wb['total']):.1f} GB of weights + {common.gb(kv_bytes):.2f} GB of KV cache "
                           f"do not fit in {common.gb(limit):.1f} GB of {'host' if on_cpu else 'device'} memory (cut with --layers)")
 
@@ -258,7 +271,7 @@ def run(s) -> dict:
     common.progress(f"  weights: embedding, final norm, lm_head done ({common.fmt_bytes(wb['total'])}, "
                     f"{time.perf_counter() - t0:.1f} s)")
     result["weights_made_s"] = time.perf_counter() - t0
-    cache = model.init_cache(cfg, s.context, dtype, stacked=scanned)
+    cache = model.init_cache(cfg, s.context, dtype, stacked=scanned, ring=max(windows) + 1)  # the engine's ring
     jax.block_until_ready(cache)
     result["device_bytes_in_use"] = common.device_memory_in_use()
 
@@ -266,10 +279,14 @@ def run(s) -> dict:
     result["kernels"] = dict(expert=expert_kernel, attention=attention_kernel)
     dense = dense_kernel == "pallas"
     result["kernels"]["dense"] = dense_kernel
+    delta_kernel = resolve_delta_kernel(build(EngineOptions, dict(delta_kernel=s.delta_kernel)), cfg)
+    result["kernels"]["delta"] = delta_kernel
     say(f"kernels: expert FFN {expert_kernel}, attention {attention_kernel}, attention products "
-        f"{'pallas' if dense else 'xla'}; layers {'scanned over stacked weights' if scanned else 'unrolled'}")
+        f"{'pallas' if dense else 'xla'}" + (f", DeltaNet rule {delta_kernel}" if cfg.has_linear else "")
+        + f"; layers {'scanned over stacked weights' if scanned else 'unrolled'}")
     experts = moe.ResidentExperts(cfg, interpret=dev["platform"] != "gpu") if expert_kernel == "pallas" else None
-    decode = graphs.jit_decode_window(cfg, experts, attention_kernel=attention_kernel == "pallas", dense_kernel=dense)
+    decode = graphs.jit_decode_window(cfg, experts, attention_kernel=attention_kernel == "pallas", dense_kernel=dense,
+                                      delta_kernel=delta_kernel == "pallas")
     probe = make_probe(cfg, s.context, dtype) if s.probe_windows and n_moe else None
     pos = jax.device_put(jnp.int32(s.pos))
     rng = np.random.default_rng(s.seed)
@@ -310,7 +327,8 @@ def run(s) -> dict:
 
         non_expert = wb["fixed_non_expert"] + (0 if wb["tied"] else t * wb["embed_row"])
         expert_bytes = n_moe * distinct * wb["expert"]
-        step_bytes = non_expert + expert_bytes + kv_bytes
+        state_bytes = (1 + t) * cfg.state_bytes(itemsize) if cfg.has_linear else 0
+        step_bytes = non_expert + expert_bytes + kv_bytes + state_bytes
         roofline_ms = step_bytes / bandwidth * 1e3
         ms = timing.median_ms
         tok_s = t / (ms * 1e-3)
@@ -322,7 +340,8 @@ def run(s) -> dict:
                    tok_s_vs_T1=(base_ms / ms * t) if base_ms else None,
                    distinct_experts_per_layer=distinct, distinct_source=distinct_source,
                    distinct_uniform_expectation=uniform, routing=routing,
-                   bytes=dict(non_expert=non_expert, experts=expert_bytes, kv_cache=kv_bytes, total=step_bytes,
+                   bytes=dict(non_expert=non_expert, experts=expert_bytes, kv_cache=kv_bytes, delta_state=state_bytes,
+                              total=step_bytes,
                               experts_gathered_by_graph=gathered),
                    roofline_ms=roofline_ms, roofline_fraction=roofline_ms / ms,
                    roofline_fraction_pipelined=roofline_ms / (pipelined_s * 1e3),
@@ -361,7 +380,8 @@ def run(s) -> dict:
     say(f"baseline: the engine's own decode_window graph; roofline: bytes/step at the {bandwidth / 1e9:,.0f} GB/s "
         f"measured above. bytes/step = {common.fmt_bytes(wb['fixed_non_expert'])} non-expert + distinct experts x "
         f"{common.fmt_bytes(wb['expert'])} x {n_moe} MoE layers + {common.fmt_bytes(kv_bytes)} KV (whole "
-        f"static cache); experts/layer for the bytes: "
+        f"static cache)" + (" + the DeltaNet state read once and written per row" if cfg.has_linear else "")
+        + "; experts/layer for the bytes: "
         + ("measured from this run's routing" if probe is not None else "the uniform expectation"))
     if probe is not None and result["rows"]:
         ratios = ", ".join(f"T={r['T']}: {r['distinct_experts_per_layer'] / r['distinct_uniform_expectation']:.3f}"

@@ -76,6 +76,7 @@ class Engine:
         approx_lines += defer_lines + unknown_switches()
         self.expert_kernel, self.attention_kernel, self.dense_kernel = resolve_kernels(options, cfg)
         self._check_attention_kernel()
+        self.delta_kernel = resolve_delta_kernel(options, cfg)
         # All experts resident and one kind of layer: the layers run as one scanned body over stacked weights.
         self.scanned = options.layer_loop == "scan" and placement is None and model.can_stack(cfg)
         if self.scanned:
@@ -93,6 +94,7 @@ class Engine:
                 log(line)
             log(f"kernels: expert FFN {self.expert_kernel}, attention {self.attention_kernel}"
                 + f", attention products {self.dense_kernel}"
+                + (f", DeltaNet rule {self.delta_kernel}" if cfg.has_linear else "")
                 + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel, options.dense_kernel)
                    else "")
                 + f"; layers {'scanned (one body over stacked weights)' if self.scanned else 'unrolled'}")
@@ -242,7 +244,8 @@ class Engine:
         pos = jnp.int32(0)
         decode = graphs.jit_decode_window(self.cfg, self.decode_expert_path,
                                           attention_kernel=self.attention_kernel == "pallas",
-                                          dense_kernel=self.dense_kernel == "pallas")
+                                          dense_kernel=self.dense_kernel == "pallas",
+                                          delta_kernel=self.delta_kernel == "pallas")
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
         sampler, verifier = graphs.jit_sample(), graphs.jit_verify()
         sampling = SamplingParams.make()
@@ -571,7 +574,8 @@ class Engine:
             t0 = time.perf_counter()
             fn = graphs.jit_device_verify_window(self.cfg, t, sampled, self.decode_expert_path,
                                                  attention_kernel=self.attention_kernel == "pallas",
-                                                 dense_kernel=self.dense_kernel == "pallas")
+                                                 dense_kernel=self.dense_kernel == "pallas",
+                                                 delta_kernel=self.delta_kernel == "pallas")
             hist = jnp.zeros((self.context + t,), jnp.int32)
             full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
                         else contextlib.nullcontext())
@@ -810,6 +814,16 @@ def resolve_kernels(opts: EngineOptions, cfg: ModelConfig) -> tuple[str, str, st
         attention = "pallas" if fast and d >= 16 and not d & (d - 1) else "xla"
     dense = ("pallas" if fast else "xla") if opts.dense_kernel == "auto" else opts.dense_kernel
     return expert, attention, dense
+
+
+def resolve_delta_kernel(opts: EngineOptions, cfg: ModelConfig) -> str:
+    """The DeltaNet decode rule: 'auto' is xla (measured on the H200: benchmarks/delta_bench.py)."""
+    kernel = "xla" if opts.delta_kernel == "auto" else opts.delta_kernel
+    dims = (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    if kernel == "pallas" and cfg.has_linear and any(d & (d - 1) for d in dims):
+        raise StrataError(f"delta_kernel=pallas needs linear_key_head_dim and linear_value_head_dim powers of 2 "
+                          f"(this model: {dims[0]}, {dims[1]})")
+    return kernel
 
 
 def plan_placement(cfg: ModelConfig, opts: EngineOptions):

@@ -25,12 +25,14 @@ from strata_jax.sampling import SamplingParams, greedy, sample, verify
 
 def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
                   *, cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False,
-                  dense_kernel: bool = False):
+                  dense_kernel: bool = False, delta_kernel: bool = False):
     """tokens [T] at positions pos.. -> (argmax tokens [T], logits [T, V] float32, cache). attention_kernel: the
     Pallas decode-attention kernel instead of XLA's einsums; dense_kernel: the attention products through
-    pallas_kernels/stacked_linear.py (stacked weights read in place)."""
+    pallas_kernels/stacked_linear.py (stacked weights read in place); delta_kernel: Qwen3-Next's delta rule through
+    pallas_kernels/gated_delta.py."""
     t = tokens.shape[0]
-    logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel, dense_kernel)
+    logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel, dense_kernel,
+                            delta_kernel)
     return greedy(logits), logits, cache  # NON_FINITE (-1) for a row whose logits are not all finite
 
 
@@ -54,7 +56,7 @@ def prefill_logits(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax
 def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, length: jax.Array,
                          sampling: SamplingParams, *, cfg: ModelConfig, t: int, sampled: bool,
                          experts: ExpertPath | None = None, attention_kernel: bool = False,
-                         dense_kernel: bool = False):
+                         dense_kernel: bool = False, delta_kernel: bool = False):
     """A verify window that needs nothing from the host (strata_jax.device_drafts): hist [C] int32 holds the tokens
     so far, the first `length` of them (the last not yet in the KV cache). Proposes up to t-1 n-gram drafts, runs
     the window at position length-1 (padding rows route nowhere), accepts as the host loop would, and appends the
@@ -62,7 +64,8 @@ def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, leng
     drafts, m = device_drafts.ngram_propose(hist, length, t - 1)  # [t-1]
     pos = length - 1
     window = jnp.concatenate([jax.lax.dynamic_slice_in_dim(hist, pos, 1), drafts])  # [t]
-    logits, cache = forward(weights, cache, window, pos, 1 + m, cfg, experts, attention_kernel, dense_kernel)
+    logits, cache = forward(weights, cache, window, pos, 1 + m, cfg, experts, attention_kernel, dense_kernel,
+                            delta_kernel)
     positions = pos + 1 + jnp.arange(t, dtype=jnp.int32)
     new, n_new = device_drafts.accept(logits, drafts, m, positions, sampling, sampled)
     hist = jax.lax.dynamic_update_slice_in_dim(hist, new, length, axis=0)  # past length + n_new: overwritten later
@@ -87,9 +90,9 @@ MODEL_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False,
-                      dense_kernel: bool = False):
+                      dense_kernel: bool = False, delta_kernel: bool = False):
     return jax.jit(functools.partial(decode_window, cfg=cfg, experts=experts, attention_kernel=attention_kernel,
-                                     dense_kernel=dense_kernel), donate_argnums=(1,),
+                                     dense_kernel=dense_kernel, delta_kernel=delta_kernel), donate_argnums=(1,),
                    compiler_options=MODEL_COMPILER_OPTIONS)
 
 
@@ -104,9 +107,10 @@ def jit_prefill_logits(cfg: ModelConfig, experts: ExpertPath | None = None):
 
 
 def jit_device_verify_window(cfg: ModelConfig, t: int, sampled: bool, experts: ExpertPath | None = None,
-                             attention_kernel: bool = False, dense_kernel: bool = False):
+                             attention_kernel: bool = False, dense_kernel: bool = False, delta_kernel: bool = False):
     return jax.jit(functools.partial(device_verify_window, cfg=cfg, t=t, sampled=sampled, experts=experts,
-                                     attention_kernel=attention_kernel, dense_kernel=dense_kernel),
+                                     attention_kernel=attention_kernel, dense_kernel=dense_kernel,
+                                     delta_kernel=delta_kernel),
                    donate_argnums=(1, 2), compiler_options=MODEL_COMPILER_OPTIONS)
 
 

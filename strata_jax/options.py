@@ -102,6 +102,11 @@ class EngineOptions:
                             "scanned: each layer's matrices sliced out of the stacks first, a copy), or auto (pallas "
                             "on a GPU in bfloat16, else xla).",
                             _choice("auto", "xla", "pallas"))
+    delta_kernel: str = opt("auto", "Qwen3-Next's DeltaNet layers, the decode-time gated delta rule: pallas "
+                            "(pallas_kernels/gated_delta.py: one program per value head and block of dv, the state "
+                            "kept in registers across the window's rows), xla (the rule unrolled over the rows in "
+                            "jnp), or auto (as measured on the H200: see the README).",
+                            _choice("auto", "xla", "pallas"))
     layer_loop: str = opt("scan", "How a window's graph runs the layers: scan (weights stacked on a layer axis, one "
                           "layer body in a loop: a few hundred kernel launches less per layer count, a fraction of "
                           "the compile time) or unrolled (one copy of the body per layer). Offload and models that "

@@ -148,6 +148,19 @@ def test_verify_windows_roll_the_state_back(fixture):
         assert engine.generate(prompt, 24, spec=W - 1, draft="device", stop_token_ids=[]) == greedy
 
 
+def test_the_delta_kernel_runs_the_same_rule(engine_factory):
+    """delta_kernel=pallas (interpreted off the GPU) against transformers and the XLA rule's greedy output."""
+    name = NEXT[0]
+    ref = reference(name)
+    engine = engine_factory(HF_FIXTURES / name, **EXACT, delta_kernel="pallas")
+    for window in (1, W):
+        assert rel(engine.score(ref["input_ids"][:12], window=window), ref["logits"][:12]) < TOL, window
+    prompt = ref["prompt_ids"].tolist()
+    xla = engine_factory(HF_FIXTURES / name, **EXACT)
+    assert engine.generate(prompt, 10, spec=W - 1, stop_token_ids=[]) == \
+        xla.generate(prompt, 10, spec=W - 1, stop_token_ids=[])
+
+
 def test_placement_does_not_change_the_logits(engine_factory):
     """3 slots of 8 experts, half the misses over PCIe and half in the host pool, against all-resident."""
     name = NEXT[0]
@@ -180,3 +193,22 @@ def test_prefix_reuse_continues_from_the_kept_state(engine_factory):
         engine._kv_tokens = []  # forget the cache: the same turn from position 0
         assert engine.generate(turn, 8, spec=spec, stop_token_ids=[]) == second
         assert engine.stats.last.cached_tokens == 0
+
+
+@pytest.mark.gpu
+def test_the_gpu_kernels_on_next(engine_factory):
+    """bfloat16 on the GPU with every kernel 'auto' (the Pallas expert FFN, attention products and, where
+    head_dim allows, decode attention) and the Pallas delta rule, against the same model with XLA everywhere."""
+    name = NEXT[0]
+    ref = reference(name)
+    common = dict(dtype="bfloat16", window=W, expert_cache_slots="all")
+    fast = engine_factory(HF_FIXTURES / name, delta_kernel="pallas", **common)
+    xla = engine_factory(HF_FIXTURES / name, expert_kernel="xla", attention_kernel="xla", dense_kernel="xla",
+                         delta_kernel="xla", **common)
+    assert fast.expert_kernel == "pallas" and fast.delta_kernel == "pallas"
+    for window in (1, W):
+        a, b = fast.score(ref["input_ids"], window=window), xla.score(ref["input_ids"], window=window)
+        assert rel(a, b) < 3e-2 and rel(a, ref["logits"]) < 5e-2, window
+        assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.8
+    prompt = ref["prompt_ids"].tolist()
+    assert fast.generate(prompt, 12, spec=W - 1, stop_token_ids=[]) == fast.generate(prompt, 12, stop_token_ids=[])

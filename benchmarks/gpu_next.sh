@@ -1,0 +1,36 @@
+#!/bin/bash
+# GPU calls for Qwen3-Next (issue 15). Steps run in the order given; logs and JSON land in $OUT/next, tables printed.
+#   STEPS="tests delta decode" bash benchmarks/gpu_next.sh     # call 1: kernels and tests, the delta rule, 80B decode
+#   STEPS="decode_pallas offload" bash benchmarks/gpu_next.sh  # call 2: the Pallas rule in the model, 25% of experts
+# Knobs: NEXT_LAYERS (the 80B shape's cut for decode, default 36 = 118 GB of bf16 weights), OFFLOAD_LAYERS (12).
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; R=$OUT/next; mkdir -p "$R"
+STEPS=${STEPS:-"tests delta decode"}
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+step() { local name=$1 limit=$2; shift 2; echo "[$name] $*"; local t0=$SECONDS
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
+  echo "[$name] rc=$rc in $((SECONDS - t0)) s"; grep -E '^\|' "$R/$name.log" | tail -16
+  grep -E "bandwidth \(|Error|error:|passed|failed|FAILED" "$R/$name.log" | tail -8; }
+DECODE="python3 -m benchmarks.decode_bench --model=qwen3-next-80b-a3b --layers=${NEXT_LAYERS:-36} --windows=1,2,4
+  --hf=off --iters=20 --probe_windows=2 --context=4096 --pos=1024"
+for s in $STEPS; do case $s in
+tests)
+  step tests ${TESTS_LIMIT_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gated_delta.py \
+    tests/test_hf_next.py -k "gpu or delta_kernel or placement or verify" ;;
+delta)
+  for bw in 16 32 64; do for nw in 4 8; do
+    step delta_b${bw}_w${nw} 90 python3 -m benchmarks.delta_bench --block_dv=$bw --num_warps=$nw \
+      --json=$R/delta_b${bw}_w${nw}.json
+  done; done ;;
+decode)
+  step decode_xla ${DECODE_LIMIT_S:-300} $DECODE --delta_kernel=xla --json=$R/decode_xla.json ;;
+decode_pallas)
+  step decode_pallas ${DECODE_LIMIT_S:-300} $DECODE --delta_kernel=pallas --json=$R/decode_pallas.json ;;
+offload)
+  step offload ${OFFLOAD_LIMIT_S:-300} python3 -m benchmarks.offload_bench --model=qwen3-next-80b-a3b \
+    --layers=${OFFLOAD_LAYERS:-12} --slot_fracs=1.0,0.25 --pcie_fracs=1,auto --new_tokens=64 --json=$R/offload.json ;;
+*) echo "unknown step $s" ;;
+esac; done
+tar czf "$OUT/next.tar.gz" -C "$OUT" next && rm -rf "$R"
