@@ -20,10 +20,10 @@ tests)
   step tests ${TESTS_LIMIT_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gated_delta.py \
     tests/test_hf_next.py -k "gpu or delta_kernel or placement or verify" ;;
 delta)
-  for bw in 16 32 64; do for nw in 4 8; do
+  for arm in ${DELTA_ARMS:-16:4 32:4 64:4 32:8}; do bw=${arm%:*}; nw=${arm#*:}
     step delta_b${bw}_w${nw} 90 python3 -m benchmarks.delta_bench --block_dv=$bw --num_warps=$nw \
       --json=$R/delta_b${bw}_w${nw}.json
-  done; done ;;
+  done ;;
 decode)
   step decode_xla ${DECODE_LIMIT_S:-300} $DECODE --delta_kernel=xla --json=$R/decode_xla.json ;;
 decode_pallas)
