@@ -95,7 +95,8 @@ class Engine:
             log(f"kernels: expert FFN {self.expert_kernel}, attention {self.attention_kernel}"
                 + f", attention products {self.dense_kernel}"
                 + (f", DeltaNet rule {self.delta_kernel}" if cfg.has_linear else "")
-                + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel, options.dense_kernel)
+                + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel, options.dense_kernel,
+                                           options.delta_kernel)
                    else "")
                 + f"; layers {'scanned (one body over stacked weights)' if self.scanned else 'unrolled'}")
         self._compile()
@@ -817,10 +818,14 @@ def resolve_kernels(opts: EngineOptions, cfg: ModelConfig) -> tuple[str, str, st
 
 
 def resolve_delta_kernel(opts: EngineOptions, cfg: ModelConfig) -> str:
-    """The DeltaNet decode rule: 'auto' is xla (measured on the H200: benchmarks/delta_bench.py)."""
-    kernel = "xla" if opts.delta_kernel == "auto" else opts.delta_kernel
+    """The DeltaNet decode rule: 'auto' is pallas on a GPU in bfloat16 when both head dims are powers of 2, else xla
+    (the H200, 2026-11-30: 20 us against 30-35 us at T=1, 32-35 against 108-119 us at T=4, for the 80B shape's 36
+    layers; benchmarks/delta_bench.py)."""
     dims = (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    if kernel == "pallas" and cfg.has_linear and any(d & (d - 1) for d in dims):
+    pow2 = not any(d & (d - 1) for d in dims)
+    fast = jax.default_backend() == "gpu" and opts.dtype == "bfloat16" and pow2
+    kernel = ("pallas" if fast else "xla") if opts.delta_kernel == "auto" else opts.delta_kernel
+    if kernel == "pallas" and cfg.has_linear and not pow2:
         raise StrataError(f"delta_kernel=pallas needs linear_key_head_dim and linear_value_head_dim powers of 2 "
                           f"(this model: {dims[0]}, {dims[1]})")
     return kernel

@@ -105,7 +105,7 @@ class EngineOptions:
     delta_kernel: str = opt("auto", "Qwen3-Next's DeltaNet layers, the decode-time gated delta rule: pallas "
                             "(pallas_kernels/gated_delta.py: one program per value head and block of dv, the state "
                             "kept in registers across the window's rows), xla (the rule unrolled over the rows in "
-                            "jnp), or auto (as measured on the H200: see the README).",
+                            "jnp), or auto (pallas on a GPU in bfloat16 when both linear head dims are powers of 2, else xla).",
                             _choice("auto", "xla", "pallas"))
     layer_loop: str = opt("scan", "How a window's graph runs the layers: scan (weights stacked on a layer axis, one "
                           "layer body in a loop: a few hundred kernel launches less per layer count, a fraction of "
