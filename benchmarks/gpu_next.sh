@@ -2,7 +2,8 @@
 # GPU calls for Qwen3-Next (issue 15). Steps run in the order given; logs and JSON land in $OUT/next, tables printed.
 #   STEPS="tests delta decode" bash benchmarks/gpu_next.sh     # call 1: kernels and tests, the delta rule, 80B decode
 #   STEPS="decode_pallas offload" bash benchmarks/gpu_next.sh  # call 2: the Pallas rule in the model, 25% of experts
-# Knobs: NEXT_LAYERS (the 80B shape's cut for decode, default 36 = 118 GB of bf16 weights), OFFLOAD_LAYERS (12).
+# Knobs: NEXT_LAYERS (the 80B shape's cut for decode, default 32 = 107 GB of bf16 weights, within the 112.6 GB XLA gives the
+# arrays), OFFLOAD_LAYERS (12).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; R=$OUT/next; mkdir -p "$R"
@@ -13,12 +14,12 @@ step() { local name=$1 limit=$2; shift 2; echo "[$name] $*"; local t0=$SECONDS
   timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
   echo "[$name] rc=$rc in $((SECONDS - t0)) s"; grep -E '^\|' "$R/$name.log" | tail -16
   grep -E "bandwidth \(|Error|error:|passed|failed|FAILED" "$R/$name.log" | tail -8; }
-DECODE="python3 -m benchmarks.decode_bench --model=qwen3-next-80b-a3b --layers=${NEXT_LAYERS:-36} --windows=1,2,4
+DECODE="python3 -m benchmarks.decode_bench --model=qwen3-next-80b-a3b --layers=${NEXT_LAYERS:-32} --windows=${NEXT_WINDOWS:-1,2,4}
   --hf=off --iters=20 --probe_windows=2 --context=4096 --pos=1024"
 for s in $STEPS; do case $s in
 tests)
   step tests ${TESTS_LIMIT_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gated_delta.py \
-    tests/test_hf_next.py -k "gpu or delta_kernel or placement or verify" ;;
+    tests/test_hf_next.py ${TESTS_SEL:--k "gpu or delta_kernel or placement or verify"} ;;
 delta)
   for arm in ${DELTA_ARMS:-16:4 32:4 64:4 32:8}; do bw=${arm%:*}; nw=${arm#*:}
     step delta_b${bw}_w${nw} 90 python3 -m benchmarks.delta_bench --block_dv=$bw --num_warps=$nw \
