@@ -21,6 +21,7 @@ from strata_jax.errors import StrataError, make_writable_folder
 from strata_jax.deltanet import DeltaNetWeights
 from strata_jax.model import AttentionWeights, LayerWeights, MLPWeights, Weights
 from strata_jax.moe import MoEWeights
+from strata_jax.mtp import MTPWeights
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -118,10 +119,21 @@ def default_place(name: str, x: np.ndarray):
     return jax.device_put(x)
 
 
+def has_mtp(folder: str | Path, cfg: ModelConfig) -> bool:
+    """Whether the checkpoint holds Qwen3-Next's multi-token-prediction module (`mtp.*`)."""
+    return cfg.next and cfg.mtp_layers > 0 and "mtp.fc.weight" in SafetensorsReader(folder)
+
+
+def load_mtp(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Placer = default_place) -> MTPWeights:
+    """The `mtp.*` tensors as MTPWeights, on the device (see strata_jax/mtp.py)."""
+    return load_weights(folder, cfg, dtype, place, mtp_only=True)
+
+
 def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Placer = default_place,
-                 place_experts: Placer | None = None, progress: Callable[[str], None] | None = None) -> Weights:
+                 place_experts: Placer | None = None, progress: Callable[[str], None] | None = None,
+                 mtp_only: bool = False) -> Weights:
     """Read a Qwen3-MoE or Qwen3-Next checkpoint in the Hub layout into `Weights` (dense matrices transposed to
-    [in, out]). Qwen3-Next's `mtp.*` tensors (its multi-token-prediction head) are not read.
+    [in, out]). Qwen3-Next's `mtp.*` tensors (its multi-token-prediction head) are read by `load_mtp` (mtp_only).
 
     `place_experts` receives each sparse layer's stacked expert arrays (names `layers.{i}.experts.{gate,up,down}`);
     by default they go where `place` puts everything else.
@@ -150,10 +162,9 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
             norm=get(p + "norm.weight", (dv,)), out=get(p + "out_proj.weight", (h, nv * dv), True))
 
     qw = nq * d * (2 if cfg.next else 1)  # Qwen3-Next's q_proj holds each head's q and output gate
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        attn = deltanet_weights(p + "linear_attn.") if cfg.is_linear(i) else AttentionWeights(
+
+    def layer_weights(p: str, linear: bool, sparse: bool, experts_name: str) -> LayerWeights:
+        attn = deltanet_weights(p + "linear_attn.") if linear else AttentionWeights(
             wq=get(p + "self_attn.q_proj.weight", (qw, h), True),
             wk=get(p + "self_attn.k_proj.weight", (nkv * d, h), True),
             wv=get(p + "self_attn.v_proj.weight", (nkv * d, h), True),
@@ -165,7 +176,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
             bv=maybe_bias(p + "self_attn.v_proj.bias", nkv * d),
             bo=maybe_bias(p + "self_attn.o_proj.bias", h),
         )
-        if cfg.sparse_layers[i]:
+        if sparse:
             e, f = cfg.num_experts, cfg.moe_intermediate_size
             gate = np.empty((e, f, h), jnp.dtype(dtype))  # [E, I, H], the checkpoint's layout
             up = np.empty((e, f, h), jnp.dtype(dtype))
@@ -175,10 +186,11 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
                 gate[j] = to_dtype(reader.get(q + "gate_proj.weight", (f, h)), dtype)
                 up[j] = to_dtype(reader.get(q + "up_proj.weight", (f, h)), dtype)
                 down[j] = to_dtype(reader.get(q + "down_proj.weight", (h, f)), dtype)
+            put = place if experts_name.startswith("mtp") else place_experts  # the MTP layer stays on the device
             ffn = MoEWeights(router=get(p + "mlp.gate.weight", (e, h), True),
-                             gate=place_experts(f"layers.{i}.experts.gate", gate),
-                             up=place_experts(f"layers.{i}.experts.up", up),
-                             down=place_experts(f"layers.{i}.experts.down", down))
+                             gate=put(f"{experts_name}.gate", gate),
+                             up=put(f"{experts_name}.up", up),
+                             down=put(f"{experts_name}.down", down))
             del gate, up, down
         else:
             f = cfg.intermediate_size
@@ -187,13 +199,24 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
                              down=get(p + "mlp.down_proj.weight", (h, f), True))
         layer = LayerWeights(attn_norm=get(p + "input_layernorm.weight", (h,)), attn=attn,
                              ffn_norm=get(p + "post_attention_layernorm.weight", (h,)), ffn=ffn)
-        if cfg.sparse_layers[i] and cfg.shared_expert_intermediate_size:
+        if sparse and cfg.shared_expert_intermediate_size:
             f, q = cfg.shared_expert_intermediate_size, p + "mlp.shared_expert."
             layer = layer.replace(
                 shared=MLPWeights(gate=get(q + "gate_proj.weight", (f, h), True), up=get(q + "up_proj.weight", (f, h), True),
                                   down=get(q + "down_proj.weight", (h, f), True)),
                 shared_gate=get(p + "mlp.shared_expert_gate.weight", (1, h), True))
-        layers.append(layer)
+        return layer
+
+    if mtp_only:
+        # Qwen3-Next's MTP module: one full-attention MoE layer over fc([norm(embed(x_{i+1})), norm(hidden_i)])
+        return MTPWeights(fc=get("mtp.fc.weight", (h, 2 * h), True),
+                          norm_embedding=get("mtp.pre_fc_norm_embedding.weight", (h,)),
+                          norm_hidden=get("mtp.pre_fc_norm_hidden.weight", (h,)),
+                          layer=layer_weights("mtp.layers.0.", False, True, "mtp.experts"),
+                          norm=get("mtp.norm.weight", (h,)))
+    layers = []
+    for i in range(cfg.num_layers):
+        layers.append(layer_weights(f"model.layers.{i}.", cfg.is_linear(i), cfg.sparse_layers[i], f"layers.{i}.experts"))
         if progress:
             progress(f"loading: layer {i + 1}/{cfg.num_layers}")
     lm_head = None

@@ -16,7 +16,7 @@ import numpy as np
 
 NGRAM_MAX_N = 3  # longest suffix the n-gram drafter matches (device_drafts uses the same)
 NGRAM_WINDOW = 4096  # tokens it looks back over
-DRAFTERS = ("ngram", "none", "device")  # device: strata_jax.device_drafts (the n-gram rule on the device)
+DRAFTERS = ("ngram", "none", "device", "mtp")  # device: strata_jax.device_drafts; mtp: strata_jax.mtp
 
 
 class Drafter(Protocol):
@@ -68,4 +68,5 @@ class NgramDrafter:
 
 
 def make_drafter(name: str) -> Drafter:
-    return NgramDrafter() if name in ("ngram", "device") else NoDrafter()  # device: the host loop's tail
+    # device: the host loop's tail; mtp without an MTP module: the n-gram drafter
+    return NgramDrafter() if name in ("ngram", "device", "mtp") else NoDrafter()

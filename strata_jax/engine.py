@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import checkpoint, graphs, model, moe, offload
+from strata_jax import mtp as mtp_mod
 from strata_jax import placement as placement_mod
 from strata_jax.chat import ChatTemplate, GenerationDefaults, load_chat_template, load_generation_config
 from strata_jax.config import ModelConfig, config_from_dict
@@ -66,6 +67,9 @@ class Engine:
         self.chat_template: ChatTemplate | None = None
         self.generation_defaults = GenerationDefaults()
         self.placement = placement
+        self.mtp: mtp_mod.MTPWeights | None = None  # Qwen3-Next's MTP module (attach_mtp)
+        self._mtp_compiled = self._mtp_cache = None
+        self._said_no_mtp = False
         self.dtype = jnp.dtype(options.dtype)
         self.context, self.chunk = context_and_chunk(cfg, options)
         # DeltaNet layers keep the states of the last `ring` positions: more than a window, so a verify window's
@@ -195,6 +199,9 @@ class Engine:
             f"loaded in {time.perf_counter() - t0:.1f} s")
         engine = cls._assemble(cfg, weights, opts, host, slots, why, say, tokenizer=tok, model_dir=path,
                                raw_config=raw, verbose=verbose)
+        if not checkpoint.is_state_dir(path) and checkpoint.has_mtp(path, cfg):
+            engine.attach_mtp(checkpoint.load_mtp(path, cfg, dtype))
+            say(f"MTP module: {model.param_bytes(engine.mtp) / 2**20:.1f} MiB on the device (draft=mtp drafts with it)")
         engine.chat_template, engine.generation_defaults = template, generation
         return engine
 
@@ -360,10 +367,11 @@ class Engine:
                               f"(at least one must be left to generate; see --context)")
         return arr.astype(np.int32)
 
-    def _prefill_all(self, ids: np.ndarray, want_logits: bool = False, first: int = 0):
+    def _prefill_all(self, ids: np.ndarray, want_logits: bool = False, first: int = 0, mtp=None):
         """The prompt through the prefill graph chunk by chunk, from position `first` (the rows before it are in
         the cache already). Returns (argmax token after the prompt, its logits [1, V]) as device arrays, or with
-        want_logits the logits [P, V] of every prompt position (numpy)."""
+        want_logits the logits [P, V] of every prompt position (numpy). mtp: an MTPDrafter, fed every chunk's
+        hidden rows (the last chunk's wait for the first new token: `observe`)."""
         if want_logits and self._prefill_logits is None:
             full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
                         else contextlib.nullcontext())
@@ -381,6 +389,14 @@ class Engine:
                 logits, self.cache = self._prefill_logits(self.weights, self.cache, tokens, jnp.int32(start),
                                                           jnp.int32(part.size))
                 chunks.append(logits[:part.size])
+            elif mtp is not None:
+                token, last, self.cache, hidden = self._mtp_graphs()["prefill"](
+                    self.weights, self.cache, tokens, jnp.int32(start), jnp.int32(part.size))
+                known = ids[start + 1:start + part.size + 1].tolist()
+                if start + part.size < ids.size:
+                    mtp.catch_up(hidden, known, start)
+                else:
+                    mtp.feed(hidden, start, known)
             else:
                 token, last, self.cache = self._prefill(self.weights, self.cache, tokens, jnp.int32(start),
                                                         jnp.int32(part.size))
@@ -404,8 +420,8 @@ class Engine:
                  on_token: Callable[[int], None] | None = None) -> list[int]:
         """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
 
-        Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', 'device', or a
-        drafts.Drafter object) run with the last accepted token; greedy output is the same with or without them,
+        Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', 'device', 'mtp' (Qwen3-Next's
+        multi-token-prediction module, strata_jax/mtp.py; ngram without one), or a drafts.Drafter object) run with the last accepted token; greedy output is the same with or without them,
         sampled output follows the same distribution. 'device': the n-gram drafts and their acceptance run on the
         device and windows of spec+1 tokens go back to back, read one window late (strata_jax.device_drafts).
         temperature / top_p / top_k left None take the model's generation_config.json (greedy without one); the
@@ -430,6 +446,14 @@ class Engine:
             raise StrataError(f"spec {spec} needs window >= {spec + 1} (this engine compiled T=1..{self.options.window})")
         if req.draft == "none":
             spec = 0
+        if req.draft == "mtp" and drafter is None:
+            if self.mtp is None:
+                if not self._said_no_mtp:
+                    log("draft=mtp: this checkpoint has no MTP module (mtp.* tensors); drafting with ngram")
+                    self._said_no_mtp = True
+            elif spec > 0:
+                self._mtp_graphs()
+                drafter = mtp_mod.MTPDrafter(self.weights, self.mtp, self._mtp_cache, self.cfg, self.options.window - 1)
         ids = self._check_prompt(token_ids)
         # stop_token_ids replace the model's eos ids; ignore_eos drops those (given stop ids still stop).
         eos = frozenset() if req.ignore_eos else self.end_of_turn_ids
@@ -447,6 +471,9 @@ class Engine:
                               drafter or make_drafter(req.draft), drafter is None and req.draft == "device", reuse)
             except StopRequest:  # on_token asked to stop (a stop string, a client gone): a clean end
                 pass
+            finally:
+                if isinstance(drafter, mtp_mod.MTPDrafter):
+                    self._mtp_cache = drafter.cache  # donated along the request: keep the live one
             # Rows 0.. now hold the prompt and every generated token but the last (never fed back); rejected
             # drafts wrote only rows past those. With an approximation on, the generated tokens' rows came from
             # approximate decode windows: only the prompt's (prefilled exactly) are reused.
@@ -507,11 +534,14 @@ class Engine:
                   drafter, device_drafts: bool = False, reuse: int = 0) -> None:
         sampled = float(sampling.temperature) > 0
         t0 = time.perf_counter()
-        token, last = self._prefill_all(ids, first=reuse)
+        mtp = drafter if isinstance(drafter, mtp_mod.MTPDrafter) else None
+        token, last = self._prefill_all(ids, first=reuse, mtp=mtp)
         if sampled:
             token = self._sample[1](last, jnp.asarray([ids.size], jnp.int32), sampling)[0]
         first = self._checked(int(token), ids.size)
         out.append(first)
+        if mtp is not None:
+            mtp.observe([first])
         stats.prefill_s = time.perf_counter() - t0
         stats.prefill_experts = self._take_expert_stats()
         if self.placement and self.placement.policy == "static" and not reuse:
@@ -568,6 +598,37 @@ class Engine:
             raise StrataError(f"non-finite logits (NaN or inf) for the token at position {position}: the request "
                               f"ends{hint}")
         return token
+
+    def attach_mtp(self, weights) -> None:
+        """Qwen3-Next's MTP module (checkpoint.load_mtp): `generate(draft="mtp")` drafts with it."""
+        self.mtp = weights
+
+    def _mtp_graphs(self) -> dict:
+        """The window graphs T=1..W and the prefill chunk that also return the final hidden states (the MTP
+        drafter's input), compiled on the first draft="mtp" request; and the module's KV cache."""
+        if self._mtp_compiled is None:
+            t0 = time.perf_counter()
+            decode = graphs.jit_decode_window(self.cfg, self.decode_expert_path,
+                                              attention_kernel=self.attention_kernel == "pallas",
+                                              dense_kernel=self.dense_kernel == "pallas",
+                                              delta_kernel=self.delta_kernel == "pallas", return_hidden=True)
+            prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, return_hidden=True)
+            full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
+                        else contextlib.nullcontext())
+            pos = jnp.int32(0)
+            with full_f32:
+                compiled = {t: decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile()
+                            for t in range(1, self.options.window + 1)}
+                compiled["prefill"] = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32),
+                                                    pos, jnp.int32(1)).compile()
+            self._mtp_compiled = compiled
+            # rows up to the context's end, plus a padded chunk or window and the chained drafts past it
+            self._mtp_cache = mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
+                                                 self.dtype)
+            if self.verbose:
+                log(f"graphs: MTP drafting (windows returning hidden states) compiled in "
+                    f"{time.perf_counter() - t0:.1f} s")
+        return self._mtp_compiled
 
     def _device_verify_graph(self, t: int, sampled: bool):
         key = (t, sampled)
@@ -644,7 +705,12 @@ class Engine:
             drafts = drafter.propose(context, k) if k > 0 else []
             t = len(drafts) + 1
             window = np.asarray(out[-1:] + drafts, np.int32)
-            greedy, logits, self.cache = self._decode[t](self.weights, self.cache, window, jnp.int32(pos))
+            if isinstance(drafter, mtp_mod.MTPDrafter):  # the window's hidden rows feed the module's next drafts
+                greedy, logits, self.cache, hidden = self._mtp_compiled[t](self.weights, self.cache, window,
+                                                                           jnp.int32(pos))
+                drafter.feed(hidden, pos)
+            else:
+                greedy, logits, self.cache = self._decode[t](self.weights, self.cache, window, jnp.int32(pos))
             if ready is not None:  # drafting, bookkeeping and this dispatch: host time between two windows
                 stats.host_gap_s += time.perf_counter() - ready
                 stats.host_gaps += 1

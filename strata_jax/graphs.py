@@ -25,25 +25,27 @@ from strata_jax.sampling import SamplingParams, greedy, sample, verify
 
 def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
                   *, cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False,
-                  dense_kernel: bool = False, delta_kernel: bool = False):
-    """tokens [T] at positions pos.. -> (argmax tokens [T], logits [T, V] float32, cache). attention_kernel: the
+                  dense_kernel: bool = False, delta_kernel: bool = False, return_hidden: bool = False):
+    """tokens [T] at positions pos.. -> (argmax tokens [T], logits [T, V] float32, cache[, the final hidden states
+    [T, H] with return_hidden: the MTP drafter's input, strata_jax/mtp.py]). attention_kernel: the
     Pallas decode-attention kernel instead of XLA's einsums; dense_kernel: the attention products through
     pallas_kernels/stacked_linear.py (stacked weights read in place); delta_kernel: Qwen3-Next's delta rule through
     pallas_kernels/gated_delta.py."""
     t = tokens.shape[0]
-    logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel, dense_kernel,
-                            delta_kernel)
-    return greedy(logits), logits, cache  # NON_FINITE (-1) for a row whose logits are not all finite
+    out = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel, dense_kernel,
+                  delta_kernel, return_hidden)
+    return (greedy(out[0]),) + tuple(out)  # NON_FINITE (-1) for a row whose logits are not all finite
 
 
 def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
-                  *, cfg: ModelConfig, experts: ExpertPath | None = None):
-    """tokens [C] (first n_valid real) -> (argmax after the last real one, its logits [1, V], cache).
+                  *, cfg: ModelConfig, experts: ExpertPath | None = None, return_hidden: bool = False):
+    """tokens [C] (first n_valid real) -> (argmax after the last real one, its logits [1, V], cache[, hidden
+    [C, H] with return_hidden]).
 
     Only the last real row's logits leave the graph: a chunk's [C, V] would be a large copy for nothing."""
-    logits, cache = forward(weights, cache, tokens, pos, n_valid, cfg, experts)
+    logits, cache, *hidden = forward(weights, cache, tokens, pos, n_valid, cfg, experts, return_hidden=return_hidden)
     last = jax.lax.dynamic_slice_in_dim(logits, n_valid - 1, 1, axis=0)  # [1, V]
-    return greedy(last[0]), last, cache
+    return (greedy(last[0]), last, cache, *hidden)
 
 
 def prefill_logits(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
@@ -90,14 +92,16 @@ MODEL_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False,
-                      dense_kernel: bool = False, delta_kernel: bool = False):
+                      dense_kernel: bool = False, delta_kernel: bool = False, return_hidden: bool = False):
     return jax.jit(functools.partial(decode_window, cfg=cfg, experts=experts, attention_kernel=attention_kernel,
-                                     dense_kernel=dense_kernel, delta_kernel=delta_kernel), donate_argnums=(1,),
+                                     dense_kernel=dense_kernel, delta_kernel=delta_kernel,
+                                     return_hidden=return_hidden), donate_argnums=(1,),
                    compiler_options=MODEL_COMPILER_OPTIONS)
 
 
-def jit_prefill_chunk(cfg: ModelConfig, experts: ExpertPath | None = None):
-    return jax.jit(functools.partial(prefill_chunk, cfg=cfg, experts=experts), donate_argnums=(1,),
+def jit_prefill_chunk(cfg: ModelConfig, experts: ExpertPath | None = None, return_hidden: bool = False):
+    return jax.jit(functools.partial(prefill_chunk, cfg=cfg, experts=experts, return_hidden=return_hidden),
+                   donate_argnums=(1,),
                    compiler_options=MODEL_COMPILER_OPTIONS)
 
 

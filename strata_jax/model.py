@@ -279,13 +279,14 @@ def shared_expert(x: jax.Array, layer: LayerWeights) -> jax.Array:
 def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
             cfg: ModelConfig, experts: ExpertPath | None = None,
             attention_kernel: bool = False, dense_kernel: bool = False,
-            delta_kernel: bool = False) -> tuple[jax.Array, KVCache]:
+            delta_kernel: bool = False, return_hidden: bool = False) -> tuple[jax.Array, KVCache]:
     """One window: tokens [T] at positions pos.., of which the first n_valid are real (the rest padding).
 
-    Returns float32 logits [T, V] and the updated cache. delta_kernel: DeltaNet layers' decode-time rule through
-    the Pallas kernel.
+    Returns float32 logits [T, V] and the updated cache (return_hidden: and the final hidden states [T, H], after
+    the final norm; unrolled graph only). delta_kernel: DeltaNet layers' decode-time rule through the Pallas kernel.
     """
     if weights.stacked:
+        assert not return_hidden, "return_hidden: the unrolled graph only"
         return forward_scanned(weights, cache, tokens, pos, n_valid, cfg, experts, attention_kernel, dense_kernel)
     expert_state = list(cache.experts) if cache.experts is not None else None
     t = tokens.shape[0]
@@ -332,15 +333,22 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
     state_pos = cache.state_pos
     if state_pos is not None:
         state_pos = deltanet.commit_pos(state_pos, pos, n_valid, t)
-    return head_logits(weights, h, cfg), KVCache(k=new_k, v=new_v, experts=expert_state, delta=new_delta,
-                                                 state_pos=state_pos)
+    new_cache = KVCache(k=new_k, v=new_v, experts=expert_state, delta=new_delta, state_pos=state_pos)
+    if return_hidden:  # Qwen3-Next's MTP drafter reads the final hidden states (after the final norm)
+        hidden = norm(h, weights.final_norm, cfg)
+        return lm_head(weights, hidden), new_cache, hidden
+    return head_logits(weights, h, cfg), new_cache
+
+
+def lm_head(weights: Weights, hidden: jax.Array) -> jax.Array:
+    """hidden [T, H] (after the final norm) -> float32 logits [T, V]."""
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+    return linear(hidden, head, preferred_element_type=jnp.float32)  # a GEMM at T=1 too (linear.py)
 
 
 def head_logits(weights: Weights, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm and lm_head: h [T, H] -> float32 logits [T, V]."""
-    h = norm(h, weights.final_norm, cfg)
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    return linear(h, head, preferred_element_type=jnp.float32)  # a GEMM at T=1 too (linear.py)
+    return lm_head(weights, norm(h, weights.final_norm, cfg))
 
 
 def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,

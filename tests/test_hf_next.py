@@ -214,3 +214,91 @@ def test_the_gpu_kernels_on_next(engine_factory):
         assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.8
     prompt = ref["prompt_ids"].tolist()
     assert fast.generate(prompt, 12, spec=W - 1, stop_token_ids=[]) == fast.generate(prompt, 12, stop_token_ids=[])
+
+
+# ---- MTP drafts ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mtp_folder(tmp_path_factory):
+    """next_base with a random MTP module (`mtp.*` tensors as Qwen3-Next checkpoints hold them)."""
+    import json
+    import shutil
+    from safetensors.numpy import save_file
+    src = HF_FIXTURES / NEXT[0]
+    dst = tmp_path_factory.mktemp("mtp") / NEXT[0]
+    shutil.copytree(src, dst)
+    raw = json.loads((src / "config.json").read_text())
+    raw["mtp_num_hidden_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(raw))
+    h, nq, nkv, d = raw["hidden_size"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
+    e, f, fs = raw["num_experts"], raw["moe_intermediate_size"], raw["shared_expert_intermediate_size"]
+    rng = np.random.default_rng()
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)
+    p = "mtp.layers.0."
+    tensors = {"mtp.fc.weight": w(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": w(h),
+               "mtp.pre_fc_norm_hidden.weight": w(h), "mtp.norm.weight": w(h),
+               p + "input_layernorm.weight": w(h), p + "post_attention_layernorm.weight": w(h),
+               p + "self_attn.q_proj.weight": w(2 * nq * d, h), p + "self_attn.k_proj.weight": w(nkv * d, h),
+               p + "self_attn.v_proj.weight": w(nkv * d, h), p + "self_attn.o_proj.weight": w(h, nq * d),
+               p + "self_attn.q_norm.weight": w(d), p + "self_attn.k_norm.weight": w(d),
+               p + "mlp.gate.weight": w(e, h), p + "mlp.shared_expert_gate.weight": w(1, h),
+               p + "mlp.shared_expert.gate_proj.weight": w(fs, h), p + "mlp.shared_expert.up_proj.weight": w(fs, h),
+               p + "mlp.shared_expert.down_proj.weight": w(h, fs)}
+    for j in range(e):
+        q = p + f"mlp.experts.{j}."
+        tensors.update({q + "gate_proj.weight": w(f, h), q + "up_proj.weight": w(f, h), q + "down_proj.weight": w(h, f)})
+    save_file(tensors, dst / "mtp.safetensors")
+    return dst
+
+
+def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder, monkeypatch):
+    """draft=mtp: speculative greedy equals plain greedy, and every window's first draft is the module's argmax as a
+    from-scratch pass over the whole sequence gives it (main hidden states, then the module over every pair):
+    the catch-up keeps the module's KV cache in step across prefill chunks and accepted / rejected drafts."""
+    import jax
+    import jax.numpy as jnp
+    from strata_jax import model, mtp as mtp_mod
+    engine = engine_factory(mtp_folder, **EXACT, prefill_chunk=5)
+    assert engine.mtp is not None
+    firsts = []
+    catch_up = mtp_mod.MTPDrafter.catch_up
+
+    def spy(self, hidden, next_tokens, pos, k=0):
+        drafts = catch_up(self, hidden, next_tokens, pos, k)
+        if k:
+            firsts.append((pos + len(next_tokens) - 1, int(drafts[0])))
+        return drafts
+    monkeypatch.setattr(mtp_mod.MTPDrafter, "catch_up", spy)
+    prompt = reference(NEXT[0])["prompt_ids"].tolist()
+    plain = engine.generate(prompt, 20, spec=0, stop_token_ids=[])
+    for spec in (1, W - 1):
+        firsts.clear()
+        assert engine.generate(prompt, 20, spec=spec, draft="mtp", stop_token_ids=[]) == plain, spec
+        # every window drafted but the last (one token left to make: nothing to draft)
+        assert engine.stats.last.drafts_proposed > 0 and len(firsts) == engine.stats.last.windows - 1
+
+    seq = np.asarray(prompt + plain, np.int32)
+    cfg = engine.cfg
+    with jax.default_matmul_precision("highest"):
+        cache = model.init_cache(cfg, seq.size + 8, jnp.float32, ring=W + 1)
+        _, _, hidden = model.forward(engine.weights, cache, jnp.asarray(seq), jnp.int32(0), jnp.int32(seq.size),
+                                     cfg, return_hidden=True)
+        n = seq.size - 1
+        logits, _, _ = mtp_mod.mtp_layer(engine.weights, engine.mtp, mtp_mod.init_cache(cfg, seq.size + 8, jnp.float32),
+                                         hidden[:n], jnp.asarray(seq[1:]), jnp.int32(0), jnp.ones((n,), bool), cfg)
+    logits = np.asarray(logits)
+    for at, draft in firsts:  # the last window's rows may pass the sequence
+        if at < n:
+            assert logits[at, draft] >= logits[at].max() - 1e-4 * np.abs(logits[at]).max(), (at, draft)
+
+
+def test_mtp_without_the_module_is_a_line_and_ngram(engine_factory, capfd):
+    name = NEXT[0]
+    engine = engine_factory(HF_FIXTURES / name, **EXACT)
+    prompt = reference(name)["prompt_ids"].tolist()
+    ngram = engine.generate(prompt, 12, draft="ngram", stop_token_ids=[])
+    ngram_stats = engine.stats.last
+    capfd.readouterr()
+    assert engine.generate(prompt, 12, draft="mtp", stop_token_ids=[]) == ngram
+    assert "no MTP module" in capfd.readouterr().err
+    assert engine.stats.last.drafts_proposed == ngram_stats.drafts_proposed
