@@ -250,18 +250,13 @@ class Engine:
         if self.verbose:
             log(f"compiling: window T=1..{self.options.window}, prefill chunk {self.chunk}, samplers ...")
         pos = jnp.int32(0)
-        decode = graphs.jit_decode_window(self.cfg, self.decode_expert_path,
-                                          attention_kernel=self.attention_kernel == "pallas",
-                                          dense_kernel=self.dense_kernel == "pallas",
-                                          delta_kernel=self.delta_kernel == "pallas")
+        decode = self._jit_decode_window()
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
         sampler, verifier = graphs.jit_sample(), graphs.jit_verify()
         sampling = SamplingParams.make()
         v = self.cfg.vocab_size
         self._decode, self._sample, self._verify = {}, {}, {}
-        # float32 means float32 matmuls (not TF32 on a GPU): the exactness checks and the host pool rely on it.
-        full_f32 = jax.default_matmul_precision("highest") if self.dtype == jnp.float32 else contextlib.nullcontext()
-        with full_f32:
+        with self._full_f32():
             for t in range(1, self.options.window + 1):
                 self._decode[t] = decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile()
                 self._sample[t] = sampler.lower(jnp.zeros((t, v), jnp.float32), jnp.zeros((t,), jnp.int32),
@@ -279,6 +274,17 @@ class Engine:
             log(f"graphs: window T=1..{self.options.window} and prefill chunk {self.chunk} compiled in "
                 f"{self.stats.compile_s:.1f} s (persistent cache: {jax.config.jax_compilation_cache_dir}); "
                 f"context {self.context} tokens")
+
+    def _full_f32(self):
+        """float32 means float32 matmuls (not TF32 on a GPU): the exactness checks and the host pool rely on it."""
+        return jax.default_matmul_precision("highest") if self.dtype == jnp.float32 else contextlib.nullcontext()
+
+    def _jit_decode_window(self, return_hidden: bool = False):
+        """The window graph with this engine's expert path and kernels (return_hidden: for the MTP drafter)."""
+        return graphs.jit_decode_window(self.cfg, self.decode_expert_path,
+                                        attention_kernel=self.attention_kernel == "pallas",
+                                        dense_kernel=self.dense_kernel == "pallas",
+                                        delta_kernel=self.delta_kernel == "pallas", return_hidden=return_hidden)
 
     @_serialized
     def reconfigure(self, pcie_frac: float | None = None, cache_policy: str | None = None) -> None:
@@ -373,9 +379,7 @@ class Engine:
         want_logits the logits [P, V] of every prompt position (numpy). mtp: an MTPDrafter, fed every chunk's
         hidden rows (the last chunk's wait for the first new token: `observe`)."""
         if want_logits and self._prefill_logits is None:
-            full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
-                        else contextlib.nullcontext())
-            with full_f32:
+            with self._full_f32():
                 self._prefill_logits = graphs.jit_prefill_logits(self.cfg, self.expert_path)
                 self._prefill_logits = self._prefill_logits.lower(
                     self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32), jnp.int32(0), jnp.int32(1)).compile()
@@ -421,7 +425,8 @@ class Engine:
         """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
 
         Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', 'device', 'mtp' (Qwen3-Next's
-        multi-token-prediction module, strata_jax/mtp.py; ngram without one), or a drafts.Drafter object) run with the last accepted token; greedy output is the same with or without them,
+        multi-token-prediction module, strata_jax/mtp.py; ngram without one), or a drafts.Drafter object) run with
+        the last accepted token; greedy output is the same with or without them,
         sampled output follows the same distribution. 'device': the n-gram drafts and their acceptance run on the
         device and windows of spec+1 tokens go back to back, read one window late (strata_jax.device_drafts).
         temperature / top_p / top_k left None take the model's generation_config.json (greedy without one); the
@@ -608,15 +613,10 @@ class Engine:
         drafter's input), compiled on the first draft="mtp" request; and the module's KV cache."""
         if self._mtp_compiled is None:
             t0 = time.perf_counter()
-            decode = graphs.jit_decode_window(self.cfg, self.decode_expert_path,
-                                              attention_kernel=self.attention_kernel == "pallas",
-                                              dense_kernel=self.dense_kernel == "pallas",
-                                              delta_kernel=self.delta_kernel == "pallas", return_hidden=True)
+            decode = self._jit_decode_window(return_hidden=True)
             prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, return_hidden=True)
-            full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
-                        else contextlib.nullcontext())
             pos = jnp.int32(0)
-            with full_f32:
+            with self._full_f32():
                 compiled = {t: decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile()
                             for t in range(1, self.options.window + 1)}
                 compiled["prefill"] = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32),
@@ -639,9 +639,7 @@ class Engine:
                                                  dense_kernel=self.dense_kernel == "pallas",
                                                  delta_kernel=self.delta_kernel == "pallas")
             hist = jnp.zeros((self.context + t,), jnp.int32)
-            full_f32 = (jax.default_matmul_precision("highest") if self.dtype == jnp.float32
-                        else contextlib.nullcontext())
-            with full_f32:
+            with self._full_f32():
                 self._device_verify[key] = fn.lower(self.weights, self.cache, hist, jnp.int32(1),
                                                     SamplingParams.make()).compile()
             if self.verbose:
