@@ -211,7 +211,7 @@ def test_non_finite_logits_end_the_request_in_one_line(cache_dir):
     eng.weights = eng.weights.replace(final_norm=jnp.full_like(eng.weights.final_norm, jnp.nan))
     refused(eng.generate, prompt(9), 6, stop_token_ids=[], match="non-finite logits at|position 9")
     # The decode loops: a finite first token from the prefill, NaN logits in every decode window after it.
-    finite_prefill = lambda ids, first=0: (jnp.int32(5), jnp.zeros((1, eng.cfg.vocab_size), jnp.float32))  # noqa: E731
+    finite_prefill = lambda ids, first=0, mtp=None: (jnp.int32(5), jnp.zeros((1, eng.cfg.vocab_size), jnp.float32))  # noqa: E731
     eng._prefill_all = finite_prefill
     for kw in (dict(spec=0), dict(), dict(temperature=0.7), dict(draft="device")):
         refused(eng.generate, prompt(9), 6, stop_token_ids=[], match="non-finite logits", **kw)

@@ -17,8 +17,12 @@ def fixture_raw(name="base") -> dict:
 def hub_style(raw: dict) -> dict:
     """The transformers 4.x / Hub spelling of a 5.x config: num_experts and a top-level rope_theta."""
     raw = dict(raw)
-    raw["num_experts"] = raw.pop("num_local_experts")
-    raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+    if "num_local_experts" in raw:  # Qwen3-MoE; Qwen3-Next's 5.x config says num_experts already
+        raw["num_experts"] = raw.pop("num_local_experts")
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope["rope_theta"]
+    if "partial_rotary_factor" in rope:  # Qwen3-Next: top level on the Hub
+        raw["partial_rotary_factor"] = rope["partial_rotary_factor"]
     return raw
 
 
@@ -38,7 +42,7 @@ def test_fixture_config_matches_transformers(name):
     cfg = config_from_dict(raw)
     assert [i for i, s in enumerate(cfg.sparse_layers) if s] == meta["sparse_layers"]
     assert [i for i, s in enumerate(cfg.sparse_layers) if not s] == meta["dense_layers"]
-    assert cfg.num_experts == raw["num_local_experts"]
+    assert cfg.num_experts == raw["num_local_experts" if "num_local_experts" in raw else "num_experts"]
     assert cfg.rope_theta == raw["rope_parameters"]["rope_theta"]
     assert cfg.tie_word_embeddings == raw["tie_word_embeddings"]
     assert cfg.head_dim == raw["head_dim"]
