@@ -33,7 +33,7 @@ engine.encode of every turn's text gives the ids it was handed.
 
 Arms: --arms="name:ENV=VAL,ENV=VAL;name2:..." (an empty list: no switch), the first arm is the baseline. Only the
 approximation switches are taken: STRATA_ + the upper-cased name of an EngineOptions field route_* or verify_*,
-draft=ngram|none|device (the arm's draft proposer instead of --draft's, e.g. --arms="ngram:;device:draft=device"),
+draft=ngram|none|device|mtp (the arm's draft proposer instead of --draft's, e.g. --arms="ngram:;device:draft=device"),
 prefix_reuse=1|0 (--arms="reuse:;cold:prefix_reuse=0": time to first token with and without prefix reuse),
 and STRATA_LOGPOS (then each run also writes the teacher-forced log-probs of the workload's longest prompt there,
 after its timed turns: run 1 to the path, run k to <stem>.runk<suffix>; compare arms with benchmarks/kl_report.py).
@@ -81,11 +81,12 @@ PROG = "benchmarks.agent_turns_bench"
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside the others
 flags.DEFINE_string("arms", "base:;skip:STRATA_ROUTE_TAIL_SKIP=5", "Arms, ';'-separated, each name:STRATA_VAR=value,"
-                    "STRATA_VAR=value or draft=ngram|none|device (an empty list after the ':' = no switch); the first "
+                    "STRATA_VAR=value or draft=ngram|none|device|mtp (an empty list after the ':' = no switch); the first "
                     "arm is the baseline.",
                     flag_values=FLAGS)
 flags.DEFINE_string("model", "reference", "Model: 'reference' (the committed 64-expert top-8 byte-level model), "
-                    "'embedded' (the tiny random model) or a model folder.", flag_values=FLAGS)
+                    "'reference-next' (its Qwen3-Next-shaped sibling with an MTP module), 'embedded' (the tiny random "
+                    "model) or a model folder.", flag_values=FLAGS)
 flags.DEFINE_string("expert_cache_slots", "16", "Engine option: device expert cache slots per MoE layer (16: a "
                     "quarter of the reference model's 64 experts).", flag_values=FLAGS)
 flags.DEFINE_string("pcie_frac", "1", "Engine option: share of the missed experts fetched over PCIe (the rest on "
@@ -107,8 +108,9 @@ flags.DEFINE_integer("max_prompt_tokens", 0, "Longest prompt; 0 = context - new_
                      flag_values=FLAGS)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy. Turn i is sampled with seed --seed + i.",
                    lower_bound=0.0, flag_values=FLAGS)
-flags.DEFINE_enum("draft", "ngram", ["ngram", "none", "device"], "Draft proposer of the verify windows (device: "
-                  "drafting and acceptance on the device, windows back to back).", flag_values=FLAGS)
+flags.DEFINE_enum("draft", "ngram", ["ngram", "none", "device", "mtp"], "Draft proposer of the verify windows "
+                  "(device: drafting and acceptance on the device, windows back to back; mtp: the checkpoint's MTP "
+                  "module, e.g. --model=reference-next).", flag_values=FLAGS)
 flags.DEFINE_enum("prefix_reuse", "1", ["1", "0"], "Engine option: keep the last turn's KV rows and prefill only "
                   "a turn's new tokens (an arm may set prefix_reuse=0|1).", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the workload (and of the sampling).", lower_bound=0, flag_values=FLAGS)
@@ -143,7 +145,7 @@ PROGRESS = "@progress "  # a worker's stderr line the parent shows as progress
 
 # Per-arm worker flags an arm may set besides STRATA_*: the draft proposer, and prefix reuse (1: a turn that
 # extends the one before prefills only its new tokens; 0: every turn prefilled whole, a cold start each time).
-ARM_OPTIONS = {"draft": ("ngram", "none", "device"), "prefix_reuse": ("1", "0")}
+ARM_OPTIONS = {"draft": ("ngram", "none", "device", "mtp"), "prefix_reuse": ("1", "0")}
 
 
 def arm_flags(s, switches: dict[str, str]) -> dict[str, str]:
@@ -446,7 +448,7 @@ def start_worker(s, arm: str, switches: dict, run_index: int, workload_path: Pat
                  label: str) -> tuple[dict, list[str], float]:
     """Run one arm in its own process; returns (its JSON, its other output lines, wall seconds). A failure is one
     ValueError line quoting the worker's last line."""
-    model = s.model if s.model in ("reference", "embedded") else str(Path(s.model).resolve())
+    model = s.model if s.model in ("reference", "reference-next", "embedded") else str(Path(s.model).resolve())
     args = [sys.executable, "-m", PROG, "--worker", f"--workload={workload_path}", f"--worker_out={out_path}",
             f"--arm={arm}", f"--run_index={run_index}", f"--model={model}",
             f"--expert_cache_slots={s.expert_cache_slots}", f"--pcie_frac={s.pcie_frac}", f"--window={s.window}",

@@ -2,6 +2,8 @@
 # GPU calls for Qwen3-Next (issue 15). Steps run in the order given; logs and JSON land in $OUT/next, tables printed.
 #   STEPS="tests delta decode" bash benchmarks/gpu_next.sh     # call 1: kernels and tests, the delta rule, 80B decode
 #   STEPS="decode_pallas offload" bash benchmarks/gpu_next.sh  # call 2: the Pallas rule in the model, 25% of experts
+#   STEPS="train_ref mtp_turns" bash benchmarks/gpu_next.sh     # the reference-next model ($OUT/next-stdlib), draft=mtp
+#   STEPS="mtp_turns kl" NEXT_MODEL=reference-next TURNS_SLOTS=16 bash benchmarks/gpu_next.sh  # at 25% of the experts
 # Knobs: NEXT_LAYERS (the 80B shape's cut for decode, default 32 = 107 GB of bf16 weights, within the 112.6 GB XLA gives the
 # arrays), OFFLOAD_LAYERS (12).
 set -u
@@ -32,6 +34,20 @@ decode_pallas)
 offload)
   step offload ${OFFLOAD_LIMIT_S:-300} python3 -m benchmarks.offload_bench --model=qwen3-next-80b-a3b \
     --layers=${OFFLOAD_LAYERS:-12} --slot_fracs=1.0,0.25 --pcie_fracs=1,auto --new_tokens=64 --json=$R/offload.json ;;
+train_ref)  # the committed strata_jax/models/next-stdlib: copy $OUT/next-stdlib there
+  step train_ref ${TRAIN_LIMIT_S:-330} python3 -m benchmarks.train_reference_moe --arch=qwen3_next \
+    --out=$OUT/next-stdlib --steps=${TRAIN_STEPS:-6000} --time_limit_s=${TRAIN_TIME_S:-200} --log_every=200
+  grep -E "^(held-out|MTP module|trained|checkpoint|parameters)" "$R/train_ref.log"
+  cp strata_jax/models/moe-stdlib/tokenizer_config.json strata_jax/models/moe-stdlib/generation_config.json \
+    "$OUT/next-stdlib/" ;;
+mtp_turns)  # draft=mtp against draft=ngram on the reference-next model, one run of agent_turns_bench
+  slots=${TURNS_SLOTS:-all}
+  step mtp_turns_$slots ${TURNS_LIMIT_S:-240} python3 -m benchmarks.agent_turns_bench \
+    --model=${NEXT_MODEL:-$OUT/next-stdlib} --arms="ngram:draft=ngram;mtp:draft=mtp" --expert_cache_slots=$slots \
+    --json=$R/mtp_turns_$slots.json ${TURNS_ARGS:-} ;;
+kl)  # the routing rules' quality on the reference-next model
+  step kl ${KL_LIMIT_S:-200} python3 -m benchmarks.kl_arms --model=${NEXT_MODEL:-$OUT/next-stdlib} \
+    --json=$R/kl_next.json ${KL_ARGS:-} ;;
 *) echo "unknown step $s" ;;
 esac; done
 tar czf "$OUT/next.tar.gz" -C "$OUT" next && rm -rf "$R"

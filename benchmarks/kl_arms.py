@@ -29,7 +29,7 @@ DEFAULT_ARMS = ("skip:STRATA_ROUTE_TAIL_SKIP=5;prior:STRATA_ROUTE_PRIOR=0.5;both
                 "STRATA_VERIFY_DEFER_CPU=check")
 
 FLAGS = flags.FlagValues()
-flags.DEFINE_string("model", "reference", "Model: reference, embedded or a folder.", flag_values=FLAGS)
+flags.DEFINE_string("model", "reference", "Model: reference, reference-next, embedded or a folder.", flag_values=FLAGS)
 flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "offload.py"), "The known text.", flag_values=FLAGS)
 flags.DEFINE_integer("positions", 1200, "Positions scored (bytes of the text for the byte-level models).",
                      lower_bound=2, flag_values=FLAGS)

@@ -2,6 +2,7 @@
 and save it as a Hugging Face checkpoint that the engine loads like any other.
 
     python -m benchmarks.train_reference_moe --out=out/moe-stdlib --json=out/moe-stdlib.json      # H200
+    python -m benchmarks.train_reference_moe --arch=qwen3_next --out=out/next-stdlib              # reference-next
     python -m benchmarks.train_reference_moe --out=/tmp/moe --hidden=64 --layers=2 --experts=8 --top_k=2 \\
         --moe_intermediate=32 --heads=2 --kv_heads=1 --head_dim=32 --seq_len=32 --batch=4 --steps=5 --max_files=20
 
@@ -28,6 +29,13 @@ Loss: next-byte cross-entropy + --aux_loss_coef * the load-balancing loss as tra
 Report: held-out loss in bits per byte (bytes only: predicting <|endoftext|> is left out) and, per layer, the routing
 skew on held-out data: the share of the routed entries (token x top-K slot) that go to that layer's --skew_top most
 used experts (uniform routing: skew_top / E). Printed as a table, written to <out>/training_report.json and --json.
+
+--arch=qwen3_next trains the Qwen3-Next shape instead (strata_jax/models/next-stdlib, the model 'reference-next';
+smaller shape defaults: NEXT_DEFAULTS): Gated DeltaNet layers (deltanet.deltanet's chunked rule, as the engine's
+prefill) with a gated full-attention layer every --full_attention_interval, zero-centred norms, a shared expert
+beside the routed ones, and the MTP module (strata_jax/mtp.py) over (hidden_i, token i+1) trained on token i+2 with
+weight --mtp_loss_coef. Its held-out report adds the module's bits per byte and the share of positions where its
+greedy draft equals the main model's argmax (the teacher-forced acceptance of a window's first draft).
 
 Output (--out): config.json (Qwen3MoeForCausalLM), model.safetensors (the Hub tensor names strata_jax/checkpoint.py
 reads, --save_dtype; or, with --max_shard_mb, Hub-style shards and model.safetensors.index.json, for transfers that
@@ -67,6 +75,28 @@ flags.DEFINE_integer("moe_intermediate", 96, "Expert width I (96 = 0.375 H, Qwen
                      "the default model 52 MB as bf16).", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_bool("norm_topk_prob", True, "Renormalise the top-K routing weights to sum to 1.", flag_values=FLAGS)
 flags.DEFINE_float("rope_theta", 10000.0, "RoPE base.", lower_bound=1.0, flag_values=FLAGS)
+flags.DEFINE_enum("arch", "qwen3_moe", ["qwen3_moe", "qwen3_next"], "qwen3_moe: every layer full attention + MoE. "
+                  "qwen3_next: Gated DeltaNet layers with a full-attention layer every --full_attention_interval, "
+                  "gated attention with partial RoPE, zero-centred norms, a shared expert (--shared_intermediate) "
+                  "and, with --mtp, the multi-token-prediction module trained on the token after next.",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("full_attention_interval", 4, "qwen3_next: layer i is full attention when (i + 1) is a "
+                     "multiple of this, else Gated DeltaNet.", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("linear_key_heads", 2, "qwen3_next: DeltaNet key heads.", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("linear_value_heads", 4, "qwen3_next: DeltaNet value heads (a multiple of the key heads).",
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("linear_head_dim", 32, "qwen3_next: DeltaNet key and value head dimension.", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("conv_kernel", 4, "qwen3_next: DeltaNet causal conv taps.", lower_bound=2, flag_values=FLAGS)
+flags.DEFINE_float("partial_rotary", 0.25, "qwen3_next: share of the head dimension RoPE rotates.", lower_bound=0.0,
+                   upper_bound=1.0, flag_values=FLAGS)
+flags.DEFINE_integer("shared_intermediate", 64, "qwen3_next: the shared expert's width (0 = none).", lower_bound=0,
+                     flag_values=FLAGS)
+flags.DEFINE_bool("mtp", True, "qwen3_next: train the MTP module (mtp.* tensors; the engine's draft=mtp).",
+                  flag_values=FLAGS)
+flags.DEFINE_float("mtp_loss_coef", 0.3, "qwen3_next: weight of the MTP module's cross-entropy on the token after "
+                   "next (its gradient reaches the main model too, as DeepSeek-V3's MTP).", lower_bound=0.0,
+                   flag_values=FLAGS)
 flags.DEFINE_integer("max_position_embeddings", 2048, "Written to config.json (the engine's default context is "
                      "min(this, 4096)); positions past --seq_len were never trained.", lower_bound=1,
                      flag_values=FLAGS)
@@ -122,6 +152,9 @@ flags.DEFINE_integer("log_every", 50, "A progress line every N steps.", lower_bo
 EOT = 256  # <|endoftext|> of the byte-level tokenizer (strata_jax.tokenizer)
 VOCAB = 257
 SIZE_TARGET_BYTES = 40e6  # the reference model should stay at most ~40 MB as bf16
+# --arch=qwen3_next's defaults for the shape flags left unset: the committed reference-next model
+# (strata_jax/models/next-stdlib, ~9 MB as bf16: it travels with the repository beside the 40 MB reference).
+NEXT_DEFAULTS = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, moe_intermediate=32)
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -211,6 +244,53 @@ def hf_config(s) -> dict:
         "bos_token_id": EOT,
         "eos_token_id": EOT,
         "torch_dtype": s.save_dtype,
+    } if s.arch == "qwen3_moe" else next_config(s)
+
+
+def next_config(s) -> dict:
+    """config.json of the qwen3_next shape, as transformers 5.x writes Qwen3NextConfig."""
+    types = ["full_attention" if (i + 1) % s.full_attention_interval == 0 else "linear_attention"
+             for i in range(s.layers)]
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": VOCAB,
+        "hidden_size": s.hidden,
+        "intermediate_size": s.top_k * s.moe_intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(s.rope_theta),
+                            "partial_rotary_factor": s.partial_rotary},
+        "max_position_embeddings": s.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "layer_types": types,
+        "full_attention_interval": s.full_attention_interval,
+        "linear_conv_kernel_dim": s.conv_kernel,
+        "linear_key_head_dim": s.linear_head_dim,
+        "linear_value_head_dim": s.linear_head_dim,
+        "linear_num_key_heads": s.linear_key_heads,
+        "linear_num_value_heads": s.linear_value_heads,
+        "num_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "moe_intermediate_size": s.moe_intermediate,
+        "shared_expert_intermediate_size": s.shared_intermediate,
+        "norm_topk_prob": bool(s.norm_topk_prob),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "mtp_num_hidden_layers": 1 if s.mtp else 0,
+        "output_router_logits": False,
+        "router_aux_loss_coef": s.aux_loss_coef,
+        "initializer_range": s.init_std,
+        "use_cache": True,
+        "bos_token_id": EOT,
+        "eos_token_id": EOT,
+        "dtype": s.save_dtype,
     }
 
 
@@ -222,6 +302,18 @@ def attention_batch(x, w, cfg):
     from strata_jax import model
     zeros = jnp.zeros((x.shape[1], cfg.num_kv_heads, cfg.head_dim), x.dtype)
     return jax.vmap(lambda seq: model.attention(seq, w, zeros, zeros, jnp.int32(0), cfg)[0])(x)
+
+
+def deltanet_batch(x, w, cfg):
+    """deltanet.deltanet on every sequence of x [B, L, H] from a zero state at position 0: the chunked rule (a ring
+    of one slot, so the window is longer than the ring), the engine's prefill arithmetic."""
+    import jax
+    import jax.numpy as jnp
+    from strata_jax import deltanet
+    state = deltanet.init_state(cfg, 1, x.dtype)
+    state_pos = jnp.full((1,), -1, jnp.int32)
+    n = jnp.int32(x.shape[1])
+    return jax.vmap(lambda seq: deltanet.deltanet(seq, w, state, state_pos, jnp.int32(0), n, cfg)[0])(x)
 
 
 def moe_all_experts(x, w, cfg):
@@ -239,28 +331,68 @@ def moe_all_experts(x, w, cfg):
     return y, moe.router_logits(x, w.router)
 
 
-def forward(weights, tokens, cfg):
+def decoder_layer(h, layer, cfg):
+    """One decoder layer on h [B, L, H] -> (h, router logits [B*L, E] or None for a dense layer)."""
+    from strata_jax import model
+    from strata_jax.deltanet import DeltaNetWeights
+    b, l, _ = h.shape
+    mixer = deltanet_batch if isinstance(layer.attn, DeltaNetWeights) else attention_batch
+    h = h + mixer(model.norm(h, layer.attn_norm, cfg), layer.attn, cfg)
+    x = model.norm(h, layer.ffn_norm, cfg).reshape(b * l, -1)  # the FFN half is per token: flatten
+    logits = None
+    if isinstance(layer.ffn, model.MLPWeights):
+        y = model.dense_mlp(x, layer.ffn)
+    else:
+        y, logits = moe_all_experts(x, layer.ffn, cfg)
+    if layer.shared is not None:
+        y = y + model.shared_expert(x, layer)  # as model.forward: the shared expert's sum first
+    return h + y.reshape(b, l, -1), logits
+
+
+def forward(weights, tokens, cfg, return_hidden: bool = False):
     """Training forward over tokens [B, L] at positions 0..L-1 (weights in the compute dtype).
 
-    Returns float32 logits [B, L, V] and each MoE layer's float32 router logits [B*L, E] (a list)."""
+    Returns float32 logits [B, L, V] and each MoE layer's float32 router logits [B*L, E] (a list); return_hidden:
+    and the final hidden states [B, L, H] after the final norm (what the MTP module reads)."""
     import jax.numpy as jnp
     from strata_jax import model
-    b, l = tokens.shape
-    eps = cfg.rms_norm_eps
     h = weights.embed[tokens]  # [B, L, H]
     router_logits = []
     for layer in weights.layers:
-        h = h + attention_batch(model.rms_norm(h, layer.attn_norm, eps), layer.attn, cfg)
-        x = model.rms_norm(h, layer.ffn_norm, eps).reshape(b * l, -1)  # the FFN half is per token: flatten
-        if isinstance(layer.ffn, model.MLPWeights):
-            y = model.dense_mlp(x, layer.ffn)
-        else:
-            y, logits = moe_all_experts(x, layer.ffn, cfg)
+        h, logits = decoder_layer(h, layer, cfg)
+        if logits is not None:
             router_logits.append(logits)
-        h = h + y.reshape(b, l, -1)
-    h = model.rms_norm(h, weights.final_norm, eps)
+    h = model.norm(h, weights.final_norm, cfg)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    return jnp.einsum("blh,hv->blv", h, head, preferred_element_type=jnp.float32), router_logits
+    logits = jnp.einsum("blh,hv->blv", h, head, preferred_element_type=jnp.float32)
+    return (logits, router_logits, h) if return_hidden else (logits, router_logits)
+
+
+def mtp_forward(weights, mtp, hidden, next_tokens, cfg):
+    """The MTP module (strata_jax/mtp.py) on hidden [B, L, H] (the main model's, after its final norm) and the token
+    after each row, next_tokens [B, L] -> (float32 logits [B, L, V] of the token after next, router logits)."""
+    import jax.numpy as jnp
+    from strata_jax import model
+    e = model.norm(weights.embed[next_tokens], mtp.norm_embedding, cfg)
+    x = jnp.concatenate([e, model.norm(hidden, mtp.norm_hidden, cfg)], axis=-1) @ mtp.fc  # [B, L, H]
+    x, router_logits = decoder_layer(x, mtp.layer, cfg)
+    x = model.norm(x, mtp.norm, cfg)
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+    return jnp.einsum("blh,hv->blv", x, head, preferred_element_type=jnp.float32), router_logits
+
+
+def random_mtp(cfg, seed: int, dtype, scale: float):
+    """A random MTP module for cfg (zero-centred norms start at 0: scale 1)."""
+    import jax
+    import jax.numpy as jnp
+    from strata_jax import model
+    from strata_jax.mtp import MTPWeights
+    one = cfg.replace(num_layers=1, layer_types=("full_attention",), sparse_layers=(True,))
+    layer = model.random_weights(one, seed + 1000, dtype, scale).layers[0]
+    h = cfg.hidden_size
+    fc = (jax.random.normal(jax.random.PRNGKey(seed + 1001), (2 * h, h), jnp.float32) * scale).astype(dtype)
+    zeros = lambda: jnp.zeros((h,), dtype)  # three buffers: the training step donates each leaf
+    return MTPWeights(fc=fc, norm_embedding=zeros(), norm_hidden=zeros(), layer=layer, norm=zeros())
 
 
 def token_nll(logits, targets):
@@ -289,15 +421,23 @@ def load_balancing_loss(router_logits, top_k: int):
     return e * jnp.sum(tokens_per_expert * jnp.mean(probs, axis=0))
 
 
-def loss_fn(master, batch, cfg, aux_loss_coef: float, compute_dtype):
-    """batch [B, L+1] -> (cross-entropy + coef * load-balancing loss, (cross-entropy, load-balancing loss))."""
+def loss_fn(master, batch, cfg, aux_loss_coef: float, compute_dtype, mtp_loss_coef: float = 0.3):
+    """batch [B, L+1] -> (loss, (cross-entropy, load-balancing loss, MTP cross-entropy)). master: model.Weights, or
+    (Weights, MTPWeights or None). The MTP module reads hidden_i and token i+1 and predicts token i+2 (L-1 rows)."""
     import jax
     import jax.numpy as jnp
-    weights = jax.tree.map(lambda p: p.astype(compute_dtype), master)
-    logits, router_logits = forward(weights, batch[:, :-1], cfg)
-    ce = jnp.mean(token_nll(logits, batch[:, 1:]))
+    weights, mtp = master if isinstance(master, tuple) else (master, None)
+    weights, mtp = jax.tree.map(lambda p: p.astype(compute_dtype), (weights, mtp))
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits, router_logits, hidden = forward(weights, inputs, cfg, return_hidden=True)
+    ce = jnp.mean(token_nll(logits, targets))
+    mtp_ce = jnp.float32(0)
+    if mtp is not None:
+        mtp_logits, mtp_router = mtp_forward(weights, mtp, hidden[:, :-1], inputs[:, 1:], cfg)
+        mtp_ce = jnp.mean(token_nll(mtp_logits, targets[:, 1:]))
+        router_logits = router_logits + [mtp_router]
     aux = load_balancing_loss(router_logits, cfg.num_experts_per_tok) if router_logits else jnp.float32(0)
-    return ce + aux_loss_coef * aux, (ce, aux)
+    return ce + aux_loss_coef * aux + mtp_loss_coef * mtp_ce, (ce, aux, mtp_ce)
 
 
 def make_optimizer(lr: float, steps: int, warmup_steps: int = 0, min_lr_frac: float = 0.1,
@@ -315,19 +455,21 @@ def make_optimizer(lr: float, steps: int, warmup_steps: int = 0, min_lr_frac: fl
     return optax.chain(*chain, adamw), schedule
 
 
-def make_update(cfg, optimizer, aux_loss_coef: float, compute_dtype):
+def make_update(cfg, optimizer, aux_loss_coef: float, compute_dtype, mtp_loss_coef: float = 0.3):
     """(master weights, optimizer state, batch [B, L+1]) -> (weights, state, metrics): one optimizer step."""
     import jax
     import jax.numpy as jnp
     import optax
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg=cfg, aux_loss_coef=aux_loss_coef,
-                                                   compute_dtype=compute_dtype), has_aux=True)
+                                                   compute_dtype=compute_dtype, mtp_loss_coef=mtp_loss_coef),
+                                 has_aux=True)
 
     def update(master, opt_state, batch):
-        (loss, (ce, aux)), grads = grad_fn(master, batch)
+        (loss, (ce, aux, mtp_ce)), grads = grad_fn(master, batch)
         updates, opt_state = optimizer.update(grads, opt_state, master)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))  # before clipping
-        return optax.apply_updates(master, updates), opt_state, dict(loss=loss, ce=ce, aux=aux, grad_norm=grad_norm)
+        return optax.apply_updates(master, updates), opt_state, dict(loss=loss, ce=ce, aux=aux, mtp_ce=mtp_ce,
+                                                                     grad_norm=grad_norm)
     return update
 
 
@@ -363,55 +505,78 @@ def eval_windows(stream, seq_len: int, batch: int):
 
 def make_eval_step(cfg, compute_dtype):
     """(master, tokens, loss mask, route mask) -> (sum of nats, targets counted, routed entries per expert
-    [MoE layers, E])."""
+    [MoE layers, E], MTP sums: nats, targets, drafts equal to the main model's argmax, rows)."""
     import jax
     import jax.numpy as jnp
 
     def step(master, tokens, loss_mask, route_mask):
-        weights = jax.tree.map(lambda p: p.astype(compute_dtype), master)
-        logits, router_logits = forward(weights, tokens[:, :-1], cfg)
-        nll = jnp.sum(token_nll(logits, tokens[:, 1:]) * loss_mask)
+        weights, mtp = master if isinstance(master, tuple) else (master, None)
+        weights, mtp = jax.tree.map(lambda p: p.astype(compute_dtype), (weights, mtp))
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        logits, router_logits, hidden = forward(weights, inputs, cfg, return_hidden=True)
+        nll = jnp.sum(token_nll(logits, targets) * loss_mask)
         rows = route_mask.reshape(-1).astype(jnp.float32)
         counts = []
         for x in router_logits:  # the same top-K the layer routed with (softmax, then top-K, as moe.route)
             _, ids = jax.lax.top_k(jax.nn.softmax(x, axis=-1), cfg.num_experts_per_tok)
             counts.append(jnp.einsum("t,tke->e", rows, jax.nn.one_hot(ids, cfg.num_experts, dtype=jnp.float32)))
         counts = jnp.stack(counts) if counts else jnp.zeros((0, cfg.num_experts), jnp.float32)
-        return nll, jnp.sum(loss_mask), counts
+        mtp_sums = jnp.zeros((4,), jnp.float32)
+        if mtp is not None:
+            # Row i reads hidden_i and token i+1 and predicts token i+2: its greedy draft is accepted when it is
+            # the main model's argmax at row i+1 (teacher-forced: the first draft of a verify window).
+            mtp_logits, _ = mtp_forward(weights, mtp, hidden[:, :-1], inputs[:, 1:], cfg)
+            mask = loss_mask[:, 1:].astype(jnp.float32)
+            real = route_mask[:, 1:].astype(jnp.float32)
+            agree = jnp.argmax(mtp_logits, -1) == jnp.argmax(logits[:, 1:], -1)
+            mtp_sums = jnp.stack([jnp.sum(token_nll(mtp_logits, targets[:, 1:]) * mask), jnp.sum(mask),
+                                  jnp.sum(agree * real), jnp.sum(real)])
+        return nll, jnp.sum(loss_mask), counts, mtp_sums
     return jax.jit(step)
 
 
 def evaluate(master, stream, cfg, seq_len: int, batch: int, compute_dtype, skew_top: int) -> dict:
-    """Held-out bits per byte and per-layer routing skew."""
+    """Held-out bits per byte and per-layer routing skew (and the MTP module's bits per byte and the share of its
+    greedy drafts that equal the main model's argmax, when it has one)."""
     import numpy as np
     step = make_eval_step(cfg, compute_dtype)
     nats, count = 0.0, 0
-    counts = np.zeros((cfg.num_sparse_layers, cfg.num_experts), np.int64)
+    has_mtp = isinstance(master, tuple) and master[1] is not None
+    counts = np.zeros((cfg.num_sparse_layers + has_mtp, cfg.num_experts), np.int64)
+    mtp_sums = np.zeros(4)
     for tokens, loss_mask, route_mask in eval_windows(stream, seq_len, batch):
-        n, c, per_expert = step(master, tokens, loss_mask, route_mask)
+        n, c, per_expert, m = step(master, tokens, loss_mask, route_mask)
         nats += float(n)
         count += int(c)
-        counts += np.rint(np.asarray(per_expert)).astype(np.int64)
+        counts[:cfg.num_sparse_layers] += np.rint(np.asarray(per_expert)).astype(np.int64)
+        mtp_sums += np.asarray(m, np.float64)
     top = min(skew_top, cfg.num_experts)
     layers = []
-    for i, row in enumerate(counts):
+    for i, row in enumerate(counts[:cfg.num_sparse_layers]):
         total = int(row.sum())
         ranked = np.sort(row)[::-1]
         layers.append(dict(layer=i, routed_entries=total, top_share=float(ranked[:top].sum() / max(total, 1)),
                            uniform_share=top / cfg.num_experts, max_expert_share=float(ranked[0] / max(total, 1)),
                            unused_experts=int((row == 0).sum()), counts=row.tolist()))
     loss = nats / max(count, 1)
-    return dict(loss_nats=loss, bits_per_byte=loss / math.log(2), bytes=count, skew_top=top, layers=layers)
+    out = dict(loss_nats=loss, bits_per_byte=loss / math.log(2), bytes=count, skew_top=top, layers=layers)
+    if has_mtp:
+        mtp_loss = mtp_sums[0] / max(mtp_sums[1], 1)
+        out["mtp"] = dict(loss_nats=mtp_loss, bits_per_byte=mtp_loss / math.log(2), bytes=int(mtp_sums[1]),
+                          agreement=mtp_sums[2] / max(mtp_sums[3], 1), rows=int(mtp_sums[3]))
+    return out
 
 
 # ---- checkpoint ------------------------------------------------------------------------------------------------
 
 
-def hf_tensors(weights, cfg, dtype: str) -> dict:
-    """model.Weights -> the Hub's tensor names and layouts (the inverse of checkpoint.load_weights), numpy."""
+def hf_tensors(weights, cfg, dtype: str, mtp=None) -> dict:
+    """model.Weights (and the MTPWeights) -> the Hub's tensor names and layouts (the inverse of
+    checkpoint.load_weights and load_mtp), numpy."""
     import numpy as np
     import jax.numpy as jnp
     from strata_jax import model
+    from strata_jax.deltanet import DeltaNetWeights
     np_dtype = jnp.dtype(dtype)
     out = {}
 
@@ -419,26 +584,34 @@ def hf_tensors(weights, cfg, dtype: str) -> dict:
         a = np.asarray(x, np.float32)
         out[name] = np.ascontiguousarray(a.T if transpose else a).astype(np_dtype)
 
-    put("model.embed_tokens.weight", weights.embed)
-    for i, layer in enumerate(weights.layers):
-        p = f"model.layers.{i}."
+    def put_layer(p, layer):
         a = layer.attn
         put(p + "input_layernorm.weight", layer.attn_norm)
         put(p + "post_attention_layernorm.weight", layer.ffn_norm)
-        put(p + "self_attn.q_proj.weight", a.wq, True)  # [in, out] -> the Hub's [out, in]
-        put(p + "self_attn.k_proj.weight", a.wk, True)
-        put(p + "self_attn.v_proj.weight", a.wv, True)
-        put(p + "self_attn.o_proj.weight", a.wo, True)
-        put(p + "self_attn.q_norm.weight", a.q_norm)
-        put(p + "self_attn.k_norm.weight", a.k_norm)
-        for which, bias in (("q", a.bq), ("k", a.bk), ("v", a.bv), ("o", a.bo)):
-            if bias is not None:
-                put(p + f"self_attn.{which}_proj.bias", bias)
+        if isinstance(a, DeltaNetWeights):
+            q = p + "linear_attn."
+            put(q + "in_proj_qkvz.weight", a.in_qkvz, True)
+            put(q + "in_proj_ba.weight", a.in_ba, True)
+            put(q + "conv1d.weight", np.asarray(a.conv, np.float32).T[:, None, :])  # [K, C] -> the Hub's [C, 1, K]
+            put(q + "dt_bias", a.dt_bias)
+            put(q + "A_log", a.a_log)
+            put(q + "norm.weight", a.norm)
+            put(q + "out_proj.weight", a.out, True)
+        else:
+            put(p + "self_attn.q_proj.weight", a.wq, True)  # [in, out] -> the Hub's [out, in]
+            put(p + "self_attn.k_proj.weight", a.wk, True)
+            put(p + "self_attn.v_proj.weight", a.wv, True)
+            put(p + "self_attn.o_proj.weight", a.wo, True)
+            put(p + "self_attn.q_norm.weight", a.q_norm)
+            put(p + "self_attn.k_norm.weight", a.k_norm)
+            for which, bias in (("q", a.bq), ("k", a.bk), ("v", a.bv), ("o", a.bo)):
+                if bias is not None:
+                    put(p + f"self_attn.{which}_proj.bias", bias)
         if isinstance(layer.ffn, model.MLPWeights):
             put(p + "mlp.gate_proj.weight", layer.ffn.gate, True)
             put(p + "mlp.up_proj.weight", layer.ffn.up, True)
             put(p + "mlp.down_proj.weight", layer.ffn.down, True)
-            continue
+            return
         put(p + "mlp.gate.weight", layer.ffn.router, True)
         gate, up, down = (np.asarray(x, np.float32) for x in (layer.ffn.gate, layer.ffn.up, layer.ffn.down))
         for j in range(cfg.num_experts):  # experts are kept in the Hub's [out, in] layout already
@@ -446,9 +619,25 @@ def hf_tensors(weights, cfg, dtype: str) -> dict:
             put(q + "gate_proj.weight", gate[j])
             put(q + "up_proj.weight", up[j])
             put(q + "down_proj.weight", down[j])
+        if layer.shared is not None:
+            q = p + "mlp.shared_expert."
+            put(q + "gate_proj.weight", layer.shared.gate, True)
+            put(q + "up_proj.weight", layer.shared.up, True)
+            put(q + "down_proj.weight", layer.shared.down, True)
+            put(p + "mlp.shared_expert_gate.weight", layer.shared_gate, True)
+
+    put("model.embed_tokens.weight", weights.embed)
+    for i, layer in enumerate(weights.layers):
+        put_layer(f"model.layers.{i}.", layer)
     put("model.norm.weight", weights.final_norm)
     if weights.lm_head is not None:
         put("lm_head.weight", weights.lm_head, True)
+    if mtp is not None:
+        put("mtp.fc.weight", mtp.fc, True)
+        put("mtp.pre_fc_norm_embedding.weight", mtp.norm_embedding)
+        put("mtp.pre_fc_norm_hidden.weight", mtp.norm_hidden)
+        put_layer("mtp.layers.0.", mtp.layer)
+        put("mtp.norm.weight", mtp.norm)
     return out
 
 
@@ -464,7 +653,8 @@ def shard(tensors: dict, max_bytes: int) -> list[dict]:
     return groups
 
 
-def save_checkpoint(folder: Path, weights, cfg, raw_config: dict, dtype: str, max_shard_bytes: int = 0) -> dict:
+def save_checkpoint(folder: Path, weights, cfg, raw_config: dict, dtype: str, max_shard_bytes: int = 0,
+                    mtp=None) -> dict:
     """config.json, the safetensors file(s) and tokenizer.json into folder: model.safetensors, or with
     max_shard_bytes the Hub's shards model-0000i-of-0000n.safetensors and model.safetensors.index.json (the engine
     reads both). Returns the weight files' names and sizes, and the sha256 of their bytes in that order (one file:
@@ -478,7 +668,7 @@ def save_checkpoint(folder: Path, weights, cfg, raw_config: dict, dtype: str, ma
         old.unlink(missing_ok=True)
     (folder / "config.json").write_text(json.dumps(raw_config, indent=1) + "\n")
     byte_level_tokenizer().save(str(folder / "tokenizer.json"))
-    tensors = hf_tensors(weights, cfg, dtype)
+    tensors = hf_tensors(weights, cfg, dtype, mtp)
     groups = shard(tensors, max_shard_bytes)
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
@@ -538,16 +728,28 @@ def run(s) -> dict:
     corpus["load_s"] = time.perf_counter() - t0
 
     # ---- sizes ----
-    abstract = jax.eval_shape(lambda: model.random_weights(cfg, s.seed, jnp.float32))
+    with_mtp = cfg.next and s.mtp
+    if cfg.next and cfg.rotary_dim < 2:
+        raise ValueError(f"--partial_rotary={s.partial_rotary} leaves no rotary dimension of --head_dim={s.head_dim}")
+
+    def init():
+        return (model.random_weights(cfg, s.seed, jnp.float32, scale=s.init_std),
+                random_mtp(cfg, s.seed, jnp.float32, s.init_std) if with_mtp else None)
+    abstract = jax.eval_shape(init)
     n_params = sum(x.size for x in jax.tree.leaves(abstract))
-    n_expert = sum(x.size for layer in abstract.layers if not isinstance(layer.ffn, model.MLPWeights)
-                   for x in (layer.ffn.gate, layer.ffn.up, layer.ffn.down))
+    sparse = [layer for layer in abstract[0].layers if not isinstance(layer.ffn, model.MLPWeights)]
+    sparse += [abstract[1].layer] if with_mtp else []
+    n_expert = sum(x.size for layer in sparse for x in (layer.ffn.gate, layer.ffn.up, layer.ffn.down))
     bf16_bytes = 2 * n_params
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     active = n_params - n_expert + n_expert * k // e
     tokens_per_step = s.batch * s.seq_len
 
-    say(f"train_reference_moe: Qwen3-MoE, {cfg.num_layers} layers, H={cfg.hidden_size}, {cfg.num_heads}/"
+    kind = "Qwen3-MoE" if not cfg.next else (
+        f"Qwen3-Next ({sum(map(cfg.is_linear, range(cfg.num_layers)))} DeltaNet + {cfg.num_full_layers} gated "
+        f"attention layers, shared expert I={cfg.shared_expert_intermediate_size}, "
+        f"{'an MTP module x ' + format(s.mtp_loss_coef, 'g') if with_mtp else 'no MTP module'})")
+    say(f"train_reference_moe: {kind}, {cfg.num_layers} layers, H={cfg.hidden_size}, {cfg.num_heads}/"
         f"{cfg.num_kv_heads} heads x {cfg.head_dim}, {e} experts top-{k} (I={cfg.moe_intermediate_size}, "
         f"norm_topk_prob={cfg.norm_topk_prob}), V={cfg.vocab_size} (bytes + <|endoftext|>)")
     over = "" if bf16_bytes <= SIZE_TARGET_BYTES else f"  [over the ~{common.fmt_bytes(SIZE_TARGET_BYTES)} target]"
@@ -572,11 +774,11 @@ def run(s) -> dict:
                   curve=[], complete=False)
 
     # ---- train ----
-    master = model.random_weights(cfg, s.seed, jnp.float32, scale=s.init_std)
+    master = init()  # (model.Weights, MTPWeights or None)
     optimizer, schedule = make_optimizer(s.lr, s.steps, s.warmup_steps, s.min_lr_frac, s.weight_decay, s.beta1,
                                          s.beta2, s.grad_clip)
     opt_state = optimizer.init(master)
-    update = make_update(cfg, optimizer, s.aux_loss_coef, compute_dtype)
+    update = make_update(cfg, optimizer, s.aux_loss_coef, compute_dtype, s.mtp_loss_coef)
     train_step = jax.jit(lambda w, o, stream, key, i: update(w, o, sample_batch(stream, key, i, s.batch, s.seq_len)),
                          donate_argnums=(0, 1))
     stream = jax.device_put(train_np)
@@ -599,13 +801,14 @@ def run(s) -> dict:
         now = time.perf_counter()
         elapsed = now - t_start
         row = dict(step=i + 1, loss=float(np.mean([m["ce"] for m in got])),
-                   aux=float(np.mean([m["aux"] for m in got])),
+                   aux=float(np.mean([m["aux"] for m in got])), mtp_loss=float(np.mean([m["mtp_ce"] for m in got])),
                    grad_norm=float(np.mean([m["grad_norm"] for m in got])), lr=float(schedule(i)),
                    tok_s=len(got) * tokens_per_step / (now - t_last), elapsed_s=elapsed)
         report["curve"].append(row)
         eta = elapsed / (i + 1) * (s.steps - i - 1)
+        mtp_part = f"  mtp {row['mtp_loss'] / math.log(2):.3f} bits" if with_mtp else ""
         common.progress(f"step {i + 1:>{len(str(s.steps))}}/{s.steps}  loss {row['loss']:.4f} "
-                        f"({row['loss'] / math.log(2):.3f} bits)  aux {row['aux']:.3f}  lr {row['lr']:.2e}  "
+                        f"({row['loss'] / math.log(2):.3f} bits){mtp_part}  aux {row['aux']:.3f}  lr {row['lr']:.2e}  "
                         f"{row['tok_s']:,.0f} tok/s  elapsed {elapsed:.0f}s  eta {eta:.0f}s")
         pending, t_last = [], now
         if s.time_limit_s and elapsed > s.time_limit_s and i + 1 < s.steps:
@@ -625,7 +828,8 @@ def run(s) -> dict:
     report["heldout"] = heldout
 
     # ---- checkpoint ----
-    report["checkpoint"] = save_checkpoint(out, master, cfg, raw, s.save_dtype, int(s.max_shard_mb * 2**20))
+    report["checkpoint"] = save_checkpoint(out, master[0], cfg, raw, s.save_dtype, int(s.max_shard_mb * 2**20),
+                                           mtp=master[1])
     report["complete"] = True
 
     top = heldout["skew_top"]
@@ -640,6 +844,11 @@ def run(s) -> dict:
     say(f"held-out: {heldout['bits_per_byte']:.4f} bits per byte ({heldout['loss_nats']:.4f} nats) over "
         f"{heldout['bytes']:,} bytes of {where}; last training loss "
         f"{report['final_train_loss'] / math.log(2):.4f} bits per token")
+    if "mtp" in heldout:
+        m = heldout["mtp"]
+        say(f"MTP module: {m['bits_per_byte']:.4f} bits per byte on the token after next; its greedy draft equals "
+            f"the main model's argmax at {100 * m['agreement']:.1f}% of {m['rows']:,} held-out positions "
+            f"(teacher-forced first-draft acceptance)")
     say(f"routing skew: share of the routed entries (token x top-{k} slot) going to each layer's {top} most used of "
         f"{e} experts, on held-out data (uniform: {top / e:.3f})")
     say(f"trained {report['tokens_trained'] / 1e6:.1f}M tokens in {train_s:.1f} s ({report['tok_s']:,.0f} tok/s; "
@@ -651,12 +860,21 @@ def run(s) -> dict:
     if s.json:
         common.write_json(s.json, report)
         say(f"json: {s.json}")
-    return dict(report, weights=master)
+    return dict(report, weights=master[0], mtp=master[1])
+
+
+def arch_defaults(values: flags.FlagValues) -> flags.FlagValues:
+    """--arch=qwen3_next: NEXT_DEFAULTS for the shape flags the command line did not set."""
+    if values.arch == "qwen3_next":
+        for name, value in NEXT_DEFAULTS.items():
+            if not values[name].present:
+                values[name].value = value
+    return values
 
 
 def main(argv: list[str]) -> dict:
     """Parse argv (argv[0] = program name) into FLAGS and run; returns the report. Errors: one line, exit 1."""
-    return common.run_main(FLAGS, argv, "benchmarks.train_reference_moe", run)
+    return common.run_main(FLAGS, argv, "benchmarks.train_reference_moe", lambda s: run(arch_defaults(s)))
 
 
 if __name__ == "__main__":

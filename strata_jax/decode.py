@@ -22,7 +22,8 @@ from strata_jax.tokenizer import TextStream
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "reference", "Model folder (config.json, *.safetensors, tokenizer.json), a folder "
                     "written by --save_state, 'reference' (the committed MoE trained on Python code: 64 experts "
-                    "top-8) or 'embedded' (a tiny random MoE, for tests).", flag_values=FLAGS)
+                    "top-8), 'reference-next' (its Qwen3-Next-shaped sibling, with an MTP module for --draft=mtp) or 'embedded' (a "
+                    "tiny random MoE, for tests).", flag_values=FLAGS)
 flags.DEFINE_string("prompt", "class Stack:\n    def __init__(self):\n", "Prompt text.", flag_values=FLAGS)
 flags.DEFINE_string("prompt_file", "", "Read the prompt from this file (overrides --prompt).", flag_values=FLAGS)
 flags.DEFINE_string("save_state", "", "After loading, save the converted weights here with orbax.", flag_values=FLAGS)

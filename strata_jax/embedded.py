@@ -22,15 +22,20 @@ FORMAT_VERSION = 2  # 2: tokenizer_config.json (chat template) and generation_co
 # benchmarks/train_reference_moe.py, committed; the default model of the CLI (`make run`).
 REFERENCE_NAME = "reference"
 REFERENCE_DIR = Path(__file__).resolve().parent / "models" / "moe-stdlib"
+# Its Qwen3-Next-shaped sibling (DeltaNet + gated attention, a shared expert, 64 experts top-8, an MTP module trained
+# on the token after next: draft=mtp), trained on the same bytes by the same program with --arch=qwen3_next.
+REFERENCE_NEXT_NAME = "reference-next"
+REFERENCE_NEXT_DIR = Path(__file__).resolve().parent / "models" / "next-stdlib"
+NAMED_MODELS = {REFERENCE_NAME: REFERENCE_DIR, REFERENCE_NEXT_NAME: REFERENCE_NEXT_DIR}
 
 
 def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
     """A model argument -> its folder: None / 'embedded' (the tiny random model, written on first use),
-    'reference' (the committed trained model), or a path."""
+    'reference' / 'reference-next' (the committed trained models), or a path."""
     if model is None or str(model) == EMBEDDED_NAME:
         return embedded_model_dir(cache_dir)
-    if str(model) == REFERENCE_NAME:
-        return REFERENCE_DIR
+    if str(model) in NAMED_MODELS:
+        return NAMED_MODELS[str(model)]
     return Path(model)
 
 

@@ -383,8 +383,8 @@ def _define_flags():
 
     from strata_jax import options
     values = flags.FlagValues()
-    flags.DEFINE_string("model", "reference", "Model folder, 'reference' or 'embedded' (as strata_jax.decode).",
-                        flag_values=values)
+    flags.DEFINE_string("model", "reference", "Model folder, 'reference', 'reference-next' or 'embedded' (as "
+                        "strata_jax.decode).", flag_values=values)
     flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.", flag_values=values)
     flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535, flag_values=values)
     flags.DEFINE_string("served_name", "", "The model's name in the API (default: the folder's name).",

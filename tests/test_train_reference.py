@@ -164,3 +164,101 @@ def test_missing_out_exits(capsys):
         train.main(["train_reference_moe", *TINY])
     assert e.value.code == 1
     assert "--out" in capsys.readouterr().err
+
+
+# ---- --arch=qwen3_next: hybrid layers, a shared expert, the MTP module ------------------------------------------
+
+TINY_NEXT = ["--arch=qwen3_next", "--hidden=64", "--layers=4", "--experts=16", "--top_k=2", "--moe_intermediate=32",
+             "--heads=2", "--kv_heads=1", "--head_dim=32", "--linear_key_heads=1", "--linear_value_heads=2",
+             "--linear_head_dim=16", "--shared_intermediate=32", "--seq_len=32", "--batch=4", "--steps=4",
+             "--max_files=20", "--log_every=4", "--eval_tokens=300"]
+
+
+@pytest.fixture(scope="module")
+def tiny_next(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_next")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+        result = train.main(["train_reference_moe", *TINY_NEXT, f"--out={root}", "--save_dtype=float32"])
+    return root, result
+
+
+def test_next_engine_and_mtp_equal_training_forward(tiny_next, cache_dir):
+    """The engine loads the saved Qwen3-Next model and its MTP module exactly, and gives the training forward's
+    logits (prefill and score) and the module's logits on the token after next."""
+    from strata_jax import Engine, checkpoint, mtp as mtp_mod
+    root, result = tiny_next
+    raw = json.loads((root / "config.json").read_text())
+    cfg = config_from_dict(raw)
+    assert cfg.next and cfg.has_linear and cfg.num_full_layers == 1 and cfg.mtp_layers == 1
+    assert cfg.rotary_dim == 8 and cfg.shared_expert_intermediate_size == 32
+    loaded = checkpoint.load_weights(root, cfg, jnp.float32)
+    loaded_mtp = checkpoint.load_mtp(root, cfg, jnp.float32)
+    for got, want in ((loaded, result["weights"]), (loaded_mtp, result["mtp"])):
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    engine = Engine.from_pretrained(root, dtype="float32", expert_cache_slots="all", verbose=False,
+                                    cache_dir=str(cache_dir), window=2, context=128)
+    assert engine.mtp is not None
+    ids = list((Path(result["corpus"]["root"]) / result["corpus"]["heldout_files"][0]).read_bytes()[:70])
+    tokens = jnp.asarray([ids], jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        want, _, hidden = train.forward(result["weights"], tokens, cfg, return_hidden=True)
+        want_mtp, _ = train.mtp_forward(result["weights"], result["mtp"], hidden[:, :-1], tokens[:, 1:], cfg)
+        n = len(ids) - 1
+        got_mtp, _, _ = mtp_mod.mtp_layer(loaded, loaded_mtp, mtp_mod.init_cache(cfg, 128, jnp.float32),
+                                          hidden[0, :n], tokens[0, 1:], jnp.int32(0), jnp.ones((n,), bool), cfg)
+    assert rel_err(engine.prefill_logits(ids), np.asarray(want[0])) <= 1e-4
+    assert rel_err(engine.score(ids), np.asarray(want[0])) <= 1e-4
+    assert rel_err(np.asarray(got_mtp), np.asarray(want_mtp[0])) <= 1e-4
+
+
+def test_next_report_and_loss(tiny_next):
+    root, result = tiny_next
+    saved = json.loads((root / "training_report.json").read_text())
+    held = saved["heldout"]
+    assert len(held["layers"]) == 4  # every layer sparse; the MTP layer's routing is not a model layer's
+    mtp = held["mtp"]
+    assert 0 < mtp["bits_per_byte"] < 9 and 0 <= mtp["agreement"] <= 1 and mtp["rows"] > 0
+    assert all(np.isfinite(row["mtp_loss"]) and row["mtp_loss"] > 0 for row in saved["curve"])
+    n_mtp = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(result["mtp"]))
+    n_main = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(result["weights"]))
+    assert saved["params"]["total"] == n_main + n_mtp
+
+
+def test_next_mtp_loss_goes_down_on_a_repeated_batch():
+    """The MTP module learns the token after next: its loss falls as the main loss does."""
+    common.parse_flags(train.FLAGS, ["train_reference_moe", *TINY_NEXT])
+    cfg = config_from_dict(train.hf_config(train.FLAGS))
+    _, files = train.stdlib_files(max_files=2)
+    data = np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8).astype(np.int32)
+    batch = jnp.asarray(data[:4 * 33].reshape(4, 33))
+    optimizer, _ = train.make_optimizer(lr=3e-3, steps=30)
+    update = jax.jit(train.make_update(cfg, optimizer, aux_loss_coef=0.001, compute_dtype=jnp.float32,
+                                       mtp_loss_coef=1.0))
+    master = (model.random_weights(cfg, 0, jnp.float32), train.random_mtp(cfg, 0, jnp.float32, 0.02))
+    state = optimizer.init(master)
+    ce, mtp_ce = [], []
+    for _ in range(30):
+        master, state, metrics = update(master, state, batch)
+        ce.append(float(metrics["ce"]))
+        mtp_ce.append(float(metrics["mtp_ce"]))
+    assert mtp_ce[0] == pytest.approx(np.log(257), abs=0.1)
+    assert ce[-1] < ce[0] - 1.0 and mtp_ce[-1] < mtp_ce[0] - 1.0, (ce, mtp_ce)
+
+
+def test_next_defaults_stay_small():
+    """--arch=qwen3_next's default shape (the committed reference-next) is Next-shaped and small enough to travel
+    with the repository: 64 experts top-8, hybrid layers, a shared expert, the MTP module, under 10 MB as bf16."""
+    common.parse_flags(train.FLAGS, ["train_reference_moe", "--arch=qwen3_next"])
+    s = train.arch_defaults(train.FLAGS)
+    cfg = config_from_dict(train.hf_config(s))
+    shapes = jax.eval_shape(lambda: (model.random_weights(cfg, 0, jnp.float32),
+                                     train.random_mtp(cfg, 0, jnp.float32, 0.02)))
+    assert 2 * sum(x.size for x in jax.tree.leaves(shapes)) <= 10e6
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size) == (64, 8, 128)
+    assert cfg.has_linear and cfg.num_full_layers >= 1 and cfg.shared_expert_intermediate_size > 0
+    common.parse_flags(train.FLAGS, ["train_reference_moe", "--arch=qwen3_next", "--hidden=96"])
+    assert train.arch_defaults(train.FLAGS).hidden == 96  # a flag given on the command line wins
