@@ -625,6 +625,15 @@ class Engine:
             # rows up to the context's end, plus a padded chunk or window and the chained drafts past it
             self._mtp_cache = mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
                                                  self.dtype)
+            # The drafter's graphs, one per row count (a window's T rows or a prefill chunk's), shared by every
+            # request's drafter: compiled here by a call on zeros, so that no request compiles (a new drafter's own
+            # graphs cost a compile per request: 60 against 820 tok/s on the H200). Then a clean cache.
+            drafter = mtp_mod.MTPDrafter(self.weights, self.mtp, self._mtp_cache, self.cfg, self.options.window - 1)
+            for t in sorted({*range(1, self.options.window + 1), self.chunk}):
+                drafter.catch_up(jnp.zeros((t, self.cfg.hidden_size), self.dtype), [], 0, self.options.window - 1)
+            del drafter
+            self._mtp_cache = mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
+                                                 self.dtype)
             if self.verbose:
                 log(f"graphs: MTP drafting (windows returning hidden states) compiled in "
                     f"{time.perf_counter() - t0:.1f} s")

@@ -87,6 +87,13 @@ def catch_up_and_draft(weights: Weights, mtp: MTPWeights, cache: MTPCache, hidde
     return jnp.stack(drafts), cache
 
 
+@functools.lru_cache(maxsize=None)
+def draft_graph(cfg: ModelConfig, k: int):
+    """catch_up_and_draft jitted for k drafts (one compile per row count, kept for the process: every request's
+    drafter shares them)."""
+    return jax.jit(functools.partial(catch_up_and_draft, cfg=cfg, k=k), donate_argnums=(2,))
+
+
 class MTPDrafter:
     """The drafts of a verify window from the MTP module (a drafts.Drafter). The engine hands it the hidden rows of
     every window and prefill chunk (`feed`); `propose` catches its cache up on the rows whose next token is known
@@ -94,15 +101,8 @@ class MTPDrafter:
 
     def __init__(self, weights: Weights, mtp: MTPWeights, cache: MTPCache, cfg: ModelConfig, k_max: int):
         self.weights, self.mtp, self.cache, self.cfg, self.k_max = weights, mtp, cache, cfg, k_max
-        self._graphs: dict = {}
         self.pending = None  # (hidden [T, H] device array, first position): rows not yet run through the module
         self._next: list[int] = []  # their next tokens, as far as known
-
-    def _graph(self, t: int, k: int):
-        if (t, k) not in self._graphs:
-            self._graphs[(t, k)] = jax.jit(functools.partial(catch_up_and_draft, cfg=self.cfg, k=k),
-                                           donate_argnums=(2,))
-        return self._graphs[(t, k)]
 
     def catch_up(self, hidden: jax.Array, next_tokens, pos: int, k: int = 0) -> np.ndarray:
         """Rows of hidden [T, H] at positions pos.. with their known next tokens (len <= T); -> k drafts."""
@@ -110,7 +110,7 @@ class MTPDrafter:
         t = hidden.shape[0]
         tokens = np.zeros((t,), np.int32)
         tokens[:n] = next_tokens
-        drafts, self.cache = self._graph(t, k)(self.weights, self.mtp, self.cache, hidden, jnp.asarray(tokens),
+        drafts, self.cache = draft_graph(self.cfg, k)(self.weights, self.mtp, self.cache, hidden, jnp.asarray(tokens),
                                                jnp.int32(n), jnp.int32(pos))
         return np.asarray(drafts)
 

@@ -265,7 +265,7 @@ def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder
 
     def spy(self, hidden, next_tokens, pos, k=0):
         drafts = catch_up(self, hidden, next_tokens, pos, k)
-        if k:
+        if k and len(next_tokens):  # not the engine's compile calls on zeros (no known rows)
             firsts.append((pos + len(next_tokens) - 1, int(drafts[0])))
         return drafts
     monkeypatch.setattr(mtp_mod.MTPDrafter, "catch_up", spy)
