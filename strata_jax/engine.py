@@ -247,6 +247,7 @@ class Engine:
     def _compile(self) -> None:
         """Every window size 1..W, the prefill chunk and the samplers, ahead of time."""
         t0 = time.perf_counter()
+        self._mtp_compiled = None  # built with the old expert path: recompiled on the next draft="mtp" request
         if self.verbose:
             log(f"compiling: window T=1..{self.options.window}, prefill chunk {self.chunk}, samplers ...")
         pos = jnp.int32(0)
@@ -609,22 +610,28 @@ class Engine:
         self.mtp = weights
 
     def _mtp_graphs(self) -> dict:
-        """The window graphs T=1..W and the prefill chunk that also return the final hidden states (the MTP
-        drafter's input), compiled on the first draft="mtp" request; and the module's KV cache."""
+        """The MTP drafter's graphs, compiled on the first draft="mtp" request: the prefill chunk that also returns
+        the final hidden states (the module's input), and the greedy windows T=1..W that draft the next window in
+        the same graph (graphs.mtp_window); and the module's KV cache. Sampled requests' windows ("hidden", T ->
+        a window returning its hidden states for the host loop's drafter) compile on the first such request."""
         if self._mtp_compiled is None:
             t0 = time.perf_counter()
-            decode = self._jit_decode_window(return_hidden=True)
             prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, return_hidden=True)
+            fused = graphs.jit_mtp_window(self.cfg, self.options.window - 1, self.decode_expert_path,
+                                          attention_kernel=self.attention_kernel == "pallas",
+                                          dense_kernel=self.dense_kernel == "pallas",
+                                          delta_kernel=self.delta_kernel == "pallas")
             pos = jnp.int32(0)
+            # rows up to the context's end, plus a padded chunk or window and the chained drafts past it
+            self._mtp_cache = mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
+                                                 self.dtype)
             with self._full_f32():
-                compiled = {t: decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile()
+                compiled = {("fused", t): fused.lower(self.weights, self.cache, self.mtp, self._mtp_cache,
+                                                      jnp.zeros((t,), jnp.int32), pos).compile()
                             for t in range(1, self.options.window + 1)}
                 compiled["prefill"] = prefill.lower(self.weights, self.cache, jnp.zeros((self.chunk,), jnp.int32),
                                                     pos, jnp.int32(1)).compile()
             self._mtp_compiled = compiled
-            # rows up to the context's end, plus a padded chunk or window and the chained drafts past it
-            self._mtp_cache = mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
-                                                 self.dtype)
             # The drafter's graphs, one per row count (a window's T rows or a prefill chunk's), shared by every
             # request's drafter: compiled here by a call on zeros, so that no request compiles (a new drafter's own
             # graphs cost a compile per request: 60 against 820 tok/s on the H200). Then a clean cache.
@@ -635,9 +642,18 @@ class Engine:
             self._mtp_cache = mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
                                                  self.dtype)
             if self.verbose:
-                log(f"graphs: MTP drafting (windows returning hidden states) compiled in "
-                    f"{time.perf_counter() - t0:.1f} s")
+                log(f"graphs: MTP drafting (windows that draft the next one, the prefill chunk returning hidden "
+                    f"states) compiled in {time.perf_counter() - t0:.1f} s")
         return self._mtp_compiled
+
+    def _mtp_hidden_window(self, t: int):
+        """A window of T returning its hidden states (sampled draft=mtp requests: the host draws the acceptance)."""
+        key = ("hidden", t)
+        if key not in self._mtp_compiled:
+            with self._full_f32():
+                self._mtp_compiled[key] = self._jit_decode_window(return_hidden=True).lower(
+                    self.weights, self.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0)).compile()
+        return self._mtp_compiled[key]
 
     def _device_verify_graph(self, t: int, sampled: bool):
         key = (t, sampled)
@@ -707,14 +723,22 @@ class Engine:
         context = list(ids) + out
         pos = ids.size + len(out) - 1  # position of out[-1], the last accepted token, not yet in the KV cache
         ready = None  # when the host had the last window's result: the device waits from then to the next dispatch
+        mtp = isinstance(drafter, mtp_mod.MTPDrafter)
+        next_drafts = None  # greedy draft=mtp: the drafts the last window's graph made for this one
         while len(out) < budget:
             k = min(spec, budget - len(out) - 1)
-            drafts = drafter.propose(context, k) if k > 0 else []
+            if next_drafts is not None:
+                drafts = next_drafts[:k]
+            else:  # the first window after the prefill (or any window of another drafter)
+                drafts = drafter.propose(context, k) if k > 0 else []
             t = len(drafts) + 1
             window = np.asarray(out[-1:] + drafts, np.int32)
-            if isinstance(drafter, mtp_mod.MTPDrafter):  # the window's hidden rows feed the module's next drafts
-                greedy, logits, self.cache, hidden = self._mtp_compiled[t](self.weights, self.cache, window,
-                                                                           jnp.int32(pos))
+            if mtp and not sampled:  # the window's graph drafts the next window too
+                greedy, logits, self.cache, drafter.cache, made = self._mtp_compiled[("fused", t)](
+                    self.weights, self.cache, self.mtp, drafter.cache, window, jnp.int32(pos))
+            elif mtp:  # the window's hidden rows feed the module's next drafts
+                greedy, logits, self.cache, hidden = self._mtp_hidden_window(t)(self.weights, self.cache, window,
+                                                                               jnp.int32(pos))
                 drafter.feed(hidden, pos)
             else:
                 greedy, logits, self.cache = self._decode[t](self.weights, self.cache, window, jnp.int32(pos))
@@ -741,7 +765,11 @@ class Engine:
             stats.window_tokens += t
             stats.drafts_proposed += len(drafts)
             stats.drafts_accepted += accepted
-            drafter.observe(new)
+            if mtp and not sampled:
+                vocab = self.cfg.vocab_size
+                next_drafts = [int(d) if 0 <= d < vocab else 0 for d in np.asarray(made)]
+            else:
+                drafter.observe(new)
             pos += len(new)
             for token in new:
                 out.append(token)

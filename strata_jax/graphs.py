@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from strata_jax import device_drafts
+from strata_jax import device_drafts, mtp
 from strata_jax.config import ModelConfig
 from strata_jax.model import ExpertPath, KVCache, Weights, forward
 from strata_jax.sampling import SamplingParams, greedy, sample, verify
@@ -35,6 +35,27 @@ def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.
     out = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel, dense_kernel,
                   delta_kernel, return_hidden)
     return (greedy(out[0]),) + tuple(out)  # NON_FINITE (-1) for a row whose logits are not all finite
+
+
+def mtp_window(weights: Weights, cache: KVCache, mtp_weights: mtp.MTPWeights, mtp_cache: mtp.MTPCache,
+               tokens: jax.Array, pos: jax.Array, *, cfg: ModelConfig, k: int, experts: ExpertPath | None = None,
+               attention_kernel: bool = False, dense_kernel: bool = False, delta_kernel: bool = False):
+    """A greedy verify window and the MTP module's drafts for the next one, in one graph (one dispatch and one
+    read-back a window instead of two): tokens [T] (the last accepted token, then T-1 drafts) at positions pos..
+    -> (argmax [T], logits [T, V] float32, cache, mtp_cache, drafts [k] int32).
+
+    The window accepts its leading drafts that equal the argmax before them, then one token more: rows 0..a, whose
+    next tokens are their argmax. The module catches up on those rows and chains k drafts from the last
+    (mtp.catch_up_and_draft), as the host loop's drafter would after reading the window."""
+    target, logits, cache, hidden = decode_window(weights, cache, tokens, pos, cfg=cfg, experts=experts,
+                                                  attention_kernel=attention_kernel, dense_kernel=dense_kernel,
+                                                  delta_kernel=delta_kernel, return_hidden=True)
+    with jax.named_scope("mtp_drafts"):
+        match = (tokens[1:] == target[:-1]).astype(jnp.int32)  # [T-1]
+        accepted = jnp.sum(jnp.cumprod(match))  # leading matches
+        drafts, mtp_cache = mtp.catch_up_and_draft(weights, mtp_weights, mtp_cache, hidden, target, accepted + 1,
+                                                   pos, cfg=cfg, k=k)
+    return target, logits, cache, mtp_cache, drafts
 
 
 def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
@@ -96,6 +117,13 @@ def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None, atten
     return jax.jit(functools.partial(decode_window, cfg=cfg, experts=experts, attention_kernel=attention_kernel,
                                      dense_kernel=dense_kernel, delta_kernel=delta_kernel,
                                      return_hidden=return_hidden), donate_argnums=(1,),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
+
+
+def jit_mtp_window(cfg: ModelConfig, k: int, experts: ExpertPath | None = None, attention_kernel: bool = False,
+                   dense_kernel: bool = False, delta_kernel: bool = False):
+    return jax.jit(functools.partial(mtp_window, cfg=cfg, k=k, experts=experts, attention_kernel=attention_kernel,
+                                     dense_kernel=dense_kernel, delta_kernel=delta_kernel), donate_argnums=(1, 3),
                    compiler_options=MODEL_COMPILER_OPTIONS)
 
 

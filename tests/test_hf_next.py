@@ -251,24 +251,28 @@ def mtp_folder(tmp_path_factory):
     return dst
 
 
-def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder, monkeypatch):
+def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder):
     """draft=mtp: speculative greedy equals plain greedy, and every window's first draft is the module's argmax as a
     from-scratch pass over the whole sequence gives it (main hidden states, then the module over every pair):
-    the catch-up keeps the module's KV cache in step across prefill chunks and accepted / rejected drafts."""
+    the catch-up keeps the module's KV cache in step across prefill chunks and accepted / rejected drafts, in the
+    host loop's drafter (the first window) and inside the window graphs (the rest)."""
     import jax
     import jax.numpy as jnp
     from strata_jax import model, mtp as mtp_mod
     engine = engine_factory(mtp_folder, **EXACT, prefill_chunk=5)
     assert engine.mtp is not None
-    firsts = []
-    catch_up = mtp_mod.MTPDrafter.catch_up
+    firsts = []  # (the module's row that made a window's first draft, that draft)
 
-    def spy(self, hidden, next_tokens, pos, k=0):
-        drafts = catch_up(self, hidden, next_tokens, pos, k)
-        if k and len(next_tokens):  # not the engine's compile calls on zeros (no known rows)
-            firsts.append((pos + len(next_tokens) - 1, int(drafts[0])))
-        return drafts
-    monkeypatch.setattr(mtp_mod.MTPDrafter, "catch_up", spy)
+    def spy(graph):
+        def run(weights, cache, mtp, mtp_cache, window, pos):
+            window_np = np.asarray(window)
+            if window_np.size > 1:  # row pos-1 (hidden, token at pos) predicted the token at pos+1
+                firsts.append((int(pos) - 1, int(window_np[1])))
+            return graph(weights, cache, mtp, mtp_cache, window, pos)
+        return run
+    compiled = engine._mtp_graphs()
+    for key in [key for key in compiled if key[0] == "fused"]:
+        compiled[key] = spy(compiled[key])
     prompt = reference(NEXT[0])["prompt_ids"].tolist()
     plain = engine.generate(prompt, 20, spec=0, stop_token_ids=[])
     for spec in (1, W - 1):
@@ -276,6 +280,10 @@ def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder
         assert engine.generate(prompt, 20, spec=spec, draft="mtp", stop_token_ids=[]) == plain, spec
         # every window drafted but the last (one token left to make: nothing to draft)
         assert engine.stats.last.drafts_proposed > 0 and len(firsts) == engine.stats.last.windows - 1
+    # Sampled: the host loop's drafter (the window graphs return their hidden states); seeded, so reproducible.
+    sampled = [engine.generate(prompt, 12, temperature=0.8, seed=3, draft="mtp", stop_token_ids=[])
+               for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 12 and engine.stats.last.drafts_proposed > 0
 
     seq = np.asarray(prompt + plain, np.int32)
     cfg = engine.cfg
