@@ -120,7 +120,7 @@ def default_place(name: str, x: np.ndarray):
 
 
 def has_mtp(folder: str | Path, cfg: ModelConfig) -> bool:
-    """Whether the checkpoint holds Qwen3-Next's multi-token-prediction module (`mtp.*`)."""
+    """Whether the checkpoint holds Qwen3-Next's (or Qwen3.5's) multi-token-prediction module (`mtp.*`)."""
     return cfg.next and cfg.mtp_layers > 0 and "mtp.fc.weight" in SafetensorsReader(folder)
 
 
@@ -129,11 +129,39 @@ def load_mtp(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Pla
     return load_weights(folder, cfg, dtype, place, mtp_only=True)
 
 
+def text_prefix(reader: SafetensorsReader, cfg: ModelConfig) -> str:
+    """Where the text model's tensors live: `model.` (Qwen3-MoE, Qwen3-Next, a text-only Qwen3.5 save) or
+    `model.language_model.` (Qwen3.5-MoE's multimodal Hub checkpoints, beside `model.visual.*`)."""
+    if cfg.qwen35 and "model.language_model.embed_tokens.weight" in reader:
+        return "model.language_model."
+    return "model."
+
+
+def grouped_deltanet_rows(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray,
+                          cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3.5's split DeltaNet projections -> Qwen3-Next's grouped in_proj_qkvz / in_proj_ba rows (the layout
+    DeltaNetWeights and deltanet() take). Qwen3.5: in_proj_qkv [q of every key head | k | v of every value head],
+    in_proj_z [Nv*Dv], in_proj_b / in_proj_a [Nv], each in head order (rows x H). Next groups per key head i:
+    [q_i | k_i | v, z of value heads i*r..i*r+r-1] and [b, a of those heads]; value head j reads key head j // r in
+    both (transformers' repeat_interleave), so this is a row permutation: the model computes the same numbers."""
+    nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+        cfg.linear_value_head_dim
+    r, h = nv // nk, qkv.shape[-1]
+    q = qkv[:nk * dk].reshape(nk, dk, h)
+    k = qkv[nk * dk:2 * nk * dk].reshape(nk, dk, h)
+    v = qkv[2 * nk * dk:].reshape(nk, r * dv, h)
+    qkvz = np.concatenate([q, k, v, z.reshape(nk, r * dv, h)], axis=1).reshape(-1, h)  # [Nk*(2Dk+2rDv), H]
+    ba = np.concatenate([b.reshape(nk, r, h), a.reshape(nk, r, h)], axis=1).reshape(-1, h)  # [Nk*2r, H]
+    return qkvz, ba
+
+
 def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Placer = default_place,
                  place_experts: Placer | None = None, progress: Callable[[str], None] | None = None,
                  mtp_only: bool = False) -> Weights:
-    """Read a Qwen3-MoE or Qwen3-Next checkpoint in the Hub layout into `Weights` (dense matrices transposed to
-    [in, out]). Qwen3-Next's `mtp.*` tensors (its multi-token-prediction head) are read by `load_mtp` (mtp_only).
+    """Read a Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE checkpoint in the Hub layout into `Weights` (dense matrices
+    transposed to [in, out]). The `mtp.*` tensors (Next's and Qwen3.5's multi-token-prediction head) are read by
+    `load_mtp` (mtp_only). Qwen3.5-MoE's own names are mapped here (`text_prefix`, `grouped_deltanet_rows`; experts
+    per expert or fused as `experts.gate_up_proj` / `experts.down_proj`, either is read for any model).
 
     `place_experts` receives each sparse layer's stacked expert arrays (names `layers.{i}.experts.{gate,up,down}`);
     by default they go where `place` puts everything else.
@@ -141,6 +169,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     reader = SafetensorsReader(folder)
     place_experts = place_experts or place
     h, d, nq, nkv, v = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
+    base = text_prefix(reader, cfg)
 
     def get(name, shape, transpose=False):
         x = to_dtype(reader.get(name, shape), dtype)
@@ -154,9 +183,17 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
                           cfg.linear_value_head_dim)
         c, k = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
         conv = to_dtype(reader.get(p + "conv1d.weight", (c, 1, k)), dtype)[:, 0, :]  # [C, K] -> [K, C] below
+        if cfg.qwen35:  # split projections, regrouped per key head (the same conv channels: q, k, v)
+            qkvz, ba = grouped_deltanet_rows(
+                reader.get(p + "in_proj_qkv.weight", (c, h)), reader.get(p + "in_proj_z.weight", (nv * dv, h)),
+                reader.get(p + "in_proj_b.weight", (nv, h)), reader.get(p + "in_proj_a.weight", (nv, h)), cfg)
+            in_qkvz = place(p + "in_proj_qkvz.weight", np.ascontiguousarray(to_dtype(qkvz, dtype).T))
+            in_ba = place(p + "in_proj_ba.weight", np.ascontiguousarray(to_dtype(ba, dtype).T))
+        else:
+            in_qkvz = get(p + "in_proj_qkvz.weight", (2 * nk * dk + 2 * nv * dv, h), True)
+            in_ba = get(p + "in_proj_ba.weight", (2 * nv, h), True)
         return DeltaNetWeights(
-            in_qkvz=get(p + "in_proj_qkvz.weight", (2 * nk * dk + 2 * nv * dv, h), True),
-            in_ba=get(p + "in_proj_ba.weight", (2 * nv, h), True),
+            in_qkvz=in_qkvz, in_ba=in_ba,
             conv=place(p + "conv1d.weight", np.ascontiguousarray(conv.T)),
             dt_bias=get(p + "dt_bias", (nv,)), a_log=get(p + "A_log", (nv,)),
             norm=get(p + "norm.weight", (dv,)), out=get(p + "out_proj.weight", (h, nv * dv), True))
@@ -181,11 +218,18 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
             gate = np.empty((e, f, h), jnp.dtype(dtype))  # [E, I, H], the checkpoint's layout
             up = np.empty((e, f, h), jnp.dtype(dtype))
             down = np.empty((e, h, f), jnp.dtype(dtype))  # [E, H, I]
-            for j in range(e):
-                q = p + f"mlp.experts.{j}."
-                gate[j] = to_dtype(reader.get(q + "gate_proj.weight", (f, h)), dtype)
-                up[j] = to_dtype(reader.get(q + "up_proj.weight", (f, h)), dtype)
-                down[j] = to_dtype(reader.get(q + "down_proj.weight", (h, f)), dtype)
+            fused = p + "mlp.experts.gate_up_proj"
+            if fused in reader:  # transformers 5.x's own layout (Qwen3.5-MoE's Hub files): [E, 2I, H] = gate | up
+                gate_up = reader.get(fused, (e, 2 * f, h))
+                gate[:], up[:] = to_dtype(gate_up[:, :f], dtype), to_dtype(gate_up[:, f:], dtype)
+                del gate_up
+                down[:] = to_dtype(reader.get(p + "mlp.experts.down_proj", (e, h, f)), dtype)
+            else:
+                for j in range(e):
+                    q = p + f"mlp.experts.{j}."
+                    gate[j] = to_dtype(reader.get(q + "gate_proj.weight", (f, h)), dtype)
+                    up[j] = to_dtype(reader.get(q + "up_proj.weight", (f, h)), dtype)
+                    down[j] = to_dtype(reader.get(q + "down_proj.weight", (h, f)), dtype)
             put = place if experts_name.startswith("mtp") else place_experts  # the MTP layer stays on the device
             ffn = MoEWeights(router=get(p + "mlp.gate.weight", (e, h), True),
                              gate=put(f"{experts_name}.gate", gate),
@@ -216,14 +260,14 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
                           norm=get("mtp.norm.weight", (h,)))
     layers = []
     for i in range(cfg.num_layers):
-        layers.append(layer_weights(f"model.layers.{i}.", cfg.is_linear(i), cfg.sparse_layers[i], f"layers.{i}.experts"))
+        layers.append(layer_weights(f"{base}layers.{i}.", cfg.is_linear(i), cfg.sparse_layers[i], f"layers.{i}.experts"))
         if progress:
             progress(f"loading: layer {i + 1}/{cfg.num_layers}")
     lm_head = None
     if not cfg.tie_word_embeddings:
         lm_head = get("lm_head.weight", (v, h), True)
-    return Weights(embed=get("model.embed_tokens.weight", (v, h)), layers=layers,
-                   final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
+    return Weights(embed=get(base + "embed_tokens.weight", (v, h)), layers=layers,
+                   final_norm=get(base + "norm.weight", (h,)), lm_head=lm_head)
 
 
 # ---- the engine's own converted state (orbax) -------------------------------------------------------------------

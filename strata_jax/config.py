@@ -2,16 +2,23 @@
 
 Every option the engine does not implement is refused with one line naming it, so a checkpoint is never
 decoded with silently wrong semantics.
+
+Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration` / `Qwen3_5MoeForCausalLM`, model_type `qwen3_5_moe`) is read
+as its text model: the `text_config` (model_type `qwen3_5_moe_text`, transformers 5.x's Qwen3_5MoeTextConfig),
+whose arithmetic is Qwen3-Next's (arch "qwen3_next"); `variant` "qwen3_5_moe" tells the loader its tensor names.
+The vision tower is not loaded (one line says so).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from strata_jax.errors import StrataError
 
-SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+QWEN35_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") + QWEN35_ARCHITECTURES
 LAYER_TYPES = ("full_attention", "linear_attention")
 
 
@@ -48,6 +55,9 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     mtp_layers: int = 0  # multi-token-prediction layers the checkpoint declares (mtp_num_hidden_layers)
+    # "qwen3_5_moe": Qwen3.5-MoE's text model (arch "qwen3_next": the same arithmetic); its checkpoint names the
+    # tensors differently (`model.language_model.` prefix, split DeltaNet projections, fused experts): checkpoint.py
+    variant: str = ""
 
     @property
     def num_sparse_layers(self) -> int:
@@ -56,6 +66,10 @@ class ModelConfig:
     @property
     def next(self) -> bool:
         return self.arch == "qwen3_next"
+
+    @property
+    def qwen35(self) -> bool:
+        return self.variant == "qwen3_5_moe"
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
@@ -104,9 +118,9 @@ def _rope_theta(raw: dict) -> float:
     return float(theta)
 
 
-def _partial_rotary(raw: dict) -> float:
+def _partial_rotary(raw: dict, default: float = 1.0) -> float:
     params = raw.get("rope_parameters") or {}
-    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default))
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
     return float(factor)
@@ -126,9 +140,13 @@ def _next_fields(raw: dict, num_layers: int, where: str) -> dict:
     if unknown:
         raise StrataError(f"{where}: unsupported config option: layer_types {unknown} (supported: {list(LAYER_TYPES)})")
     if raw.get("attention_bias", False):
-        raise StrataError(f"{where}: unsupported config option: attention_bias=true for qwen3_next")
+        raise StrataError(f"{where}: unsupported config option: attention_bias=true for {raw.get('model_type')}")
+    qwen35 = raw.get("model_type") == "qwen3_5_moe"
     fields = dict(
-        arch="qwen3_next", layer_types=tuple(types), partial_rotary_factor=_partial_rotary(raw),
+        arch="qwen3_next", variant="qwen3_5_moe" if qwen35 else "", layer_types=tuple(types),
+        # Qwen3NextConfig's and Qwen3_5MoeTextConfig's default is 0.25 (a config.json without it decodes as
+        # transformers builds it)
+        partial_rotary_factor=_partial_rotary(raw, 0.25),
         shared_expert_intermediate_size=_as_int(raw.get("shared_expert_intermediate_size", 0) or 0,
                                                 "shared_expert_intermediate_size"),
         mtp_layers=_as_int(raw.get("mtp_num_hidden_layers", 0) or 0, "mtp_num_hidden_layers"))
@@ -155,12 +173,55 @@ def _as_int(value, name: str) -> int:
     return value
 
 
+# Top-level keys of a Qwen3.5-MoE config.json that belong to the vision tower (not loaded).
+QWEN35_VISION_KEYS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
+                      "vision_end_token_id")
+# Qwen3-MoE / Next keys that Qwen3_5MoeTextConfig deletes: its model makes every layer MoE and always renormalises
+# the top-K weights, whatever they say. A config that says otherwise is refused rather than decoded either way.
+QWEN35_FIXED = {"mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": True}
+_told_vision: set[str] = set()
+
+
+def _qwen35_text(raw: dict, archs: list, where: str) -> dict:
+    """The text model's fields of a Qwen3.5-MoE config.json (`text_config`, or the file itself for a text-only
+    save), flat in the keys the Qwen3-Next reader takes."""
+    text = raw.get("text_config", raw)
+    if not isinstance(text, dict):
+        raise StrataError(f"{where}: malformed config.json: text_config must be a JSON object")
+    kind = text.get("model_type", "qwen3_5_moe_text")
+    if kind != "qwen3_5_moe_text":
+        raise StrataError(f"{where}: unsupported text_config model_type {kind!r} (supported: 'qwen3_5_moe_text')")
+    unsupported = [f"{k}={text[k]!r}" for k, v in QWEN35_FIXED.items() if k in text and text[k] not in (None, v)]
+    if text.get("attn_output_gate", True) is not True:  # transformers' Qwen3_5MoeAttention always gates
+        unsupported.append(f"attn_output_gate={text['attn_output_gate']!r}")
+    if text.get("mtp_use_dedicated_embeddings", False):  # the MTP module here reads the model's embeddings
+        unsupported.append(f"mtp_use_dedicated_embeddings={text['mtp_use_dedicated_embeddings']!r}")
+    if unsupported:
+        raise StrataError(f"{where}: unsupported config option(s) for qwen3_5_moe: {', '.join(unsupported)}")
+    flat = dict(text, architectures=archs, model_type="qwen3_5_moe", **QWEN35_FIXED)
+    if text is not raw:
+        # The multimodal class ties lm_head by its own (top-level) flag; eos may sit at either level.
+        flat["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
+        if flat.get("eos_token_id") is None:
+            flat["eos_token_id"] = raw.get("eos_token_id")
+        vision = [k for k in QWEN35_VISION_KEYS if k in raw]
+        if vision and where not in _told_vision:
+            _told_vision.add(where)
+            print(f"{where}: {vision[0]} ignored: the text model only is loaded (no images or video)",
+                  file=sys.stderr)
+    # mrope_section / mrope_interleaved in rope_parameters: a text position is the same on its three axes, so
+    # transformers' interleaved MRoPE is plain RoPE on the rotary dims; nothing else to read.
+    return flat
+
+
 def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     if not isinstance(raw, dict):
         raise StrataError(f"{where}: malformed config.json: a JSON object is expected, not a {type(raw).__name__}")
     archs = raw.get("architectures") or []
     if not archs or any(a not in SUPPORTED_ARCHITECTURES for a in archs):
         raise StrataError(f"{where}: unsupported architectures {archs} (supported: {list(SUPPORTED_ARCHITECTURES)})")
+    if any(a in QWEN35_ARCHITECTURES for a in archs) or raw.get("model_type") in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        raw = _qwen35_text(raw, archs, where)
     if raw.get("hidden_act", "silu") != "silu":
         raise StrataError(f"{where}: unsupported config option: hidden_act={raw['hidden_act']!r} (only 'silu')")
     if raw.get("use_sliding_window", False):
@@ -181,7 +242,8 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
             for i in range(num_layers)
         )
         next_fields = (_next_fields(raw, num_layers, where)
-                       if "Qwen3NextForCausalLM" in archs or raw.get("model_type") == "qwen3_next" else {})
+                       if "Qwen3NextForCausalLM" in archs or raw.get("model_type") in ("qwen3_next", "qwen3_5_moe")
+                       else {})
         eos = raw.get("eos_token_id")
         eos_ids = tuple(_as_int(e, "eos_token_id") for e in (eos if isinstance(eos, list) else
                                                             ([] if eos is None else [eos])))

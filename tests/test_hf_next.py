@@ -69,7 +69,8 @@ def test_bad_next_configs_are_one_line(changes, says):
 
 def test_a_minimal_next_config_reads():
     cfg = config_from_dict(_next_raw())
-    assert cfg.is_linear(0) and not cfg.is_linear(1) and cfg.partial_rotary_factor == 1.0
+    # transformers' Qwen3NextConfig default: RoPE on a quarter of the head dimension
+    assert cfg.is_linear(0) and not cfg.is_linear(1) and cfg.partial_rotary_factor == 0.25
 
 
 # ---- the delta rule -----------------------------------------------------------------------------------------------
@@ -310,3 +311,223 @@ def test_mtp_without_the_module_is_a_line_and_ngram(engine_factory, capfd):
     assert engine.generate(prompt, 12, draft="mtp", stop_token_ids=[]) == ngram
     assert "no MTP module" in capfd.readouterr().err
     assert engine.stats.last.drafts_proposed == ngram_stats.drafts_proposed
+
+
+# ---- Qwen3.5-MoE's text model ------------------------------------------------------------------------------------
+# The fixture (tests/fixtures/make_hf_next_fixtures.py: Qwen3_5MoeForConditionalGeneration, saved as the Hub files are)
+# is among test_hf_reference's folders: prefill logits, score at T=1..4, greedy and its step logits against
+# transformers. Here: its config, its tensor layouts, and the state rollback on it.
+
+QWEN35 = "qwen35_moe_base"
+
+
+def _qwen35_raw():
+    import json
+    return json.loads((HF_FIXTURES / QWEN35 / "config.json").read_text())
+
+
+def _text_only(raw):
+    """The same model as Qwen3_5MoeForCausalLM saves it: the text config at the top level."""
+    return dict(raw["text_config"], architectures=["Qwen3_5MoeForCausalLM"],
+                tie_word_embeddings=raw["tie_word_embeddings"])
+
+
+def test_qwen35_fixture_is_compared_with_transformers():
+    assert QWEN35 in hf_fixture_names()  # so test_hf_reference compares it with transformers
+
+
+def test_qwen35_config_reads_its_text_model(capsys):
+    raw = _qwen35_raw()
+    where = "q35/config.json"
+    cfg = config_from_dict(raw, where=where)
+    assert cfg.next and cfg.qwen35 and cfg.num_layers == 4 and cfg.rotary_dim == 4
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert all(cfg.sparse_layers) and cfg.norm_topk_prob and not cfg.tie_word_embeddings
+    assert cfg.shared_expert_intermediate_size == 48 and cfg.linear_num_value_heads == 4
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "vision_config ignored" in lines[0]
+    config_from_dict(raw, where=where)
+    assert capsys.readouterr().err == ""  # one line per config file, not per read
+    assert config_from_dict(_text_only(raw)) == cfg  # the text-only save: no vision line
+    assert capsys.readouterr().err == ""
+    # transformers' default partial_rotary_factor for Qwen3.5 is 0.25 (not 1)
+    text = dict(raw["text_config"], rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    assert config_from_dict(dict(raw, text_config=text), where=where).rotary_dim == 4
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    (dict(mlp_only_layers=[1]), "mlp_only_layers"),
+    (dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    (dict(attn_output_gate=False), "attn_output_gate"),
+    (dict(mtp_use_dedicated_embeddings=True), "mtp_use_dedicated_embeddings"),
+    (dict(model_type="qwen3_5_text"), "qwen3_5_text"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "yarn"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(linear_num_key_heads=None), "linear_num_key_heads"),
+])
+def test_bad_qwen35_configs_are_one_line(changes, says):
+    raw = _qwen35_raw()
+    text = {k: v for k, v in dict(raw["text_config"], **changes).items() if v is not None}
+    for bad in (dict(raw, text_config=text), dict(_text_only(dict(raw, text_config=text)))):
+        with pytest.raises(StrataError, match=says) as err:
+            config_from_dict(bad)
+        assert "\n" not in str(err.value)
+
+
+def _tensors(folder):
+    from safetensors.numpy import load_file
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _same_weights(a, b):
+    import jax
+    la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb):
+        assert np.array_equal(np.asarray(x), np.asarray(y)), jax.tree_util.keystr(path)
+
+
+def _mtp_tensors(raw, rng, fused):
+    """A random MTP module (`mtp.*`), its experts fused (as the main layers on the Hub) or per expert."""
+    t = raw["text_config"]
+    h, nq, nkv, d = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    e, f, fs = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
+    p = "mtp.layers.0."
+    out = {"mtp.fc.weight": w(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": w(h),
+           "mtp.pre_fc_norm_hidden.weight": w(h), "mtp.norm.weight": w(h),
+           p + "input_layernorm.weight": w(h), p + "post_attention_layernorm.weight": w(h),
+           p + "self_attn.q_proj.weight": w(2 * nq * d, h), p + "self_attn.k_proj.weight": w(nkv * d, h),
+           p + "self_attn.v_proj.weight": w(nkv * d, h), p + "self_attn.o_proj.weight": w(h, nq * d),
+           p + "self_attn.q_norm.weight": w(d), p + "self_attn.k_norm.weight": w(d),
+           p + "mlp.gate.weight": w(e, h), p + "mlp.shared_expert_gate.weight": w(1, h),
+           p + "mlp.shared_expert.gate_proj.weight": w(fs, h), p + "mlp.shared_expert.up_proj.weight": w(fs, h),
+           p + "mlp.shared_expert.down_proj.weight": w(h, fs),
+           p + "mlp.experts.gate_up_proj": w(e, 2 * f, h), p + "mlp.experts.down_proj": w(e, h, f)}
+    if not fused:
+        out = _split_experts(out)
+    return out
+
+
+def _split_experts(tensors):
+    """Fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] -> per-expert tensors."""
+    out = {}
+    for name, x in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            f = x.shape[1] // 2
+            for j in range(x.shape[0]):
+                out[name.replace("gate_up_proj", f"{j}.gate_proj.weight")] = np.ascontiguousarray(x[j, :f])
+                out[name.replace("gate_up_proj", f"{j}.up_proj.weight")] = np.ascontiguousarray(x[j, f:])
+        elif name.endswith("experts.down_proj"):
+            for j in range(x.shape[0]):
+                out[name.replace("down_proj", f"{j}.down_proj.weight")] = np.ascontiguousarray(x[j])
+        else:
+            out[name] = x
+    return out
+
+
+def test_qwen35_layouts_load_alike(tmp_path):
+    """The Hub files (model.language_model.*, fused experts, model.visual.*) and the same model saved text-only
+    (model.*, experts per expert) load into the same weights; the MTP module's experts likewise."""
+    import json
+    from safetensors.numpy import save_file
+    from strata_jax import checkpoint
+    raw = _qwen35_raw()
+    raw["text_config"]["mtp_num_hidden_layers"] = 1
+    rng = np.random.default_rng(0)
+    hub, text = tmp_path / "hub", tmp_path / "text"
+    hub.mkdir(), text.mkdir()
+    tensors = _tensors(HF_FIXTURES / QWEN35)
+    assert any(k.startswith("model.visual.") for k in tensors)
+    mtp = _mtp_tensors(raw, rng, fused=True)
+    save_file(dict(tensors, **mtp), hub / "model.safetensors")
+    (hub / "config.json").write_text(json.dumps(raw))
+    flat = {k.replace("model.language_model.", "model."): v for k, v in _split_experts(tensors).items()
+            if not k.startswith("model.visual.")}
+    save_file(dict(flat, **_split_experts(mtp)), text / "model.safetensors")
+    (text / "config.json").write_text(json.dumps(_text_only(raw)))
+    cfg = config.load_config(hub)
+    assert config.load_config(text) == cfg and cfg.mtp_layers == 1
+    _same_weights(checkpoint.load_weights(hub, cfg), checkpoint.load_weights(text, cfg))
+    assert checkpoint.has_mtp(hub, cfg) and checkpoint.has_mtp(text, cfg)
+    _same_weights(checkpoint.load_mtp(hub, cfg), checkpoint.load_mtp(text, cfg))
+
+
+def _next_to_qwen35(tensors, raw):
+    """next_base's tensors in Qwen3.5's names: in_proj_qkvz / in_proj_ba (grouped per key head) split into
+    in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (head order), under model.language_model."""
+    nk, nv, dk, dv = (raw[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                       "linear_value_head_dim"))
+    r = nv // nk
+    out = {}
+    for name, x in tensors.items():
+        new = name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+        if name.endswith("in_proj_qkvz.weight"):
+            g = x.reshape(nk, 2 * dk + 2 * r * dv, -1)
+            q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+            h = x.shape[-1]
+            out[new.replace("in_proj_qkvz", "in_proj_qkv")] = np.concatenate(
+                [q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)])
+            out[new.replace("in_proj_qkvz", "in_proj_z")] = z.reshape(-1, h)
+        elif name.endswith("in_proj_ba.weight"):
+            b, a = np.split(x.reshape(nk, 2 * r, -1), 2, axis=1)
+            out[new.replace("in_proj_ba", "in_proj_b")] = b.reshape(nv, -1)
+            out[new.replace("in_proj_ba", "in_proj_a")] = a.reshape(nv, -1)
+        else:
+            out[new] = x
+    return out
+
+
+def test_next_weights_in_the_qwen35_layout_load_unchanged(tmp_path):
+    """Independent of the fixture: next_base's tensors rewritten as a Qwen3.5-MoE checkpoint (split projections,
+    model.language_model., every layer MoE as next_base) load into exactly next_base's weights and config (the same
+    arithmetic), so its logits are next_base's, which test_hf_reference holds against transformers."""
+    import json
+    from safetensors.numpy import save_file
+    from strata_jax import checkpoint
+    name = NEXT[0]  # next_base: every layer MoE, norm_topk_prob, as Qwen3.5 requires
+    src = json.loads((HF_FIXTURES / name / "config.json").read_text())
+    assert src["norm_topk_prob"] and not src["mlp_only_layers"] and src["decoder_sparse_step"] == 1
+    text = {k: v for k, v in src.items() if k not in ("architectures", "norm_topk_prob", "mlp_only_layers",
+                                                       "decoder_sparse_step", "intermediate_size")}
+    text["model_type"] = "qwen3_5_moe_text"
+    raw = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+           "text_config": text, "tie_word_embeddings": src["tie_word_embeddings"]}
+    dst = tmp_path / "as_qwen35"
+    dst.mkdir()
+    save_file(_next_to_qwen35(_tensors(HF_FIXTURES / name), src), dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps(raw))
+    cfg = config.load_config(dst)
+    # intermediate_size: only dense layers read it (Qwen3.5 has none)
+    assert cfg.replace(variant="", intermediate_size=src["intermediate_size"]) == config.load_config(HF_FIXTURES / name)
+    _same_weights(checkpoint.load_weights(dst, cfg), checkpoint.load_weights(HF_FIXTURES / name, cfg.replace(variant="")))
+
+
+def test_qwen35_missing_tensor_is_one_line(tmp_path):
+    import json
+    from safetensors.numpy import save_file
+    from strata_jax import checkpoint
+    dst = tmp_path / "broken"
+    dst.mkdir()
+    tensors = _tensors(HF_FIXTURES / QWEN35)
+    del tensors["model.language_model.layers.1.linear_attn.in_proj_z.weight"]
+    save_file(tensors, dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps(_qwen35_raw()))
+    with pytest.raises(StrataError, match="layers.1.linear_attn.in_proj_z.weight") as err:
+        checkpoint.load_weights(dst, config.load_config(dst))
+    assert "\n" not in str(err.value)
+
+
+def test_qwen35_verify_windows_roll_the_state_back(engine_factory):
+    """Drafts accepted and rejected on the Qwen3.5 fixture: speculative greedy equals transformers' greedy."""
+    ref = reference(QWEN35)
+    engine = engine_factory(HF_FIXTURES / QWEN35, **EXACT)
+    prompt, greedy = ref["prompt_ids"].tolist(), ref["greedy_ids"].tolist()
+    assert engine.generate(prompt, len(greedy), spec=W - 1, draft=OracleDrafter(len(prompt), greedy),
+                           stop_token_ids=[]) == greedy
+    last = engine.stats.last
+    assert 0 < last.drafts_accepted < last.drafts_proposed

@@ -1,5 +1,6 @@
-"""The engine against transformers' Qwen3MoeForCausalLM: the committed fixtures in tests/fixtures/hf/ hold float32
-reference logits, a greedy continuation and its per-step logits (see tests/fixtures/make_hf_fixtures.py)."""
+"""The engine against transformers' Qwen3MoeForCausalLM (and Qwen3NextForCausalLM, Qwen3_5MoeForConditionalGeneration:
+make_hf_next_fixtures.py): the committed fixtures in tests/fixtures/hf/ hold float32 reference logits, a greedy
+continuation and its per-step logits (see tests/fixtures/make_hf_fixtures.py)."""
 from __future__ import annotations
 
 import numpy as np
