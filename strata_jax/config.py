@@ -220,6 +220,13 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     archs = raw.get("architectures") or []
     if not archs or any(a not in SUPPORTED_ARCHITECTURES for a in archs):
         raise StrataError(f"{where}: unsupported architectures {archs} (supported: {list(SUPPORTED_ARCHITECTURES)})")
+    # A pre-quantized checkpoint (FP8 blocks, GPTQ / AWQ packed ints, ...) holds other tensors than the float ones
+    # read here: refuse it by name before a tensor is read. (Quantizing a float checkpoint at load is issue 16.)
+    quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise StrataError(f"{where}: unsupported config option: quantization_config (quant_method={method!r}): "
+                          f"quantized checkpoints are not supported; use the bfloat16 / float16 / float32 release")
     if any(a in QWEN35_ARCHITECTURES for a in archs) or raw.get("model_type") in ("qwen3_5_moe", "qwen3_5_moe_text"):
         raw = _qwen35_text(raw, archs, where)
     if raw.get("hidden_act", "silu") != "silu":

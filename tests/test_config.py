@@ -119,6 +119,16 @@ def test_refuses_sliding_window():
     assert "use_sliding_window" in msg
 
 
+@pytest.mark.parametrize("quant", [
+    {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},  # Qwen3-30B-A3B-FP8's
+    {"quant_method": "gptq", "bits": 4, "group_size": 128},
+])
+def test_refuses_a_quantized_checkpoint(quant):
+    """A pre-quantized release is refused by its config, naming the method, before any tensor is read."""
+    msg = refusal(dict(fixture_raw(), quantization_config=quant))
+    assert "quantization_config" in msg and quant["quant_method"] in msg
+
+
 def test_refuses_gelu():
     msg = refusal(dict(fixture_raw(), hidden_act="gelu"))
     assert "hidden_act" in msg and "gelu" in msg
