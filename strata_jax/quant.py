@@ -1,0 +1,126 @@
+"""Low-bit expert formats: quantize a weight matrix at load, and the reference dequantization.
+
+A format quantizes each output channel's input row, either whole (`group` 0: one scale per output channel) or in
+groups of `group` inputs. Symmetric formats store q in [-(2^(b-1)-1), 2^(b-1)-1] and a scale (w ~ q * scale);
+asymmetric ones (k-quant style) store q in [0, 2^b - 1], a scale and a minimum (w ~ q * scale + min). Scales and
+minima are bfloat16, as the GPU kernels read them; q is computed against the bf16-rounded scale so that dequantizing
+what is stored gives back the nearest grid point. int4 is packed two to a byte along the input dimension (low
+nibble first); 2 and 3 bits are kept one to a byte here (quality studies: their packing is not built yet).
+
+Shapes: a weight [..., O, I] (the experts' Hub layout [E, O, I]) -> q [..., O, I] int8 (int4: [..., O, I/2] uint8),
+scale / min [..., O, G] with G = I / group (1 for group 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+BF16 = ml_dtypes.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    name: str
+    bits: int
+    group: int  # inputs per scale; 0 = the whole input row (per output channel)
+    symmetric: bool
+
+    def groups(self, in_dim: int) -> int:
+        return 1 if self.group == 0 else in_dim // self.group
+
+    def bits_per_weight(self, in_dim: int) -> float:
+        """Stored bits per weight, scales (and minima) included."""
+        per_group = 16 * (1 if self.symmetric else 2)
+        return self.bits + per_group * self.groups(in_dim) / in_dim
+
+
+FORMATS = {f.name: f for f in (
+    Format("int8", 8, 0, True),  # per output channel
+    Format("int4", 4, 64, True),
+    Format("int4-g32", 4, 32, True),
+    Format("int4-g128", 4, 128, True),
+    Format("int4-asym", 4, 32, False),
+    Format("int3", 3, 32, False),  # stretch formats: quality studies only
+    Format("int2", 2, 32, False),
+)}
+
+
+@dataclasses.dataclass
+class Quantized:
+    fmt: Format
+    q: np.ndarray  # [..., O, I] int8 / uint8, or int4 packed [..., O, I/2] uint8
+    scale: np.ndarray  # [..., O, G] bfloat16
+    minimum: np.ndarray | None  # [..., O, G] bfloat16 (asymmetric formats)
+    in_dim: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + (0 if self.minimum is None else self.minimum.nbytes)
+
+
+def get_format(name: str) -> Format:
+    if name not in FORMATS:
+        raise ValueError(f"unknown expert format {name!r} (known: {', '.join(FORMATS)})")
+    return FORMATS[name]
+
+
+def _grouped(w: np.ndarray, fmt: Format) -> np.ndarray:
+    """[..., O, I] -> [..., O, G, I/G] float32."""
+    in_dim = w.shape[-1]
+    g = fmt.groups(in_dim)
+    if fmt.group and in_dim % fmt.group:
+        raise ValueError(f"{fmt.name}: the input dimension {in_dim} is not a multiple of the group {fmt.group}")
+    return np.asarray(w, np.float32).reshape(*w.shape[:-1], g, in_dim // g)
+
+
+def quantize(w: np.ndarray, fmt: Format | str) -> Quantized:
+    """w [..., O, I] (any float dtype) -> Quantized."""
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    x = _grouped(w, fmt)  # [..., O, G, n]
+    if fmt.symmetric:
+        top = 2 ** (fmt.bits - 1) - 1
+        scale = (np.max(np.abs(x), axis=-1) / top).astype(BF16)  # [..., O, G]
+        s = scale.astype(np.float32)[..., None]
+        q = np.clip(np.rint(np.divide(x, s, out=np.zeros_like(x), where=s > 0)), -top, top).astype(np.int8)
+        minimum = None
+    else:
+        top = 2 ** fmt.bits - 1
+        lo, hi = np.min(x, axis=-1), np.max(x, axis=-1)
+        minimum = lo.astype(BF16)
+        scale = ((hi - minimum.astype(np.float32)) / top).astype(BF16)
+        s, m = scale.astype(np.float32)[..., None], minimum.astype(np.float32)[..., None]
+        q = np.clip(np.rint(np.divide(x - m, s, out=np.zeros_like(x), where=s > 0)), 0, top).astype(np.uint8)
+    q = q.reshape(w.shape)
+    if fmt.bits == 4:
+        q = pack_int4(q)
+    return Quantized(fmt, q, scale, minimum, w.shape[-1])
+
+
+def dequantize(qa: Quantized) -> np.ndarray:
+    """The reference: Quantized -> float32 [..., O, I]."""
+    fmt = qa.fmt
+    q = unpack_int4(qa.q, fmt.symmetric) if fmt.bits == 4 else qa.q
+    x = _grouped(q.astype(np.float32), fmt) * qa.scale.astype(np.float32)[..., None]
+    if qa.minimum is not None:
+        x = x + qa.minimum.astype(np.float32)[..., None]
+    return x.reshape(q.shape)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """int4 values [..., I] (int8 in [-8, 7] or uint8 in [0, 15]) -> [..., I/2] uint8, element 2j in the low
+    nibble of byte j."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even input dimension, not {q.shape[-1]}")
+    u = (q.astype(np.int16) & 0xF).astype(np.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: np.ndarray, signed: bool) -> np.ndarray:
+    """pack_int4's inverse: [..., I/2] uint8 -> [..., I] int8 (signed) or uint8."""
+    lo, hi = packed & 0xF, packed >> 4
+    out = np.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    if signed:
+        return ((out.astype(np.int16) ^ 8) - 8).astype(np.int8)  # sign-extend the nibble
+    return out
