@@ -15,6 +15,13 @@ Two Triton kernels (the down projection needs every I row of h, which a gate/up 
      by combine[:, n] and accumulates in f32. The n_split partial sums are added by XLA (n_split * Tp * H floats).
 Padding slots (-1) are skipped in both kernels: they read nothing and contribute nothing.
 
+int8 experts (issue 16: `strata_jax/quant.py`'s "int8", symmetric per output channel): gate/up/down hold int8
+q and gate_scale/up_scale [S, I], down_scale [S, H] their rows' scales. The kernels read q (a quarter of the
+float32 bytes, half of bf16's), widen each tile to bf16 in registers (exact: |q| <= 127), accumulate the dot in
+f32 and scale the result per output row before the bf16 rounding: g = bf16(scale_g * (x . q_g)), and so on. The
+reference states that order; the XLA path and the host pool follow it, so int8 experts too give the same rows
+wherever they run.
+
 Triton constraints: every block is a power of 2 and tl.dot needs dims >= 16, so T is padded to Tp = 16 (a power of
 2 >= T beyond that) and H and I must be multiples of 16 (each block is the largest power of 2 <= the requested size
 that divides its dimension). Other H or I are rejected with a ValueError: padding them would mean copying the
@@ -32,8 +39,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.blocks import MIN_DOT, block_or_error
 
 
-def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, h_ref, *, block_k: int):
-    """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 (whole arrays, indexed by slot); h block [Tp, BI]."""
+def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: bool):
+    """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8 (whole arrays, indexed by slot); quantized:
+    then gate/up scales [S, I]; h block [Tp, BI]."""
+    gs_ref, us_ref, h_ref = refs if quantized else (None, None, refs[0])
     n, j = pl.program_id(0), pl.program_id(1)
     tp, bi = h_ref.shape
     hidden = x_ref.shape[1]
@@ -46,20 +55,28 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, h_ref, *, block_k: int):
             g, u = carry
             cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
             xk = x_ref[:, cols]  # [Tp, BK]
-            g += plgpu.dot(xk, gate_ref[slot, rows, cols], trans_b=True)  # [Tp, BK] x [BI, BK]^T -> [Tp, BI] f32
-            u += plgpu.dot(xk, up_ref[slot, rows, cols], trans_b=True)
+            wg, wu = gate_ref[slot, rows, cols], up_ref[slot, rows, cols]  # [BI, BK]
+            if quantized:  # int8 -> bf16 in registers (exact)
+                wg, wu = wg.astype(jnp.bfloat16), wu.astype(jnp.bfloat16)
+            g += plgpu.dot(xk, wg, trans_b=True)  # [Tp, BK] x [BI, BK]^T -> [Tp, BI] f32
+            u += plgpu.dot(xk, wu, trans_b=True)
             return g, u
 
         zero = jnp.zeros((tp, bi), jnp.float32)
         g, u = jax.lax.fori_loop(0, hidden // block_k, body, (zero, zero))
+        if quantized:  # each output row's scale, before the rounding below
+            g = g * gs_ref[slot, rows].astype(jnp.float32)[None, :]
+            u = u * us_ref[slot, rows].astype(jnp.float32)[None, :]
         # The XLA path's einsums return bf16 g and u; round them the same way before the SwiGLU.
         g = g.astype(jnp.bfloat16).astype(jnp.float32)
         u = u.astype(jnp.bfloat16).astype(jnp.float32)
         h_ref[...] = (g / (1.0 + jnp.exp(-g)) * u).astype(h_ref.dtype)  # silu(g) * u, [Tp, BI]
 
 
-def _down_kernel(ids_ref, h_ref, down_ref, comb_ref, out_ref, *, block_i: int, per_split: int):
-    """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 (whole); comb [Np, Tp] f32; out block [Tp, BH] f32."""
+def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: bool):
+    """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 or int8 (whole); quantized: then down scales [S, H];
+    comb [Np, Tp] f32; out block [Tp, BH] f32."""
+    ds_ref, comb_ref, out_ref = refs if quantized else (None, *refs)
     b, s = pl.program_id(0), pl.program_id(1)
     tp, bh = out_ref.shape
     inter = h_ref.shape[2]
@@ -72,10 +89,15 @@ def _down_kernel(ids_ref, h_ref, down_ref, comb_ref, out_ref, *, block_i: int, p
         def contribute(acc):
             def body(k, y):
                 ik = pl.ds(pl.multiple_of(k * block_i, block_i), block_i)
+                w = down_ref[slot, cols, ik]  # [BH, BI]
+                if quantized:
+                    w = w.astype(jnp.bfloat16)
                 # [Tp, BI] x [BH, BI]^T -> [Tp, BH] f32
-                return y + plgpu.dot(h_ref[n, :, ik], down_ref[slot, cols, ik], trans_b=True)
+                return y + plgpu.dot(h_ref[n, :, ik], w, trans_b=True)
 
             y = jax.lax.fori_loop(0, inter // block_i, body, jnp.zeros((tp, bh), jnp.float32))
+            if quantized:
+                y = y * ds_ref[slot, cols].astype(jnp.float32)[None, :]
             y = y.astype(jnp.bfloat16).astype(jnp.float32)  # each expert's output rounded to bf16, as the XLA path
             return acc + comb_ref[n, :][:, None] * y  # [Tp, 1] * [Tp, BH]
 
@@ -96,11 +118,13 @@ def _padded_tokens(t: int) -> int:
 @functools.partial(jax.jit, static_argnames=("interpret", "block_i", "block_k", "block_h", "block_i_down",
                                              "n_split", "num_warps", "num_stages"))
 def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,
-               combine: jax.Array, *, interpret: bool = False, block_i: int = 32, block_k: int = 256,
-               block_h: int = 32, block_i_down: int = 256, n_split: int = 4, num_warps: int = 4,
+               combine: jax.Array, gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
+               down_scale: jax.Array | None = None, *, interpret: bool = False, block_i: int = 32,
+               block_k: int = 256, block_h: int = 32, block_i_down: int = 256, n_split: int = 4, num_warps: int = 4,
                num_stages: int = 3) -> jax.Array:
     """x [T, H] bf16; gate, up [S, I, H]; down [S, H, I]; slot_ids [N] int32 (-1 = padding); combine [T, N] f32.
     Returns [T, H] float32. Slot ids must be < S (a device value: not checked). T <= 16 costs the same as T = 16.
+    int8 experts: gate/up/down int8 with gate_scale, up_scale [S, I] and down_scale [S, H] (float32 or bf16).
 
     Tuning (static): block_i rows of I per gate/up program, block_k the H chunk of its loop; block_h output columns
     per down program, block_i_down its I chunk, n_split the programs sharing the experts of one column block;
@@ -111,9 +135,17 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     if gate.shape != (s, inter, hidden) or up.shape != gate.shape or down.shape != (s, hidden, inter):
         raise ValueError(f"expert_ffn: shapes x {x.shape}, gate {gate.shape}, up {up.shape}, down {down.shape} do "
                          "not match x [T, H], gate/up [S, I, H], down [S, H, I]")
-    if {x.dtype, gate.dtype, up.dtype, down.dtype} != {jnp.dtype(jnp.bfloat16)}:
-        raise ValueError(f"expert_ffn: x and the experts must be bfloat16 (got x {x.dtype}, gate {gate.dtype}, "
-                         f"up {up.dtype}, down {down.dtype})")
+    scales = (gate_scale, up_scale, down_scale)
+    quantized = gate.dtype == jnp.int8
+    weights = {gate.dtype, up.dtype, down.dtype}
+    if x.dtype != jnp.bfloat16 or weights not in ({jnp.dtype(jnp.bfloat16)}, {jnp.dtype(jnp.int8)}):
+        raise ValueError(f"expert_ffn: x must be bfloat16 and the experts all bfloat16 or all int8 (got x {x.dtype}, "
+                         f"gate {gate.dtype}, up {up.dtype}, down {down.dtype})")
+    if quantized != all(sc is not None for sc in scales) or (not quantized and any(sc is not None for sc in scales)):
+        raise ValueError("expert_ffn: int8 experts take gate_scale, up_scale and down_scale (and bf16 ones none)")
+    if quantized and (gate_scale.shape != (s, inter) or up_scale.shape != (s, inter) or down_scale.shape != (s, hidden)):
+        raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not match "
+                         f"gate/up [S, I] = {(s, inter)}, down [S, H] = {(s, hidden)}")
     if combine.shape != (t, n):
         raise ValueError(f"expert_ffn: combine {combine.shape} is not [T, N] = {(t, n)}")
     bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
@@ -131,33 +163,49 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     comb = jnp.pad(comb, ((0, tp - t), (0, np_ - n))).T  # [Np, Tp]
 
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # the full array, indexed in-kernel
+    gu_scales = (gate_scale, up_scale) if quantized else ()
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_k=bk),
+        functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized),
         grid=(np_, inter // bi),
-        in_specs=[whole((np_,)), whole((tp, hidden)), whole(gate.shape), whole(up.shape)],
+        in_specs=[whole((np_,)), whole((tp, hidden)), whole(gate.shape), whole(up.shape),
+                  *(whole(sc.shape) for sc in gu_scales)],
         out_specs=pl.BlockSpec((None, tp, bi), lambda i, j: (i, 0, j)),
         out_shape=jax.ShapeDtypeStruct((np_, tp, inter), jnp.bfloat16),  # [Np, Tp, I]
-        compiler_params=params, interpret=interpret, name="expert_ffn_gate_up",
-    )(ids, xp, gate, up)
+        compiler_params=params, interpret=interpret, name="expert_ffn_gate_up" + ("_int8" if quantized else ""),
+    )(ids, xp, gate, up, *gu_scales)
 
+    d_scales = (down_scale,) if quantized else ()
     partials = pl.pallas_call(
-        functools.partial(_down_kernel, block_i=bid, per_split=per_split),
+        functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized),
         grid=(hidden // bh, splits),
-        in_specs=[whole((np_,)), whole(h.shape), whole(down.shape), whole(comb.shape)],
+        in_specs=[whole((np_,)), whole(h.shape), whole(down.shape), *(whole(sc.shape) for sc in d_scales),
+                  whole(comb.shape)],
         out_specs=pl.BlockSpec((None, tp, bh), lambda b, sp: (sp, 0, b)),
         out_shape=jax.ShapeDtypeStruct((splits, tp, hidden), jnp.float32),  # [n_split, Tp, H]
-        compiler_params=params, interpret=interpret, name="expert_ffn_down",
-    )(ids, h, down, comb)
+        compiler_params=params, interpret=interpret, name="expert_ffn_down" + ("_int8" if quantized else ""),
+    )(ids, h, down, *d_scales, comb)
     return partials.sum(axis=0)[:t]  # [T, H]
 
 
 def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,
-                         combine: jax.Array) -> jax.Array:
-    """The XLA path's arithmetic (`moe.expert_ffn` on gathered weights), padding slots zero-weighted. [T, H] f32."""
+                         combine: jax.Array, gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
+                         down_scale: jax.Array | None = None) -> jax.Array:
+    """The XLA path's arithmetic (`moe.expert_ffn` on gathered weights), padding slots zero-weighted. [T, H] f32.
+    int8 experts: each product accumulated in f32 over the bf16-widened q, scaled per output row, then rounded."""
     ids = jnp.maximum(slot_ids, 0)  # [N]: padding reads slot 0 ...
     combine = jnp.where(slot_ids[None, :] >= 0, combine, 0.0)  # ... with weight 0
-    g = jnp.einsum("th,nih->nti", x, gate[ids])  # [N, T, I] bf16
-    u = jnp.einsum("th,nih->nti", x, up[ids])
+    if gate_scale is None:
+        g = jnp.einsum("th,nih->nti", x, gate[ids])  # [N, T, I] bf16
+        u = jnp.einsum("th,nih->nti", x, up[ids])
+    else:
+        def product(spec, a, q, scale):  # f32 accumulation, scaled per output row, rounded to the input dtype
+            acc = jnp.einsum(spec, a, q[ids].astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+            return (acc * scale[ids].astype(jnp.float32)[:, None, :]).astype(x.dtype)
+        g = product("th,nih->nti", x, gate, gate_scale)
+        u = product("th,nih->nti", x, up, up_scale)
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)  # rounded once, as moe.expert_ffn
-    y = jnp.einsum("nti,nhi->nth", h, down[ids])  # [N, T, H] bf16
+    if gate_scale is None:
+        y = jnp.einsum("nti,nhi->nth", h, down[ids])  # [N, T, H] bf16
+    else:
+        y = product("nti,nhi->nth", h, down, down_scale)
     return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))

@@ -224,3 +224,74 @@ def test_the_engine_refuses_the_kernel_where_it_cannot_run(engine_factory):
         pytest.skip("on a GPU bf16 runs the kernel: tests/test_gpu.py covers it")
     with pytest.raises(StrataError, match="needs a GPU and dtype=bfloat16"):
         engine_factory(None, dtype="bfloat16", window=2, context=64, expert_cache_slots="all", expert_kernel="pallas")
+
+
+# ---- int8 experts (strata_jax/quant.py "int8": symmetric, one scale per output row) -----------------------------
+
+def make_int8_case(name: str):
+    """CASES[name] with its experts quantized to int8 (quant.quantize): q and bf16 row scales [S, O]."""
+    from strata_jax import quant
+    x, gate, up, down, ids, combine = make_case(**CASES[name])
+    out = [x]
+    scales = []
+    for w in (gate, up, down):
+        qa = quant.quantize(np.asarray(w, np.float32), "int8")
+        out.append(jnp.asarray(qa.q))
+        scales.append(jnp.asarray(qa.scale[..., 0]))  # [S, O, 1] -> [S, O]
+    return (*out, ids, combine, *scales)
+
+
+def f64_int8_model(x, gate, up, down, slot_ids, combine, gs, us, ds) -> np.ndarray:
+    """The int8 kernel's arithmetic in float64: q products scaled per row, then the bf16 roundings."""
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    gate, up, down = (np.asarray(a, np.float64) for a in (gate, up, down))
+    gs, us, ds = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (gs, us, ds))
+    out = np.zeros((x.shape[0], x.shape[1]))
+    for n, slot in enumerate(np.asarray(slot_ids)):
+        if slot < 0:
+            continue
+        g, u = _bf16((x @ gate[slot].T) * gs[slot]), _bf16((x @ up[slot].T) * us[slot])
+        h = _bf16(g / (1 + np.exp(-g)) * u)
+        out += np.asarray(combine, np.float64)[:, n:n + 1] * _bf16((h @ down[slot].T) * ds[slot])
+    return out
+
+
+@pytest.mark.parametrize("name", ["t1_eight_experts", "t3_unused_repeat_pad", "t8_padded", "t3_h96_i48"])
+def test_int8_kernel_matches_reference(name):
+    args = make_int8_case(name)
+    assert args[1].dtype == jnp.int8
+    out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if name == "t8_padded" else {}))
+    assert out.shape == args[0].shape and out.dtype == jnp.float32
+    assert rel(out, expert_ffn_reference(*args)) < REF_RTOL
+    assert rel(out, f64_int8_model(*args)) < MODEL_RTOL
+
+
+def test_int8_is_close_to_the_bf16_experts():
+    """int8 per-row quantization moves the experts' output by about its weight error (~0.5%), not more."""
+    args = make_int8_case("t8_padded")
+    bf16_args = make_case(**CASES["t8_padded"])
+    got = expert_ffn_reference(*args)
+    want = expert_ffn_reference(*bf16_args)
+    assert 0 < rel(got, want) < 3e-2
+
+
+def test_int8_needs_its_scales():
+    x, gate, up, down, ids, combine, gs, us, ds = make_int8_case("t1_eight_experts")
+    with pytest.raises(ValueError, match="scale"):
+        expert_ffn(x, gate, up, down, ids, combine, interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, gs, interpret=True)
+    with pytest.raises(ValueError, match="all bfloat16 or all int8"):
+        expert_ffn(x, gate, up, down.astype(jnp.bfloat16), ids, combine, gs, us, ds, interpret=True)
+
+
+@pytest.mark.parametrize("t,n", [(1, 8), (4, 32)])
+def test_int8_lowers_for_cuda(t, n):
+    """The int8 kernels at the Qwen3-30B-A3B shape compile for CUDA."""
+    s, h, i = 64, 2048, 768
+    sd = jax.ShapeDtypeStruct
+    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h), jnp.int8), sd((s, i, h), jnp.int8), sd((s, h, i), jnp.int8),
+             sd((n,), jnp.int32), sd((t, n), jnp.float32), sd((s, i), jnp.bfloat16), sd((s, i), jnp.bfloat16),
+             sd((s, h), jnp.bfloat16))
+    text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
+    assert text.count("__gpu$xla.gpu.triton") == 2
