@@ -133,7 +133,7 @@ class HostPool:
         self.timeout_s = timeout_s
         # bf16 experts: round where the device rounds (g, u, h and each expert's output), so an expert's rows do
         # not depend on where it ran beyond float32 summation order.
-        self.round_bf16 = store.dtype == BF16
+        self.round_bf16 = store.compute_dtype == BF16
         self.stats = PoolStats()
         self._lock = threading.Lock()       # guards stats, faults, generation
         # layer (plain jobs) or (layer, phase) (split jobs) -> "raise" | "hang", one-shot
@@ -476,8 +476,17 @@ class HostPool:
             nbytes += down_rows.nbytes
             for c0, down in row_chunks_f32(down_rows):
                 c1 = r0 + c0 + len(down)
-                rows[tokens, ks, r0 + c0:c1] = self._round(down @ hT).T  # [n, c], each entry's expert output
+                y = self._scaled(down @ hT, self.store.down_scale[layer], expert, r0 + c0)
+                rows[tokens, ks, r0 + c0:c1] = self._round(y).T  # [n, c], each entry's expert output
         return time.perf_counter() - t0, nbytes
+
+    @staticmethod
+    def _scaled(product: np.ndarray, scale: np.ndarray | None, expert: int, row0: int) -> np.ndarray:
+        """int8 experts: a [c, T] product of q rows row0.. scaled by their rows' scales (before any rounding, as
+        the device's kernels scale)."""
+        if scale is None:
+            return product
+        return product * scale[expert, row0:row0 + len(product)][:, None]
 
     def _round(self, a: np.ndarray) -> np.ndarray:
         """a rounded to bf16 (kept in float32) when the experts are bf16, as the device's products round."""
@@ -490,9 +499,10 @@ class HostPool:
         gate_rows = self.store.gate[layer][expert, r0:r1]  # [R, H]
         up_rows = self.store.up[layer][expert, r0:r1]      # [R, H]
         out = hT_n[r0:r1]                                   # [R, T] view
+        store = self.store
         for (c0, gate), (_, up) in zip(row_chunks_f32(gate_rows), row_chunks_f32(up_rows)):
-            g = self._round(gate @ xT)                       # [c, T]
-            u = self._round(up @ xT)                         # [c, T]
+            g = self._round(self._scaled(gate @ xT, store.gate_scale[layer], expert, r0 + c0))  # [c, T]
+            u = self._round(self._scaled(up @ xT, store.up_scale[layer], expert, r0 + c0))      # [c, T]
             # silu(g) = g * sigmoid(g); tanh form does not overflow.
             out[c0:c0 + len(gate)] = self._round(g * (0.5 + 0.5 * np.tanh(0.5 * g)) * u)
         return time.perf_counter() - t0, gate_rows.nbytes + up_rows.nbytes
@@ -508,7 +518,8 @@ class HostPool:
             nbytes += down_rows.nbytes
             w_n = weights[:, n][None, :]                      # [1, T]
             for c0, down in row_chunks_f32(down_rows):
-                out[c0:c0 + len(down)] += self._round(down @ hT[n]) * w_n  # [c, T]
+                y = self._scaled(down @ hT[n], self.store.down_scale[layer], expert, r0 + c0)
+                out[c0:c0 + len(down)] += self._round(y) * w_n  # [c, T]
         return time.perf_counter() - t0, nbytes
 
 

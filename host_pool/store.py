@@ -20,6 +20,7 @@ import numpy as np
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
+I8 = np.dtype(np.int8)
 
 # Floats converted at a time: 1 MB of float32 scratch, about one core's L2.
 # Measured (2-core EPYC, 1 MB L2): 256 KB chunks -> 5.9 GB/s, 512 KB -> 7.9,
@@ -33,17 +34,35 @@ class HostExpertStore:
     gate, up: [E, I, H] (out, in); down: [E, H, I]. One dtype for the store.
     `bf16_as_f32=True` converts bf16 weights to float32 once (doubles memory;
     kept only to measure against the default).
+
+    int8 experts (strata_jax/quant.py "int8"): a layer is (gate, up, down,
+    gate_scale [E, I], up_scale [E, I], down_scale [E, H]) with int8 q and one
+    float scale per output row; `compute_dtype` (float32 or bfloat16) says how
+    the pool rounds, as the device's graphs do.
     """
 
-    def __init__(self, layers: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                 bf16_as_f32: bool = False):
+    def __init__(self, layers: list[tuple[np.ndarray, ...]], bf16_as_f32: bool = False,
+                 compute_dtype: np.dtype | None = None):
         self.gate: list[np.ndarray] = []  # per layer [E, I, H]
         self.up: list[np.ndarray] = []    # per layer [E, I, H]
         self.down: list[np.ndarray] = []  # per layer [E, H, I]
+        # int8: per layer the rows' scales as float32 [E, I], [E, I], [E, H]; None for float experts
+        self.gate_scale: list[np.ndarray | None] = []
+        self.up_scale: list[np.ndarray | None] = []
+        self.down_scale: list[np.ndarray | None] = []
         dtypes = set()
-        for index, (gate, up, down) in enumerate(layers):
-            if gate.dtype not in (F32, BF16):
-                raise TypeError(f"layer {index}: expert dtype {gate.dtype}, want float32 or bfloat16")
+        for index, (gate, up, down, *scales) in enumerate(layers):
+            if gate.dtype not in (F32, BF16, I8):
+                raise TypeError(f"layer {index}: expert dtype {gate.dtype}, want float32, bfloat16 or int8")
+            if (gate.dtype == I8) != (len(scales) == 3):
+                raise TypeError(f"layer {index}: int8 experts come with three scale arrays (and float ones with none)")
+            if scales:
+                E, I, H = gate.shape
+                if scales[0].shape != (E, I) or scales[1].shape != (E, I) or scales[2].shape != (E, H):
+                    raise ValueError(f"layer {index}: scale shapes {[x.shape for x in scales]}")
+                scales = [np.ascontiguousarray(x, F32) for x in scales]
+            for lst, x in zip((self.gate_scale, self.up_scale, self.down_scale), scales or (None,) * 3):
+                lst.append(x)
             if not gate.dtype == up.dtype == down.dtype:
                 raise TypeError(f"layer {index}: gate/up/down dtypes differ")
             E, I, H = gate.shape
@@ -59,6 +78,8 @@ class HostExpertStore:
         if len(dtypes) > 1:
             raise TypeError(f"layers mix dtypes {sorted(map(str, dtypes))}")
         self.dtype: np.dtype = dtypes.pop() if dtypes else F32
+        self.compute_dtype = np.dtype(compute_dtype) if compute_dtype is not None else (
+            BF16 if self.dtype == I8 else self.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -74,19 +95,21 @@ class HostExpertStore:
         return self.gate[layer].shape[1]
 
     def nbytes(self, layer: int, expert: int) -> int:
-        """Bytes of weights one expert's FFN reads (gate + up + down)."""
+        """Bytes of weights one expert's FFN reads (gate + up + down; int8: q, the scales are float32 here)."""
         return self.gate[layer][expert].nbytes * 3
 
     @property
     def total_nbytes(self) -> int:
-        return sum(g.nbytes + u.nbytes + d.nbytes for g, u, d in zip(self.gate, self.up, self.down))
+        scales = sum(x.nbytes for lst in (self.gate_scale, self.up_scale, self.down_scale) for x in lst
+                     if x is not None)
+        return scales + sum(g.nbytes + u.nbytes + d.nbytes for g, u, d in zip(self.gate, self.up, self.down))
 
 
 def row_chunks_f32(rows: np.ndarray):
     """Yield (row_offset, float32 block) over a [R, C] weight slice.
 
-    float32 slices come back whole (BLAS reads them in place); bf16 is
-    converted chunk by chunk into one reused cache-sized scratch buffer, so
+    float32 slices come back whole (BLAS reads them in place); bf16 (and int8)
+    is converted chunk by chunk into one reused cache-sized scratch buffer, so
     the caller must use each block before taking the next.
     """
     if rows.dtype == F32:

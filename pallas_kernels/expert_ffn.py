@@ -191,21 +191,15 @@ def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax
                          combine: jax.Array, gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
                          down_scale: jax.Array | None = None) -> jax.Array:
     """The XLA path's arithmetic (`moe.expert_ffn` on gathered weights), padding slots zero-weighted. [T, H] f32.
-    int8 experts: each product accumulated in f32 over the bf16-widened q, scaled per output row, then rounded."""
+    int8 experts: each product accumulated in f32 over the widened q, scaled per output row, then rounded."""
     ids = jnp.maximum(slot_ids, 0)  # [N]: padding reads slot 0 ...
     combine = jnp.where(slot_ids[None, :] >= 0, combine, 0.0)  # ... with weight 0
+    g = jnp.einsum("th,nih->nti", x, gate[ids])  # [N, T, I] bf16
     if gate_scale is None:
-        g = jnp.einsum("th,nih->nti", x, gate[ids])  # [N, T, I] bf16
         u = jnp.einsum("th,nih->nti", x, up[ids])
-    else:
-        def product(spec, a, q, scale):  # f32 accumulation, scaled per output row, rounded to the input dtype
-            acc = jnp.einsum(spec, a, q[ids].astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-            return (acc * scale[ids].astype(jnp.float32)[:, None, :]).astype(x.dtype)
-        g = product("th,nih->nti", x, gate, gate_scale)
-        u = product("th,nih->nti", x, up, up_scale)
-    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)  # rounded once, as moe.expert_ffn
-    if gate_scale is None:
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)  # rounded once
         y = jnp.einsum("nti,nhi->nth", h, down[ids])  # [N, T, H] bf16
-    else:
-        y = product("nti,nhi->nth", h, down, down_scale)
-    return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
+        return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
+    from strata_jax.moe import expert_ffn as xla_expert_ffn
+    return xla_expert_ffn(x, gate[ids], up[ids], down[ids], combine, gate_scale[ids], up_scale[ids],
+                          down_scale[ids])

@@ -75,20 +75,38 @@ def make_route(topk_ids: jax.Array, topk_w: jax.Array, cfg: ModelConfig, valid: 
                  entry_counts=jnp.sum(match, axis=(0, 1), dtype=jnp.int32))
 
 
-def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, combine: jax.Array) -> jax.Array:
+def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, combine: jax.Array,
+               gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
+               down_scale: jax.Array | None = None) -> jax.Array:
     """SwiGLU experts on every row, weighted: x [T, H], gate/up [N, I, H], down [N, H, I], combine [T, N].
 
     Returns float32 [T, H] = sum_n combine[t, n] * down_n(silu(gate_n x_t) * up_n x_t).
+    int8 experts (strata_jax/quant.py "int8"): gate/up/down hold q, gate_scale/up_scale [N, I] and down_scale
+    [N, H] their rows' scales; each product is accumulated in float32 over q widened to x's dtype (exact), scaled
+    per output row, then rounded as the float path rounds (the Pallas kernel and the host pool do the same).
     """
-    g = jnp.einsum("th,nih->nti", x, gate)
-    u = jnp.einsum("th,nih->nti", x, up)
+    if gate_scale is None:
+        g = jnp.einsum("th,nih->nti", x, gate)
+        u = jnp.einsum("th,nih->nti", x, up)
+    else:
+        g = _scaled_product("th,nih->nti", x, gate, gate_scale)
+        u = _scaled_product("th,nih->nti", x, up, up_scale)
     # silu(g) * u in float32, rounded once: the Pallas kernel and the host pool round at the same point, so an
     # expert's rows do not depend on where it ran (XLA would otherwise round after every bf16 op, differently on
     # each backend).
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
-    y = jnp.einsum("nti,nhi->nth", h, down)  # [N, T, H]
+    if gate_scale is None:
+        y = jnp.einsum("nti,nhi->nth", h, down)  # [N, T, H]
+    else:
+        y = _scaled_product("nti,nhi->nth", h, down, down_scale)
     # Each expert's output is rounded to the compute dtype before the weighted sum, as transformers does.
     return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
+
+
+def _scaled_product(spec: str, a: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """einsum(spec, a, q) for int8 q [N, O, In] in float32, times scale [N, O] per output row, in a's dtype."""
+    acc = jnp.einsum(spec, a, q.astype(a.dtype), preferred_element_type=jnp.float32)  # [N, T, O]
+    return (acc * scale.astype(jnp.float32)[:, None, :]).astype(a.dtype)
 
 
 def resident_experts(x: jax.Array, w: MoEWeights, r: Route, offset: jax.Array | int = 0) -> jax.Array:

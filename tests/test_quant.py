@@ -76,3 +76,51 @@ def test_quality_study_on_the_embedded_model(tmp_path, capsys, cache_dir):
     assert rows["int8"]["top1"] >= rows["int2"]["top1"] and 0 <= rows["int2"]["top1"] <= 1
     assert rows["int4-g32"]["bits_per_weight"] == pytest.approx(4.5)
     assert "| embedded" in capsys.readouterr().out
+
+
+# ---- int8 experts: one arithmetic on the device's XLA path, the Pallas kernel's reference and the host pool -------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_experts_same_rows_on_the_device_and_the_host_pool(dtype):
+    """The same int8 experts give the same rows through moe.expert_ffn (the device's XLA path) and the host pool
+    (float32: 1e-5 relative, the exact path's bound; bfloat16: within an ulp's worth, as for bf16 experts), and the
+    Pallas kernel's reference is that XLA path."""
+    import jax
+    import jax.numpy as jnp
+    from host_pool import HostExpertStore, HostPool
+    from pallas_kernels.expert_ffn import expert_ffn_reference
+    from strata_jax import moe
+    rng = np.random.default_rng()
+    e, h, i, t = 6, 64, 32, 3
+    mats = [rng.standard_normal((e, i, h)) / 8, rng.standard_normal((e, i, h)) / 8, rng.standard_normal((e, h, i)) / 6]
+    qs = [quant.quantize(m.astype(np.float32), "int8") for m in mats]
+    q = [qa.q for qa in qs]
+    scales = [qa.scale[..., 0].astype(np.float32) for qa in qs]  # [E, O]
+    ids = np.array([4, -1, 0, 2], np.int32)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    w = (rng.random((t, ids.size)) * (ids >= 0)).astype(np.float32)
+    jdt = jnp.dtype(dtype)
+    with jax.default_matmul_precision("highest"):
+        xd = jnp.asarray(x, jdt)
+        sel = np.maximum(ids, 0)
+        device = np.asarray(moe.expert_ffn(xd, *(jnp.asarray(a[sel]) for a in q), jnp.asarray(w),
+                                           *(jnp.asarray(sc[sel]) for sc in scales)))
+        reference = np.asarray(expert_ffn_reference(xd, *(jnp.asarray(a) for a in q), jnp.asarray(ids),
+                                                    jnp.asarray(w), *(jnp.asarray(sc) for sc in scales)))
+    np.testing.assert_array_equal(device, reference)
+    store = HostExpertStore([(*q, *scales)], compute_dtype=np.dtype(jdt))
+    assert store.compute_dtype == np.dtype(jdt) and store.total_nbytes < sum(m.nbytes for m in mats) / 6
+    with HostPool(store, threads=2) as pool:
+        host = pool.compute(0, np.asarray(xd, np.float32), ids, w)
+    assert rel(host, device) < (1e-5 if dtype == "float32" else 2e-2)
+    # and close to the float experts they came from
+    float_rows = np.asarray(moe.expert_ffn(jnp.asarray(x), *(jnp.asarray(m[sel], jnp.float32) for m in mats),
+                                           jnp.asarray(w)))
+    assert rel(host, float_rows) < 3e-2
+
+
+def test_the_store_wants_scales_with_int8():
+    from host_pool import HostExpertStore
+    q = np.zeros((2, 4, 8), np.int8)
+    with pytest.raises(TypeError, match="three scale arrays"):
+        HostExpertStore([(q, q, np.zeros((2, 8, 4), np.int8))])
