@@ -21,6 +21,7 @@ from strata_jax.errors import StrataError, make_writable_folder
 from strata_jax.deltanet import DeltaNetWeights
 from strata_jax.model import AttentionWeights, LayerWeights, MLPWeights, Weights
 from strata_jax.moe import MoEWeights
+from strata_jax import quant
 from strata_jax.mtp import MTPWeights
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -157,17 +158,21 @@ def grouped_deltanet_rows(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.n
 
 def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Placer = default_place,
                  place_experts: Placer | None = None, progress: Callable[[str], None] | None = None,
-                 mtp_only: bool = False) -> Weights:
+                 mtp_only: bool = False, expert_format: str | None = None,
+                 place_scales: Placer | None = None) -> Weights:
     """Read a Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE checkpoint in the Hub layout into `Weights` (dense matrices
     transposed to [in, out]). The `mtp.*` tensors (Next's and Qwen3.5's multi-token-prediction head) are read by
     `load_mtp` (mtp_only). Qwen3.5-MoE's own names are mapped here (`text_prefix`, `grouped_deltanet_rows`; experts
     per expert or fused as `experts.gate_up_proj` / `experts.down_proj`, either is read for any model).
 
     `place_experts` receives each sparse layer's stacked expert arrays (names `layers.{i}.experts.{gate,up,down}`);
-    by default they go where `place` puts everything else.
+    by default they go where `place` puts everything else. expert_format "int8" (strata_jax/quant.py): the routed
+    experts (not the MTP layer's) are quantized as they are read; `place_experts` then receives the int8 q and
+    `place_scales` (default `place`) the rows' bf16 scales (names `layers.{i}.experts.{gate,up,down}_scale`).
     """
     reader = SafetensorsReader(folder)
     place_experts = place_experts or place
+    place_scales = place_scales or place
     h, d, nq, nkv, v = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
     base = text_prefix(reader, cfg)
 
@@ -231,10 +236,17 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
                     up[j] = to_dtype(reader.get(q + "up_proj.weight", (f, h)), dtype)
                     down[j] = to_dtype(reader.get(q + "down_proj.weight", (h, f)), dtype)
             put = place if experts_name.startswith("mtp") else place_experts  # the MTP layer stays on the device
-            ffn = MoEWeights(router=get(p + "mlp.gate.weight", (e, h), True),
-                             gate=put(f"{experts_name}.gate", gate),
-                             up=put(f"{experts_name}.up", up),
-                             down=put(f"{experts_name}.down", down))
+            router = get(p + "mlp.gate.weight", (e, h), True)
+            if expert_format and not experts_name.startswith("mtp"):
+                parts = {}
+                for which, w in (("gate", gate), ("up", up), ("down", down)):
+                    qa = quant.quantize(w, expert_format)  # q [E, O, I] int8, scale [E, O, 1] bf16
+                    parts[which] = put(f"{experts_name}.{which}", qa.q)
+                    parts[which + "_scale"] = place_scales(f"{experts_name}.{which}_scale", qa.scale[..., 0])
+                ffn = MoEWeights(router=router, **parts)
+            else:
+                ffn = MoEWeights(router=router, gate=put(f"{experts_name}.gate", gate),
+                                 up=put(f"{experts_name}.up", up), down=put(f"{experts_name}.down", down))
             del gate, up, down
         else:
             f = cfg.intermediate_size

@@ -71,6 +71,7 @@ class Engine:
         self._mtp_compiled = self._mtp_cache = None
         self._said_no_mtp = False
         self.dtype = jnp.dtype(options.dtype)
+        self.expert_storage = jnp.dtype(jnp.int8) if options.expert_dtype == "int8" else self.dtype  # slots' dtype
         self.context, self.chunk = context_and_chunk(cfg, options)
         # DeltaNet layers keep the states of the last `ring` positions: more than a window, so a verify window's
         # accepted position and the last request's end (prefix reuse) are still there.
@@ -82,7 +83,8 @@ class Engine:
         self._check_attention_kernel()
         self.delta_kernel = resolve_delta_kernel(options, cfg)
         # All experts resident and one kind of layer: the layers run as one scanned body over stacked weights.
-        self.scanned = options.layer_loop == "scan" and placement is None and model.can_stack(cfg)
+        self.scanned = (options.layer_loop == "scan" and placement is None and model.can_stack(cfg)
+                        and options.expert_dtype != "int8")  # the scanned body reads float experts only
         if self.scanned:
             self.weights = weights = model.stack_layers(weights)
         elif weights.stacked:
@@ -144,7 +146,7 @@ class Engine:
             raise StrataError(f"the KV cache for context {self.context} needs {need / 2**30:.1f} GiB "
                               f"({per_token / 2**10:.1f} KiB a position) and cannot be allocated{fits}: "
                               "lower --context") from None
-        experts = self.placement.init_state(self.cfg, self.dtype) if self.placement else None
+        experts = self.placement.init_state(self.cfg, self.expert_storage) if self.placement else None
         self.cache = kv.replace(experts=experts)
         self._kv_tokens: list[int] = []  # the tokens whose KV rows 0.. the cache holds (prefix reuse)
 
@@ -179,7 +181,11 @@ class Engine:
         dtype = jnp.dtype(opts.dtype)
         slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
+        int8 = opts.expert_dtype == "int8"
         if checkpoint.is_state_dir(path):
+            if int8:
+                raise StrataError(f"{path} is a saved state; expert_dtype=int8 quantizes a Hugging Face checkpoint as "
+                                  "it loads (a saved state holds unquantized experts): load the checkpoint instead")
             saved = checkpoint.read_state_meta(path)
             if saved["dtype"] != opts.dtype:
                 raise StrataError(f"the saved state at {path} holds {saved['dtype']} weights, but dtype={opts.dtype}")
@@ -191,7 +197,15 @@ class Engine:
                             host.numpy.setdefault(i, {})[which] = np.asarray(getattr(layer.ffn, which))
         else:
             weights = checkpoint.load_weights(path, cfg, dtype, place_experts=host.place if host else None,
-                                              progress=_progress(say, cfg))
+                                              progress=_progress(say, cfg), expert_format="int8" if int8 else None,
+                                              place_scales=host.place_scale if host else None)
+            if int8:
+                q_bytes = sum(a.nbytes for layer in weights.layers if isinstance(layer.ffn, moe.MoEWeights)
+                              for a in (layer.ffn.gate, layer.ffn.up, layer.ffn.down))
+                say(f"experts: int8, one bf16 scale per output row (quantized at load): "
+                    f"{q_bytes / 2**20:.1f} MiB {'in host memory' if host else 'on the device'} "
+                    f"({cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(jnp.dtype(dtype).itemsize) / 2**20:.1f}"
+                    f" MiB as {opts.dtype})")
         tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
         template, generation = load_chat_template(path), load_generation_config(path)
         say(f"model: {path} ({cfg.num_layers} layers, {cfg.num_sparse_layers} MoE, {cfg.num_experts} experts "
@@ -210,6 +224,8 @@ class Engine:
         """An engine over random weights of a model shape (benchmarks): non-expert weights made on the device,
         experts made on the device layer by layer and moved to host memory when offload is on."""
         opts = build(EngineOptions, options)
+        if opts.expert_dtype == "int8":
+            raise StrataError("expert_dtype=int8 quantizes a checkpoint as it loads; random weights stay unquantized")
         enable_compilation_cache(opts.resolved_cache_dir())
         say = log if verbose else (lambda _: None)
         dtype = jnp.dtype(opts.dtype)
@@ -229,7 +245,7 @@ class Engine:
             if any(cfg.sparse_layers):
                 say(f"expert cache: every expert on the device, offload off ({why})")
             placement = None
-            if opts.layer_loop == "scan" and model.can_stack(cfg):
+            if opts.layer_loop == "scan" and model.can_stack(cfg) and opts.expert_dtype != "int8":
                 # Stacked here, where nothing else holds the loaded arrays: one leaf at a time, the old freed.
                 weights = model.stack_layers(weights, consume=True)
                 say(f"layers: {cfg.num_layers} stacked, one scanned body per window graph (layer_loop=scan)")
@@ -240,6 +256,8 @@ class Engine:
     @_serialized
     def save_state(self, path: str | Path) -> None:
         """Save the converted weights with orbax; `from_pretrained(path)` restores them without conversion."""
+        if self.options.expert_dtype == "int8":
+            raise StrataError("save_state: int8 experts are not saved yet (load the checkpoint with expert_dtype=int8)")
         checkpoint.save_state(path, model.unstack_layers(self.weights), self.raw_config or {}, self.options.dtype)
         if self.tokenizer is not None:
             self.tokenizer.save(str(Path(path) / "tokenizer.json"))
@@ -315,7 +333,7 @@ class Engine:
         states = [s for s in self.cache.experts if s is not None]
         total = np.sum([np.asarray(s.counters) for s in states], axis=0)
         out = ExpertStats(**{name: int(v) for name, v in zip(offload.COUNTERS, total)})
-        out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(self.dtype.itemsize)
+        out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(jnp.dtype(self.expert_storage).itemsize)
         out.pool_s = self.placement.pool.stats.wall_seconds
         self.placement.pool.stats.reset()
         # A buffer per layer: the graphs donate the cache, and one buffer must not be donated twice.
@@ -939,7 +957,7 @@ def plan_placement(cfg: ModelConfig, opts: EngineOptions):
     itemsize = jnp.dtype(opts.dtype).itemsize
     kv_bytes = model.cache_bytes(cfg, context + chunk, itemsize, opts.window + 1)
     slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
-    return slots, why, (placement_mod.HostExperts(cfg) if slots is not None else None)
+    return slots, why, (placement_mod.HostExperts(cfg, jnp.dtype(opts.dtype)) if slots is not None else None)
 
 
 def context_and_chunk(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, int]:

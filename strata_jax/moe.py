@@ -24,6 +24,15 @@ class MoEWeights:
     gate: jax.Array  # [E, I, H]
     up: jax.Array  # [E, I, H]
     down: jax.Array  # [E, H, I]
+    # expert_dtype=int8: gate/up/down hold int8 q and these their rows' scales (always on the device)
+    gate_scale: jax.Array | None = None  # [E, I]
+    up_scale: jax.Array | None = None  # [E, I]
+    down_scale: jax.Array | None = None  # [E, H]
+
+    @property
+    def scales(self) -> tuple:
+        """(gate, up, down) scales, or () for float experts."""
+        return () if self.gate_scale is None else (self.gate_scale, self.up_scale, self.down_scale)
 
 
 @struct.dataclass
@@ -113,7 +122,7 @@ def resident_experts(x: jax.Array, w: MoEWeights, r: Route, offset: jax.Array | 
     """All experts on the device: gather the window's distinct experts (padding reads expert 0, weight 0).
     offset: row of expert 0 in w.gate/up/down (stacked layers: [L*E, ...] arrays, offset = layer * E)."""
     ids = jnp.maximum(r.expert_ids, 0) + offset
-    return expert_ffn(x, w.gate[ids], w.up[ids], w.down[ids], r.combine)
+    return expert_ffn(x, w.gate[ids], w.up[ids], w.down[ids], r.combine, *(sc[ids] for sc in w.scales))
 
 
 class ResidentExperts:
@@ -131,7 +140,7 @@ class ResidentExperts:
             r = route(x, w.router, self.cfg, valid)
         with jax.named_scope("moe_experts_pallas"):
             rows = jnp.where(r.expert_ids >= 0, r.expert_ids + offset, -1)  # stacked layers: row layer * E + expert
-            y = expert_ffn_kernel(x, w.gate, w.up, w.down, rows, r.combine, interpret=self.interpret)
+            y = expert_ffn_kernel(x, w.gate, w.up, w.down, rows, r.combine, *w.scales, interpret=self.interpret)
         with jax.named_scope("moe_combine"):
             return y.astype(x.dtype), state
 

@@ -124,7 +124,8 @@ def count(kind: jax.Array, r: moe.Route, extra: dict | None = None) -> jax.Array
 class OffloadedExperts:
     """The expert path of a sparse layer with offload: `(layer, x, host weights, valid, state) -> (y, state)`.
 
-    `w.gate/up/down` are the layer's experts in host memory; `pool` computes the cpu kind. Without a pool the
+    `w.gate/up/down` are the layer's experts in host memory (int8 experts: their q, with `w.scales` on the device,
+    read by expert id); `pool` computes the cpu kind. Without a pool the
     graph has no callback and no lax.cond around it (each makes the GPU stream wait for the host): every miss is
     fetched. `block`: experts per GPU block (bounds the staging memory of prefill chunks). `route`: the routing
     approximations (strata_jax.approx; the decode graphs only), off by default.
@@ -218,7 +219,11 @@ class OffloadedExperts:
                 with jax.named_scope("moe_experts_pallas"):
                     from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
                     slot_ids = jnp.where(kind == RESIDENT, slot, jnp.where(fetch & insert, dest, -1))
-                    y = expert_ffn_kernel(x, *slots, slot_ids.astype(jnp.int32), r.combine,
+                    slot_scales = ()
+                    if w.scales:  # int8: the kernel reads scales by slot too; the slots' experts after the fetch
+                        expert_of = state.expert_of.at[jnp.where(insert, dest, s + 1)].set(ids, mode="drop")
+                        slot_scales = tuple(sc[jnp.maximum(expert_of, 0)] for sc in w.scales)  # [S+1, O]
+                    y = expert_ffn_kernel(x, *slots, slot_ids.astype(jnp.int32), r.combine, *slot_scales,
                                           interpret=jax.default_backend() != "gpu")
             b = min(self.block, n)
             for start in range(0, n, b):
@@ -246,7 +251,8 @@ class OffloadedExperts:
                     with jax.named_scope("moe_fetch"):
                         block, slots = jax.lax.fori_loop(0, jnp.sum(is_fetch), fetch_one, (block, slots))
                     combine = r.combine[:, sel] * (k_sel != NONE)[None, :]
-                    return y + moe.expert_ffn(x, *block, combine), slots
+                    block_scales = tuple(sc[jnp.maximum(ids[sel], 0)] for sc in w.scales)  # int8: [B, O] each
+                    return y + moe.expert_ffn(x, *block, combine, *block_scales), slots
 
                 if start == 0 and not self.kernel:
                     y, slots = run_block((y, slots))

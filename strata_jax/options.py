@@ -107,6 +107,10 @@ class EngineOptions:
                             "kept in registers across the window's rows), xla (the rule unrolled over the rows in "
                             "jnp), or auto (pallas on a GPU in bfloat16 when both linear head dims are powers of 2, else xla).",
                             _choice("auto", "xla", "pallas"))
+    expert_dtype: str = opt("auto", "How the routed experts are stored: auto (unquantized, in `dtype`) or int8 "
+                            "(quantized at load: symmetric, one bf16 scale per output row; host RAM, slots and PCIe "
+                            "fetches hold a byte a weight, the expert FFNs widen it in their products: "
+                            "strata_jax/quant.py). int8 layers run unrolled.", _choice("auto", "int8"))
     layer_loop: str = opt("scan", "How a window's graph runs the layers: scan (weights stacked on a layer axis, one "
                           "layer body in a loop: a few hundred kernel launches less per layer count, a fraction of "
                           "the compile time) or unrolled (one copy of the body per layer). Offload and models that "

@@ -28,6 +28,7 @@ class Placement:
     costs: dict | None = None  # the measured cost model, when pcie_frac=auto
 
     def init_state(self, cfg: ModelConfig, dtype) -> list:
+        """Each sparse layer's slot cache; dtype: how the experts are stored (int8 with expert_dtype=int8)."""
         return [offload.init_slot_cache(cfg, self.slots, dtype, self.policy, self.pcie_frac) if sparse else None
                 for sparse in cfg.sparse_layers]
 
@@ -36,6 +37,11 @@ def non_expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
     shapes = jax.eval_shape(lambda: model.random_weights(cfg, 0, jnp.float32))
     total = sum(x.size for x in jax.tree.leaves(shapes)) * itemsize
     return total - cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
+
+
+def expert_itemsize(opts: EngineOptions) -> int:
+    """Bytes a stored expert weight takes (int8: 1; its rows' scales are on the device, a fraction of a slot)."""
+    return 1 if opts.expert_dtype == "int8" else jnp.dtype(opts.dtype).itemsize
 
 
 def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int) -> tuple[int | None, str]:
@@ -48,7 +54,8 @@ def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int) -> tuple[
     if v != "auto":
         return min(int(v), cfg.num_experts), f"expert_cache_slots={v}"
     itemsize = jnp.dtype(opts.dtype).itemsize
-    slots, why = offload.auto_slots(cfg, non_expert_bytes(cfg, itemsize), kv_bytes, itemsize, opts.vram_reserve_mib)
+    slots, why = offload.auto_slots(cfg, non_expert_bytes(cfg, itemsize), kv_bytes, expert_itemsize(opts),
+                                    opts.vram_reserve_mib)
     if slots >= cfg.num_experts:
         return None, f"auto: all {cfg.num_experts} experts fit ({why})"
     return slots, f"auto: {why}"
@@ -58,10 +65,11 @@ class HostExperts:
     """Collects each MoE layer's stacked experts from the loader: a numpy copy for the host pool and a jax array in
     host memory (pinned on a GPU) that the graph fetches from."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, compute_dtype=None):
         self.kind = offload.host_memory_kind()
         self.sharding = offload.device_sharding(self.kind)
         self.numpy: dict[int, dict[str, np.ndarray]] = {}
+        self.compute_dtype = compute_dtype  # how the pool rounds (int8 experts do not say it themselves)
 
     def place(self, name: str, x):
         """x: numpy (from a checkpoint) or a device array (random weights for benchmarks)."""
@@ -70,17 +78,26 @@ class HostExperts:
         self.numpy.setdefault(int(layer), {})[which] = x if isinstance(x, np.ndarray) else np.asarray(on_host)
         return on_host
 
+    def place_scale(self, name: str, x: np.ndarray):
+        """int8 experts' row scales (layers.{i}.experts.{which}_scale): kept for the pool, and on the device."""
+        _, layer, _, which = name.split(".")
+        self.numpy.setdefault(int(layer), {})[which] = x
+        return jax.device_put(x)
+
     def store(self, cfg: ModelConfig):
         from host_pool import HostExpertStore
         layers = []
         for i in range(cfg.num_layers):
             if i in self.numpy:
                 d = self.numpy[i]
-                layers.append((d["gate"], d["up"], d["down"]))
+                scales = tuple(d[f"{w}_scale"] for w in ("gate", "up", "down") if f"{w}_scale" in d)
+                layers.append((d["gate"], d["up"], d["down"], *scales))
             else:  # a dense layer: a 1-expert placeholder keeps the pool's layer numbers the model's
                 dtype = next(iter(self.numpy.values()))["gate"].dtype
-                layers.append((np.ones((1, 1, 1), dtype), np.ones((1, 1, 1), dtype), np.ones((1, 1, 1), dtype)))
-        return HostExpertStore(layers)
+                ones = np.ones((1, 1, 1), dtype)
+                scales = (np.ones((1, 1), np.float32),) * 3 if dtype == np.int8 else ()
+                layers.append((ones, ones, ones, *scales))
+        return HostExpertStore(layers, compute_dtype=self.compute_dtype)
 
 
 def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int = 5) -> dict:
@@ -145,7 +162,7 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
     threads = opts.cpu_threads or usable_cores()
     pool = HostPool(host.store(cfg), threads=threads, timeout_s=opts.callback_timeout_s)
     host.numpy.clear()
-    itemsize = jnp.dtype(opts.dtype).itemsize
+    itemsize = expert_itemsize(opts)
     lines = [f"expert cache: {slots} of {cfg.num_experts} slots per MoE layer ({why}), policy {opts.cache_policy}, "
              f"{offload.slot_bytes(cfg, slots, itemsize) / 2**20:.1f} MiB on the device; experts in "
              f"{host.kind} memory; host pool: {threads} threads ({blas.describe()})"]

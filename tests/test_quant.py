@@ -124,3 +124,45 @@ def test_the_store_wants_scales_with_int8():
     q = np.zeros((2, 4, 8), np.int8)
     with pytest.raises(TypeError, match="three scale arrays"):
         HostExpertStore([(q, q, np.zeros((2, 8, 4), np.int8))])
+
+
+# ---- expert_dtype=int8 in the engine -----------------------------------------------------------------------------
+
+def test_int8_engine_is_placement_independent(engine_factory, cache_dir, capfd):
+    """expert_dtype=int8 (float32 compute): every placement of the quantized experts (all resident, slots with PCIe
+    fetches, half the misses on the host pool, all on the pool) gives the same logits, 1e-5 relative; they differ
+    from the unquantized model's by about the quantization error; speculative greedy equals plain greedy."""
+    ids = list(b"def fetch(self, key):\n    return self.table[key]\n")
+    want = engine_factory(None, dtype="float32", expert_cache_slots="all").prefill_logits(ids)
+    capfd.readouterr()
+    from strata_jax import Engine
+    base = Engine.from_pretrained(None, verbose=True, cache_dir=str(cache_dir), dtype="float32",
+                                  expert_cache_slots="all", expert_dtype="int8")
+    assert "experts: int8" in capfd.readouterr().err
+    ref = base.prefill_logits(ids)
+    assert 0 < rel(ref, want) < 5e-2
+    assert rel(base.score(ids), ref) < 1e-5
+    for slots, frac in ((4, "1"), (4, "0.5"), (0, "0")):
+        eng = engine_factory(None, dtype="float32", expert_cache_slots=str(slots), pcie_frac=frac,
+                             expert_dtype="int8")
+        assert eng.cache.experts[0].gate.dtype == np.int8  # the slots hold q
+        assert eng.placement.pool.store.dtype == np.int8
+        assert rel(eng.prefill_logits(ids), ref) < 1e-5, (slots, frac)
+        assert rel(eng.score(ids), ref) < 1e-5, (slots, frac)
+        plain = eng.generate(ids, 12, spec=0, stop_token_ids=[])
+        assert eng.generate(ids, 12, spec=3, stop_token_ids=[]) == plain
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", ["all", "16"])
+def test_int8_kernel_in_the_engine_on_the_gpu(engine_factory, slots):
+    """On the GPU in bf16, int8 experts through the Pallas expert FFN (read in place from the slots, scales by slot)
+    give the XLA path's logits (bf16 roundings apart), resident and offloaded."""
+    ids = list(b"class Stack:\n    def __init__(self):\n        self.items = []\n")
+    opts = dict(dtype="bfloat16", expert_cache_slots=slots, pcie_frac="1", expert_dtype="int8")
+    kernel = engine_factory("reference", expert_kernel="pallas", **opts)
+    xla = engine_factory("reference", expert_kernel="xla", **opts)
+    assert kernel.expert_kernel == "pallas" and xla.expert_kernel == "xla"
+    assert rel(kernel.score(ids), xla.score(ids)) < 2e-2
+    out = kernel.generate(ids, 16, stop_token_ids=[])
+    assert len(out) == 16
