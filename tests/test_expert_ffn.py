@@ -184,19 +184,25 @@ def test_the_model_with_the_kernel_matches_the_xla_path():
     assert (out["pallas"].argmax(-1) == out["xla"].argmax(-1)).mean() >= 2 / 3
 
 
-@pytest.mark.parametrize("slots,filled", [(0, 0), (6, 3), (16, 10)])
-def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled):
+@pytest.mark.parametrize("slots,filled,int8", [(0, 0, False), (6, 3, False), (16, 10, False), (6, 3, True),
+                                                (16, 10, True)])
+def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, int8):
     """offload.OffloadedExperts(kernel=True) (interpret mode): resident experts read in their slots, fetched ones
     copied into their victim slots first, the overflow (no slot left: S=0, S=6) through the XLA block: the layer's
-    output within bf16 rounding of the XLA path, and the same slot table and slot contents after the window."""
-    from strata_jax import moe, offload
+    output within bf16 rounding of the XLA path, and the same slot table and slot contents after the window.
+    int8: the slots hold q and the kernel reads each slot's scales (of the expert in it after the fetch)."""
+    from strata_jax import moe, offload, quant
     from strata_jax.config import preset
     cfg = preset("tiny")
-    rng = np.random.default_rng(slots + 7)
+    rng = np.random.default_rng()
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     f = lambda *shape, scale=0.1: jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
     w = moe.MoEWeights(router=f(h, e, scale=1.0), gate=f(e, i, h), up=f(e, i, h), down=f(e, h, i))
-    state = offload.init_slot_cache(cfg, slots, jnp.bfloat16)
+    if int8:
+        qs = {k: quant.quantize(np.asarray(getattr(w, k), np.float32), "int8") for k in ("gate", "up", "down")}
+        w = w.replace(**{k: jnp.asarray(qa.q) for k, qa in qs.items()},
+                      **{k + "_scale": jnp.asarray(qa.scale[..., 0]) for k, qa in qs.items()})
+    state = offload.init_slot_cache(cfg, slots, w.gate.dtype)
     if filled:
         chosen = np.full(slots, -1, np.int32)
         chosen[:filled] = rng.permutation(e)[:filled]

@@ -129,8 +129,8 @@ def test_the_store_wants_scales_with_int8():
 # ---- expert_dtype=int8 in the engine -----------------------------------------------------------------------------
 
 def test_int8_engine_is_placement_independent(engine_factory, cache_dir, capfd):
-    """expert_dtype=int8 (float32 compute): every placement of the quantized experts (all resident, slots with PCIe
-    fetches, half the misses on the host pool, all on the pool) gives the same logits, 1e-5 relative; they differ
+    """expert_dtype=int8 (float32 compute): every placement of the quantized experts (all resident; 4 slots with
+    half the misses fetched over PCIe and half on the host pool; every expert on the pool) gives the same logits, 1e-5 relative; they differ
     from the unquantized model's by about the quantization error; speculative greedy equals plain greedy."""
     ids = list(b"def fetch(self, key):\n    return self.table[key]\n")
     want = engine_factory(None, dtype="float32", expert_cache_slots="all").prefill_logits(ids)
@@ -142,7 +142,7 @@ def test_int8_engine_is_placement_independent(engine_factory, cache_dir, capfd):
     ref = base.prefill_logits(ids)
     assert 0 < rel(ref, want) < 5e-2
     assert rel(base.score(ids), ref) < 1e-5
-    for slots, frac in ((4, "1"), (4, "0.5"), (0, "0")):
+    for slots, frac in ((4, "0.5"), (0, "0")):  # fetches and the pool in one engine; then the pool alone
         eng = engine_factory(None, dtype="float32", expert_cache_slots=str(slots), pcie_frac=frac,
                              expert_dtype="int8")
         assert eng.cache.experts[0].gate.dtype == np.int8  # the slots hold q
