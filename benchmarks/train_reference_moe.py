@@ -209,10 +209,9 @@ def load_corpus(max_files: int = 0, max_bytes: int = 0, heldout_frac: float = 0.
 
 
 def hf_config(s) -> dict:
-    """The checkpoint's config.json from the settings (flags or any object with the same attributes)."""
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
+    """The checkpoint's config.json from the settings (flags or any object with the same attributes): Qwen3-MoE, or
+    Qwen3-Next as transformers 5.x writes Qwen3NextConfig (--arch)."""
+    shared = {
         "vocab_size": VOCAB,
         "hidden_size": s.hidden,
         "intermediate_size": s.top_k * s.moe_intermediate,  # dense layers' width (none here), as Qwen3-30B-A3B: K*I
@@ -222,15 +221,10 @@ def hf_config(s) -> dict:
         "head_dim": s.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-06,
-        "rope_theta": float(s.rope_theta),
-        "rope_scaling": None,
         "max_position_embeddings": s.max_position_embeddings,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": s.layers,
         "num_experts": s.experts,
         "num_experts_per_tok": s.top_k,
         "moe_intermediate_size": s.moe_intermediate,
@@ -243,55 +237,22 @@ def hf_config(s) -> dict:
         "use_cache": True,
         "bos_token_id": EOT,
         "eos_token_id": EOT,
-        "torch_dtype": s.save_dtype,
-    } if s.arch == "qwen3_moe" else next_config(s)
-
-
-def next_config(s) -> dict:
-    """config.json of the qwen3_next shape, as transformers 5.x writes Qwen3NextConfig."""
+    }
+    if s.arch == "qwen3_moe":
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **shared,
+                "rope_theta": float(s.rope_theta), "rope_scaling": None, "use_sliding_window": False,
+                "sliding_window": None, "max_window_layers": s.layers, "torch_dtype": s.save_dtype}
     types = ["full_attention" if (i + 1) % s.full_attention_interval == 0 else "linear_attention"
              for i in range(s.layers)]
-    return {
-        "architectures": ["Qwen3NextForCausalLM"],
-        "model_type": "qwen3_next",
-        "vocab_size": VOCAB,
-        "hidden_size": s.hidden,
-        "intermediate_size": s.top_k * s.moe_intermediate,
-        "num_hidden_layers": s.layers,
-        "num_attention_heads": s.heads,
-        "num_key_value_heads": s.kv_heads,
-        "head_dim": s.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-06,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(s.rope_theta),
-                            "partial_rotary_factor": s.partial_rotary},
-        "max_position_embeddings": s.max_position_embeddings,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "layer_types": types,
-        "full_attention_interval": s.full_attention_interval,
-        "linear_conv_kernel_dim": s.conv_kernel,
-        "linear_key_head_dim": s.linear_head_dim,
-        "linear_value_head_dim": s.linear_head_dim,
-        "linear_num_key_heads": s.linear_key_heads,
-        "linear_num_value_heads": s.linear_value_heads,
-        "num_experts": s.experts,
-        "num_experts_per_tok": s.top_k,
-        "moe_intermediate_size": s.moe_intermediate,
-        "shared_expert_intermediate_size": s.shared_intermediate,
-        "norm_topk_prob": bool(s.norm_topk_prob),
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "mtp_num_hidden_layers": 1 if s.mtp else 0,
-        "output_router_logits": False,
-        "router_aux_loss_coef": s.aux_loss_coef,
-        "initializer_range": s.init_std,
-        "use_cache": True,
-        "bos_token_id": EOT,
-        "eos_token_id": EOT,
-        "dtype": s.save_dtype,
-    }
+    return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **shared,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(s.rope_theta),
+                                "partial_rotary_factor": s.partial_rotary},
+            "layer_types": types, "full_attention_interval": s.full_attention_interval,
+            "linear_conv_kernel_dim": s.conv_kernel, "linear_key_head_dim": s.linear_head_dim,
+            "linear_value_head_dim": s.linear_head_dim, "linear_num_key_heads": s.linear_key_heads,
+            "linear_num_value_heads": s.linear_value_heads,
+            "shared_expert_intermediate_size": s.shared_intermediate, "mtp_num_hidden_layers": 1 if s.mtp else 0,
+            "dtype": s.save_dtype}
 
 
 def attention_batch(x, w, cfg):
