@@ -231,23 +231,7 @@ def mtp_folder(tmp_path_factory):
     raw = json.loads((src / "config.json").read_text())
     raw["mtp_num_hidden_layers"] = 1
     (dst / "config.json").write_text(json.dumps(raw))
-    h, nq, nkv, d = raw["hidden_size"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
-    e, f, fs = raw["num_experts"], raw["moe_intermediate_size"], raw["shared_expert_intermediate_size"]
-    rng = np.random.default_rng()
-    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)
-    p = "mtp.layers.0."
-    tensors = {"mtp.fc.weight": w(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": w(h),
-               "mtp.pre_fc_norm_hidden.weight": w(h), "mtp.norm.weight": w(h),
-               p + "input_layernorm.weight": w(h), p + "post_attention_layernorm.weight": w(h),
-               p + "self_attn.q_proj.weight": w(2 * nq * d, h), p + "self_attn.k_proj.weight": w(nkv * d, h),
-               p + "self_attn.v_proj.weight": w(nkv * d, h), p + "self_attn.o_proj.weight": w(h, nq * d),
-               p + "self_attn.q_norm.weight": w(d), p + "self_attn.k_norm.weight": w(d),
-               p + "mlp.gate.weight": w(e, h), p + "mlp.shared_expert_gate.weight": w(1, h),
-               p + "mlp.shared_expert.gate_proj.weight": w(fs, h), p + "mlp.shared_expert.up_proj.weight": w(fs, h),
-               p + "mlp.shared_expert.down_proj.weight": w(h, fs)}
-    for j in range(e):
-        q = p + f"mlp.experts.{j}."
-        tensors.update({q + "gate_proj.weight": w(f, h), q + "up_proj.weight": w(f, h), q + "down_proj.weight": w(h, f)})
+    tensors = _mtp_tensors({"text_config": raw}, np.random.default_rng(), fused=False)  # per expert, as Next's Hub files
     save_file(tensors, dst / "mtp.safetensors")
     return dst
 
@@ -392,7 +376,8 @@ def _same_weights(a, b):
 
 
 def _mtp_tensors(raw, rng, fused):
-    """A random MTP module (`mtp.*`), its experts fused (as the main layers on the Hub) or per expert."""
+    """A random MTP module (`mtp.*`) for raw["text_config"]'s shape, its experts fused (as Qwen3.5's main layers on
+    the Hub) or per expert (as Qwen3-Next's)."""
     t = raw["text_config"]
     h, nq, nkv, d = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
     e, f, fs = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
