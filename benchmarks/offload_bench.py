@@ -64,6 +64,9 @@ flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Array size of the device_put and memcpy bandwidth copies in MiB (0 = 1024 on an "
                      "accelerator, 64 on CPU).", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_enum("expert_dtype", "auto", ["auto", "int8"], "The engine option: int8 experts (quantized as the "
+                  "random weights are made: a byte a weight in host memory, slots and PCIe fetches).",
+                  flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FFN of every engine (the engine option; "
                   "pallas: bf16 on a GPU).", flag_values=FLAGS)
 flags.DEFINE_string("switch_arms", "", "Approximation arms run beside each (slots, pcie_frac) arm, ';'-separated, each "
@@ -226,7 +229,8 @@ def run(s) -> dict:
     if s.prompt_len + s.new_tokens > s.context:
         raise StrataError(f"--prompt_len={s.prompt_len} + --new_tokens={s.new_tokens} exceed --context={s.context}")
     dtype = jnp.dtype(s.dtype)
-    itemsize = dtype.itemsize
+    int8 = s.expert_dtype == "int8"
+    itemsize = 1 if int8 else dtype.itemsize  # bytes a stored expert weight takes (int8: its scales on the device)
     e, k, n_moe, n_layers = cfg.num_experts, cfg.num_experts_per_tok, cfg.num_sparse_layers, cfg.num_layers
     ebytes = cfg.expert_bytes(itemsize)
     experts_total = n_moe * e * ebytes
@@ -245,14 +249,16 @@ def run(s) -> dict:
         raise StrataError(f"{host_copies} host copies of {common.fmt_bytes(experts_total)} of experts do not fit in "
                           f"{common.fmt_bytes(ram)} of host RAM (cut with --layers)")
     opts_common = dict(window=s.window, dtype=s.dtype, context=s.context, cache_dir=s.cache_dir,
-                       cpu_threads=s.cpu_threads, cache_policy="lru", expert_kernel=s.expert_kernel)
+                       cpu_threads=s.cpu_threads, cache_policy="lru", expert_kernel=s.expert_kernel,
+                       expert_dtype=s.expert_dtype)
     cache_path = enable_compilation_cache(build(EngineOptions, opts_common).resolved_cache_dir())
     host_kind = offload.host_memory_kind()
     threads = s.cpu_threads or usable_cores()
 
     say = common.say
     say(f"offload_bench: {s.model}, {n_layers} layers ({n_moe} MoE, {e} experts top-{k}, H={cfg.hidden_size}, "
-        f"expert I={cfg.moe_intermediate_size}, V={cfg.vocab_size}), {s.dtype}; experts "
+        f"expert I={cfg.moe_intermediate_size}, V={cfg.vocab_size}), {s.dtype}"
+        f"{', int8 experts (one scale a row)' if int8 else ''}; experts "
         f"{common.fmt_bytes(experts_total)} ({common.fmt_bytes(ebytes)} each)")
     say(f"device: {dev['device_kind']} ({dev['platform']}, {dev['device_count']} device(s)); jax {dev['jax']}, "
         f"python {dev['python']}; host RAM {common.fmt_bytes(ram) if ram else '?'}, {usable_cores()} usable cores, "
@@ -294,7 +300,7 @@ def run(s) -> dict:
 
     # ---- the weights: made once, experts into host memory layer by layer ----
     t0 = time.perf_counter()
-    host = placement_mod.HostExperts(cfg)
+    host = placement_mod.HostExperts(cfg, dtype)
     step = max(1, n_layers // 8)
 
     def weights_progress(line: str) -> None:
@@ -303,7 +309,8 @@ def run(s) -> dict:
             common.progress(f"  {line} ({time.perf_counter() - t0:.1f} s)")
 
     common.progress(f"making random {s.dtype} weights (seed {s.seed}); experts to {host_kind} memory + a numpy copy")
-    weights = model.random_weights(cfg, s.seed, dtype, place_experts=host.place, progress=weights_progress)
+    weights = model.random_weights(cfg, s.seed, dtype, place_experts=host.place, progress=weights_progress,
+                                   expert_format="int8" if int8 else None, place_scales=host.place_scale)
     jax.block_until_ready(weights)
     result["weights_made_s"] = time.perf_counter() - t0
     result["weight_bytes"] = model.param_bytes(weights)

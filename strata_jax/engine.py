@@ -224,16 +224,17 @@ class Engine:
         """An engine over random weights of a model shape (benchmarks): non-expert weights made on the device,
         experts made on the device layer by layer and moved to host memory when offload is on."""
         opts = build(EngineOptions, options)
-        if opts.expert_dtype == "int8":
-            raise StrataError("expert_dtype=int8 quantizes a checkpoint as it loads; random weights stay unquantized")
+        int8 = opts.expert_dtype == "int8"
         enable_compilation_cache(opts.resolved_cache_dir())
         say = log if verbose else (lambda _: None)
         dtype = jnp.dtype(opts.dtype)
         slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
-        stacked = slots is None and opts.layer_loop == "scan" and model.can_stack(cfg)
+        stacked = slots is None and opts.layer_loop == "scan" and model.can_stack(cfg) and not int8
         weights = model.random_weights(cfg, seed, dtype, place_experts=host.place if host else None,
-                                       progress=say if stacked else _progress(say, cfg), stacked=stacked)
+                                       progress=say if stacked else _progress(say, cfg), stacked=stacked,
+                                       expert_format="int8" if int8 else None,
+                                       place_scales=host.place_scale if host else None)
         say(f"model: random {cfg.num_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
             f"{model.param_bytes(weights) / 2**30:.2f} GiB of {opts.dtype} weights, made in "
             f"{time.perf_counter() - t0:.1f} s")

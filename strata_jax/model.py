@@ -411,12 +411,15 @@ def param_bytes(weights: Weights) -> int:
 
 def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float = 0.02,
                    place_experts: Callable[[str, jax.Array], jax.Array] | None = None,
-                   progress: Callable[[str], None] | None = None, stacked: bool = False) -> Weights:
+                   progress: Callable[[str], None] | None = None, stacked: bool = False,
+                   expert_format: str | None = None,
+                   place_scales: Callable[[str, jax.Array], jax.Array] | None = None) -> Weights:
     """Random weights made on the device layer by layer (benchmarks: no checkpoint needed, no host copy).
 
     `place_experts(name, array)` may move each MoE layer's stacked experts elsewhere (host memory) as they are
     made, so the device never holds all of them. stacked: the layers made directly as [L, ...] leaves (other random
-    values than the list form; no second copy of the model at any time)."""
+    values than the list form; no second copy of the model at any time). expert_format "int8": the experts are
+    quantized as they are made (strata_jax/quant.py; `place_scales(name, scale)` sees their row scales)."""
     if stacked:
         return _random_stacked(cfg, seed, dtype, scale, progress)
     place_experts = place_experts or (lambda name, x: x)
@@ -443,7 +446,18 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
                                     wv=rnd((h, nkv * d)), wo=rnd((nq * d, h)), q_norm=ones(d), k_norm=ones(d))
         if cfg.attention_bias:
             attn = attn.replace(bq=rnd((nq * d,)), bk=rnd((nkv * d,)), bv=rnd((nkv * d,)), bo=rnd((h,)))
-        if cfg.sparse_layers[i]:
+        if cfg.sparse_layers[i] and expert_format:
+            from strata_jax.quant import quantize_int8_device
+            e, f = cfg.num_experts, cfg.moe_intermediate_size
+            parts = {}
+            router = rnd((h, e))
+            for which, shape in (("gate", (e, f, h)), ("up", (e, f, h)), ("down", (e, h, f))):
+                q, row_scale = quantize_int8_device(rnd(shape))  # (`scale` is the draw's: not this name)
+                parts[which] = place_experts(f"layers.{i}.experts.{which}", q)
+                parts[which + "_scale"] = (place_scales or (lambda _, x: x))(f"layers.{i}.experts.{which}_scale",
+                                                                             row_scale)
+            ffn = moe.MoEWeights(router=router, **parts)
+        elif cfg.sparse_layers[i]:
             e, f = cfg.num_experts, cfg.moe_intermediate_size
             ffn = moe.MoEWeights(router=rnd((h, e)),
                                  gate=place_experts(f"layers.{i}.experts.gate", rnd((e, f, h))),

@@ -78,10 +78,11 @@ class HostExperts:
         self.numpy.setdefault(int(layer), {})[which] = x if isinstance(x, np.ndarray) else np.asarray(on_host)
         return on_host
 
-    def place_scale(self, name: str, x: np.ndarray):
-        """int8 experts' row scales (layers.{i}.experts.{which}_scale): kept for the pool, and on the device."""
+    def place_scale(self, name: str, x):
+        """int8 experts' row scales (layers.{i}.experts.{which}_scale; numpy from a checkpoint, a device array from
+        random weights): kept for the pool, and on the device."""
         _, layer, _, which = name.split(".")
-        self.numpy.setdefault(int(layer), {})[which] = x
+        self.numpy.setdefault(int(layer), {})[which] = np.asarray(x)
         return jax.device_put(x)
 
     def store(self, cfg: ModelConfig):

@@ -124,3 +124,14 @@ def unpack_int4(packed: np.ndarray, signed: bool) -> np.ndarray:
     if signed:
         return ((out.astype(np.int16) ^ 8) - 8).astype(np.int8)  # sign-extend the nibble
     return out
+
+
+def quantize_int8_device(w):
+    """"int8" on the device (jax; random weights for benchmarks): w [..., O, I] -> (q int8 [..., O, I], scale bf16
+    [..., O]), the same numbers as `quantize(w, "int8")`."""
+    import jax.numpy as jnp
+    x = w.astype(jnp.float32)
+    scale = (jnp.max(jnp.abs(x), axis=-1) / 127.0).astype(jnp.bfloat16)  # [..., O]
+    s = scale.astype(jnp.float32)[..., None]
+    q = jnp.clip(jnp.round(jnp.where(s > 0, x / jnp.where(s > 0, s, 1.0), 0.0)), -127, 127).astype(jnp.int8)
+    return q, scale

@@ -166,3 +166,28 @@ def test_int8_kernel_in_the_engine_on_the_gpu(engine_factory, slots):
     assert rel(kernel.score(ids), xla.score(ids)) < 2e-2
     out = kernel.generate(ids, 16, stop_token_ids=[])
     assert len(out) == 16
+
+
+def test_device_int8_is_the_same_numbers():
+    """quantize_int8_device (random weights for benchmarks) gives quantize(w, "int8")'s q and scales."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((3, 16, 64)) * 0.05).astype(np.float32)
+    w[0, 3] = 0.0
+    q, scale = quant.quantize_int8_device(jnp.asarray(w))
+    ref = quant.quantize(w, "int8")
+    np.testing.assert_array_equal(np.asarray(q), ref.q)
+    np.testing.assert_array_equal(np.asarray(scale.astype(jnp.float32)), ref.scale[..., 0].astype(np.float32))
+
+
+def test_int8_random_weights_for_benchmarks(cache_dir):
+    """Engine.from_random(expert_dtype=int8) (what the benchmarks build): quantized as made, placement-independent."""
+    from strata_jax import Engine
+    from strata_jax.config import preset
+    cfg = preset("tiny")
+    opts = dict(verbose=False, cache_dir=str(cache_dir), dtype="float32", expert_dtype="int8", window=2, context=64)
+    resident = Engine.from_random(cfg, seed=3, expert_cache_slots="all", **opts)
+    offloaded = Engine.from_random(cfg, seed=3, expert_cache_slots="4", pcie_frac="0.5", **opts)
+    assert resident.weights.layers[0].ffn.gate.dtype == np.int8 and not resident.scanned
+    ids = list(range(5, 40))
+    assert rel(offloaded.prefill_logits(ids), resident.prefill_logits(ids)) < 1e-5
