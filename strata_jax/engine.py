@@ -71,7 +71,7 @@ class Engine:
         self._mtp_compiled = self._mtp_cache = None
         self._said_no_mtp = False
         self.dtype = jnp.dtype(options.dtype)
-        self.expert_storage = jnp.dtype(jnp.int8) if options.expert_dtype == "int8" else self.dtype  # slots' dtype
+        self.expert_storage = placement_mod.expert_storage(options)  # the host copies' and the slots' dtype
         self.context, self.chunk = context_and_chunk(cfg, options)
         # DeltaNet layers keep the states of the last `ring` positions: more than a window, so a verify window's
         # accepted position and the last request's end (prefix reuse) are still there.
@@ -83,8 +83,7 @@ class Engine:
         self._check_attention_kernel()
         self.delta_kernel = resolve_delta_kernel(options, cfg)
         # All experts resident and one kind of layer: the layers run as one scanned body over stacked weights.
-        self.scanned = (options.layer_loop == "scan" and placement is None and model.can_stack(cfg)
-                        and options.expert_dtype != "int8")  # the scanned body reads float experts only
+        self.scanned = placement is None and scans(cfg, options)
         if self.scanned:
             self.weights = weights = model.stack_layers(weights)
         elif weights.stacked:
@@ -230,7 +229,7 @@ class Engine:
         dtype = jnp.dtype(opts.dtype)
         slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
-        stacked = slots is None and opts.layer_loop == "scan" and model.can_stack(cfg) and not int8
+        stacked = slots is None and scans(cfg, opts)
         weights = model.random_weights(cfg, seed, dtype, place_experts=host.place if host else None,
                                        progress=say if stacked else _progress(say, cfg), stacked=stacked,
                                        expert_format="int8" if int8 else None,
@@ -246,7 +245,7 @@ class Engine:
             if any(cfg.sparse_layers):
                 say(f"expert cache: every expert on the device, offload off ({why})")
             placement = None
-            if opts.layer_loop == "scan" and model.can_stack(cfg) and opts.expert_dtype != "int8":
+            if scans(cfg, opts):
                 # Stacked here, where nothing else holds the loaded arrays: one leaf at a time, the old freed.
                 weights = model.stack_layers(weights, consume=True)
                 say(f"layers: {cfg.num_layers} stacked, one scanned body per window graph (layer_loop=scan)")
@@ -334,7 +333,7 @@ class Engine:
         states = [s for s in self.cache.experts if s is not None]
         total = np.sum([np.asarray(s.counters) for s in states], axis=0)
         out = ExpertStats(**{name: int(v) for name, v in zip(offload.COUNTERS, total)})
-        out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(jnp.dtype(self.expert_storage).itemsize)
+        out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(self.expert_storage.itemsize)
         out.pool_s = self.placement.pool.stats.wall_seconds
         self.placement.pool.stats.reset()
         # A buffer per layer: the graphs donate the cache, and one buffer must not be donated twice.
@@ -642,8 +641,9 @@ class Engine:
                                           delta_kernel=self.delta_kernel == "pallas")
             pos = jnp.int32(0)
             # rows up to the context's end, plus a padded chunk or window and the chained drafts past it
-            self._mtp_cache = mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
-                                                 self.dtype)
+            new_cache = lambda: mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
+                                                   self.dtype)
+            self._mtp_cache = new_cache()
             with self._full_f32():
                 compiled = {("fused", t): fused.lower(self.weights, self.cache, self.mtp, self._mtp_cache,
                                                       jnp.zeros((t,), jnp.int32), pos).compile()
@@ -658,8 +658,7 @@ class Engine:
             for t in sorted({*range(1, self.options.window + 1), self.chunk}):
                 drafter.catch_up(jnp.zeros((t, self.cfg.hidden_size), self.dtype), [], 0, self.options.window - 1)
             del drafter
-            self._mtp_cache = mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
-                                                 self.dtype)
+            self._mtp_cache = new_cache()
             if self.verbose:
                 log(f"graphs: MTP drafting (windows that draft the next one, the prefill chunk returning hidden "
                     f"states) compiled in {time.perf_counter() - t0:.1f} s")
@@ -785,8 +784,7 @@ class Engine:
             stats.drafts_proposed += len(drafts)
             stats.drafts_accepted += accepted
             if mtp and not sampled:
-                vocab = self.cfg.vocab_size
-                next_drafts = [int(d) if 0 <= d < vocab else 0 for d in np.asarray(made)]
+                next_drafts = mtp_mod.draft_tokens(made, self.cfg.vocab_size)
             else:
                 drafter.observe(new)
             pos += len(new)
@@ -959,6 +957,12 @@ def plan_placement(cfg: ModelConfig, opts: EngineOptions):
     kv_bytes = model.cache_bytes(cfg, context + chunk, itemsize, opts.window + 1)
     slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
     return slots, why, (placement_mod.HostExperts(cfg, jnp.dtype(opts.dtype)) if slots is not None else None)
+
+
+def scans(cfg: ModelConfig, opts: EngineOptions) -> bool:
+    """Whether the layers run as one scanned body over stacked weights when every expert is resident: layer_loop
+    scan, one kind of layer, and float experts (the scanned body reads no int8 scales)."""
+    return opts.layer_loop == "scan" and model.can_stack(cfg) and opts.expert_dtype != "int8"
 
 
 def context_and_chunk(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, int]:

@@ -94,6 +94,11 @@ def draft_graph(cfg: ModelConfig, k: int):
     return jax.jit(functools.partial(catch_up_and_draft, cfg=cfg, k=k), donate_argnums=(2,))
 
 
+def draft_tokens(drafts, vocab: int) -> list[int]:
+    """The module's argmax drafts [k] (a device array) as host ints, kept inside the vocabulary."""
+    return [int(d) if 0 <= d < vocab else 0 for d in np.asarray(drafts)]
+
+
 class MTPDrafter:
     """The drafts of a verify window from the MTP module (a drafts.Drafter). The engine hands it the hidden rows of
     every window and prefill chunk (`feed`); `propose` catches its cache up on the rows whose next token is known
@@ -126,6 +131,4 @@ class MTPDrafter:
         if self.pending is None or k <= 0:
             return []
         (hidden, pos), self.pending = self.pending, None
-        drafts = self.catch_up(hidden, self._next, pos, self.k_max)
-        vocab = self.cfg.vocab_size
-        return [int(d) if 0 <= d < vocab else 0 for d in drafts[:k]]
+        return draft_tokens(self.catch_up(hidden, self._next, pos, self.k_max), self.cfg.vocab_size)[:k]

@@ -39,9 +39,15 @@ def non_expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
     return total - cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
 
 
+def expert_storage(opts: EngineOptions) -> np.dtype:
+    """How a routed expert's weights are stored in host memory and the slots: int8 with expert_dtype=int8 (its rows'
+    scales sit on the device, a fraction of a slot), else the compute dtype."""
+    return jnp.dtype(jnp.int8) if opts.expert_dtype == "int8" else jnp.dtype(opts.dtype)
+
+
 def expert_itemsize(opts: EngineOptions) -> int:
-    """Bytes a stored expert weight takes (int8: 1; its rows' scales are on the device, a fraction of a slot)."""
-    return 1 if opts.expert_dtype == "int8" else jnp.dtype(opts.dtype).itemsize
+    """Bytes a stored expert weight takes."""
+    return expert_storage(opts).itemsize
 
 
 def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int) -> tuple[int | None, str]:
