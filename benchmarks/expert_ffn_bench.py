@@ -47,8 +47,9 @@ flags.DEFINE_integer("block_i_down", 256, "Down kernel: I chunk of its loop.", l
 flags.DEFINE_integer("n_split", 4, "Down kernel: programs sharing one column block's experts.", lower_bound=1,
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Triton warps per program (both kernels).", lower_bound=1, flag_values=FLAGS)
-flags.DEFINE_bool("int8", True, "Also time the kernel on int8 experts (strata_jax.quant 'int8', one scale per output "
-                  "row, quantized from the same bf16 experts) beside its own roofline.", flag_values=FLAGS)
+flags.DEFINE_list("formats", ["int8", "int4"], "Also time the kernel on quantized experts (strata_jax.quant 'int8': one "
+                  "scale per output row; 'int4': one per 64 inputs, two weights a byte), quantized from the same bf16 "
+                  "experts, each beside its own roofline; empty: bf16 only.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 3, "Triton pipeline stages (both kernels).", lower_bound=1, flag_values=FLAGS)
 
 ID_SETS = 4  # timed calls rotate over this many [inner, N] slot sets
@@ -96,12 +97,14 @@ def run(s) -> dict:
     up = (jax.random.normal(ku, (slots, inter, hidden), jnp.float32) / np.sqrt(hidden)).astype(jnp.bfloat16)
     down = (jax.random.normal(kd, (slots, hidden, inter), jnp.float32) / np.sqrt(inter)).astype(jnp.bfloat16)
     jax.block_until_ready((gate, up, down))
-    if s.int8:  # the same experts as int8 q and bf16 row scales, on the device
+    quantized = {}  # format -> (q gate, up, down, their scales, bytes an expert's FFN reads)
+    for fmt in s.formats:  # the same experts quantized, on the device
         from strata_jax import quant
-        q8 = [quant.quantize(np.asarray(w, np.float32), "int8") for w in (gate, up, down)]
-        gate8, up8, down8 = (jnp.asarray(qa.q) for qa in q8)
-        scales8 = tuple(jnp.asarray(qa.scale[..., 0]) for qa in q8)  # [S, I], [S, I], [S, H]
-        int8_expert_bytes = 3 * inter * hidden + 2 * (2 * inter + hidden)
+        if fmt not in quant.ENGINE_FORMATS:
+            raise ValueError(f"--formats: {fmt!r} is not one of {', '.join(quant.ENGINE_FORMATS)}")
+        qs = [quant.quantize(np.asarray(w, np.float32), fmt) for w in (gate, up, down)]
+        quantized[fmt] = (tuple(jnp.asarray(qa.q) for qa in qs), tuple(jnp.asarray(quant.engine_scale(qa)) for qa in qs),
+                          sum(qa.nbytes for qa in qs) // slots)
 
     def xla_op(x, g, u, d, ids, combine):
         ids = jnp.maximum(ids, 0)
@@ -118,8 +121,8 @@ def run(s) -> dict:
         return f
 
     paths = dict(xla=looped(xla_op), pallas=looped(pallas_op))
-    if s.int8:
-        paths["pallas_int8"] = looped(lambda x, g, u, d, ids, c: pallas_op(x, g, u, d, ids, c, *scales8))
+    for fmt, (_, scales, _) in quantized.items():
+        paths[f"pallas_{fmt}"] = looped(lambda x, g, u, d, ids, c, sc=scales: pallas_op(x, g, u, d, ids, c, *sc))
     rng = np.random.default_rng(s.seed)
     result = dict(benchmark="expert_ffn_bench", settings={name: getattr(s, name) for name in FLAGS}, device=dev,
                   bandwidth=bw, interpret=interpret, expert_bytes=expert_bytes, tuning=tuning,
@@ -149,7 +152,7 @@ def run(s) -> dict:
         row = dict(T=t, distinct_experts=n, bytes=n * expert_bytes, max_rel_err=err, fro_rel_err=err_fro)
         for name, f in paths.items():
             common.progress(f"T={t}: {name}: compiling, then {s.warmup} warm-up + {s.iters} timed calls")
-            w = (gate8, up8, down8) if name == "pallas_int8" else (gate, up, down)
+            w = quantized[name[7:]][0] if name[7:] in quantized else (gate, up, down)
             timing = common.time_synced(lambda i: f(x, *w, id_sets[i % ID_SETS], combine),
                                         iters=s.iters, warmup=s.warmup)
             row[f"{name}_us"] = timing.median_ms * 1e3 / s.inner
@@ -157,14 +160,14 @@ def run(s) -> dict:
         row["roofline_us"] = row["bytes"] / bandwidth * 1e6
         for name in ("xla", "pallas"):
             row[f"{name}_roofline_fraction"] = row["roofline_us"] / row[f"{name}_us"]
-        if s.int8:
-            row["int8_bytes"] = n * int8_expert_bytes
-            row["int8_roofline_us"] = row["int8_bytes"] / bandwidth * 1e6
-            row["pallas_int8_roofline_fraction"] = row["int8_roofline_us"] / row["pallas_int8_us"]
-            out8 = pallas_op(x, gate8, up8, down8, ids0, combine, *scales8)
-            ref8 = kernel.expert_ffn_reference(x, gate8, up8, down8, ids0, combine, *scales8)
-            row["int8_max_rel_err"] = float(jnp.max(jnp.abs(out8 - ref8)) / jnp.max(jnp.abs(ref8)))
-            row["int8_vs_bf16_rel"] = float(jnp.linalg.norm(out8 - ref) / jnp.linalg.norm(ref))
+        for fmt, (qw, scales, q_expert_bytes) in quantized.items():
+            row[f"{fmt}_bytes"] = n * q_expert_bytes
+            row[f"{fmt}_roofline_us"] = row[f"{fmt}_bytes"] / bandwidth * 1e6
+            row[f"pallas_{fmt}_roofline_fraction"] = row[f"{fmt}_roofline_us"] / row[f"pallas_{fmt}_us"]
+            out_q = pallas_op(x, *qw, ids0, combine, *scales)
+            ref_q = kernel.expert_ffn_reference(x, *qw, ids0, combine, *scales)
+            row[f"{fmt}_max_rel_err"] = float(jnp.max(jnp.abs(out_q - ref_q)) / jnp.max(jnp.abs(ref_q)))
+            row[f"{fmt}_vs_bf16_rel"] = float(jnp.linalg.norm(out_q - ref) / jnp.linalg.norm(ref))
         result["rows"].append(row)
         common.progress(f"T={t}: N={n}, XLA {row['xla_us']:.1f} us, Pallas {row['pallas_us']:.1f} us, roofline "
                         f"{row['roofline_us']:.1f} us, max rel err {err:.2e}")
@@ -177,11 +180,11 @@ def run(s) -> dict:
     rows = [[r["T"], r["distinct_experts"], r["bytes"] / 1e6, r["xla_us"], r["pallas_us"], r["roofline_us"],
              100 * r["xla_roofline_fraction"], 100 * r["pallas_roofline_fraction"], r["max_rel_err"]]
             for r in result["rows"]]
-    if s.int8:
-        headers += ["int8 Pallas us", "int8 roofline us", "int8 % of roofline", "int8 vs bf16 rel"]
+    for fmt in quantized:
+        headers += [f"{fmt} Pallas us", f"{fmt} roofline us", f"{fmt} % of roofline", f"{fmt} vs bf16 rel"]
         for row, r in zip(rows, result["rows"]):
-            row += [r["pallas_int8_us"], r["int8_roofline_us"], 100 * r["pallas_int8_roofline_fraction"],
-                    r["int8_vs_bf16_rel"]]
+            row += [r[f"pallas_{fmt}_us"], r[f"{fmt}_roofline_us"], 100 * r[f"pallas_{fmt}_roofline_fraction"],
+                    r[f"{fmt}_vs_bf16_rel"]]
     result["table"] = common.format_table(headers, rows)
     say(result["table"])
     say()

@@ -154,14 +154,15 @@ done
 step kl_arms "${KL_LIMIT_S:-420}" "$PY" -m benchmarks.kl_arms --cache_dir="$JIT_CACHE" --cpu_threads="${CPU_THREADS:-0}" \
   --json="$OUT/kl_arms.json"
 
-# int8 experts (issue 16): the generate loop at the 30B shape cut to OFFLOAD layers, bf16 and int8 experts at 50% and
-# 25% of the experts in slots (PCIe fetches only), then the gpu-marked int8 tests (the kernel inside the engine).
-for ed in auto int8; do
-  step "offload_experts_$ed" "${INT8_LIMIT_S:-300}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b \
-    --dtype=bfloat16 --expert_dtype=$ed --slot_fracs=0.5,0.25 --pcie_fracs=1 --cache_dir="$JIT_CACHE" \
-    --json="$OUT/offload_experts_$ed.json" ${INT8_ARGS:-}
+# Quantized experts (issue 16): the generate loop at the 30B shape cut to OFFLOAD layers, bf16, int8 and int4 experts
+# at 50% and 25% of the experts in slots (PCIe fetches only), one step each in one call; then the gpu-marked
+# quantized tests (the kernels inside the engine).
+for ed in auto int8 int4; do
+  step "offload_experts_$ed" "${QUANT_LIMIT_S:-300}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b \
+    --dtype=bfloat16 --expert_dtype=$ed --slot_fracs=${QUANT_FRACS:-0.5,0.25} --pcie_fracs=${QUANT_PCIE:-1} \
+    --cache_dir="$JIT_CACHE" --json="$OUT/offload_experts_$ed.json" ${QUANT_ARGS:-}
 done
-step int8_gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests/test_quant.py
+step quant_gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests/test_quant.py
 
 echo
 echo "=== steps"

@@ -64,8 +64,9 @@ flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Array size of the device_put and memcpy bandwidth copies in MiB (0 = 1024 on an "
                      "accelerator, 64 on CPU).", lower_bound=0, flag_values=FLAGS)
-flags.DEFINE_enum("expert_dtype", "auto", ["auto", "int8"], "The engine option: int8 experts (quantized as the "
-                  "random weights are made: a byte a weight in host memory, slots and PCIe fetches).",
+flags.DEFINE_enum("expert_dtype", "auto", ["auto", "int8", "int4"], "The engine option: int8 / int4 experts "
+                  "(quantized as the random weights are made: a byte / half a byte a weight in host memory, slots "
+                  "and PCIe fetches).",
                   flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FFN of every engine (the engine option; "
                   "pallas: bf16 on a GPU).", flag_values=FLAGS)
@@ -229,8 +230,9 @@ def run(s) -> dict:
     if s.prompt_len + s.new_tokens > s.context:
         raise StrataError(f"--prompt_len={s.prompt_len} + --new_tokens={s.new_tokens} exceed --context={s.context}")
     dtype = jnp.dtype(s.dtype)
-    int8 = s.expert_dtype == "int8"
-    itemsize = 1 if int8 else dtype.itemsize  # bytes a stored expert weight takes (int8: its scales on the device)
+    expert_format = placement_mod.expert_format(build(EngineOptions, dict(expert_dtype=s.expert_dtype)))
+    # bytes a stored expert weight takes (int8 1, int4 0.5: their scales on the device)
+    itemsize = placement_mod.expert_itemsize(build(EngineOptions, dict(dtype=s.dtype, expert_dtype=s.expert_dtype)))
     e, k, n_moe, n_layers = cfg.num_experts, cfg.num_experts_per_tok, cfg.num_sparse_layers, cfg.num_layers
     ebytes = cfg.expert_bytes(itemsize)
     experts_total = n_moe * e * ebytes
@@ -258,7 +260,7 @@ def run(s) -> dict:
     say = common.say
     say(f"offload_bench: {s.model}, {n_layers} layers ({n_moe} MoE, {e} experts top-{k}, H={cfg.hidden_size}, "
         f"expert I={cfg.moe_intermediate_size}, V={cfg.vocab_size}), {s.dtype}"
-        f"{', int8 experts (one scale a row)' if int8 else ''}; experts "
+        f"{f', {expert_format} experts' if expert_format else ''}; experts "
         f"{common.fmt_bytes(experts_total)} ({common.fmt_bytes(ebytes)} each)")
     say(f"device: {dev['device_kind']} ({dev['platform']}, {dev['device_count']} device(s)); jax {dev['jax']}, "
         f"python {dev['python']}; host RAM {common.fmt_bytes(ram) if ram else '?'}, {usable_cores()} usable cores, "
@@ -310,7 +312,7 @@ def run(s) -> dict:
 
     common.progress(f"making random {s.dtype} weights (seed {s.seed}); experts to {host_kind} memory + a numpy copy")
     weights = model.random_weights(cfg, s.seed, dtype, place_experts=host.place, progress=weights_progress,
-                                   expert_format="int8" if int8 else None, place_scales=host.place_scale)
+                                   expert_format=expert_format, place_scales=host.place_scale)
     jax.block_until_ready(weights)
     result["weights_made_s"] = time.perf_counter() - t0
     result["weight_bytes"] = model.param_bytes(weights)

@@ -4,6 +4,7 @@ weights: KL(base || format), top-1 agreement, perplexity, beside the stored bits
 the Qwen3-30B-A3B shape would take in host RAM.
 
     python -m benchmarks.quant_quality --models=reference,reference-next --json=out/quant_quality.json
+    python -m benchmarks.quant_quality --formats= --kv_dtype=int8    # the int8 KV cache alone (kv_dtype=int8)
 
 A quality study ahead of the engine's `expert_dtype` (issue 16): the weights here are dequantized to float32 before
 the forward, so it measures what the formats lose, not their speed or memory. The forward is the engine's prefill
@@ -28,6 +29,8 @@ flags.DEFINE_string("models", "reference,reference-next", "Models, comma-separat
                     "folders.", flag_values=FLAGS)
 flags.DEFINE_string("formats", "int8,int4-g32,int4,int4-g128,int4-asym,int3,int2", "Formats, comma-separated "
                     "(strata_jax.quant.FORMATS).", flag_values=FLAGS)
+flags.DEFINE_string("kv_dtype", "", "Also a row for the engine's KV cache stored this way (int8: kv_dtype=int8, "
+                    "the experts unquantized), against the unquantized cache; '' = none.", flag_values=FLAGS)
 flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "offload.py"), "The known text.", flag_values=FLAGS)
 flags.DEFINE_integer("positions", 1200, "Positions scored.", lower_bound=2, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
@@ -134,6 +137,18 @@ def run(s) -> dict:
             rows.append([name, fmt.name, bpw, row["weight_rel_err"], m["kl_mean"], m["kl_p99"], m["top1"],
                          m["ppl"], base_ppl, host_gb])
             common.progress(f"{name} {fmt.name}: KL {m['kl_mean']:.4f}, top-1 {m['top1']:.3f} "
+                            f"({time.perf_counter() - t0:.0f} s)")
+        if s.kv_dtype:  # the same prefill path with the KV cache quantized as written (experts as the checkpoint)
+            t0 = time.perf_counter()
+            kv_eng = Engine.from_pretrained(name, verbose=False, expert_cache_slots="all", dtype="float32",
+                                            cache_dir=s.cache_dir, kv_dtype=s.kv_dtype)
+            m = compare(base, kv_eng.prefill_logits(ids[:-1]), targets)
+            del kv_eng
+            row = dict(model=name, format=f"kv {s.kv_dtype}", applicable=True, base_ppl=base_ppl, **m)
+            result["rows"].append(row)
+            rows.append([name, f"kv {s.kv_dtype}", "-", "-", m["kl_mean"], m["kl_p99"], m["top1"], m["ppl"],
+                         base_ppl, "-"])
+            common.progress(f"{name} kv {s.kv_dtype}: KL {m['kl_mean']:.6f}, top-1 {m['top1']:.3f} "
                             f"({time.perf_counter() - t0:.0f} s)")
     headers = ["model", "format", "bits/weight", "weight rel err", "KL mean", "KL p99", "top-1", "perplexity",
                "bf16 perplexity", "30B experts GB"]

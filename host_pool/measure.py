@@ -1,10 +1,13 @@
-"""Pool throughput for a Qwen3-30B-A3B-sized layer job vs a plain memory copy.
+"""Pool throughput for a Qwen3-30B-A3B-sized layer job, per store format, vs a plain memory copy.
 
-    python -m host_pool.measure [--threads N] [--blas-threads K] [--experts 8]
+    python -m host_pool.measure [--threads N] [--blas-threads K] [--experts 8] [--formats bf16,int8,int4]
 
-GB/s = expert weight bytes read / wall time of the layer job (bf16 stores count
-2 bytes a weight, so compare ms/job across formats). Experts are drawn from a
-larger store (--store-experts) so weights come from DRAM, not cache.
+One row per format and window size T: ms per layer job, ms per expert (the job's
+wall time / its experts), GB/s = expert weight bytes read (q and scales for
+int8 / int4) / wall time, so compare ms across formats. Experts are drawn from a
+larger store (--store-experts) so weights come from DRAM, not cache. int8 and
+int4 weights are random q and scales (the arithmetic's speed does not depend on
+their values).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from host_pool import pool as pool_module
 from host_pool import store as store_module
 from host_pool.pool import HostPool
 from host_pool.store import BF16, HostExpertStore
+
+FORMATS = ("float32", "bf16", "bf16-f32-once", "int8", "int4")
+INT4_GROUP = 64  # strata_jax/quant.py "int4"
 
 
 def copy_gbps(nbytes: int, repeats: int) -> float:
@@ -51,6 +57,27 @@ def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int, 
             best.jobs // best.calls)
 
 
+def make_store(fmt: str, rng, E: int, H: int, I: int) -> tuple[str, HostExpertStore]:
+    """(row label, a one-layer store of E experts in format `fmt`)."""
+    shapes = ((E, I, H), (E, I, H), (E, H, I))  # gate, up, down: [E, out, in]
+    if fmt == "int8":  # q and one scale per output row
+        q = [rng.integers(-127, 128, shape, dtype=np.int8) for shape in shapes]
+        scales = [(rng.random(shape[:2], dtype=np.float32) * 1e-3).astype(BF16) for shape in shapes]
+        return "int8 (row scales)", HostExpertStore([(*q, *scales)])
+    if fmt == "int4":  # packed two a byte, one bf16 scale per (output row, group)
+        q = [rng.integers(0, 256, (e, o, i // 2), dtype=np.uint8) for e, o, i in shapes]
+        scales = [(rng.random((e, o, i // INT4_GROUP), dtype=np.float32) * 1e-2).astype(BF16)
+                  for e, o, i in shapes]
+        return f"int4 (groups of {INT4_GROUP})", HostExpertStore([(*q, *scales)])
+    weights = [0.02 * rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+    if fmt == "float32":
+        return "float32", HostExpertStore([tuple(weights)])
+    weights = [a.astype(BF16) for a in weights]
+    if fmt == "bf16":
+        return "bf16 (convert per chunk)", HostExpertStore([tuple(weights)])
+    return "bf16 -> f32 once", HostExpertStore([tuple(weights)], bf16_as_f32=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=pool_module.usable_cores())
@@ -62,34 +89,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--jobs-per-thread", type=int, default=pool_module.JOBS_PER_THREAD)
     parser.add_argument("--chunk-kb", type=int, default=store_module.CHUNK_FLOATS * 4 // 1024,
-                        help="float32 scratch per bf16 conversion chunk")
+                        help="float32 scratch per conversion chunk (bf16, int8, int4)")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
     args = parser.parse_args()
     pool_module.JOBS_PER_THREAD = args.jobs_per_thread
     store_module.CHUNK_FLOATS = args.chunk_kb * 1024 // 4
 
+    formats = args.formats.split(",")
+    if unknown := set(formats) - set(FORMATS):
+        parser.error(f"unknown formats {sorted(unknown)}; known: {', '.join(FORMATS)}")
     E, H, I = args.store_experts, args.hidden, args.intermediate
     rng = np.random.default_rng(0)
-    weights32 = [(0.02 * rng.standard_normal(shape, dtype=np.float32))
-                 for shape in ((E, I, H), (E, I, H), (E, H, I))]
-    weights16 = [a.astype(BF16) for a in weights32]
-    stores = {
-        "float32": HostExpertStore([tuple(weights32)]),
-        "bf16 (convert per chunk)": HostExpertStore([tuple(weights16)]),
-        "bf16 -> f32 once": HostExpertStore([tuple(weights16)], bf16_as_f32=True),
-    }
     blas_threads = None if args.blas_threads < 0 else args.blas_threads
 
     print(f"threads {args.threads}, BLAS threads {blas_threads or 'default'}, "
           f"{args.experts} experts of H={H} I={I}, jobs/thread {args.jobs_per_thread}, "
-          f"bf16 chunk {args.chunk_kb} KB")
-    print(f"{'store format':26s} {'store MB':>9s} {'T':>2s} {'ms/job':>8s} {'GB/s':>7s} {'jobs':>5s}")
-    for name, store in stores.items():
+          f"conversion chunk {args.chunk_kb} KB")
+    print(f"{'store format':26s} {'store MB':>9s} {'T':>2s} {'ms/job':>8s} {'ms/expert':>9s} {'GB/s':>7s} {'jobs':>5s}")
+    for fmt in formats:
+        name, store = make_store(fmt, rng, E, H, I)  # one at a time: only its weights in memory
         pool = HostPool(store, threads=args.threads, blas_threads=blas_threads)
         host_mb = store.nbytes(0, 0) * E / 1e6
         for T in (1, 4):
             ms, gbps, jobs = pool_row(pool, rng, T, args.experts, H, args.repeats)
-            print(f"{name:26s} {host_mb:9.0f} {T:2d} {ms:8.2f} {gbps:7.2f} {jobs:5d}")
+            print(f"{name:26s} {host_mb:9.0f} {T:2d} {ms:8.2f} {ms / args.experts:9.3f} {gbps:7.2f} {jobs:5d}")
         pool.close()
+        del pool, store
     print(f"{'np.copyto 512 MB (1 thread)':26s} {'':9s} {'':2s} {'':8s} {copy_gbps(512 << 20, 5):7.2f}")
 
 

@@ -131,8 +131,8 @@ class HostPool:
         self.store = store
         self.threads = threads or usable_cores()
         self.timeout_s = timeout_s
-        # bf16 experts: round where the device rounds (g, u, h and each expert's output), so an expert's rows do
-        # not depend on where it ran beyond float32 summation order.
+        # bf16 compute (bf16 experts; int8 and int4 by default): round where the device rounds (g, u, h and each
+        # expert's output), so an expert's rows do not depend on where it ran beyond float32 summation order.
         self.round_bf16 = store.compute_dtype == BF16
         self.stats = PoolStats()
         self._lock = threading.Lock()       # guards stats, faults, generation
@@ -472,21 +472,12 @@ class HostPool:
         t0 = time.perf_counter()
         nbytes = 0
         for (expert, tokens, ks), hT in zip(groups, hTs):
-            down_rows = self.store.down[layer][expert, r0:r1]  # [R, I]
-            nbytes += down_rows.nbytes
-            for c0, down in row_chunks_f32(down_rows):
+            down_rows = self.store.expert_rows("down", layer, expert, r0, r1)  # [R, I] (int4 [R, I/2]), scales
+            nbytes += _nbytes(down_rows)
+            for c0, down, scale in row_chunks_f32(*down_rows):
                 c1 = r0 + c0 + len(down)
-                y = self._scaled(down @ hT, self.store.down_scale[layer], expert, r0 + c0)
-                rows[tokens, ks, r0 + c0:c1] = self._round(y).T  # [n, c], each entry's expert output
+                rows[tokens, ks, r0 + c0:c1] = self._round(_scaled(down @ hT, scale)).T  # [n, c], each entry's output
         return time.perf_counter() - t0, nbytes
-
-    @staticmethod
-    def _scaled(product: np.ndarray, scale: np.ndarray | None, expert: int, row0: int) -> np.ndarray:
-        """int8 experts: a [c, T] product of q rows row0.. scaled by their rows' scales (before any rounding, as
-        the device's kernels scale)."""
-        if scale is None:
-            return product
-        return product * scale[expert, row0:row0 + len(product)][:, None]
 
     def _round(self, a: np.ndarray) -> np.ndarray:
         """a rounded to bf16 (kept in float32) when the experts are bf16, as the device's products round."""
@@ -496,16 +487,15 @@ class HostPool:
         """hT_n[r0:r1] = silu(g) * u, g = gate[r0:r1] @ xT, u = up[r0:r1] @ xT (bf16: g, u and the result rounded)."""
         t0 = time.perf_counter()
         _injected_fault(fault, generation)
-        gate_rows = self.store.gate[layer][expert, r0:r1]  # [R, H]
-        up_rows = self.store.up[layer][expert, r0:r1]      # [R, H]
-        out = hT_n[r0:r1]                                   # [R, T] view
-        store = self.store
-        for (c0, gate), (_, up) in zip(row_chunks_f32(gate_rows), row_chunks_f32(up_rows)):
-            g = self._round(self._scaled(gate @ xT, store.gate_scale[layer], expert, r0 + c0))  # [c, T]
-            u = self._round(self._scaled(up @ xT, store.up_scale[layer], expert, r0 + c0))      # [c, T]
+        gate_rows = self.store.expert_rows("gate", layer, expert, r0, r1)  # [R, H] (int4 [R, H/2]), scales
+        up_rows = self.store.expert_rows("up", layer, expert, r0, r1)      # [R, H] (int4 [R, H/2]), scales
+        out = hT_n[r0:r1]                                                   # [R, T] view
+        for (c0, gate, gate_s), (_, up, up_s) in zip(row_chunks_f32(*gate_rows), row_chunks_f32(*up_rows)):
+            g = self._round(_scaled(gate @ xT, gate_s))  # [c, T]
+            u = self._round(_scaled(up @ xT, up_s))      # [c, T]
             # silu(g) = g * sigmoid(g); tanh form does not overflow.
             out[c0:c0 + len(gate)] = self._round(g * (0.5 + 0.5 * np.tanh(0.5 * g)) * u)
-        return time.perf_counter() - t0, gate_rows.nbytes + up_rows.nbytes
+        return time.perf_counter() - t0, _nbytes(gate_rows) + _nbytes(up_rows)
 
     def _down_job(self, layer, experts, weights, hT, yT, r0, r1):
         """yT[r0:r1] = sum_n weights[:, n] * (down[e_n, r0:r1] @ hT[n]) (bf16: each expert's output rounded first,
@@ -514,13 +504,24 @@ class HostPool:
         out = yT[r0:r1]  # [R, T] view, zeros
         nbytes = 0
         for n, expert in enumerate(experts):
-            down_rows = self.store.down[layer][expert, r0:r1]  # [R, I]
-            nbytes += down_rows.nbytes
-            w_n = weights[:, n][None, :]                      # [1, T]
-            for c0, down in row_chunks_f32(down_rows):
-                y = self._scaled(down @ hT[n], self.store.down_scale[layer], expert, r0 + c0)
-                out[c0:c0 + len(down)] += self._round(y) * w_n  # [c, T]
+            down_rows = self.store.expert_rows("down", layer, expert, r0, r1)  # [R, I] (int4 [R, I/2]), scales
+            nbytes += _nbytes(down_rows)
+            w_n = weights[:, n][None, :]                                       # [1, T]
+            for c0, down, scale in row_chunks_f32(*down_rows):
+                out[c0:c0 + len(down)] += self._round(_scaled(down @ hT[n], scale)) * w_n  # [c, T]
         return time.perf_counter() - t0, nbytes
+
+
+def _scaled(product: np.ndarray, row_scales: np.ndarray | None) -> np.ndarray:
+    """A [c, T] product of a row chunk times its rows' scales [c, 1] (int8: before any rounding, as the device's
+    kernels scale); other formats come back as they are (int4's blocks are dequantized already)."""
+    return product if row_scales is None else product * row_scales
+
+
+def _nbytes(expert_rows: tuple) -> int:
+    """Bytes of a `HostExpertStore.expert_rows` slice: stored rows and their scales."""
+    rows, scales = expert_rows
+    return rows.nbytes + (0 if scales is None else scales.nbytes)
 
 
 def _injected_fault(fault: str | None, generation: _Generation) -> None:

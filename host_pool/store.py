@@ -11,9 +11,20 @@ Format choice: weights stay in the dtype they are given, without a copy.
     layer job takes 7.7 ms (T=1) / 8.2 ms (T=4) from bf16 converted per
     chunk vs 5.5 / 9.7 ms from bf16 converted once to float32. With more
     cores sharing DRAM, reading half the bytes should matter more.
+  * int8 (one scale per output row) and int4 (strata_jax/quant.py "int4": two
+    to a byte, a scale per group of inputs) stay packed; jobs widen the same
+    row chunks to float32 (int4: dequantized exactly, nibble - 8 times its
+    group's scale) and BLAS reads them. int4 is slower than bf16 here: its
+    dequantization is five numpy passes over a chunk to bf16's one cast
+    (`_dequantize_int4`). Measured on the same 2-core VM (other jobs
+    running; `python -m host_pool.measure --formats bf16,int8,int4`): a layer
+    job takes 18 / 24 ms (T=1 / 4) from bf16, 18 / 23 ms from int8 and
+    69 / 70 ms from int4. Matching bf16 would need a compiled kernel.
 """
 
 from __future__ import annotations
+
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -21,6 +32,7 @@ import numpy as np
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 I8 = np.dtype(np.int8)
+U8 = np.dtype(np.uint8)  # int4: two packed to a byte
 
 # Floats converted at a time: 1 MB of float32 scratch, about one core's L2.
 # Measured (2-core EPYC, 1 MB L2): 256 KB chunks -> 5.9 GB/s, 512 KB -> 7.9,
@@ -35,39 +47,53 @@ class HostExpertStore:
     `bf16_as_f32=True` converts bf16 weights to float32 once (doubles memory;
     kept only to measure against the default).
 
-    int8 experts (strata_jax/quant.py "int8"): a layer is (gate, up, down,
-    gate_scale [E, I], up_scale [E, I], down_scale [E, H]) with int8 q and one
-    float scale per output row; `compute_dtype` (float32 or bfloat16) says how
-    the pool rounds, as the device's graphs do.
+    Quantized experts (strata_jax/quant.py) come as (gate, up, down,
+    gate_scale, up_scale, down_scale), the scales float32 or bfloat16 (kept
+    as float32 here):
+      * int8: int8 q as above, one scale per output row: [E, I], [E, I], [E, H].
+      * int4: uint8 packed two to a byte within each group of inputs (GGUF
+        Q4_0's order, q + 8 in a nibble): gate, up [E, I, H/2], down
+        [E, H, I/2]; a scale per (output row, group): [E, I, H/g], [E, I, H/g],
+        [E, H, I/g] (g = 64 for "int4"; the group is read off the scales).
+    `compute_dtype` (float32 or bfloat16; default bf16 for quantized experts)
+    says how the pool rounds, as the device's graphs do.
     """
 
     def __init__(self, layers: list[tuple[np.ndarray, ...]], bf16_as_f32: bool = False,
                  compute_dtype: np.dtype | None = None):
-        self.gate: list[np.ndarray] = []  # per layer [E, I, H]
-        self.up: list[np.ndarray] = []    # per layer [E, I, H]
-        self.down: list[np.ndarray] = []  # per layer [E, H, I]
-        # int8: per layer the rows' scales as float32 [E, I], [E, I], [E, H]; None for float experts
+        self.gate: list[np.ndarray] = []  # per layer [E, I, H] (int4: [E, I, H/2])
+        self.up: list[np.ndarray] = []    # per layer [E, I, H] (int4: [E, I, H/2])
+        self.down: list[np.ndarray] = []  # per layer [E, H, I] (int4: [E, H, I/2])
+        # Quantized experts: per layer their scales as float32, int8 [E, I], [E, I], [E, H]; int4 [E, I, H/g],
+        # [E, I, H/g], [E, H, I/g]. None for float experts.
         self.gate_scale: list[np.ndarray | None] = []
         self.up_scale: list[np.ndarray | None] = []
         self.down_scale: list[np.ndarray | None] = []
         dtypes = set()
         for index, (gate, up, down, *scales) in enumerate(layers):
-            if gate.dtype not in (F32, BF16, I8):
-                raise TypeError(f"layer {index}: expert dtype {gate.dtype}, want float32, bfloat16 or int8")
-            if (gate.dtype == I8) != (len(scales) == 3):
-                raise TypeError(f"layer {index}: int8 experts come with three scale arrays (and float ones with none)")
-            if scales:
-                E, I, H = gate.shape
-                if scales[0].shape != (E, I) or scales[1].shape != (E, I) or scales[2].shape != (E, H):
-                    raise ValueError(f"layer {index}: scale shapes {[x.shape for x in scales]}")
-                scales = [np.ascontiguousarray(x, F32) for x in scales]
-            for lst, x in zip((self.gate_scale, self.up_scale, self.down_scale), scales or (None,) * 3):
-                lst.append(x)
+            if gate.dtype not in (F32, BF16, I8, U8):
+                raise TypeError(f"layer {index}: expert dtype {gate.dtype}, want float32, bfloat16, int8 or "
+                                "uint8 (packed int4)")
             if not gate.dtype == up.dtype == down.dtype:
                 raise TypeError(f"layer {index}: gate/up/down dtypes differ")
-            E, I, H = gate.shape
-            if up.shape != (E, I, H) or down.shape != (E, H, I):
-                raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}")
+            quantized = gate.dtype in (I8, U8)
+            if quantized != (len(scales) == 3):
+                raise TypeError(f"layer {index}: int8 and int4 experts come with three scale arrays (and float "
+                                "ones with none)")
+            if gate.ndim != 3 or up.ndim != 3 or down.ndim != 3:
+                raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}, "
+                                 "want [E, out, in]")
+            E, I, H = gate.shape[0], gate.shape[1], down.shape[1]
+            packed = 2 if gate.dtype == U8 else 1  # inputs per stored element
+            if (gate.shape[2] * packed != H or up.shape != gate.shape
+                    or down.shape != (E, H, I // packed) or I % packed):
+                raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}"
+                                 + (" (int4: packed [E, out, in/2])" if packed == 2 else ""))
+            if quantized:
+                scales = [np.ascontiguousarray(x, F32) for x in scales]
+                _check_scales(index, gate.dtype, scales, E, I, H)
+            for lst, x in zip((self.gate_scale, self.up_scale, self.down_scale), scales or (None,) * 3):
+                lst.append(x)
             if bf16_as_f32 and gate.dtype == BF16:
                 gate, up, down = (a.astype(F32) for a in (gate, up, down))
             # Contiguous rows let jobs slice without copies; no copy if already so.
@@ -77,9 +103,16 @@ class HostExpertStore:
             dtypes.add(self.gate[-1].dtype)
         if len(dtypes) > 1:
             raise TypeError(f"layers mix dtypes {sorted(map(str, dtypes))}")
-        self.dtype: np.dtype = dtypes.pop() if dtypes else F32
+        self.dtype: np.dtype = dtypes.pop() if dtypes else F32  # as stored: uint8 for int4
+        self.format = {F32: "float32", BF16: "bfloat16", I8: "int8", U8: "int4"}[self.dtype]
         self.compute_dtype = np.dtype(compute_dtype) if compute_dtype is not None else (
-            BF16 if self.dtype == I8 else self.dtype)
+            BF16 if self.dtype in (I8, U8) else self.dtype)
+
+    def expert_rows(self, which: str, layer: int, expert: int, r0: int, r1: int):
+        """Rows r0:r1 of one expert's "gate", "up" or "down" weight: (stored rows [R, in] (int4: [R, in/2]),
+        their scales (int8 [R], int4 [R, G]) or None): what `row_chunks_f32` takes."""
+        scales = getattr(self, which + "_scale")[layer]
+        return getattr(self, which)[layer][expert, r0:r1], None if scales is None else scales[expert, r0:r1]
 
     @property
     def num_layers(self) -> int:
@@ -89,14 +122,16 @@ class HostExpertStore:
         return self.gate[layer].shape[0]
 
     def hidden_size(self, layer: int) -> int:
-        return self.gate[layer].shape[2]
+        return self.down[layer].shape[1]  # not gate's last axis: int4 packs it
 
     def intermediate_size(self, layer: int) -> int:
         return self.gate[layer].shape[1]
 
     def nbytes(self, layer: int, expert: int) -> int:
-        """Bytes of weights one expert's FFN reads (gate + up + down; int8: q, the scales are float32 here)."""
-        return self.gate[layer][expert].nbytes * 3
+        """Bytes of weights one expert's FFN reads (gate + up + down; quantized: q and the scales, float32 here)."""
+        scales = sum(x[layer][expert].nbytes for x in (self.gate_scale, self.up_scale, self.down_scale)
+                     if x[layer] is not None)
+        return self.gate[layer][expert].nbytes * 3 + scales
 
     @property
     def total_nbytes(self) -> int:
@@ -105,20 +140,128 @@ class HostExpertStore:
         return scales + sum(g.nbytes + u.nbytes + d.nbytes for g, u, d in zip(self.gate, self.up, self.down))
 
 
-def row_chunks_f32(rows: np.ndarray):
-    """Yield (row_offset, float32 block) over a [R, C] weight slice.
+def _check_scales(index: int, dtype: np.dtype, scales: list[np.ndarray], E: int, I: int, H: int) -> None:
+    """int8: a scale per output row; int4: per (output row, group), groups of a multiple of 16 inputs (whole
+    8-byte words of packed nibbles per half group, see `_dequantize_int4`)."""
+    if dtype == I8:
+        if [x.shape for x in scales] != [(E, I), (E, I), (E, H)]:
+            raise ValueError(f"layer {index}: int8 scale shapes {[x.shape for x in scales]}, want "
+                             f"{[(E, I), (E, I), (E, H)]}")
+        return
+    for name, scale, (out_dim, in_dim) in zip(("gate", "up", "down"), scales, ((I, H), (I, H), (H, I))):
+        groups = scale.shape[2] if scale.ndim == 3 else 0
+        if scale.shape[:2] != (E, out_dim) or groups == 0 or in_dim % groups or (in_dim // groups) % 16:
+            raise ValueError(f"layer {index}: int4 {name}_scale shape {scale.shape}, want [{E}, {out_dim}, G] "
+                             f"with G groups of a multiple of 16 of the {in_dim} inputs")
 
-    float32 slices come back whole (BLAS reads them in place); bf16 (and int8)
-    is converted chunk by chunk into one reused cache-sized scratch buffer, so
-    the caller must use each block before taking the next.
+
+def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None):
+    """Yield (row_offset, float32 block [c, in], row scales [c, 1] or None) over a [R, ...] weight slice.
+
+    float32 slices come back whole (BLAS reads them in place); bf16, int8 and
+    int4 are widened chunk by chunk into one cache-sized scratch buffer (the
+    thread's own, reused), so the caller must use each block before taking
+    the next. The block times x is the weights' product once scaled by the
+    third item:
+      * int8 (rows int8 [R, in], scales [R]): the block holds q; each row's
+        scale comes back (the product is scaled, as the device's kernels do).
+      * int4 (rows uint8 [R, in/2], scales [R, G]): the block holds the
+        exactly dequantized weights (nibble - 8) * scale; None comes back.
     """
     if rows.dtype == F32:
-        yield 0, rows
+        yield 0, rows, None
         return
-    R, C = rows.shape
+    R = rows.shape[0]
+    int4 = rows.dtype == U8
+    C = rows.shape[1] * (2 if int4 else 1)
     step = max(1, CHUNK_FLOATS // C)
-    scratch = np.empty((min(step, R), C), F32)
-    for r0 in range(0, R, step):
-        block = scratch[: min(step, R - r0)]
-        np.copyto(block, rows[r0 : r0 + step], casting="unsafe")  # bf16 -> f32, exact
-        yield r0, block
+    work = _ChunkWork.take(min(step, R), C, int4)
+    try:
+        for r0 in range(0, R, step):
+            block = work.block[: min(step, R - r0)]
+            if int4:
+                _dequantize_int4(rows[r0 : r0 + step], scales[r0 : r0 + step], block, work)
+                yield r0, block, None
+            else:
+                np.copyto(block, rows[r0 : r0 + step], casting="unsafe")  # bf16 / int8 -> f32, exact
+                yield r0, block, None if scales is None else scales[r0 : r0 + len(block), None]
+    finally:  # also when the caller drops the generator early (zip stops at the shorter one)
+        work.give_back()
+
+
+LOW_NIBBLES = np.uint64(0x0F0F_0F0F_0F0F_0F0F)
+
+
+class _ChunkWork:
+    """The buffers of one chunk conversion, views into one byte buffer: the float32 block [rows, C] and, for int4,
+    the dequantization's steps. Each thread keeps the ones it gave back: fresh memory page-faults (measured on the
+    2-core VM: ~1 ms to allocate and fill 2.25 MB, 75 us to fill it again), as much as the conversion itself."""
+
+    _local = threading.local()  # .free: this thread's buffers not in use
+    KEEP = 4  # buffers a thread keeps (a gate/up job converts two weights at once)
+
+    def __init__(self, memory: np.ndarray, rows: int, C: int, int4: bool):
+        self.memory = memory  # uint8, 64-byte aligned views at multiples of 8 bytes (C is even; int4: C % 16 == 0)
+        sizes = {"block": rows * C * 4}
+        if int4:
+            sizes.update(scale=rows * C * 4, q=rows * C, low=rows * C // 2, high=rows * C // 2)
+        views, offset = {}, 0
+        for name, size in sizes.items():
+            views[name], offset = memory[offset:offset + size], offset + size
+        self.block = views["block"].view(F32).reshape(rows, C)  # [rows, C] the converted rows
+        if int4:
+            self.scale = views["scale"].view(F32).reshape(rows, C)  # [rows, C] each input's group scale
+            self.q = views["q"].reshape(rows, C)                    # [rows, C] nibbles in input order, then q
+            self.low = views["low"].reshape(rows, C // 2)           # [rows, C/2] low nibbles (input j of a group)
+            self.high = views["high"].reshape(rows, C // 2)         # [rows, C/2] high nibbles (input j + group/2)
+
+    @staticmethod
+    def nbytes(rows: int, C: int, int4: bool) -> int:
+        return rows * C * (10 if int4 else 4)
+
+    @classmethod
+    def take(cls, rows: int, C: int, int4: bool) -> "_ChunkWork":
+        free = cls._free()
+        need = cls.nbytes(rows, C, int4)
+        fits = [i for i, m in enumerate(free) if m.nbytes >= need]
+        memory = free.pop(min(fits, key=lambda i: free[i].nbytes)) if fits else np.empty(need, U8)
+        return cls(memory, rows, C, int4)
+
+    def give_back(self) -> None:
+        free = self._free()
+        free.append(self.memory)
+        if len(free) > self.KEEP:  # drop the smallest
+            free.pop(min(range(len(free)), key=lambda i: free[i].nbytes))
+
+    @classmethod
+    def _free(cls) -> list[np.ndarray]:
+        return cls._local.__dict__.setdefault("free", [])
+
+
+def _dequantize_int4(packed: np.ndarray, scales: np.ndarray, out: np.ndarray, work: _ChunkWork) -> None:
+    """out [c, C] float32 = (nibble - 8) * scale of its (row, group), exactly (4 bits times a bf16 scale fit in
+    float32's 24), from packed [c, C/2] uint8 and scales [c, G] float32.
+
+    Plain numpy, so every step is a whole-chunk pass with long inner loops (numpy's per-inner-loop cost is what
+    a per-group broadcast over 32 or 64 inputs would pay): nibbles split on 8-byte words, half groups moved as
+    opaque items of group/2 bytes into input order, one int8 -> float32 cast, one multiply by the scales
+    spread to every input. (A 256-entry table of float pairs through np.take measured 1.5x slower.)
+    """
+    c, half = packed.shape
+    G = scales.shape[1]
+    half_group = half // G  # bytes per group = inputs per half group
+    low, high, q, spread = work.low[:c], work.high[:c], work.q[:c], work.scale[:c]  # [c, ...] views
+    words = packed.view(np.uint64)  # [c, C/16]: rows of whole words (groups are multiples of 16 inputs)
+    np.bitwise_and(words, LOW_NIBBLES, out=low.view(np.uint64))
+    np.right_shift(words, 4, out=high.view(np.uint64))
+    np.bitwise_and(high.view(np.uint64), LOW_NIBBLES, out=high.view(np.uint64))
+    # A group's inputs are its low nibbles, then its high ones: [c, G, 2, group/2] as [c, G, 2] opaque items.
+    item = np.dtype(f"V{half_group}")
+    q_halves = q.reshape(c, G, 2, half_group).view(item)[..., 0]  # [c, G, 2]
+    np.copyto(q_halves[:, :, 0], low.reshape(c, G, half_group).view(item)[..., 0])
+    np.copyto(q_halves[:, :, 1], high.reshape(c, G, half_group).view(item)[..., 0])
+    signed = q.view(np.int8)
+    np.subtract(signed, 8, out=signed)  # stored q + 8 -> q
+    np.copyto(out, signed, casting="unsafe")
+    np.copyto(spread.reshape(c, G, 2 * half_group), scales[:, :, None])
+    np.multiply(out, spread, out=out)

@@ -37,6 +37,12 @@ blocks_per_split = next_pow2(ceil((S / block_k) / k_splits)), and the number of 
 ceil((S / block_k) / blocks_per_split) (the last split may be shorter; its loop simply ends at S). k_splits=None
 picks 16 splits (JAX's default).
 
+int8 caches (the engine's kv_dtype=int8): k_cache / v_cache int8 with k_scale / v_scale [S, Nkv] float32 (stacked:
+[L, S, Nkv]), value = int8 * scale per (position, kv head). The kernel loads the int8 block and its [block_k]
+scales in place and widens to q.dtype in registers (exact: |int8| <= 127); the K scales multiply the f32 scores,
+the V scales the f32 exp(score - max) before its cast to q.dtype (the row sum l stays unscaled). The reference
+does the same on the whole cache (scores times K scales; normalised probabilities times V scales, then the cast).
+
 Triton constraints: every in-kernel array has a power-of-2 element count (Mp, block_k and D are powers of 2: D must
 be a power of 2 >= 16, else a ValueError) and tl.dot needs dims >= 16. Both dots run at Precision.HIGHEST, so
 float32 inputs use IEEE f32 (not TF32) on the GPU; bf16 inputs are unaffected.
@@ -61,11 +67,13 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, *, t: int, r: int, block_k: int,
-                             blocks_per_split: int, sm_scale: float, stacked: bool):
+def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, *rest, t: int, r: int, block_k: int,
+                             blocks_per_split: int, sm_scale: float, stacked: bool, quant: bool):
     """pos [2] int32 (position, layer); q block [Mp, D] (kv head g's rows); k, v blocks [L, S, D] (kv head g's
-    strided view of the stacked cache, the layer picked in-kernel; [S, D] when not stacked); outputs for split j: o [Mp, D] f32
-    (unnormalised), l [Mp] f32 (row sums), m [Mp] f32 (row maxima)."""
+    strided view of the stacked cache, the layer picked in-kernel; [S, D] when not stacked); quant: then the int8
+    caches' scale blocks ks, vs [L, S] ([S]); outputs for split j: o [Mp, D] f32 (unnormalised), l [Mp] f32 (row
+    sums), m [Mp] f32 (row maxima)."""
+    ks_ref, vs_ref, o_ref, l_ref, m_ref = rest if quant else (None, None, *rest)
     j = pl.program_id(1)
     mp, d = q_ref.shape
     seq = k_ref.shape[1 if stacked else 0]
@@ -95,14 +103,20 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, 
             at = (layer, rows, slice(None)) if stacked else (rows, slice(None))
             k = plgpu.load(k_ref.at[at], mask=in_range, other=0).astype(q.dtype)  # [BK, D]
             v = plgpu.load(v_ref.at[at], mask=in_range, other=0).astype(q.dtype)  # [BK, D]
-            s = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * sm_scale  # [Mp, BK] f32
+            s = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST)  # [Mp, BK] f32
+            if quant:  # the int8 rows' scales, [BK] f32 (masked loads past `last`, as the rows)
+                at_s = (layer, rows) if stacked else (rows,)
+                in_range_1d = in_range.reshape(block_k)
+                s = s * plgpu.load(ks_ref.at[at_s], mask=in_range_1d, other=0.0)[None, :]
+            s = s * sm_scale
             visible = key_pos.reshape(1, block_k) <= row_limit  # [Mp, BK] causal mask
             s = jnp.where(visible, s, -jnp.inf)
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # [Mp]; stays M_INIT while a row sees nothing
             correction = jnp.exp(m_prev - m_next)  # [Mp]
             p = jnp.exp(s - m_next[:, None])  # [Mp, BK]; masked keys give exactly 0
             l_next = correction * l_prev + jnp.sum(p, axis=1)
-            o_next = correction[:, None] * o_prev + plgpu.dot(p.astype(q.dtype), v, precision=lax.Precision.HIGHEST)
+            pv = p * plgpu.load(vs_ref.at[at_s], mask=in_range_1d, other=0.0)[None, :] if quant else p
+            o_next = correction[:, None] * o_prev + plgpu.dot(pv.astype(q.dtype), v, precision=lax.Precision.HIGHEST)
             return o_next, l_next, m_next
 
         return lax.fori_loop(0, n_blocks, body, state)
@@ -124,16 +138,21 @@ def _block_k(seq: int, want: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("block_k", "k_splits", "num_warps", "num_stages", "interpret"))
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
-                     layer: jax.Array | None = None, *, block_k: int = 64, k_splits: int | None = None,
+                     layer: jax.Array | None = None, k_scale: jax.Array | None = None,
+                     v_scale: jax.Array | None = None, *, block_k: int = 64, k_splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """q [T, Nq, D], k_cache / v_cache [S, Nkv, D], pos int32 scalar -> out [T, Nq, D] (q.dtype). With `layer` (an
     int32 scalar, traced or not) the caches are the stacked [L, S, Nkv, D] arrays and layer `layer` is read, in
-    place. See the module docstring for the semantics and the kernel."""
+    place. k_scale / v_scale [S, Nkv] float32 ([L, S, Nkv] stacked): the caches are int8, value = int8 * scale.
+    See the module docstring for the semantics and the kernel."""
     stacked = layer is not None
+    quant = k_scale is not None
     t, nq, d = q.shape
     n_layers, seq, nkv, d_k = k_cache.shape if stacked else (1, *k_cache.shape)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"decode_attention: v_cache {v_cache.shape} must have k_cache's shape {k_cache.shape}")
+    if quant != (v_scale is not None) or (quant and not (k_scale.shape == v_scale.shape == k_cache.shape[:-1])):
+        raise ValueError(f"decode_attention: an int8 cache needs k_scale and v_scale of shape {k_cache.shape[:-1]}")
     if d_k != d:
         raise ValueError(f"decode_attention: head_dim of q ({d}) and of the cache ({d_k}) differ")
     if nq % nkv:
@@ -155,11 +174,14 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
     pos_arr = jnp.stack([jnp.asarray(pos, jnp.int32), jnp.asarray(0 if layer is None else layer, jnp.int32)])  # [2]
 
     kernel = functools.partial(_decode_attention_kernel, t=t, r=r, block_k=bk, blocks_per_split=blocks_per_split,
-                               sm_scale=d ** -0.5, stacked=stacked)
+                               sm_scale=d ** -0.5, stacked=stacked, quant=quant)
     if stacked:  # kv head g's [L, S, D] view, read in place
         cache_spec = pl.BlockSpec((n_layers, seq, None, d), lambda g, j: (0, 0, g, 0))
+        scale_spec = pl.BlockSpec((n_layers, seq, None), lambda g, j: (0, 0, g))
     else:  # kv head g's [S, D] view, read in place
         cache_spec = pl.BlockSpec((seq, None, d), lambda g, j: (0, g, 0))
+        scale_spec = pl.BlockSpec((seq, None), lambda g, j: (0, g))
+    scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quant else ()
     o, l, m = pl.pallas_call(
         kernel,
         grid=(nkv, splits),
@@ -168,6 +190,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
             pl.BlockSpec((None, mp, d), lambda g, j: (g, 0, 0)),
             cache_spec,
             cache_spec,
+            *([scale_spec, scale_spec] if quant else []),
         ],
         out_specs=[
             pl.BlockSpec((None, None, mp, d), lambda g, j: (j, g, 0, 0)),
@@ -182,7 +205,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_attention",
-    )(pos_arr, qg, k_cache, v_cache)
+    )(pos_arr, qg, k_cache, v_cache, *scales)
 
     # The final round of flash: rescale every split to the global row maximum and normalise.
     m_all = m.max(axis=0)  # [Nkv, Mp]
@@ -195,16 +218,22 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
 
 
 @jax.jit
-def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array) -> jax.Array:
-    """model.attention's arithmetic from the GQA reshape to the output einsum (no wo): [T, Nq, D] in q.dtype."""
+def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
+                               k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
+    """model.attention's arithmetic from the GQA reshape to the output einsum (no wo): [T, Nq, D] in q.dtype.
+    k_scale / v_scale [S, Nkv]: int8 caches, scaled as model._xla_attention does."""
     t, nq, d = q.shape
     nkv = k_cache.shape[1]
     positions = pos + jnp.arange(t, dtype=jnp.int32)
     qg = q.reshape(t, nkv, nq // nkv, d)  # head h uses kv head h // (Nq/Nkv), as transformers' repeat_kv
     scores = jnp.einsum("tgrd,sgd->tgrs", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        scores = scores * k_scale.astype(jnp.float32).T[None, :, None, :]  # [S, Nkv] -> [1, Nkv, 1, S]
     scores = scores * (d ** -0.5)
     key_pos = jnp.arange(k_cache.shape[0], dtype=jnp.int32)
     causal = key_pos[None, :] <= positions[:, None]  # [T, S]
     scores = jnp.where(causal[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("tgrs,sgd->tgrd", probs, v_cache.astype(q.dtype)).reshape(t, nq, d)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if v_scale is not None:
+        probs = probs * v_scale.astype(jnp.float32).T[None, :, None, :]
+    return jnp.einsum("tgrs,sgd->tgrd", probs.astype(q.dtype), v_cache.astype(q.dtype)).reshape(t, nq, d)

@@ -22,6 +22,13 @@ f32 and scale the result per output row before the bf16 rounding: g = bf16(scale
 reference states that order; the XLA path and the host pool follow it, so int8 experts too give the same rows
 wherever they run.
 
+int4 experts ("int4": symmetric, one bf16 scale per 64 inputs, packed as GGUF's Q4_0: in each group byte j holds
+input j in its low nibble and input j + 32 in its high one, q + 8): gate/up [S, I, H/2] and down [S, H, I/2] uint8
+with scales [S, I, H/64] and [S, H, I/64]. The loops step one group at a time: the low nibbles widened to bf16 (q
+in -8..7, exact) are dotted with the group's first 32 inputs, the high ones with its last 32, and the group's f32
+partial sum is scaled by its scale before it joins the accumulator: sum_g s_g (x_g . q_g), the float32 dot with
+the exactly dequantized weights up to summation order (the reference's arithmetic).
+
 Triton constraints: every block is a power of 2 and tl.dot needs dims >= 16, so T is padded to Tp = 16 (a power of
 2 >= T beyond that) and H and I must be multiples of 16 (each block is the largest power of 2 <= the requested size
 that divides its dimension). Other H or I are rejected with a ValueError: padding them would mean copying the
@@ -38,10 +45,22 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.blocks import MIN_DOT, block_or_error
 
+GROUP = 64  # int4 inputs per scale (strata_jax/quant.py "int4")
 
-def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: bool):
-    """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8 (whole arrays, indexed by slot); quantized:
-    then gate/up scales [S, I]; h block [Tp, BI]."""
+
+def _int4_group(x_at, w_ref, slot, rows, k):
+    """Group k's f32 partial product [Tp, BO] of int4 rows `rows` of w (32 packed bytes each: low nibbles inputs
+    0..31 of the group, high 32..63) with x_at(cols) [Tp, 32], the activations of those inputs."""
+    packed = w_ref[slot, rows, pl.ds(k * (GROUP // 2), GROUP // 2)].astype(jnp.int32)  # [BO, 32]
+    lo = ((packed & 0xF) - 8).astype(jnp.float32).astype(jnp.bfloat16)  # q in -8..7: exact in bf16
+    hi = ((packed >> 4) - 8).astype(jnp.float32).astype(jnp.bfloat16)
+    x_lo, x_hi = x_at(pl.ds(k * GROUP, GROUP // 2)), x_at(pl.ds(k * GROUP + GROUP // 2, GROUP // 2))
+    return plgpu.dot(x_lo, lo, trans_b=True) + plgpu.dot(x_hi, hi, trans_b=True)  # [Tp, BO]
+
+
+def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None):
+    """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8, or [S, I, H/2] int4 (whole arrays, indexed
+    by slot); quantized ("int8" / "int4"): then gate/up scales [S, I] / [S, I, H/64]; h block [Tp, BI]."""
     gs_ref, us_ref, h_ref = refs if quantized else (None, None, refs[0])
     n, j = pl.program_id(0), pl.program_id(1)
     tp, bi = h_ref.shape
@@ -51,6 +70,15 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
 
     @pl.when(slot >= 0)  # padding: h is never read (the down kernel skips it too)
     def _():
+        def body_int4(k, carry):  # block_k / 64 groups per step, each scaled as it is added
+            g, u = carry
+            for j in range(block_k // GROUP):
+                grp = k * (block_k // GROUP) + j
+                x_at = lambda c: x_ref[:, c]
+                g += _int4_group(x_at, gate_ref, slot, rows, grp) * gs_ref[slot, rows, grp].astype(jnp.float32)[None, :]
+                u += _int4_group(x_at, up_ref, slot, rows, grp) * us_ref[slot, rows, grp].astype(jnp.float32)[None, :]
+            return g, u
+
         def body(k, carry):
             g, u = carry
             cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
@@ -63,8 +91,8 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
             return g, u
 
         zero = jnp.zeros((tp, bi), jnp.float32)
-        g, u = jax.lax.fori_loop(0, hidden // block_k, body, (zero, zero))
-        if quantized:  # each output row's scale, before the rounding below
+        g, u = jax.lax.fori_loop(0, hidden // block_k, body_int4 if quantized == "int4" else body, (zero, zero))
+        if quantized == "int8":  # each output row's scale, before the rounding below
             g = g * gs_ref[slot, rows].astype(jnp.float32)[None, :]
             u = u * us_ref[slot, rows].astype(jnp.float32)[None, :]
         # The XLA path's einsums return bf16 g and u; round them the same way before the SwiGLU.
@@ -73,9 +101,9 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
         h_ref[...] = (g / (1.0 + jnp.exp(-g)) * u).astype(h_ref.dtype)  # silu(g) * u, [Tp, BI]
 
 
-def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: bool):
-    """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 or int8 (whole); quantized: then down scales [S, H];
-    comb [Np, Tp] f32; out block [Tp, BH] f32."""
+def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: str | None):
+    """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 or int8, or [S, H, I/2] int4 (whole); quantized: then
+    down scales [S, H] (int8) or [S, H, I/64] (int4); comb [Np, Tp] f32; out block [Tp, BH] f32."""
     ds_ref, comb_ref, out_ref = refs if quantized else (None, *refs)
     b, s = pl.program_id(0), pl.program_id(1)
     tp, bh = out_ref.shape
@@ -87,6 +115,13 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
         slot = ids_ref[n]
 
         def contribute(acc):
+            def body_int4(k, y):
+                for j in range(block_i // GROUP):
+                    grp = k * (block_i // GROUP) + j
+                    part = _int4_group(lambda c: h_ref[n, :, c], down_ref, slot, cols, grp)
+                    y += part * ds_ref[slot, cols, grp].astype(jnp.float32)[None, :]
+                return y
+
             def body(k, y):
                 ik = pl.ds(pl.multiple_of(k * block_i, block_i), block_i)
                 w = down_ref[slot, cols, ik]  # [BH, BI]
@@ -95,8 +130,9 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
                 # [Tp, BI] x [BH, BI]^T -> [Tp, BH] f32
                 return y + plgpu.dot(h_ref[n, :, ik], w, trans_b=True)
 
-            y = jax.lax.fori_loop(0, inter // block_i, body, jnp.zeros((tp, bh), jnp.float32))
-            if quantized:
+            y = jax.lax.fori_loop(0, inter // block_i, body_int4 if quantized == "int4" else body,
+                                  jnp.zeros((tp, bh), jnp.float32))
+            if quantized == "int8":
                 y = y * ds_ref[slot, cols].astype(jnp.float32)[None, :]
             y = y.astype(jnp.bfloat16).astype(jnp.float32)  # each expert's output rounded to bf16, as the XLA path
             return acc + comb_ref[n, :][:, None] * y  # [Tp, 1] * [Tp, BH]
@@ -125,6 +161,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     """x [T, H] bf16; gate, up [S, I, H]; down [S, H, I]; slot_ids [N] int32 (-1 = padding); combine [T, N] f32.
     Returns [T, H] float32. Slot ids must be < S (a device value: not checked). T <= 16 costs the same as T = 16.
     int8 experts: gate/up/down int8 with gate_scale, up_scale [S, I] and down_scale [S, H] (float32 or bf16).
+    int4 experts: gate/up [S, I, H/2], down [S, H, I/2] uint8 with gate_scale, up_scale [S, I, H/64] and
+    down_scale [S, H, I/64].
 
     Tuning (static): block_i rows of I per gate/up program, block_k the H chunk of its loop; block_h output columns
     per down program, block_i_down its I chunk, n_split the programs sharing the experts of one column block;
@@ -132,24 +170,32 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     t, hidden = x.shape
     s, inter, _ = gate.shape
     n = slot_ids.shape[0]
-    if gate.shape != (s, inter, hidden) or up.shape != gate.shape or down.shape != (s, hidden, inter):
-        raise ValueError(f"expert_ffn: shapes x {x.shape}, gate {gate.shape}, up {up.shape}, down {down.shape} do "
-                         "not match x [T, H], gate/up [S, I, H], down [S, H, I]")
-    scales = (gate_scale, up_scale, down_scale)
-    quantized = gate.dtype == jnp.int8
     weights = {gate.dtype, up.dtype, down.dtype}
-    if x.dtype != jnp.bfloat16 or weights not in ({jnp.dtype(jnp.bfloat16)}, {jnp.dtype(jnp.int8)}):
-        raise ValueError(f"expert_ffn: x must be bfloat16 and the experts all bfloat16 or all int8 (got x {x.dtype}, "
-                         f"gate {gate.dtype}, up {up.dtype}, down {down.dtype})")
-    if quantized != all(sc is not None for sc in scales) or (not quantized and any(sc is not None for sc in scales)):
-        raise ValueError("expert_ffn: int8 experts take gate_scale, up_scale and down_scale (and bf16 ones none)")
-    if quantized and (gate_scale.shape != (s, inter) or up_scale.shape != (s, inter) or down_scale.shape != (s, hidden)):
-        raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not match "
-                         f"gate/up [S, I] = {(s, inter)}, down [S, H] = {(s, hidden)}")
+    quantized = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "int4"}.get(jnp.dtype(gate.dtype))
+    if x.dtype != jnp.bfloat16 or len(weights) != 1 or gate.dtype not in (jnp.bfloat16, jnp.int8, jnp.uint8):
+        raise ValueError(f"expert_ffn: x must be bfloat16 and the experts all bfloat16, all int8 or all int4 (uint8) "
+                         f"(got x {x.dtype}, gate {gate.dtype}, up {up.dtype}, down {down.dtype})")
+    per = 2 if quantized == "int4" else 1  # weights a stored element holds
+    if gate.shape != (s, inter, hidden // per) or up.shape != gate.shape or down.shape != (s, hidden, inter // per):
+        raise ValueError(f"expert_ffn: shapes x {x.shape}, gate {gate.shape}, up {up.shape}, down {down.shape} do "
+                         f"not match x [T, H], gate/up [S, I, H{'/2' * (per - 1)}], down [S, H, I{'/2' * (per - 1)}]")
+    scales = (gate_scale, up_scale, down_scale)
+    if bool(quantized) != all(sc is not None for sc in scales) or (not quantized and any(sc is not None for sc in scales)):
+        raise ValueError("expert_ffn: int8 and int4 experts take gate_scale, up_scale and down_scale (bf16 ones none)")
+    if quantized:
+        g_in, d_in = ((), ()) if quantized == "int8" else ((hidden // GROUP,), (inter // GROUP,))
+        if quantized == "int4" and (hidden % GROUP or inter % GROUP):
+            raise ValueError(f"expert_ffn: int4 experts need H and I multiples of {GROUP} (got {hidden}, {inter})")
+        want = ((s, inter, *g_in), (s, inter, *g_in), (s, hidden, *d_in))
+        if tuple(sc.shape for sc in scales) != want:
+            raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not "
+                             f"match gate/up {want[0]}, down {want[2]}")
     if combine.shape != (t, n):
         raise ValueError(f"expert_ffn: combine {combine.shape} is not [T, N] = {(t, n)}")
     bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
     bh, bid = _block(hidden, block_h, "H"), _block(inter, block_i_down, "I")
+    if quantized == "int4":  # the loops step whole groups
+        bk, bid = max(bk, GROUP), max(bid, GROUP)
     tp = _padded_tokens(t)
     splits = max(1, min(n_split, n))
     per_split = -(-n // splits)
@@ -171,7 +217,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
                   *(whole(sc.shape) for sc in gu_scales)],
         out_specs=pl.BlockSpec((None, tp, bi), lambda i, j: (i, 0, j)),
         out_shape=jax.ShapeDtypeStruct((np_, tp, inter), jnp.bfloat16),  # [Np, Tp, I]
-        compiler_params=params, interpret=interpret, name="expert_ffn_gate_up" + ("_int8" if quantized else ""),
+        compiler_params=params, interpret=interpret, name="expert_ffn_gate_up" + (f"_{quantized}" if quantized else ""),
     )(ids, xp, gate, up, *gu_scales)
 
     d_scales = (down_scale,) if quantized else ()
@@ -182,7 +228,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
                   whole(comb.shape)],
         out_specs=pl.BlockSpec((None, tp, bh), lambda b, sp: (sp, 0, b)),
         out_shape=jax.ShapeDtypeStruct((splits, tp, hidden), jnp.float32),  # [n_split, Tp, H]
-        compiler_params=params, interpret=interpret, name="expert_ffn_down" + ("_int8" if quantized else ""),
+        compiler_params=params, interpret=interpret, name="expert_ffn_down" + (f"_{quantized}" if quantized else ""),
     )(ids, h, down, *d_scales, comb)
     return partials.sum(axis=0)[:t]  # [T, H]
 
@@ -191,11 +237,12 @@ def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax
                          combine: jax.Array, gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
                          down_scale: jax.Array | None = None) -> jax.Array:
     """The XLA path's arithmetic (`moe.expert_ffn` on gathered weights), padding slots zero-weighted. [T, H] f32.
-    int8 experts: each product accumulated in f32 over the widened q, scaled per output row, then rounded."""
+    int8 experts: each product accumulated in f32 over the widened q, scaled per output row, then rounded; int4
+    experts: each product the f32 dot with the exactly dequantized weights, then rounded."""
     ids = jnp.maximum(slot_ids, 0)  # [N]: padding reads slot 0 ...
     combine = jnp.where(slot_ids[None, :] >= 0, combine, 0.0)  # ... with weight 0
-    g = jnp.einsum("th,nih->nti", x, gate[ids])  # [N, T, I] bf16
     if gate_scale is None:
+        g = jnp.einsum("th,nih->nti", x, gate[ids])  # [N, T, I] bf16
         u = jnp.einsum("th,nih->nti", x, up[ids])
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)  # rounded once
         y = jnp.einsum("nti,nhi->nth", h, down[ids])  # [N, T, H] bf16

@@ -166,9 +166,10 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     per expert or fused as `experts.gate_up_proj` / `experts.down_proj`, either is read for any model).
 
     `place_experts` receives each sparse layer's stacked expert arrays (names `layers.{i}.experts.{gate,up,down}`);
-    by default they go where `place` puts everything else. expert_format "int8" (strata_jax/quant.py): the routed
-    experts (not the MTP layer's) are quantized as they are read; `place_experts` then receives the int8 q and
-    `place_scales` (default `place`) the rows' bf16 scales (names `layers.{i}.experts.{gate,up,down}_scale`).
+    by default they go where `place` puts everything else. expert_format "int8" or "int4" (strata_jax/quant.py): the
+    routed experts (not the MTP layer's) are quantized as they are read; `place_experts` then receives q (int8, or
+    int4 packed in uint8) and `place_scales` (default `place`) the bf16 scales, [E, O] per row (int8) or [E, O, I/64]
+    (int4) (names `layers.{i}.experts.{gate,up,down}_scale`).
     """
     reader = SafetensorsReader(folder)
     place_experts = place_experts or place
@@ -240,9 +241,9 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
             if expert_format and not experts_name.startswith("mtp"):
                 parts = {}
                 for which, w in (("gate", gate), ("up", up), ("down", down)):
-                    qa = quant.quantize(w, expert_format)  # q [E, O, I] int8, scale [E, O, 1] bf16
+                    qa = quant.quantize(w, expert_format)  # q [E, O, I] int8 (int4: [E, O, I/2] uint8)
                     parts[which] = put(f"{experts_name}.{which}", qa.q)
-                    parts[which + "_scale"] = place_scales(f"{experts_name}.{which}_scale", qa.scale[..., 0])
+                    parts[which + "_scale"] = place_scales(f"{experts_name}.{which}_scale", quant.engine_scale(qa))
                 ffn = MoEWeights(router=router, **parts)
             else:
                 ffn = MoEWeights(router=router, gate=put(f"{experts_name}.gate", gate),
@@ -287,15 +288,16 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
 STATE_META = "strata_state.json"
 
 
-def save_state(path: str | Path, weights: Weights, cfg_raw: dict, dtype: str) -> None:
-    """Save converted weights with orbax, beside the model's config.json, so a restore skips the conversion."""
+def save_state(path: str | Path, weights: Weights, cfg_raw: dict, dtype: str, expert_dtype: str = "auto") -> None:
+    """Save converted weights with orbax, beside the model's config.json, so a restore skips the conversion
+    (quantized experts are saved quantized, with their scales: a restore needs the same expert_dtype)."""
     import orbax.checkpoint as ocp
     path = Path(path).absolute()
     make_writable_folder(path, f"cannot save the state to {path}")
     with _quiet_orbax(), ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path / "weights", weights, force=True)
     (path / "config.json").write_text(json.dumps(cfg_raw, indent=1))
-    (path / STATE_META).write_text(json.dumps({"dtype": dtype, "format": 1}))
+    (path / STATE_META).write_text(json.dumps({"dtype": dtype, "format": 1, "expert_dtype": expert_dtype}))
 
 
 @contextlib.contextmanager

@@ -98,9 +98,9 @@ class ModelConfig:
             4 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
         return per_layer * (self.num_layers - self.num_full_layers)
 
-    def expert_bytes(self, itemsize: int) -> int:
-        """Bytes of one expert's three matrices."""
-        return 3 * self.hidden_size * self.moe_intermediate_size * itemsize
+    def expert_bytes(self, itemsize: float) -> int:
+        """Bytes of one expert's three matrices (itemsize 0.5: int4, two weights a byte)."""
+        return int(3 * self.hidden_size * self.moe_intermediate_size * itemsize)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -104,6 +104,7 @@ class Engine:
                                            options.delta_kernel)
                    else "")
                 + f"; layers {'scanned (one body over stacked weights)' if self.scanned else 'unrolled'}")
+            log(self.kv_cache_line())
         self._compile()
 
     def _check_attention_kernel(self) -> None:
@@ -133,11 +134,12 @@ class Engine:
         if self.attention_kernel == "pallas":
             length = -(-length // 64) * 64  # the kernel's key blocks divide the cache length
         try:
-            kv = model.init_cache(self.cfg, length, self.dtype, stacked=self.scanned, ring=self.ring)
+            kv = model.init_cache(self.cfg, length, self.dtype, stacked=self.scanned, ring=self.ring,
+                                  kv_dtype=self.options.kv_dtype)
         except (MemoryError, ValueError, RuntimeError) as e:  # jax's allocation failure is a RuntimeError
             if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError) and "memory" not in str(e).lower():
                 raise
-            need = model.cache_bytes(self.cfg, length, self.dtype.itemsize, self.ring)
+            need = model.cache_bytes(self.cfg, length, self.dtype.itemsize, self.ring, self.options.kv_dtype)
             per_token = need / length
             stats = jax.devices()[0].memory_stats() or {}
             free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
@@ -148,6 +150,15 @@ class Engine:
         experts = self.placement.init_state(self.cfg, self.expert_storage) if self.placement else None
         self.cache = kv.replace(experts=experts)
         self._kv_tokens: list[int] = []  # the tokens whose KV rows 0.. the cache holds (prefix reuse)
+        self.kv_length = length
+
+    def kv_cache_line(self) -> str:
+        """The start-up line: how the KV cache is stored and its size."""
+        kv = model.cache_bytes(self.cfg, self.kv_length, self.dtype.itemsize, 0, self.options.kv_dtype)
+        how = ("int8, float32 scales per (position, kv head)" if self.options.kv_dtype == "int8"
+               else f"{self.options.dtype}")
+        return (f"KV cache: {how}, {kv / 2**20:.1f} MiB ({self.kv_length} positions x {self.cfg.num_full_layers} "
+                f"attention layers, kv_dtype={self.options.kv_dtype})")
 
     # ---- construction ----------------------------------------------------------------------------------------
 
@@ -180,31 +191,28 @@ class Engine:
         dtype = jnp.dtype(opts.dtype)
         slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
-        int8 = opts.expert_dtype == "int8"
+        fmt = placement_mod.expert_format(opts)
         if checkpoint.is_state_dir(path):
-            if int8:
-                raise StrataError(f"{path} is a saved state; expert_dtype=int8 quantizes a Hugging Face checkpoint as "
-                                  "it loads (a saved state holds unquantized experts): load the checkpoint instead")
             saved = checkpoint.read_state_meta(path)
             if saved["dtype"] != opts.dtype:
                 raise StrataError(f"the saved state at {path} holds {saved['dtype']} weights, but dtype={opts.dtype}")
-            weights = checkpoint.restore_state(path, abstract_weights(cfg, dtype, host))
-            if host is not None:
+            if saved.get("expert_dtype", "auto") != opts.expert_dtype:  # states are saved in their experts' form
+                raise StrataError(f"the saved state at {path} holds expert_dtype={saved.get('expert_dtype', 'auto')} "
+                                  f"experts, but expert_dtype={opts.expert_dtype} (load it with that, or the checkpoint)")
+            weights = checkpoint.restore_state(path, abstract_weights(cfg, dtype, host, fmt))
+            if host is not None:  # the pool's numpy copies (int8 / int4: and the scales)
                 for i, layer in enumerate(weights.layers):
                     if cfg.sparse_layers[i]:
-                        for which in ("gate", "up", "down"):
+                        for which in ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if fmt else ()):
                             host.numpy.setdefault(i, {})[which] = np.asarray(getattr(layer.ffn, which))
+            if fmt:
+                say(_quantized_line(cfg, weights, opts, host is not None).replace("quantized at load", "saved state"))
         else:
             weights = checkpoint.load_weights(path, cfg, dtype, place_experts=host.place if host else None,
-                                              progress=_progress(say, cfg), expert_format="int8" if int8 else None,
+                                              progress=_progress(say, cfg), expert_format=fmt,
                                               place_scales=host.place_scale if host else None)
-            if int8:
-                q_bytes = sum(a.nbytes for layer in weights.layers if isinstance(layer.ffn, moe.MoEWeights)
-                              for a in (layer.ffn.gate, layer.ffn.up, layer.ffn.down))
-                say(f"experts: int8, one bf16 scale per output row (quantized at load): "
-                    f"{q_bytes / 2**20:.1f} MiB {'in host memory' if host else 'on the device'} "
-                    f"({cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(jnp.dtype(dtype).itemsize) / 2**20:.1f}"
-                    f" MiB as {opts.dtype})")
+            if fmt:
+                say(_quantized_line(cfg, weights, opts, host is not None))
         tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
         template, generation = load_chat_template(path), load_generation_config(path)
         say(f"model: {path} ({cfg.num_layers} layers, {cfg.num_sparse_layers} MoE, {cfg.num_experts} experts "
@@ -223,7 +231,6 @@ class Engine:
         """An engine over random weights of a model shape (benchmarks): non-expert weights made on the device,
         experts made on the device layer by layer and moved to host memory when offload is on."""
         opts = build(EngineOptions, options)
-        int8 = opts.expert_dtype == "int8"
         enable_compilation_cache(opts.resolved_cache_dir())
         say = log if verbose else (lambda _: None)
         dtype = jnp.dtype(opts.dtype)
@@ -232,7 +239,7 @@ class Engine:
         stacked = slots is None and scans(cfg, opts)
         weights = model.random_weights(cfg, seed, dtype, place_experts=host.place if host else None,
                                        progress=say if stacked else _progress(say, cfg), stacked=stacked,
-                                       expert_format="int8" if int8 else None,
+                                       expert_format=placement_mod.expert_format(opts),
                                        place_scales=host.place_scale if host else None)
         say(f"model: random {cfg.num_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
             f"{model.param_bytes(weights) / 2**30:.2f} GiB of {opts.dtype} weights, made in "
@@ -256,9 +263,8 @@ class Engine:
     @_serialized
     def save_state(self, path: str | Path) -> None:
         """Save the converted weights with orbax; `from_pretrained(path)` restores them without conversion."""
-        if self.options.expert_dtype == "int8":
-            raise StrataError("save_state: int8 experts are not saved yet (load the checkpoint with expert_dtype=int8)")
-        checkpoint.save_state(path, model.unstack_layers(self.weights), self.raw_config or {}, self.options.dtype)
+        checkpoint.save_state(path, model.unstack_layers(self.weights), self.raw_config or {}, self.options.dtype,
+                              self.options.expert_dtype)
         if self.tokenizer is not None:
             self.tokenizer.save(str(Path(path) / "tokenizer.json"))
 
@@ -333,7 +339,7 @@ class Engine:
         states = [s for s in self.cache.experts if s is not None]
         total = np.sum([np.asarray(s.counters) for s in states], axis=0)
         out = ExpertStats(**{name: int(v) for name, v in zip(offload.COUNTERS, total)})
-        out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(self.expert_storage.itemsize)
+        out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(placement_mod.expert_itemsize(self.options))
         out.pool_s = self.placement.pool.stats.wall_seconds
         self.placement.pool.stats.reset()
         # A buffer per layer: the graphs donate the cache, and one buffer must not be donated twice.
@@ -642,7 +648,7 @@ class Engine:
             pos = jnp.int32(0)
             # rows up to the context's end, plus a padded chunk or window and the chained drafts past it
             new_cache = lambda: mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
-                                                   self.dtype)
+                                                   self.dtype, self.options.kv_dtype)
             self._mtp_cache = new_cache()
             with self._full_f32():
                 compiled = {("fused", t): fused.lower(self.weights, self.cache, self.mtp, self._mtp_cache,
@@ -952,17 +958,32 @@ def resolve_delta_kernel(opts: EngineOptions, cfg: ModelConfig) -> str:
 def plan_placement(cfg: ModelConfig, opts: EngineOptions):
     """Before the weights are read: the slot count (None: every expert on the device), why, and where the host
     copies of the experts go when offload is on."""
+    if opts.expert_dtype == "int4" and any(cfg.sparse_layers) and (cfg.hidden_size % 64 or cfg.moe_intermediate_size % 64):
+        raise StrataError(f"expert_dtype=int4 quantizes in groups of 64 inputs: the experts' widths (hidden "
+                          f"{cfg.hidden_size}, intermediate {cfg.moe_intermediate_size}) must be multiples of 64")
     context, chunk = context_and_chunk(cfg, opts)
     itemsize = jnp.dtype(opts.dtype).itemsize
-    kv_bytes = model.cache_bytes(cfg, context + chunk, itemsize, opts.window + 1)
+    kv_bytes = model.cache_bytes(cfg, context + chunk, itemsize, opts.window + 1, opts.kv_dtype)
     slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
     return slots, why, (placement_mod.HostExperts(cfg, jnp.dtype(opts.dtype)) if slots is not None else None)
 
 
+def _quantized_line(cfg: ModelConfig, weights: model.Weights, opts: EngineOptions, on_host: bool) -> str:
+    """The start-up line of quantized experts: their bytes where they live, beside the same experts in `dtype`."""
+    moe_ffns = [layer.ffn for layer in weights.layers if isinstance(layer.ffn, moe.MoEWeights)]
+    q_bytes = sum(a.nbytes for f in moe_ffns for a in (f.gate, f.up, f.down))
+    scale_bytes = sum(a.nbytes for f in moe_ffns for a in f.scales)
+    how = {"int8": "one bf16 scale per output row", "int4": "one bf16 scale per 64 inputs, two weights a byte"}
+    full = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(jnp.dtype(opts.dtype).itemsize)
+    return (f"experts: {opts.expert_dtype}, {how[opts.expert_dtype]} (quantized at load): {q_bytes / 2**20:.1f} MiB "
+            f"{'in host memory' if on_host else 'on the device'} + {scale_bytes / 2**20:.1f} MiB of scales on the "
+            f"device ({full / 2**20:.1f} MiB as {opts.dtype})")
+
+
 def scans(cfg: ModelConfig, opts: EngineOptions) -> bool:
     """Whether the layers run as one scanned body over stacked weights when every expert is resident: layer_loop
-    scan, one kind of layer, and float experts (the scanned body reads no int8 scales)."""
-    return opts.layer_loop == "scan" and model.can_stack(cfg) and opts.expert_dtype != "int8"
+    scan, one kind of layer, and float experts (the scanned body reads no scales)."""
+    return opts.layer_loop == "scan" and model.can_stack(cfg) and not placement_mod.expert_format(opts)
 
 
 def context_and_chunk(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, int]:
@@ -970,9 +991,10 @@ def context_and_chunk(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, int]:
     return context, min(opts.prefill_chunk, context)
 
 
-def abstract_weights(cfg: ModelConfig, dtype, host: "placement_mod.HostExperts | None"):
-    """Shapes and placements of the weights, for an orbax restore (experts into host memory with offload)."""
-    shapes = jax.eval_shape(lambda: model.random_weights(cfg, 0, dtype))
+def abstract_weights(cfg: ModelConfig, dtype, host: "placement_mod.HostExperts | None", expert_format=None):
+    """Shapes and placements of the weights, for an orbax restore (experts into host memory with offload; their
+    scales, with quantized experts, on the device)."""
+    shapes = jax.eval_shape(lambda: model.random_weights(cfg, 0, dtype, expert_format=expert_format))
     dev = offload.device_sharding()
     tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), shapes)
     if host is None:

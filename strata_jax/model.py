@@ -70,38 +70,91 @@ class Weights:
 
 
 @struct.dataclass
+class QuantKV:
+    """An int8 K or V cache (kv_dtype=int8): one scale per (position, kv head), symmetric, value = q * scale.
+    float32 scales: 4 bytes beside D int8 values (3% at D = 128) and no second rounding on top of int8's."""
+    q: jax.Array  # [S, Nkv, D] int8, or stacked [L, S, Nkv, D]
+    scale: jax.Array  # [S, Nkv] float32 (absmax / 127 over D), or stacked [L, S, Nkv]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+
+def quantize_kv(x: jax.Array) -> QuantKV:
+    """x [..., D] -> int8 rows and their float32 scales [...] (absmax / 127; an all-zero row gets scale 0)."""
+    x32 = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x32), axis=-1) / 127.0
+    q = jnp.round(x32 / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return QuantKV(q=jnp.clip(q, -127, 127).astype(jnp.int8), scale=scale)
+
+
+def dequantize_kv(c: QuantKV) -> jax.Array:
+    """The float32 values of an int8 cache (tests and references: attention scales in place instead)."""
+    return c.q.astype(jnp.float32) * c.scale[..., None]
+
+
+def _write_rows(cache, rows: jax.Array, start: tuple):
+    """rows [T, Nkv, D] (or [1, T, Nkv, D] stacked) into cache at start: a plain array in its dtype, or an int8
+    QuantKV quantized as written (rows and scales together, so a rewritten position never keeps a stale scale)."""
+    if isinstance(cache, QuantKV):
+        new = quantize_kv(rows)
+        return QuantKV(q=jax.lax.dynamic_update_slice(cache.q, new.q, start),
+                       scale=jax.lax.dynamic_update_slice(cache.scale, new.scale, start[:-1]))
+    return jax.lax.dynamic_update_slice(cache, rows.astype(cache.dtype), start)
+
+
+def _layer_of(cache, layer: jax.Array):
+    """Layer `layer` of a stacked cache (plain or QuantKV)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), cache)
+
+
+@struct.dataclass
 class KVCache:
     """What a window updates: the static-size key/value cache (one array per layer, or one [L, S, Nkv, D] array for
     stacked weights; a donated step updates it in place) and, when experts are offloaded, each sparse layer's device
     expert cache (offload.SlotCache)."""
-    k: list[jax.Array | None] | jax.Array  # per layer [S, Nkv, D] (None: a DeltaNet layer), or stacked [L, S, Nkv, D]
-    v: list[jax.Array | None] | jax.Array
+    k: list[jax.Array | QuantKV | None] | jax.Array | QuantKV  # per layer [S, Nkv, D] (None: a DeltaNet layer),
+    v: list[jax.Array | QuantKV | None] | jax.Array | QuantKV  # or stacked [L, S, Nkv, D]; QuantKV: kv_dtype=int8
     experts: list | None = None  # per layer SlotCache (None for dense layers), or None when all experts resident
     delta: list[DeltaState | None] | None = None  # per layer: a DeltaNet layer's recurrent state ring
     state_pos: jax.Array | None = None  # [R] int32: the position each ring slot holds (-1: none)
 
     @property
     def length(self) -> int:
-        return self.k.shape[1] if isinstance(self.k, jax.Array) else next(k for k in self.k if k is not None).shape[0]
+        if not isinstance(self.k, list):
+            return self.k.shape[1]
+        return next(k for k in self.k if k is not None).shape[0]
 
 
-def init_cache(cfg: ModelConfig, length: int, dtype=jnp.float32, stacked: bool = False, ring: int = 8) -> KVCache:
-    """ring: how many positions' recurrent states a DeltaNet layer keeps (more than the largest window)."""
+def kv_zeros(shape: tuple[int, ...], dtype, kv_dtype: str = "auto"):
+    """An empty K or V cache of shape [..., S, Nkv, D]: in `dtype`, or int8 with float32 scales [..., S, Nkv]."""
+    if kv_dtype == "int8":
+        return QuantKV(q=jnp.zeros(shape, jnp.int8), scale=jnp.zeros(shape[:-1], jnp.float32))
+    return jnp.zeros(shape, dtype)
+
+
+def init_cache(cfg: ModelConfig, length: int, dtype=jnp.float32, stacked: bool = False, ring: int = 8,
+               kv_dtype: str = "auto") -> KVCache:
+    """ring: how many positions' recurrent states a DeltaNet layer keeps (more than the largest window).
+    kv_dtype: auto (K/V in `dtype`) or int8 (QuantKV; the DeltaNet states stay in `dtype`)."""
     shape = (length, cfg.num_kv_heads, cfg.head_dim)
     if stacked:
-        return KVCache(k=jnp.zeros((cfg.num_layers, *shape), dtype), v=jnp.zeros((cfg.num_layers, *shape), dtype))
+        return KVCache(k=kv_zeros((cfg.num_layers, *shape), dtype, kv_dtype),
+                       v=kv_zeros((cfg.num_layers, *shape), dtype, kv_dtype))
     full = [not cfg.is_linear(i) for i in range(cfg.num_layers)]
-    cache = KVCache(k=[jnp.zeros(shape, dtype) if f else None for f in full],
-                    v=[jnp.zeros(shape, dtype) if f else None for f in full])
+    cache = KVCache(k=[kv_zeros(shape, dtype, kv_dtype) if f else None for f in full],
+                    v=[kv_zeros(shape, dtype, kv_dtype) if f else None for f in full])
     if cfg.has_linear:
         cache = cache.replace(delta=[None if f else deltanet.init_state(cfg, ring, dtype) for f in full],
                               state_pos=jnp.full((ring,), -1, jnp.int32))
     return cache
 
 
-def cache_bytes(cfg: ModelConfig, length: int, itemsize: int, ring: int = 8) -> int:
+def cache_bytes(cfg: ModelConfig, length: int, itemsize: int, ring: int = 8, kv_dtype: str = "auto") -> int:
     """Bytes of init_cache: K and V rows of the full-attention layers, the DeltaNet layers' state rings."""
-    kv = 2 * cfg.num_full_layers * length * cfg.num_kv_heads * cfg.head_dim * itemsize
+    row = cfg.head_dim * itemsize if kv_dtype == "auto" else cfg.head_dim + 4  # int8: D bytes + a float32 scale
+    kv = 2 * cfg.num_full_layers * length * cfg.num_kv_heads * row
     return kv + (ring * cfg.state_bytes(itemsize) if cfg.has_linear else 0)
 
 
@@ -220,20 +273,24 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     positions = pos + jnp.arange(t, dtype=jnp.int32)
     q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
 
-    # Write this window's keys/values, then attend over the whole static cache with a causal mask.
+    # Write this window's keys/values (int8 caches: quantized as written), then attend over the whole static cache
+    # with a causal mask.
     if layer is None:
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (pos, 0, 0))  # [S, Nkv, D]
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (pos, 0, 0))
+        k_cache = _write_rows(k_cache, k, (pos, 0, 0))  # [S, Nkv, D]
+        v_cache = _write_rows(v_cache, v, (pos, 0, 0))
         k_layer, v_layer = k_cache, v_cache
     else:
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype)[None], (layer, pos, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype)[None], (layer, pos, 0, 0))
+        k_cache = _write_rows(k_cache, k[None], (layer, pos, 0, 0))
+        v_cache = _write_rows(v_cache, v[None], (layer, pos, 0, 0))
         if not kernel:
-            k_layer = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)  # [S, Nkv, D]
-            v_layer = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+            k_layer, v_layer = _layer_of(k_cache, layer), _layer_of(v_cache, layer)  # [S, Nkv, D]
     if kernel:
         from pallas_kernels.decode_attention import decode_attention
-        out = decode_attention(q, k_cache, v_cache, pos, layer=layer, interpret=interpret).reshape(t, nq * d)
+        if isinstance(k_cache, QuantKV):
+            out = decode_attention(q, k_cache.q, v_cache.q, pos, layer=layer, k_scale=k_cache.scale,
+                                   v_scale=v_cache.scale, interpret=interpret).reshape(t, nq * d)
+        else:
+            out = decode_attention(q, k_cache, v_cache, pos, layer=layer, interpret=interpret).reshape(t, nq * d)
     else:
         out = _xla_attention(q, k_layer, v_layer, positions)
     if gate is not None:
@@ -246,18 +303,26 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     return (out if w.bo is None else out + w.bo), k_cache, v_cache
 
 
-def _xla_attention(q: jax.Array, k_layer: jax.Array, v_layer: jax.Array, positions: jax.Array) -> jax.Array:
-    """q [T, Nq, D] over one layer's whole static cache [S, Nkv, D], causal mask -> [T, Nq*D] in q.dtype."""
+def _xla_attention(q: jax.Array, k_layer, v_layer, positions: jax.Array) -> jax.Array:
+    """q [T, Nq, D] over one layer's whole static cache [S, Nkv, D], causal mask -> [T, Nq*D] in q.dtype.
+    An int8 cache (QuantKV) is read as int8 widened to q.dtype (exact: |q| <= 127); its scales multiply the f32
+    scores (K) and the f32 probabilities before their cast (V), so no dequantized copy of the cache is made."""
     t, nq, d = q.shape
     nkv = k_layer.shape[1]
+    quant = isinstance(k_layer, QuantKV)
+    k_vals, v_vals = (k_layer.q, v_layer.q) if quant else (k_layer, v_layer)
     qg = q.reshape(t, nkv, nq // nkv, d)  # head h uses kv head h // (Nq/Nkv), as transformers' repeat_kv
-    scores = jnp.einsum("tgrd,sgd->tgrs", qg, k_layer.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.einsum("tgrd,sgd->tgrs", qg, k_vals.astype(q.dtype), preferred_element_type=jnp.float32)
+    if quant:
+        scores = scores * k_layer.scale.T[None, :, None, :]  # [S, Nkv] -> [1, Nkv, 1, S]
     scores = scores * (d ** -0.5)
-    key_pos = jnp.arange(k_layer.shape[0], dtype=jnp.int32)
+    key_pos = jnp.arange(k_vals.shape[0], dtype=jnp.int32)
     causal = key_pos[None, :] <= positions[:, None]  # [T, S]
     scores = jnp.where(causal[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("tgrs,sgd->tgrd", probs, v_layer.astype(q.dtype)).reshape(t, nq * d)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if quant:
+        probs = probs * v_layer.scale.T[None, :, None, :]
+    return jnp.einsum("tgrs,sgd->tgrd", probs.astype(q.dtype), v_vals.astype(q.dtype)).reshape(t, nq * d)
 
 
 def dense_mlp(x: jax.Array, w: MLPWeights) -> jax.Array:
@@ -418,8 +483,8 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
 
     `place_experts(name, array)` may move each MoE layer's stacked experts elsewhere (host memory) as they are
     made, so the device never holds all of them. stacked: the layers made directly as [L, ...] leaves (other random
-    values than the list form; no second copy of the model at any time). expert_format "int8": the experts are
-    quantized as they are made (strata_jax/quant.py; `place_scales(name, scale)` sees their row scales)."""
+    values than the list form; no second copy of the model at any time). expert_format "int8" / "int4": the experts
+    are quantized as they are made (strata_jax/quant.py; `place_scales(name, scale)` sees their scales)."""
     if stacked:
         return _random_stacked(cfg, seed, dtype, scale, progress)
     place_experts = place_experts or (lambda name, x: x)
@@ -447,15 +512,15 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
         if cfg.attention_bias:
             attn = attn.replace(bq=rnd((nq * d,)), bk=rnd((nkv * d,)), bv=rnd((nkv * d,)), bo=rnd((h,)))
         if cfg.sparse_layers[i] and expert_format:
-            from strata_jax.quant import quantize_int8_device
+            from strata_jax.quant import quantize_device
             e, f = cfg.num_experts, cfg.moe_intermediate_size
             parts = {}
             router = rnd((h, e))
             for which, shape in (("gate", (e, f, h)), ("up", (e, f, h)), ("down", (e, h, f))):
-                q, row_scale = quantize_int8_device(rnd(shape))  # (`scale` is the draw's: not this name)
+                q, q_scale = quantize_device(rnd(shape), expert_format)  # (`scale` is the draw's: not this name)
                 parts[which] = place_experts(f"layers.{i}.experts.{which}", q)
                 parts[which + "_scale"] = (place_scales or (lambda _, x: x))(f"layers.{i}.experts.{which}_scale",
-                                                                             row_scale)
+                                                                             q_scale)
             ffn = moe.MoEWeights(router=router, **parts)
         elif cfg.sparse_layers[i]:
             e, f = cfg.num_experts, cfg.moe_intermediate_size

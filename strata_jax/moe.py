@@ -14,6 +14,7 @@ from flax import struct
 
 from strata_jax.config import ModelConfig
 from strata_jax.linear import linear
+from strata_jax.quant import dequantize_int4_device
 
 
 @struct.dataclass
@@ -24,7 +25,9 @@ class MoEWeights:
     gate: jax.Array  # [E, I, H]
     up: jax.Array  # [E, I, H]
     down: jax.Array  # [E, H, I]
-    # expert_dtype=int8: gate/up/down hold int8 q and these their rows' scales (always on the device)
+    # expert_dtype=int8: gate/up/down hold int8 q and these their rows' scales; int4: q packed two a byte (uint8,
+    # [E, I, H/2] and [E, H, I/2]) and one scale per 64 inputs ([E, I, H/64], [E, I, H/64], [E, H, I/64]). The
+    # scales are always on the device.
     gate_scale: jax.Array | None = None  # [E, I]
     up_scale: jax.Array | None = None  # [E, I]
     down_scale: jax.Array | None = None  # [E, H]
@@ -93,6 +96,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, co
     int8 experts (strata_jax/quant.py "int8"): gate/up/down hold q, gate_scale/up_scale [N, I] and down_scale
     [N, H] their rows' scales; each product is accumulated in float32 over q widened to x's dtype (exact), scaled
     per output row, then rounded as the float path rounds (the Pallas kernel and the host pool do the same).
+    int4 experts ("int4"): q packed in uint8 with scales [N, O, In/64]; each product is the float32 dot with the
+    exactly dequantized weights (q * scale is exact in float32), then rounded the same way.
     """
     if gate_scale is None:
         g = jnp.einsum("th,nih->nti", x, gate)
@@ -113,7 +118,12 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, co
 
 
 def _scaled_product(spec: str, a: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """einsum(spec, a, q) for int8 q [N, O, In] in float32, times scale [N, O] per output row, in a's dtype."""
+    """einsum(spec, a, w) in float32, rounded to a's dtype, for quantized w: int8 q [N, O, In] with per-row scale
+    [N, O] (the product of q widened, times the scale), or int4 packed q [N, O, In/2] with scale [N, O, In/64]."""
+    if q.dtype == jnp.uint8:  # int4: float32 weights, exact; HIGHEST keeps the GPU's dot from rounding them (TF32)
+        w = dequantize_int4_device(q, scale, jnp.float32)
+        acc = jnp.einsum(spec, a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+        return acc.astype(a.dtype)
     acc = jnp.einsum(spec, a, q.astype(a.dtype), preferred_element_type=jnp.float32)  # [N, T, O]
     return (acc * scale.astype(jnp.float32)[:, None, :]).astype(a.dtype)
 

@@ -25,7 +25,7 @@ from flax import struct
 from strata_jax import moe
 from strata_jax.config import ModelConfig
 from strata_jax.linear import linear
-from strata_jax.model import LayerWeights, Weights, attention, lm_head, norm, shared_expert
+from strata_jax.model import LayerWeights, QuantKV, Weights, attention, kv_zeros, lm_head, norm, shared_expert
 
 
 @struct.dataclass
@@ -39,13 +39,13 @@ class MTPWeights:
 
 @struct.dataclass
 class MTPCache:
-    k: jax.Array  # [S, Nkv, D]
-    v: jax.Array  # [S, Nkv, D]
+    k: jax.Array | QuantKV  # [S, Nkv, D]; kv_dtype=int8: int8 rows and their scales, as the main cache
+    v: jax.Array | QuantKV  # [S, Nkv, D]
 
 
-def init_cache(cfg: ModelConfig, length: int, dtype) -> MTPCache:
+def init_cache(cfg: ModelConfig, length: int, dtype, kv_dtype: str = "auto") -> MTPCache:
     shape = (length, cfg.num_kv_heads, cfg.head_dim)
-    return MTPCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return MTPCache(k=kv_zeros(shape, dtype, kv_dtype), v=kv_zeros(shape, dtype, kv_dtype))
 
 
 def mtp_layer(weights: Weights, mtp: MTPWeights, cache: MTPCache, hidden: jax.Array, tokens: jax.Array,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from strata_jax import approx, defer, moe
+from strata_jax import approx, defer, moe, quant
 from strata_jax.config import ModelConfig
 
 NONE, RESIDENT, FETCH, CPU, SKIP = 0, 1, 2, 3, 4
@@ -70,11 +70,13 @@ def host_memory_kind() -> str:
 
 
 def init_slot_cache(cfg: ModelConfig, slots: int, dtype, policy: str = "lru", pcie_frac: float = 1.0) -> SlotCache:
+    """dtype: how the experts are stored (uint8: int4 packed two a byte along the input dimension)."""
     assert policy in POLICIES and 0.0 <= pcie_frac <= 1.0
     e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    fi, hi = quant.stored_in_dim(f, dtype), quant.stored_in_dim(h, dtype)
     return SlotCache(
-        gate=jnp.zeros((slots + 1, f, h), dtype), up=jnp.zeros((slots + 1, f, h), dtype),
-        down=jnp.zeros((slots + 1, h, f), dtype),
+        gate=jnp.zeros((slots + 1, f, hi), dtype), up=jnp.zeros((slots + 1, f, hi), dtype),
+        down=jnp.zeros((slots + 1, h, fi), dtype),
         table=jnp.full((e,), -1, jnp.int32), expert_of=jnp.full((slots + 1,), -1, jnp.int32),
         last_use=jnp.full((slots + 1,), -1, jnp.int32), clock=jnp.int32(0),
         usage=jnp.zeros((e,), jnp.int32), counters=jnp.zeros((len(COUNTERS),), jnp.int32),

@@ -107,10 +107,17 @@ class EngineOptions:
                             "kept in registers across the window's rows), xla (the rule unrolled over the rows in "
                             "jnp), or auto (pallas on a GPU in bfloat16 when both linear head dims are powers of 2, else xla).",
                             _choice("auto", "xla", "pallas"))
-    expert_dtype: str = opt("auto", "How the routed experts are stored: auto (unquantized, in `dtype`) or int8 "
-                            "(quantized at load: symmetric, one bf16 scale per output row; host RAM, slots and PCIe "
-                            "fetches hold a byte a weight, the expert FFNs widen it in their products: "
-                            "strata_jax/quant.py). int8 layers run unrolled.", _choice("auto", "int8"))
+    expert_dtype: str = opt("auto", "How the routed experts are stored: auto (unquantized, in `dtype`), int8 "
+                            "(quantized at load: symmetric, one bf16 scale per output row: a byte a weight) or int4 "
+                            "(symmetric, one bf16 scale per 64 inputs, two weights a byte). Host RAM, slots, PCIe "
+                            "fetches and the host pool hold the quantized form; the expert FFNs dequantize in their "
+                            "products (strata_jax/quant.py). Quantized layers run unrolled.",
+                            _choice("auto", "int8", "int4"))
+    kv_dtype: str = opt("auto", "How the KV cache is stored: auto (in `dtype`) or int8 (symmetric, one float32 scale "
+                        "per (position, kv head) for K and one for V, absmax/127; quantized as rows are written, read "
+                        "in place by the XLA attention and the Pallas decode-attention kernel; about half the bf16 "
+                        "cache's bytes: strata_jax/model.py QuantKV). Qwen3-Next's DeltaNet states stay in `dtype`.",
+                        _choice("auto", "int8"))
     layer_loop: str = opt("scan", "How a window's graph runs the layers: scan (weights stacked on a layer axis, one "
                           "layer body in a loop: a few hundred kernel launches less per layer count, a fraction of "
                           "the compile time) or unrolled (one copy of the body per layer). Offload and models that "

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax import model, offload
+from strata_jax import model, offload, quant
 from strata_jax.config import ModelConfig
 from strata_jax.errors import StrataError
 from strata_jax.options import EngineOptions
@@ -39,15 +39,21 @@ def non_expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
     return total - cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
 
 
+def expert_format(opts: EngineOptions) -> str | None:
+    """The quantized format of the routed experts (strata_jax/quant.py), or None when they stay in `dtype`."""
+    return opts.expert_dtype if opts.expert_dtype in quant.ENGINE_FORMATS else None
+
+
 def expert_storage(opts: EngineOptions) -> np.dtype:
-    """How a routed expert's weights are stored in host memory and the slots: int8 with expert_dtype=int8 (its rows'
-    scales sit on the device, a fraction of a slot), else the compute dtype."""
-    return jnp.dtype(jnp.int8) if opts.expert_dtype == "int8" else jnp.dtype(opts.dtype)
+    """How a routed expert's weights are stored in host memory and the slots: int8 q (expert_dtype=int8), int4
+    packed two a byte in uint8 (int4), else the compute dtype. The scales sit on the device (a fraction of a slot)."""
+    fmt = expert_format(opts)
+    return jnp.dtype(quant.storage_dtype(fmt)) if fmt else jnp.dtype(opts.dtype)
 
 
-def expert_itemsize(opts: EngineOptions) -> int:
-    """Bytes a stored expert weight takes."""
-    return expert_storage(opts).itemsize
+def expert_itemsize(opts: EngineOptions) -> float:
+    """Bytes a stored expert weight takes (0.5 for int4)."""
+    return 0.5 if opts.expert_dtype == "int4" else expert_storage(opts).itemsize
 
 
 def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int) -> tuple[int | None, str]:
@@ -101,6 +107,10 @@ class HostExperts:
                 layers.append((d["gate"], d["up"], d["down"], *scales))
             else:  # a dense layer: a 1-expert placeholder keeps the pool's layer numbers the model's
                 dtype = next(iter(self.numpy.values()))["gate"].dtype
+                if dtype == np.uint8:  # int4: 64 inputs, one group, packed in 32 bytes
+                    q = np.full((1, 64, 32), 0x88, np.uint8)  # q = 0 everywhere
+                    layers.append((q, q, q, *(np.ones((1, 64, 1), np.float32),) * 3))
+                    continue
                 ones = np.ones((1, 1, 1), dtype)
                 scales = (np.ones((1, 1), np.float32),) * 3 if dtype == np.int8 else ()
                 layers.append((ones, ones, ones, *scales))
@@ -112,7 +122,7 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
     from jax.experimental import io_callback
     layer = cfg.sparse_layers.index(True)
     w = weights.layers[layer].ffn
-    ebytes = cfg.expert_bytes(w.gate.dtype.itemsize)
+    ebytes = sum(a.nbytes for a in (w.gate, w.up, w.down)) // cfg.num_experts  # stored bytes (int4: packed)
 
     def fetch_graph(n):
         @jax.jit

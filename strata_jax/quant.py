@@ -4,11 +4,16 @@ A format quantizes each output channel's input row, either whole (`group` 0: one
 groups of `group` inputs. Symmetric formats store q in [-(2^(b-1)-1), 2^(b-1)-1] and a scale (w ~ q * scale);
 asymmetric ones (k-quant style) store q in [0, 2^b - 1], a scale and a minimum (w ~ q * scale + min). Scales and
 minima are bfloat16, as the GPU kernels read them; q is computed against the bf16-rounded scale so that dequantizing
-what is stored gives back the nearest grid point. int4 is packed two to a byte along the input dimension (low
-nibble first); 2 and 3 bits are kept one to a byte here (quality studies: their packing is not built yet).
+what is stored gives back the nearest grid point. int4 is packed two to a byte within each group, as GGUF's Q4_0
+block is: byte j of a group of G inputs holds input j in its low nibble and input j + G/2 in its high nibble, and a
+symmetric q is stored as q + 8 (0..15). A kernel then dots the low nibbles with the group's first half of x and the
+high ones with its second half, with no interleaving shuffle. 2 and 3 bits are kept one to a byte here (quality
+studies: their packing is not built yet).
 
 Shapes: a weight [..., O, I] (the experts' Hub layout [E, O, I]) -> q [..., O, I] int8 (int4: [..., O, I/2] uint8),
 scale / min [..., O, G] with G = I / group (1 for group 0).
+
+The engine's `expert_dtype` stores "int8" (per output row) or "int4" (symmetric, groups of 64).
 """
 from __future__ import annotations
 
@@ -94,36 +99,36 @@ def quantize(w: np.ndarray, fmt: Format | str) -> Quantized:
         q = np.clip(np.rint(np.divide(x - m, s, out=np.zeros_like(x), where=s > 0)), 0, top).astype(np.uint8)
     q = q.reshape(w.shape)
     if fmt.bits == 4:
-        q = pack_int4(q)
+        q = pack_int4(q, fmt.group)
     return Quantized(fmt, q, scale, minimum, w.shape[-1])
 
 
 def dequantize(qa: Quantized) -> np.ndarray:
     """The reference: Quantized -> float32 [..., O, I]."""
     fmt = qa.fmt
-    q = unpack_int4(qa.q, fmt.symmetric) if fmt.bits == 4 else qa.q
+    q = unpack_int4(qa.q, fmt.group, fmt.symmetric) if fmt.bits == 4 else qa.q
     x = _grouped(q.astype(np.float32), fmt) * qa.scale.astype(np.float32)[..., None]
     if qa.minimum is not None:
         x = x + qa.minimum.astype(np.float32)[..., None]
     return x.reshape(q.shape)
 
 
-def pack_int4(q: np.ndarray) -> np.ndarray:
-    """int4 values [..., I] (int8 in [-8, 7] or uint8 in [0, 15]) -> [..., I/2] uint8, element 2j in the low
-    nibble of byte j."""
-    if q.shape[-1] % 2:
-        raise ValueError(f"int4 packing needs an even input dimension, not {q.shape[-1]}")
-    u = (q.astype(np.int16) & 0xF).astype(np.uint8)
-    return u[..., 0::2] | (u[..., 1::2] << 4)
+def pack_int4(q: np.ndarray, group: int) -> np.ndarray:
+    """int4 values [..., I] (int8 in [-8, 7]: stored + 8; or uint8 in [0, 15]) -> [..., I/2] uint8: in each group
+    of `group` inputs, byte j holds input j (low nibble) and input j + group/2 (high nibble)."""
+    if group % 2 or q.shape[-1] % group:
+        raise ValueError(f"int4 packing needs an even group dividing the input dimension ({q.shape[-1]}, {group})")
+    u = (q.astype(np.int16) + (8 if q.dtype == np.int8 else 0)).astype(np.uint8)
+    u = u.reshape(*q.shape[:-1], q.shape[-1] // group, 2, group // 2)  # [..., G, half, group/2]
+    return (u[..., 0, :] | (u[..., 1, :] << 4)).reshape(*q.shape[:-1], q.shape[-1] // 2)
 
 
-def unpack_int4(packed: np.ndarray, signed: bool) -> np.ndarray:
-    """pack_int4's inverse: [..., I/2] uint8 -> [..., I] int8 (signed) or uint8."""
-    lo, hi = packed & 0xF, packed >> 4
-    out = np.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-    if signed:
-        return ((out.astype(np.int16) ^ 8) - 8).astype(np.int8)  # sign-extend the nibble
-    return out
+def unpack_int4(packed: np.ndarray, group: int, signed: bool) -> np.ndarray:
+    """pack_int4's inverse: [..., I/2] uint8 -> [..., I] int8 (signed: nibble - 8) or uint8."""
+    lead, half = packed.shape[:-1], packed.shape[-1]
+    p = packed.reshape(*lead, 2 * half // group, group // 2)
+    out = np.stack([p & 0xF, p >> 4], axis=-2).reshape(*lead, 2 * half)  # [..., G, 2, group/2] -> [..., I]
+    return (out.astype(np.int16) - 8).astype(np.int8) if signed else out
 
 
 def quantize_int8_device(w):
@@ -135,3 +140,51 @@ def quantize_int8_device(w):
     s = scale.astype(jnp.float32)[..., None]
     q = jnp.clip(jnp.round(jnp.where(s > 0, x / jnp.where(s > 0, s, 1.0), 0.0)), -127, 127).astype(jnp.int8)
     return q, scale
+
+
+def quantize_int4_device(w, group: int = 64):
+    """"int4" on the device (jax; random weights for benchmarks): w [..., O, I] -> (packed uint8 [..., O, I/2],
+    scale bf16 [..., O, I/group]), the same numbers as `quantize(w, "int4")` at group 64."""
+    import jax.numpy as jnp
+    x = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // group, group)  # [..., O, G, group]
+    scale = (jnp.max(jnp.abs(x), axis=-1) / 7.0).astype(jnp.bfloat16)  # [..., O, G]
+    s = scale.astype(jnp.float32)[..., None]
+    q = jnp.clip(jnp.round(jnp.where(s > 0, x / jnp.where(s > 0, s, 1.0), 0.0)), -7, 7).astype(jnp.int32) + 8
+    lo, hi = q[..., : group // 2], q[..., group // 2:]
+    packed = (lo | (hi << 4)).astype(jnp.uint8)  # [..., O, G, group/2]
+    return packed.reshape(*w.shape[:-1], w.shape[-1] // 2), scale
+
+
+def dequantize_int4_device(packed, scale, dtype):
+    """The int4 reference on the device: packed [..., O, I/2] uint8, scale [..., O, G] -> [..., O, I] in dtype
+    (float32 holds q * scale exactly; bf16 does not, so the compute paths scale per group in float32 instead)."""
+    import jax.numpy as jnp
+    g = scale.shape[-1]
+    p = packed.reshape(*packed.shape[:-1], g, -1).astype(jnp.int32)  # [..., O, G, group/2]
+    q = jnp.concatenate([p & 0xF, p >> 4], axis=-1) - 8  # [..., O, G, group]
+    w = q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+    return w.reshape(*packed.shape[:-1], -1).astype(dtype)
+
+
+# The engine's expert_dtype values that quantize, and how their experts are stored: int8 q one a byte, int4 packed
+# two a byte (uint8, the input dimension halved), with scales [E, O] (int8) or [E, O, I/64] (int4) on the device.
+ENGINE_FORMATS = ("int8", "int4")
+
+
+def storage_dtype(expert_format: str) -> np.dtype:
+    return np.dtype(np.int8) if expert_format == "int8" else np.dtype(np.uint8)
+
+
+def stored_in_dim(in_dim: int, dtype) -> int:
+    """The last dimension of a stored expert matrix of `in_dim` inputs: halved for int4 (uint8) storage."""
+    return in_dim // 2 if np.dtype(dtype) == np.uint8 else in_dim
+
+
+def engine_scale(qa: Quantized) -> np.ndarray:
+    """The scales the engine keeps: [..., O] for per-row int8, [..., O, G] for grouped formats."""
+    return qa.scale[..., 0] if qa.fmt.group == 0 else qa.scale
+
+
+def quantize_device(w, expert_format: str):
+    """The engine formats on the device (random weights): w [..., O, I] -> (q, engine scale)."""
+    return quantize_int8_device(w) if expert_format == "int8" else quantize_int4_device(w)

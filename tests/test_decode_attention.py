@@ -78,6 +78,50 @@ def test_kernel_matches_reference(name, dtype):
         np.testing.assert_array_equal(garbage_out, np.asarray(out))
 
 
+def make_int8_case(seed: int, t: int, nq: int, nkv: int, d: int, s: int, pos: int, dtype):
+    """Random q [T, Nq, D] (dtype) and int8 caches [S, Nkv, D] with their float32 scales [S, Nkv], quantized from
+    fresh random rows (strata_jax.model.quantize_kv: kv_dtype=int8)."""
+    from strata_jax.model import quantize_kv
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((t, nq, d)), dtype)
+    k = quantize_kv(jnp.asarray(rng.standard_normal((s, nkv, d)) * 2.0 * rng.uniform(0.2, 3, (s, nkv, 1)),
+                                jnp.float32))  # row scales that differ by position and head
+    v = quantize_kv(jnp.asarray(rng.standard_normal((s, nkv, d)) * rng.uniform(0.2, 3, (s, nkv, 1)), jnp.float32))
+    return q, k, v, jnp.int32(pos)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.keys())
+@pytest.mark.parametrize("name", ["t1_pos0", "t1_pos77", "t4_pos60", "t3_r4_s192", "t4_to_the_end"])
+def test_int8_cache_kernel_matches_reference(name, dtype):
+    """kv_dtype=int8: the kernel reads the int8 rows and their scales in place; the same bounds as the float
+    caches against the reference's int8 arithmetic. Rows past the window: random int8 and NaN / inf scales, never
+    read (the same output, bit for bit)."""
+    dtype = DTYPES[dtype]
+    t, nq, nkv, d, s, pos = CASES[name]
+    q, k, v, p = make_int8_case(len(name) + 100, *CASES[name], dtype)
+    out = decode_attention(q, k.q, v.q, p, k_scale=k.scale, v_scale=v.scale, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = decode_attention_reference(q, k.q, v.q, p, k.scale, v.scale)
+    assert rel(out, ref) < RTOL[dtype]
+    if pos + t < s:
+        rng = np.random.default_rng(5)
+        bad_q = lambda c: c.q.at[pos + t:].set(jnp.asarray(rng.integers(-128, 128, c.q[pos + t:].shape), jnp.int8))
+        bad_s = lambda c: with_garbage(c.scale[..., None], pos + t, seed=6)[..., 0]
+        garbage = decode_attention(q, bad_q(k), bad_q(v), p, k_scale=bad_s(k), v_scale=bad_s(v), interpret=True)
+        np.testing.assert_array_equal(np.asarray(garbage), np.asarray(out))
+
+
+def test_int8_stacked_cache_reads_its_layer_only():
+    t, nq, nkv, d, s, pos = 4, 8, 2, 32, 128, 70
+    q, k, v, p = make_int8_case(9, t, nq, nkv, d, s, pos, jnp.float32)
+    stack = lambda c, seed: (jnp.stack([c.q] * 3).at[1].set(-c.q),  # other layers: other rows, NaN scales
+                             with_garbage(jnp.stack([c.scale] * 3)[..., None], 0, seed)[..., 0].at[2].set(c.scale))
+    (kq, ks), (vq, vs) = stack(k, 1), stack(v, 2)
+    out = jax.jit(lambda q, kq, vq, p, i, ks, vs: decode_attention(q, kq, vq, p, i, ks, vs, interpret=True))(
+        q, kq, vq, p, jnp.int32(2), ks, vs)
+    assert rel(out, decode_attention_reference(q, k.q, v.q, p, k.scale, v.scale)) < RTOL[jnp.float32]
+
+
 @pytest.mark.parametrize("tuning", [dict(block_k=16, k_splits=1), dict(block_k=16, k_splits=5),
                                     dict(block_k=32, k_splits=8), dict(block_k=256, k_splits=2)])
 def test_blocks_and_splits(tuning):
@@ -138,14 +182,21 @@ def test_reference_is_model_attention(dtype):
     assert rel(decode_attention(q, kc, vc, p, interpret=True).reshape(t, nq * d), got) < RTOL[dtype]
 
 
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
 @pytest.mark.parametrize("t, nq, nkv, d, s", [(1, 32, 4, 128, 2112), (4, 32, 4, 128, 2112), (1, 4, 2, 32, 128)])
-def test_lowers_for_cuda(t, nq, nkv, d, s):
+def test_lowers_for_cuda(t, nq, nkv, d, s, kv):
     spec = jax.ShapeDtypeStruct
-    text = lower_for_cuda(decode_attention, spec((t, nq, d), jnp.bfloat16), spec((s, nkv, d), jnp.bfloat16),
-                          spec((s, nkv, d), jnp.bfloat16), spec((), jnp.int32))
+    if kv == "int8":  # kv_dtype=int8: int8 caches and their float32 [S, Nkv] scales
+        text = lower_for_cuda(lambda q, kc, vc, p, ks, vs: decode_attention(q, kc, vc, p, k_scale=ks, v_scale=vs),
+                              spec((t, nq, d), jnp.bfloat16), spec((s, nkv, d), jnp.int8), spec((s, nkv, d), jnp.int8),
+                              spec((), jnp.int32), spec((s, nkv), jnp.float32), spec((s, nkv), jnp.float32))
+        assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2, %arg4, %arg5\)", text)  # all in place
+    else:
+        text = lower_for_cuda(decode_attention, spec((t, nq, d), jnp.bfloat16), spec((s, nkv, d), jnp.bfloat16),
+                              spec((s, nkv, d), jnp.bfloat16), spec((), jnp.int32))
+        # The caches go straight from the arguments into the kernel: no transpose, no copy of the cache.
+        assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2\)", text)
     assert text.count("__gpu$xla.gpu.triton") == 1
-    # The caches go straight from the arguments into the kernel: no transpose, no copy of the cache.
-    assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2\)", text)
     assert f"x{s}x" not in text  # no [.., S, ..] array other than the [S, Nkv, D] arguments
 
 
@@ -188,3 +239,14 @@ def test_stacked_cache_lowers_for_cuda():
                           spec((48, s, nkv, d), jnp.bfloat16), spec((), jnp.int32), spec((), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2\)", text)  # the stacked caches, in place
+
+
+def test_int8_stacked_cache_lowers_for_cuda():
+    spec = jax.ShapeDtypeStruct
+    s, nkv, d = 2112, 4, 128
+    text = lower_for_cuda(lambda q, kc, vc, p, i, ks, vs: decode_attention(q, kc, vc, p, i, ks, vs),
+                          spec((1, 32, d), jnp.bfloat16), spec((48, s, nkv, d), jnp.int8),
+                          spec((48, s, nkv, d), jnp.int8), spec((), jnp.int32), spec((), jnp.int32),
+                          spec((48, s, nkv), jnp.float32), spec((48, s, nkv), jnp.float32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2, %arg5, %arg6\)", text)

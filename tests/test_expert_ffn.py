@@ -162,8 +162,11 @@ def test_benchmark_runs_on_cpu(tmp_path, capsys):
         for key in ("xla_us", "pallas_us", "roofline_us", "bytes"):
             assert r[key] > 0 and math.isfinite(r[key]), key
         assert r["max_rel_err"] < 5e-2 and r["fro_rel_err"] < REF_RTOL
+        # int4 reads about half of int8's bytes and a quarter of bf16's (scales included)
+        assert r["int4_bytes"] < 0.6 * r["int8_bytes"] < 0.35 * r["bytes"]
+        assert r["int4_max_rel_err"] < 5e-2 and 0 < r["int8_vs_bf16_rel"] < r["int4_vs_bf16_rel"] < 0.25
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
-    assert len(table) == 2 + 2 and "Pallas % of roofline" in table[0]
+    assert len(table) == 2 + 2 and "Pallas % of roofline" in table[0] and "int4 Pallas us" in table[0]
 
 
 def test_the_model_with_the_kernel_matches_the_xla_path():
@@ -184,13 +187,13 @@ def test_the_model_with_the_kernel_matches_the_xla_path():
     assert (out["pallas"].argmax(-1) == out["xla"].argmax(-1)).mean() >= 2 / 3
 
 
-@pytest.mark.parametrize("slots,filled,int8", [(0, 0, False), (6, 3, False), (16, 10, False), (6, 3, True),
-                                                (16, 10, True)])
-def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, int8):
+@pytest.mark.parametrize("slots,filled,fmt", [(0, 0, None), (6, 3, None), (16, 10, None), (6, 3, "int8"),
+                                               (16, 10, "int8"), (6, 3, "int4")])
+def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, fmt):
     """offload.OffloadedExperts(kernel=True) (interpret mode): resident experts read in their slots, fetched ones
     copied into their victim slots first, the overflow (no slot left: S=0, S=6) through the XLA block: the layer's
     output within bf16 rounding of the XLA path, and the same slot table and slot contents after the window.
-    int8: the slots hold q and the kernel reads each slot's scales (of the expert in it after the fetch)."""
+    int8 / int4: the slots hold q and the kernel reads each slot's scales (of the expert in it after the fetch)."""
     from strata_jax import moe, offload, quant
     from strata_jax.config import preset
     cfg = preset("tiny")
@@ -198,10 +201,10 @@ def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, 
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     f = lambda *shape, scale=0.1: jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
     w = moe.MoEWeights(router=f(h, e, scale=1.0), gate=f(e, i, h), up=f(e, i, h), down=f(e, h, i))
-    if int8:
-        qs = {k: quant.quantize(np.asarray(getattr(w, k), np.float32), "int8") for k in ("gate", "up", "down")}
+    if fmt:
+        qs = {k: quant.quantize(np.asarray(getattr(w, k), np.float32), fmt) for k in ("gate", "up", "down")}
         w = w.replace(**{k: jnp.asarray(qa.q) for k, qa in qs.items()},
-                      **{k + "_scale": jnp.asarray(qa.scale[..., 0]) for k, qa in qs.items()})
+                      **{k + "_scale": jnp.asarray(quant.engine_scale(qa)) for k, qa in qs.items()})
     state = offload.init_slot_cache(cfg, slots, w.gate.dtype)
     if filled:
         chosen = np.full(slots, -1, np.int32)
@@ -232,26 +235,34 @@ def test_the_engine_refuses_the_kernel_where_it_cannot_run(engine_factory):
         engine_factory(None, dtype="bfloat16", window=2, context=64, expert_cache_slots="all", expert_kernel="pallas")
 
 
-# ---- int8 experts (strata_jax/quant.py "int8": symmetric, one scale per output row) -----------------------------
+# ---- int8 and int4 experts (strata_jax/quant.py "int8": one scale per output row; "int4": one per 64 inputs) ------
 
-def make_int8_case(name: str):
-    """CASES[name] with its experts quantized to int8 (quant.quantize): q and bf16 row scales [S, O]."""
+def make_quant_case(name: str, fmt: str = "int8"):
+    """CASES[name] with its experts quantized (quant.quantize): q and bf16 scales [S, O] (int8) or [S, O, I/64]."""
     from strata_jax import quant
     x, gate, up, down, ids, combine = make_case(**CASES[name])
     out = [x]
     scales = []
     for w in (gate, up, down):
-        qa = quant.quantize(np.asarray(w, np.float32), "int8")
+        qa = quant.quantize(np.asarray(w, np.float32), fmt)
         out.append(jnp.asarray(qa.q))
-        scales.append(jnp.asarray(qa.scale[..., 0]))  # [S, O, 1] -> [S, O]
+        scales.append(jnp.asarray(quant.engine_scale(qa)))
     return (*out, ids, combine, *scales)
 
 
-def f64_int8_model(x, gate, up, down, slot_ids, combine, gs, us, ds) -> np.ndarray:
-    """The int8 kernel's arithmetic in float64: q products scaled per row, then the bf16 roundings."""
+def f64_quant_model(x, gate, up, down, slot_ids, combine, gs, us, ds) -> np.ndarray:
+    """The quantized kernels' arithmetic in float64: the exactly dequantized weights' products (int8: q products
+    scaled per row, the same numbers), then the bf16 roundings."""
+    from strata_jax import quant
     x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-    gate, up, down = (np.asarray(a, np.float64) for a in (gate, up, down))
-    gs, us, ds = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (gs, us, ds))
+    if gate.dtype == jnp.uint8:  # int4: dequantize (exact), unit row scales
+        mats = [np.asarray(quant.dequantize_int4_device(q, sc, jnp.float32), np.float64)
+                for q, sc in ((gate, gs), (up, us), (down, ds))]
+        gs, us, ds = (np.ones(m.shape[:2]) for m in mats)
+    else:
+        mats = [np.asarray(a, np.float64) for a in (gate, up, down)]
+        gs, us, ds = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (gs, us, ds))
+    gate, up, down = mats
     out = np.zeros((x.shape[0], x.shape[1]))
     for n, slot in enumerate(np.asarray(slot_ids)):
         if slot < 0:
@@ -262,33 +273,45 @@ def f64_int8_model(x, gate, up, down, slot_ids, combine, gs, us, ds) -> np.ndarr
     return out
 
 
-@pytest.mark.parametrize("name", ["t1_eight_experts", "t3_unused_repeat_pad", "t8_padded", "t3_h96_i48"])
-def test_int8_kernel_matches_reference(name):
-    args = make_int8_case(name)
-    assert args[1].dtype == jnp.int8
+@pytest.mark.parametrize("fmt,name", [("int8", "t1_eight_experts"), ("int8", "t3_unused_repeat_pad"),
+                                      ("int8", "t8_padded"), ("int8", "t3_h96_i48"), ("int4", "t1_eight_experts"),
+                                      ("int4", "t3_unused_repeat_pad"), ("int4", "t8_padded")])
+def test_quantized_kernel_matches_reference(fmt, name):
+    args = make_quant_case(name, fmt)
+    assert args[1].dtype == (jnp.int8 if fmt == "int8" else jnp.uint8)
     out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if name == "t8_padded" else {}))
     assert out.shape == args[0].shape and out.dtype == jnp.float32
     assert rel(out, expert_ffn_reference(*args)) < REF_RTOL
-    assert rel(out, f64_int8_model(*args)) < MODEL_RTOL
+    assert rel(out, f64_quant_model(*args)) < MODEL_RTOL
 
 
-def test_int8_is_close_to_the_bf16_experts():
-    """int8 per-row quantization moves the experts' output by about its weight error (~0.5%), not more."""
-    args = make_int8_case("t8_padded")
+@pytest.mark.parametrize("fmt,bound", [("int8", 3e-2), ("int4", 0.25)])
+def test_quantized_is_close_to_the_bf16_experts(fmt, bound):
+    """Quantization moves the experts' output by about its weight error (int8 ~0.5%, int4 g64 ~10%), not more."""
+    args = make_quant_case("t8_padded", fmt)
     bf16_args = make_case(**CASES["t8_padded"])
     got = expert_ffn_reference(*args)
     want = expert_ffn_reference(*bf16_args)
-    assert 0 < rel(got, want) < 3e-2
+    assert 0 < rel(got, want) < bound
 
 
-def test_int8_needs_its_scales():
-    x, gate, up, down, ids, combine, gs, us, ds = make_int8_case("t1_eight_experts")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_needs_its_scales(fmt):
+    x, gate, up, down, ids, combine, gs, us, ds = make_quant_case("t1_eight_experts", fmt)
     with pytest.raises(ValueError, match="scale"):
         expert_ffn(x, gate, up, down, ids, combine, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         expert_ffn(x, gate, up, down, ids, combine, gs, us, gs, interpret=True)
-    with pytest.raises(ValueError, match="all bfloat16 or all int8"):
+    with pytest.raises(ValueError, match="all bfloat16, all int8 or all int4"):
         expert_ffn(x, gate, up, down.astype(jnp.bfloat16), ids, combine, gs, us, ds, interpret=True)
+
+
+def test_int4_needs_whole_groups():
+    x, gate, up, down, ids, combine = make_case(**CASES["t3_h96_i48"])
+    q = lambda a: jnp.zeros((*a.shape[:2], a.shape[2] // 2), jnp.uint8)
+    sc = lambda a: jnp.ones((*a.shape[:2], 1), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        expert_ffn(x, q(gate), q(up), q(down), ids, combine, sc(gate), sc(up), sc(down), interpret=True)
 
 
 @pytest.mark.parametrize("t,n", [(1, 8), (4, 32)])
@@ -299,5 +322,17 @@ def test_int8_lowers_for_cuda(t, n):
     specs = (sd((t, h), jnp.bfloat16), sd((s, i, h), jnp.int8), sd((s, i, h), jnp.int8), sd((s, h, i), jnp.int8),
              sd((n,), jnp.int32), sd((t, n), jnp.float32), sd((s, i), jnp.bfloat16), sd((s, i), jnp.bfloat16),
              sd((s, h), jnp.bfloat16))
+    text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("t,n", [(1, 8), (8, 64)])
+def test_int4_lowers_for_cuda(t, n):
+    """The int4 kernels at the Qwen3-30B-A3B shape compile for CUDA."""
+    s, h, i = 64, 2048, 768
+    sd = jax.ShapeDtypeStruct
+    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // 2), jnp.uint8), sd((s, i, h // 2), jnp.uint8),
+             sd((s, h, i // 2), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
+             sd((s, i, h // 64), jnp.bfloat16), sd((s, i, h // 64), jnp.bfloat16), sd((s, h, i // 64), jnp.bfloat16))
     text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
     assert text.count("__gpu$xla.gpu.triton") == 2

@@ -2,6 +2,7 @@
 error as their bits and groups say."""
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -45,11 +46,24 @@ def test_error_follows_bits_and_groups():
 @pytest.mark.parametrize("signed", [True, False])
 def test_int4_packing_round_trips(signed):
     rng = np.random.default_rng()
-    q = rng.integers(-8, 8, (5, 6, 34)).astype(np.int8) if signed else rng.integers(0, 16, (5, 6, 34)).astype(np.uint8)
-    packed = quant.pack_int4(q)
-    assert packed.shape == (5, 6, 17) and packed.dtype == np.uint8
-    np.testing.assert_array_equal(packed & 0xF, (q[..., 0::2].astype(np.int16) & 0xF).astype(np.uint8))
-    np.testing.assert_array_equal(quant.unpack_int4(packed, signed), q)
+    q = rng.integers(-8, 8, (5, 6, 64)).astype(np.int8) if signed else rng.integers(0, 16, (5, 6, 64)).astype(np.uint8)
+    packed = quant.pack_int4(q, 32)
+    assert packed.shape == (5, 6, 32) and packed.dtype == np.uint8
+    # Q4_0's layout: in each group of 32, byte j holds input j (low nibble) and input j + 16 (high), q + 8 if signed
+    stored = q.astype(np.int16) + (8 if signed else 0)
+    np.testing.assert_array_equal(packed[..., 16:32] & 0xF, stored[..., 32:48])
+    np.testing.assert_array_equal(packed[..., 16:32] >> 4, stored[..., 48:64])
+    np.testing.assert_array_equal(quant.unpack_int4(packed, 32, signed), q)
+
+
+def test_int4_device_quantizer_matches_numpy():
+    w = np.random.default_rng().standard_normal((3, 8, 256)).astype(np.float32)
+    packed, scale = quant.quantize_int4_device(jnp.asarray(w))
+    ref = quant.quantize(w, "int4")
+    np.testing.assert_array_equal(np.asarray(packed), ref.q)
+    np.testing.assert_array_equal(np.asarray(scale.astype(jnp.float32)), ref.scale.astype(np.float32))
+    back = quant.dequantize_int4_device(packed, scale, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(back), quant.dequantize(ref))
 
 
 def test_bits_per_weight_and_bad_input():
@@ -128,38 +142,67 @@ def test_the_store_wants_scales_with_int8():
 
 # ---- expert_dtype=int8 in the engine -----------------------------------------------------------------------------
 
-def test_int8_engine_is_placement_independent(engine_factory, cache_dir, capfd):
-    """expert_dtype=int8 (float32 compute): every placement of the quantized experts (all resident; 4 slots with
-    half the misses fetched over PCIe and half on the host pool; every expert on the pool) gives the same logits, 1e-5 relative; they differ
-    from the unquantized model's by about the quantization error; speculative greedy equals plain greedy."""
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_engine_is_placement_independent(engine_factory, cache_dir, capfd, fmt):
+    """expert_dtype=int8 / int4 (float32 compute): every placement of the quantized experts (all resident; 4 slots
+    with half the misses fetched over PCIe and half on the host pool; every expert on the pool) gives the same
+    logits, 1e-5 relative; they differ from the unquantized model's by about the quantization error; speculative
+    greedy equals plain greedy."""
     ids = list(b"def fetch(self, key):\n    return self.table[key]\n")
     want = engine_factory(None, dtype="float32", expert_cache_slots="all").prefill_logits(ids)
     capfd.readouterr()
     from strata_jax import Engine
     base = Engine.from_pretrained(None, verbose=True, cache_dir=str(cache_dir), dtype="float32",
-                                  expert_cache_slots="all", expert_dtype="int8")
-    assert "experts: int8" in capfd.readouterr().err
+                                  expert_cache_slots="all", expert_dtype=fmt)
+    assert f"experts: {fmt}" in capfd.readouterr().err
     ref = base.prefill_logits(ids)
-    assert 0 < rel(ref, want) < 5e-2
+    assert 0 < rel(ref, want) < {"int8": 5e-2, "int4": 0.3}[fmt]
     assert rel(base.score(ids), ref) < 1e-5
+    stored = quant.storage_dtype(fmt)
     for slots, frac in ((4, "0.5"), (0, "0")):  # fetches and the pool in one engine; then the pool alone
         eng = engine_factory(None, dtype="float32", expert_cache_slots=str(slots), pcie_frac=frac,
-                             expert_dtype="int8")
-        assert eng.cache.experts[0].gate.dtype == np.int8  # the slots hold q
-        assert eng.placement.pool.store.dtype == np.int8
+                             expert_dtype=fmt)
+        assert eng.cache.experts[0].gate.dtype == stored  # the slots hold q
+        assert eng.placement.pool.store.dtype == stored
         assert rel(eng.prefill_logits(ids), ref) < 1e-5, (slots, frac)
         assert rel(eng.score(ids), ref) < 1e-5, (slots, frac)
         plain = eng.generate(ids, 12, spec=0, stop_token_ids=[])
         assert eng.generate(ids, 12, spec=3, stop_token_ids=[]) == plain
 
 
+def test_quantized_state_saves_and_restores(engine_factory, tmp_path):
+    """--save_state of int4 experts saves q and the scales; the state restores with expert_dtype=int4 (offloaded:
+    the pool gets the scales too) to the same logits, and with another expert_dtype it is refused with one line."""
+    from strata_jax import Engine, StrataError
+    ids = list(b"for key in table:\n    print(key)\n")
+    src = engine_factory(None, dtype="float32", expert_cache_slots="all", expert_dtype="int4")
+    state = tmp_path / "state"
+    src.save_state(state)
+    back = Engine.from_pretrained(state, verbose=False, dtype="float32", expert_cache_slots="4", pcie_frac="0.5",
+                                  expert_dtype="int4")
+    assert back.placement.pool.store.dtype == np.uint8
+    assert rel(back.prefill_logits(ids), src.prefill_logits(ids)) < 1e-5
+    with pytest.raises(StrataError, match="expert_dtype=int4 experts, but expert_dtype=auto"):
+        Engine.from_pretrained(state, verbose=False, dtype="float32")
+
+
+def test_int4_needs_whole_groups():
+    """A model whose experts are not a whole number of 64-input groups is refused with one line, before loading."""
+    from strata_jax import Engine, StrataError
+    from strata_jax.config import preset
+    cfg = preset("tiny").replace(moe_intermediate_size=48)
+    with pytest.raises(StrataError, match="multiples of 64"):
+        Engine.from_random(cfg, verbose=False, expert_dtype="int4", dtype="float32")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("slots", ["all", "16"])
-def test_int8_kernel_in_the_engine_on_the_gpu(engine_factory, slots):
-    """On the GPU in bf16, int8 experts through the Pallas expert FFN (read in place from the slots, scales by slot)
-    give the XLA path's logits (bf16 roundings apart), resident and offloaded."""
+def test_quantized_kernel_in_the_engine_on_the_gpu(engine_factory, slots, fmt):
+    """On the GPU in bf16, int8 / int4 experts through the Pallas expert FFN (read in place from the slots, scales
+    by slot) give the XLA path's logits (bf16 roundings apart), resident and offloaded."""
     ids = list(b"class Stack:\n    def __init__(self):\n        self.items = []\n")
-    opts = dict(dtype="bfloat16", expert_cache_slots=slots, pcie_frac="1", expert_dtype="int8")
+    opts = dict(dtype="bfloat16", expert_cache_slots=slots, pcie_frac="1", expert_dtype=fmt)
     kernel = engine_factory("reference", expert_kernel="pallas", **opts)
     xla = engine_factory("reference", expert_kernel="xla", **opts)
     assert kernel.expert_kernel == "pallas" and xla.expert_kernel == "xla"

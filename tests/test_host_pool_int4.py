@@ -1,0 +1,207 @@
+"""Host pool with int4 experts (strata_jax/quant.py "int4": packed two a byte, a bf16 scale per 64 inputs).
+
+The pool dequantizes row chunks exactly ((nibble - 8) * scale fits float32) and runs the float32 products, rounding
+to the compute dtype where the bf16 / int8 paths round. The reference is float64 over quant.dequantize's weights
+with the same rounding points (tests/test_host_pool.py's `reference`): 1e-5 relative in float32 compute. In bf16
+compute a float32 sum that lands next to a bf16 rounding boundary may round the other way than its float64
+reference (one ulp, 2^-8, in that element): the bound is that ulp. The device's XLA path (moe.expert_ffn) gives the
+same rows.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+
+from host_pool import HostExpertStore, HostPool, HostPoolError
+from host_pool import store as store_module
+from host_pool.store import BF16
+from strata_jax import quant
+
+# H and I multiples of the group (64), I not a multiple of the job or chunk rows: tails are exercised.
+LAYERS, E, H, I = 2, 6, 192, 128
+TOL = {"float32": 1e-5, "bfloat16": 2.0**-8}
+THRESHOLD = 0.5
+
+
+def rng_for(name: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def make_layers(rng, fmt="int4"):
+    """Per layer: (float weights (gate, up, down) as quant.dequantize gives them back, float64; the store's layer
+    tuple (gate, up, down, gate_scale, up_scale, down_scale) with bf16 scales)."""
+    layers = []
+    for _ in range(LAYERS):
+        qs = [quant.quantize((rng.standard_normal(shape) * rng.uniform(0.05, 0.2, shape[:2] + (1,)))
+                             .astype(np.float32), fmt)
+              for shape in ((E, I, H), (E, I, H), (E, H, I))]
+        layers.append(([quant.dequantize(qa).astype(np.float64) for qa in qs],
+                       (*(qa.q for qa in qs), *(qa.scale for qa in qs))))
+    return layers
+
+
+def rounding(compute_dtype):
+    if compute_dtype == "float32":
+        return lambda a: a
+    return lambda a: a.astype(np.float32).astype(BF16).astype(np.float64)
+
+
+def expert_rows(weights, compute_dtype, x, e):
+    """float64 [T, H] = down_e @ (silu(gate_e @ x) * (up_e @ x)), rounded where the device rounds (g, u, h, the
+    expert's output) in bf16 compute."""
+    rnd = rounding(compute_dtype)
+    gate, up, down = weights
+    g, u = rnd(x @ gate[e].T), rnd(x @ up[e].T)      # [T, I]
+    return rnd(rnd(g / (1.0 + np.exp(-g)) * u) @ down[e].T)
+
+
+def reference(weights, compute_dtype, x, ids, w):
+    """float64 y [T, H] = sum_n w[:, n] * expert e_n's rows."""
+    x, w = x.astype(np.float64), w.astype(np.float64)
+    y = np.zeros((x.shape[0], H))
+    for n, e in enumerate(ids):
+        if e >= 0:
+            y += w[:, n:n + 1] * expert_rows(weights, compute_dtype, x, e)
+    return y
+
+
+def rel_error(y, ref):
+    return np.linalg.norm(y - ref) / np.linalg.norm(ref)
+
+
+@pytest.fixture
+def make_pool():
+    pools = []
+
+    def make(layers, compute_dtype="bfloat16", **kwargs):
+        store = HostExpertStore([stored for _, stored in layers], compute_dtype=np.dtype(compute_dtype))
+        pool = HostPool(store, **kwargs)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int4-g32", "int4-g128"])
+def test_chunks_are_dequantize_exactly(monkeypatch, fmt):
+    # Several chunks and a ragged last one: every block is quant.dequantize's float32 weights, bit for bit.
+    C = 256  # inputs: a multiple of every group
+    monkeypatch.setattr(store_module, "CHUNK_FLOATS", 7 * C)
+    rng = rng_for(f"chunks-{fmt}")
+    qa = quant.quantize(rng.standard_normal((3, 40, C)).astype(np.float32), fmt)
+    rows, scales = qa.q[1, 3:38], qa.scale[1, 3:38].astype(np.float32)  # [35, C/2], [35, G]
+    blocks = [(r0, block.copy(), row_scales) for r0, block, row_scales in store_module.row_chunks_f32(rows, scales)]
+    assert [r0 for r0, _, _ in blocks] == [0, 7, 14, 21, 28] and all(s is None for _, _, s in blocks)
+    np.testing.assert_array_equal(np.concatenate([b for _, b, _ in blocks]), quant.dequantize(qa)[1, 3:38])
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("T", [1, 4])
+def test_plain_jobs_match_reference(make_pool, compute_dtype, threads, T):
+    rng = rng_for(f"plain-{compute_dtype}-{threads}-{T}")
+    layers = make_layers(rng)
+    pool = make_pool(layers, compute_dtype, threads=threads)
+    assert pool.store.format == "int4" and pool.store.compute_dtype == np.dtype(compute_dtype)
+    ids = np.array([5, -1, 0, 3, -1], np.int32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
+    y = pool.compute(1, x, ids, w)
+    assert y.dtype == np.float32 and y.shape == (T, H)
+    assert rel_error(y, reference(layers[1][0], compute_dtype, x, ids, w)) < TOL[compute_dtype]
+
+
+def test_many_chunks_per_job(make_pool, monkeypatch):
+    monkeypatch.setattr(store_module, "CHUNK_FLOATS", 5 * H)  # a few rows per chunk, a ragged last one
+    rng = rng_for("many-chunks")
+    layers = make_layers(rng)
+    pool = make_pool(layers, "float32", threads=2)
+    ids = np.array([2, 1, 4], np.int32)
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (3, 3)).astype(np.float32)
+    assert rel_error(pool.compute(0, x, ids, w), reference(layers[0][0], "float32", x, ids, w)) < TOL["float32"]
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T,K", [(1, 4), (4, 3)])
+def test_split_jobs_match_reference(make_pool, compute_dtype, T, K):
+    rng = rng_for(f"split-{compute_dtype}-{T}-{K}")
+    layers = make_layers(rng)
+    pool = make_pool(layers, compute_dtype, threads=2)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)  # [T, K]
+    ids[0, -1] = -1  # not a CPU entry
+    w = rng.uniform(0.05, 0.95, (T, K)).astype(np.float32)
+    w[0, 0] = 0.9    # at least one heavy entry
+    ticket = pool.submit_split(0, x, ids, w, THRESHOLD)
+    heavy_rows = pool.wait_heavy(ticket).copy()
+    rows = pool.collect_split(ticket)
+    assert rows.dtype == np.float32 and rows.shape == (T, K, H)
+    for t, k in zip(*np.nonzero(ids >= 0)):
+        ref = expert_rows(layers[0][0], compute_dtype, x[t:t + 1].astype(np.float64), ids[t, k])[0]
+        assert rel_error(rows[t, k], ref) < TOL[compute_dtype], (t, k)
+    np.testing.assert_array_equal(rows[ids < 0], 0.0)
+    heavy = (ids >= 0) & (w >= np.float32(THRESHOLD))
+    np.testing.assert_array_equal(heavy_rows[heavy], rows[heavy])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_same_rows_as_the_device_xla_path(dtype):
+    """moe.expert_ffn (the device's XLA path) on the same int4 experts: 1e-5 relative in float32 compute; bf16
+    within a rounding flip's worth (float32 summation orders differ), as the int8 test in test_quant."""
+    import jax
+    import jax.numpy as jnp
+    from strata_jax import moe
+    rng = rng_for(f"device-{dtype}")
+    (_, stored), = make_layers(rng)[:1]
+    q, scales = stored[:3], stored[3:]
+    ids = np.array([4, -1, 0, 2], np.int32)
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    w = (rng.uniform(0.1, 1.0, (3, ids.size)) * (ids >= 0)).astype(np.float32)
+    sel = np.maximum(ids, 0)
+    xd = jnp.asarray(x, dtype)
+    with jax.default_matmul_precision("highest"):
+        device = np.asarray(moe.expert_ffn(xd, *(jnp.asarray(a[sel]) for a in q), jnp.asarray(w),
+                                           *(jnp.asarray(s[sel]) for s in scales)), np.float32)
+    with HostPool(HostExpertStore([stored], compute_dtype=np.dtype(dtype)), threads=2) as pool:
+        host = pool.compute(0, np.asarray(xd, np.float32), ids, w)
+    assert rel_error(host, device) < (1e-5 if dtype == "float32" else 2e-2)
+
+
+def test_sizes_and_bytes_read(make_pool):
+    rng = rng_for("sizes")
+    layers = make_layers(rng)
+    pool = make_pool(layers, threads=3)
+    store = pool.store
+    assert (store.hidden_size(0), store.intermediate_size(0), store.num_experts(0)) == (H, I, E)
+    assert store.dtype == np.uint8 and store.compute_dtype == BF16
+    # q: 3 * I * H / 2 bytes; float32 scales: 2 * I * H / 64 + H * I / 64 floats
+    assert store.nbytes(0, 1) == 3 * I * H // 2 + 4 * 3 * I * H // 64
+    assert store.total_nbytes == LAYERS * E * store.nbytes(0, 1)
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    pool.compute(0, x, np.array([1, 4, -1]), rng.uniform(0.1, 1.0, (2, 3)).astype(np.float32))
+    assert pool.stats.bytes_read == store.nbytes(0, 1) + store.nbytes(0, 4)  # each expert's q and scales once
+
+
+def test_bad_shapes_give_clear_errors(make_pool):
+    rng = rng_for("bad-shapes")
+    (_, (gate, up, down, gs, us, ds)), = make_layers(rng)[:1]
+    with pytest.raises(TypeError, match="three scale arrays"):
+        HostExpertStore([(gate, up, down)])
+    with pytest.raises(ValueError, match="int4: packed"):  # down unpacked-wide
+        HostExpertStore([(gate, up, np.zeros((E, H, I), np.uint8), gs, us, ds)])
+    with pytest.raises(ValueError, match="int4 gate_scale shape"):  # one scale per row: an int8 layout
+        HostExpertStore([(gate, up, down, gs[..., 0], us, ds)])
+    with pytest.raises(ValueError, match="int4 down_scale shape"):  # groups of 8 inputs
+        HostExpertStore([(gate, up, down, gs, us, np.ones((E, H, I // 8), np.float32))])
+    with pytest.raises(ValueError, match="int4 up_scale shape"):  # rows do not match
+        HostExpertStore([(gate, up, down, gs, us[:, :-1], ds)])
+    pool = make_pool(make_layers(rng))
+    with pytest.raises(HostPoolError, match=f"layer 0 bad input: .*hidden {H}"):  # x as wide as the packed rows
+        pool.compute(0, np.ones((1, H // 2), np.float32), np.array([1]), np.ones((1, 1), np.float32))
+    with pytest.raises(HostPoolError, match="layer 1 bad input"):
+        pool.submit_split(1, np.ones((2, H // 2), np.float32), np.zeros((2, 1), np.int32),
+                          np.ones((2, 1), np.float32), THRESHOLD)
