@@ -1,29 +1,33 @@
 """Pool throughput for a Qwen3-30B-A3B-sized layer job, per store format, vs a plain memory copy.
 
-    python -m host_pool.measure [--threads N] [--blas-threads K] [--experts 8] [--formats bf16,int8,int4]
+    python -m host_pool.measure [--threads N] [--blas-threads K] [--experts 8] [--formats bf16,int8,int4,int4-numpy]
 
 One row per format and window size T: ms per layer job, ms per expert (the job's
 wall time / its experts), GB/s = expert weight bytes read (q and scales for
 int8 / int4) / wall time, so compare ms across formats. Experts are drawn from a
 larger store (--store-experts) so weights come from DRAM, not cache. int8 and
 int4 weights are random q and scales (the arithmetic's speed does not depend on
-their values).
+their values). "int4" dequantizes as the pool does by default (the C kernel of
+host_pool/native.py where it builds; the first line says which), "int4-numpy"
+with STRATA_POOL_NATIVE=0.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
 import numpy as np
 
+from host_pool import native
 from host_pool import pool as pool_module
 from host_pool import store as store_module
 from host_pool.pool import HostPool
 from host_pool.store import BF16, HostExpertStore
 
-FORMATS = ("float32", "bf16", "bf16-f32-once", "int8", "int4")
+FORMATS = ("float32", "bf16", "bf16-f32-once", "int8", "int4", "int4-numpy")
 INT4_GROUP = 64  # strata_jax/quant.py "int4"
 
 
@@ -64,11 +68,12 @@ def make_store(fmt: str, rng, E: int, H: int, I: int) -> tuple[str, HostExpertSt
         q = [rng.integers(-127, 128, shape, dtype=np.int8) for shape in shapes]
         scales = [(rng.random(shape[:2], dtype=np.float32) * 1e-3).astype(BF16) for shape in shapes]
         return "int8 (row scales)", HostExpertStore([(*q, *scales)])
-    if fmt == "int4":  # packed two a byte, one bf16 scale per (output row, group)
+    if fmt.startswith("int4"):  # packed two a byte, one bf16 scale per (output row, group)
         q = [rng.integers(0, 256, (e, o, i // 2), dtype=np.uint8) for e, o, i in shapes]
         scales = [(rng.random((e, o, i // INT4_GROUP), dtype=np.float32) * 1e-2).astype(BF16)
                   for e, o, i in shapes]
-        return f"int4 (groups of {INT4_GROUP})", HostExpertStore([(*q, *scales)])
+        how = "C" if native.int4_kernel() else "numpy"  # int4-numpy: STRATA_POOL_NATIVE=0 here
+        return f"int4 (g{INT4_GROUP}, {how})", HostExpertStore([(*q, *scales)])
     weights = [0.02 * rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
     if fmt == "float32":
         return "float32", HostExpertStore([tuple(weights)])
@@ -105,8 +110,11 @@ def main() -> None:
     print(f"threads {args.threads}, BLAS threads {blas_threads or 'default'}, "
           f"{args.experts} experts of H={H} I={I}, jobs/thread {args.jobs_per_thread}, "
           f"conversion chunk {args.chunk_kb} KB")
+    print(native.describe())
     print(f"{'store format':26s} {'store MB':>9s} {'T':>2s} {'ms/job':>8s} {'ms/expert':>9s} {'GB/s':>7s} {'jobs':>5s}")
+    switch = os.environ.get(native.ENV, "")
     for fmt in formats:
+        os.environ[native.ENV] = "0" if fmt == "int4-numpy" else switch  # read at each chunk conversion
         name, store = make_store(fmt, rng, E, H, I)  # one at a time: only its weights in memory
         pool = HostPool(store, threads=args.threads, blas_threads=blas_threads)
         host_mb = store.nbytes(0, 0) * E / 1e6

@@ -29,6 +29,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
+from host_pool import native
 from host_pool.blas import set_blas_threads
 from host_pool.store import BF16
 from host_pool.store import HostExpertStore, row_chunks_f32
@@ -128,6 +129,9 @@ class HostPool:
 
     def __init__(self, store: HostExpertStore, threads: int | None = None,
                  timeout_s: float = 20.0, blas_threads: int | None = 1):
+        native.mode()  # a bad STRATA_POOL_NATIVE fails here, not in a job
+        if store.format == "int4":
+            native.int4_kernel()  # compiled now (once per machine), not inside the first job's timeout
         self.store = store
         self.threads = threads or usable_cores()
         self.timeout_s = timeout_s

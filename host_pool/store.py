@@ -29,6 +29,8 @@ import threading
 import ml_dtypes
 import numpy as np
 
+from host_pool import native
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 I8 = np.dtype(np.int8)
@@ -175,12 +177,17 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None):
     int4 = rows.dtype == U8
     C = rows.shape[1] * (2 if int4 else 1)
     step = max(1, CHUNK_FLOATS // C)
-    work = _ChunkWork.take(min(step, R), C, int4)
+    kernel = native.int4_kernel() if int4 else None  # the C loop (host_pool/native.py), else numpy's passes
+    work = _ChunkWork.take(min(step, R), C, int4_steps=int4 and kernel is None)
     try:
+        fill = native.int4_filler(kernel, rows, scales, work.block) if kernel else None
         for r0 in range(0, R, step):
             block = work.block[: min(step, R - r0)]
             if int4:
-                _dequantize_int4(rows[r0 : r0 + step], scales[r0 : r0 + step], block, work)
+                if fill:
+                    fill(r0, len(block))
+                else:
+                    _dequantize_int4(rows[r0 : r0 + step], scales[r0 : r0 + step], block, work)
                 yield r0, block, None
             else:
                 np.copyto(block, rows[r0 : r0 + step], casting="unsafe")  # bf16 / int8 -> f32, exact
@@ -193,39 +200,40 @@ LOW_NIBBLES = np.uint64(0x0F0F_0F0F_0F0F_0F0F)
 
 
 class _ChunkWork:
-    """The buffers of one chunk conversion, views into one byte buffer: the float32 block [rows, C] and, for int4,
-    the dequantization's steps. Each thread keeps the ones it gave back: fresh memory page-faults (measured on the
-    2-core VM: ~1 ms to allocate and fill 2.25 MB, 75 us to fill it again), as much as the conversion itself."""
+    """The buffers of one chunk conversion, views into one byte buffer: the float32 block [rows, C] and, for int4 on
+    the numpy path (int4_steps), the dequantization's steps. Each thread keeps the ones it gave back: fresh memory
+    page-faults (measured on the 2-core VM: ~1 ms to allocate and fill 2.25 MB, 75 us to fill it again), as much as
+    the conversion itself."""
 
     _local = threading.local()  # .free: this thread's buffers not in use
     KEEP = 4  # buffers a thread keeps (a gate/up job converts two weights at once)
 
-    def __init__(self, memory: np.ndarray, rows: int, C: int, int4: bool):
+    def __init__(self, memory: np.ndarray, rows: int, C: int, int4_steps: bool):
         self.memory = memory  # uint8, 64-byte aligned views at multiples of 8 bytes (C is even; int4: C % 16 == 0)
         sizes = {"block": rows * C * 4}
-        if int4:
+        if int4_steps:
             sizes.update(scale=rows * C * 4, q=rows * C, low=rows * C // 2, high=rows * C // 2)
         views, offset = {}, 0
         for name, size in sizes.items():
             views[name], offset = memory[offset:offset + size], offset + size
         self.block = views["block"].view(F32).reshape(rows, C)  # [rows, C] the converted rows
-        if int4:
+        if int4_steps:
             self.scale = views["scale"].view(F32).reshape(rows, C)  # [rows, C] each input's group scale
             self.q = views["q"].reshape(rows, C)                    # [rows, C] nibbles in input order, then q
             self.low = views["low"].reshape(rows, C // 2)           # [rows, C/2] low nibbles (input j of a group)
             self.high = views["high"].reshape(rows, C // 2)         # [rows, C/2] high nibbles (input j + group/2)
 
     @staticmethod
-    def nbytes(rows: int, C: int, int4: bool) -> int:
-        return rows * C * (10 if int4 else 4)
+    def nbytes(rows: int, C: int, int4_steps: bool) -> int:
+        return rows * C * (10 if int4_steps else 4)
 
     @classmethod
-    def take(cls, rows: int, C: int, int4: bool) -> "_ChunkWork":
+    def take(cls, rows: int, C: int, int4_steps: bool) -> "_ChunkWork":
         free = cls._free()
-        need = cls.nbytes(rows, C, int4)
+        need = cls.nbytes(rows, C, int4_steps)
         fits = [i for i, m in enumerate(free) if m.nbytes >= need]
         memory = free.pop(min(fits, key=lambda i: free[i].nbytes)) if fits else np.empty(need, U8)
-        return cls(memory, rows, C, int4)
+        return cls(memory, rows, C, int4_steps)
 
     def give_back(self) -> None:
         free = self._free()

@@ -351,16 +351,22 @@ def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: floa
 
 def auto_slots(cfg: ModelConfig, non_expert_bytes: int, kv_bytes: int, itemsize: int, reserve_mib: int) -> tuple[int, str]:
     """Slots per sparse layer that fit in the device memory left after the rest of the model (and the reserve)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:
+    free = device_free_bytes()
+    if free is None:
         return cfg.num_experts // 2, "half the experts (this backend reports no device memory)"
-    free = limit - stats.get("bytes_in_use", 0) - non_expert_bytes - kv_bytes - reserve_mib * 2**20
+    free -= non_expert_bytes + kv_bytes + reserve_mib * 2**20
     per_slot = max(cfg.num_sparse_layers, 1) * cfg.expert_bytes(itemsize)
     # One block of staging per layer graph at most: keep room for it.
     free -= 32 * cfg.expert_bytes(itemsize)
     slots = max(0, min(cfg.num_experts, int(free // per_slot)))
     return slots, f"{free / 2**30:.1f} GiB free after weights, KV cache and a {reserve_mib} MiB reserve"
+
+
+def device_free_bytes() -> int | None:
+    """The device's free memory, or None where the backend does not say (the CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return limit - stats.get("bytes_in_use", 0) if limit else None
 
 
 def slot_bytes(cfg: ModelConfig, slots: int, itemsize: int) -> int:

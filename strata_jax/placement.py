@@ -33,10 +33,17 @@ class Placement:
                 for sparse in cfg.sparse_layers]
 
 
-def non_expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
+def non_expert_bytes(cfg: ModelConfig, itemsize: int, expert_format: str | None = None) -> int:
+    """Device bytes of everything but the routed experts' weights; quantized experts' scales (always on the device,
+    int4's a sixteenth of its q bytes) count here."""
     shapes = jax.eval_shape(lambda: model.random_weights(cfg, 0, jnp.float32))
     total = sum(x.size for x in jax.tree.leaves(shapes)) * itemsize
-    return total - cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
+    rest = total - cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
+    if expert_format:
+        h, f = cfg.hidden_size, cfg.moe_intermediate_size
+        per_expert = 2 * f + h if expert_format == "int8" else (2 * f * h + h * f) // 64  # bf16 scales
+        rest += cfg.num_sparse_layers * cfg.num_experts * per_expert * 2
+    return rest
 
 
 def expert_format(opts: EngineOptions) -> str | None:
@@ -66,7 +73,7 @@ def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int) -> tuple[
     if v != "auto":
         return min(int(v), cfg.num_experts), f"expert_cache_slots={v}"
     itemsize = jnp.dtype(opts.dtype).itemsize
-    slots, why = offload.auto_slots(cfg, non_expert_bytes(cfg, itemsize), kv_bytes, expert_itemsize(opts),
+    slots, why = offload.auto_slots(cfg, non_expert_bytes(cfg, itemsize, expert_format(opts)), kv_bytes, expert_itemsize(opts),
                                     opts.vram_reserve_mib)
     if slots >= cfg.num_experts:
         return None, f"auto: all {cfg.num_experts} experts fit ({why})"

@@ -186,6 +186,20 @@ def test_quantized_state_saves_and_restores(engine_factory, tmp_path):
         Engine.from_pretrained(state, verbose=False, dtype="float32")
 
 
+def test_a_vram_budget_holds_about_four_times_the_int4_slots(monkeypatch):
+    """expert_cache_slots=auto at the Qwen3-30B-A3B shape with 16 GiB free: int4 experts (scales counted on the
+    device) get about 4x the bf16 slots, int8 about 2x."""
+    from strata_jax import offload, placement
+    from strata_jax.config import preset
+    from strata_jax.options import EngineOptions, build
+    monkeypatch.setattr(offload, "device_free_bytes", lambda: 16 * 2**30)
+    cfg = preset("qwen3-30b-a3b")
+    slots = {fmt: placement.decide_slots(cfg, build(EngineOptions, dict(dtype="bfloat16", expert_dtype=fmt)), 2**30)[0]
+             for fmt in ("auto", "int8", "int4")}
+    assert 8 < slots["auto"] < 32, slots
+    assert 1.9 < slots["int8"] / slots["auto"] < 2.1 and 3.6 < slots["int4"] / slots["auto"] < 4.1, slots
+
+
 def test_int4_needs_whole_groups():
     """A model whose experts are not a whole number of 64-input groups is refused with one line, before loading."""
     from strata_jax import Engine, StrataError

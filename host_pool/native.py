@@ -1,0 +1,174 @@
+"""The int4 chunk dequantization in C (native_dequant.c), compiled on first use and loaded with ctypes.
+
+numpy needs five passes over a chunk to dequantize int4 (store.py `_dequantize_int4`), which made an int4 expert
+slower on the pool than a bf16 one although it reads a quarter of the bytes; the C loop is one pass. bf16 and int8
+chunks stay numpy casts: a C loop measured no faster (1 MB chunk, 2-core EPYC: 57 us bf16, 47 us int8 either way).
+
+STRATA_POOL_NATIVE: unset or empty: the C kernel when a C compiler builds it, else numpy; 1: the C kernel, an error
+if it cannot be built; 0: numpy. Read at each use, so tests can switch it.
+
+The library is built once per source, compiler, flags and CPU (-march=native) into ~/.cache/strata_jax/native
+(strata_jax's default cache folder), else a per-user temp folder; never into the repo. A build writes a temporary
+name and renames it, so processes building at once do not see each other's half-written files.
+ctypes.CDLL functions release the GIL while they run, so pool threads dequantize in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+ENV = "STRATA_POOL_NATIVE"
+SOURCE = Path(__file__).with_name("native_dequant.c")
+FLAGS = (("-O3", "-march=native", "-shared", "-fPIC"), ("-O3", "-shared", "-fPIC"))  # the second if -march fails
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_built: tuple | None = None  # (the kernel or None, a line saying which path and why), once built or failed
+
+
+def mode() -> str:
+    """'auto', 'on' or 'off' from STRATA_POOL_NATIVE; ValueError (one line) for any other value."""
+    text = os.environ.get(ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{ENV}={text!r}: not 0 (numpy int4 dequantization) or 1 (the C kernel); unset it for "
+                         "the C kernel where a compiler builds it")
+    return {"": "auto", "0": "off", "1": "on"}[text]
+
+
+def int4_kernel():
+    """The C function int4_rows_f32, or None when store.py's numpy path is to run (STRATA_POOL_NATIVE=0, or no
+    build in auto mode). Builds it on the first call."""
+    wanted = mode()
+    if wanted == "off":
+        return None
+    kernel, line = _build()
+    if kernel is None and wanted == "on":
+        raise RuntimeError(f"{ENV}=1 but {line}")
+    return kernel
+
+
+def describe() -> str:
+    """One line: which int4 dequantization the pool uses now."""
+    if mode() == "off":
+        return f"int4 dequantization: numpy ({ENV}=0)"
+    return _build()[1]
+
+
+def int4_filler(kernel, packed: np.ndarray, scales: np.ndarray, out: np.ndarray):
+    """fill(r0, c): out[:c] = rows r0:r0+c of packed [R, C/2] uint8 dequantized with scales [R, G] float32, through
+    `kernel` (from int4_kernel); the caller keeps r0 + c <= R and c <= len(out). The pointers are taken once here:
+    each costs microseconds, a good part of a small chunk's time."""
+    if not (packed.flags.c_contiguous and scales.flags.c_contiguous and out.flags.c_contiguous
+            and scales.dtype == np.float32 and out.dtype == np.float32 and out.shape[1] == 2 * packed.shape[1]):
+        raise ValueError(f"int4 chunks want C-contiguous packed rows {packed.shape}, float32 scales {scales.dtype} "
+                         f"{scales.shape} and float32 scratch {out.dtype} {out.shape} [rows, {2 * packed.shape[1]}]")
+    in_dim, group = out.shape[1], out.shape[1] // scales.shape[1]
+    p, s, o = packed.ctypes.data, scales.ctypes.data, out.ctypes.data
+    p_row, s_row = packed.strides[0], scales.strides[0]
+
+    def fill(r0: int, c: int, _keep=(packed, scales, out)) -> None:  # _keep: the arrays outlive their pointers
+        kernel(p + r0 * p_row, s + r0 * s_row, o, c, in_dim, group)
+
+    return fill
+
+
+def _build() -> tuple:
+    global _built
+    if _built is None:
+        with _lock:  # pool threads may ask at once: one build
+            if _built is None:
+                _built = _compile_and_load()
+                log.info("host pool: %s", _built[1])
+    return _built
+
+
+def _compile_and_load() -> tuple:
+    compiler = _find_compiler()
+    if compiler is None:
+        return None, "int4 dequantization: numpy (no C compiler found: cc, gcc or sysconfig's CC)"
+    try:
+        source = SOURCE.read_bytes()
+        folder = _cache_folder()
+    except OSError as e:
+        return None, f"int4 dequantization: numpy (native kernel not built: {e})"
+    error = ""
+    for flags in FLAGS:
+        key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
+                                         _cpu_id().encode()])).hexdigest()[:16]
+        path = folder / f"native_dequant-{key}.so"
+        try:
+            if not path.exists():
+                _compile(compiler, flags, path)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, subprocess.SubprocessError) as e:
+            error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            continue
+        kernel = lib.int4_rows_f32
+        kernel.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+        kernel.restype = None
+        return kernel, f"int4 dequantization: C ({path.name}, {compiler} {' '.join(flags)})"
+    return None, f"int4 dequantization: numpy (native kernel not built with {compiler}: {error})"
+
+
+def _compile(compiler: str, flags: tuple, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".native_dequant-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode:
+            raise OSError(f"{compiler} {' '.join(flags)} failed: {done.stderr.strip() or done.returncode}")
+        os.replace(tmp, path)  # atomic: a racing process loads either its own build or this whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _find_compiler() -> str | None:
+    cc = shlex.split(sysconfig.get_config_var("CC") or "")[:1]
+    for name in ("cc", "gcc", *cc):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _cache_folder() -> Path:
+    """~/.cache/strata_jax/native if writable, else <temp>/strata_jax_native-<uid>."""
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    for folder in (Path.home() / ".cache" / "strata_jax" / "native",
+                   Path(tempfile.gettempdir()) / f"strata_jax_native-{uid}"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
+        except OSError:
+            pass
+    raise OSError("no writable cache folder (~/.cache/strata_jax/native or the temp folder)")
+
+
+def _cpu_id() -> str:
+    """The CPU model and flags: a -march=native build is only reused on the same kind of CPU (a shared home)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + " " + platform.processor()
+    keep = {}
+    for line in lines:
+        name = line.split(":", 1)[0].strip()
+        if name in ("model name", "flags", "Features", "CPU part") and name not in keep:
+            keep[name] = line
+    return platform.machine() + "\n" + "\n".join(keep.values())
