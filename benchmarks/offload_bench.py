@@ -230,7 +230,7 @@ def run(s) -> dict:
     if s.prompt_len + s.new_tokens > s.context:
         raise StrataError(f"--prompt_len={s.prompt_len} + --new_tokens={s.new_tokens} exceed --context={s.context}")
     dtype = jnp.dtype(s.dtype)
-    expert_format = placement_mod.expert_format(build(EngineOptions, dict(expert_dtype=s.expert_dtype)))
+    expert_format = placement_mod.expert_format(build(EngineOptions, dict(expert_dtype=s.expert_dtype)), cfg)
     # bytes a stored expert weight takes (int8 1, int4 0.5: their scales on the device)
     itemsize = placement_mod.expert_itemsize(build(EngineOptions, dict(dtype=s.dtype, expert_dtype=s.expert_dtype)))
     e, k, n_moe, n_layers = cfg.num_experts, cfg.num_experts_per_tok, cfg.num_sparse_layers, cfg.num_layers

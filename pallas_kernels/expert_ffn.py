@@ -22,10 +22,11 @@ f32 and scale the result per output row before the bf16 rounding: g = bf16(scale
 reference states that order; the XLA path and the host pool follow it, so int8 experts too give the same rows
 wherever they run.
 
-int4 experts ("int4": symmetric, one bf16 scale per 64 inputs, packed as GGUF's Q4_0: in each group byte j holds
-input j in its low nibble and input j + 32 in its high one, q + 8): gate/up [S, I, H/2] and down [S, H, I/2] uint8
-with scales [S, I, H/64] and [S, H, I/64]. The loops step one group at a time: the low nibbles widened to bf16 (q
-in -8..7, exact) are dotted with the group's first 32 inputs, the high ones with its last 32, and the group's f32
+int4 experts ("int4" / "int4-g32": symmetric, one bf16 scale per g = 64 or 32 inputs, packed as GGUF's Q4_0: in
+each group byte j holds input j in its low nibble and input j + g/2 in its high one, q + 8): gate/up [S, I, H/2] and
+down [S, H, I/2] uint8 with scales [S, I, H/g] and [S, H, I/g]. The loops step one group at a time: the low nibbles
+widened to bf16 (q in -8..7, exact) are dotted with the group's first g/2 inputs, the high ones with its last g/2,
+and the group's f32
 partial sum is scaled by its scale before it joins the accumulator: sum_g s_g (x_g . q_g), the float32 dot with
 the exactly dequantized weights up to summation order (the reference's arithmetic).
 
@@ -45,20 +46,21 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.blocks import MIN_DOT, block_or_error
 
-GROUP = 64  # int4 inputs per scale (strata_jax/quant.py "int4")
+GROUPS = (64, 32)  # int4 inputs per scale (strata_jax/quant.py "int4", "int4-g32"): read from the scales' shape
 
 
-def _int4_group(x_at, w_ref, slot, rows, k):
-    """Group k's f32 partial product [Tp, BO] of int4 rows `rows` of w (32 packed bytes each: low nibbles inputs
-    0..31 of the group, high 32..63) with x_at(cols) [Tp, 32], the activations of those inputs."""
-    packed = w_ref[slot, rows, pl.ds(k * (GROUP // 2), GROUP // 2)].astype(jnp.int32)  # [BO, 32]
+def _int4_group(x_at, w_ref, slot, rows, k, group: int):
+    """Group k's f32 partial product [Tp, BO] of int4 rows `rows` of w (group/2 packed bytes each: low nibbles the
+    group's first half of inputs, high its second) with x_at(cols) [Tp, group/2], the activations of those inputs."""
+    half = group // 2
+    packed = w_ref[slot, rows, pl.ds(k * half, half)].astype(jnp.int32)  # [BO, group/2]
     lo = ((packed & 0xF) - 8).astype(jnp.float32).astype(jnp.bfloat16)  # q in -8..7: exact in bf16
     hi = ((packed >> 4) - 8).astype(jnp.float32).astype(jnp.bfloat16)
-    x_lo, x_hi = x_at(pl.ds(k * GROUP, GROUP // 2)), x_at(pl.ds(k * GROUP + GROUP // 2, GROUP // 2))
+    x_lo, x_hi = x_at(pl.ds(k * group, half)), x_at(pl.ds(k * group + half, half))
     return plgpu.dot(x_lo, lo, trans_b=True) + plgpu.dot(x_hi, hi, trans_b=True)  # [Tp, BO]
 
 
-def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None):
+def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None, group: int):
     """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8, or [S, I, H/2] int4 (whole arrays, indexed
     by slot); quantized ("int8" / "int4"): then gate/up scales [S, I] / [S, I, H/64]; h block [Tp, BI]."""
     gs_ref, us_ref, h_ref = refs if quantized else (None, None, refs[0])
@@ -72,11 +74,11 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
     def _():
         def body_int4(k, carry):  # block_k / 64 groups per step, each scaled as it is added
             g, u = carry
-            for j in range(block_k // GROUP):
-                grp = k * (block_k // GROUP) + j
+            for j in range(block_k // group):
+                grp = k * (block_k // group) + j
                 x_at = lambda c: x_ref[:, c]
-                g += _int4_group(x_at, gate_ref, slot, rows, grp) * gs_ref[slot, rows, grp].astype(jnp.float32)[None, :]
-                u += _int4_group(x_at, up_ref, slot, rows, grp) * us_ref[slot, rows, grp].astype(jnp.float32)[None, :]
+                g += _int4_group(x_at, gate_ref, slot, rows, grp, group) * gs_ref[slot, rows, grp].astype(jnp.float32)[None, :]
+                u += _int4_group(x_at, up_ref, slot, rows, grp, group) * us_ref[slot, rows, grp].astype(jnp.float32)[None, :]
             return g, u
 
         def body(k, carry):
@@ -101,7 +103,7 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
         h_ref[...] = (g / (1.0 + jnp.exp(-g)) * u).astype(h_ref.dtype)  # silu(g) * u, [Tp, BI]
 
 
-def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: str | None):
+def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: str | None, group: int):
     """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 or int8, or [S, H, I/2] int4 (whole); quantized: then
     down scales [S, H] (int8) or [S, H, I/64] (int4); comb [Np, Tp] f32; out block [Tp, BH] f32."""
     ds_ref, comb_ref, out_ref = refs if quantized else (None, *refs)
@@ -116,9 +118,9 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
 
         def contribute(acc):
             def body_int4(k, y):
-                for j in range(block_i // GROUP):
-                    grp = k * (block_i // GROUP) + j
-                    part = _int4_group(lambda c: h_ref[n, :, c], down_ref, slot, cols, grp)
+                for j in range(block_i // group):
+                    grp = k * (block_i // group) + j
+                    part = _int4_group(lambda c: h_ref[n, :, c], down_ref, slot, cols, grp, group)
                     y += part * ds_ref[slot, cols, grp].astype(jnp.float32)[None, :]
                 return y
 
@@ -182,10 +184,14 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     scales = (gate_scale, up_scale, down_scale)
     if bool(quantized) != all(sc is not None for sc in scales) or (not quantized and any(sc is not None for sc in scales)):
         raise ValueError("expert_ffn: int8 and int4 experts take gate_scale, up_scale and down_scale (bf16 ones none)")
+    group = 0
+    if quantized == "int4":  # the group: inputs per scale, from the scales' shape
+        group = hidden // gate_scale.shape[-1] if gate_scale.ndim == 3 and gate_scale.shape[-1] else 0
+        if group not in GROUPS or hidden % group or inter % group:
+            raise ValueError(f"expert_ffn: int4 experts need groups of {' or '.join(map(str, GROUPS))} inputs "
+                             f"dividing H and I (got H {hidden}, I {inter}, gate_scale {gate_scale.shape})")
     if quantized:
-        g_in, d_in = ((), ()) if quantized == "int8" else ((hidden // GROUP,), (inter // GROUP,))
-        if quantized == "int4" and (hidden % GROUP or inter % GROUP):
-            raise ValueError(f"expert_ffn: int4 experts need H and I multiples of {GROUP} (got {hidden}, {inter})")
+        g_in, d_in = ((), ()) if quantized == "int8" else ((hidden // group,), (inter // group,))
         want = ((s, inter, *g_in), (s, inter, *g_in), (s, hidden, *d_in))
         if tuple(sc.shape for sc in scales) != want:
             raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not "
@@ -195,7 +201,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
     bh, bid = _block(hidden, block_h, "H"), _block(inter, block_i_down, "I")
     if quantized == "int4":  # the loops step whole groups
-        bk, bid = max(bk, GROUP), max(bid, GROUP)
+        bk, bid = max(bk, group), max(bid, group)
     tp = _padded_tokens(t)
     splits = max(1, min(n_split, n))
     per_split = -(-n // splits)
@@ -211,7 +217,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # the full array, indexed in-kernel
     gu_scales = (gate_scale, up_scale) if quantized else ()
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized),
+        functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized, group=group),
         grid=(np_, inter // bi),
         in_specs=[whole((np_,)), whole((tp, hidden)), whole(gate.shape), whole(up.shape),
                   *(whole(sc.shape) for sc in gu_scales)],
@@ -222,7 +228,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
 
     d_scales = (down_scale,) if quantized else ()
     partials = pl.pallas_call(
-        functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized),
+        functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized, group=group),
         grid=(hidden // bh, splits),
         in_specs=[whole((np_,)), whole(h.shape), whole(down.shape), *(whole(sc.shape) for sc in d_scales),
                   whole(comb.shape)],

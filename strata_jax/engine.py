@@ -191,7 +191,7 @@ class Engine:
         dtype = jnp.dtype(opts.dtype)
         slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
-        fmt = placement_mod.expert_format(opts)
+        fmt = placement_mod.expert_format(opts, cfg)
         if checkpoint.is_state_dir(path):
             saved = checkpoint.read_state_meta(path)
             if saved["dtype"] != opts.dtype:
@@ -239,7 +239,7 @@ class Engine:
         stacked = slots is None and scans(cfg, opts)
         weights = model.random_weights(cfg, seed, dtype, place_experts=host.place if host else None,
                                        progress=say if stacked else _progress(say, cfg), stacked=stacked,
-                                       expert_format=placement_mod.expert_format(opts),
+                                       expert_format=placement_mod.expert_format(opts, cfg),
                                        place_scales=host.place_scale if host else None)
         say(f"model: random {cfg.num_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
             f"{model.param_bytes(weights) / 2**30:.2f} GiB of {opts.dtype} weights, made in "
@@ -958,9 +958,8 @@ def resolve_delta_kernel(opts: EngineOptions, cfg: ModelConfig) -> str:
 def plan_placement(cfg: ModelConfig, opts: EngineOptions):
     """Before the weights are read: the slot count (None: every expert on the device), why, and where the host
     copies of the experts go when offload is on."""
-    if opts.expert_dtype == "int4" and any(cfg.sparse_layers) and (cfg.hidden_size % 64 or cfg.moe_intermediate_size % 64):
-        raise StrataError(f"expert_dtype=int4 quantizes in groups of 64 inputs: the experts' widths (hidden "
-                          f"{cfg.hidden_size}, intermediate {cfg.moe_intermediate_size}) must be multiples of 64")
+    if any(cfg.sparse_layers):
+        placement_mod.expert_format(opts, cfg)  # int4 on experts no group divides: one line before anything loads
     context, chunk = context_and_chunk(cfg, opts)
     itemsize = jnp.dtype(opts.dtype).itemsize
     kv_bytes = model.cache_bytes(cfg, context + chunk, itemsize, opts.window + 1, opts.kv_dtype)
@@ -973,9 +972,11 @@ def _quantized_line(cfg: ModelConfig, weights: model.Weights, opts: EngineOption
     moe_ffns = [layer.ffn for layer in weights.layers if isinstance(layer.ffn, moe.MoEWeights)]
     q_bytes = sum(a.nbytes for f in moe_ffns for a in (f.gate, f.up, f.down))
     scale_bytes = sum(a.nbytes for f in moe_ffns for a in f.scales)
-    how = {"int8": "one bf16 scale per output row", "int4": "one bf16 scale per 64 inputs, two weights a byte"}
+    fmt = placement_mod.expert_format(opts, cfg)
+    how = {"int8": "one bf16 scale per output row", "int4": "one bf16 scale per 64 inputs, two weights a byte",
+           "int4-g32": "one bf16 scale per 32 inputs, two weights a byte"}
     full = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(jnp.dtype(opts.dtype).itemsize)
-    return (f"experts: {opts.expert_dtype}, {how[opts.expert_dtype]} (quantized at load): {q_bytes / 2**20:.1f} MiB "
+    return (f"experts: {fmt}, {how[fmt]} (quantized at load): {q_bytes / 2**20:.1f} MiB "
             f"{'in host memory' if on_host else 'on the device'} + {scale_bytes / 2**20:.1f} MiB of scales on the "
             f"device ({full / 2**20:.1f} MiB as {opts.dtype})")
 

@@ -41,14 +41,21 @@ def non_expert_bytes(cfg: ModelConfig, itemsize: int, expert_format: str | None 
     rest = total - cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
     if expert_format:
         h, f = cfg.hidden_size, cfg.moe_intermediate_size
-        per_expert = 2 * f + h if expert_format == "int8" else (2 * f * h + h * f) // 64  # bf16 scales
+        group = quant.get_format(expert_format).group
+        per_expert = 2 * f + h if expert_format == "int8" else 3 * f * h // group  # bf16 scales
         rest += cfg.num_sparse_layers * cfg.num_experts * per_expert * 2
     return rest
 
 
-def expert_format(opts: EngineOptions) -> str | None:
-    """The quantized format of the routed experts (strata_jax/quant.py), or None when they stay in `dtype`."""
-    return opts.expert_dtype if opts.expert_dtype in quant.ENGINE_FORMATS else None
+def expert_format(opts: EngineOptions, cfg: ModelConfig | None = None) -> str | None:
+    """The quantized format of the routed experts (strata_jax/quant.py), or None when they stay in `dtype`; with
+    cfg, int4's group (64, or 32 for experts whose widths are multiples of 32 only): one line if neither fits."""
+    if opts.expert_dtype == "auto" or cfg is None:
+        return None if opts.expert_dtype == "auto" else opts.expert_dtype
+    try:
+        return quant.engine_format(opts.expert_dtype, (cfg.hidden_size, cfg.moe_intermediate_size))
+    except ValueError as e:
+        raise StrataError(str(e)) from None
 
 
 def expert_storage(opts: EngineOptions) -> np.dtype:
@@ -73,7 +80,7 @@ def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int) -> tuple[
     if v != "auto":
         return min(int(v), cfg.num_experts), f"expert_cache_slots={v}"
     itemsize = jnp.dtype(opts.dtype).itemsize
-    slots, why = offload.auto_slots(cfg, non_expert_bytes(cfg, itemsize, expert_format(opts)), kv_bytes, expert_itemsize(opts),
+    slots, why = offload.auto_slots(cfg, non_expert_bytes(cfg, itemsize, expert_format(opts, cfg)), kv_bytes, expert_itemsize(opts),
                                     opts.vram_reserve_mib)
     if slots >= cfg.num_experts:
         return None, f"auto: all {cfg.num_experts} experts fit ({why})"

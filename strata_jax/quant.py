@@ -13,7 +13,8 @@ studies: their packing is not built yet).
 Shapes: a weight [..., O, I] (the experts' Hub layout [E, O, I]) -> q [..., O, I] int8 (int4: [..., O, I/2] uint8),
 scale / min [..., O, G] with G = I / group (1 for group 0).
 
-The engine's `expert_dtype` stores "int8" (per output row) or "int4" (symmetric, groups of 64).
+The engine's `expert_dtype` stores "int8" (per output row) or int4 (symmetric: "int4", groups of 64, or
+"int4-g32" for experts whose widths are multiples of 32 only: `engine_format`).
 """
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def quantize_int8_device(w):
 
 def quantize_int4_device(w, group: int = 64):
     """"int4" on the device (jax; random weights for benchmarks): w [..., O, I] -> (packed uint8 [..., O, I/2],
-    scale bf16 [..., O, I/group]), the same numbers as `quantize(w, "int4")` at group 64."""
+    scale bf16 [..., O, I/group]), the same numbers as `quantize(w, "int4")` (group 64) or "int4-g32"."""
     import jax.numpy as jnp
     x = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // group, group)  # [..., O, G, group]
     scale = (jnp.max(jnp.abs(x), axis=-1) / 7.0).astype(jnp.bfloat16)  # [..., O, G]
@@ -166,9 +167,22 @@ def dequantize_int4_device(packed, scale, dtype):
     return w.reshape(*packed.shape[:-1], -1).astype(dtype)
 
 
-# The engine's expert_dtype values that quantize, and how their experts are stored: int8 q one a byte, int4 packed
-# two a byte (uint8, the input dimension halved), with scales [E, O] (int8) or [E, O, I/64] (int4) on the device.
-ENGINE_FORMATS = ("int8", "int4")
+# The engine's expert formats, and how their experts are stored: int8 q one a byte, int4 packed two a byte (uint8,
+# the input dimension halved), with scales [E, O] (int8) or [E, O, I/group] (int4) on the device.
+ENGINE_FORMATS = ("int8", "int4", "int4-g32")
+
+
+def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
+    """The format of the engine option expert_dtype (auto: None) for experts of these input widths (hidden,
+    intermediate): int4 takes groups of 64 where both are multiples of 64, else of 32; ValueError if neither."""
+    if expert_dtype not in ("int8", "int4"):
+        return None
+    if expert_dtype == "int8" or not any(w % 64 for w in widths):
+        return expert_dtype
+    if not any(w % 32 for w in widths):
+        return "int4-g32"
+    raise ValueError(f"expert_dtype=int4 quantizes in groups of 64 or 32 inputs: the experts' widths "
+                     f"{' and '.join(map(str, widths))} are not multiples of 32")
 
 
 def storage_dtype(expert_format: str) -> np.dtype:
@@ -187,4 +201,4 @@ def engine_scale(qa: Quantized) -> np.ndarray:
 
 def quantize_device(w, expert_format: str):
     """The engine formats on the device (random weights): w [..., O, I] -> (q, engine scale)."""
-    return quantize_int8_device(w) if expert_format == "int8" else quantize_int4_device(w)
+    return quantize_int8_device(w) if expert_format == "int8" else quantize_int4_device(w, get_format(expert_format).group)

@@ -275,10 +275,13 @@ def f64_quant_model(x, gate, up, down, slot_ids, combine, gs, us, ds) -> np.ndar
 
 @pytest.mark.parametrize("fmt,name", [("int8", "t1_eight_experts"), ("int8", "t3_unused_repeat_pad"),
                                       ("int8", "t8_padded"), ("int8", "t3_h96_i48"), ("int4", "t1_eight_experts"),
-                                      ("int4", "t3_unused_repeat_pad"), ("int4", "t8_padded")])
+                                      ("int4", "t3_unused_repeat_pad"), ("int4", "t8_padded"),
+                                      ("int4-g32", "t3_unused_repeat_pad"), ("int4-g32", "t8_padded")])
 def test_quantized_kernel_matches_reference(fmt, name):
     args = make_quant_case(name, fmt)
     assert args[1].dtype == (jnp.int8 if fmt == "int8" else jnp.uint8)
+    if fmt != "int8":  # one scale per group of inputs
+        assert args[-3].shape[-1] == args[1].shape[-1] * 2 // int(fmt[-2:] if fmt.endswith("32") else 64)
     out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if name == "t8_padded" else {}))
     assert out.shape == args[0].shape and out.dtype == jnp.float32
     assert rel(out, expert_ffn_reference(*args)) < REF_RTOL
@@ -310,7 +313,7 @@ def test_int4_needs_whole_groups():
     x, gate, up, down, ids, combine = make_case(**CASES["t3_h96_i48"])
     q = lambda a: jnp.zeros((*a.shape[:2], a.shape[2] // 2), jnp.uint8)
     sc = lambda a: jnp.ones((*a.shape[:2], 1), jnp.bfloat16)
-    with pytest.raises(ValueError, match="multiples of 64"):
+    with pytest.raises(ValueError, match="groups of 64 or 32"):
         expert_ffn(x, q(gate), q(up), q(down), ids, combine, sc(gate), sc(up), sc(down), interpret=True)
 
 

@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 
-from host_pool import HostExpertStore, HostPool, HostPoolError
+from host_pool import HostExpertStore, HostPool, HostPoolError, native
 from host_pool import store as store_module
 from host_pool.store import BF16
 from strata_jax import quant
@@ -85,9 +85,19 @@ def make_pool():
         pool.close()
 
 
+def force_path(monkeypatch, path):
+    """STRATA_POOL_NATIVE for the numpy or the C dequantization; skips C where no compiler builds it."""
+    monkeypatch.setenv(native.ENV, "0" if path == "numpy" else "")
+    if path == "C" and native.int4_kernel() is None:
+        pytest.skip(native.describe())  # says why: no C compiler, or the build failed
+    monkeypatch.setenv(native.ENV, "0" if path == "numpy" else "1")
+
+
+@pytest.mark.parametrize("path", ["numpy", "C"])
 @pytest.mark.parametrize("fmt", ["int4", "int4-g32", "int4-g128"])
-def test_chunks_are_dequantize_exactly(monkeypatch, fmt):
+def test_chunks_are_dequantize_exactly(monkeypatch, fmt, path):
     # Several chunks and a ragged last one: every block is quant.dequantize's float32 weights, bit for bit.
+    force_path(monkeypatch, path)
     C = 256  # inputs: a multiple of every group
     monkeypatch.setattr(store_module, "CHUNK_FLOATS", 7 * C)
     rng = rng_for(f"chunks-{fmt}")
@@ -205,3 +215,78 @@ def test_bad_shapes_give_clear_errors(make_pool):
     with pytest.raises(HostPoolError, match="layer 1 bad input"):
         pool.submit_split(1, np.ones((2, H // 2), np.float32), np.zeros((2, 1), np.int32),
                           np.ones((2, 1), np.float32), THRESHOLD)
+
+
+def chunks(rows, scales):
+    return np.concatenate([block.copy() for _, block, _ in store_module.row_chunks_f32(rows, scales)])
+
+
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
+@pytest.mark.parametrize("R,C,chunk_rows", [(1, 128, 1), (37, 256, 5), (64, 384, 64), (9, 1024, 4)])
+def test_native_chunks_match_numpy_bit_for_bit(monkeypatch, group, R, C, chunk_rows):
+    """Any bytes and any float32 scales (not only bf16 ones), ragged last chunks: the C kernel's blocks are the numpy
+    path's, bit for bit (both one float32 product of exact operands)."""
+    if C % group:
+        pytest.skip("group does not divide the inputs")
+    force_path(monkeypatch, "C")
+    monkeypatch.setattr(store_module, "CHUNK_FLOATS", chunk_rows * C)
+    rng = rng_for(f"native-{group}-{R}-{C}")
+    packed = rng.integers(0, 256, (R + 2, C // 2), dtype=np.uint8)[1:-1]  # a view inside a larger array
+    scales = (rng.standard_normal((R, C // group)) * np.exp2(rng.integers(-30, 30, (R, C // group)))).astype(
+        np.float32)
+    native_blocks = chunks(packed, scales)
+    monkeypatch.setenv(native.ENV, "0")
+    np.testing.assert_array_equal(native_blocks, chunks(packed, scales))
+    assert native_blocks.shape == (R, C) and np.isfinite(native_blocks).all()
+
+
+def test_the_switch_picks_the_path(monkeypatch):
+    rng = rng_for("switch")
+    packed, scales = rng.integers(0, 256, (10, 64), dtype=np.uint8), rng.random((10, 2), dtype=np.float32)
+    calls = []
+    numpy_path = store_module._dequantize_int4
+    monkeypatch.setattr(store_module, "_dequantize_int4", lambda *a: calls.append(1) or numpy_path(*a))
+    force_path(monkeypatch, "numpy")
+    assert native.int4_kernel() is None and "numpy (STRATA_POOL_NATIVE=0)" in native.describe()
+    chunks(packed, scales)
+    assert calls
+    force_path(monkeypatch, "C")
+    calls.clear()
+    chunks(packed, scales)
+    assert not calls and native.describe().startswith("int4 dequantization: C")
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_bad_switch_value_is_one_clear_error(monkeypatch, value):
+    monkeypatch.setenv(native.ENV, value)
+    (_, stored), = make_layers(rng_for("bad-switch"))[:1]
+    with pytest.raises(ValueError, match=f"STRATA_POOL_NATIVE='{value}': not 0 .* or 1 ") as e:
+        HostPool(HostExpertStore([stored]), threads=1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="STRATA_POOL_NATIVE="):
+        chunks(stored[0][0], stored[3][0].astype(np.float32))
+
+
+def test_no_compiler_falls_back_to_numpy(monkeypatch):
+    monkeypatch.setattr(native, "_built", None)  # as if never built in this process
+    monkeypatch.setattr(native, "_find_compiler", lambda: None)
+    monkeypatch.delenv(native.ENV, raising=False)
+    assert native.int4_kernel() is None and "no C compiler found" in native.describe()
+    rng = rng_for("no-compiler")
+    qa = quant.quantize(rng.standard_normal((4, 128)).astype(np.float32), "int4")
+    np.testing.assert_array_equal(chunks(qa.q, qa.scale.astype(np.float32)), quant.dequantize(qa))
+    monkeypatch.setenv(native.ENV, "1")
+    with pytest.raises(RuntimeError, match="STRATA_POOL_NATIVE=1 but .*no C compiler found"):
+        native.int4_kernel()
+
+
+def test_build_goes_to_the_user_cache(monkeypatch, tmp_path):
+    """A fresh build (no cached library) lands in ~/.cache/strata_jax/native, not in the repo, and loads."""
+    if native._find_compiler() is None:
+        pytest.skip("no C compiler found (cc, gcc or sysconfig's CC)")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_built", None)
+    monkeypatch.delenv(native.ENV, raising=False)
+    assert native.int4_kernel() is not None, native.describe()
+    built = list((tmp_path / ".cache" / "strata_jax" / "native").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("native_dequant-") and built[0].suffix == ".so"

@@ -200,12 +200,15 @@ def test_a_vram_budget_holds_about_four_times_the_int4_slots(monkeypatch):
     assert 1.9 < slots["int8"] / slots["auto"] < 2.1 and 3.6 < slots["int4"] / slots["auto"] < 4.1, slots
 
 
-def test_int4_needs_whole_groups():
-    """A model whose experts are not a whole number of 64-input groups is refused with one line, before loading."""
+def test_int4_takes_the_largest_group_that_divides():
+    """expert_dtype=int4 is groups of 64 where both widths allow it, else of 32 (the reference model's I=96); a model
+    whose experts are not a whole number of 32-input groups is refused with one line, before loading."""
     from strata_jax import Engine, StrataError
     from strata_jax.config import preset
+    assert quant.engine_format("int4", (2048, 768)) == "int4" and quant.engine_format("int4", (256, 96)) == "int4-g32"
+    assert quant.engine_format("int8", (256, 48)) == "int8" and quant.engine_format("auto", (256, 48)) is None
     cfg = preset("tiny").replace(moe_intermediate_size=48)
-    with pytest.raises(StrataError, match="multiples of 64"):
+    with pytest.raises(StrataError, match="groups of 64 or 32"):
         Engine.from_random(cfg, verbose=False, expert_dtype="int4", dtype="float32")
 
 
