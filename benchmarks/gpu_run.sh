@@ -162,7 +162,11 @@ for ed in auto int8 int4; do
     --dtype=bfloat16 --expert_dtype=$ed --slot_fracs=${QUANT_FRACS:-0.5,0.25} --pcie_fracs=${QUANT_PCIE:-1} \
     --cache_dir="$JIT_CACHE" --json="$OUT/offload_experts_$ed.json" ${QUANT_ARGS:-}
 done
-step quant_gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests/test_quant.py
+step quant_gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests/test_quant.py tests/test_kv_int8.py
+# The expert FFN kernel on bf16 / int8 / int4 experts at the 30B shape, and the host pool per format on this host.
+step quant_kernels "${KERNEL_LIMIT_S:-180}" "$PY" -m benchmarks.expert_ffn_bench --t=1,2,4,8 --formats=int8,int4 \
+  --json="$OUT/quant_kernels.json"
+step pool_formats "${POOL_LIMIT_S:-120}" "$PY" -m host_pool.measure --formats bf16,int8,int4,int4-numpy
 
 echo
 echo "=== steps"

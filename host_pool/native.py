@@ -1,8 +1,9 @@
 """The int4 chunk dequantization in C (native_dequant.c), compiled on first use and loaded with ctypes.
 
 numpy needs five passes over a chunk to dequantize int4 (store.py `_dequantize_int4`), which made an int4 expert
-slower on the pool than a bf16 one although it reads a quarter of the bytes; the C loop is one pass. bf16 and int8
-chunks stay numpy casts: a C loop measured no faster (1 MB chunk, 2-core EPYC: 57 us bf16, 47 us int8 either way).
+3-4x slower on the pool than a bf16 one although it reads a quarter of the bytes; the C loop is one pass (51 us per
+1 MB of float32 out on a 2-core EPYC, numpy's five 280). bf16 and int8 chunks stay numpy casts: a C loop measured
+no faster (57 us bf16, 47 us int8 either way).
 
 STRATA_POOL_NATIVE: unset or empty: the C kernel when a C compiler builds it, else numpy; 1: the C kernel, an error
 if it cannot be built; 0: numpy. Read at each use, so tests can switch it.
@@ -51,6 +52,8 @@ def mode() -> str:
 def int4_kernel():
     """The C function int4_rows_f32, or None when store.py's numpy path is to run (STRATA_POOL_NATIVE=0, or no
     build in auto mode). Builds it on the first call."""
+    if _built is not None and not os.environ.get(ENV):  # the usual case, once per chunked weight: kept short
+        return _built[0]
     wanted = mode()
     if wanted == "off":
         return None
@@ -69,8 +72,8 @@ def describe() -> str:
 
 def int4_filler(kernel, packed: np.ndarray, scales: np.ndarray, out: np.ndarray):
     """fill(r0, c): out[:c] = rows r0:r0+c of packed [R, C/2] uint8 dequantized with scales [R, G] float32, through
-    `kernel` (from int4_kernel); the caller keeps r0 + c <= R and c <= len(out). The pointers are taken once here:
-    each costs microseconds, a good part of a small chunk's time."""
+    `kernel` (from int4_kernel); the caller keeps r0 + c <= R and c <= len(out). The pointers are taken once here.
+    """
     if not (packed.flags.c_contiguous and scales.flags.c_contiguous and out.flags.c_contiguous
             and scales.dtype == np.float32 and out.dtype == np.float32 and out.shape[1] == 2 * packed.shape[1]):
         raise ValueError(f"int4 chunks want C-contiguous packed rows {packed.shape}, float32 scales {scales.dtype} "
@@ -112,15 +115,19 @@ def _compile_and_load() -> tuple:
         try:
             if not path.exists():
                 _compile(compiler, flags, path)
-            lib = ctypes.CDLL(str(path))
+            kernel = _load(path)
         except (OSError, subprocess.SubprocessError) as e:
             error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             continue
-        kernel = lib.int4_rows_f32
-        kernel.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-        kernel.restype = None
         return kernel, f"int4 dequantization: C ({path.name}, {compiler} {' '.join(flags)})"
     return None, f"int4 dequantization: numpy (native kernel not built with {compiler}: {error})"
+
+
+def _load(path: Path):
+    kernel = ctypes.CDLL(str(path)).int4_rows_f32  # CDLL, not PyDLL: the GIL is released during the call
+    kernel.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    kernel.restype = None
+    return kernel
 
 
 def _compile(compiler: str, flags: tuple, path: Path) -> None:

@@ -14,12 +14,15 @@ Format choice: weights stay in the dtype they are given, without a copy.
   * int8 (one scale per output row) and int4 (strata_jax/quant.py "int4": two
     to a byte, a scale per group of inputs) stay packed; jobs widen the same
     row chunks to float32 (int4: dequantized exactly, nibble - 8 times its
-    group's scale) and BLAS reads them. int4 is slower than bf16 here: its
-    dequantization is five numpy passes over a chunk to bf16's one cast
-    (`_dequantize_int4`). Measured on the same 2-core VM (other jobs
-    running; `python -m host_pool.measure --formats bf16,int8,int4`): a layer
-    job takes 18 / 24 ms (T=1 / 4) from bf16, 18 / 23 ms from int8 and
-    69 / 70 ms from int4. Matching bf16 would need a compiled kernel.
+    group's scale) and BLAS reads them. int4 chunks go through a small C
+    kernel (host_pool/native.py, built on first use; numpy's five passes in
+    `_dequantize_int4` where no compiler is found, or STRATA_POOL_NATIVE=0).
+    Measured on the same 2-core VM (other jobs running; best of 6 interleaved
+    rounds, 8 experts H=2048 I=768): ms per expert at T=1 / 4: bf16 1.99 /
+    2.61, int8 1.93 / 2.55, int4 C 2.12 / 2.67, int4 numpy 7.63 / 7.92. The
+    C loop converts faster than numpy's bf16 cast (51 vs ~57 us per 1 MB
+    chunk); what int4 still loses is Python per weight slice (~30 us: the
+    switch, three array pointers, ctypes calls).
 """
 
 from __future__ import annotations

@@ -331,7 +331,7 @@ def unknown_switches(environ=None) -> list[str]:
     import difflib
     import os
     environ = os.environ if environ is None else environ
-    known = [env_name(n) for n in (*ROUTE_SWITCHES, *DEFER_SWITCHES, "logpos")]
+    known = [env_name(n) for n in (*ROUTE_SWITCHES, *DEFER_SWITCHES, "logpos", "pool_native")]
     lines = []
     for name in sorted(v for v in environ if v.startswith("STRATA_") and v not in known):
         close = difflib.get_close_matches(name, known, n=1)

@@ -186,17 +186,21 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
 
 def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: HostExperts, slots: int,
           why: str) -> Placement:
-    from host_pool import HostPool, HostPoolError, blas
+    from host_pool import HostPool, HostPoolError, blas, native
     from host_pool.pool import usable_cores
     # A failed pool job is reported as one line by the engine; JAX's own traceback log would repeat it.
     logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
     threads = opts.cpu_threads or usable_cores()
-    pool = HostPool(host.store(cfg), threads=threads, timeout_s=opts.callback_timeout_s)
+    try:  # a bad STRATA_POOL_NATIVE, or =1 where no C compiler builds the int4 kernel: one line
+        pool = HostPool(host.store(cfg), threads=threads, timeout_s=opts.callback_timeout_s)
+    except (ValueError, RuntimeError, OSError) as e:
+        raise StrataError(f"host pool: {e}") from None
     host.numpy.clear()
     itemsize = expert_itemsize(opts)
     lines = [f"expert cache: {slots} of {cfg.num_experts} slots per MoE layer ({why}), policy {opts.cache_policy}, "
              f"{offload.slot_bytes(cfg, slots, itemsize) / 2**20:.1f} MiB on the device; experts in "
-             f"{host.kind} memory; host pool: {threads} threads ({blas.describe()})"]
+             f"{host.kind} memory; host pool: {threads} threads ({blas.describe()}"
+             + (f"; {native.describe()}" if pool.store.dtype == np.uint8 else "") + ")"]
     costs = None
     if opts.pcie_frac == "auto":
         try:

@@ -290,3 +290,21 @@ def test_build_goes_to_the_user_cache(monkeypatch, tmp_path):
     assert native.int4_kernel() is not None, native.describe()
     built = list((tmp_path / ".cache" / "strata_jax" / "native").iterdir())
     assert len(built) == 1 and built[0].name.startswith("native_dequant-") and built[0].suffix == ".so"
+
+
+@pytest.mark.parametrize("group", [16, 64])
+def test_plain_c_loop_matches_numpy(monkeypatch, tmp_path, group):
+    """The build without -march=native (on x86 no SSE4.1, so native_dequant.c's plain loop, not the intrinsics one):
+    bit for bit the numpy path too."""
+    compiler = native._find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler found (cc, gcc or sysconfig's CC)")
+    path = tmp_path / "plain.so"
+    native._compile(compiler, native.FLAGS[-1], path)
+    rng = rng_for(f"plain-c-{group}")
+    packed = rng.integers(0, 256, (13, 96), dtype=np.uint8)
+    scales = rng.standard_normal((13, 192 // group)).astype(np.float32)
+    out = np.empty((13, 192), np.float32)
+    native.int4_filler(native._load(path), packed, scales, out)(0, 13)
+    monkeypatch.setenv(native.ENV, "0")
+    np.testing.assert_array_equal(out, chunks(packed, scales))
