@@ -100,8 +100,8 @@ def run(s) -> dict:
     quantized = {}  # format -> (q gate, up, down, their scales, bytes an expert's FFN reads)
     for fmt in s.formats:  # the same experts quantized, on the device
         from strata_jax import quant
-        if fmt not in quant.ENGINE_FORMATS:
-            raise ValueError(f"--formats: {fmt!r} is not one of {', '.join(quant.ENGINE_FORMATS)}")
+        if fmt not in (*quant.ENGINE_FORMATS, "int4-g128"):  # g128: the kernel runs it; the engine picks 64 or 32
+            raise ValueError(f"--formats: {fmt!r} is not one of {', '.join(quant.ENGINE_FORMATS)}, int4-g128")
         qs = [quant.quantize(np.asarray(w, np.float32), fmt) for w in (gate, up, down)]
         quantized[fmt] = (tuple(jnp.asarray(qa.q) for qa in qs), tuple(jnp.asarray(quant.engine_scale(qa)) for qa in qs),
                           sum(qa.nbytes for qa in qs) // slots)

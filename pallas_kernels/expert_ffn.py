@@ -24,7 +24,8 @@ wherever they run.
 
 int4 experts ("int4" / "int4-g32": symmetric, one bf16 scale per g = 64 or 32 inputs, packed as GGUF's Q4_0: in
 each group byte j holds input j in its low nibble and input j + g/2 in its high one, q + 8): gate/up [S, I, H/2] and
-down [S, H, I/2] uint8 with scales [S, I, H/g] and [S, H, I/g]. The loops step one group at a time: the low nibbles
+down [S, H, I/2] uint8 with group-major scales [S, H/g, I] and [S, I/g, H] (a group's scales for a block of rows are
+one contiguous load). The loops step one group at a time: the low nibbles
 widened to bf16 (q in -8..7, exact) are dotted with the group's first g/2 inputs, the high ones with its last g/2,
 and the group's f32
 partial sum is scaled by its scale before it joins the accumulator: sum_g s_g (x_g . q_g), the float32 dot with
@@ -46,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.blocks import MIN_DOT, block_or_error
 
-GROUPS = (64, 32)  # int4 inputs per scale (strata_jax/quant.py "int4", "int4-g32"): read from the scales' shape
+GROUPS = (128, 64, 32)  # int4 inputs per scale (strata_jax/quant.py "int4-g128", "int4", "int4-g32"): from the scales' shape
 
 
 def _int4_group(x_at, w_ref, slot, rows, k, group: int):
@@ -62,7 +63,7 @@ def _int4_group(x_at, w_ref, slot, rows, k, group: int):
 
 def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None, group: int):
     """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8, or [S, I, H/2] int4 (whole arrays, indexed
-    by slot); quantized ("int8" / "int4"): then gate/up scales [S, I] / [S, I, H/64]; h block [Tp, BI]."""
+    by slot); quantized ("int8" / "int4"): then gate/up scales [S, I] / [S, H/g, I]; h block [Tp, BI]."""
     gs_ref, us_ref, h_ref = refs if quantized else (None, None, refs[0])
     n, j = pl.program_id(0), pl.program_id(1)
     tp, bi = h_ref.shape
@@ -77,8 +78,8 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
             for j in range(block_k // group):
                 grp = k * (block_k // group) + j
                 x_at = lambda c: x_ref[:, c]
-                g += _int4_group(x_at, gate_ref, slot, rows, grp, group) * gs_ref[slot, rows, grp].astype(jnp.float32)[None, :]
-                u += _int4_group(x_at, up_ref, slot, rows, grp, group) * us_ref[slot, rows, grp].astype(jnp.float32)[None, :]
+                g += _int4_group(x_at, gate_ref, slot, rows, grp, group) * gs_ref[slot, grp, rows].astype(jnp.float32)[None, :]
+                u += _int4_group(x_at, up_ref, slot, rows, grp, group) * us_ref[slot, grp, rows].astype(jnp.float32)[None, :]
             return g, u
 
         def body(k, carry):
@@ -105,7 +106,7 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
 
 def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: str | None, group: int):
     """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 or int8, or [S, H, I/2] int4 (whole); quantized: then
-    down scales [S, H] (int8) or [S, H, I/64] (int4); comb [Np, Tp] f32; out block [Tp, BH] f32."""
+    down scales [S, H] (int8) or [S, I/g, H] (int4); comb [Np, Tp] f32; out block [Tp, BH] f32."""
     ds_ref, comb_ref, out_ref = refs if quantized else (None, *refs)
     b, s = pl.program_id(0), pl.program_id(1)
     tp, bh = out_ref.shape
@@ -121,7 +122,7 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
                 for j in range(block_i // group):
                     grp = k * (block_i // group) + j
                     part = _int4_group(lambda c: h_ref[n, :, c], down_ref, slot, cols, grp, group)
-                    y += part * ds_ref[slot, cols, grp].astype(jnp.float32)[None, :]
+                    y += part * ds_ref[slot, grp, cols].astype(jnp.float32)[None, :]
                 return y
 
             def body(k, y):
@@ -163,8 +164,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     """x [T, H] bf16; gate, up [S, I, H]; down [S, H, I]; slot_ids [N] int32 (-1 = padding); combine [T, N] f32.
     Returns [T, H] float32. Slot ids must be < S (a device value: not checked). T <= 16 costs the same as T = 16.
     int8 experts: gate/up/down int8 with gate_scale, up_scale [S, I] and down_scale [S, H] (float32 or bf16).
-    int4 experts: gate/up [S, I, H/2], down [S, H, I/2] uint8 with gate_scale, up_scale [S, I, H/64] and
-    down_scale [S, H, I/64].
+    int4 experts: gate/up [S, I, H/2], down [S, H, I/2] uint8 with group-major gate_scale, up_scale [S, H/g, I] and
+    down_scale [S, I/g, H], g = 128, 64 or 32 inputs per scale.
 
     Tuning (static): block_i rows of I per gate/up program, block_k the H chunk of its loop; block_h output columns
     per down program, block_i_down its I chunk, n_split the programs sharing the experts of one column block;
@@ -186,13 +187,13 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
         raise ValueError("expert_ffn: int8 and int4 experts take gate_scale, up_scale and down_scale (bf16 ones none)")
     group = 0
     if quantized == "int4":  # the group: inputs per scale, from the scales' shape
-        group = hidden // gate_scale.shape[-1] if gate_scale.ndim == 3 and gate_scale.shape[-1] else 0
+        group = hidden // gate_scale.shape[1] if gate_scale.ndim == 3 and gate_scale.shape[1] else 0
         if group not in GROUPS or hidden % group or inter % group:
             raise ValueError(f"expert_ffn: int4 experts need groups of {' or '.join(map(str, GROUPS))} inputs "
                              f"dividing H and I (got H {hidden}, I {inter}, gate_scale {gate_scale.shape})")
     if quantized:
-        g_in, d_in = ((), ()) if quantized == "int8" else ((hidden // group,), (inter // group,))
-        want = ((s, inter, *g_in), (s, inter, *g_in), (s, hidden, *d_in))
+        want = (((s, inter),) * 2 + ((s, hidden),) if quantized == "int8" else
+                ((s, hidden // group, inter),) * 2 + ((s, inter // group, hidden),))
         if tuple(sc.shape for sc in scales) != want:
             raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not "
                              f"match gate/up {want[0]}, down {want[2]}")

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax import checkpoint, graphs, model, moe, offload
+from strata_jax import checkpoint, graphs, model, moe, offload, quant
 from strata_jax import mtp as mtp_mod
 from strata_jax import placement as placement_mod
 from strata_jax.chat import ChatTemplate, GenerationDefaults, load_chat_template, load_generation_config
@@ -204,7 +204,8 @@ class Engine:
                 for i, layer in enumerate(weights.layers):
                     if cfg.sparse_layers[i]:
                         for which in ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if fmt else ()):
-                            host.numpy.setdefault(i, {})[which] = np.asarray(getattr(layer.ffn, which))
+                            x = np.asarray(getattr(layer.ffn, which))
+                            host.numpy.setdefault(i, {})[which] = quant.pool_scale(x) if "scale" in which else x
             if fmt:
                 say(_quantized_line(cfg, weights, opts, host is not None).replace("quantized at load", "saved state"))
         else:

@@ -14,7 +14,7 @@ from flax import struct
 
 from strata_jax.config import ModelConfig
 from strata_jax.linear import linear
-from strata_jax.quant import dequantize_int4_device
+from strata_jax.quant import dequantize_engine_int4
 
 
 @struct.dataclass
@@ -26,8 +26,8 @@ class MoEWeights:
     up: jax.Array  # [E, I, H]
     down: jax.Array  # [E, H, I]
     # expert_dtype=int8: gate/up/down hold int8 q and these their rows' scales; int4: q packed two a byte (uint8,
-    # [E, I, H/2] and [E, H, I/2]) and one scale per 64 inputs ([E, I, H/64], [E, I, H/64], [E, H, I/64]). The
-    # scales are always on the device.
+    # [E, I, H/2] and [E, H, I/2]) and one scale per g = 64 (or 32) inputs, group-major ([E, H/g, I], [E, H/g, I],
+    # [E, I/g, H]). The scales are always on the device.
     gate_scale: jax.Array | None = None  # [E, I]
     up_scale: jax.Array | None = None  # [E, I]
     down_scale: jax.Array | None = None  # [E, H]
@@ -119,9 +119,10 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, co
 
 def _scaled_product(spec: str, a: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     """einsum(spec, a, w) in float32, rounded to a's dtype, for quantized w: int8 q [N, O, In] with per-row scale
-    [N, O] (the product of q widened, times the scale), or int4 packed q [N, O, In/2] with scale [N, O, In/64]."""
+    [N, O] (the product of q widened, times the scale), or int4 packed q [N, O, In/2] with group-major scale
+    [N, In/g, O]."""
     if q.dtype == jnp.uint8:  # int4: float32 weights, exact; HIGHEST keeps the GPU's dot from rounding them (TF32)
-        w = dequantize_int4_device(q, scale, jnp.float32)
+        w = dequantize_engine_int4(q, scale, jnp.float32)
         acc = jnp.einsum(spec, a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
         return acc.astype(a.dtype)
     acc = jnp.einsum(spec, a, q.astype(a.dtype), preferred_element_type=jnp.float32)  # [N, T, O]

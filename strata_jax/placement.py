@@ -108,7 +108,7 @@ class HostExperts:
         """int8 experts' row scales (layers.{i}.experts.{which}_scale; numpy from a checkpoint, a device array from
         random weights): kept for the pool, and on the device."""
         _, layer, _, which = name.split(".")
-        self.numpy.setdefault(int(layer), {})[which] = np.asarray(x)
+        self.numpy.setdefault(int(layer), {})[which] = quant.pool_scale(np.asarray(x))
         return jax.device_put(x)
 
     def store(self, cfg: ModelConfig):

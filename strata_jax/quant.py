@@ -168,7 +168,8 @@ def dequantize_int4_device(packed, scale, dtype):
 
 
 # The engine's expert formats, and how their experts are stored: int8 q one a byte, int4 packed two a byte (uint8,
-# the input dimension halved), with scales [E, O] (int8) or [E, O, I/group] (int4) on the device.
+# the input dimension halved), with scales on the device: [E, O] (int8), or group-major [E, I/group, O] for int4 (a
+# group's scales of consecutive rows are then one contiguous load in the kernel; the host pool keeps [E, O, G]).
 ENGINE_FORMATS = ("int8", "int4", "int4-g32")
 
 
@@ -195,10 +196,25 @@ def stored_in_dim(in_dim: int, dtype) -> int:
 
 
 def engine_scale(qa: Quantized) -> np.ndarray:
-    """The scales the engine keeps: [..., O] for per-row int8, [..., O, G] for grouped formats."""
-    return qa.scale[..., 0] if qa.fmt.group == 0 else qa.scale
+    """The scales the engine keeps on the device: [..., O] for per-row int8, group-major [..., G, O] for grouped
+    formats."""
+    return qa.scale[..., 0] if qa.fmt.group == 0 else np.ascontiguousarray(np.swapaxes(qa.scale, -1, -2))
+
+
+def pool_scale(scale: np.ndarray) -> np.ndarray:
+    """A device scale array as the host pool keeps it: int4's group-major [E, G, O] back to [E, O, G]."""
+    return np.ascontiguousarray(np.swapaxes(scale, -1, -2)) if scale.ndim == 3 else scale
+
+
+def dequantize_engine_int4(packed, scale, dtype):
+    """dequantize_int4_device for the engine's group-major scales [..., G, O]."""
+    import jax.numpy as jnp
+    return dequantize_int4_device(packed, jnp.swapaxes(scale, -1, -2), dtype)
 
 
 def quantize_device(w, expert_format: str):
     """The engine formats on the device (random weights): w [..., O, I] -> (q, engine scale)."""
-    return quantize_int8_device(w) if expert_format == "int8" else quantize_int4_device(w, get_format(expert_format).group)
+    if expert_format == "int8":
+        return quantize_int8_device(w)
+    q, scale = quantize_int4_device(w, get_format(expert_format).group)
+    return q, scale.swapaxes(-1, -2)  # group-major, as engine_scale

@@ -237,10 +237,14 @@ def test_the_engine_refuses_the_kernel_where_it_cannot_run(engine_factory):
 
 # ---- int8 and int4 experts (strata_jax/quant.py "int8": one scale per output row; "int4": one per 64 inputs) ------
 
+QUANT_CASES = {"t2_h256_i128": dict(seed=6, t=2, slot_ids=[1, 5, -1, 3], h=256, i=128)}  # whole groups of 128
+
+
 def make_quant_case(name: str, fmt: str = "int8"):
-    """CASES[name] with its experts quantized (quant.quantize): q and bf16 scales [S, O] (int8) or [S, O, I/64]."""
+    """CASES[name] with its experts quantized (quant.quantize): q and bf16 scales [S, O] (int8) or group-major
+    [S, I/g, O] (int4)."""
     from strata_jax import quant
-    x, gate, up, down, ids, combine = make_case(**CASES[name])
+    x, gate, up, down, ids, combine = make_case(**QUANT_CASES.get(name) or CASES[name])
     out = [x]
     scales = []
     for w in (gate, up, down):
@@ -256,7 +260,7 @@ def f64_quant_model(x, gate, up, down, slot_ids, combine, gs, us, ds) -> np.ndar
     from strata_jax import quant
     x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
     if gate.dtype == jnp.uint8:  # int4: dequantize (exact), unit row scales
-        mats = [np.asarray(quant.dequantize_int4_device(q, sc, jnp.float32), np.float64)
+        mats = [np.asarray(quant.dequantize_engine_int4(q, sc, jnp.float32), np.float64)
                 for q, sc in ((gate, gs), (up, us), (down, ds))]
         gs, us, ds = (np.ones(m.shape[:2]) for m in mats)
     else:
@@ -276,12 +280,14 @@ def f64_quant_model(x, gate, up, down, slot_ids, combine, gs, us, ds) -> np.ndar
 @pytest.mark.parametrize("fmt,name", [("int8", "t1_eight_experts"), ("int8", "t3_unused_repeat_pad"),
                                       ("int8", "t8_padded"), ("int8", "t3_h96_i48"), ("int4", "t1_eight_experts"),
                                       ("int4", "t3_unused_repeat_pad"), ("int4", "t8_padded"),
-                                      ("int4-g32", "t3_unused_repeat_pad"), ("int4-g32", "t8_padded")])
+                                      ("int4-g32", "t3_unused_repeat_pad"), ("int4-g32", "t8_padded"),
+                                      ("int4-g128", "t2_h256_i128")])
 def test_quantized_kernel_matches_reference(fmt, name):
     args = make_quant_case(name, fmt)
     assert args[1].dtype == (jnp.int8 if fmt == "int8" else jnp.uint8)
     if fmt != "int8":  # one scale per group of inputs
-        assert args[-3].shape[-1] == args[1].shape[-1] * 2 // int(fmt[-2:] if fmt.endswith("32") else 64)
+        from strata_jax import quant
+        assert args[-3].shape[1] == args[1].shape[-1] * 2 // quant.get_format(fmt).group
     out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if name == "t8_padded" else {}))
     assert out.shape == args[0].shape and out.dtype == jnp.float32
     assert rel(out, expert_ffn_reference(*args)) < REF_RTOL
@@ -312,8 +318,8 @@ def test_quantized_needs_its_scales(fmt):
 def test_int4_needs_whole_groups():
     x, gate, up, down, ids, combine = make_case(**CASES["t3_h96_i48"])
     q = lambda a: jnp.zeros((*a.shape[:2], a.shape[2] // 2), jnp.uint8)
-    sc = lambda a: jnp.ones((*a.shape[:2], 1), jnp.bfloat16)
-    with pytest.raises(ValueError, match="groups of 64 or 32"):
+    sc = lambda a: jnp.ones((a.shape[0], 1, a.shape[1]), jnp.bfloat16)  # one group of all inputs: 96 and 48
+    with pytest.raises(ValueError, match="groups of 128 or 64 or 32"):
         expert_ffn(x, q(gate), q(up), q(down), ids, combine, sc(gate), sc(up), sc(down), interpret=True)
 
 
@@ -336,6 +342,6 @@ def test_int4_lowers_for_cuda(t, n):
     sd = jax.ShapeDtypeStruct
     specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // 2), jnp.uint8), sd((s, i, h // 2), jnp.uint8),
              sd((s, h, i // 2), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
-             sd((s, i, h // 64), jnp.bfloat16), sd((s, i, h // 64), jnp.bfloat16), sd((s, h, i // 64), jnp.bfloat16))
+             sd((s, h // 64, i), jnp.bfloat16), sd((s, h // 64, i), jnp.bfloat16), sd((s, i // 64, h), jnp.bfloat16))
     text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
     assert text.count("__gpu$xla.gpu.triton") == 2

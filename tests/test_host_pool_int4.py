@@ -160,7 +160,7 @@ def test_split_jobs_match_reference(make_pool, compute_dtype, T, K):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_same_rows_as_the_device_xla_path(dtype):
-    """moe.expert_ffn (the device's XLA path) on the same int4 experts: 1e-5 relative in float32 compute; bf16
+    """moe.expert_ffn (the device's XLA path, group-major scales) on the same int4 experts: 1e-5 relative in float32 compute; bf16
     within a rounding flip's worth (float32 summation orders differ), as the int8 test in test_quant."""
     import jax
     import jax.numpy as jnp
@@ -175,7 +175,8 @@ def test_same_rows_as_the_device_xla_path(dtype):
     xd = jnp.asarray(x, dtype)
     with jax.default_matmul_precision("highest"):
         device = np.asarray(moe.expert_ffn(xd, *(jnp.asarray(a[sel]) for a in q), jnp.asarray(w),
-                                           *(jnp.asarray(s[sel]) for s in scales)), np.float32)
+                                           *(jnp.swapaxes(jnp.asarray(s[sel]), -1, -2) for s in scales)),  # group-major
+                        np.float32)
     with HostPool(HostExpertStore([stored], compute_dtype=np.dtype(dtype)), threads=2) as pool:
         host = pool.compute(0, np.asarray(xd, np.float32), ids, w)
     assert rel_error(host, device) < (1e-5 if dtype == "float32" else 2e-2)
