@@ -94,3 +94,22 @@ def embedded_engine(engine_factory):
     """The embedded tiny model, exact: float32, every expert resident, W=4, a 64-token context (small, so context
     limits are cheap to reach). test_cli runs the CLI with the same options, so the graphs are compiled once."""
     return engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all")
+
+
+@pytest.fixture
+def make_pool():
+    """`make_pool(layers, compute_dtype=None, **HostPool options)` -> a HostPool over HostExpertStore(layers) (the
+    host-pool tests' one way to build one), closed after the test."""
+    import numpy as np
+    from host_pool import HostExpertStore, HostPool
+    pools = []
+
+    def make(layers, compute_dtype=None, **kwargs):
+        dtype = None if compute_dtype is None else np.dtype(compute_dtype)
+        pool = HostPool(HostExpertStore(layers, compute_dtype=dtype), **kwargs)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()

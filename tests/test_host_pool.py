@@ -74,20 +74,6 @@ def rel_error(y, ref):
     return np.linalg.norm(y - ref) / np.linalg.norm(ref)
 
 
-@pytest.fixture
-def make_pool():
-    pools = []
-
-    def make(layers, **kwargs):
-        pool = HostPool(HostExpertStore(layers), **kwargs)
-        pools.append(pool)
-        return pool
-
-    yield make
-    for pool in pools:
-        pool.close()
-
-
 IDS_CASES = {"one": [4], "several_padded": [5, -1, 0, 3, -1]}
 
 

@@ -70,19 +70,9 @@ def rel_error(y, ref):
     return np.linalg.norm(y - ref) / np.linalg.norm(ref)
 
 
-@pytest.fixture
-def make_pool():
-    pools = []
-
-    def make(layers, compute_dtype="bfloat16", **kwargs):
-        store = HostExpertStore([stored for _, stored in layers], compute_dtype=np.dtype(compute_dtype))
-        pool = HostPool(store, **kwargs)
-        pools.append(pool)
-        return pool
-
-    yield make
-    for pool in pools:
-        pool.close()
+def stored(layers) -> list:
+    """make_layers' (reference, stored) pairs -> the store's layers."""
+    return [s for _, s in layers]
 
 
 def force_path(monkeypatch, path):
@@ -114,7 +104,7 @@ def test_chunks_are_dequantize_exactly(monkeypatch, fmt, path):
 def test_plain_jobs_match_reference(make_pool, compute_dtype, threads, T):
     rng = rng_for(f"plain-{compute_dtype}-{threads}-{T}")
     layers = make_layers(rng)
-    pool = make_pool(layers, compute_dtype, threads=threads)
+    pool = make_pool(stored(layers), compute_dtype, threads=threads)
     assert pool.store.format == "int4" and pool.store.compute_dtype == np.dtype(compute_dtype)
     ids = np.array([5, -1, 0, 3, -1], np.int32)
     x = rng.standard_normal((T, H)).astype(np.float32)
@@ -128,7 +118,7 @@ def test_many_chunks_per_job(make_pool, monkeypatch):
     monkeypatch.setattr(store_module, "CHUNK_FLOATS", 5 * H)  # a few rows per chunk, a ragged last one
     rng = rng_for("many-chunks")
     layers = make_layers(rng)
-    pool = make_pool(layers, "float32", threads=2)
+    pool = make_pool(stored(layers), "float32", threads=2)
     ids = np.array([2, 1, 4], np.int32)
     x = rng.standard_normal((3, H)).astype(np.float32)
     w = rng.uniform(0.1, 1.0, (3, 3)).astype(np.float32)
@@ -140,7 +130,7 @@ def test_many_chunks_per_job(make_pool, monkeypatch):
 def test_split_jobs_match_reference(make_pool, compute_dtype, T, K):
     rng = rng_for(f"split-{compute_dtype}-{T}-{K}")
     layers = make_layers(rng)
-    pool = make_pool(layers, compute_dtype, threads=2)
+    pool = make_pool(stored(layers), compute_dtype, threads=2)
     x = rng.standard_normal((T, H)).astype(np.float32)
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)  # [T, K]
     ids[0, -1] = -1  # not a CPU entry
@@ -185,7 +175,7 @@ def test_same_rows_as_the_device_xla_path(dtype):
 def test_sizes_and_bytes_read(make_pool):
     rng = rng_for("sizes")
     layers = make_layers(rng)
-    pool = make_pool(layers, threads=3)
+    pool = make_pool(stored(layers), threads=3)
     store = pool.store
     assert (store.hidden_size(0), store.intermediate_size(0), store.num_experts(0)) == (H, I, E)
     assert store.dtype == np.uint8 and store.compute_dtype == BF16
@@ -210,7 +200,7 @@ def test_bad_shapes_give_clear_errors(make_pool):
         HostExpertStore([(gate, up, down, gs, us, np.ones((E, H, I // 8), np.float32))])
     with pytest.raises(ValueError, match="int4 up_scale shape"):  # rows do not match
         HostExpertStore([(gate, up, down, gs, us[:, :-1], ds)])
-    pool = make_pool(make_layers(rng))
+    pool = make_pool(stored(make_layers(rng)))
     with pytest.raises(HostPoolError, match=f"layer 0 bad input: .*hidden {H}"):  # x as wide as the packed rows
         pool.compute(0, np.ones((1, H // 2), np.float32), np.array([1]), np.ones((1, 1), np.float32))
     with pytest.raises(HostPoolError, match="layer 1 bad input"):

@@ -80,20 +80,6 @@ def heavy_mask(ids, w, threshold):
     return (ids >= 0) & (w >= np.float32(threshold))
 
 
-@pytest.fixture
-def make_pool():
-    pools = []
-
-    def make(layers, **kwargs):
-        pool = HostPool(HostExpertStore(layers), **kwargs)
-        pools.append(pool)
-        return pool
-
-    yield make
-    for pool in pools:
-        pool.close()
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("T,K", [(1, 1), (1, 4), (4, 4)])
