@@ -237,7 +237,8 @@ class Engine:
         dtype = jnp.dtype(opts.dtype)
         slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
-        stacked = slots is None and scans(cfg, opts)
+        # made stacked directly (quantized experts are made per layer, then stacked by _assemble)
+        stacked = slots is None and scans(cfg, opts) and not placement_mod.expert_format(opts)
         weights = model.random_weights(cfg, seed, dtype, place_experts=host.place if host else None,
                                        progress=say if stacked else _progress(say, cfg), stacked=stacked,
                                        expert_format=placement_mod.expert_format(opts, cfg),
@@ -984,8 +985,8 @@ def _quantized_line(cfg: ModelConfig, weights: model.Weights, opts: EngineOption
 
 def scans(cfg: ModelConfig, opts: EngineOptions) -> bool:
     """Whether the layers run as one scanned body over stacked weights when every expert is resident: layer_loop
-    scan, one kind of layer, and float experts (the scanned body reads no scales)."""
-    return opts.layer_loop == "scan" and model.can_stack(cfg) and not placement_mod.expert_format(opts)
+    scan and one kind of layer (quantized experts' scales are stacked and read by layer like their q)."""
+    return opts.layer_loop == "scan" and model.can_stack(cfg)
 
 
 def context_and_chunk(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, int]:

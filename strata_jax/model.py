@@ -434,9 +434,10 @@ def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: ja
     n_layers = jax.tree.leaves(stack)[0].shape[0]
     sparse = isinstance(stack.ffn, moe.MoEWeights)
     if sparse:  # [L, E, I, H] -> [L*E, I, H]: a bitcast, read in place by the gather or the kernel
-        flat = lambda a: a.reshape(-1, *a.shape[2:])
+        flat = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])
         experts_flat = moe.MoEWeights(router=stack.ffn.router, gate=flat(stack.ffn.gate), up=flat(stack.ffn.up),
-                                      down=flat(stack.ffn.down))
+                                      down=flat(stack.ffn.down), gate_scale=flat(stack.ffn.gate_scale),
+                                      up_scale=flat(stack.ffn.up_scale), down_scale=flat(stack.ffn.down_scale))
         dense_part = stack.replace(ffn=None)
     else:
         dense_part = stack

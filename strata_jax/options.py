@@ -111,7 +111,7 @@ class EngineOptions:
                             "(quantized at load: symmetric, one bf16 scale per output row: a byte a weight) or int4 "
                             "(symmetric, one bf16 scale per 64 inputs, two weights a byte). Host RAM, slots, PCIe "
                             "fetches and the host pool hold the quantized form; the expert FFNs dequantize in their "
-                            "products (strata_jax/quant.py). Quantized layers run unrolled.",
+                            "products (strata_jax/quant.py).",
                             _choice("auto", "int8", "int4"))
     kv_dtype: str = opt("auto", "How the KV cache is stored: auto (in `dtype`) or int8 (symmetric, one float32 scale "
                         "per (position, kv head) for K and one for V, absmax/127; quantized as rows are written, read "

@@ -169,17 +169,21 @@ def test_benchmark_runs_on_cpu(tmp_path, capsys):
     assert len(table) == 2 + 2 and "Pallas % of roofline" in table[0] and "int4 Pallas us" in table[0]
 
 
-def test_the_model_with_the_kernel_matches_the_xla_path():
+@pytest.mark.parametrize("fmt,stacked", [(None, False), ("int4", True)])
+def test_the_model_with_the_kernel_matches_the_xla_path(fmt, stacked):
     """moe.ResidentExperts (the kernel, interpret mode) in a whole decode window of the tiny model, bf16: the logits
-    of the XLA path within bf16 rounding (the two round the experts' outputs at different points)."""
+    of the XLA path within bf16 rounding (the two round the experts' outputs at different points). int4, stacked:
+    the scanned body reads the quantized experts and their scales by row layer * E + expert, in both paths."""
     from strata_jax import graphs, model, moe
     from strata_jax.config import preset
     cfg = preset("tiny")
-    weights = model.random_weights(cfg, seed=3, dtype=jnp.bfloat16, scale=0.05)
+    weights = model.random_weights(cfg, seed=3, dtype=jnp.bfloat16, scale=0.05, expert_format=fmt)
+    if stacked:
+        weights = model.stack_layers(weights)
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, size=3), jnp.int32)
     out = {}
     for name, experts in (("xla", None), ("pallas", moe.ResidentExperts(cfg, interpret=True))):
-        cache = model.init_cache(cfg, 16, jnp.bfloat16)
+        cache = model.init_cache(cfg, 16, jnp.bfloat16, stacked=stacked)
         _, logits, _ = graphs.jit_decode_window(cfg, experts)(weights, cache, tokens, jnp.int32(0))
         out[name] = np.asarray(logits)
     err = np.linalg.norm(out["pallas"] - out["xla"]) / np.linalg.norm(out["xla"])

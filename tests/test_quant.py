@@ -155,6 +155,7 @@ def test_quantized_engine_is_placement_independent(engine_factory, cache_dir, ca
     base = Engine.from_pretrained(None, verbose=True, cache_dir=str(cache_dir), dtype="float32",
                                   expert_cache_slots="all", expert_dtype=fmt)
     assert f"experts: {fmt}" in capfd.readouterr().err
+    assert base.weights.stacked  # all resident: the scanned body, scales stacked with their q
     ref = base.prefill_logits(ids)
     assert 0 < rel(ref, want) < {"int8": 5e-2, "int4": 0.3}[fmt]
     assert rel(base.score(ids), ref) < 1e-5
