@@ -242,13 +242,14 @@ def test_device_int8_is_the_same_numbers():
 
 
 def test_int8_random_weights_for_benchmarks(cache_dir):
-    """Engine.from_random(expert_dtype=int8) (what the benchmarks build): quantized as made, placement-independent."""
+    """Engine.from_random(expert_dtype=int8) (what the benchmarks build): quantized as made, all resident in the
+    scanned body, placement-independent."""
     from strata_jax import Engine
     from strata_jax.config import preset
     cfg = preset("tiny")
     opts = dict(verbose=False, cache_dir=str(cache_dir), dtype="float32", expert_dtype="int8", window=2, context=64)
     resident = Engine.from_random(cfg, seed=3, expert_cache_slots="all", **opts)
     offloaded = Engine.from_random(cfg, seed=3, expert_cache_slots="4", pcie_frac="0.5", **opts)
-    assert resident.weights.layers[0].ffn.gate.dtype == np.int8 and not resident.scanned
+    assert resident.scanned and resident.weights.layers.ffn.gate.dtype == np.int8  # made per layer, then stacked
     ids = list(range(5, 40))
     assert rel(offloaded.prefill_logits(ids), resident.prefill_logits(ids)) < 1e-5
