@@ -157,14 +157,23 @@ step kl_arms "${KL_LIMIT_S:-420}" "$PY" -m benchmarks.kl_arms --cache_dir="$JIT_
 # Quantized experts (issue 16): the generate loop at the 30B shape cut to OFFLOAD layers, bf16, int8 and int4 experts
 # at 50% and 25% of the experts in slots (PCIe fetches only), one step each in one call; then the gpu-marked
 # quantized tests (the kernels inside the engine).
+# QUANT_ARGS="--embed_scale=50" spreads the random weights' routing (offload_bench's flag). The *_cb steps run the
+# same with XLA's command buffers taking the while loops and conditionals too (CUDA graph conditional nodes: no
+# host round trip per fetch loop or block).
+CB_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 for ed in auto int8 int4; do
   step "offload_experts_$ed" "${QUANT_LIMIT_S:-300}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b \
     --dtype=bfloat16 --expert_dtype=$ed --slot_fracs=${QUANT_FRACS:-0.5,0.25} --pcie_fracs=${QUANT_PCIE:-1} \
     --cache_dir="$JIT_CACHE" --json="$OUT/offload_experts_$ed.json" ${QUANT_ARGS:-}
+  step "offload_experts_${ed}_cb" "${QUANT_LIMIT_S:-300}" env XLA_FLAGS="$CB_FLAGS ${XLA_FLAGS:-}" \
+    "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b \
+    --dtype=bfloat16 --expert_dtype=$ed --slot_fracs=${QUANT_FRACS:-0.5,0.25} --pcie_fracs=${QUANT_PCIE:-1} \
+    --cache_dir="$JIT_CACHE" --json="$OUT/offload_experts_${ed}_cb.json" ${QUANT_ARGS:-}
 done
 step quant_gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests/test_quant.py tests/test_kv_int8.py
 # The expert FFN kernel on bf16 / int8 / int4 experts at the 30B shape, and the host pool per format on this host.
-step quant_kernels "${KERNEL_LIMIT_S:-180}" "$PY" -m benchmarks.expert_ffn_bench --t=1,2,4,8 --formats=int8,int4 \
+step quant_kernels "${KERNEL_LIMIT_S:-180}" "$PY" -m benchmarks.expert_ffn_bench --t=${KERNEL_T:-1,2,4,8} \
+  --formats=${KERNEL_FORMATS:-int8,int4,int4-g128} \
   --json="$OUT/quant_kernels.json"
 step pool_formats "${POOL_LIMIT_S:-120}" "$PY" -m host_pool.measure --formats bf16,int8,int4,int4-numpy
 
