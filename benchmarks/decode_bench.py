@@ -62,6 +62,8 @@ flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth read in MiB (0 = 
                      lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_integer("probe_windows", 8, "Windows of the run whose routing is replayed to count distinct experts "
                      "(0 = off: the uniform expectation is used for the bytes).", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_integer("attention_splits", 0, "Splits of the cache positions in the Pallas decode-attention kernel "
+                     "(0 = its auto_splits: two waves of programs on the GPU).", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("compilation_cache_dir", "", "Persistent JAX compilation cache folder ('' = off; then the "
                     "compile times shown are real compiles).", flag_values=FLAGS)
 
@@ -190,6 +192,9 @@ def run(s) -> dict:
     from strata_jax.errors import StrataError
 
     windows = sorted(common.int_list(s.windows, "windows"))
+    if s.attention_splits:
+        from pallas_kernels import decode_attention as decode_attention_mod
+        decode_attention_mod.FORCE_SPLITS = s.attention_splits
     cfg = preset(s.model, layers=s.layers or None)
     if s.layers and len(cfg.sparse_layers) < s.layers:
         raise StrataError(f"--layers={s.layers}: the {s.model} preset has fewer layers")

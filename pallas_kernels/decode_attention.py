@@ -35,7 +35,7 @@ ValueError (S is context + prefill chunk in the engine, e.g. 2048 + 64 = 2112 = 
 every block then lies inside the cache, and nothing is padded. A split is a power of 2 of blocks:
 blocks_per_split = next_pow2(ceil((S / block_k) / k_splits)), and the number of splits actually launched is
 ceil((S / block_k) / blocks_per_split) (the last split may be shorter; its loop simply ends at S). k_splits=None
-picks 16 splits (JAX's default).
+picks `auto_splits`: two waves of programs on the GPU's SMs, at least 16 (JAX's default).
 
 int8 caches (the engine's kv_dtype=int8): k_cache / v_cache int8 with k_scale / v_scale [S, Nkv] float32 (stacked:
 [L, S, Nkv]), value = int8 * scale per (position, kv head). The kernel loads the int8 block and its [block_k]
@@ -59,7 +59,21 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.blocks import MIN_DOT, pow2_divisor
 
-DEFAULT_SPLITS = 16
+DEFAULT_SPLITS = 16  # the least splits; on a GPU, auto_splits asks for two waves of programs
+FORCE_SPLITS: int | None = None  # benchmarks only (decode_bench --attention_splits): k_splits=None uses this
+
+
+def auto_splits(nkv: int) -> int:
+    """k_splits=None: enough (kv head, split) programs for two waves on the GPU's SMs (a T=1 window deep in the
+    context has Nkv * splits programs; 4 kv heads x 16 splits filled under half of an H200's 132 SMs), at least
+    DEFAULT_SPLITS. Splits past the last filled position do no work."""
+    if FORCE_SPLITS:
+        return FORCE_SPLITS
+    try:
+        sms = int(getattr(jax.devices()[0], "core_count", 0) or 0) if jax.default_backend() == "gpu" else 0
+    except Exception:
+        sms = 0
+    return max(DEFAULT_SPLITS, -(-2 * sms // nkv)) if sms else DEFAULT_SPLITS
 M_INIT = float(jnp.finfo(jnp.float32).min)  # running max before any key: finite, so exp(M_INIT - m) is 0, never nan
 
 
@@ -164,7 +178,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
     r = nq // nkv
     bk = _block_k(seq, block_k)
     total_blocks = seq // bk
-    blocks_per_split = _next_pow2(pl.cdiv(total_blocks, k_splits or DEFAULT_SPLITS))
+    blocks_per_split = _next_pow2(pl.cdiv(total_blocks, k_splits or auto_splits(nkv)))
     splits = pl.cdiv(total_blocks, blocks_per_split)
     mp = max(MIN_DOT, _next_pow2(t * r))
 

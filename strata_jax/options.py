@@ -75,7 +75,9 @@ class EngineOptions:
     dtype: str = opt("bfloat16", "Compute and weight dtype.", _choice(*DTYPES))
     context: int = opt(0, "Tokens the KV cache holds (prompt + generated); 0 = min(max_position_embeddings, 4096).",
                        _int_range(0, INT32_MAX))
-    prefill_chunk: int = opt(64, "Prompt tokens per prefill step.", _int_range(1, 8192))
+    prefill_chunk: int = opt(0, "Prompt tokens per prefill step; 0 = auto: on a GPU, chunks of up to 1024 (fewer "
+                             "where the context or the device memory is smaller) while a quarter of one or more "
+                             "prompt tokens remain, then chunks of 64; on a CPU, 64.", _int_range(0, 8192))
     cache_dir: str = opt("", "Folder for the persistent compilation cache and the embedded model; '' = ~/.cache/strata_jax.")
     expert_cache_slots: str = opt("auto", "Device expert cache slots per MoE layer: a number (offload on; 0 = no "
                                   "cache), 'all' (every expert on the device, offload off), or 'auto' (what fits "

@@ -191,7 +191,7 @@ def test_prompt_not_shorter_than_context_refused_before_any_work(engine, monkeyp
 
     def no_work(*args, **kwargs):
         raise AssertionError("a graph ran for a refused request")
-    monkeypatch.setattr(engine, "_prefill", no_work)
+    monkeypatch.setattr(engine, "_prefill", {c: no_work for c in engine.chunks})
     monkeypatch.setattr(engine, "_decode", {t: no_work for t in range(1, W + 1)})
     for n in (engine.context, engine.context + 9):
         ids = random_ids(engine, n, seed=11)
@@ -240,7 +240,7 @@ def test_score_uncompiled_window_refused(engine, window):
 
 @pytest.mark.parametrize("options,name", [
     (dict(windw=4), "windw"), (dict(temperature=0.5), "temperature"), (dict(window=0), "window"),
-    (dict(window=17), "window"), (dict(dtype="float16"), "dtype"), (dict(prefill_chunk=0), "prefill_chunk"),
+    (dict(window=17), "window"), (dict(dtype="float16"), "dtype"), (dict(prefill_chunk=-1), "prefill_chunk"),
     (dict(context=-1), "context"),
 ])
 def test_bad_engine_options_refused(cache_dir, options, name):
