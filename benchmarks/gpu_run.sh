@@ -76,6 +76,28 @@ step decode "${DECODE_LIMIT_S:-480}" "$PY" -m benchmarks.decode_bench --model=qw
 step offload "${OFFLOAD_LIMIT_S:-420}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b --dtype=bfloat16 \
   --json="$OUT/offload.json" --cache_dir="$JIT_CACHE" ${OFFLOAD_ARGS:-}
 
+# Long prompts: what a user waits for. TTFT (the prefill of the whole prompt) and decode tok/s deep in the context at
+# LONG_PROMPTS tokens, every expert resident and LONG_FRACS of the experts in slots (pcie_frac=1), qwen3-30b-a3b cut
+# to 24 layers, beside llama.cpp's pp<N> / tg @ d<N> when LONG_LLAMA is a llama-bench binary (the default is
+# gpu_speed.sh's build; absent: the peer columns say '-' and why; LONG_LLAMA= turns it off). The JSON is rewritten
+# after each request and the time limit's SIGTERM prints the rows measured so far. LONG_ARGS: more flags (--arms=...).
+step long_context "${LONG_LIMIT_S:-560}" "$PY" -m benchmarks.long_context_bench --model=qwen3-30b-a3b --layers=24 \
+  --prompts="${LONG_PROMPTS:-4096,32768}" --slot_fracs="${LONG_FRACS:-all,0.5,0.25}" \
+  --llama_bench="${LONG_LLAMA-/tmp/llama.cpp/build/bin/llama-bench}" --gguf_py=/tmp/llama.cpp/gguf-py \
+  --cache_dir="$JIT_CACHE" --json="$OUT/long_context.json" ${LONG_ARGS:-}
+
+# Decode deep in the context (issue 21): one T=1 window at position DEEP_POS of a DEEP_POS + 1024 cache, the
+# 30B shape cut to 24 layers; the Pallas decode attention with its auto splits, with 16 splits (the old default),
+# and XLA's einsums over the whole static cache.
+DEEP=(--model=qwen3-30b-a3b --layers=24 --windows=1 --context=$(( ${DEEP_POS:-32768} + 1024 )) --pos=${DEEP_POS:-32768}
+  --iters=30 --hf=off --expert_kernel=pallas --compilation_cache_dir="$JIT_CACHE")
+step decode_deep_pallas "${DEEP_LIMIT_S:-120}" "$PY" -m benchmarks.decode_bench "${DEEP[@]}" --attention_kernel=pallas \
+  --json="$OUT/decode_deep_pallas.json"
+step decode_deep_splits16 "${DEEP_LIMIT_S:-120}" "$PY" -m benchmarks.decode_bench "${DEEP[@]}" --attention_kernel=pallas \
+  --attention_splits=16 --json="$OUT/decode_deep_splits16.json"
+step decode_deep_xla "${DEEP_LIMIT_S:-120}" "$PY" -m benchmarks.decode_bench "${DEEP[@]}" --attention_kernel=xla \
+  --json="$OUT/decode_deep_xla.json"
+
 # The GPU-only tests: compiled Pallas kernels against their references, pinned memory, exact offload, pool faults.
 # Kernel checks first, then the engine tests (each builds engines that compile every window graph: the first 6
 # took 140 s on the H200). The 27 items need most of a call: run this step alone with GPU_TESTS_LIMIT_S=560.

@@ -64,6 +64,24 @@ def parse_ours(text: str) -> list[tuple[str, dict]]:
     return arms
 
 
+def ensure_gguf(model: str, layers: int, gguf: Path, gguf_py: str) -> Path:
+    """The peer's F16 GGUF of the preset cut to `layers`, written with benchmarks/peer/write_gguf.py when missing."""
+    if not gguf.is_file():
+        common.progress(f"peer: writing {gguf} (F16, {layers} layers)")
+        subprocess.run([sys.executable, str(Path(__file__).parent / "peer" / "write_gguf.py"), f"--out={gguf}",
+                        f"--model={model}", f"--layers={layers}", f"--gguf_py={gguf_py}"], check=True)
+    return gguf
+
+
+def llama_bench(cmd: list[str]) -> tuple[list[dict] | None, str | None]:
+    """Run llama-bench with `-o json` in cmd: (its records, None), or (None, the last line of its stderr)."""
+    common.progress("peer: " + " ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return json.loads(proc.stdout), None
+
+
 def run_peer(s, gguf: Path) -> list[dict]:
     import os
     rows = []
@@ -73,12 +91,11 @@ def run_peer(s, gguf: Path) -> list[dict]:
                "-r", str(s.reps), "-o", "json"]
         if ncmoe:
             cmd += ["-ncmoe", str(ncmoe), "-t", str(threads)]
-        common.progress("peer: " + " ".join(cmd))
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            rows.append(dict(arm=" ".join(cmd[5:]), error=(proc.stderr.strip().splitlines() or ["?"])[-1]))
+        records, error = llama_bench(cmd)
+        if error is not None:
+            rows.append(dict(arm=" ".join(cmd[5:]), error=error))
             continue
-        rec = json.loads(proc.stdout)[0]
+        rec = records[0]
         rows.append(dict(arm=f"-ngl 99 -fa 1" + (f" -ncmoe {ncmoe}" if ncmoe else ""), tok_s=rec["avg_ts"],
                          tok_s_stdev=rec.get("stddev_ts"), build=rec.get("build_commit"), gpu=rec.get("gpu_info"),
                          ncmoe=ncmoe or 0))
@@ -136,11 +153,8 @@ def run(s) -> dict:
     if s.llama_bench and not peer_ok:
         common.say(f"peer: {s.llama_bench} not found: our arms only (build it with benchmarks/peer/build_llama.sh)")
     if peer_ok:
-        gguf = Path(s.gguf or f"/tmp/{s.model}-{cfg.num_layers}.gguf")
-        if not gguf.is_file():
-            common.progress(f"peer: writing {gguf} (F16, {cfg.num_layers} layers)")
-            subprocess.run([sys.executable, str(Path(__file__).parent / "peer" / "write_gguf.py"), f"--out={gguf}",
-                            f"--model={s.model}", f"--layers={cfg.num_layers}", f"--gguf_py={s.gguf_py}"], check=True)
+        gguf = ensure_gguf(s.model, cfg.num_layers, Path(s.gguf or f"/tmp/{s.model}-{cfg.num_layers}.gguf"),
+                           s.gguf_py)
         result["peer"] = run_peer(s, gguf)
     dev = common.device_info()
     result["device"] = dev

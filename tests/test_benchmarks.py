@@ -149,3 +149,83 @@ def test_soak_mixed_requests_reproducible_and_flat(cache_dir, tmp_path):
                         f"--json={tmp_path / 'soak.json'}"])
     assert result["ok"] and not result["mismatches"] and result["rss_growth_mib"] <= 64
     assert json.loads((tmp_path / "soak.json").read_text())["ok"]
+
+
+FAKE_LLAMA_BENCH = '''#!{python}
+"""Stands in for llama-bench -o json: a record per pp<N> (-p) and per tg<n> @ d<N> (-d), as the real one writes."""
+import json, sys
+a = sys.argv[1:]
+arg = lambda flag, default: a[a.index(flag) + 1] if flag in a else default
+prompts = [int(x) for x in arg("-p", "512").split(",")]
+depths = [int(x) for x in arg("-d", "0").split(",")]
+n_gen = int(arg("-n", "128"))
+out = [dict(n_prompt=p, n_gen=0, n_depth=0, avg_ts=1000.0 + p, stddev_ts=1.0, avg_ns=1, build_commit="fake",
+            gpu_info="none") for p in prompts if p > 0]
+out += [dict(n_prompt=0, n_gen=n_gen, n_depth=d, avg_ts=50.0 - d / 100, stddev_ts=0.5, avg_ns=1, build_commit="fake",
+             gpu_info="none") for d in depths] if n_gen > 0 else []
+print(json.dumps(out))
+'''
+
+
+def test_long_context_bench_tiny(tmp_path, capsys, cache_dir):
+    """benchmarks/long_context_bench.py on the tiny preset, float32, greedy: a row per (prompt, slots), TTFT and decode
+    speed positive, the peer's columns from a stand-in llama-bench, and offload's tokens equal to all-resident's."""
+    import sys
+    from benchmarks import long_context_bench
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable))
+    fake.chmod(0o755)
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")  # present: nothing is written
+    out = tmp_path / "long.json"
+    new_tokens = 6
+    result = long_context_bench.main([
+        "long_context_bench", "--model=tiny", "--dtype=float32", "--prompts=40,100", "--slot_fracs=all,0.5",
+        f"--new_tokens={new_tokens}", "--arms=window=1", "--temperature=0", "--bw_mib=8", "--copy_mib=4",
+        "--matmul_n=128", f"--llama_bench={fake}", f"--gguf={gguf}", f"--cache_dir={cache_dir}", f"--json={out}"])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and result["complete"]
+    rows = {(r["prompt"], str(r["slot_frac"]), r["arm"]): r for r in saved["rows"]}
+    assert sorted(rows) == [(p, f, "window=1") for p in (40, 100) for f in ("0.5", "all")]
+    for (p, frac, _), r in rows.items():
+        assert r["prompt_tokens"] == p and r["cached_tokens"] == 0
+        assert r["generated_tokens"] == new_tokens and len(r["tokens"]) == new_tokens
+        for key in ("prefill_s", "prefill_tok_s", "decode_tok_s", "ttft_x_all_resident", "decode_x_all_resident"):
+            assert r[key] > 0 and math.isfinite(r[key]), (p, frac, key)
+        assert r["prefill_tok_s"] == pytest.approx(p / r["prefill_s"])
+        assert r["decode_roofline"]["tok_s"] > 0 and r["prefill_floor"]["floor_s"] > 0
+        base = rows[(p, "all", "window=1")]
+        assert r["ttft_x_all_resident"] == pytest.approx(r["prefill_s"] / base["prefill_s"])
+        # offload is exact: the same weights give the same greedy tokens wherever the experts sit
+        assert r["tokens"] == base["tokens"] and r["tokens_match_all_resident"]
+        if frac == "0.5":
+            assert r["slots"] == 8 and r["prefill_experts"]["distinct"] > 0
+            assert r["prefill_pcie_bytes"] == r["prefill_experts"]["distinct_fetched"] * 3 * 128 * 64 * 4
+        else:
+            assert r["prefill_pcie_bytes"] == 0 and r["ttft_x_all_resident"] == 1.0
+    # The peer's columns: TTFT = N / pp<N> tok/s, tg @ d<N>.
+    assert saved["peer"]["ran"] and saved["peer"]["pp"]["100"]["ttft_s"] == pytest.approx(100 / 1100)
+    assert saved["peer"]["tg"]["40"]["tok_s"] == pytest.approx(49.6)
+    # One table: a header, a separator and a line per (prompt, slots, arm).
+    table_lines = [ln for ln in printed.splitlines() if ln.startswith("|")]
+    assert len(table_lines) == 2 + 4 and saved["table"] in printed
+    assert "TTFT s" in table_lines[0] and "llama.cpp TTFT s" in table_lines[0] and "% of roofline" in table_lines[0]
+    assert "tokens identical to all-resident's (same prompt, same arm) in 2 of 2 offloaded rows" in printed
+    assert "TTFT = stats.last.prefill_s" in printed and "roofline, prefill" in printed
+
+
+def test_long_context_bench_flags_and_missing_peer(capsys):
+    from benchmarks import long_context_bench as lcb
+    assert lcb.parse_slot_fracs("all,0.5,0.25,all") == ["all", 0.5, 0.25]
+    assert lcb.parse_arms("default;spec=0,window=1") == [("default", {}, {}), ("spec=0,window=1", {"window": 1},
+                                                                               {"spec": 0})]
+    for bad in ("--slot_fracs=0", "--slot_fracs=x", "--arms=pcie_frac=0.5", "--arms=windw=2", "--arms=window=x",
+                "--prompts=0"):
+        with pytest.raises(SystemExit) as e:
+            lcb.main(["long_context_bench", "--model=tiny", bad])
+        assert e.value.code == 1, bad
+        assert "error:" in capsys.readouterr().err
+    s = type("S", (), dict(llama_bench="/nonexistent/llama-bench", model="tiny"))()
+    peer = lcb.run_peer(s, None, [40])
+    assert not peer["ran"] and "not found" in peer["reason"]
