@@ -279,7 +279,7 @@ class Engine:
             log(f"compiling: window T=1..{self.options.window}, prefill {self._chunks_text()}, samplers ...")
         pos = jnp.int32(0)
         decode = self._jit_decode_window()
-        prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path)
+        prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel)
         sampler, verifier = graphs.jit_sample(), graphs.jit_verify()
         sampling = SamplingParams.make()
         v = self.cfg.vocab_size
@@ -301,7 +301,13 @@ class Engine:
         if self.verbose:
             log(f"graphs: window T=1..{self.options.window} and prefill {self._chunks_text()} compiled in "
                 f"{self.stats.compile_s:.1f} s (persistent cache: {jax.config.jax_compilation_cache_dir}); "
-                f"context {self.context} tokens")
+                f"context {self.context} tokens ({resolve_context(self.cfg, self.options)[1]})")
+
+    @property
+    def _prefill_kernel(self) -> bool:
+        """The prefill chunks' attention: the Pallas kernel (row blocks, each reading the cache only up to its
+        own position) wherever the decode windows use it."""
+        return self.attention_kernel == "pallas"
 
     def _chunks_text(self) -> str:
         auto = " (auto)" if not self.options.prefill_chunk else ""
@@ -443,7 +449,8 @@ class Engine:
     def _prefill_logits_graph(self, size: int):
         if size not in self._prefill_logits:
             with self._full_f32():
-                self._prefill_logits[size] = graphs.jit_prefill_logits(self.cfg, self.expert_path).lower(
+                self._prefill_logits[size] = graphs.jit_prefill_logits(
+                    self.cfg, self.expert_path, attention_kernel=self._prefill_kernel).lower(
                     self.weights, self.cache, jnp.zeros((size,), jnp.int32), jnp.int32(0), jnp.int32(1)).compile()
         return self._prefill_logits[size]
 
@@ -654,7 +661,8 @@ class Engine:
         a window returning its hidden states for the host loop's drafter) compile on the first such request."""
         if self._mtp_compiled is None:
             t0 = time.perf_counter()
-            prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, return_hidden=True)
+            prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, return_hidden=True,
+                                               attention_kernel=self._prefill_kernel)
             fused = graphs.jit_mtp_window(self.cfg, self.options.window - 1, self.decode_expert_path,
                                           attention_kernel=self.attention_kernel == "pallas",
                                           dense_kernel=self.dense_kernel == "pallas",
@@ -979,7 +987,7 @@ def plan_placement(cfg: ModelConfig, opts: EngineOptions):
     itemsize = jnp.dtype(opts.dtype).itemsize
     kv_bytes = model.cache_bytes(cfg, context + chunk, itemsize, opts.window + 1, opts.kv_dtype)
     # the largest prefill chunk's transient activations are reserved beside the KV cache
-    kv_bytes += prefill_activation_bytes(cfg, chunk, context + chunk)
+    kv_bytes += prefill_activation_bytes(cfg, chunk, context + chunk, resolve_kernels(opts, cfg)[1] == "pallas")
     slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
     return slots, why, (placement_mod.HostExperts(cfg, jnp.dtype(opts.dtype)) if slots is not None else None)
 
@@ -1017,7 +1025,7 @@ def context_and_chunks(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, tupl
     """The context and the prefill chunk sizes, largest first (one graph each). prefill_chunk=N: (N,). auto: on a
     GPU (LARGE, SMALL), LARGE halved until the chunk's transient activations fit an eighth of the device's memory
     (a chunk of 1024 runs the 30B shape's prefill 3.7x faster than one of 64 on the H200); elsewhere (SMALL,)."""
-    context = opts.context or min(cfg.max_position_embeddings, 4096)
+    context, _ = resolve_context(cfg, opts)
     if opts.prefill_chunk:
         return context, (min(opts.prefill_chunk, context),)
     small = min(SMALL_CHUNK, context)
@@ -1025,15 +1033,44 @@ def context_and_chunks(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, tupl
         return context, (small,)
     large = min(LARGE_CHUNK, 1 << (context.bit_length() - 1))  # a power of 2 <= context
     budget = _device_memory_bytes() // 8
-    while large > small and prefill_activation_bytes(cfg, large, context + large) > budget:
+    kernel = resolve_kernels(opts, cfg)[1] == "pallas"
+    while large > small and prefill_activation_bytes(cfg, large, context + large, kernel) > budget:
         large //= 2
     return context, ((large, small) if large > small else (small,))
 
 
-def prefill_activation_bytes(cfg: ModelConfig, chunk: int, cache_len: int) -> int:
+AUTO_CONTEXT_XLA = 4096  # context=0 where the attention reads the whole static cache every step (XLA's einsums)
+
+
+def resolve_context(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, str]:
+    """The KV cache's context in tokens, and why. context=0 (auto): where the attention is the Pallas kernel (a GPU
+    in bf16: prefill and decode read the cache only up to their position, so a long cache costs memory, not
+    time), the model's max_position_embeddings, halved while its KV cache would take more than an eighth of the
+    device's memory; elsewhere min(max_position_embeddings, 4096)."""
+    if opts.context:
+        return opts.context, "--context"
+    if jax.default_backend() != "gpu" or resolve_kernels(opts, cfg)[1] != "pallas":
+        context = min(cfg.max_position_embeddings, AUTO_CONTEXT_XLA)
+        return context, (f"auto: max_position_embeddings {cfg.max_position_embeddings}, at most {AUTO_CONTEXT_XLA} "
+                         f"where the attention reads the whole cache (XLA)")
+    itemsize = jnp.dtype(opts.dtype).itemsize
+    budget = _device_memory_bytes() // 8
+    context = cfg.max_position_embeddings
+    while context > AUTO_CONTEXT_XLA and model.cache_bytes(cfg, context + LARGE_CHUNK, itemsize, opts.window + 1,
+                                                           opts.kv_dtype) > budget:
+        context //= 2
+    kv = model.cache_bytes(cfg, context + LARGE_CHUNK, itemsize, opts.window + 1, opts.kv_dtype)
+    halved = "" if context == cfg.max_position_embeddings else ", halved to fit"
+    return context, (f"auto: max_position_embeddings {cfg.max_position_embeddings}{halved}; KV cache "
+                     f"{kv / 2**30:.1f} GiB, at most an eighth of the device's {_device_memory_bytes() / 2**30:.0f} GiB")
+
+
+def prefill_activation_bytes(cfg: ModelConfig, chunk: int, cache_len: int, kernel_attention: bool = False) -> int:
     """The largest transient arrays of a prefill chunk, float32: the XLA attention's scores and probabilities over
-    the static cache [C, Nq, S], and the MoE's per-expert rows [N, C, 2I + H] (N distinct experts)."""
-    attention = 2 * chunk * cfg.num_heads * cache_len * 4
+    the static cache [C, Nq, S] (the Pallas kernel keeps them in registers: its output [C, Nq, D] only), and the
+    MoE's per-expert rows [N, C, 2I + H] (N distinct experts)."""
+    attention = (chunk * cfg.num_heads * cfg.head_dim * 4 if kernel_attention
+                 else 2 * chunk * cfg.num_heads * cache_len * 4)
     n = min(cfg.num_experts, chunk * cfg.num_experts_per_tok) if any(cfg.sparse_layers) else 0
     experts = n * chunk * (2 * cfg.moe_intermediate_size + cfg.hidden_size) * 4
     return attention + experts

@@ -59,20 +59,23 @@ def mtp_window(weights: Weights, cache: KVCache, mtp_weights: mtp.MTPWeights, mt
 
 
 def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
-                  *, cfg: ModelConfig, experts: ExpertPath | None = None, return_hidden: bool = False):
+                  *, cfg: ModelConfig, experts: ExpertPath | None = None, return_hidden: bool = False,
+                  attention_kernel: bool = False):
     """tokens [C] (first n_valid real) -> (argmax after the last real one, its logits [1, V], cache[, hidden
-    [C, H] with return_hidden]).
+    [C, H] with return_hidden]). attention_kernel: the Pallas attention kernel (row blocks of 64 query rows, each
+    reading the cache in place up to its own last position) instead of XLA's einsums over the whole static cache.
 
     Only the last real row's logits leave the graph: a chunk's [C, V] would be a large copy for nothing."""
-    logits, cache, *hidden = forward(weights, cache, tokens, pos, n_valid, cfg, experts, return_hidden=return_hidden)
+    logits, cache, *hidden = forward(weights, cache, tokens, pos, n_valid, cfg, experts, attention_kernel,
+                                     return_hidden=return_hidden)
     last = jax.lax.dynamic_slice_in_dim(logits, n_valid - 1, 1, axis=0)  # [1, V]
     return (greedy(last[0]), last, cache, *hidden)
 
 
 def prefill_logits(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,
-                   *, cfg: ModelConfig, experts: ExpertPath | None = None):
+                   *, cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False):
     """As prefill_chunk, returning every row's logits [C, V] (teacher-forced prompt scoring)."""
-    logits, cache = forward(weights, cache, tokens, pos, n_valid, cfg, experts)
+    logits, cache = forward(weights, cache, tokens, pos, n_valid, cfg, experts, attention_kernel)
     return logits, cache
 
 
@@ -127,15 +130,17 @@ def jit_mtp_window(cfg: ModelConfig, k: int, experts: ExpertPath | None = None, 
                    compiler_options=MODEL_COMPILER_OPTIONS)
 
 
-def jit_prefill_chunk(cfg: ModelConfig, experts: ExpertPath | None = None, return_hidden: bool = False):
-    return jax.jit(functools.partial(prefill_chunk, cfg=cfg, experts=experts, return_hidden=return_hidden),
+def jit_prefill_chunk(cfg: ModelConfig, experts: ExpertPath | None = None, return_hidden: bool = False,
+                      attention_kernel: bool = False):
+    return jax.jit(functools.partial(prefill_chunk, cfg=cfg, experts=experts, return_hidden=return_hidden,
+                                     attention_kernel=attention_kernel),
                    donate_argnums=(1,),
                    compiler_options=MODEL_COMPILER_OPTIONS)
 
 
-def jit_prefill_logits(cfg: ModelConfig, experts: ExpertPath | None = None):
-    return jax.jit(functools.partial(prefill_logits, cfg=cfg, experts=experts), donate_argnums=(1,),
-                   compiler_options=MODEL_COMPILER_OPTIONS)
+def jit_prefill_logits(cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False):
+    return jax.jit(functools.partial(prefill_logits, cfg=cfg, experts=experts, attention_kernel=attention_kernel),
+                   donate_argnums=(1,), compiler_options=MODEL_COMPILER_OPTIONS)
 
 
 def jit_device_verify_window(cfg: ModelConfig, t: int, sampled: bool, experts: ExpertPath | None = None,

@@ -239,8 +239,10 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
               dense_kernel: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of T window tokens at positions pos..pos+T-1 over the cache. x: [T, H]. kernel: the Pallas
     decode-attention kernel (pallas_kernels/decode_attention.py: reads the cache in place, only up to pos+T-1)
-    instead of XLA's einsums over the whole static cache. layer: the caches are the stacked [L, S, Nkv, D] arrays
-    and this is the layer's index (a traced int32 in the scanned body); they are updated and returned whole.
+    instead of XLA's einsums over the whole static cache; for decode windows and prefill chunks alike (a chunk's
+    T * r query rows per kv head run as row blocks of 64, each reading up to its own last token's position).
+    layer: the caches are the stacked [L, S, Nkv, D] arrays and this is the layer's index (a traced int32 in the
+    scanned body); they are updated and returned whole.
     w_stack: the stacked weights of every layer; the q/k/v and o products then read layer `layer` of them in place
     (pallas_kernels/stacked_linear.py) instead of products with w's slices (w still gives the norms and biases).
     dense_kernel without w_stack (the unrolled graph): the same kernel over w as a stack of one layer, so both graphs

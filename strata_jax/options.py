@@ -73,7 +73,9 @@ class EngineOptions:
     """Options fixed when an engine is built (graphs are compiled for them)."""
     window: int = opt(4, "Largest verify window W: graphs for T = 1..W tokens are compiled at start-up.", _int_range(1, 16))
     dtype: str = opt("bfloat16", "Compute and weight dtype.", _choice(*DTYPES))
-    context: int = opt(0, "Tokens the KV cache holds (prompt + generated); 0 = min(max_position_embeddings, 4096).",
+    context: int = opt(0, "Tokens the KV cache holds (prompt + generated); 0 = auto: with the Pallas attention (a GPU in "
+                       "bf16) the model's max_position_embeddings, halved while the KV cache would take more than an "
+                       "eighth of the device memory; else min(max_position_embeddings, 4096).",
                        _int_range(0, INT32_MAX))
     prefill_chunk: int = opt(0, "Prompt tokens per prefill step; 0 = auto: on a GPU, chunks of up to 1024 (fewer "
                              "where the context or the device memory is smaller) while a quarter of one or more "

@@ -1,6 +1,7 @@
 """pallas_kernels.decode_attention: the kernel in interpret mode against its reference (with garbage past the window
 proving those rows are never read), the reference against model.attention, and the CUDA lowering at the Qwen3-30B-A3B
-and tiny shapes.
+and tiny shapes; for decode windows (one tile per kv head) and prefill chunks (row blocks, each reading the cache
+only up to its own last token's position).
 
 Bounds (Frobenius, ||kernel - ref|| / ||ref||):
 - float32: 1e-5. The kernel divides by the row sum at the end and sums the splits in another order than the
@@ -250,3 +251,165 @@ def test_int8_stacked_cache_lowers_for_cuda():
                           spec((48, s, nkv), jnp.float32), spec((48, s, nkv), jnp.float32))
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2, %arg5, %arg6\)", text)
+
+
+# Prefill chunks: T * r query rows per kv head cut into row blocks (block_m=None: 64 rows once next_pow2(T * r) >
+# 128), each row block reading the cache only up to its own last token's position.
+PREFILL_CASES = {  # (T, Nq, Nkv, D, S, pos)
+    "t64_pos0": (64, 8, 2, 16, 256, 0),  # the first chunk: 4 row blocks, block b sees keys 0 .. 16b + 15
+    "t64_pos100": (64, 8, 2, 32, 256, 100),  # mid-context, the chunk straddles block boundaries
+    "t100_pos300": (100, 8, 2, 32, 512, 300),  # 400 rows: 7 row blocks, the last one 16 rows + padding
+    "t100_to_the_end": (100, 8, 2, 16, 512, 412),  # the chunk's last row is the cache's last row
+}
+
+
+@pytest.mark.parametrize("name, dtype", [(name, "f32") for name in PREFILL_CASES]
+                         + [("t64_pos100", "bf16"), ("t100_pos300", "bf16")])
+def test_prefill_kernel_matches_reference(name, dtype):
+    dtype = DTYPES[dtype]
+    t, nq, nkv, d, s, pos = PREFILL_CASES[name]
+    q, k, v, p = make_case(len(name) + 200, *PREFILL_CASES[name], dtype)
+    out = decode_attention(q, k, v, p, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel(out, decode_attention_reference(q, k, v, p)) < RTOL[dtype]
+    if pos + t < s:  # garbage past the chunk's last position: never read
+        kg, vg = with_garbage(k, pos + t, seed=1), with_garbage(v, pos + t, seed=2)
+        np.testing.assert_array_equal(np.asarray(decode_attention(q, kg, vg, p, interpret=True)), np.asarray(out))
+
+
+@pytest.mark.parametrize("tuning", [dict(), dict(k_splits=1), dict(k_splits=5, block_k=16)])
+def test_prefill_row_block_reads_only_its_own_keys(tuning):
+    """Causal trip counts: row block 0 (tokens 0..15 at r = 4, block_m = 64) reads keys up to pos + 15 only. With
+    garbage in every row from pos + 16 on, its rows come out as with the clean cache, bit for bit (a block reading
+    past its own last key would pull NaN in through p @ v even where the mask zeroes p)."""
+    t, nq, nkv, d, s, pos = 64, 8, 2, 16, 256, 120
+    q, k, v, p = make_case(13, t, nq, nkv, d, s, pos, jnp.float32)
+    out = np.asarray(decode_attention(q, k, v, p, interpret=True, block_m=64, **tuning))
+    kg, vg = with_garbage(k, pos + 16, seed=3), with_garbage(v, pos + 16, seed=4)
+    garbage = np.asarray(decode_attention(q, kg, vg, p, interpret=True, block_m=64, **tuning))
+    np.testing.assert_array_equal(garbage[:16], out[:16])
+    assert rel(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
+
+
+@pytest.mark.parametrize("tuning", [dict(block_m=16, k_splits=1), dict(block_m=128, k_splits=3, block_k=32),
+                                    dict(block_m=256, k_splits=16)])
+def test_prefill_blocks_and_splits(tuning):
+    """Row blocks of 16 (25 blocks of one token and a quarter), 128 (ragged last block) and one tile of 512 rows
+    (block_m >= next_pow2(T * r)); one split, ragged splits, splits past every row block's last key: the same result
+    within f32 rounding, garbage unread."""
+    t, nq, nkv, d, s, pos = 100, 8, 2, 16, 512, 200
+    q, k, v, p = make_case(17, t, nq, nkv, d, s, pos, jnp.float32)
+    kg, vg = with_garbage(k, pos + t, seed=5), with_garbage(v, pos + t, seed=6)
+    out = decode_attention(q, kg, vg, p, interpret=True, **tuning)
+    assert rel(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.keys())
+def test_prefill_int8_cache_kernel_matches_reference(dtype):
+    """kv_dtype=int8 with row blocks: int8 rows and scales read in place; rows past the chunk (random int8, NaN / inf
+    scales) never read."""
+    dtype = DTYPES[dtype]
+    t, nq, nkv, d, s, pos = PREFILL_CASES["t100_pos300"]
+    q, k, v, p = make_int8_case(23, t, nq, nkv, d, s, pos, dtype)
+    out = decode_attention(q, k.q, v.q, p, k_scale=k.scale, v_scale=v.scale, interpret=True)
+    assert rel(out, decode_attention_reference(q, k.q, v.q, p, k.scale, v.scale)) < RTOL[dtype]
+    rng = np.random.default_rng(7)
+    bad_q = lambda c: c.q.at[pos + t:].set(jnp.asarray(rng.integers(-128, 128, c.q[pos + t:].shape), jnp.int8))
+    bad_s = lambda c: with_garbage(c.scale[..., None], pos + t, seed=8)[..., 0]
+    garbage = decode_attention(q, bad_q(k), bad_q(v), p, k_scale=bad_s(k), v_scale=bad_s(v), interpret=True)
+    np.testing.assert_array_equal(np.asarray(garbage), np.asarray(out))
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_prefill_stacked_cache_reads_its_layer_only(kv):
+    """The scanned model's form with row blocks: [L, S, Nkv, D] caches (and [L, S, Nkv] scales), a traced layer; the
+    other layers are garbage (float caches) or negated rows with NaN / inf scales (int8)."""
+    t, nq, nkv, d, s, pos, layer = 64, 8, 2, 16, 256, 150, 1
+    if kv == "int8":
+        q, k, v, p = make_int8_case(29, t, nq, nkv, d, s, pos, jnp.float32)
+        stack = lambda c, seed: (jnp.stack([-c.q] * 3).at[layer].set(c.q),
+                                 with_garbage(jnp.stack([c.scale] * 3)[..., None], 0, seed)[..., 0].at[layer].set(
+                                     c.scale))
+        (kq, ks), (vq, vs) = stack(k, 1), stack(v, 2)
+        args, ref = (kq, vq, p, jnp.int32(layer), ks, vs), decode_attention_reference(q, k.q, v.q, p, k.scale, v.scale)
+    else:
+        q, k, v, p = make_case(29, t, nq, nkv, d, s, pos, jnp.float32)
+        kc = with_garbage(jnp.stack([k] * 3), 0, seed=1).at[layer].set(k)
+        vc = with_garbage(jnp.stack([v] * 3), 0, seed=2).at[layer].set(v)
+        args, ref = (kc, vc, p, jnp.int32(layer)), decode_attention_reference(q, k, v, p)
+    out = jax.jit(lambda q, *a: decode_attention(q, *a, interpret=True))(q, *args)
+    assert np.isfinite(np.asarray(out)).all()
+    assert rel(out, ref) < RTOL[jnp.float32]
+
+
+def test_row_tiling_and_splits():
+    """block_m=None keeps every decode window (next_pow2(T * r) <= 128) on one tile: the single-tile grid
+    (Nkv, splits) and its numbers; prefill chunks get 64-row blocks. auto_splits off the GPU: 16 splits for one
+    tile, 16 / row_blocks (at least 1) for several."""
+    from pallas_kernels.decode_attention import _row_tiling, auto_splits
+    assert _row_tiling(1 * 8, None) == (16, 1) and _row_tiling(4 * 8, None) == (32, 1)
+    assert _row_tiling(16 * 8, None) == (128, 1) and _row_tiling(3 * 4, None) == (16, 1)
+    assert _row_tiling(64 * 8, None) == (64, 8) and _row_tiling(100 * 4, None) == (64, 7)
+    assert _row_tiling(1024 * 8, None) == (64, 128)
+    assert _row_tiling(64 * 4, 128) == (128, 2) and _row_tiling(8, 64) == (16, 1) and _row_tiling(400, 1024) == (512, 1)
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match=f"block_m={bad} must be a power of 2"):
+            _row_tiling(64, bad)
+    if jax.default_backend() != "gpu":
+        assert auto_splits(2) == 16 and auto_splits(2, 1) == 16
+        assert auto_splits(2, 4) == 4 and auto_splits(2, 7) == 3 and auto_splits(4, 128) == 1
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+@pytest.mark.parametrize("t, grid_x", [(1, 4), (16, 4), (64, 32), (1024, 512)])
+def test_prefill_lowers_for_cuda(t, grid_x, kv):
+    """The Qwen3-30B-A3B shape (r = 8, D = 128, S = 2112) for a decode window (one tile per kv head: grid_x = Nkv = 4)
+    and prefill chunks of 64 and 1024 tokens (64-row blocks: grid_x = Nkv * T * r / 64), caches in place."""
+    spec = jax.ShapeDtypeStruct
+    nq, nkv, d, s = 32, 4, 128, 2112
+    if kv == "int8":
+        text = lower_for_cuda(lambda q, kc, vc, p, ks, vs: decode_attention(q, kc, vc, p, k_scale=ks, v_scale=vs),
+                              spec((t, nq, d), jnp.bfloat16), spec((s, nkv, d), jnp.int8), spec((s, nkv, d), jnp.int8),
+                              spec((), jnp.int32), spec((s, nkv), jnp.float32), spec((s, nkv), jnp.float32))
+        assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2, %arg4, %arg5\)", text)
+    else:
+        text = lower_for_cuda(decode_attention, spec((t, nq, d), jnp.bfloat16), spec((s, nkv, d), jnp.bfloat16),
+                              spec((s, nkv, d), jnp.bfloat16), spec((), jnp.int32))
+        assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2\)", text)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert re.search(rf"grid_x = {grid_x} : i32", text)
+    assert f"x{s}x" not in text
+
+
+def test_prefill_stacked_cache_lowers_for_cuda():
+    spec = jax.ShapeDtypeStruct
+    s, nkv, d = 2112, 4, 128
+    text = lower_for_cuda(lambda q, kc, vc, p, i: decode_attention(q, kc, vc, p, layer=i),
+                          spec((64, 32, d), jnp.bfloat16), spec((48, s, nkv, d), jnp.bfloat16),
+                          spec((48, s, nkv, d), jnp.bfloat16), spec((), jnp.int32), spec((), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 1 and re.search(r"grid_x = 32 : i32", text)
+    assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2\)", text)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_prefill_chunk_with_the_kernel_matches_the_xla_path(stacked):
+    """graphs.prefill_logits(attention_kernel=True) on the tiny model (r = 2: a 128-token chunk has 256 rows per kv
+    head, 4 row blocks), unrolled and scanned, float32: a full chunk at 0, then a chunk of 70 real tokens whose padding
+    reaches the cache's last row. The real rows' logits and the written caches match the XLA path's (1e-5)."""
+    import functools
+    from strata_jax import graphs, model
+    from strata_jax.config import preset
+    cfg = preset("tiny")
+    weights = model.random_weights(cfg, 5, jnp.float32, scale=0.1, stacked=stacked)
+    tokens = jnp.asarray(np.random.default_rng(43).integers(0, cfg.vocab_size, size=256), jnp.int32)
+    runs = {}
+    for kernel in (False, True):
+        step = jax.jit(functools.partial(graphs.prefill_logits, cfg=cfg, attention_kernel=kernel))
+        cache = model.init_cache(cfg, 256, jnp.float32, stacked=stacked)
+        first, cache = step(weights, cache, tokens[:128], jnp.int32(0), jnp.int32(128))
+        second, cache = step(weights, cache, tokens[128:], jnp.int32(128), jnp.int32(70))
+        runs[kernel] = (np.asarray(first), np.asarray(second[:70]), cache)
+    (a1, a2, ca), (b1, b2, cb) = runs[True], runs[False]
+    assert rel(a1, b1) < 1e-5 and rel(a2, b2) < 1e-5
+    for x, y in zip(jax.tree.leaves((ca.k, ca.v)), jax.tree.leaves((cb.k, cb.v))):
+        assert rel(np.asarray(x)[..., :198, :, :], np.asarray(y)[..., :198, :, :]) < 1e-5

@@ -44,7 +44,7 @@ def test_gpu_auto_plan_is_large_then_small(monkeypatch):
     assert engine_mod.context_and_chunks(cfg, opts())[1] == (1024, 64)
     assert engine_mod.context_and_chunks(cfg, build(EngineOptions, dict(context=300)))[1] == (256, 64)
     # a device whose eighth cannot hold a 1024-row chunk's activations gets a smaller large chunk
-    need = engine_mod.prefill_activation_bytes(cfg, 1024, 4096 + 1024)
+    need = engine_mod.prefill_activation_bytes(cfg, 1024, 4096 + 1024, kernel_attention=True)  # bf16 on a GPU
     monkeypatch.setattr(engine_mod, "_device_memory_bytes", lambda: 8 * need - 1)
     assert engine_mod.context_and_chunks(cfg, opts())[1] == (512, 64)
 
@@ -77,3 +77,23 @@ def test_prefill_logits_do_not_depend_on_chunk_sizes(monkeypatch, cache_dir, pro
     assert got.shape == want.shape == (len(prompt), base.cfg.vocab_size)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert mixed.generate(prompt, 8, stop_token_ids=[]) == base.generate(prompt, 8, stop_token_ids=[])
+
+
+def test_auto_context_follows_the_model_where_attention_reads_up_to_position(monkeypatch):
+    """context=0: max_position_embeddings with the Pallas attention (GPU, bf16), halved while the KV cache would
+    pass an eighth of the device memory; min(max_position_embeddings, 4096) with XLA's whole-cache attention."""
+    raw = json.loads((CONFIGS_DIR / "tiny.json").read_text())
+    cfg = config_from_dict({**raw, "max_position_embeddings": 32768})
+    opts = lambda **o: build(EngineOptions, {"dtype": "bfloat16", **o})  # noqa: E731
+    assert engine_mod.resolve_context(cfg, opts())[0] == 4096  # this CPU: XLA attention
+    assert engine_mod.resolve_context(cfg, opts(context=777)) == (777, "--context")
+    monkeypatch.setattr(engine_mod.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(engine_mod, "_device_memory_bytes", lambda: 80 * 2**30)
+    ctx, why = engine_mod.resolve_context(cfg, opts())
+    assert ctx == 32768 and "max_position_embeddings 32768" in why
+    assert engine_mod.resolve_context(cfg, opts(dtype="float32"))[0] == 4096  # float32: the XLA attention
+    kv = lambda c: engine_mod.model.cache_bytes(cfg, c + engine_mod.LARGE_CHUNK, 2, 5)  # noqa: E731
+    monkeypatch.setattr(engine_mod, "_device_memory_bytes", lambda: 8 * kv(8192))  # fits 8192, not 16384
+    ctx, why = engine_mod.resolve_context(cfg, opts())
+    assert ctx == 8192 and "halved" in why
+    assert engine_mod.context_and_chunks(cfg, opts())[0] == 8192
