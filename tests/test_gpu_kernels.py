@@ -20,6 +20,7 @@ from pallas_kernels.decode_attention import decode_attention, decode_attention_r
 from pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
 from pallas_kernels.route_prior import route_prior, route_prior_reference
 from test_decode_attention import CASES as ATTN_CASES
+from test_decode_attention import PREFILL_CASES as ATTN_PREFILL_CASES
 from test_decode_attention import DTYPES as ATTN_DTYPES
 from test_decode_attention import RTOL as ATTN_RTOL
 from test_decode_attention import make_case, with_garbage
@@ -162,6 +163,23 @@ def test_decode_attention_matches_reference(name, dtype):
             kg, vg = with_garbage(k, pos + t, seed=draw + 1), with_garbage(v, pos + t, seed=draw + 2)
             np.testing.assert_array_equal(np.asarray(decode_attention(q, kg, vg, p, interpret=False)),
                                           np.asarray(out))
+
+
+# Prefill chunks (row blocks, each reading up to its own last key), compiled, plus the Qwen3 shape at T=1024.
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", [*ATTN_PREFILL_CASES, "qwen3_t1024"])
+def test_prefill_attention_matches_reference(name, dtype):
+    dtype = ATTN_DTYPES[dtype]
+    shape = (1024, 32, 4, 128, 4096 + 1024, 2000) if name == "qwen3_t1024" else ATTN_PREFILL_CASES[name]
+    t, nq, nkv, d, s, pos = shape
+    q, k, v, p = make_case(7 + len(name), *shape, dtype)
+    out = decode_attention(q, k, v, p, interpret=False)
+    with jax.default_matmul_precision("highest"):
+        ref = decode_attention_reference(q, k, v, p)
+    assert rel(out, ref) < ATTN_RTOL[dtype]
+    if pos + t < s:
+        kg, vg = with_garbage(k, pos + t, seed=1), with_garbage(v, pos + t, seed=2)
+        np.testing.assert_array_equal(np.asarray(decode_attention(q, kg, vg, p, interpret=False)), np.asarray(out))
 
 
 # ---------------------------------------------------------------------------------------------------- stacked_linear
