@@ -280,20 +280,25 @@ class Engine:
         pos = jnp.int32(0)
         decode = self._jit_decode_window()
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel)
-        sampler, verifier = graphs.jit_sample(), graphs.jit_verify()
         sampling = SamplingParams.make()
         v = self.cfg.vocab_size
-        self._decode, self._sample, self._verify = {}, {}, {}
+        self._decode = {}
+        # Samplers and verifiers per window size, in two forms: filtered (top-k / top-p: a sort of the vocabulary)
+        # and plain (both off: the same tokens without the sort). Each request picks its form (_pick_samplers).
+        self._samplers, self._verifiers = {True: {}, False: {}}, {True: {}, False: {}}
         with self._full_f32():
             for t in range(1, self.options.window + 1):
                 self._decode[t] = decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile()
-                self._sample[t] = sampler.lower(jnp.zeros((t, v), jnp.float32), jnp.zeros((t,), jnp.int32),
-                                                sampling).compile()
-                if t > 1:
-                    self._verify[t] = verifier.lower(jnp.zeros((t, v), jnp.float32), jnp.zeros((t - 1,), jnp.int32),
-                                                     jnp.zeros((t,), jnp.int32), sampling).compile()
+                for filtered in (True, False):
+                    self._samplers[filtered][t] = graphs.jit_sample(filtered).lower(
+                        jnp.zeros((t, v), jnp.float32), jnp.zeros((t,), jnp.int32), sampling).compile()
+                    if t > 1:
+                        self._verifiers[filtered][t] = graphs.jit_verify(filtered).lower(
+                            jnp.zeros((t, v), jnp.float32), jnp.zeros((t - 1,), jnp.int32),
+                            jnp.zeros((t,), jnp.int32), sampling).compile()
             self._prefill = {c: prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32), pos,
                                               jnp.int32(1)).compile() for c in self.chunks}
+        self._pick_samplers(filtered=True)
         self._prefill_logits = {}  # chunk size -> graph, compiled on first use (teacher-forced prompt scoring)
         self._device_verify = {}  # (T, sampled) -> graph; compiled on first use (generate(draft="device") only)
         self._fill = jax.jit(offload.fill_slots, donate_argnums=(0,))
@@ -302,6 +307,11 @@ class Engine:
             log(f"graphs: window T=1..{self.options.window} and prefill {self._chunks_text()} compiled in "
                 f"{self.stats.compile_s:.1f} s (persistent cache: {jax.config.jax_compilation_cache_dir}); "
                 f"context {self.context} tokens ({resolve_context(self.cfg, self.options)[1]})")
+
+    def _pick_samplers(self, filtered: bool) -> None:
+        """This request's samplers and verifiers (requests run one at a time): the plain form where top-k and
+        top-p are off."""
+        self._sample, self._verify = self._samplers[filtered], self._verifiers[filtered]
 
     @property
     def _prefill_kernel(self) -> bool:
@@ -511,6 +521,7 @@ class Engine:
         stops = set(eos if stop_token_ids is None else stop_token_ids)
         budget = min(req.max_new_tokens, self.context - ids.size)
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
+        self._pick_samplers(filtered=req.top_k > 0 or req.top_p < 1.0)
         reuse = self._reusable(ids) if budget > 0 else 0
         stats = RequestStats(prompt_tokens=int(ids.size), cached_tokens=reuse)
         out: list[int] = []

@@ -98,15 +98,17 @@ def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, leng
     return hist, length + n_new, new, n_new, m, cache
 
 
-def sample_window(logits: jax.Array, positions: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """logits [T, V] float32, positions [T] (of the tokens being chosen) -> tokens [T]."""
-    return sample(logits, positions, sampling)
+def sample_window(logits: jax.Array, positions: jax.Array, sampling: SamplingParams, filtered: bool = True):
+    """logits [T, V] float32, positions [T] (of the tokens being chosen) -> tokens [T]. filtered=False: the graph
+    for top-k and top-p off (no sort of the vocabulary; the same tokens)."""
+    return sample(logits, positions, sampling, filtered)
 
 
-def verify_window(logits: jax.Array, drafts: jax.Array, positions: jax.Array, sampling: SamplingParams):
+def verify_window(logits: jax.Array, drafts: jax.Array, positions: jax.Array, sampling: SamplingParams,
+                  filtered: bool = True):
     """Speculative sampling of a verify window: logits [T, V], drafts [T-1], positions [T] -> (accept [T-1],
     tokens [T]); see sampling.verify."""
-    return verify(logits, drafts, positions, sampling)
+    return verify(logits, drafts, positions, sampling, filtered)
 
 
 # XLA may keep a bf16 intermediate in float32 inside a fusion ("excess precision", on by default). Which values it
@@ -151,9 +153,9 @@ def jit_device_verify_window(cfg: ModelConfig, t: int, sampled: bool, experts: E
                    donate_argnums=(1, 2), compiler_options=MODEL_COMPILER_OPTIONS)
 
 
-def jit_sample():
-    return jax.jit(sample_window)
+def jit_sample(filtered: bool = True):
+    return jax.jit(functools.partial(sample_window, filtered=filtered))
 
 
-def jit_verify():
-    return jax.jit(verify_window)
+def jit_verify(filtered: bool = True):
+    return jax.jit(functools.partial(verify_window, filtered=filtered))

@@ -24,10 +24,14 @@ class SamplingParams:
                               top_k=jnp.int32(top_k), seed=jnp.uint32(seed))
 
 
-def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature, then top-k, then top-p (the smallest set of top tokens whose mass reaches top_p). [V] -> [V]."""
+def filtered_logits(logits: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
+    """Temperature, then top-k, then top-p (the smallest set of top tokens whose mass reaches top_p). [V] -> [V].
+    filtered=False: the graph for requests with top-k and top-p off (top_k 0, top_p 1), where the filter keeps
+    every token: the same values without sorting the vocabulary (a sort of V ~ 152K per token on the GPU)."""
     v = logits.shape[-1]
     scaled = logits / jnp.maximum(params.temperature, 1e-6)
+    if not filtered:
+        return scaled
     order = jnp.argsort(-scaled)  # [V], descending
     sorted_logits = scaled[order]
     rank = jnp.arange(v)
@@ -51,25 +55,26 @@ def mark_non_finite(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NON_FINITE).astype(jnp.int32)
 
 
-def sample_row(logits: jax.Array, position: jax.Array, params: SamplingParams) -> jax.Array:
+def sample_row(logits: jax.Array, position: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
     """One token from float32 logits [V]; `position` is the absolute position of the token being chosen.
     Temperature 0 is the argmax (the engine does not call the sampler then; this keeps the function total)."""
     key = jax.random.fold_in(jax.random.PRNGKey(params.seed), position)
-    drawn = jax.random.categorical(key, filtered_logits(logits, params)).astype(jnp.int32)
+    drawn = jax.random.categorical(key, filtered_logits(logits, params, filtered)).astype(jnp.int32)
     return mark_non_finite(logits, jnp.where(params.temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32)))
 
 
-def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
+def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
     """logits [T, V], positions [T] -> tokens [T]."""
-    return jax.vmap(sample_row, in_axes=(0, 0, None))(logits, positions, params)
+    return jax.vmap(sample_row, in_axes=(0, 0, None, None))(logits, positions, params, filtered)
 
 
-def verify_row(logits: jax.Array, draft: jax.Array, position: jax.Array, params: SamplingParams):
+def verify_row(logits: jax.Array, draft: jax.Array, position: jax.Array, params: SamplingParams,
+               filtered: bool = True):
     """Speculative rejection sampling for one row whose draft is a single proposed token (the drafter's q is
     one-hot): accept the draft with probability p(draft); else draw from the residual max(0, p - q), i.e. p
     without the draft, renormalised. The result follows p exactly. Returns (accept, the token drawn if not).
     `position` is the absolute position of the token this row chooses (its key, as in sample_row)."""
-    p = jax.nn.softmax(filtered_logits(logits, params))  # [V]
+    p = jax.nn.softmax(filtered_logits(logits, params, filtered))  # [V]
     key = jax.random.fold_in(jax.random.PRNGKey(params.seed), position)
     accept = jax.random.uniform(jax.random.fold_in(key, 1)) < p[draft]
     residual = p.at[draft].set(0.0)
@@ -79,12 +84,13 @@ def verify_row(logits: jax.Array, draft: jax.Array, position: jax.Array, params:
     return accept & finite, mark_non_finite(logits, drawn)
 
 
-def verify(logits: jax.Array, drafts: jax.Array, positions: jax.Array, params: SamplingParams):
+def verify(logits: jax.Array, drafts: jax.Array, positions: jax.Array, params: SamplingParams, filtered: bool = True):
     """A verify window: logits [T, V], drafts [T-1] (row i checks drafts[i]), positions [T] of the tokens chosen.
 
     Returns accept [T-1] bool, and tokens [T]: row i < T-1 the residual draw used when drafts[i] is rejected, row
     T-1 a plain sample (the token after the last draft when every draft is accepted)."""
     t = logits.shape[0]
-    accept, drawn = jax.vmap(verify_row, in_axes=(0, 0, 0, None))(logits[:t - 1], drafts, positions[:t - 1], params)
-    last = sample_row(logits[t - 1], positions[t - 1], params)
+    accept, drawn = jax.vmap(verify_row, in_axes=(0, 0, 0, None, None))(logits[:t - 1], drafts, positions[:t - 1],
+                                                                         params, filtered)
+    last = sample_row(logits[t - 1], positions[t - 1], params, filtered)
     return accept, jnp.concatenate([drawn, last[None]])

@@ -347,3 +347,34 @@ def test_prefix_reuse_prefills_only_the_new_part_and_matches_a_cold_run(engine_f
     warm.score(other[:8], window=4)
     warm.generate(other, 2, stop_token_ids=[])
     assert warm.stats.last.cached_tokens == 0
+
+
+def test_plain_sampler_draws_the_filtered_samplers_tokens_when_top_k_and_top_p_are_off():
+    """The sampler without the vocabulary sort (requests with top_k 0 and top_p 1) draws exactly the tokens of the
+    filtered one, in sampling and in speculative verification; with a filter on, the two differ."""
+    from strata_jax import graphs
+    from strata_jax.sampling import verify
+    rng = np.random.default_rng(13)
+    logits = jnp.asarray(rng.normal(size=(64, 257)) * 3, jnp.float32)  # [T, V]
+    positions = jnp.arange(100, 164, dtype=jnp.int32)
+    for temperature, seed in ((1.0, 3), (0.7, 11)):
+        params = SamplingParams.make(temperature, 1.0, 0, seed)
+        filtered = graphs.jit_sample(True)(logits, positions, params)
+        assert np.array_equal(graphs.jit_sample(False)(logits, positions, params), filtered)
+        assert len(set(np.asarray(filtered).tolist())) > 10  # sampled, not argmax
+        drafts = jnp.asarray(rng.integers(0, 257, 63), jnp.int32)
+        a, b = verify(logits, drafts, positions, params, True), verify(logits, drafts, positions, params, False)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    top_k = SamplingParams.make(1.0, 1.0, 5, 3)
+    assert not np.array_equal(graphs.jit_sample(True)(logits, positions, top_k),
+                              graphs.jit_sample(False)(logits, positions, top_k))
+
+
+def test_requests_pick_the_plain_sampler_only_without_top_k_and_top_p(engine):
+    prompt = random_ids(engine, 5, seed=14)
+    engine.generate(prompt, 3, temperature=1.0, seed=1, stop_token_ids=[])
+    assert engine._sample is engine._samplers[False]
+    engine.generate(prompt, 3, temperature=1.0, top_k=4, seed=1, stop_token_ids=[])
+    assert engine._sample is engine._samplers[True]
+    engine.generate(prompt, 3, temperature=1.0, top_p=0.9, seed=1, stop_token_ids=[])
+    assert engine._sample is engine._samplers[True]
