@@ -645,7 +645,7 @@ class Engine:
             if not in_flight:
                 break
             if len(in_flight) >= 2 or len(out) + len(in_flight) >= budget:
-                token = self._checked(int(in_flight.pop(0)[0]), ids.size + len(out))
+                token = self._checked(int(np.asarray(in_flight.pop(0))[0]), ids.size + len(out))  # no slice op dispatched
                 out.append(token)
                 if on_token:
                     on_token(token)
