@@ -19,7 +19,7 @@ from strata_jax.tokenizer import EOS_TOKEN, byte_level_tokenizer
 EMBEDDED_NAME = "embedded"
 FORMAT_VERSION = 2  # 2: tokenizer_config.json (chat template) and generation_config.json
 # The reference model: a small MoE (64 experts, top-8) trained on the Python standard library's sources by
-# benchmarks/train_reference_moe.py, committed; the default model of the CLI (`make run`).
+# strata_jax/train_reference.py, committed; the default model of the CLI (`make run`).
 REFERENCE_NAME = "reference"
 REFERENCE_DIR = Path(__file__).resolve().parent / "models" / "moe-stdlib"
 # Its Qwen3-Next-shaped sibling (DeltaNet + gated attention, a shared expert, 64 experts top-8, an MTP module trained

@@ -1,9 +1,9 @@
 """Train a small Qwen3-MoE with fine-grained experts on the Python standard library's own sources (bytes as tokens)
 and save it as a Hugging Face checkpoint that the engine loads like any other.
 
-    python -m benchmarks.train_reference_moe --out=out/moe-stdlib --json=out/moe-stdlib.json      # H200
-    python -m benchmarks.train_reference_moe --arch=qwen3_next --out=out/next-stdlib              # reference-next
-    python -m benchmarks.train_reference_moe --out=/tmp/moe --hidden=64 --layers=2 --experts=8 --top_k=2 \\
+    python -m strata_jax.train_reference --out=out/moe-stdlib --json=out/moe-stdlib.json      # H200
+    python -m strata_jax.train_reference --arch=qwen3_next --out=out/next-stdlib              # reference-next
+    python -m strata_jax.train_reference --out=/tmp/moe --hidden=64 --layers=2 --experts=8 --top_k=2 \\
         --moe_intermediate=32 --heads=2 --kv_heads=1 --head_dim=32 --seq_len=32 --batch=4 --steps=5 --max_files=20
 
 Why: random weights route near-uniformly, so the offload benchmarks need a checkpoint whose experts are really
@@ -45,19 +45,22 @@ deterministic ops (scatter-add in the embedding gradient, autotuning) before JAX
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import math
 import os
+import platform
 import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any, Sequence
 
 from absl import flags
 
-from benchmarks import common
+from strata_jax.errors import StrataError
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("out", "", "Checkpoint folder to write (config.json, model.safetensors, tokenizer.json, "
@@ -155,6 +158,94 @@ SIZE_TARGET_BYTES = 40e6  # the reference model should stay at most ~40 MB as bf
 # --arch=qwen3_next's defaults for the shape flags left unset: the committed reference-next model
 # (strata_jax/models/next-stdlib, ~9 MB as bf16: it travels with the repository beside the 40 MB reference).
 NEXT_DEFAULTS = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, moe_intermediate=32)
+
+
+# ---- output ----------------------------------------------------------------------------------------------------
+# The start-up block, the table and the summary go to stdout; progress lines to stderr, stamped with the seconds since
+# the program started. Every number printed is also in the report (training_report.json, --json).
+
+_T0 = time.perf_counter()
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def progress(line: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {line}", file=sys.stderr, flush=True)
+
+
+def fmt_bytes(nbytes: float) -> str:
+    """Decimal units: '39.5 MB', '9.44 MB', '49.2 kB'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            v = nbytes / scale
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:,.0f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float) and math.isfinite(v) and v != 0:
+        a = abs(v)
+        return (f"{v:,.0f}" if a >= 1000 else f"{v:.1f}" if a >= 100 else f"{v:.2f}" if a >= 1 else
+                f"{v:.4f}" if a >= 0.001 else f"{v:.3g}")
+    return "0" if isinstance(v, float) and v == 0 else str(v)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table: text left-aligned, numbers right-aligned."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    numeric = [bool(rows) and all(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in rows)
+               for i in range(len(headers))]
+    widths = [max([3, len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(vals):
+        return "| " + " | ".join(v.rjust(w) if numeric[i] else v.ljust(w)
+                                 for i, (v, w) in enumerate(zip(vals, widths))) + " |"
+    sep = "| " + " | ".join(("-" * (w - 1) + ":") if numeric[i] else "-" * w for i, w in enumerate(widths)) + " |"
+    return "\n".join([line(headers), sep] + [line(c) for c in cells])
+
+
+def _jsonable(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item") and getattr(x, "ndim", None) == 0:  # numpy / jax scalars
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write `obj` (dicts, lists, numpy/jax scalars and arrays) as indented JSON, atomically; makes parents."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_jsonable(obj), indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def device_info() -> dict:
+    import jax
+    import jaxlib
+    d = jax.devices()[0]
+    stats = {}
+    try:
+        stats = d.memory_stats() or {}
+    except Exception:  # some backends do not implement it
+        pass
+    return dict(platform=d.platform, device_kind=d.device_kind, device=str(d), device_count=jax.device_count(),
+                memory_limit_bytes=stats.get("bytes_limit"), jax=jax.__version__, jaxlib=jaxlib.__version__,
+                python=platform.python_version(), host=platform.node(), xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -675,8 +766,7 @@ def run(s) -> dict:
     compute_dtype = jnp.dtype(s.compute_dtype)
     eval_batch = s.eval_batch or s.batch
     out = Path(s.out)
-    say = common.say
-    dev = common.device_info()
+    dev = device_info()
 
     # ---- corpus ----
     t0 = time.perf_counter()
@@ -710,15 +800,15 @@ def run(s) -> dict:
         f"Qwen3-Next ({sum(map(cfg.is_linear, range(cfg.num_layers)))} DeltaNet + {cfg.num_full_layers} gated "
         f"attention layers, shared expert I={cfg.shared_expert_intermediate_size}, "
         f"{'an MTP module x ' + format(s.mtp_loss_coef, 'g') if with_mtp else 'no MTP module'})")
-    say(f"train_reference_moe: {kind}, {cfg.num_layers} layers, H={cfg.hidden_size}, {cfg.num_heads}/"
+    say(f"train_reference: {kind}, {cfg.num_layers} layers, H={cfg.hidden_size}, {cfg.num_heads}/"
         f"{cfg.num_kv_heads} heads x {cfg.head_dim}, {e} experts top-{k} (I={cfg.moe_intermediate_size}, "
         f"norm_topk_prob={cfg.norm_topk_prob}), V={cfg.vocab_size} (bytes + <|endoftext|>)")
-    over = "" if bf16_bytes <= SIZE_TARGET_BYTES else f"  [over the ~{common.fmt_bytes(SIZE_TARGET_BYTES)} target]"
+    over = "" if bf16_bytes <= SIZE_TARGET_BYTES else f"  [over the ~{fmt_bytes(SIZE_TARGET_BYTES)} target]"
     say(f"parameters: {n_params:,} ({n_expert:,} in experts, {100 * n_expert / n_params:.0f}%; {active:,} active per "
-        f"token); {common.fmt_bytes(bf16_bytes)} as bfloat16, {common.fmt_bytes(4 * n_params)} as float32; saved "
+        f"token); {fmt_bytes(bf16_bytes)} as bfloat16, {fmt_bytes(4 * n_params)} as float32; saved "
         f"as {s.save_dtype}{over}")
-    say(f"corpus: {corpus['root']}: {corpus['train_files']} files ({common.fmt_bytes(corpus['train_bytes'])}) to "
-        f"train, {len(corpus['heldout_files'])} held out ({common.fmt_bytes(corpus['heldout_bytes'])}: "
+    say(f"corpus: {corpus['root']}: {corpus['train_files']} files ({fmt_bytes(corpus['train_bytes'])}) to "
+        f"train, {len(corpus['heldout_files'])} held out ({fmt_bytes(corpus['heldout_bytes'])}: "
         f"{corpus['heldout_files'][0]} .. {corpus['heldout_files'][-1]}); sha256 {corpus['sha256'][:16]}")
     say(f"training: {s.steps} steps x {s.batch} x {s.seq_len} tokens = {s.steps * tokens_per_step / 1e6:.1f}M tokens "
         f"({s.steps * tokens_per_step / train_np.size:.2f} passes over the training bytes); AdamW lr {s.lr:g} "
@@ -729,7 +819,7 @@ def run(s) -> dict:
         f"{os.environ.get('XLA_FLAGS', '')!r}")
     say()
 
-    report = dict(benchmark="train_reference_moe", settings={name: getattr(s, name) for name in FLAGS},
+    report = dict(benchmark="train_reference", settings={name: getattr(s, name) for name in FLAGS},
                   device=dev, config=raw, corpus=corpus, xla_flags=os.environ.get("XLA_FLAGS", ""),
                   params=dict(total=n_params, experts=n_expert, active_per_token=active, bf16_bytes=bf16_bytes),
                   curve=[], complete=False)
@@ -745,11 +835,11 @@ def run(s) -> dict:
     stream = jax.device_put(train_np)
     key = jax.random.PRNGKey(s.seed + 1)  # the batches' key; the weights use PRNGKey(seed)
 
-    common.progress(f"compiling the training step ({cfg.num_layers} layers, {tokens_per_step:,} tokens a step)")
+    progress(f"compiling the training step ({cfg.num_layers} layers, {tokens_per_step:,} tokens a step)")
     t0 = time.perf_counter()
     compiled = train_step.lower(master, opt_state, stream, key, jnp.int32(0)).compile()
     report["compile_s"] = time.perf_counter() - t0
-    common.progress(f"compiled in {report['compile_s']:.1f} s")
+    progress(f"compiled in {report['compile_s']:.1f} s")
 
     t_start = t_last = time.perf_counter()
     pending = []  # the metrics of the steps since the last line, read together (one sync per line)
@@ -768,12 +858,12 @@ def run(s) -> dict:
         report["curve"].append(row)
         eta = elapsed / (i + 1) * (s.steps - i - 1)
         mtp_part = f"  mtp {row['mtp_loss'] / math.log(2):.3f} bits" if with_mtp else ""
-        common.progress(f"step {i + 1:>{len(str(s.steps))}}/{s.steps}  loss {row['loss']:.4f} "
+        progress(f"step {i + 1:>{len(str(s.steps))}}/{s.steps}  loss {row['loss']:.4f} "
                         f"({row['loss'] / math.log(2):.3f} bits){mtp_part}  aux {row['aux']:.3f}  lr {row['lr']:.2e}  "
                         f"{row['tok_s']:,.0f} tok/s  elapsed {elapsed:.0f}s  eta {eta:.0f}s")
         pending, t_last = [], now
         if s.time_limit_s and elapsed > s.time_limit_s and i + 1 < s.steps:
-            common.progress(f"time limit {s.time_limit_s:g} s reached after {i + 1} of {s.steps} steps: stopping")
+            progress(f"time limit {s.time_limit_s:g} s reached after {i + 1} of {s.steps} steps: stopping")
             break
     jax.block_until_ready(master)
     train_s = time.perf_counter() - t_start
@@ -782,7 +872,7 @@ def run(s) -> dict:
                   tok_s=steps_done * tokens_per_step / train_s, final_train_loss=report["curve"][-1]["loss"])
 
     # ---- held-out ----
-    common.progress(f"held-out: {held_np.size - 1:,} targets in windows of {s.seq_len}, {eval_batch} a call")
+    progress(f"held-out: {held_np.size - 1:,} targets in windows of {s.seq_len}, {eval_batch} a call")
     t0 = time.perf_counter()
     heldout = evaluate(master, held_np, cfg, s.seq_len, eval_batch, compute_dtype, s.skew_top)
     heldout["eval_s"] = time.perf_counter() - t0
@@ -797,7 +887,7 @@ def run(s) -> dict:
     headers = ["layer", f"top-{top} share", "uniform", "max expert share", "unused experts"]
     rows = [[r["layer"], r["top_share"], r["uniform_share"], r["max_expert_share"], r["unused_experts"]]
             for r in heldout["layers"]]
-    report["table"] = common.format_table(headers, rows)
+    report["table"] = format_table(headers, rows)
     say(report["table"])
     say()
     where = (f"the first {s.eval_tokens:,} tokens of the held-out files (--eval_tokens)" if s.eval_tokens else
@@ -815,11 +905,11 @@ def run(s) -> dict:
     say(f"trained {report['tokens_trained'] / 1e6:.1f}M tokens in {train_s:.1f} s ({report['tok_s']:,.0f} tok/s; "
         f"compile {report['compile_s']:.1f} s)")
     ckpt = report["checkpoint"]
-    say(f"checkpoint: {out} ({len(ckpt['files'])} safetensors file(s), {common.fmt_bytes(ckpt['bytes'])}, sha256 "
+    say(f"checkpoint: {out} ({len(ckpt['files'])} safetensors file(s), {fmt_bytes(ckpt['bytes'])}, sha256 "
         f"{ckpt['sha256'][:16]})")
-    common.write_json(out / "training_report.json", report)
+    write_json(out / "training_report.json", report)
     if s.json:
-        common.write_json(s.json, report)
+        write_json(s.json, report)
         say(f"json: {s.json}")
     return dict(report, weights=master[0], mtp=master[1])
 
@@ -833,9 +923,40 @@ def arch_defaults(values: flags.FlagValues) -> flags.FlagValues:
     return values
 
 
-def main(argv: list[str]) -> dict:
-    """Parse argv (argv[0] = program name) into FLAGS and run; returns the report. Errors: one line, exit 1."""
-    return common.run_main(FLAGS, argv, "benchmarks.train_reference_moe", lambda s: run(arch_defaults(s)))
+def parse_flags(argv: Sequence[str]) -> flags.FlagValues:
+    """Parse argv (argv[0] is the program) into FLAGS, from the defaults every time (so a test can call main() twice).
+    `--help` prints the flags and exits 0; a bad flag is one line and exit status 2."""
+    argv = list(argv)
+    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+        try:
+            print("usage: python -m strata_jax.train_reference [--flag=value ...]\n")
+            print(FLAGS.get_help(), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader stopped early
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+    FLAGS.unparse_flags()
+    try:
+        rest = FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if len(rest) > 1:
+        print(f"error: unexpected arguments {rest[1:]} (flags look like --name=value)", file=sys.stderr)
+        sys.exit(2)
+    return FLAGS
+
+
+def main(argv: Sequence[str]) -> dict:
+    """Parse argv (argv[0] = program name) into FLAGS and run; returns the report. A bad value or a refused setting
+    is one `error:` line and exit status 1, Ctrl-C exit 130."""
+    parse_flags(argv)
+    try:
+        return run(arch_defaults(FLAGS))
+    except (StrataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""benchmarks/train_reference_moe on a tiny model (CPU, seconds): the engine loads what it saves and gives the
+"""strata_jax.train_reference on a tiny model (CPU, seconds): the engine loads what it saves and gives the
 training forward's logits, the loss goes down, the load-balancing loss is transformers', the report is sane."""
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import common
-from benchmarks import train_reference_moe as train
 from strata_jax import model
+from strata_jax import train_reference as train
 from strata_jax.config import config_from_dict
 
 # 16 experts (not 8) so that the top-8 routing skew is not 1 by construction.
@@ -29,7 +28,7 @@ def train_tiny(folder, *extra) -> dict:
     # The run appends the GPU determinism flag to XLA_FLAGS: keep that change inside the call.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-        return train.main(["train_reference_moe", *TINY, f"--out={folder}", *extra])
+        return train.main(["train_reference", *TINY, f"--out={folder}", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def test_engine_logits_equal_training_forward(tiny_run, cache_dir):
 
 
 def test_loss_goes_down_on_a_repeated_batch():
-    common.parse_flags(train.FLAGS, ["train_reference_moe", *TINY])
+    train.parse_flags(["train_reference", *TINY])
     cfg = config_from_dict(train.hf_config(train.FLAGS))
     _, files = train.stdlib_files(max_files=2)
     data = np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8).astype(np.int32)
@@ -152,7 +151,7 @@ def test_same_flags_same_checkpoint(tiny_run, tmp_path):
 
 def test_default_shape_size():
     """The default model stays under ~40 MB as bf16 safetensors."""
-    common.parse_flags(train.FLAGS, ["train_reference_moe"])
+    train.parse_flags(["train_reference"])
     cfg = config_from_dict(train.hf_config(train.FLAGS))
     shapes = jax.eval_shape(lambda: model.random_weights(cfg, 0, jnp.float32))
     assert 2 * sum(x.size for x in jax.tree.leaves(shapes)) <= 40e6
@@ -161,7 +160,7 @@ def test_default_shape_size():
 
 def test_missing_out_exits(capsys):
     with pytest.raises(SystemExit) as e:
-        train.main(["train_reference_moe", *TINY])
+        train.main(["train_reference", *TINY])
     assert e.value.code == 1
     assert "--out" in capsys.readouterr().err
 
@@ -179,7 +178,7 @@ def tiny_next(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_next")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-        result = train.main(["train_reference_moe", *TINY_NEXT, f"--out={root}", "--save_dtype=float32"])
+        result = train.main(["train_reference", *TINY_NEXT, f"--out={root}", "--save_dtype=float32"])
     return root, result
 
 
@@ -230,7 +229,7 @@ def test_next_report_and_loss(tiny_next):
 
 def test_next_mtp_loss_goes_down_on_a_repeated_batch():
     """The MTP module learns the token after next: its loss falls as the main loss does."""
-    common.parse_flags(train.FLAGS, ["train_reference_moe", *TINY_NEXT])
+    train.parse_flags(["train_reference", *TINY_NEXT])
     cfg = config_from_dict(train.hf_config(train.FLAGS))
     _, files = train.stdlib_files(max_files=2)
     data = np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8).astype(np.int32)
@@ -252,7 +251,7 @@ def test_next_mtp_loss_goes_down_on_a_repeated_batch():
 def test_next_defaults_stay_small():
     """--arch=qwen3_next's default shape (the committed reference-next) is Next-shaped and small enough to travel
     with the repository: 64 experts top-8, hybrid layers, a shared expert, the MTP module, under 10 MB as bf16."""
-    common.parse_flags(train.FLAGS, ["train_reference_moe", "--arch=qwen3_next"])
+    train.parse_flags(["train_reference", "--arch=qwen3_next"])
     s = train.arch_defaults(train.FLAGS)
     cfg = config_from_dict(train.hf_config(s))
     shapes = jax.eval_shape(lambda: (model.random_weights(cfg, 0, jnp.float32),
@@ -260,5 +259,5 @@ def test_next_defaults_stay_small():
     assert 2 * sum(x.size for x in jax.tree.leaves(shapes)) <= 10e6
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size) == (64, 8, 128)
     assert cfg.has_linear and cfg.num_full_layers >= 1 and cfg.shared_expert_intermediate_size > 0
-    common.parse_flags(train.FLAGS, ["train_reference_moe", "--arch=qwen3_next", "--hidden=96"])
+    train.parse_flags(["train_reference", "--arch=qwen3_next", "--hidden=96"])
     assert train.arch_defaults(train.FLAGS).hidden == 96  # a flag given on the command line wins
