@@ -157,7 +157,9 @@ class HostPool:
     def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> PoolHandle:
         """Start a layer job and return at once."""
         layer = int(layer)
-        x, experts, weights = self._check_inputs(layer, x, ids, w)
+        x, ids, w = self._check_inputs(layer, x, ids, w)
+        keep = ids >= 0
+        experts, weights = ids[keep], np.ascontiguousarray(w[:, keep])  # [Nv], [T, Nv]
         started = time.perf_counter()
         with self._lock:  # so a concurrent timeout cannot shut the generation in between
             fault = self._faults.pop(layer, None)
@@ -169,20 +171,10 @@ class HostPool:
     def collect(self, handle: PoolHandle) -> np.ndarray:
         """Wait for a submitted layer job; raises HostPoolError on failure or timeout."""
         layer = handle.layer
-        done, _ = wait([handle.future], timeout=max(0.0, handle.deadline - time.perf_counter()))
-        if not done:
-            self._abandon(handle.generation)
-            raise HostPoolError(
-                f"host pool: layer {layer} did not answer within {self.timeout_s} s", layer)
-        if handle.future.cancelled():
-            raise HostPoolError(
-                f"host pool: layer {layer} expert job failed: dropped after an earlier timeout", layer)
-        error = handle.future.exception()
-        if error is not None:
-            raise HostPoolError(
-                f"host pool: layer {layer} expert job failed: {type(error).__name__}: {error}",
-                layer) from error
-        return handle.future.result()
+        return self._finish(
+            handle.future, handle.generation, max(0.0, handle.deadline - time.perf_counter()),
+            lambda: _pool_error(layer, f"did not answer within {self.timeout_s} s"),
+            lambda error: _pool_error(layer, f"expert job failed: {_failure(error)}", cause=error))
 
     def inject_fault(self, layer: int, kind: str = "raise", phase: str | None = None) -> None:
         """Test hook: the next job of `layer` raises ("raise") or never
@@ -214,7 +206,7 @@ class HostPool:
         Pass the ticket to `wait_heavy` (optional) and then `collect_split`.
         """
         layer = int(layer)
-        x, ids, weights = self._check_split_inputs(layer, x, ids, weights)
+        x, ids, weights = self._check_inputs(layer, x, ids, weights, split=True)
         heavy = (ids >= 0) & (weights >= np.float32(threshold))
         light = (ids >= 0) & ~heavy
         T, K = ids.shape
@@ -248,7 +240,7 @@ class HostPool:
             self._abandon(job.generation)
             raise self._split_error(job, "heavy", f"did not arrive within {limit} s")
         if job.future.cancelled():
-            raise self._split_error(job, "heavy", "failed: dropped after an earlier timeout")
+            raise self._split_failure(job, "heavy", None)
         if job.heavy_error is not None:
             raise self._split_failure(job, "heavy", job.heavy_error)
         return job.heavy_rows
@@ -262,16 +254,11 @@ class HostPool:
         """
         job = self._split_job(ticket, remove=True)
         limit, remaining = self._wait_limit(job, timeout)
-        done, _ = wait([job.future], timeout=remaining)
-        if not done:
-            phase = "light" if job.heavy_done.is_set() else "heavy"
-            self._abandon(job.generation)
-            raise self._split_error(job, phase, f"did not arrive within {limit} s")
-        if job.future.cancelled():
-            raise self._split_error(job, "heavy", "failed: dropped after an earlier timeout")
-        error = job.future.exception()
-        if error is not None:
-            raise self._split_failure(job, job.failed_phase or "heavy", error)
+        self._finish(
+            job.future, job.generation, remaining,
+            lambda: self._split_error(job, "light" if job.heavy_done.is_set() else "heavy",
+                                      f"did not arrive within {limit} s"),
+            lambda error: self._split_failure(job, "heavy" if error is None else job.failed_phase or "heavy", error))
         # Heavy and light entries are disjoint (the other is 0 there): exact.
         return job.heavy_rows + job.light_rows
 
@@ -306,37 +293,26 @@ class HostPool:
 
     # ---- internals ---------------------------------------------------------
 
-    def _check_inputs(self, layer, x, ids, w):
+    def _check_inputs(self, layer, x, ids, w, split: bool = False):
+        """(x [T, H] float32, ids int64, w float32) if they fit the store, else HostPoolError "bad input".
+        Plain job: ids [N] (flattened), w [T, N]; split job (`split`): ids and w [T, K]."""
         store = self.store
-        fail = lambda why: HostPoolError(f"host pool: layer {layer} bad input: {why}", layer)
+        fail = lambda why: _pool_error(layer, f"bad input: {why}")
         if not 0 <= layer < store.num_layers:
             raise fail(f"store has {store.num_layers} layers")
-        x = np.ascontiguousarray(x, dtype=np.float32)  # [T, H]
-        ids = np.asarray(ids).reshape(-1)               # [N]
-        w = np.asarray(w, dtype=np.float32)             # [T, N]
-        T, H = x.shape
-        if H != store.hidden_size(layer) or w.shape != (T, ids.size):
-            raise fail(f"x {x.shape}, ids {ids.shape}, w {w.shape}, hidden {store.hidden_size(layer)}")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        ids = np.asarray(ids) if split else np.asarray(ids).reshape(-1)
+        w = np.asarray(w, dtype=np.float32)
+        T, H = len(x), store.hidden_size(layer)
+        if split:
+            shapes_fit = ids.ndim == 2 and ids.shape[0] == T and w.shape == ids.shape
+        else:
+            shapes_fit = w.shape == (T, ids.size)
+        if x.ndim != 2 or x.shape[1] != H or not shapes_fit:
+            raise fail(f"x {x.shape}, ids {ids.shape}, {'weights' if split else 'w'} {w.shape}, hidden {H}")
         if ids.size and not (-1 <= ids.min() and ids.max() < store.num_experts(layer)):
             raise fail(f"expert ids outside [-1, {store.num_experts(layer)})")
-        keep = ids >= 0
-        return x, ids[keep].astype(np.int64), np.ascontiguousarray(w[:, keep])  # [Nv], [T, Nv]
-
-    def _check_split_inputs(self, layer, x, ids, weights):
-        store = self.store
-        fail = lambda why: HostPoolError(f"host pool: layer {layer} bad input: {why}", layer)
-        if not 0 <= layer < store.num_layers:
-            raise fail(f"store has {store.num_layers} layers")
-        x = np.ascontiguousarray(x, dtype=np.float32)  # [T, H]
-        ids = np.asarray(ids)                           # [T, K]
-        weights = np.asarray(weights, dtype=np.float32)  # [T, K]
-        if (x.ndim != 2 or x.shape[1] != store.hidden_size(layer) or ids.ndim != 2
-                or ids.shape[0] != x.shape[0] or weights.shape != ids.shape):
-            raise fail(f"x {x.shape}, ids {ids.shape}, weights {weights.shape}, "
-                       f"hidden {store.hidden_size(layer)}")
-        if ids.size and not (-1 <= ids.min() and ids.max() < store.num_experts(layer)):
-            raise fail(f"expert ids outside [-1, {store.num_experts(layer)})")
-        return x, ids.astype(np.int64), weights
+        return x, ids.astype(np.int64), w
 
     def _new_ticket(self) -> int:
         """A fresh ticket (caller holds the lock); makes room in the registry."""
@@ -367,12 +343,28 @@ class HostPool:
 
     @staticmethod
     def _split_error(job: SplitJob, phase: str, what: str) -> HostPoolError:
-        return HostPoolError(f"host pool: layer {job.layer} {phase} rows {what}", job.layer, phase)
+        return _pool_error(job.layer, f"{phase} rows {what}", phase)
 
-    def _split_failure(self, job: SplitJob, phase: str, error: BaseException) -> HostPoolError:
-        failure = self._split_error(job, phase, f"failed: {type(error).__name__}: {error}")
-        failure.__cause__ = error
-        return failure
+    @staticmethod
+    def _split_failure(job: SplitJob, phase: str, error: BaseException | None) -> HostPoolError:
+        """`phase` raised `error`, or (None) was dropped after an earlier timeout."""
+        return _pool_error(job.layer, f"{phase} rows failed: {_failure(error)}", phase, cause=error)
+
+    def _finish(self, future: Future, generation: _Generation, seconds: float, timed_out, failed):
+        """The result of a layer job's driver `future`, waited on for `seconds` at most. Raises timed_out()
+        if it is not done by then (and gives up on its generation), failed(None) if it was dropped after
+        an earlier timeout, failed(error) if it raised `error`."""
+        done, _ = wait([future], timeout=seconds)
+        if not done:
+            error = timed_out()  # worded before the generation goes: giving it up lets a hung phase end
+            self._abandon(generation)
+            raise error
+        if future.cancelled():
+            raise failed(None)
+        error = future.exception()
+        if error is not None:
+            raise failed(error)
+        return future.result()
 
     def _abandon(self, generation: _Generation) -> None:
         """Give up on a generation whose job timed out: later calls get fresh threads."""
@@ -382,32 +374,23 @@ class HostPool:
         generation.shutdown(wait=False)
 
     def _run_layer(self, generation, layer, x, experts, weights, fault, started):
-        """Driver thread: run both phases on the worker threads, return y."""
-        store = self.store
+        """Driver thread: a plain layer job (see `submit`); returns y [T, H]."""
         T, H = x.shape
-        I = store.intermediate_size(layer)
         N = len(experts)
         yT = np.zeros((H, T), np.float32)
         if N == 0:
             return yT.T.copy()
-        xT = np.ascontiguousarray(x.T)        # [H, T]
-        hT = np.empty((N, I, T), np.float32)  # SwiGLU activations (unweighted: each expert's output is weighted)
+        xT = np.ascontiguousarray(x.T)  # [H, T]
+        # SwiGLU activations, unweighted: each expert's output is weighted.
+        hT = np.empty((N, self.store.intermediate_size(layer), T), np.float32)
+        w_rows = [weights[:, n][None, :] for n in range(N)]  # [1, T] per entry
 
-        target_jobs = self.threads * JOBS_PER_THREAD
-        rows_up = _rows_per_job(N * I, target_jobs, I)
-        gate_up_jobs = [(n, r0, min(r0 + rows_up, I)) for n in range(N) for r0 in range(0, I, rows_up)]
-        rows_down = _rows_per_job(H, target_jobs, H)
-        down_jobs = [(r0, min(r0 + rows_down, H)) for r0 in range(0, H, rows_down)]
+        def add_weighted(n, r0, r1, y_n):  # entry n's output rows [r0:r1, T], weighted into the sum
+            yT[r0:r1] += y_n * w_rows[n]
 
-        pool = generation.workers
-        results = _run_all([
-            pool.submit(self._gate_up_job, layer, xT, int(experts[n]), hT[n], r0, r1,
-                        fault if i == 0 else None, generation)
-            for i, (n, r0, r1) in enumerate(gate_up_jobs)], generation.release_hangs)
-        results += _run_all([
-            pool.submit(self._down_job, layer, experts, weights, hT, yT, r0, r1) for r0, r1 in down_jobs],
-            generation.release_hangs)
-
+        results = self._run_thread_jobs(
+            generation, layer, [(int(expert), xT, hT[n]) for n, expert in enumerate(experts)],
+            fault, add_weighted)
         self._record(results, started)
         return np.ascontiguousarray(yT.T)
 
@@ -438,50 +421,47 @@ class HostPool:
         self._record(results, started)
 
     def _run_split_phase(self, job, x, ids, mask, rows, fault) -> list:
-        """rows[t, k] = unweighted expert output for every entry in mask [T, K].
-
-        Same thread jobs as a plain layer job, over the phase's entries grouped
-        by expert: gate/up jobs cut by (expert, rows of I), down jobs by rows
-        of H; each job writes a disjoint slice.
-        """
+        """rows[t, k] = unweighted expert output for every entry in mask [T, K]: the thread jobs of a plain
+        layer job, over the phase's entries grouped by expert (one weight read per expert)."""
         layer, generation = job.layer, job.generation
         groups = _group_by_expert(ids, mask)  # [(expert, tokens, ks)]
         if not groups:
             _injected_fault(fault, generation)
             return []
-        H, I = x.shape[1], self.store.intermediate_size(layer)
-        # Per group: the tokens' activations [H, n] and SwiGLU activations [I, n].
-        xTs = [np.ascontiguousarray(x[tokens].T) for _, tokens, _ in groups]
-        hTs = [np.empty((I, len(tokens)), np.float32) for _, tokens, _ in groups]
+        I = self.store.intermediate_size(layer)
+        # Per group: its tokens' activations [H, n] and SwiGLU activations [I, n].
+        units = [(expert, np.ascontiguousarray(x[tokens].T), np.empty((I, len(tokens)), np.float32))
+                 for expert, tokens, _ in groups]
 
+        def put_rows(g, r0, r1, y_g):  # group g's output rows [r0:r1, n], one per entry
+            _, tokens, ks = groups[g]
+            rows[tokens, ks, r0:r1] = y_g.T
+
+        return self._run_thread_jobs(generation, layer, units, fault, put_rows)
+
+    def _run_thread_jobs(self, generation, layer, units, fault, put) -> list:
+        """Driver thread: the two kinds of thread jobs of a layer job (or split phase) on the worker threads.
+
+        units [(expert, xT [H, n], hT [I, n])]: gate/up jobs cut by (unit, rows of I) fill each hT from its
+        xT (the first job acts out `fault`); then down jobs cut by rows of H hand each unit's output rows to
+        `put` (see `_down_job`). Each job writes a disjoint slice. Returns the jobs' (seconds, bytes).
+        """
+        H, I = self.store.hidden_size(layer), self.store.intermediate_size(layer)
         target_jobs = self.threads * JOBS_PER_THREAD
-        rows_up = _rows_per_job(len(groups) * I, target_jobs, I)
-        gate_up_jobs = [(g, r0, min(r0 + rows_up, I)) for g in range(len(groups))
-                        for r0 in range(0, I, rows_up)]
+        rows_up = _rows_per_job(len(units) * I, target_jobs, I)
+        gate_up_jobs = [(unit, r0, min(r0 + rows_up, I)) for unit in units for r0 in range(0, I, rows_up)]
         rows_down = _rows_per_job(H, target_jobs, H)
         down_jobs = [(r0, min(r0 + rows_down, H)) for r0 in range(0, H, rows_down)]
 
         pool = generation.workers
         results = _run_all([
-            pool.submit(self._gate_up_job, layer, xTs[g], groups[g][0], hTs[g], r0, r1,
-                        fault if i == 0 else None, generation)
-            for i, (g, r0, r1) in enumerate(gate_up_jobs)], generation.release_hangs)
+            pool.submit(self._gate_up_job, layer, xT, expert, hT, r0, r1, fault if i == 0 else None, generation)
+            for i, ((expert, xT, hT), r0, r1) in enumerate(gate_up_jobs)], generation.release_hangs)
+        hTs = [(expert, hT) for expert, _, hT in units]
         results += _run_all([
-            pool.submit(self._split_down_job, layer, groups, hTs, rows, r0, r1)
-            for r0, r1 in down_jobs], generation.release_hangs)
+            pool.submit(self._down_job, layer, hTs, r0, r1, put) for r0, r1 in down_jobs],
+            generation.release_hangs)
         return results
-
-    def _split_down_job(self, layer, groups, hTs, rows, r0, r1):
-        """rows[t, k, r0:r1] = down[e, r0:r1] @ hT (column of entry (t, k)), per group."""
-        t0 = time.perf_counter()
-        nbytes = 0
-        for (expert, tokens, ks), hT in zip(groups, hTs):
-            down_rows = self.store.expert_rows("down", layer, expert, r0, r1)  # [R, I] (int4 [R, I/2]), scales
-            nbytes += _nbytes(down_rows)
-            for c0, down, scale in row_chunks_f32(*down_rows):
-                c1 = r0 + c0 + len(down)
-                rows[tokens, ks, r0 + c0:c1] = self._round(_scaled(down @ hT, scale)).T  # [n, c], each entry's output
-        return time.perf_counter() - t0, nbytes
 
     def _round(self, a: np.ndarray) -> np.ndarray:
         """a rounded to bf16 (kept in float32) when the experts are bf16, as the device's products round."""
@@ -501,19 +481,31 @@ class HostPool:
             out[c0:c0 + len(gate)] = self._round(g * (0.5 + 0.5 * np.tanh(0.5 * g)) * u)
         return time.perf_counter() - t0, _nbytes(gate_rows) + _nbytes(up_rows)
 
-    def _down_job(self, layer, experts, weights, hT, yT, r0, r1):
-        """yT[r0:r1] = sum_n weights[:, n] * (down[e_n, r0:r1] @ hT[n]) (bf16: each expert's output rounded first,
-        then weighted in float32, as the device combines)."""
+    def _down_job(self, layer, hTs, r0, r1, put):
+        """put(n, c0, c1, down[e, c0:c1] @ hT) [c, n] for each (e, hT [I, n]) in hTs, over rows r0:r1 of H in
+        chunks (bf16: each expert's output rounded, as the device rounds it before it weights and sums)."""
         t0 = time.perf_counter()
-        out = yT[r0:r1]  # [R, T] view, zeros
         nbytes = 0
-        for n, expert in enumerate(experts):
+        for n, (expert, hT) in enumerate(hTs):
             down_rows = self.store.expert_rows("down", layer, expert, r0, r1)  # [R, I] (int4 [R, I/2]), scales
             nbytes += _nbytes(down_rows)
-            w_n = weights[:, n][None, :]                                       # [1, T]
             for c0, down, scale in row_chunks_f32(*down_rows):
-                out[c0:c0 + len(down)] += self._round(_scaled(down @ hT[n], scale)) * w_n  # [c, T]
+                put(n, r0 + c0, r0 + c0 + len(down), self._round(_scaled(down @ hT, scale)))
         return time.perf_counter() - t0, nbytes
+
+
+def _pool_error(layer: int, what: str, phase: str | None = None,
+                cause: BaseException | None = None) -> HostPoolError:
+    """HostPoolError "host pool: layer <layer> <what>", raised from `cause` if any."""
+    error = HostPoolError(f"host pool: layer {layer} {what}", layer, phase)
+    if cause is not None:
+        error.__cause__ = cause
+    return error
+
+
+def _failure(error: BaseException | None) -> str:
+    """How a job failed: `error`, or (None) dropped after an earlier timeout."""
+    return "dropped after an earlier timeout" if error is None else f"{type(error).__name__}: {error}"
 
 
 def _scaled(product: np.ndarray, row_scales: np.ndarray | None) -> np.ndarray:
