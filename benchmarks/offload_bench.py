@@ -426,7 +426,7 @@ def run(s) -> dict:
             source = "engine"
             if engine is not None and hasattr(engine, "reconfigure"):
                 if frac == "auto":  # the engine's own rule over the costs measured above
-                    chosen = offload.choose_pcie_frac(cfg, slots, itemsize, **costs)[0]
+                    chosen = placement_mod.choose_pcie_frac(cfg, slots, itemsize, **costs)[0]
                     source = "choose_pcie_frac over this run's measure_costs"
                 else:
                     chosen = frac

@@ -17,12 +17,15 @@ float summation order.
 """
 from __future__ import annotations
 
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
+from host_pool import cpu_expert_rows
+from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax import approx, defer, moe, quant
 from strata_jax.config import ModelConfig
 
@@ -87,6 +90,22 @@ def init_slot_cache(cfg: ModelConfig, slots: int, dtype, policy: str = "lru", pc
 def to_device(x: jax.Array) -> jax.Array:
     """Inside jit: a slice of a pinned-host array copied to device memory (in-graph PCIe copy)."""
     return jax.device_put(x, device_sharding())
+
+
+def copy_experts(dests: Sequence[tuple[tuple, jax.Array]], hosts: tuple, expert_ids: jax.Array, count) -> tuple:
+    """The in-graph PCIe copy: for i < count (a bounded loop; a traced count keeps a dynamic trip count), each host
+    array's expert expert_ids[i] is copied to device memory once and written at row rows[i] of that array's
+    destination in every (arrays, rows) of `dests` (arrays: one per host array). Returns each dest's arrays."""
+    def one(i, arrays):
+        expert, at = expert_ids[i], [rows[i] for _, rows in dests]
+        out = [list(a) for a in arrays]
+        for k, host in enumerate(hosts):
+            wk = to_device(jax.lax.dynamic_index_in_dim(host, expert, keepdims=True))  # PCIe
+            for d in range(len(dests)):
+                out[d][k] = jax.lax.dynamic_update_index_in_dim(out[d][k], wk, at[d], 0)
+        return tuple(tuple(a) for a in out)
+
+    return jax.lax.fori_loop(0, count, one, tuple(tuple(a) for a, _ in dests))
 
 
 def plan(r: moe.Route, state: SlotCache, cpu: bool = True, tail_skip: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -216,10 +235,11 @@ class OffloadedExperts:
             slots = (state.gate, state.up, state.down)
             hosts = (w.gate, w.up, w.down)
             if self.kernel:
-                with jax.named_scope("moe_fetch"):
-                    slots = fetch_into_slots(slots, hosts, ids, dest, fetch & insert)
+                with jax.named_scope("moe_fetch"):  # straight into their victim slots
+                    into = fetch & insert
+                    order = jnp.argsort(~into, stable=True)
+                    (slots,) = copy_experts([(slots, dest[order])], hosts, ids[order], jnp.sum(into))
                 with jax.named_scope("moe_experts_pallas"):
-                    from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
                     slot_ids = jnp.where(kind == RESIDENT, slot, jnp.where(fetch & insert, dest, -1))
                     slot_scales = ()
                     if w.scales:  # int8: the kernel reads scales by slot too; the slots' experts after the fetch
@@ -237,21 +257,11 @@ class OffloadedExperts:
                     rows = jnp.where(k_sel == RESIDENT, slot[sel], s)
                     block = tuple(a[rows] for a in slots)  # gather resident experts [B, ...]
                     is_fetch = k_sel == FETCH
-                    fetch_order = jnp.argsort(~is_fetch, stable=True)
-
-                    def fetch_one(i, carry):
-                        block, slots = carry
-                        j = fetch_order[i]
-                        expert, to = ids[sel[j]], dest[sel[j]]
-                        new_block, new_slots = [], []
-                        for blk, sl, host in zip(block, slots, hosts):
-                            wj = to_device(jax.lax.dynamic_index_in_dim(host, expert, keepdims=True))  # PCIe
-                            new_block.append(jax.lax.dynamic_update_index_in_dim(blk, wj, j, 0))
-                            new_slots.append(jax.lax.dynamic_update_index_in_dim(sl, wj, to, 0))
-                        return tuple(new_block), tuple(new_slots)
-
-                    with jax.named_scope("moe_fetch"):
-                        block, slots = jax.lax.fori_loop(0, jnp.sum(is_fetch), fetch_one, (block, slots))
+                    fetch_order = jnp.argsort(~is_fetch, stable=True)  # block positions j, the fetched first
+                    with jax.named_scope("moe_fetch"):  # each into the block at j and its victim slot (or the trash row)
+                        fetched = sel[fetch_order]
+                        block, slots = copy_experts([(block, fetch_order), (slots, dest[fetched])], hosts,
+                                                    ids[fetched], jnp.sum(is_fetch))
                     combine = r.combine[:, sel] * (k_sel != NONE)[None, :]
                     block_scales = tuple(sc[jnp.maximum(ids[sel], 0)] for sc in w.scales)  # int8: [B, O] each
                     return y + moe.expert_ffn(x, *block, combine, *block_scales), slots
@@ -267,7 +277,6 @@ class OffloadedExperts:
                 if self.defer.split:  # post(l) waits for the heavy rows only
                     y = defer.join_heavy(self.pool, y, pending, self.defer.below, after=y[0, :1])
             elif self.pool is not None:
-                from host_pool import cpu_expert_rows
                 y_cpu = jax.lax.cond(
                     jnp.any(cpu),
                     lambda: cpu_expert_rows(self.pool, layer, x, jnp.where(cpu, ids, -1), r.combine * cpu[None, :]),
@@ -293,31 +302,13 @@ class OffloadedExperts:
         return y, state
 
 
-def fetch_into_slots(slots: tuple, hosts: tuple, ids: jax.Array, dest: jax.Array, which: jax.Array) -> tuple:
-    """Copy the experts ids[n] with which[n] from host memory (PCIe) into slot dest[n] of each slot array."""
-    order = jnp.argsort(~which, stable=True)
-
-    def one(i, slots):
-        j = order[i]
-        return tuple(jax.lax.dynamic_update_index_in_dim(
-            sl, to_device(jax.lax.dynamic_index_in_dim(host, ids[j], keepdims=True)), dest[j], 0)
-            for sl, host in zip(slots, hosts))
-
-    return jax.lax.fori_loop(0, jnp.sum(which), one, slots)
-
-
 def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Array) -> SlotCache:
     """Static policy: load `experts` [S] (-1 = leave empty) into slots 0..S-1 from host memory; jit with donation."""
     s = state.slots
     if s == 0:
         return state
-
-    def put(i, slots):
-        e = jnp.maximum(experts[i], 0)
-        return tuple(jax.lax.dynamic_update_index_in_dim(sl, to_device(jax.lax.dynamic_index_in_dim(h, e, keepdims=True)), i, 0)
-                     for sl, h in zip(slots, (host_gate, host_up, host_down)))
-
-    gate, up, down = jax.lax.fori_loop(0, s, put, (state.gate, state.up, state.down))
+    (gate, up, down), = copy_experts([((state.gate, state.up, state.down), jnp.arange(s, dtype=jnp.int32))],
+                                     (host_gate, host_up, host_down), jnp.maximum(experts, 0), s)
     valid = experts >= 0
     e = state.table.shape[0]
     table = jnp.full_like(state.table, -1).at[jnp.where(valid, experts, e)].set(
@@ -325,50 +316,3 @@ def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Arr
     expert_of = jnp.concatenate([jnp.where(valid, experts, -1), jnp.full((1,), -1, jnp.int32)]).astype(jnp.int32)
     return state.replace(gate=gate, up=up, down=down, table=table, expert_of=expert_of,
                          last_use=jnp.full_like(state.last_use, -1))
-
-
-def expected_misses(cfg: ModelConfig, slots: int) -> float:
-    """Misses per layer of a T=1 window when routing is near-uniform."""
-    return cfg.num_experts_per_tok * (1.0 - slots / max(cfg.num_experts, 1))
-
-
-def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: float, pcie_call_s: float,
-                     pool_gbs: float, callback_s: float) -> tuple[float, dict]:
-    """The share of misses to fetch that minimises a T=1 window's miss time in the measured cost model.
-
-    The fetch and the pool run one after the other (the io_callback stalls the stream), so:
-      cost(F) = [F>0] * pcie_call + F*m*b/pcie + [F<1] * (callback + (1-F)*m*b/pool)
-    """
-    m = expected_misses(cfg, slots)
-    b = cfg.expert_bytes(itemsize)
-    costs = {}
-    for f in (0.0, 0.25, 0.5, 0.75, 1.0):
-        costs[f] = ((pcie_call_s if f > 0 else 0.0) + f * m * b / (pcie_gbs * 1e9)
-                    + ((callback_s + (1 - f) * m * b / (pool_gbs * 1e9)) if f < 1 else 0.0))
-    best = min(costs, key=lambda f: (costs[f], -f))
-    return best, costs
-
-
-def auto_slots(cfg: ModelConfig, non_expert_bytes: int, kv_bytes: int, itemsize: int, reserve_mib: int) -> tuple[int, str]:
-    """Slots per sparse layer that fit in the device memory left after the rest of the model (and the reserve)."""
-    free = device_free_bytes()
-    if free is None:
-        return cfg.num_experts // 2, "half the experts (this backend reports no device memory)"
-    free -= non_expert_bytes + kv_bytes + reserve_mib * 2**20
-    per_slot = max(cfg.num_sparse_layers, 1) * cfg.expert_bytes(itemsize)
-    # One block of staging per layer graph at most: keep room for it.
-    free -= 32 * cfg.expert_bytes(itemsize)
-    slots = max(0, min(cfg.num_experts, int(free // per_slot)))
-    return slots, f"{free / 2**30:.1f} GiB free after weights, KV cache and a {reserve_mib} MiB reserve"
-
-
-def device_free_bytes() -> int | None:
-    """The device's free memory, or None where the backend does not say (the CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    return limit - stats.get("bytes_in_use", 0) if limit else None
-
-
-def slot_bytes(cfg: ModelConfig, slots: int, itemsize: int) -> int:
-    return cfg.num_sparse_layers * (slots + 1) * cfg.expert_bytes(itemsize)
-

@@ -9,7 +9,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
+from host_pool import HostExpertStore, HostPool, HostPoolError, blas, native
+from host_pool.pool import usable_cores
 from strata_jax import model, offload, quant
 from strata_jax.config import ModelConfig
 from strata_jax.errors import StrataError
@@ -80,11 +83,36 @@ def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int) -> tuple[
     if v != "auto":
         return min(int(v), cfg.num_experts), f"expert_cache_slots={v}"
     itemsize = jnp.dtype(opts.dtype).itemsize
-    slots, why = offload.auto_slots(cfg, non_expert_bytes(cfg, itemsize, expert_format(opts, cfg)), kv_bytes, expert_itemsize(opts),
-                                    opts.vram_reserve_mib)
+    slots, why = auto_slots(cfg, non_expert_bytes(cfg, itemsize, expert_format(opts, cfg)), kv_bytes, expert_itemsize(opts),
+                            opts.vram_reserve_mib)
     if slots >= cfg.num_experts:
         return None, f"auto: all {cfg.num_experts} experts fit ({why})"
     return slots, f"auto: {why}"
+
+
+def auto_slots(cfg: ModelConfig, other_bytes: int, kv_bytes: int, itemsize: int, reserve_mib: int) -> tuple[int, str]:
+    """Slots per sparse layer that fit in the device memory left after the rest of the model (other_bytes: its
+    non_expert_bytes), the KV cache and the reserve."""
+    free = device_free_bytes()
+    if free is None:
+        return cfg.num_experts // 2, "half the experts (this backend reports no device memory)"
+    free -= other_bytes + kv_bytes + reserve_mib * 2**20
+    per_slot = max(cfg.num_sparse_layers, 1) * cfg.expert_bytes(itemsize)
+    # One block of staging per layer graph at most: keep room for it.
+    free -= 32 * cfg.expert_bytes(itemsize)
+    slots = max(0, min(cfg.num_experts, int(free // per_slot)))
+    return slots, f"{free / 2**30:.1f} GiB free after weights, KV cache and a {reserve_mib} MiB reserve"
+
+
+def device_free_bytes() -> int | None:
+    """The device's free memory, or None where the backend does not say (the CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return limit - stats.get("bytes_in_use", 0) if limit else None
+
+
+def slot_bytes(cfg: ModelConfig, slots: int, itemsize: int) -> int:
+    return cfg.num_sparse_layers * (slots + 1) * cfg.expert_bytes(itemsize)
 
 
 class HostExperts:
@@ -112,7 +140,6 @@ class HostExperts:
         return jax.device_put(x)
 
     def store(self, cfg: ModelConfig):
-        from host_pool import HostExpertStore
         layers = []
         for i in range(cfg.num_layers):
             if i in self.numpy:
@@ -133,21 +160,22 @@ class HostExperts:
 
 def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int = 5) -> dict:
     """PCIe GB/s and fixed cost of an in-graph fetch, host pool GB/s, and the cost of one io_callback."""
-    from jax.experimental import io_callback
     layer = cfg.sparse_layers.index(True)
     w = weights.layers[layer].ffn
     ebytes = sum(a.nbytes for a in (w.gate, w.up, w.down)) // cfg.num_experts  # stored bytes (int4: packed)
+    n = min(8, cfg.num_experts)
 
-    def fetch_graph(n):
+    def fetch_graph(count):
+        """The decode graph's copy (offload.copy_experts) of `count` experts into n device rows (the same buffers
+        whatever the count, so the two graphs differ by the copies only)."""
         @jax.jit
         def fetch(g, u, d, ids):
-            def body(i, acc):
-                parts = [offload.to_device(jax.lax.dynamic_index_in_dim(a, ids[i], keepdims=True)) for a in (g, u, d)]
-                return acc + sum(jnp.sum(p[0, 0, :8].astype(jnp.float32)) for p in parts)
-            return jax.lax.fori_loop(0, n, body, jnp.float32(0))
+            dest = tuple(jnp.zeros((n, *a.shape[1:]), a.dtype) for a in (g, u, d))
+            (rows,) = offload.copy_experts([(dest, jnp.arange(n, dtype=jnp.int32))], (g, u, d), ids, count)
+            return rows
         return fetch
 
-    def timed(fn, *args):
+    def timed(fn, *args):  # median seconds of `repeats` calls after one warm-up
         jax.block_until_ready(fn(*args))
         times = []
         for _ in range(repeats):
@@ -156,7 +184,6 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
 
-    n = min(8, cfg.num_experts)
     ids = jnp.arange(n, dtype=jnp.int32)
     t_n = timed(fetch_graph(n), w.gate, w.up, w.down, ids)
     t_1 = timed(fetch_graph(1), w.gate, w.up, w.down, ids)
@@ -168,13 +195,7 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
     k = min(4, cfg.num_experts)
     pool_ids = np.arange(k, dtype=np.int32)
     pw = rng.random((1, k)).astype(np.float32)
-    pool.compute(layer, x, pool_ids, pw)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        pool.compute(layer, x, pool_ids, pw)
-        times.append(time.perf_counter() - t0)
-    pool_gbs = k * ebytes / float(np.median(times)) / 1e9
+    pool_gbs = k * ebytes / timed(pool.compute, layer, x, pool_ids, pw) / 1e9
     pool.stats.reset()
 
     @jax.jit
@@ -184,10 +205,30 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
     return dict(pcie_gbs=pcie_gbs, pcie_call_s=pcie_call_s, pool_gbs=pool_gbs, callback_s=callback_s)
 
 
+def expected_misses(cfg: ModelConfig, slots: int) -> float:
+    """Misses per layer of a T=1 window when routing is near-uniform."""
+    return cfg.num_experts_per_tok * (1.0 - slots / max(cfg.num_experts, 1))
+
+
+def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: float, pcie_call_s: float,
+                     pool_gbs: float, callback_s: float) -> tuple[float, dict]:
+    """The share of misses to fetch that minimises a T=1 window's miss time in the measured cost model.
+
+    The fetch and the pool run one after the other (the io_callback stalls the stream), so:
+      cost(F) = [F>0] * pcie_call + F*m*b/pcie + [F<1] * (callback + (1-F)*m*b/pool)
+    """
+    m = expected_misses(cfg, slots)
+    b = cfg.expert_bytes(itemsize)
+    costs = {}
+    for f in (0.0, 0.25, 0.5, 0.75, 1.0):
+        costs[f] = ((pcie_call_s if f > 0 else 0.0) + f * m * b / (pcie_gbs * 1e9)
+                    + ((callback_s + (1 - f) * m * b / (pool_gbs * 1e9)) if f < 1 else 0.0))
+    best = min(costs, key=lambda f: (costs[f], -f))
+    return best, costs
+
+
 def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: HostExperts, slots: int,
           why: str) -> Placement:
-    from host_pool import HostPool, HostPoolError, blas, native
-    from host_pool.pool import usable_cores
     # A failed pool job is reported as one line by the engine; JAX's own traceback log would repeat it.
     logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
     threads = opts.cpu_threads or usable_cores()
@@ -198,7 +239,7 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
     host.numpy.clear()
     itemsize = expert_itemsize(opts)
     lines = [f"expert cache: {slots} of {cfg.num_experts} slots per MoE layer ({why}), policy {opts.cache_policy}, "
-             f"{offload.slot_bytes(cfg, slots, itemsize) / 2**20:.1f} MiB on the device; experts in "
+             f"{slot_bytes(cfg, slots, itemsize) / 2**20:.1f} MiB on the device; experts in "
              f"{host.kind} memory; host pool: {threads} threads ({blas.describe()}"
              + (f"; {native.describe()}" if pool.store.dtype == np.uint8 else "") + ")"]
     costs = None
@@ -209,7 +250,7 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
             pool.close()
             raise StrataError(f"{e} while measuring start-up costs for pcie_frac=auto "
                               f"(see --callback_timeout_s)") from None
-        frac, by_frac = offload.choose_pcie_frac(cfg, slots, itemsize, **costs)
+        frac, by_frac = choose_pcie_frac(cfg, slots, itemsize, **costs)
         lines.append(
             f"pcie_frac: {frac:g} (auto: PCIe {costs['pcie_gbs']:.1f} GB/s + {costs['pcie_call_s'] * 1e3:.2f} ms a "
             f"fetch loop, host pool {costs['pool_gbs']:.1f} GB/s, io_callback {costs['callback_s'] * 1e3:.2f} ms; "

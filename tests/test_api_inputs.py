@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from strata_jax import StrataError
+from helpers import one_line_refusal
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +19,6 @@ def engine(embedded_engine):
 
 def prompt(seed: int, n: int = 9) -> list[int]:
     return np.random.default_rng(seed).integers(0, 255, n).tolist()
-
-
-def refused(fn, *args, match: str = "", **kwargs) -> str:
-    with pytest.raises(StrataError, match=match) as e:
-        fn(*args, **kwargs)
-    assert "\n" not in str(e.value)
-    return str(e.value)
 
 
 @pytest.mark.parametrize("ids,match", [
@@ -41,8 +34,8 @@ def refused(fn, *args, match: str = "", **kwargs) -> str:
 ])
 def test_bad_prompt_ids_are_refused(engine, ids, match):
     requests = engine.stats.requests
-    refused(engine.generate, ids, 4, match=match)
-    refused(engine.score, ids, match=match)
+    one_line_refusal(engine.generate, ids, 4, match=match)
+    one_line_refusal(engine.score, ids, match=match)
     assert engine.stats.requests == requests  # nothing ran
 
 
@@ -54,17 +47,17 @@ def test_numpy_integer_ids_are_taken(engine):
 
 @pytest.mark.parametrize("stops", [5, "7", [1.5], [[3]]])
 def test_bad_stop_token_ids_are_refused(engine, stops):
-    refused(engine.generate, prompt(4), 4, stop_token_ids=stops, match="stop_token_ids")
+    one_line_refusal(engine.generate, prompt(4), 4, stop_token_ids=stops, match="stop_token_ids")
 
 
 def test_bad_draft_is_refused(engine):
-    refused(engine.generate, prompt(5), 4, draft=object(), match="draft must be")
+    one_line_refusal(engine.generate, prompt(5), 4, draft=object(), match="draft must be")
 
 
 def test_decode_and_encode_refuse_bad_input(engine):
-    refused(engine.decode, [engine.cfg.vocab_size + 3], match="decode")
-    refused(engine.decode, [-1], match="decode")
-    refused(engine.encode, None, match="expected text")
+    one_line_refusal(engine.decode, [engine.cfg.vocab_size + 3], match="decode")
+    one_line_refusal(engine.decode, [-1], match="decode")
+    one_line_refusal(engine.encode, None, match="expected text")
     assert engine.decode(engine.encode("héllo")) == "héllo"
 
 
@@ -94,20 +87,21 @@ def test_threads_share_one_engine_safely(engine):
 
 
 def test_values_past_the_int32_range_are_refused(engine):
-    refused(engine.generate, prompt(6), 4, top_k=2**31, match="top_k")
-    refused(engine.generate, prompt(6), 2**31, match="max_new_tokens")
+    one_line_refusal(engine.generate, prompt(6), 4, top_k=2**31, match="top_k")
+    one_line_refusal(engine.generate, prompt(6), 2**31, match="max_new_tokens")
 
 
 def test_invalid_utf8_text_is_one_line(engine):
     bad = b"def f(\xff\xfe):".decode("utf-8", "surrogateescape")  # how invalid bytes on a command line arrive
-    refused(engine.encode, bad, match="UTF-8")
+    one_line_refusal(engine.encode, bad, match="UTF-8")
 
 
 def test_cache_dir_that_is_a_file_is_one_line(tmp_path):
     from strata_jax import Engine
     a_file = tmp_path / "not_a_folder"
     a_file.write_text("x")
-    refused(Engine.from_pretrained, None, verbose=False, cache_dir=str(a_file), match="not a writable folder")
+    one_line_refusal(Engine.from_pretrained, None, verbose=False, cache_dir=str(a_file),
+                     match="not a writable folder")
 
 
 def test_a_huge_tail_skip_is_capped_to_int32():
@@ -153,7 +147,7 @@ def test_malformed_configs_are_one_line(raw, match):
         raw = dict(base, hidden_size="128")
     elif raw == "float_int":
         raw = dict(base, num_experts_per_tok=2.5)
-    refused(config_from_dict, raw, match=match)
+    one_line_refusal(config_from_dict, raw, match=match)
 
 
 def test_cli_refuses_early_and_in_one_line(tmp_path, cache_dir):
@@ -195,8 +189,8 @@ def test_a_pool_timeout_ends_the_cli_in_one_line(cache_dir):
 
 def test_a_kv_cache_too_large_to_allocate_is_one_line(cache_dir):
     from strata_jax import Engine
-    msg = refused(Engine.from_pretrained, None, verbose=False, cache_dir=str(cache_dir), context=2_000_000_000,
-                  match="cannot be allocated")
+    msg = one_line_refusal(Engine.from_pretrained, None, verbose=False, cache_dir=str(cache_dir),
+                           context=2_000_000_000, match="cannot be allocated")
     assert "GiB" in msg and "--context" in msg
 
 
@@ -209,9 +203,9 @@ def test_non_finite_logits_end_the_request_in_one_line(cache_dir):
     eng = Engine.from_pretrained(None, verbose=False, cache_dir=str(cache_dir), dtype="float32", window=2,
                                  context=64, expert_cache_slots="all")
     eng.weights = eng.weights.replace(final_norm=jnp.full_like(eng.weights.final_norm, jnp.nan))
-    refused(eng.generate, prompt(9), 6, stop_token_ids=[], match="non-finite logits at|position 9")
+    one_line_refusal(eng.generate, prompt(9), 6, stop_token_ids=[], match="non-finite logits at|position 9")
     # The decode loops: a finite first token from the prefill, NaN logits in every decode window after it.
     finite_prefill = lambda ids, first=0, mtp=None: (jnp.int32(5), jnp.zeros((1, eng.cfg.vocab_size), jnp.float32))  # noqa: E731
     eng._prefill_all = finite_prefill
     for kw in (dict(spec=0), dict(), dict(temperature=0.7), dict(draft="device")):
-        refused(eng.generate, prompt(9), 6, stop_token_ids=[], match="non-finite logits", **kw)
+        one_line_refusal(eng.generate, prompt(9), 6, stop_token_ids=[], match="non-finite logits", **kw)

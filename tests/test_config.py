@@ -6,6 +6,7 @@ import json
 import pytest
 
 from conftest import HF_FIXTURES, REPO, hf_fixture_names
+from helpers import one_line_refusal
 from strata_jax import StrataError, config
 from strata_jax.config import config_from_dict, load_config
 
@@ -27,11 +28,7 @@ def hub_style(raw: dict) -> dict:
 
 
 def refusal(raw: dict) -> str:
-    with pytest.raises(StrataError) as e:
-        config_from_dict(raw, where="cfg.json")
-    msg = str(e.value)
-    assert "\n" not in msg, f"not one line: {msg!r}"
-    return msg
+    return one_line_refusal(config_from_dict, raw, where="cfg.json")
 
 
 @pytest.mark.parametrize("name", hf_fixture_names())

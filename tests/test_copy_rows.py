@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro
 from pallas_kernels.copy_rows import (copy_rows_by_weight, copy_rows_by_weight_reference, copy_rows_from_mapped,
                                       copy_rows_from_mapped_reference)
 from pallas_kernels.cuda_lowering import lower_for_cuda
@@ -30,11 +31,6 @@ def make_inputs(seed, T, K, H, dtype=jnp.float32, garbage=None):
     if garbage is not None:
         mapped[~mask] = garbage
     return jnp.asarray(y), jnp.asarray(mapped, dtype), jnp.asarray(w), jnp.asarray(mask)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
@@ -62,7 +58,7 @@ def test_heavy_plus_light_is_the_whole_sum(threshold):
     heavy = copy_rows_by_weight(y, mapped, w, mask, thr, heavy=True, interpret=True)
     both = copy_rows_by_weight(heavy, mapped, w, mask, thr, heavy=False, interpret=True)
     whole = copy_rows_from_mapped(y, mapped, w, mask, interpret=True)
-    assert rel(both, whole) <= 1e-6
+    assert rel_fro(both, whole) <= 1e-6
     if threshold == 0.0:  # every weight is heavy: the light pass adds nothing
         np.testing.assert_array_equal(heavy, both)
     if threshold == 1.0:  # no weight reaches 1: the heavy pass adds nothing
@@ -109,7 +105,7 @@ def test_donated_y_is_updated_in_place():
     y_in = jnp.array(y)
     got = step(y_in, mapped, w, mask)
     assert y_in.is_deleted()  # the donation was taken
-    assert rel(got, want) <= 1e-6
+    assert rel_fro(got, want) <= 1e-6
     y_in = jnp.array(y)
     got = jax.jit(lambda y: copy_rows_from_mapped(y, mapped, w, mask, interpret=True), donate_argnums=0)(y_in)
     assert y_in.is_deleted()

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from strata_jax import Engine, StrataError
+from helpers import one_line_refusal, rel_fro
+from strata_jax import Engine
 from strata_jax.sampling import SamplingParams, filtered_logits, sample
 
 W = 4
@@ -22,18 +23,6 @@ def engine(embedded_engine):
 def random_ids(engine, n, seed):
     # The byte-level vocabulary's last id is <|endoftext|>, the embedded model's eos: keep it out of prompts.
     return np.random.default_rng(seed).integers(0, engine.cfg.vocab_size - 1, n).tolist()
-
-
-def rel_fro(a, b):
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-def one_line_refusal(fn, *args, **kwargs) -> str:
-    with pytest.raises(StrataError) as e:
-        fn(*args, **kwargs)
-    msg = str(e.value)
-    assert "\n" not in msg, f"not one line: {msg!r}"
-    return msg
 
 
 # ---- exactness across window sizes and graphs ------------------------------------------------------------------

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro, with_garbage
 from pallas_kernels.cuda_lowering import lower_for_cuda
 from pallas_kernels.decode_attention import _block_k, decode_attention, decode_attention_reference
 
@@ -43,23 +44,6 @@ def make_case(seed: int, t: int, nq: int, nkv: int, d: int, s: int, pos: int, dt
     return q, k, v, jnp.int32(pos)
 
 
-def with_garbage(cache, first_bad: int, seed: int):
-    """Rows >= first_bad replaced by huge random values with NaN and +-inf sprinkled in."""
-    rng = np.random.default_rng(seed)
-    bad = np.asarray(cache, np.float32).copy()
-    tail = rng.standard_normal(bad[first_bad:].shape) * 1e30
-    tail[rng.random(tail.shape) < 0.3] = np.nan
-    tail[rng.random(tail.shape) < 0.1] = np.inf
-    tail[rng.random(tail.shape) < 0.1] = -np.inf
-    bad[first_bad:] = tail
-    return jnp.asarray(bad, cache.dtype)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.mark.parametrize("dtype", DTYPES.keys())
 @pytest.mark.parametrize("name", CASES.keys())
 def test_kernel_matches_reference(name, dtype):
@@ -69,7 +53,7 @@ def test_kernel_matches_reference(name, dtype):
     out = decode_attention(q, k, v, p, interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = decode_attention_reference(q, k, v, p)
-    assert rel(out, ref) < RTOL[dtype]
+    assert rel_fro(out, ref) < RTOL[dtype]
 
     # Garbage (huge, NaN, inf) in every row past the window's last position: the same output, bit for bit.
     if pos + t < s:
@@ -103,7 +87,7 @@ def test_int8_cache_kernel_matches_reference(name, dtype):
     out = decode_attention(q, k.q, v.q, p, k_scale=k.scale, v_scale=v.scale, interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = decode_attention_reference(q, k.q, v.q, p, k.scale, v.scale)
-    assert rel(out, ref) < RTOL[dtype]
+    assert rel_fro(out, ref) < RTOL[dtype]
     if pos + t < s:
         rng = np.random.default_rng(5)
         bad_q = lambda c: c.q.at[pos + t:].set(jnp.asarray(rng.integers(-128, 128, c.q[pos + t:].shape), jnp.int8))
@@ -120,7 +104,7 @@ def test_int8_stacked_cache_reads_its_layer_only():
     (kq, ks), (vq, vs) = stack(k, 1), stack(v, 2)
     out = jax.jit(lambda q, kq, vq, p, i, ks, vs: decode_attention(q, kq, vq, p, i, ks, vs, interpret=True))(
         q, kq, vq, p, jnp.int32(2), ks, vs)
-    assert rel(out, decode_attention_reference(q, k.q, v.q, p, k.scale, v.scale)) < RTOL[jnp.float32]
+    assert rel_fro(out, decode_attention_reference(q, k.q, v.q, p, k.scale, v.scale)) < RTOL[jnp.float32]
 
 
 @pytest.mark.parametrize("tuning", [dict(block_k=16, k_splits=1), dict(block_k=16, k_splits=5),
@@ -132,7 +116,7 @@ def test_blocks_and_splits(tuning):
     q, k, v, p = make_case(7, t, nq, nkv, d, s, pos, jnp.float32)
     kg, vg = with_garbage(k, pos + t, seed=3), with_garbage(v, pos + t, seed=4)
     out = decode_attention(q, kg, vg, p, interpret=True, **tuning)
-    assert rel(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
+    assert rel_fro(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
 
 
 def test_block_choice_and_unsupported_shapes():
@@ -180,7 +164,7 @@ def test_reference_is_model_attention(dtype):
         q = q_of(x)
         ref = decode_attention_reference(q, kc, vc, p).reshape(t, nq * d)
     np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(got, np.float32))
-    assert rel(decode_attention(q, kc, vc, p, interpret=True).reshape(t, nq * d), got) < RTOL[dtype]
+    assert rel_fro(decode_attention(q, kc, vc, p, interpret=True).reshape(t, nq * d), got) < RTOL[dtype]
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
@@ -213,7 +197,7 @@ def test_the_engine_with_the_kernel_matches_the_xla_path(engine_factory):
         xla.reconfigure(pcie_frac=1.0)
         pallas.reconfigure(pcie_frac=1.0)
         a, b = pallas.score(tokens, window=w), xla.score(tokens, window=w)
-        assert np.linalg.norm(a - b) / np.linalg.norm(b) <= 1e-5, w
+        assert rel_fro(a, b) <= 1e-5, w
     assert pallas.generate(tokens[:7], 6, stop_token_ids=[]) == xla.generate(tokens[:7], 6, stop_token_ids=[])
 
 
@@ -229,7 +213,7 @@ def test_stacked_cache_reads_its_layer_only(layer):
     out = jax.jit(lambda q, kc, vc, p, i: decode_attention(q, kc, vc, p, layer=i, interpret=True))(
         q, kc, vc, p, jnp.int32(layer))
     assert np.isfinite(np.asarray(out)).all()
-    assert rel(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
+    assert rel_fro(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
 
 
 def test_stacked_cache_lowers_for_cuda():
@@ -271,7 +255,7 @@ def test_prefill_kernel_matches_reference(name, dtype):
     q, k, v, p = make_case(len(name) + 200, *PREFILL_CASES[name], dtype)
     out = decode_attention(q, k, v, p, interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert rel(out, decode_attention_reference(q, k, v, p)) < RTOL[dtype]
+    assert rel_fro(out, decode_attention_reference(q, k, v, p)) < RTOL[dtype]
     if pos + t < s:  # garbage past the chunk's last position: never read
         kg, vg = with_garbage(k, pos + t, seed=1), with_garbage(v, pos + t, seed=2)
         np.testing.assert_array_equal(np.asarray(decode_attention(q, kg, vg, p, interpret=True)), np.asarray(out))
@@ -288,7 +272,7 @@ def test_prefill_row_block_reads_only_its_own_keys(tuning):
     kg, vg = with_garbage(k, pos + 16, seed=3), with_garbage(v, pos + 16, seed=4)
     garbage = np.asarray(decode_attention(q, kg, vg, p, interpret=True, block_m=64, **tuning))
     np.testing.assert_array_equal(garbage[:16], out[:16])
-    assert rel(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
+    assert rel_fro(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
 
 
 @pytest.mark.parametrize("tuning", [dict(block_m=16, k_splits=1), dict(block_m=128, k_splits=3, block_k=32),
@@ -301,7 +285,7 @@ def test_prefill_blocks_and_splits(tuning):
     q, k, v, p = make_case(17, t, nq, nkv, d, s, pos, jnp.float32)
     kg, vg = with_garbage(k, pos + t, seed=5), with_garbage(v, pos + t, seed=6)
     out = decode_attention(q, kg, vg, p, interpret=True, **tuning)
-    assert rel(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
+    assert rel_fro(out, decode_attention_reference(q, k, v, p)) < RTOL[jnp.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES.keys())
@@ -312,7 +296,7 @@ def test_prefill_int8_cache_kernel_matches_reference(dtype):
     t, nq, nkv, d, s, pos = PREFILL_CASES["t100_pos300"]
     q, k, v, p = make_int8_case(23, t, nq, nkv, d, s, pos, dtype)
     out = decode_attention(q, k.q, v.q, p, k_scale=k.scale, v_scale=v.scale, interpret=True)
-    assert rel(out, decode_attention_reference(q, k.q, v.q, p, k.scale, v.scale)) < RTOL[dtype]
+    assert rel_fro(out, decode_attention_reference(q, k.q, v.q, p, k.scale, v.scale)) < RTOL[dtype]
     rng = np.random.default_rng(7)
     bad_q = lambda c: c.q.at[pos + t:].set(jnp.asarray(rng.integers(-128, 128, c.q[pos + t:].shape), jnp.int8))
     bad_s = lambda c: with_garbage(c.scale[..., None], pos + t, seed=8)[..., 0]
@@ -339,7 +323,7 @@ def test_prefill_stacked_cache_reads_its_layer_only(kv):
         args, ref = (kc, vc, p, jnp.int32(layer)), decode_attention_reference(q, k, v, p)
     out = jax.jit(lambda q, *a: decode_attention(q, *a, interpret=True))(q, *args)
     assert np.isfinite(np.asarray(out)).all()
-    assert rel(out, ref) < RTOL[jnp.float32]
+    assert rel_fro(out, ref) < RTOL[jnp.float32]
 
 
 def test_row_tiling_and_splits():
@@ -410,6 +394,6 @@ def test_prefill_chunk_with_the_kernel_matches_the_xla_path(stacked):
         second, cache = step(weights, cache, tokens[128:], jnp.int32(128), jnp.int32(70))
         runs[kernel] = (np.asarray(first), np.asarray(second[:70]), cache)
     (a1, a2, ca), (b1, b2, cb) = runs[True], runs[False]
-    assert rel(a1, b1) < 1e-5 and rel(a2, b2) < 1e-5
+    assert rel_fro(a1, b1) < 1e-5 and rel_fro(a2, b2) < 1e-5
     for x, y in zip(jax.tree.leaves((ca.k, ca.v)), jax.tree.leaves((cb.k, cb.v))):
-        assert rel(np.asarray(x)[..., :198, :, :], np.asarray(y)[..., :198, :, :]) < 1e-5
+        assert rel_fro(np.asarray(x)[..., :198, :, :], np.asarray(y)[..., :198, :, :]) < 1e-5

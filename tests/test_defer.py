@@ -12,14 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro
 from strata_jax import StrataError, defer, model, moe
 from strata_jax.options import EngineOptions, build, defer_cpu
 
 REL_TOL = 1e-5
-
-
-def rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # ---- the values table -----------------------------------------------------------------------------------------
@@ -124,7 +121,7 @@ def test_check_equals_unset_up_to_summation_order(engine_factory, tokens):
     check = all_cpu_engine(engine_factory, verify_defer_cpu="check", verify_defer_cpu_below="0.3")
     assert check.defer.mode == "check"
     for w in (1, 4):
-        assert rel(check.score(tokens, window=w), base.score(tokens, window=w)) <= REL_TOL
+        assert rel_fro(check.score(tokens, window=w), base.score(tokens, window=w)) <= REL_TOL
     d = check.stats.last.decode_experts
     assert d.distinct_cpu == d.distinct > 0  # every expert ran on the pool
 
@@ -136,8 +133,8 @@ def test_defer_matches_the_rule(engine_factory, tokens, below):
     for w in (1, 4):
         got = eng.score(tokens, window=w)
         want = deferred_reference(eng, tokens, w, float(below))
-        assert rel(got, want) <= REL_TOL, (below, w)
-        assert rel(got, base.score(tokens, window=w)) > 1e-3  # the deferral does change the output
+        assert rel_fro(got, want) <= REL_TOL, (below, w)
+        assert rel_fro(got, base.score(tokens, window=w)) > 1e-3  # the deferral does change the output
 
 
 def test_split_rows_exist_on_both_sides_of_the_threshold(engine_factory, tokens):
@@ -163,7 +160,7 @@ def test_a_late_phase_is_one_error_naming_layer_and_phase(engine_factory, tokens
     msg = str(info.value)
     assert "layer 1" in msg and f"{phase} rows did not arrive within 2.0 s" in msg and "\n" not in msg
     eng.reconfigure(pcie_frac=0.0)
-    assert rel(eng.score(tokens, window=4), want) <= REL_TOL  # usable again, same result
+    assert rel_fro(eng.score(tokens, window=4), want) <= REL_TOL  # usable again, same result
 
 
 def test_a_window_without_cpu_entries_makes_no_callback(engine_factory, tokens):

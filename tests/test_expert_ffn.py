@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import reference_ffn, rel_fro
 from pallas_kernels.cuda_lowering import lower_for_cuda
 from pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
 from strata_jax import moe
@@ -49,20 +50,7 @@ def make_case(seed: int, t: int, slot_ids, *, s: int = 12, h: int = 128, i: int 
 def f64_model(x, gate, up, down, slot_ids, combine) -> np.ndarray:
     """The kernel's arithmetic in float64: bf16 roundings of g, u, h and each expert's output; padding skipped."""
     x, gate, up, down = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, gate, up, down))
-    ids = np.asarray(slot_ids)
-    out = np.zeros((x.shape[0], x.shape[1]))
-    for n, slot in enumerate(ids):
-        if slot < 0:
-            continue
-        g, u = _bf16(x @ gate[slot].T), _bf16(x @ up[slot].T)  # [T, I]
-        h = _bf16(g / (1 + np.exp(-g)) * u)
-        out += np.asarray(combine, np.float64)[:, n:n + 1] * _bf16(h @ down[slot].T)  # [T, H]
-    return out
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    return reference_ffn((gate, up, down), x, np.asarray(slot_ids), combine, rnd=_bf16)
 
 
 CASES = {
@@ -84,8 +72,8 @@ def test_kernel_matches_reference(name):
     args = make_case(**CASES[name])
     out = expert_ffn(*args, interpret=True)
     assert out.shape == args[0].shape and out.dtype == jnp.float32
-    assert rel(out, expert_ffn_reference(*args)) < REF_RTOL
-    assert rel(out, f64_model(*args)) < MODEL_RTOL
+    assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
+    assert rel_fro(out, f64_model(*args)) < MODEL_RTOL
 
 
 @pytest.mark.parametrize("name", ["t3_unused_repeat_pad", "t8_padded"])
@@ -93,7 +81,7 @@ def test_kernel_small_blocks(name):
     """Blocks smaller than the dimensions: the H and I loops take several steps, the experts split unevenly."""
     args = make_case(**CASES[name])
     out = expert_ffn(*args, interpret=True, **SMALL_BLOCKS)
-    assert rel(out, f64_model(*args)) < MODEL_RTOL
+    assert rel_fro(out, f64_model(*args)) < MODEL_RTOL
 
 
 def test_padding_reads_nothing():
@@ -103,7 +91,7 @@ def test_padding_reads_nothing():
     poison = lambda w: w.at[0].set(jnp.nan)
     out = expert_ffn(x, poison(gate), poison(up), poison(down), ids, combine, interpret=True)
     assert np.isfinite(np.asarray(out)).all()
-    assert rel(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < REF_RTOL
+    assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < REF_RTOL
 
 
 @pytest.mark.parametrize("name", ["t3_unused_repeat_pad", "t8_padded"])
@@ -222,7 +210,7 @@ def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, 
         out[kernel] = jax.jit(path, static_argnums=0)(0, x, w, valid, state)
     (y_xla, s_xla), (y_pallas, s_pallas) = out[False], out[True]
     y_xla, y_pallas = np.asarray(y_xla, np.float32), np.asarray(y_pallas, np.float32)
-    assert np.linalg.norm(y_pallas - y_xla) / np.linalg.norm(y_xla) < 2e-2
+    assert rel_fro(y_pallas, y_xla) < 2e-2
     np.testing.assert_array_equal(np.asarray(s_pallas.table), np.asarray(s_xla.table))
     np.testing.assert_array_equal(np.asarray(s_pallas.counters), np.asarray(s_xla.counters))
     if slots:
@@ -294,8 +282,8 @@ def test_quantized_kernel_matches_reference(fmt, name):
         assert args[-3].shape[1] == args[1].shape[-1] * 2 // quant.get_format(fmt).group
     out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if name == "t8_padded" else {}))
     assert out.shape == args[0].shape and out.dtype == jnp.float32
-    assert rel(out, expert_ffn_reference(*args)) < REF_RTOL
-    assert rel(out, f64_quant_model(*args)) < MODEL_RTOL
+    assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
+    assert rel_fro(out, f64_quant_model(*args)) < MODEL_RTOL
 
 
 @pytest.mark.parametrize("fmt,bound", [("int8", 3e-2), ("int4", 0.25)])
@@ -305,7 +293,7 @@ def test_quantized_is_close_to_the_bf16_experts(fmt, bound):
     bf16_args = make_case(**CASES["t8_padded"])
     got = expert_ffn_reference(*args)
     want = expert_ffn_reference(*bf16_args)
-    assert 0 < rel(got, want) < bound
+    assert 0 < rel_fro(got, want) < bound
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

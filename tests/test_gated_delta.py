@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro, with_garbage
 from pallas_kernels.cuda_lowering import lower_for_cuda
 from pallas_kernels.gated_delta import gated_delta_step, gated_delta_step_reference
 
@@ -48,18 +49,6 @@ def make_case(seed: int, t: int, hk: int, hv: int, dk: int, dv: int, dtype):
     return q, k, v, g, beta, state
 
 
-def with_garbage(x, first_bad: int, seed: int):
-    """Rows >= first_bad (axis 0) replaced by huge random values with NaN and +-inf sprinkled in."""
-    rng = np.random.default_rng(seed)
-    bad = np.asarray(x, np.float32).copy()
-    tail = rng.standard_normal(bad[first_bad:].shape) * 1e30
-    tail[rng.random(tail.shape) < 0.3] = np.nan
-    tail[rng.random(tail.shape) < 0.1] = np.inf
-    tail[rng.random(tail.shape) < 0.1] = -np.inf
-    bad[first_bad:] = tail
-    return jnp.asarray(bad, x.dtype)
-
-
 def naive(q, k, v, g, beta, state, n_valid):
     """transformers' torch_recurrent_gated_delta_rule, one value head and one row at a time, in float64."""
     q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
@@ -81,11 +70,6 @@ def naive(q, k, v, g, beta, state, n_valid):
     return out, states
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.mark.parametrize("dtype", DTYPES.keys())
 @pytest.mark.parametrize("name", CASES.keys())
 def test_kernel_matches_reference(name, dtype):
@@ -96,7 +80,7 @@ def test_kernel_matches_reference(name, dtype):
     assert out.shape == (t, hv, dv) and out.dtype == jnp.float32
     assert states.shape == (t, hv, dk, dv) and states.dtype == jnp.float32
     want_out, want_states = gated_delta_step_reference(*args, nv)
-    assert rel(out, want_out) < RTOL and rel(states, want_states) < RTOL
+    assert rel_fro(out, want_out) < RTOL and rel_fro(states, want_states) < RTOL
 
     # Padding rows keep the state of the last valid row (the initial state when none is valid), bit for bit.
     last = np.asarray(states[n_valid - 1]) if n_valid else np.asarray(args[-1])
@@ -121,7 +105,7 @@ def test_reference_matches_naive_loop(name, dtype):
     args = make_case(100 + len(name), t, hk, hv, dk, dv, DTYPES[dtype])
     out, states = gated_delta_step_reference(*args, jnp.int32(n_valid))
     want_out, want_states = naive(*args, n_valid)
-    assert rel(out, want_out) < RTOL and rel(states, want_states) < RTOL
+    assert rel_fro(out, want_out) < RTOL and rel_fro(states, want_states) < RTOL
 
 
 def test_unsupported_shapes():
@@ -172,5 +156,5 @@ def test_compiled_kernel_matches_reference_on_gpu(dtype, block_dv):
             nv = jnp.int32(n_valid)
             out, states = gated_delta_step(*args, nv, block_dv=block_dv)
             want_out, want_states = gated_delta_step_reference(*args, nv)
-            assert rel(out, want_out) < RTOL and rel(states, want_states) < RTOL, (t, n_valid)
-            assert rel(states, naive(*args, n_valid)[1]) < RTOL, (t, n_valid)
+            assert rel_fro(out, want_out) < RTOL and rel_fro(states, want_states) < RTOL, (t, n_valid)
+            assert rel_fro(states, naive(*args, n_valid)[1]) < RTOL, (t, n_valid)

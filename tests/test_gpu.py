@@ -6,13 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import rel_fro
 from strata_jax import StrataError
 
 pytestmark = pytest.mark.gpu
-
-
-def rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +31,7 @@ def test_offload_is_exact_on_gpu(engine_factory, tokens, frac):
     eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, pcie_frac=1.0)
     eng.reconfigure(pcie_frac=frac, cache_policy="lru")
     for w in (1, 4):
-        assert rel(eng.score(tokens, window=w), ref.score(tokens, window=w)) <= 1e-5
+        assert rel_fro(eng.score(tokens, window=w), ref.score(tokens, window=w)) <= 1e-5
     assert eng.generate(tokens[:9], 10, stop_token_ids=[]) == ref.generate(tokens[:9], 10, stop_token_ids=[])
     d = eng.stats.last.decode_experts
     assert d.entries == d.entries_resident + d.entries_fetched + d.entries_cpu > 0
@@ -57,7 +54,7 @@ def test_the_pallas_expert_kernel_in_the_engine(engine_factory, tokens, slots):
     common = dict(dtype="bfloat16", window=4, context=64, expert_cache_slots=slots, pcie_frac=1.0)
     xla = engine_factory(None, expert_kernel="xla", attention_kernel="xla", **common).score(tokens, window=4)
     pallas = engine_factory(None, expert_kernel="pallas", attention_kernel="xla", **common).score(tokens, window=4)
-    assert rel(pallas, xla) < 3e-2
+    assert rel_fro(pallas, xla) < 3e-2
     assert (pallas.argmax(-1) == xla.argmax(-1)).mean() > 0.8
 
 
@@ -68,7 +65,7 @@ def test_the_pallas_attention_kernel_in_the_engine(engine_factory, tokens, dtype
     common = dict(dtype=dtype, window=4, context=64, expert_cache_slots="5", pcie_frac=1.0)
     xla = engine_factory(None, expert_kernel="xla", attention_kernel="xla", **common).score(tokens, window=4)
     pallas = engine_factory(None, expert_kernel="xla", attention_kernel="pallas", **common).score(tokens, window=4)
-    assert rel(pallas, xla) < bound
+    assert rel_fro(pallas, xla) < bound
     assert (pallas.argmax(-1) == xla.argmax(-1)).mean() > 0.8
 
 
@@ -92,6 +89,6 @@ def test_the_scanned_layers_on_gpu(engine_factory, tokens, dtype, kernels, bound
     assert scanned.scanned and not unrolled.scanned
     for w in (1, 4):
         a, b = scanned.score(tokens, window=w), unrolled.score(tokens, window=w)
-        assert rel(a, b) < bound
+        assert rel_fro(a, b) < bound
         assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.8
     assert scanned.generate(tokens[:9], 10, stop_token_ids=[]) == scanned.generate(tokens[:9], 10, stop_token_ids=[])

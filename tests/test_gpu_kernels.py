@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro, with_garbage
 from pallas_kernels.copy_rows import (copy_rows_by_weight, copy_rows_by_weight_reference, copy_rows_from_mapped,
                                       copy_rows_from_mapped_reference)
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
@@ -23,18 +24,13 @@ from test_decode_attention import CASES as ATTN_CASES
 from test_decode_attention import PREFILL_CASES as ATTN_PREFILL_CASES
 from test_decode_attention import DTYPES as ATTN_DTYPES
 from test_decode_attention import RTOL as ATTN_RTOL
-from test_decode_attention import make_case, with_garbage
+from test_decode_attention import make_case
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]
 
 DRAWS = 3  # fresh random inputs per compiled shape
 EXPERT_FFN_RTOL = 1e-2  # tests/test_expert_ffn.py's REF_RTOL
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # ------------------------------------------------------------------------------------------------------- route_prior
@@ -82,16 +78,16 @@ def test_copy_rows_match_references(t, dtype):
         whole = copy_rows_from_mapped(y, mapped, w, mask, interpret=False)
         want = copy_rows_from_mapped_reference(y, mapped, w, mask)
         assert np.isfinite(np.asarray(whole)).all()  # the NaN rows were selected out, not multiplied by 0
-        assert rel(whole, want) <= 1e-6
+        assert rel_fro(whole, want) <= 1e-6
         np.testing.assert_allclose(np.asarray(whole), np.asarray(want), rtol=1e-6, atol=1e-6)
         for heavy in (True, False):
             got = copy_rows_by_weight(y, mapped, w, mask, thr, heavy=heavy, interpret=False)
             want = copy_rows_by_weight_reference(y, mapped, w, mask, thr, heavy=heavy)
-            assert rel(got, want) <= 1e-6
+            assert rel_fro(got, want) <= 1e-6
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
         heavy = copy_rows_by_weight(y, mapped, w, mask, thr, heavy=True, interpret=False)
         both = copy_rows_by_weight(heavy, mapped, w, mask, thr, heavy=False, interpret=False)
-        assert rel(both, whole) <= 1e-6
+        assert rel_fro(both, whole) <= 1e-6
 
 
 # -------------------------------------------------------------------------------------------------------- expert_ffn
@@ -141,7 +137,7 @@ def test_expert_ffn_matches_reference(qwen3_experts, t):
         assert np.isfinite(np.asarray(out)).all()
         # The reference op by op, as the CPU test calls it (under one jit, XLA:CPU's fused bf16 einsums land ~2e-2
         # from a float64 model; op by op ~5e-3).
-        assert rel(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < EXPERT_FFN_RTOL
+        assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < EXPERT_FFN_RTOL
 
 
 # -------------------------------------------------------------------------------------------------- decode_attention
@@ -158,7 +154,7 @@ def test_decode_attention_matches_reference(name, dtype):
         assert out.shape == q.shape and out.dtype == q.dtype
         with jax.default_matmul_precision("highest"):  # the reference's f32 einsums, not TF32
             ref = decode_attention_reference(q, k, v, p)
-        assert rel(out, ref) < ATTN_RTOL[dtype]
+        assert rel_fro(out, ref) < ATTN_RTOL[dtype]
         if pos + t < s:
             kg, vg = with_garbage(k, pos + t, seed=draw + 1), with_garbage(v, pos + t, seed=draw + 2)
             np.testing.assert_array_equal(np.asarray(decode_attention(q, kg, vg, p, interpret=False)),
@@ -176,7 +172,7 @@ def test_prefill_attention_matches_reference(name, dtype):
     out = decode_attention(q, k, v, p, interpret=False)
     with jax.default_matmul_precision("highest"):
         ref = decode_attention_reference(q, k, v, p)
-    assert rel(out, ref) < ATTN_RTOL[dtype]
+    assert rel_fro(out, ref) < ATTN_RTOL[dtype]
     if pos + t < s:
         kg, vg = with_garbage(k, pos + t, seed=1), with_garbage(v, pos + t, seed=2)
         np.testing.assert_array_equal(np.asarray(decode_attention(q, kg, vg, p, interpret=False)), np.asarray(out))
@@ -199,4 +195,5 @@ def test_stacked_linear_compiled(t, dtype):
                    for n in ns)
         got = stacked_linear(x, ws, jnp.int32(layer))
         assert np.isfinite(np.asarray(got)).all()
-        assert rel(got, stacked_linear_reference(x, ws, jnp.int32(layer))) < (1e-5 if dtype == jnp.float32 else 1e-3)
+        want = stacked_linear_reference(x, ws, jnp.int32(layer))
+        assert rel_fro(got, want) < (1e-5 if dtype == jnp.float32 else 1e-3)

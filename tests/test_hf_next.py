@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import HF_FIXTURES, hf_fixture_names
+from helpers import hf_reference, rel_fro
 from strata_jax import StrataError, config, deltanet
 from strata_jax.config import config_from_dict
 
@@ -15,15 +16,6 @@ NEXT = sorted(p.name for p in HF_FIXTURES.glob("next_*") if (p / "reference.npz"
 W = 4
 EXACT = dict(dtype="float32", window=W, expert_cache_slots="all")
 TOL = 1e-4  # float32 against torch eager, as tests/test_hf_reference.py
-
-
-def reference(name):
-    with np.load(HF_FIXTURES / name / "reference.npz") as z:
-        return {k: z[k] for k in z.files}
-
-
-def rel(a, b):
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
 def test_next_fixtures_found():
@@ -93,8 +85,8 @@ def test_chunked_rule_equals_the_recurrent_rule():
         s = s * np.exp(g[i])[:, None, None]
         s = s + k[i][:, :, None] * ((v[i] - np.einsum("hd,hde->he", k[i], s)) * beta[i][:, None])[:, None, :]
         out_r.append(np.einsum("hd,hde->he", q[i], s))
-    assert rel(np.asarray(out_c)[:n_valid], np.stack(out_r)) < 1e-5
-    assert rel(last, s) < 1e-5
+    assert rel_fro(np.asarray(out_c)[:n_valid], np.stack(out_r)) < 1e-5
+    assert rel_fro(last, s) < 1e-5
 
 
 # ---- against transformers ----------------------------------------------------------------------------------------
@@ -102,15 +94,15 @@ def test_chunked_rule_equals_the_recurrent_rule():
 @pytest.fixture(scope="module", params=NEXT)
 def fixture(request, engine_factory):
     name = request.param
-    return name, engine_factory(HF_FIXTURES / name, **EXACT), reference(name)
+    return name, engine_factory(HF_FIXTURES / name, **EXACT), hf_reference(name)
 
 
 def test_chunked_prefill(engine_factory):
     """Chunks of 3 (< the state ring: every position's state kept) against transformers."""
     name = NEXT[0]
-    ref = reference(name)
+    ref = hf_reference(name)
     engine = engine_factory(HF_FIXTURES / name, **EXACT, prefill_chunk=3)
-    assert rel(engine.prefill_logits(ref["input_ids"]), ref["logits"]) < TOL
+    assert rel_fro(engine.prefill_logits(ref["input_ids"]), ref["logits"]) < TOL
     assert engine.generate(ref["prompt_ids"].tolist(), len(ref["greedy_ids"]), stop_token_ids=[]) == \
         ref["greedy_ids"].tolist()
 
@@ -152,10 +144,10 @@ def test_verify_windows_roll_the_state_back(fixture):
 def test_the_delta_kernel_runs_the_same_rule(engine_factory):
     """delta_kernel=pallas (interpreted off the GPU) against transformers and the XLA rule's greedy output."""
     name = NEXT[0]
-    ref = reference(name)
+    ref = hf_reference(name)
     engine = engine_factory(HF_FIXTURES / name, **EXACT, delta_kernel="pallas")
     for window in (1, W):
-        assert rel(engine.score(ref["input_ids"][:12], window=window), ref["logits"][:12]) < TOL, window
+        assert rel_fro(engine.score(ref["input_ids"][:12], window=window), ref["logits"][:12]) < TOL, window
     prompt = ref["prompt_ids"].tolist()
     xla = engine_factory(HF_FIXTURES / name, **EXACT)
     assert engine.generate(prompt, 10, spec=W - 1, stop_token_ids=[]) == \
@@ -165,13 +157,13 @@ def test_the_delta_kernel_runs_the_same_rule(engine_factory):
 def test_placement_does_not_change_the_logits(engine_factory):
     """3 slots of 8 experts, half the misses over PCIe and half in the host pool, against all-resident."""
     name = NEXT[0]
-    ref = reference(name)
+    ref = hf_reference(name)
     resident = engine_factory(HF_FIXTURES / name, **EXACT)
     placed = engine_factory(HF_FIXTURES / name, dtype="float32", window=W, expert_cache_slots=3, pcie_frac=0.5,
                             cpu_threads=2)
     ids = ref["input_ids"]
-    assert rel(placed.score(ids), resident.score(ids)) < 1e-5
-    assert rel(placed.prefill_logits(ids), resident.prefill_logits(ids)) < 1e-5
+    assert rel_fro(placed.score(ids), resident.score(ids)) < 1e-5
+    assert rel_fro(placed.prefill_logits(ids), resident.prefill_logits(ids)) < 1e-5
     prompt = ref["prompt_ids"].tolist()
     out = placed.generate(prompt, 12, spec=W - 1, stop_token_ids=[])
     moved = placed.stats.last.decode_experts
@@ -182,9 +174,9 @@ def test_placement_does_not_change_the_logits(engine_factory):
 def test_prefix_reuse_continues_from_the_kept_state(engine_factory):
     """Chunks of 5 (the chunked rule over several chunks); a second turn starts from the state the first kept."""
     name = NEXT[0]
-    ref = reference(name)
+    ref = hf_reference(name)
     engine = engine_factory(HF_FIXTURES / name, **EXACT, prefill_chunk=5)
-    assert rel(engine.prefill_logits(ref["input_ids"]), ref["logits"]) < TOL
+    assert rel_fro(engine.prefill_logits(ref["input_ids"]), ref["logits"]) < TOL
     prompt = ref["prompt_ids"].tolist()
     for spec in (0, W - 1):
         out = engine.generate(prompt, 9, spec=spec, stop_token_ids=[])
@@ -201,7 +193,7 @@ def test_the_gpu_kernels_on_next(engine_factory):
     """bfloat16 on the GPU with every kernel 'auto' (the Pallas expert FFN, attention products and, where
     head_dim allows, decode attention) and the Pallas delta rule, against the same model with XLA everywhere."""
     name = NEXT[0]
-    ref = reference(name)
+    ref = hf_reference(name)
     common = dict(dtype="bfloat16", window=W, expert_cache_slots="all")
     fast = engine_factory(HF_FIXTURES / name, delta_kernel="pallas", **common)
     xla = engine_factory(HF_FIXTURES / name, expert_kernel="xla", attention_kernel="xla", dense_kernel="xla",
@@ -211,7 +203,7 @@ def test_the_gpu_kernels_on_next(engine_factory):
         a, b = fast.score(ref["input_ids"], window=window), xla.score(ref["input_ids"], window=window)
         # Not against float32: this fixture amplifies bf16 rounding (transformers' own bf16 logits are 0.38 from its
         # float32 ones here, against 0.01 for the Qwen3-MoE fixtures), so only the two bf16 paths are compared.
-        assert rel(a, b) < 5e-2, window
+        assert rel_fro(a, b) < 5e-2, window
         assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.8
     prompt = ref["prompt_ids"].tolist()
     assert fast.generate(prompt, 12, spec=W - 1, stop_token_ids=[]) == fast.generate(prompt, 12, stop_token_ids=[])
@@ -258,7 +250,7 @@ def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder
     compiled = engine._mtp_graphs()
     for key in [key for key in compiled if key[0] == "fused"]:
         compiled[key] = spy(compiled[key])
-    prompt = reference(NEXT[0])["prompt_ids"].tolist()
+    prompt = hf_reference(NEXT[0])["prompt_ids"].tolist()
     plain = engine.generate(prompt, 20, spec=0, stop_token_ids=[])
     for spec in (1, W - 1):
         firsts.clear()
@@ -288,7 +280,7 @@ def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder
 def test_mtp_without_the_module_is_a_line_and_ngram(engine_factory, capfd):
     name = NEXT[0]
     engine = engine_factory(HF_FIXTURES / name, **EXACT)
-    prompt = reference(name)["prompt_ids"].tolist()
+    prompt = hf_reference(name)["prompt_ids"].tolist()
     ngram = engine.generate(prompt, 12, draft="ngram", stop_token_ids=[])
     ngram_stats = engine.stats.last
     capfd.readouterr()
@@ -509,7 +501,7 @@ def test_qwen35_missing_tensor_is_one_line(tmp_path):
 
 def test_qwen35_verify_windows_roll_the_state_back(engine_factory):
     """Drafts accepted and rejected on the Qwen3.5 fixture: speculative greedy equals transformers' greedy."""
-    ref = reference(QWEN35)
+    ref = hf_reference(QWEN35)
     engine = engine_factory(HF_FIXTURES / QWEN35, **EXACT)
     prompt, greedy = ref["prompt_ids"].tolist(), ref["greedy_ids"].tolist()
     assert engine.generate(prompt, len(greedy), spec=W - 1, draft=OracleDrafter(len(prompt), greedy),

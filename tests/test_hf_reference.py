@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import HF_FIXTURES, hf_fixture_names
+from helpers import hf_reference, rel_fro
 
 NAMES = hf_fixture_names()
 W = 4
@@ -27,15 +28,10 @@ def test_fixtures_found():
     assert len(NAMES) >= 5, f"expected the committed HF fixtures in {HF_FIXTURES}, found {NAMES}"
 
 
-def reference(name):
-    with np.load(HF_FIXTURES / name / "reference.npz") as z:
-        return {k: z[k] for k in z.files}
-
-
 def assert_logits_close(got, ref, what):
     assert got.shape == ref.shape, f"{what}: shape {got.shape} != reference {ref.shape}"
     assert np.all(np.isfinite(got)), f"{what}: non-finite logits"
-    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    rel = rel_fro(got, ref)
     assert rel <= REL_FRO_TOL, f"{what}: relative Frobenius error {rel:.3g} > {REL_FRO_TOL}"
     row_err = np.max(np.abs(got - ref), axis=1) / np.max(np.abs(ref), axis=1)
     worst = int(np.argmax(row_err))
@@ -46,12 +42,12 @@ def assert_logits_close(got, ref, what):
 @pytest.fixture(scope="module", params=NAMES)
 def fixture(request, engine_factory):
     name = request.param
-    return name, engine_factory(HF_FIXTURES / name, **EXACT), reference(name)
+    return name, engine_factory(HF_FIXTURES / name, **EXACT), hf_reference(name)
 
 
 @pytest.fixture(scope="module")
 def chunked(engine_factory):
-    return engine_factory(HF_FIXTURES / CHUNKED, **EXACT, **CHUNK_OPTIONS), reference(CHUNKED)
+    return engine_factory(HF_FIXTURES / CHUNKED, **EXACT, **CHUNK_OPTIONS), hf_reference(CHUNKED)
 
 
 def test_prefill_logits(fixture):

@@ -8,13 +8,13 @@ so the same 1e-5 applies: only float32 accumulation differs.
 
 import os
 import time
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import random_layers, reference_ffn, rel_fro, rng_for
 from host_pool import (HostExpertStore, HostPool, HostPoolError, cpu_expert_rows,
                        unwrap_pool_error)
 from host_pool import pool as pool_module
@@ -26,16 +26,9 @@ LAYERS, E, H, I = 2, 6, 80, 72
 REL_TOL = 1e-5
 
 
-def rng_for(name: str) -> np.random.Generator:
-    """A fresh generator with a seed per test (and per parameter set)."""
-    return np.random.default_rng(zlib.crc32(name.encode()))
-
-
 def make_layers(rng, dtype=np.float32):
-    """Per layer (gate [E, I, H], up [E, I, H], down [E, H, I])."""
-    return [tuple((0.1 * rng.standard_normal(shape)).astype(dtype)
-                  for shape in ((E, I, H), (E, I, H), (E, H, I)))
-            for _ in range(LAYERS)]
+    """Per layer (gate [E, I, H], up [E, I, H], down [E, H, I]) at this file's sizes."""
+    return random_layers(rng, dtype, layers=LAYERS, e=E, h=H, i=I)
 
 
 def make_inputs(rng, T, ids):
@@ -47,31 +40,6 @@ def make_inputs(rng, T, ids):
     if T > 1 and ids.size > 1:
         w[0, 0] = 0.0  # token 0 does not use expert ids[0]
     return x, ids, w
-
-
-def bf16_round(a):
-    """float64 -> the nearest bf16 value, as float64."""
-    return a.astype(np.float32).astype(BF16).astype(np.float64)
-
-
-def reference(layer_weights, x, ids, w):
-    """float64 y [T, H] = sum_n w[:, n] * down_e @ (silu(gate_e @ x) * (up_e @ x)). bf16 weights: g, u, h and each
-    expert's output rounded to bf16 where the device rounds them (the pool must round at the same points)."""
-    rnd = bf16_round if layer_weights[0].dtype == BF16 else (lambda a: a)
-    gate, up, down = (a.astype(np.float64) for a in layer_weights)
-    x, w = x.astype(np.float64), w.astype(np.float64)
-    y = np.zeros((x.shape[0], gate.shape[2]))
-    for n, e in enumerate(ids):
-        if e < 0:
-            continue
-        g, u = rnd(x @ gate[e].T), rnd(x @ up[e].T)  # [T, I]
-        h = rnd(g / (1.0 + np.exp(-g)) * u)          # silu(g) * u
-        y += w[:, n:n + 1] * rnd(h @ down[e].T)      # [T, H]
-    return y
-
-
-def rel_error(y, ref):
-    return np.linalg.norm(y - ref) / np.linalg.norm(ref)
 
 
 IDS_CASES = {"one": [4], "several_padded": [5, -1, 0, 3, -1]}
@@ -88,7 +56,7 @@ def test_matches_reference(make_pool, dtype, threads, T, ids_case):
     x, ids, w = make_inputs(rng, T, IDS_CASES[ids_case])
     y = pool.compute(1, x, ids, w)
     assert y.dtype == np.float32 and y.shape == (T, H)
-    assert rel_error(y, reference(layers[1], x, ids, w)) < REL_TOL
+    assert rel_fro(y, reference_ffn(layers[1], x, ids, w)) < REL_TOL
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
@@ -105,7 +73,7 @@ def test_default_threads_follow_the_cpu_affinity(make_pool):
         os.sched_setaffinity(0, before)
     assert pool.threads == 1 and pool_module.usable_cores() == len(before)
     x, ids, w = make_inputs(rng, 2, [3, 1])
-    assert rel_error(pool.compute(0, x, ids, w), reference(layers[0], x, ids, w)) < REL_TOL
+    assert rel_fro(pool.compute(0, x, ids, w), reference_ffn(layers[0], x, ids, w)) < REL_TOL
 
 
 def test_bf16_converted_in_many_chunks(make_pool, monkeypatch):
@@ -114,7 +82,7 @@ def test_bf16_converted_in_many_chunks(make_pool, monkeypatch):
     layers = make_layers(rng, BF16)
     pool = make_pool(layers, threads=3)
     x, ids, w = make_inputs(rng, 4, [2, 1, -1])
-    assert rel_error(pool.compute(0, x, ids, w), reference(layers[0], x, ids, w)) < REL_TOL
+    assert rel_fro(pool.compute(0, x, ids, w), reference_ffn(layers[0], x, ids, w)) < REL_TOL
 
 
 def test_all_padding_gives_zeros(make_pool):
@@ -133,7 +101,7 @@ def test_submit_collect_matches_compute(make_pool):
     for handle, (layer, x, ids, w) in zip(handles, jobs):
         y = pool.collect(handle)
         np.testing.assert_array_equal(y, pool.compute(layer, x, ids, w))
-        assert rel_error(y, reference(layers[layer], x, ids, w)) < REL_TOL
+        assert rel_fro(y, reference_ffn(layers[layer], x, ids, w)) < REL_TOL
 
 
 def test_stats_count_bytes_jobs_and_reset(make_pool):
@@ -167,7 +135,7 @@ def test_raising_job_then_next_call_succeeds(make_pool, threads):
     with pytest.raises(HostPoolError, match=r"^host pool: layer 1 expert job failed: .*injected") as info:
         pool.compute(1, x, ids, w)
     assert info.value.layer == 1
-    assert rel_error(pool.compute(1, x, ids, w), reference(layers[1], x, ids, w)) < REL_TOL
+    assert rel_fro(pool.compute(1, x, ids, w), reference_ffn(layers[1], x, ids, w)) < REL_TOL
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -184,7 +152,7 @@ def test_hanging_job_times_out_then_next_call_succeeds(make_pool, threads):
     assert info.value.layer == 0
     assert time.perf_counter() - start < 2.0
     # The next call runs on fresh threads.
-    assert rel_error(pool.compute(0, x, ids, w), reference(layers[0], x, ids, w)) < REL_TOL
+    assert rel_fro(pool.compute(0, x, ids, w), reference_ffn(layers[0], x, ids, w)) < REL_TOL
     # The abandoned generation's threads end (its driver was left waiting forever on cancelled thread jobs before,
     # and the process then hung at exit joining it): at most the fresh generation's driver is left.
     deadline = time.perf_counter() + 3.0
@@ -233,7 +201,7 @@ def test_bridge_inside_jit_matches_pool(make_pool):
     x_rounded = x.astype(BF16).astype(np.float32)  # what the graph passes on
     y = np.asarray(step(x, ids, w))
     np.testing.assert_allclose(y, 2.0 * pool.compute(1, x_rounded, ids, w), rtol=1e-6, atol=1e-6)
-    assert rel_error(y / 2.0, reference(layers[1], x_rounded, ids, w)) < REL_TOL
+    assert rel_fro(y / 2.0, reference_ffn(layers[1], x_rounded, ids, w)) < REL_TOL
 
 
 def test_bridge_with_traced_layer(make_pool):
@@ -244,7 +212,7 @@ def test_bridge_with_traced_layer(make_pool):
     run = jax.jit(lambda layer, x, ids, w: cpu_expert_rows(pool, layer, x, ids, w))
     for layer in (0, 1):
         y = np.asarray(run(jnp.int32(layer), x, ids, w))
-        assert rel_error(y, reference(layers[layer], x, ids, w)) < REL_TOL
+        assert rel_fro(y, reference_ffn(layers[layer], x, ids, w)) < REL_TOL
 
 
 def test_bridge_error_unwraps_to_pool_error(make_pool):
@@ -261,7 +229,7 @@ def test_bridge_error_unwraps_to_pool_error(make_pool):
     assert isinstance(error, HostPoolError) and error.layer == 1
     assert str(error) == "host pool: layer 1 expert job failed: RuntimeError: injected fault"
     # The same jitted function works on the next call.
-    assert rel_error(np.asarray(run(x, ids, w)), reference(layers[1], x, ids, w)) < REL_TOL
+    assert rel_fro(np.asarray(run(x, ids, w)), reference_ffn(layers[1], x, ids, w)) < REL_TOL
 
 
 def test_unwrap_ignores_other_errors():

@@ -2,17 +2,16 @@
 
 The pool dequantizes row chunks exactly ((nibble - 8) * scale fits float32) and runs the float32 products, rounding
 to the compute dtype where the bf16 / int8 paths round. The reference is float64 over quant.dequantize's weights
-with the same rounding points (tests/test_host_pool.py's `reference`): 1e-5 relative in float32 compute. In bf16
+with the same rounding points (tests/helpers.py's `reference_ffn`): 1e-5 relative in float32 compute. In bf16
 compute a float32 sum that lands next to a bf16 rounding boundary may round the other way than its float64
 reference (one ulp, 2^-8, in that element): the bound is that ulp. The device's XLA path (moe.expert_ffn) gives the
 same rows.
 """
 
-import zlib
-
 import numpy as np
 import pytest
 
+from helpers import reference_ffn, reference_rows, rel_fro, rng_for, rounding
 from host_pool import HostExpertStore, HostPool, HostPoolError, native
 from host_pool import store as store_module
 from host_pool.store import BF16
@@ -22,10 +21,6 @@ from strata_jax import quant
 LAYERS, E, H, I = 2, 6, 192, 128
 TOL = {"float32": 1e-5, "bfloat16": 2.0**-8}
 THRESHOLD = 0.5
-
-
-def rng_for(name: str) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(name.encode()))
 
 
 def make_layers(rng, fmt="int4"):
@@ -39,35 +34,6 @@ def make_layers(rng, fmt="int4"):
         layers.append(([quant.dequantize(qa).astype(np.float64) for qa in qs],
                        (*(qa.q for qa in qs), *(qa.scale for qa in qs))))
     return layers
-
-
-def rounding(compute_dtype):
-    if compute_dtype == "float32":
-        return lambda a: a
-    return lambda a: a.astype(np.float32).astype(BF16).astype(np.float64)
-
-
-def expert_rows(weights, compute_dtype, x, e):
-    """float64 [T, H] = down_e @ (silu(gate_e @ x) * (up_e @ x)), rounded where the device rounds (g, u, h, the
-    expert's output) in bf16 compute."""
-    rnd = rounding(compute_dtype)
-    gate, up, down = weights
-    g, u = rnd(x @ gate[e].T), rnd(x @ up[e].T)      # [T, I]
-    return rnd(rnd(g / (1.0 + np.exp(-g)) * u) @ down[e].T)
-
-
-def reference(weights, compute_dtype, x, ids, w):
-    """float64 y [T, H] = sum_n w[:, n] * expert e_n's rows."""
-    x, w = x.astype(np.float64), w.astype(np.float64)
-    y = np.zeros((x.shape[0], H))
-    for n, e in enumerate(ids):
-        if e >= 0:
-            y += w[:, n:n + 1] * expert_rows(weights, compute_dtype, x, e)
-    return y
-
-
-def rel_error(y, ref):
-    return np.linalg.norm(y - ref) / np.linalg.norm(ref)
 
 
 def stored(layers) -> list:
@@ -111,7 +77,7 @@ def test_plain_jobs_match_reference(make_pool, compute_dtype, threads, T):
     w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
     y = pool.compute(1, x, ids, w)
     assert y.dtype == np.float32 and y.shape == (T, H)
-    assert rel_error(y, reference(layers[1][0], compute_dtype, x, ids, w)) < TOL[compute_dtype]
+    assert rel_fro(y, reference_ffn(layers[1][0], x, ids, w, rounding(compute_dtype))) < TOL[compute_dtype]
 
 
 def test_many_chunks_per_job(make_pool, monkeypatch):
@@ -122,7 +88,8 @@ def test_many_chunks_per_job(make_pool, monkeypatch):
     ids = np.array([2, 1, 4], np.int32)
     x = rng.standard_normal((3, H)).astype(np.float32)
     w = rng.uniform(0.1, 1.0, (3, 3)).astype(np.float32)
-    assert rel_error(pool.compute(0, x, ids, w), reference(layers[0][0], "float32", x, ids, w)) < TOL["float32"]
+    ref = reference_ffn(layers[0][0], x, ids, w, rounding("float32"))
+    assert rel_fro(pool.compute(0, x, ids, w), ref) < TOL["float32"]
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
@@ -140,9 +107,9 @@ def test_split_jobs_match_reference(make_pool, compute_dtype, T, K):
     heavy_rows = pool.wait_heavy(ticket).copy()
     rows = pool.collect_split(ticket)
     assert rows.dtype == np.float32 and rows.shape == (T, K, H)
+    ref = reference_rows(layers[0][0], x, ids, rounding(compute_dtype))
     for t, k in zip(*np.nonzero(ids >= 0)):
-        ref = expert_rows(layers[0][0], compute_dtype, x[t:t + 1].astype(np.float64), ids[t, k])[0]
-        assert rel_error(rows[t, k], ref) < TOL[compute_dtype], (t, k)
+        assert rel_fro(rows[t, k], ref[t, k]) < TOL[compute_dtype], (t, k)
     np.testing.assert_array_equal(rows[ids < 0], 0.0)
     heavy = (ids >= 0) & (w >= np.float32(THRESHOLD))
     np.testing.assert_array_equal(heavy_rows[heavy], rows[heavy])
@@ -169,7 +136,7 @@ def test_same_rows_as_the_device_xla_path(dtype):
                         np.float32)
     with HostPool(HostExpertStore([stored], compute_dtype=np.dtype(dtype)), threads=2) as pool:
         host = pool.compute(0, np.asarray(xd, np.float32), ids, w)
-    assert rel_error(host, device) < (1e-5 if dtype == "float32" else 2e-2)
+    assert rel_fro(host, device) < (1e-5 if dtype == "float32" else 2e-2)
 
 
 def test_sizes_and_bytes_read(make_pool):

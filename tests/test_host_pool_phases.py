@@ -7,13 +7,13 @@ for the weighted sum against the existing one-pass `HostPool.compute`.
 """
 
 import time
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import random_layers, reference_rows, rel_fro, rng_for
 from host_pool import (HostExpertStore, HostPool, HostPoolError, collect_cpu_rows,
                        submit_cpu_rows, unwrap_pool_error, wait_heavy_rows)
 from host_pool.store import BF16
@@ -23,15 +23,9 @@ REL_TOL = 1e-5
 THRESHOLD = 0.5
 
 
-def rng_for(name: str) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(name.encode()))
-
-
 def make_layers(rng, dtype=np.float32):
-    """Per layer (gate [E, I, H], up [E, I, H], down [E, H, I])."""
-    return [tuple((0.1 * rng.standard_normal(shape)).astype(dtype)
-                  for shape in ((E, I, H), (E, I, H), (E, H, I)))
-            for _ in range(LAYERS)]
+    """Per layer (gate [E, I, H], up [E, I, H], down [E, H, I]) at this file's sizes."""
+    return random_layers(rng, dtype, layers=LAYERS, e=E, h=H, i=I)
 
 
 def make_inputs(rng, T, K):
@@ -47,32 +41,10 @@ def make_inputs(rng, T, K):
     return x, ids, w
 
 
-def reference_rows(layer_weights, x, ids):
-    """float64 rows [T, K, H] = down_e @ (silu(gate_e @ x[t]) * (up_e @ x[t])), 0 for ids == -1."""
-    rnd = (lambda a: a.astype(np.float32).astype(BF16).astype(np.float64)) if layer_weights[0].dtype == BF16 else (
-        lambda a: a)  # bf16: rounded where the device rounds (g, u, h, the expert's output)
-    gate, up, down = (a.astype(np.float64) for a in layer_weights)
-    T, K = ids.shape
-    rows = np.zeros((T, K, x.shape[1]))
-    for t in range(T):
-        for k in range(K):
-            e = ids[t, k]
-            if e < 0:
-                continue
-            xt = x[t].astype(np.float64)
-            g, u = rnd(gate[e] @ xt), rnd(up[e] @ xt)
-            rows[t, k] = rnd(down[e] @ rnd(g / (1.0 + np.exp(-g)) * u))
-    return rows
-
-
-def rel_error(y, ref):
-    return np.linalg.norm(y - ref) / np.linalg.norm(ref)
-
-
 def assert_rows_close(rows, ref, ids):
     assert rows.dtype == np.float32 and rows.shape == ref.shape
     for t, k in zip(*np.nonzero(ids >= 0)):
-        assert rel_error(rows[t, k], ref[t, k]) < REL_TOL, (t, k)
+        assert rel_fro(rows[t, k], ref[t, k]) < REL_TOL, (t, k)
     np.testing.assert_array_equal(rows[ids < 0], 0.0)
 
 
@@ -113,7 +85,7 @@ def test_weighted_sum_matches_one_pass_compute(make_pool, threads):
     for t in range(T):
         w_one_pass[t, t * K:(t + 1) * K] = w[t]
     y_one_pass = pool.compute(0, x, ids.reshape(-1), w_one_pass)
-    assert rel_error(y_split, y_one_pass) < REL_TOL
+    assert rel_fro(y_split, y_one_pass) < REL_TOL
 
 
 def test_threshold_edges(make_pool):
@@ -213,7 +185,7 @@ def test_light_phase_stuck_heavy_still_arrives(make_pool):
     heavy_rows = pool.wait_heavy(ticket).copy()  # would raise at the 1 s deadline if not signalled
     assert time.perf_counter() - start < 1.0
     for t, k in zip(*np.nonzero(heavy)):
-        assert rel_error(heavy_rows[t, k], ref[t, k]) < REL_TOL
+        assert rel_fro(heavy_rows[t, k], ref[t, k]) < REL_TOL
     np.testing.assert_array_equal(heavy_rows[~heavy], 0.0)
     with pytest.raises(HostPoolError) as info:
         pool.collect_split(ticket)
@@ -367,6 +339,6 @@ def test_bridge_submit_and_wait_heavy_do_not_wait_for_light_phase(make_pool):
     heavy = heavy_mask(ids, w, THRESHOLD)
     ref = reference_rows(layers[0], x, ids)
     for t, k in zip(*np.nonzero(heavy)):
-        assert rel_error(np.asarray(heavy_rows)[t, k], ref[t, k]) < REL_TOL
+        assert rel_fro(np.asarray(heavy_rows)[t, k], ref[t, k]) < REL_TOL
     with pytest.raises(HostPoolError, match="^host pool: layer 0 light rows did not arrive within 1.0 s$"):
         pool.collect_split(int(ticket))

@@ -20,15 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro
 from strata_jax import StrataError, model
 from conftest import run_cli
 
 COMMON = dict(dtype="float32", window=2, context=128, prefill_chunk=32)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +69,8 @@ def test_xla_attention_reads_int8_as_the_kernel_reference_does():
         got = model._xla_attention(q, kc, vc, p + jnp.arange(t, dtype=jnp.int32))
         ref = decode_attention_reference(q, kc.q, vc.q, p, kc.scale, vc.scale).reshape(t, nq * d)
         deq = decode_attention_reference(q, model.dequantize_kv(kc), model.dequantize_kv(vc), p).reshape(t, nq * d)
-    assert rel(got, ref) < 1e-6
-    assert rel(got, deq) < 1e-5
+    assert rel_fro(got, ref) < 1e-6
+    assert rel_fro(got, deq) < 1e-5
 
 
 def test_logits_close_to_the_unquantized_cache(engine_factory, prompt):
@@ -83,9 +79,9 @@ def test_logits_close_to_the_unquantized_cache(engine_factory, prompt):
     assert isinstance(int8.cache.k, model.QuantKV) and int8.cache.k.q.dtype == jnp.int8  # scanned: stacked
     assert "int8" in int8.kv_cache_line() and "MiB" in int8.kv_cache_line()
     a, b = auto.score(prompt, window=2), int8.score(prompt, window=2)
-    assert rel(b, a) < 1.5e-2
+    assert rel_fro(b, a) < 1.5e-2
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.97
-    assert rel(int8.prefill_logits(prompt), auto.prefill_logits(prompt)) < 1.5e-2
+    assert rel_fro(int8.prefill_logits(prompt), auto.prefill_logits(prompt)) < 1.5e-2
     want = auto.generate(prompt[:40], 24, stop_token_ids=[], draft="none")
     assert int8.generate(prompt[:40], 24, stop_token_ids=[], draft="none") == want
 
@@ -106,7 +102,7 @@ def test_placement_independence_with_int8_kv(engine_factory, prompt):
     assert offloaded.placement is not None and isinstance(offloaded.cache.k[0], model.QuantKV)
     for w in (1, 2):
         offloaded.reconfigure(pcie_frac=1.0)
-        err = rel(offloaded.score(prompt, window=w), resident.score(prompt, window=w))
+        err = rel_fro(offloaded.score(prompt, window=w), resident.score(prompt, window=w))
         assert err <= bound, (w, err)
     first = resident.generate(prompt[:30], 8, stop_token_ids=[])
     assert offloaded.generate(prompt[:30], 8, stop_token_ids=[]) == first
@@ -146,5 +142,5 @@ def test_the_pallas_attention_kernel_reads_the_int8_cache(engine_factory):
     common = dict(dtype="bfloat16", window=4, context=64, expert_cache_slots="all", kv_dtype="int8")
     xla = engine_factory(None, attention_kernel="xla", **common).score(tokens, window=4)
     pallas = engine_factory(None, attention_kernel="pallas", **common).score(tokens, window=4)
-    assert rel(pallas, xla) < 3e-2
+    assert rel_fro(pallas, xla) < 3e-2
     assert (pallas.argmax(-1) == xla.argmax(-1)).mean() > 0.8

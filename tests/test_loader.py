@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import HF_FIXTURES, copy_fixture
+from helpers import one_line_refusal, rel_fro
 from strata_jax import Engine, StrataError
 
 W = 4
@@ -19,11 +20,7 @@ RESIDENT = dict(expert_cache_slots="all")  # every expert on the device: the exa
 
 def refused(path, cache_dir, **options) -> str:
     options.setdefault("dtype", "float32")
-    with pytest.raises(StrataError) as e:
-        Engine.from_pretrained(path, verbose=False, cache_dir=str(cache_dir), **options)
-    msg = str(e.value)
-    assert "\n" not in msg, f"not one line: {msg!r}"
-    return msg
+    return one_line_refusal(Engine.from_pretrained, path, verbose=False, cache_dir=str(cache_dir), **options)
 
 
 def shape_in(msg: str, shape) -> bool:
@@ -130,7 +127,7 @@ def test_bfloat16_close_to_reference(engine_factory):
         assert got.dtype == np.float32
         # bfloat16 weights and activations (8-bit mantissa) through 2 layers: measured ~1e-2 relative Frobenius
         # (||got - ref||_F / ||ref||_F over [24, 256]); 5e-2 is loose but catches a wrong layout or dtype mix-up.
-        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        rel = rel_fro(got, ref)
         assert rel <= 5e-2, rel
         # ... and the engine really computed in bfloat16: far from its float32 twin (which is ~5e-7 from ref)
         assert np.linalg.norm(got - f32.score(ids)) / np.linalg.norm(ref) > 1e-4

@@ -9,16 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import rel_fro
 from strata_jax import Engine, StrataError
 from strata_jax.config import preset
 from conftest import run_cli
 
 REL_TOL = 1e-5
 N_EXPERTS = 16  # the embedded model (configs/tiny.json)
-
-
-def rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +49,9 @@ def test_logits_and_greedy_do_not_depend_on_placement(engine_factory, reference,
             eng.reconfigure(pcie_frac=frac, cache_policy=policy)
             for w in (1, 2, 3, 4):
                 got = eng.score(tokens, window=w)
-                assert rel(got, ref_scores[w]) <= REL_TOL, (policy, frac, w)
+                assert rel_fro(got, ref_scores[w]) <= REL_TOL, (policy, frac, w)
                 # the same window run again on a now-warm cache
-            assert rel(eng.score(tokens, window=4), ref_scores[4]) <= REL_TOL
+            assert rel_fro(eng.score(tokens, window=4), ref_scores[4]) <= REL_TOL
             assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy, (policy, frac)
             d = eng.stats.last.decode_experts
             assert d.entries == d.entries_resident + d.entries_fetched + d.entries_cpu > 0
@@ -201,8 +198,8 @@ def test_bf16_logits_do_not_depend_on_history(engine_factory):
     # float32 summation order (GPU blocks and the pool's share change with the slots) may flip a bf16 rounding of
     # a layer's output; on a CPU nothing moves (0 measured; 7e-3 with the pool in float32 throughout, 6e-4 with
     # XLA's excess precision on). The reference is the default all-resident engine: the scanned graph.
-    assert rel(after, before) < 1e-3
+    assert rel_fro(after, before) < 1e-3
     resident_engine = engine_factory(None, dtype="bfloat16", window=4, context=64, expert_cache_slots="all")
     assert resident_engine.scanned
     resident = resident_engine.score(tokens, window=4)
-    assert max(rel(after, resident), rel(before, resident)) < 1e-3
+    assert max(rel_fro(after, resident), rel_fro(before, resident)) < 1e-3

@@ -6,11 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro
 from strata_jax import quant
-
-
-def rel(a, b) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("name", list(quant.FORMATS))
@@ -37,7 +34,7 @@ def test_dequantized_within_half_a_step(name):
 def test_error_follows_bits_and_groups():
     rng = np.random.default_rng()
     w = rng.standard_normal((4, 64, 256)).astype(np.float32)
-    err = {name: rel(quant.dequantize(quant.quantize(w, name)), w) for name in quant.FORMATS}
+    err = {name: rel_fro(quant.dequantize(quant.quantize(w, name)), w) for name in quant.FORMATS}
     assert err["int8"] < 0.01
     assert err["int8"] < err["int4-g32"] < err["int4"] < err["int4-g128"] < 0.15
     assert err["int4-asym"] < err["int3"] < err["int2"]
@@ -126,11 +123,11 @@ def test_int8_experts_same_rows_on_the_device_and_the_host_pool(dtype):
     assert store.compute_dtype == np.dtype(jdt) and store.total_nbytes < sum(m.nbytes for m in mats) / 6
     with HostPool(store, threads=2) as pool:
         host = pool.compute(0, np.asarray(xd, np.float32), ids, w)
-    assert rel(host, device) < (1e-5 if dtype == "float32" else 2e-2)
+    assert rel_fro(host, device) < (1e-5 if dtype == "float32" else 2e-2)
     # and close to the float experts they came from
     float_rows = np.asarray(moe.expert_ffn(jnp.asarray(x), *(jnp.asarray(m[sel], jnp.float32) for m in mats),
                                            jnp.asarray(w)))
-    assert rel(host, float_rows) < 3e-2
+    assert rel_fro(host, float_rows) < 3e-2
 
 
 def test_the_store_wants_scales_with_int8():
@@ -157,16 +154,16 @@ def test_quantized_engine_is_placement_independent(engine_factory, cache_dir, ca
     assert f"experts: {fmt}" in capfd.readouterr().err
     assert base.weights.stacked  # all resident: the scanned body, scales stacked with their q
     ref = base.prefill_logits(ids)
-    assert 0 < rel(ref, want) < {"int8": 5e-2, "int4": 0.3}[fmt]
-    assert rel(base.score(ids), ref) < 1e-5
+    assert 0 < rel_fro(ref, want) < {"int8": 5e-2, "int4": 0.3}[fmt]
+    assert rel_fro(base.score(ids), ref) < 1e-5
     stored = quant.storage_dtype(fmt)
     for slots, frac in ((4, "0.5"), (0, "0")):  # fetches and the pool in one engine; then the pool alone
         eng = engine_factory(None, dtype="float32", expert_cache_slots=str(slots), pcie_frac=frac,
                              expert_dtype=fmt)
         assert eng.cache.experts[0].gate.dtype == stored  # the slots hold q
         assert eng.placement.pool.store.dtype == stored
-        assert rel(eng.prefill_logits(ids), ref) < 1e-5, (slots, frac)
-        assert rel(eng.score(ids), ref) < 1e-5, (slots, frac)
+        assert rel_fro(eng.prefill_logits(ids), ref) < 1e-5, (slots, frac)
+        assert rel_fro(eng.score(ids), ref) < 1e-5, (slots, frac)
         plain = eng.generate(ids, 12, spec=0, stop_token_ids=[])
         assert eng.generate(ids, 12, spec=3, stop_token_ids=[]) == plain
 
@@ -182,7 +179,7 @@ def test_quantized_state_saves_and_restores(engine_factory, tmp_path):
     back = Engine.from_pretrained(state, verbose=False, dtype="float32", expert_cache_slots="4", pcie_frac="0.5",
                                   expert_dtype="int4")
     assert back.placement.pool.store.dtype == np.uint8
-    assert rel(back.prefill_logits(ids), src.prefill_logits(ids)) < 1e-5
+    assert rel_fro(back.prefill_logits(ids), src.prefill_logits(ids)) < 1e-5
     with pytest.raises(StrataError, match="expert_dtype=int4 experts, but expert_dtype=auto"):
         Engine.from_pretrained(state, verbose=False, dtype="float32")
 
@@ -190,10 +187,10 @@ def test_quantized_state_saves_and_restores(engine_factory, tmp_path):
 def test_a_vram_budget_holds_about_four_times_the_int4_slots(monkeypatch):
     """expert_cache_slots=auto at the Qwen3-30B-A3B shape with 16 GiB free: int4 experts (scales counted on the
     device) get about 4x the bf16 slots, int8 about 2x."""
-    from strata_jax import offload, placement
+    from strata_jax import placement
     from strata_jax.config import preset
     from strata_jax.options import EngineOptions, build
-    monkeypatch.setattr(offload, "device_free_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr(placement, "device_free_bytes", lambda: 16 * 2**30)
     cfg = preset("qwen3-30b-a3b")
     slots = {fmt: placement.decide_slots(cfg, build(EngineOptions, dict(dtype="bfloat16", expert_dtype=fmt)), 2**30)[0]
              for fmt in ("auto", "int8", "int4")}
@@ -224,7 +221,7 @@ def test_quantized_kernel_in_the_engine_on_the_gpu(engine_factory, slots, fmt):
     kernel = engine_factory("reference", expert_kernel="pallas", **opts)
     xla = engine_factory("reference", expert_kernel="xla", **opts)
     assert kernel.expert_kernel == "pallas" and xla.expert_kernel == "xla"
-    assert rel(kernel.score(ids), xla.score(ids)) < 2e-2
+    assert rel_fro(kernel.score(ids), xla.score(ids)) < 2e-2
     out = kernel.generate(ids, 16, stop_token_ids=[])
     assert len(out) == 16
 
@@ -252,4 +249,4 @@ def test_int8_random_weights_for_benchmarks(cache_dir):
     offloaded = Engine.from_random(cfg, seed=3, expert_cache_slots="4", pcie_frac="0.5", **opts)
     assert resident.scanned and resident.weights.layers.ffn.gate.dtype == np.int8  # made per layer, then stacked
     ids = list(range(5, 40))
-    assert rel(offloaded.prefill_logits(ids), resident.prefill_logits(ids)) < 1e-5
+    assert rel_fro(offloaded.prefill_logits(ids), resident.prefill_logits(ids)) < 1e-5

@@ -10,14 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro
 from strata_jax import model
 from strata_jax.config import preset
 from strata_jax.engine import Engine
 from strata_jax.options import EngineOptions, build
-
-
-def rel(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +35,7 @@ def test_scanned_matches_unrolled(engine_factory, unrolled, tokens, kernels):
     assert scanned.scanned and scanned.weights.stacked and scanned.cache.k.ndim == 4
     assert not unrolled.scanned and isinstance(unrolled.cache.k, list)
     for w in ((1, 3, 4) if not kernels else (1, 4)):
-        assert rel(scanned.score(tokens, window=w), unrolled.score(tokens, window=w)) <= 1e-5
+        assert rel_fro(scanned.score(tokens, window=w), unrolled.score(tokens, window=w)) <= 1e-5
     assert scanned.generate(tokens[:7], 9, stop_token_ids=[]) == unrolled.generate(tokens[:7], 9, stop_token_ids=[])
 
 
@@ -48,7 +45,7 @@ def test_scanned_matches_unrolled_in_bf16(engine_factory, tokens):
     opts = dict(dtype="bfloat16", window=4, context=64, expert_cache_slots="all")
     scanned, unrolled_bf16 = engine_factory(None, **opts), engine_factory(None, layer_loop="unrolled", **opts)
     assert scanned.scanned and not unrolled_bf16.scanned
-    assert rel(scanned.score(tokens, window=4), unrolled_bf16.score(tokens, window=4)) <= 1e-5
+    assert rel_fro(scanned.score(tokens, window=4), unrolled_bf16.score(tokens, window=4)) <= 1e-5
 
 
 def test_the_unrolled_graph_runs_the_same_product_kernel(engine_factory, tokens):
@@ -61,7 +58,7 @@ def test_the_unrolled_graph_runs_the_same_product_kernel(engine_factory, tokens)
     a, b = scanned.score(tokens[:9], window=4), unrolled_k.score(tokens[:9], window=4)
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(a, b)
-    assert rel(a, b) <= 1e-6
+    assert rel_fro(a, b) <= 1e-6
 
 
 def test_stack_and_unstack_round_trip():

@@ -13,13 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro
 from pallas_kernels.cuda_lowering import lower_for_cuda
 from pallas_kernels.stacked_linear import stacked_linear, stacked_linear_reference
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def make(seed, t, k, ns, n_layers, layer, dtype):
@@ -48,13 +44,13 @@ def test_kernel_matches_reference(dtype, t, k, ns, tuning):
     want = stacked_linear_reference(x, ws, jnp.int32(layer))
     assert got.shape == (t, sum(ns)) and got.dtype == jnp.float32
     assert np.isfinite(np.asarray(got)).all()  # no other layer's poison was read
-    assert rel(got, want) < 1e-5
+    assert rel_fro(got, want) < 1e-5
 
 
 def test_traced_layer_index():
     x, ws = make(3, 2, 64, (32,), 4, 2, jnp.float32)
     f = jax.jit(lambda x, ws, i: stacked_linear(x, ws, i, interpret=True, block_n=16, block_k=16))
-    assert rel(f(x, ws, jnp.int32(2)), stacked_linear_reference(x, ws, jnp.int32(2))) < 1e-5
+    assert rel_fro(f(x, ws, jnp.int32(2)), stacked_linear_reference(x, ws, jnp.int32(2))) < 1e-5
 
 
 def test_bad_shapes_are_refused():

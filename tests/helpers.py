@@ -1,0 +1,124 @@
+"""Helpers shared by the test modules (`from helpers import ...`; tests/ is on sys.path). Fixtures stay in conftest.py.
+
+- rel_fro: the relative Frobenius error every numeric bound in the tests is written in;
+- one_line_refusal: a StrataError whose message is one line;
+- the host-pool and expert-FFN references: random float experts, the float64 expert FFN with the device's bf16
+  roundings (g, u, h and each expert's output), summed over a route or per (token, entry);
+- with_garbage: cache rows past the valid ones replaced by huge values, NaN and +-inf (kernels must not read them);
+- hf_reference: a committed HF fixture's reference arrays.
+"""
+from __future__ import annotations
+
+import zlib
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import HF_FIXTURES
+from strata_jax import StrataError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)  # host_pool.store.BF16
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+
+def rel_fro(a, b) -> float:
+    """||a - b||_F / ||b||_F, computed in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def one_line_refusal(fn, *args, match: str | None = None, **kwargs) -> str:
+    """fn(*args, **kwargs) raises StrataError (its message matching the regex `match`, if given) in one line: the
+    message."""
+    with pytest.raises(StrataError, match=match) as e:
+        fn(*args, **kwargs)
+    msg = str(e.value)
+    assert "\n" not in msg, f"not one line: {msg!r}"
+    return msg
+
+
+# ---- host pool / expert FFN references ---------------------------------------------------------------------------
+
+def rng_for(name: str) -> np.random.Generator:
+    """A fresh generator with a seed per test (and per parameter set)."""
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def random_layers(rng, dtype=np.float32, *, layers: int, e: int, h: int, i: int) -> list:
+    """Per layer (gate [E, I, H], up [E, I, H], down [E, H, I]): 0.1 * standard normal, as `dtype`."""
+    return [tuple((0.1 * rng.standard_normal(shape)).astype(dtype)
+                  for shape in ((e, i, h), (e, i, h), (e, h, i)))
+            for _ in range(layers)]
+
+
+def no_round(a):
+    return a
+
+
+def bf16_round(a):
+    """float64 -> the nearest bf16 value, as float64."""
+    return a.astype(np.float32).astype(BF16).astype(np.float64)
+
+
+def rounding(dtype):
+    """Where the device rounds for weights / compute in `dtype`: bf16_round for bfloat16, nothing otherwise."""
+    return bf16_round if np.dtype(dtype) == BF16 else no_round
+
+
+def expert_rows(layer_weights, x, e, rnd=no_round):
+    """float64 [T, H] = down_e @ (silu(gate_e @ x) * (up_e @ x)) for float64 weights (gate, up, down) and x [T, H];
+    `rnd` applied where the device rounds (g, u, h and the expert's output)."""
+    gate, up, down = layer_weights
+    g, u = rnd(x @ gate[e].T), rnd(x @ up[e].T)  # [T, I]
+    h = rnd(g / (1.0 + np.exp(-g)) * u)  # silu(g) * u
+    return rnd(h @ down[e].T)  # [T, H]
+
+
+def reference_ffn(layer_weights, x, ids, w, rnd=None):
+    """float64 y [T, H] = sum_n w[:, n] * expert_rows(ids[n]) (ids[n] < 0: padding, skipped). rnd: by default the
+    rounding of the weights' dtype (bf16 weights: rounded where the device rounds; the pool must round there too)."""
+    rnd = rounding(layer_weights[0].dtype) if rnd is None else rnd
+    weights = tuple(np.asarray(a, np.float64) for a in layer_weights)
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    y = np.zeros((x.shape[0], weights[2].shape[1]))
+    for n, e in enumerate(ids):
+        if e >= 0:
+            y += w[:, n:n + 1] * expert_rows(weights, x, e, rnd)
+    return y
+
+
+def reference_rows(layer_weights, x, ids, rnd=None):
+    """float64 unweighted rows [T, K, H]: expert ids[t, k]'s rows for token t, 0 where ids == -1. rnd as in
+    reference_ffn."""
+    rnd = rounding(layer_weights[0].dtype) if rnd is None else rnd
+    weights = tuple(np.asarray(a, np.float64) for a in layer_weights)
+    T, K = ids.shape
+    rows = np.zeros((T, K, x.shape[1]))
+    for t, k in zip(*np.nonzero(ids >= 0)):
+        rows[t, k] = expert_rows(weights, np.asarray(x[t:t + 1], np.float64), ids[t, k], rnd)[0]
+    return rows
+
+
+# ---- kernels -----------------------------------------------------------------------------------------------------
+
+def with_garbage(x, first_bad: int, seed: int):
+    """Rows >= first_bad (axis 0) replaced by huge random values with NaN and +-inf sprinkled in."""
+    rng = np.random.default_rng(seed)
+    bad = np.asarray(x, np.float32).copy()
+    tail = rng.standard_normal(bad[first_bad:].shape) * 1e30
+    tail[rng.random(tail.shape) < 0.3] = np.nan
+    tail[rng.random(tail.shape) < 0.1] = np.inf
+    tail[rng.random(tail.shape) < 0.1] = -np.inf
+    bad[first_bad:] = tail
+    return jnp.asarray(bad, x.dtype)
+
+
+# ---- HF fixtures -------------------------------------------------------------------------------------------------
+
+def hf_reference(name: str) -> dict:
+    """tests/fixtures/hf/NAME/reference.npz as a dict of arrays."""
+    with np.load(HF_FIXTURES / name / "reference.npz") as z:
+        return {k: z[k] for k in z.files}
