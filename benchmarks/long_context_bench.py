@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import signal
 import sys
 import time
@@ -82,6 +83,9 @@ flags.DEFINE_string("gguf", "", "The peer's GGUF of the same shape; written with
                     "missing ('' = /tmp/<model>-<layers>.gguf).", flag_values=FLAGS)
 flags.DEFINE_string("gguf_py", "/tmp/llama.cpp/gguf-py", "gguf-py of the peer's source tree (to write the GGUF).",
                     flag_values=FLAGS)
+flags.DEFINE_bool("peer_ncmoe", True, "Also run the peer at each slot fraction f < 1 with the experts of round((1 - f) "
+                  "x layers) layers on the CPU (llama-bench -ncmoe, the same VRAM budget), at the shortest prompt "
+                  "only (its prefill runs at CPU speed), one repetition.", flag_values=FLAGS)
 flags.DEFINE_integer("peer_reps", 2, "llama-bench -r (each tg @ d<N> repetition prefills the N tokens again).",
                      lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_string("cache_dir", "", "Engine cache_dir: persistent compilation cache under <dir>/jax ('' = "
@@ -258,10 +262,11 @@ def measure_matmul(n: int, dtype, reps: int = 10) -> dict:
 # ---- the peer ----------------------------------------------------------------------------------------------------
 
 
-def run_peer(s, cfg, prompts: list[int]) -> dict:
-    """llama-bench pp<N> and tg<new_tokens> @ d<N> for each prompt length N (benchmarks/peer_bench.py's runner)."""
+def run_peer(s, cfg, prompts: list[int], fracs=()) -> dict:
+    """llama-bench pp<N> and tg<new_tokens> @ d<N> for each prompt length N (benchmarks/peer_bench.py's runner); with
+    --peer_ncmoe, the same at the shortest prompt for each slot fraction f < 1 with -ncmoe round((1 - f) x layers)."""
     from benchmarks import peer_bench
-    peer: dict = dict(ran=False, reason="", pp={}, tg={}, errors=[])
+    peer: dict = dict(ran=False, reason="", pp={}, tg={}, errors=[], ncmoe={})
     if not s.llama_bench:
         peer["reason"] = "no --llama_bench given"
         return peer
@@ -277,7 +282,21 @@ def run_peer(s, cfg, prompts: list[int]) -> dict:
     base = [s.llama_bench, "-m", str(gguf), "-ngl", "99", "-fa", "1", "-r", str(s.peer_reps), "-o", "json"]
     sizes = ",".join(map(str, prompts))
     peer["commands"] = [base + ["-p", sizes, "-n", "0"], base + ["-p", "0", "-n", str(s.new_tokens), "-d", sizes]]
-    for cmd in peer["commands"]:
+    ncmoe_of = {}  # command index -> (slot fraction, -ncmoe N)
+    for f in (fracs if s.peer_ncmoe else ()):
+        if f == "all":
+            continue
+        n_cpu = int(round((1 - float(f)) * cfg.num_layers))
+        cpu = base[:7] + ["-r", "1", "-o", "json", "-ncmoe", str(n_cpu), "-t", str(os.cpu_count() or 1)]
+        for cmd in (cpu + ["-p", str(min(prompts)), "-n", "0"],
+                    cpu + ["-p", "0", "-n", str(s.new_tokens), "-d", str(min(prompts))]):
+            ncmoe_of[len(peer["commands"])] = (float(f), n_cpu)
+            peer["commands"].append(cmd)
+    for i, cmd in enumerate(peer["commands"]):
+        into = peer
+        if i in ncmoe_of:
+            f, n_cpu = ncmoe_of[i]
+            into = peer["ncmoe"].setdefault(f, dict(ncmoe=n_cpu, pp={}, tg={}))
         t0 = time.perf_counter()
         records, error = peer_bench.llama_bench(cmd)
         if error is not None:
@@ -289,10 +308,10 @@ def run_peer(s, cfg, prompts: list[int]) -> dict:
                          build=rec.get("build_commit"), gpu=rec.get("gpu_info"))
             if rec.get("n_gen", 0) == 0 and rec.get("n_prompt", 0) > 0:
                 entry["ttft_s"] = rec["n_prompt"] / rec["avg_ts"] if rec["avg_ts"] else None
-                peer["pp"][int(rec["n_prompt"])] = entry
+                into["pp"][int(rec["n_prompt"])] = entry
                 common.progress(f"peer: pp{rec['n_prompt']}: {rec['avg_ts']:,.1f} tok/s")
             elif rec.get("n_gen", 0) > 0:
-                peer["tg"][int(rec.get("n_depth", 0))] = entry
+                into["tg"][int(rec.get("n_depth", 0))] = entry
                 common.progress(f"peer: tg{rec['n_gen']} @ d{rec.get('n_depth', 0)}: {rec['avg_ts']:,.1f} tok/s")
         common.progress(f"peer: {time.perf_counter() - t0:.1f} s")
     peer["ran"] = bool(peer["pp"] or peer["tg"])
@@ -359,6 +378,14 @@ def finish_rows(result: dict) -> None:
         r["tokens_match_all_resident"] = (r["tokens"] == b["tokens"]) if b else None
 
 
+def _ncmoe_entry(peer: dict, frac) -> dict:
+    """The peer's -ncmoe figures of a slot fraction (JSON turns the float keys into strings)."""
+    for key, entry in (peer.get("ncmoe") or {}).items():
+        if abs(float(key) - float(frac)) < 1e-9:
+            return entry
+    return {}
+
+
 def make_table(result: dict) -> str:
     order = {k: i for i, k in enumerate(result["prompts"])}
     fracs = {(f if f == "all" else float(f)): i for i, f in enumerate(result["slot_fracs"])}
@@ -367,8 +394,10 @@ def make_table(result: dict) -> str:
     peer = result.get("peer") or {}
     cells = []
     for r in rows:
-        pp = (peer.get("pp") or {}).get(r["prompt"]) or {}
-        tg = (peer.get("tg") or {}).get(r["prompt"]) or {}
+        # the peer at the same VRAM budget: all on the GPU beside 'all', -ncmoe beside a slot fraction
+        same = peer if r["slot_frac"] == "all" else _ncmoe_entry(peer, r["slot_frac"])
+        pp = (same.get("pp") or {}).get(r["prompt"]) or {}
+        tg = (same.get("tg") or {}).get(r["prompt"]) or {}
         ratio = lambda v: v if v is not None else "-"  # noqa: E731
         cells.append([r["prompt"], slots_cell(r), r["arm"], r["prefill_s"], r["prefill_tok_s"],
                       ratio(r["ttft_x_all_resident"]), r["prefill_floor"]["floor_s"], pp.get("ttft_s") or "-",
@@ -462,7 +491,7 @@ def _measure(s, cfg, prompts, slot_arms, arms, context, offloaded, result, save)
     say = common.say
     e, k, n_moe = cfg.num_experts, cfg.num_experts_per_tok, cfg.num_sparse_layers
     # ---- the peer first: JAX takes most of the GPU's memory once it starts ----
-    result["peer"] = run_peer(s, cfg, prompts)
+    result["peer"] = run_peer(s, cfg, prompts, [f for f, _ in slot_arms])
     save()
 
     dtype = jnp.dtype(s.dtype)
@@ -658,6 +687,11 @@ def _report(s, cfg, result: dict) -> None:
         say(f"llama.cpp: llama-bench -ngl 99 -fa 1 (every layer on the GPU{f', {gpu}' if gpu else ''}), F16 GGUF of "
             f"the same shape, mean of -r {s.peer_reps}: TTFT = N / pp<N> tok/s; tg = tg{s.new_tokens} @ d<N>"
             + ("; errors: " + "; ".join(peer["errors"]) if peer["errors"] else ""))
+        for key, entry in (peer.get("ncmoe") or {}).items():
+            say(f"llama.cpp beside {float(key):g} of the experts in slots: -ncmoe {entry['ncmoe']} (the experts of "
+                f"{entry['ncmoe']} of {cfg.num_layers} layers in host memory, computed on the CPU with -t "
+                f"{os.cpu_count()}), at the shortest prompt, -r 1; '-' at the longer prompts (a CPU-speed prefill "
+                f"of them takes minutes)")
     else:
         say(f"llama.cpp columns '-': {peer.get('reason') or 'not run'}")
     if result.get("stopped"):

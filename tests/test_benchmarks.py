@@ -159,7 +159,8 @@ arg = lambda flag, default: a[a.index(flag) + 1] if flag in a else default
 prompts = [int(x) for x in arg("-p", "512").split(",")]
 depths = [int(x) for x in arg("-d", "0").split(",")]
 n_gen = int(arg("-n", "128"))
-out = [dict(n_prompt=p, n_gen=0, n_depth=0, avg_ts=1000.0 + p, stddev_ts=1.0, avg_ns=1, build_commit="fake",
+cpu = 10.0 if "-ncmoe" in a else 1.0  # experts on the CPU: ten times slower
+out = [dict(n_prompt=p, n_gen=0, n_depth=0, avg_ts=(1000.0 + p) / cpu, stddev_ts=1.0, avg_ns=1, build_commit="fake",
             gpu_info="none") for p in prompts if p > 0]
 out += [dict(n_prompt=0, n_gen=n_gen, n_depth=d, avg_ts=50.0 - d / 100, stddev_ts=0.5, avg_ns=1, build_commit="fake",
              gpu_info="none") for d in depths] if n_gen > 0 else []
@@ -210,6 +211,13 @@ def test_long_context_bench_tiny(tmp_path, capsys, cache_dir):
     # One table: a header, a separator and a line per (prompt, slots, arm).
     table_lines = [ln for ln in printed.splitlines() if ln.startswith("|")]
     assert len(table_lines) == 2 + 4 and saved["table"] in printed
+    # Beside half the experts in slots, the peer with half its layers' experts on the CPU (-ncmoe), shortest prompt.
+    half = saved["peer"]["ncmoe"]["0.5"]
+    assert half["ncmoe"] == round(0.5 * result["model"]["layers"]) and half["pp"]["40"]["tok_s"] == pytest.approx(104.0)
+    split = [[c.strip() for c in ln.split("|")] for ln in table_lines[2:]]
+    cells = {(c[1], c[2]): c[8] for c in split}
+    assert float(cells[("40", "8 (0.5)")]) == pytest.approx(40 / 104.0, rel=1e-2)
+    assert cells[("100", "8 (0.5)")] == "-" and float(cells[("100", "all")]) == pytest.approx(100 / 1100, rel=1e-2)
     assert "TTFT s" in table_lines[0] and "llama.cpp TTFT s" in table_lines[0] and "% of roofline" in table_lines[0]
     assert "tokens identical to all-resident's (same prompt, same arm) in 2 of 2 offloaded rows" in printed
     assert "TTFT = stats.last.prefill_s" in printed and "roofline, prefill" in printed
