@@ -456,12 +456,22 @@ class Engine:
             return np.concatenate([np.asarray(c) for c in chunks]).astype(np.float32)
         return token, last
 
+    def _aot(self, fn, *args):
+        """A graph compiled on first use: `fn` (jitted) lowered for `args` and compiled at the engine's matmul
+        precision (_full_f32), as _compile does for the graphs compiled at start-up."""
+        with self._full_f32():
+            return fn.lower(*args).compile()
+
+    def _window_kernels(self) -> dict:
+        """The decode windows' kernel switches (keyword arguments of the graphs.jit_*_window builders)."""
+        return dict(attention_kernel=self.attention_kernel == "pallas", dense_kernel=self.dense_kernel == "pallas",
+                    delta_kernel=self.delta_kernel == "pallas")
+
     def _prefill_logits_graph(self, size: int):
         if size not in self._prefill_logits:
-            with self._full_f32():
-                self._prefill_logits[size] = graphs.jit_prefill_logits(
-                    self.cfg, self.expert_path, attention_kernel=self._prefill_kernel).lower(
-                    self.weights, self.cache, jnp.zeros((size,), jnp.int32), jnp.int32(0), jnp.int32(1)).compile()
+            self._prefill_logits[size] = self._aot(
+                graphs.jit_prefill_logits(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel),
+                self.weights, self.cache, jnp.zeros((size,), jnp.int32), jnp.int32(0), jnp.int32(1))
         return self._prefill_logits[size]
 
     @_serialized
@@ -527,10 +537,13 @@ class Engine:
         out: list[int] = []
         self._take_expert_stats(new_request=True)
         if budget > 0:
+            from strata_jax import loops  # the request's prefill and decode loops
+            request = loops.Request(ids=ids, budget=budget, stops=stops, sampling=sampling, spec=spec,
+                                    drafter=drafter or make_drafter(req.draft), stats=stats, on_token=on_token,
+                                    device_drafts=drafter is None and req.draft == "device", reuse=reuse, out=out)
             self._kv_tokens = []  # until this request has finished
             try:
-                self._guarded(self._generate, ids, budget, stops, sampling, stats, out, on_token, spec,
-                              drafter or make_drafter(req.draft), drafter is None and req.draft == "device", reuse)
+                self._guarded(loops.run, self, request)
             except StopRequest:  # on_token asked to stop (a stop string, a client gone): a clean end
                 pass
             finally:
@@ -592,66 +605,6 @@ class Engine:
             common = max(kept, default=0)
         return common
 
-    def _generate(self, ids, budget, stops, sampling, stats: RequestStats, out: list[int], on_token, spec: int,
-                  drafter, device_drafts: bool = False, reuse: int = 0) -> None:
-        sampled = float(sampling.temperature) > 0
-        t0 = time.perf_counter()
-        mtp = drafter if isinstance(drafter, mtp_mod.MTPDrafter) else None
-        token, last = self._prefill_all(ids, first=reuse, mtp=mtp)
-        if sampled:
-            token = self._sample[1](last, jnp.asarray([ids.size], jnp.int32), sampling)[0]
-        first = self._checked(int(token), ids.size)
-        out.append(first)
-        if mtp is not None:
-            mtp.observe([first])
-        stats.prefill_s = time.perf_counter() - t0
-        stats.prefill_experts = self._take_expert_stats()
-        if self.placement and self.placement.policy == "static" and not reuse:
-            # static: the slots take the prefill's most used experts. A reused prefix keeps the slots its first
-            # request chose (this prefill saw only the new tokens).
-            self._fill_static_slots()
-        if on_token:
-            on_token(first)
-        if first not in stops:
-            on_device = spec > 0 and device_drafts
-            if on_device:
-                self._device_verify_graph(spec + 1, sampled)  # compiled on first use, outside the decode's time
-            t0 = time.perf_counter()
-            if on_device:
-                self._decode_device(ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter)
-            elif spec > 0:
-                self._decode_verify(ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter)
-            else:
-                self._decode_pipelined(ids, budget, stops, sampling, sampled, stats, out, on_token)
-            stats.decode_s = time.perf_counter() - t0
-        stats.decode_experts = self._take_expert_stats()
-
-    def _decode_pipelined(self, ids, budget, stops, sampling, sampled, stats, out, on_token) -> None:
-        """One token a window. Each window's token feeds the next window on the device and Python reads it one
-        window late: the next window is already queued when the host waits, so dispatch hides behind the device's
-        work. After a stop token, the one window in flight is discarded."""
-        cur = jnp.asarray(out[-1:], jnp.int32)
-        pos = ids.size
-        in_flight: list[jax.Array] = []
-        while True:
-            if len(out) + len(in_flight) < budget:
-                cur, logits, self.cache = self._decode[1](self.weights, self.cache, cur, jnp.int32(pos))
-                if sampled:  # the token at position pos + 1
-                    cur = self._sample[1](logits, jnp.asarray([pos + 1], jnp.int32), sampling)
-                pos += 1
-                stats.windows += 1
-                stats.window_tokens += 1
-                in_flight.append(cur)
-            if not in_flight:
-                break
-            if len(in_flight) >= 2 or len(out) + len(in_flight) >= budget:
-                token = self._checked(int(np.asarray(in_flight.pop(0))[0]), ids.size + len(out))  # no slice op dispatched
-                out.append(token)
-                if on_token:
-                    on_token(token)
-                if token in stops:
-                    break
-
     def _checked(self, token: int, position: int) -> int:
         """A token read from a graph; NON_FINITE (the graph saw NaN or inf in the logits) ends the request."""
         if token == NON_FINITE:
@@ -675,21 +628,18 @@ class Engine:
             prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, return_hidden=True,
                                                attention_kernel=self._prefill_kernel)
             fused = graphs.jit_mtp_window(self.cfg, self.options.window - 1, self.decode_expert_path,
-                                          attention_kernel=self.attention_kernel == "pallas",
-                                          dense_kernel=self.dense_kernel == "pallas",
-                                          delta_kernel=self.delta_kernel == "pallas")
+                                          **self._window_kernels())
             pos = jnp.int32(0)
             # rows up to the context's end, plus a padded chunk or window and the chained drafts past it
             new_cache = lambda: mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
                                                    self.dtype, self.options.kv_dtype)
             self._mtp_cache = new_cache()
-            with self._full_f32():
-                compiled = {("fused", t): fused.lower(self.weights, self.cache, self.mtp, self._mtp_cache,
-                                                      jnp.zeros((t,), jnp.int32), pos).compile()
-                            for t in range(1, self.options.window + 1)}
-                for c in self.chunks:
-                    compiled[("prefill", c)] = prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32),
-                                                             pos, jnp.int32(1)).compile()
+            compiled = {("fused", t): self._aot(fused, self.weights, self.cache, self.mtp, self._mtp_cache,
+                                                jnp.zeros((t,), jnp.int32), pos)
+                        for t in range(1, self.options.window + 1)}
+            for c in self.chunks:
+                compiled[("prefill", c)] = self._aot(prefill, self.weights, self.cache, jnp.zeros((c,), jnp.int32),
+                                                     pos, jnp.int32(1))
             self._mtp_compiled = compiled
             # The drafter's graphs, one per row count (a window's T rows or a prefill chunk's), shared by every
             # request's drafter: compiled here by a call on zeros, so that no request compiles (a new drafter's own
@@ -708,133 +658,24 @@ class Engine:
         """A window of T returning its hidden states (sampled draft=mtp requests: the host draws the acceptance)."""
         key = ("hidden", t)
         if key not in self._mtp_compiled:
-            with self._full_f32():
-                self._mtp_compiled[key] = self._jit_decode_window(return_hidden=True).lower(
-                    self.weights, self.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0)).compile()
+            self._mtp_compiled[key] = self._aot(self._jit_decode_window(return_hidden=True), self.weights,
+                                                self.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0))
         return self._mtp_compiled[key]
 
     def _device_verify_graph(self, t: int, sampled: bool):
+        """draft="device"'s window of T (loops.decode_device), compiled on first use."""
         key = (t, sampled)
         if key not in self._device_verify:
             t0 = time.perf_counter()
             fn = graphs.jit_device_verify_window(self.cfg, t, sampled, self.decode_expert_path,
-                                                 attention_kernel=self.attention_kernel == "pallas",
-                                                 dense_kernel=self.dense_kernel == "pallas",
-                                                 delta_kernel=self.delta_kernel == "pallas")
+                                                 **self._window_kernels())
             hist = jnp.zeros((self.context + t,), jnp.int32)
-            with self._full_f32():
-                self._device_verify[key] = fn.lower(self.weights, self.cache, hist, jnp.int32(1),
-                                                    SamplingParams.make()).compile()
+            self._device_verify[key] = self._aot(fn, self.weights, self.cache, hist, jnp.int32(1),
+                                                 SamplingParams.make())
             if self.verbose:
                 log(f"graphs: device verify window T={t} ({'sampled' if sampled else 'greedy'}) compiled in "
                     f"{time.perf_counter() - t0:.1f} s")
         return self._device_verify[key]
-
-    def _decode_device(self, ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter) -> None:
-        """Verify windows dispatched back to back: drafting and acceptance run on the device
-        (strata_jax.device_drafts, the host loop's rules), each window's tokens are read one window late, so the
-        device never waits for the host. Windows of spec+1 tokens (padding rows route to no expert), one queued
-        ahead of the one being read. A window that might pass the context is not dispatched: the last tokens go
-        through the host loop."""
-        t = spec + 1
-        step = self._device_verify_graph(t, sampled)
-        hist = np.zeros((self.context + t,), np.int32)
-        hist[:ids.size] = ids
-        hist[ids.size:ids.size + len(out)] = out
-        hist, length = jnp.asarray(hist), jnp.int32(ids.size + len(out))
-        exact = ids.size + len(out)  # tokens in the history as the host knows it
-        in_flight: list[tuple[jax.Array, jax.Array, jax.Array]] = []
-        while True:
-            upper = exact + t * len(in_flight)  # the most tokens the history can hold once those windows end
-            if len(in_flight) < 2 and len(out) + len(in_flight) < budget and upper - 1 + t <= self.context:
-                hist, length, new, n_new, m, self.cache = step(self.weights, self.cache, hist, length, sampling)
-                in_flight.append((new, n_new, m))
-                continue
-            if not in_flight:
-                break
-            new, n_new, m = in_flight.pop(0)
-            n, m = int(n_new), int(m)
-            if len(out) >= budget:
-                return  # a window dispatched ahead whose tokens are not needed
-            stats.windows += 1
-            stats.window_tokens += 1 + m
-            stats.drafts_proposed += m
-            stats.drafts_accepted += n - 1
-            exact += n
-            for token in np.asarray(new)[:n].tolist():
-                self._checked(token, ids.size + len(out))
-                if len(out) >= budget:
-                    return
-                out.append(token)
-                if on_token:
-                    on_token(token)
-                if token in stops:
-                    return  # the windows still in flight are discarded (their K/V rows are never read)
-        if len(out) < budget:  # the context's end is nearer than a whole window: the host loop finishes
-            self._decode_verify(ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter)
-
-    def _decode_verify(self, ids, budget, stops, sampling, sampled, stats, out, on_token, spec, drafter) -> None:
-        """Verify windows: the last accepted token + up to `spec` drafts, the graph of that size; accept the drafts
-        the target agrees with, then one more token from the target. Rejected drafts leave K/V rows past the
-        accepted position: the next window writes those positions before any query reads them, and the causal
-        mask hides the rest, so no stale entry is read (the expert slots keep what they fetched: placement only)."""
-        context = list(ids) + out
-        pos = ids.size + len(out) - 1  # position of out[-1], the last accepted token, not yet in the KV cache
-        ready = None  # when the host had the last window's result: the device waits from then to the next dispatch
-        mtp = isinstance(drafter, mtp_mod.MTPDrafter)
-        next_drafts = None  # greedy draft=mtp: the drafts the last window's graph made for this one
-        while len(out) < budget:
-            k = min(spec, budget - len(out) - 1)
-            if next_drafts is not None:
-                drafts = next_drafts[:k]
-            else:  # the first window after the prefill (or any window of another drafter)
-                drafts = drafter.propose(context, k) if k > 0 else []
-            t = len(drafts) + 1
-            window = np.asarray(out[-1:] + drafts, np.int32)
-            if mtp and not sampled:  # the window's graph drafts the next window too
-                greedy, logits, self.cache, drafter.cache, made = self._mtp_compiled[("fused", t)](
-                    self.weights, self.cache, self.mtp, drafter.cache, window, jnp.int32(pos))
-            elif mtp:  # the window's hidden rows feed the module's next drafts
-                greedy, logits, self.cache, hidden = self._mtp_hidden_window(t)(self.weights, self.cache, window,
-                                                                               jnp.int32(pos))
-                drafter.feed(hidden, pos)
-            else:
-                greedy, logits, self.cache = self._decode[t](self.weights, self.cache, window, jnp.int32(pos))
-            if ready is not None:  # drafting, bookkeeping and this dispatch: host time between two windows
-                stats.host_gap_s += time.perf_counter() - ready
-                stats.host_gaps += 1
-            positions = jnp.asarray(np.arange(pos + 1, pos + 1 + t), jnp.int32)
-            if not sampled:
-                target = np.asarray(greedy)
-                accepted = 0
-                while accepted < len(drafts) and drafts[accepted] == target[accepted]:
-                    accepted += 1
-                new = drafts[:accepted] + [int(target[accepted])]
-            elif drafts:
-                accept, drawn = self._verify[t](logits, jnp.asarray(drafts, jnp.int32), positions, sampling)
-                accept, drawn = np.asarray(accept), np.asarray(drawn)
-                accepted = int(np.argmin(accept)) if not accept.all() else len(drafts)
-                new = drafts[:accepted] + [int(drawn[accepted])]
-            else:
-                accepted, new = 0, [int(self._sample[1](logits, positions, sampling)[0])]
-            self._checked(new[-1], pos + 1 + accepted)
-            ready = time.perf_counter()
-            stats.windows += 1
-            stats.window_tokens += t
-            stats.drafts_proposed += len(drafts)
-            stats.drafts_accepted += accepted
-            if mtp and not sampled:
-                next_drafts = mtp_mod.draft_tokens(made, self.cfg.vocab_size)
-            else:
-                drafter.observe(new)
-            pos += len(new)
-            for token in new:
-                out.append(token)
-                context.append(token)
-                if on_token:
-                    on_token(token)
-                if token in stops:
-                    return
 
     @_serialized
     def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:

@@ -1,0 +1,249 @@
+"""One request's decode, as flat functions read top to bottom (gpt-fast's generate.py shape):
+
+    run(engine, request)        prefill, the first token, then the loop the request asks for
+      prefill                   the prompt through the prefill chunks; the first new token
+      decode                    picks and times one of the three loops:
+        decode_pipelined        spec 0: one token a window, read one window late (the next window already queued)
+        decode_verify           verify windows: out[-1] + up to `spec` drafts, accept what the target agrees with
+        decode_device           draft="device": drafting and acceptance in the window graph, one window queued
+                                ahead of the one read; the host loop finishes near the context's end
+
+A `Request` holds the per-request things (the prompt, budget, stop ids, sampling, drafter, on_token, the stats and
+the tokens made so far); the engine holds the compiled graphs, the weights and the KV cache, which every window
+donates and returns (`engine.cache` is replaced at each call). `Engine.generate` builds the request and runs it
+through `run` under its failure recovery (`Engine._guarded`)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax import mtp as mtp_mod
+from strata_jax.sampling import SamplingParams
+from strata_jax.stats import RequestStats
+
+if TYPE_CHECKING:
+    from strata_jax.drafts import Drafter
+    from strata_jax.engine import Engine
+
+
+@dataclasses.dataclass
+class Request:
+    """One generate() call: what it asks for, and what it has made so far (`out`, `stats`)."""
+    ids: np.ndarray  # the prompt, int32
+    budget: int  # the most new tokens (max_new_tokens, within the context)
+    stops: set[int]  # a token in these ends the request (it is the last one out)
+    sampling: SamplingParams
+    spec: int  # the most drafts a verify window (0: the pipelined T=1 loop)
+    drafter: Drafter  # the host loop's drafts (ngram, none, an MTPDrafter or the API's object)
+    stats: RequestStats
+    on_token: Callable[[int], None] | None = None  # sees each accepted token; StopRequest from it ends the request
+    device_drafts: bool = False  # draft="device": drafts and acceptance on the device (decode_device)
+    reuse: int = 0  # leading prompt tokens whose KV rows the cache holds (prefix reuse): not prefilled
+    out: list[int] = dataclasses.field(default_factory=list)  # the accepted new tokens
+    sampled: bool = dataclasses.field(init=False)  # temperature > 0
+
+    def __post_init__(self) -> None:
+        self.sampled = float(self.sampling.temperature) > 0
+
+    @property
+    def mtp(self) -> mtp_mod.MTPDrafter | None:
+        """The MTP drafter (draft="mtp" with the module), else None."""
+        return self.drafter if isinstance(self.drafter, mtp_mod.MTPDrafter) else None
+
+    def emit(self, token: int) -> bool:
+        """An accepted token: into `out`, then to on_token. True when it is a stop token."""
+        self.out.append(token)
+        if self.on_token:
+            self.on_token(token)
+        return token in self.stops
+
+
+def run(engine: Engine, r: Request) -> None:
+    """The whole request: the prompt's prefill and first token, then the decode loop (unless it stopped)."""
+    first = prefill(engine, r)
+    if r.on_token:
+        r.on_token(first)
+    if first not in r.stops:
+        decode(engine, r)
+    r.stats.decode_experts = engine._take_expert_stats()
+
+
+def prefill(engine: Engine, r: Request) -> int:
+    """The prompt from position r.reuse through the prefill chunks; returns the first new token (in r.out, not yet
+    shown to on_token). Static cache policy: the slots then take the prefill's most used experts."""
+    t0 = time.perf_counter()
+    mtp = r.mtp
+    token, last = engine._prefill_all(r.ids, first=r.reuse, mtp=mtp)
+    if r.sampled:
+        token = engine._sample[1](last, jnp.asarray([r.ids.size], jnp.int32), r.sampling)[0]
+    first = engine._checked(int(token), r.ids.size)
+    r.out.append(first)
+    if mtp is not None:
+        mtp.observe([first])
+    r.stats.prefill_s = time.perf_counter() - t0
+    r.stats.prefill_experts = engine._take_expert_stats()
+    if engine.placement and engine.placement.policy == "static" and not r.reuse:
+        # A reused prefix keeps the slots its first request chose (this prefill saw only the new tokens).
+        engine._fill_static_slots()
+    return first
+
+
+def decode(engine: Engine, r: Request) -> None:
+    """The decode loop the request asks for, timed as stats.decode_s (a graph compiled on first use is not)."""
+    on_device = r.spec > 0 and r.device_drafts
+    if on_device:
+        engine._device_verify_graph(r.spec + 1, r.sampled)  # compiled on first use, outside the decode's time
+    t0 = time.perf_counter()
+    if on_device:
+        decode_device(engine, r)
+    elif r.spec > 0:
+        decode_verify(engine, r)
+    else:
+        decode_pipelined(engine, r)
+    r.stats.decode_s = time.perf_counter() - t0
+
+
+def decode_pipelined(engine: Engine, r: Request) -> None:
+    """One token a window. Each window's token feeds the next window on the device and Python reads it one
+    window late: the next window is already queued when the host waits, so dispatch hides behind the device's
+    work. After a stop token, the one window in flight is discarded."""
+    cur = jnp.asarray(r.out[-1:], jnp.int32)
+    pos = r.ids.size
+    in_flight: list[jax.Array] = []
+    while True:
+        if len(r.out) + len(in_flight) < r.budget:
+            cur, logits, engine.cache = engine._decode[1](engine.weights, engine.cache, cur, jnp.int32(pos))
+            if r.sampled:  # the token at position pos + 1
+                cur = engine._sample[1](logits, jnp.asarray([pos + 1], jnp.int32), r.sampling)
+            pos += 1
+            r.stats.windows += 1
+            r.stats.window_tokens += 1
+            in_flight.append(cur)
+        if not in_flight:
+            break
+        if len(in_flight) >= 2 or len(r.out) + len(in_flight) >= r.budget:
+            # np.asarray(x)[0], not x[0]: indexing the device array dispatches a slice op, which serializes the loop
+            token = engine._checked(int(np.asarray(in_flight.pop(0))[0]), r.ids.size + len(r.out))
+            if r.emit(token):
+                break
+
+
+def decode_verify(engine: Engine, r: Request) -> None:
+    """Verify windows: the last accepted token + up to `spec` drafts, the graph of that size; accept the drafts
+    the target agrees with, then one more token from the target. Rejected drafts leave K/V rows past the
+    accepted position: the next window writes those positions before any query reads them, and the causal
+    mask hides the rest, so no stale entry is read (the expert slots keep what they fetched: placement only)."""
+    context = list(r.ids) + r.out  # what the drafter drafts from
+    pos = r.ids.size + len(r.out) - 1  # position of out[-1], the last accepted token, not yet in the KV cache
+    ready = None  # when the host had the last window's result: the device waits from then to the next dispatch
+    next_drafts = None  # greedy draft=mtp: the drafts the last window's graph made for this one
+    while len(r.out) < r.budget:
+        k = min(r.spec, r.budget - len(r.out) - 1)
+        if next_drafts is not None:
+            drafts = next_drafts[:k]
+        else:  # the first window after the prefill (or any window of another drafter)
+            drafts = r.drafter.propose(context, k) if k > 0 else []
+        greedy, logits, made = verify_window(engine, r, drafts, pos)
+        if ready is not None:  # drafting, bookkeeping and this dispatch: host time between two windows
+            r.stats.host_gap_s += time.perf_counter() - ready
+            r.stats.host_gaps += 1
+        accepted, new = accept(engine, r, drafts, greedy, logits, pos)
+        engine._checked(new[-1], pos + 1 + accepted)
+        ready = time.perf_counter()
+        r.stats.windows += 1
+        r.stats.window_tokens += len(drafts) + 1
+        r.stats.drafts_proposed += len(drafts)
+        r.stats.drafts_accepted += accepted
+        if made is not None:
+            next_drafts = mtp_mod.draft_tokens(made, engine.cfg.vocab_size)
+        else:
+            r.drafter.observe(new)
+        pos += len(new)
+        for token in new:
+            context.append(token)
+            if r.emit(token):
+                return
+
+
+def verify_window(engine: Engine, r: Request, drafts: list[int], pos: int):
+    """Dispatch one verify window, out[-1] and the drafts at positions pos..: (its greedy tokens [T], its logits
+    [T, V], and for greedy draft=mtp the module's drafts for the next window, else None)."""
+    t = len(drafts) + 1
+    window = np.asarray(r.out[-1:] + drafts, np.int32)
+    mtp = r.mtp
+    if mtp is not None and not r.sampled:  # the window's graph drafts the next window too
+        greedy, logits, engine.cache, mtp.cache, made = engine._mtp_compiled[("fused", t)](
+            engine.weights, engine.cache, engine.mtp, mtp.cache, window, jnp.int32(pos))
+        return greedy, logits, made
+    if mtp is not None:  # the window's hidden rows feed the module's next drafts
+        greedy, logits, engine.cache, hidden = engine._mtp_hidden_window(t)(engine.weights, engine.cache, window,
+                                                                           jnp.int32(pos))
+        mtp.feed(hidden, pos)
+        return greedy, logits, None
+    greedy, logits, engine.cache = engine._decode[t](engine.weights, engine.cache, window, jnp.int32(pos))
+    return greedy, logits, None
+
+
+def accept(engine: Engine, r: Request, drafts: list[int], greedy, logits, pos: int) -> tuple[int, list[int]]:
+    """A window's acceptance: (drafts accepted, the new tokens: those drafts and one token from the target).
+    Greedy: the drafts equal to the target's argmax; sampled: speculative rejection sampling (sampling.verify)."""
+    t = len(drafts) + 1
+    positions = jnp.asarray(np.arange(pos + 1, pos + 1 + t), jnp.int32)
+    if not r.sampled:
+        target = np.asarray(greedy)
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+            accepted += 1
+        return accepted, drafts[:accepted] + [int(target[accepted])]
+    if drafts:
+        ok, drawn = engine._verify[t](logits, jnp.asarray(drafts, jnp.int32), positions, r.sampling)
+        ok, drawn = np.asarray(ok), np.asarray(drawn)
+        accepted = int(np.argmin(ok)) if not ok.all() else len(drafts)
+        return accepted, drafts[:accepted] + [int(drawn[accepted])]
+    return 0, [int(engine._sample[1](logits, positions, r.sampling)[0])]
+
+
+def decode_device(engine: Engine, r: Request) -> None:
+    """Verify windows dispatched back to back: drafting and acceptance run on the device
+    (strata_jax.device_drafts, the host loop's rules), each window's tokens are read one window late, so the
+    device never waits for the host. Windows of spec+1 tokens (padding rows route to no expert), one queued
+    ahead of the one being read. A window that might pass the context is not dispatched: the last tokens go
+    through the host loop (decode_verify)."""
+    t = r.spec + 1
+    step = engine._device_verify_graph(t, r.sampled)
+    hist = np.zeros((engine.context + t,), np.int32)
+    hist[:r.ids.size] = r.ids
+    hist[r.ids.size:r.ids.size + len(r.out)] = r.out
+    hist, length = jnp.asarray(hist), jnp.int32(r.ids.size + len(r.out))
+    exact = r.ids.size + len(r.out)  # tokens in the history as the host knows it
+    in_flight: list[tuple[jax.Array, jax.Array, jax.Array]] = []
+    while True:
+        upper = exact + t * len(in_flight)  # the most tokens the history can hold once those windows end
+        if len(in_flight) < 2 and len(r.out) + len(in_flight) < r.budget and upper - 1 + t <= engine.context:
+            hist, length, new, n_new, m, engine.cache = step(engine.weights, engine.cache, hist, length, r.sampling)
+            in_flight.append((new, n_new, m))
+            continue
+        if not in_flight:
+            break
+        new, n_new, m = in_flight.pop(0)
+        n, m = int(n_new), int(m)
+        if len(r.out) >= r.budget:
+            return  # a window dispatched ahead whose tokens are not needed
+        r.stats.windows += 1
+        r.stats.window_tokens += 1 + m
+        r.stats.drafts_proposed += m
+        r.stats.drafts_accepted += n - 1
+        exact += n
+        for token in np.asarray(new)[:n].tolist():
+            engine._checked(token, r.ids.size + len(r.out))
+            if len(r.out) >= r.budget:
+                return
+            if r.emit(token):
+                return  # the windows still in flight are discarded (their K/V rows are never read)
+    if len(r.out) < r.budget:  # the context's end is nearer than a whole window: the host loop finishes
+        decode_verify(engine, r)
