@@ -193,7 +193,8 @@ def test_host_time_between_verify_windows_is_measured(engine_factory, prompt):
     eng = resident(engine_factory)
     eng.generate(prompt, 10, stop_token_ids=[])  # verify windows (drafts on)
     r = eng.stats.last
-    assert r.windows >= 2 and r.host_gaps == r.windows - 1 and r.host_gap_s > 0
+    # gaps are counted between verify windows; windows without drafts run queued ahead (no gap)
+    assert r.windows >= 2 and 1 <= r.host_gaps <= r.windows - 1 and r.host_gap_s > 0
     assert "host time between windows" in r.draft_summary()
     eng.generate(prompt, 10, stop_token_ids=[], spec=0)  # the pipelined T=1 loop: the next window is queued first
     assert eng.stats.last.host_gaps == 0 and "host time" not in eng.stats.last.draft_summary()
@@ -260,3 +261,27 @@ def test_device_drafts_stop_tokens_budget_and_the_context_end(engine_factory, pr
     assert eng.generate(long_prompt, 50, spec=W - 1, draft="device", stop_token_ids=[]) == want
     # The engine is unchanged for the next request.
     assert eng.generate(prompt, 40, spec=W - 1, stop_token_ids=[]) == ref
+
+
+def test_windows_without_drafts_run_queued_ahead_with_the_same_tokens(engine_factory, prompt):
+    """spec > 0 while the drafter proposes nothing: T=1 windows queued ahead (no host gap), the same tokens as the
+    pipelined spec=0 loop, greedy and sampled (one key per position); then drafts again where the context repeats."""
+    eng = resident(engine_factory)
+    for sampling in (dict(), dict(temperature=0.8, seed=5)):
+        plain = eng.generate(prompt, 25, spec=0, stop_token_ids=[], **sampling)
+        assert eng.generate(prompt, 25, spec=3, draft="none", stop_token_ids=[], **sampling) == plain
+        last = eng.stats.last
+        assert last.windows == 24 and last.window_tokens == 24 and last.host_gaps == 0
+        assert last.drafts_proposed == 0
+    # the n-gram drafter on a prompt with no repeat: stretches, then verify windows once the output repeats
+    rng = np.random.default_rng(9)
+    fresh = rng.permutation(256)[:20].tolist()
+    plain = eng.generate(fresh, 40, spec=0, stop_token_ids=[])
+    assert eng.generate(fresh, 40, spec=3, stop_token_ids=[]) == plain
+    last = eng.stats.last
+    assert last.window_tokens == last.windows + last.drafts_proposed and last.generated_tokens == 40
+    for budget in (1, 2, 3):  # the budget ends inside a stretch
+        assert eng.generate(fresh, budget, spec=3, draft="none", stop_token_ids=[]) == plain[:budget]
+    stop = plain[7]
+    cut = plain[:plain.index(stop) + 1]
+    assert eng.generate(fresh, 40, spec=3, draft="none", stop_token_ids=[stop]) == cut
