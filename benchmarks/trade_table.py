@@ -24,7 +24,7 @@ from pathlib import Path
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 from strata_jax.options import env_name
 
 FLAGS = flags.FlagValues()
@@ -112,8 +112,9 @@ def run(s) -> dict:
     if not s.kl or not s.ab:
         raise ValueError("give --kl=<kl_arms JSON> and --ab=<agent_turns_bench JSON>,...")
     kl = _load(s.kl, "kl")
-    abs_ = [_load(p.strip(), "ab") for p in s.ab.split(",") if p.strip()]
-    for path, ab in zip(s.ab.split(","), abs_):
+    ab_paths = runner.parse_list(s.ab, str, "ab")
+    abs_ = [_load(p, "ab") for p in ab_paths]
+    for path, ab in zip(ab_paths, abs_):
         if ab.get("benchmark") != "agent_turns_bench" or "summary" not in ab:
             raise ValueError(f"--ab={path.strip()}: not an agent_turns_bench result (no summary)")
     if kl.get("benchmark") != "kl_arms":
@@ -124,7 +125,7 @@ def run(s) -> dict:
     print("KL: mean top-20 KL(exact || arm), teacher-forced reads through verify windows; decode x: per-turn decode "
           "tok/s / the A/B baseline's, median (min, max) over the turns; the exact rows' x is the baseline's noise "
           "floor (its mirrored runs / its forward runs)")
-    result = dict(benchmark="trade_table", kl=s.kl, ab=s.ab.split(","), rows=rows, table=table)
+    result = dict(benchmark="trade_table", kl=s.kl, ab=ab_paths, rows=rows, table=table)
     if s.markdown:
         Path(s.markdown).write_text(table + "\n")
     if s.json:
