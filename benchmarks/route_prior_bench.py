@@ -56,22 +56,14 @@ WEIGHT_ATOL = 1e-6
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """'128x8,512x10' -> [(128, 8), (512, 10)]; 1 <= K <= E."""
-    out: list[tuple[int, int]] = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        try:
-            e, k = (int(v) for v in part.split("x"))
-        except ValueError:
-            raise ValueError(f"--shapes: {part!r} is not ExK (e.g. 128x8)") from None
+    """'128x8,512x10' -> [(128, 8), (512, 10)]; 1 <= K <= E (benchmarks.runner.parse_list)."""
+    def shape(part: str) -> tuple[int, int]:
+        e, k = (int(v) for v in part.lower().split("x"))
+        return e, k
+    out = runner.parse_list(text, shape, "shapes", what="ExK (e.g. 128x8)")
+    for e, k in out:
         if not 1 <= k <= e:
-            raise ValueError(f"--shapes: {part!r} needs 1 <= K <= E")
-        if (e, k) not in out:
-            out.append((e, k))
-    if not out:
-        raise ValueError("--shapes is empty")
+            raise ValueError(f"--shapes: {e}x{k} needs 1 <= K <= E")
     return out
 
 

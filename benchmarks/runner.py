@@ -34,12 +34,13 @@ _KIND_TEXT = {int: "an integer", float: "a number", str: "a name"}
 
 def parse_list(text: str, kind: type | Callable[[str], Any] = int, name: str = "list", *, words: Sequence[str] = (),
                lo: float | None = None, hi: float | None = None, lo_open: bool = False,
-               choices: Sequence[str] | None = None, unique: bool = True, empty_ok: bool = False) -> list:
+               choices: Sequence[str] | None = None, unique: bool = True, empty_ok: bool = False,
+               what: str | None = None) -> list:
     """'1,2,4' -> [1, 2, 4]: a comma list of `kind` (int, float, str or any converter raising ValueError), blanks
     skipped, in the given order, deduplicated unless `unique=False`. `words` pass through as they are (e.g. 'auto',
     'all'); numbers must lie in [lo, hi] ((lo, hi] with lo_open); strings must be one of `choices` when given. A bad
-    entry or an empty list is a ValueError naming --name."""
-    what = _KIND_TEXT.get(kind, f"a {getattr(kind, '__name__', 'value')}")
+    entry or an empty list is a ValueError naming --name (`what`: how its message names a good entry)."""
+    what = what or _KIND_TEXT.get(kind, f"a {getattr(kind, '__name__', 'value')}")
     if words:
         what += " or " + " or ".join(words)
     out: list = []
