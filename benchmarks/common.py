@@ -47,6 +47,7 @@ def run_main(flag_values: flags.FlagValues, argv: Sequence[str], prog: str, run:
     """A benchmark's entry: parse argv into flag_values, then run(flag_values); a bad value or a refused setting is
     one `error:` line and exit status 1, Ctrl-C exit 130."""
     parse_flags(flag_values, argv, prog=prog)
+    set_output(getattr(flag_values, "output", "md") if "output" in flag_values else "md")
     from strata_jax.errors import StrataError
     try:
         return run(flag_values)
@@ -58,23 +59,33 @@ def run_main(flag_values: flags.FlagValues, argv: Sequence[str], prog: str, run:
 
 
 def int_list(text: str, name: str = "list") -> list[int]:
-    """'1,2,4' -> [1, 2, 4] (positive, deduplicated, in the given order)."""
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            v = int(part)
-        except ValueError:
-            raise ValueError(f"--{name}: {part!r} is not an integer") from None
-        if v <= 0:
-            raise ValueError(f"--{name}: {v} must be positive")
-        if v not in out:
-            out.append(v)
-    if not out:
-        raise ValueError(f"--{name} is empty")
-    return out
+    """'1,2,4' -> [1, 2, 4] (positive, deduplicated, in the given order): benchmarks.runner.int_list."""
+    from benchmarks.runner import int_list as parse
+    return parse(text, name)
+
+
+def define_option_flags(flag_values: flags.FlagValues, names: Sequence[str], defaults: dict | None = None,
+                        prefix: str = "Engine option: ") -> None:
+    """One absl flag per named EngineOptions / RequestOptions field, from strata_jax.options (its type, help and
+    check, as strata_jax.options.define_flags makes them), with a benchmark's own default where `defaults` names
+    one. A value the option's check refuses is a flag error (one line, exit status 2)."""
+    from strata_jax.options import EngineOptions, RequestOptions
+    fields = {f.name: f for cls in (EngineOptions, RequestOptions) for f in dataclasses.fields(cls)}
+    defaults = defaults or {}
+    for name in names:
+        f = fields[name]
+        kind = f.metadata.get("flag_type") or f.type
+        define = {"int": flags.DEFINE_integer, "float": flags.DEFINE_float, "str": flags.DEFINE_string,
+                  "bool": flags.DEFINE_bool}[kind]
+        define(name, defaults.get(name, f.default), prefix + f.metadata["help"], flag_values=flag_values)
+        check = f.metadata.get("check")
+        if check is not None:
+            def validator(v, check=check, name=name):
+                msg = check(v)
+                if msg:
+                    raise flags.ValidationError(f"{v!r} {msg}")
+                return True
+            flags.register_validator(name, validator, flag_values=flag_values)
 
 
 # ---- A/B arms ----------------------------------------------------------------------------------------------------
@@ -140,7 +151,17 @@ def progress(line: str) -> None:
 
 
 def say(line: str = "") -> None:
-    print(line, flush=True)
+    """A line of the report on stdout; on stderr when --output is json or csv (stdout is then only the rows)."""
+    print(line, file=sys.stdout if _OUTPUT == "md" else sys.stderr, flush=True)
+
+
+def set_output(fmt: str) -> None:
+    """Where say() writes: stdout for md, stderr for json and csv (benchmarks.runner.emit writes the rows)."""
+    global _OUTPUT
+    _OUTPUT = fmt
+
+
+_OUTPUT = "md"
 
 
 _T0 = time.perf_counter()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside strata_jax.decode
 flags.DEFINE_string("model", "tiny", "Model preset from configs/ (tiny, qwen3-30b-a3b).", flag_values=FLAGS)
@@ -64,6 +64,7 @@ flags.DEFINE_integer("probe_windows", 8, "Windows of the run whose routing is re
                      "(0 = off: the uniform expectation is used for the bytes).", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_integer("attention_splits", 0, "Splits of the cache positions in the Pallas decode-attention kernel "
                      "(0 = its auto_splits: two waves of programs on the GPU).", lower_bound=0, flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 flags.DEFINE_string("compilation_cache_dir", "", "Persistent JAX compilation cache folder ('' = off; then the "
                     "compile times shown are real compiles).", flag_values=FLAGS)
 
@@ -378,7 +379,12 @@ def run(s) -> dict:
         result["hf"] = hf
     table = common.format_table(headers, rows)
     result["table"] = table
-    say(table)
+    runner.emit(runner.rows_from_table(
+        "decode_bench", headers, rows, params=["T"], fixed=dict(model=s.model, layers=n_layers, dtype=s.dtype,
+                                                                context=s.context, pos=s.pos),
+        timing=f"one decode_window call synced (dispatch + device), median of {s.iters} after {s.warmup} untimed; "
+               "'pipelined': back to back, one sync", units={"x tok/s vs T=1": "x", "GB/step": "GB"}),
+        s.output, table=table, result=result)
     say()
     if hf is not None:
         say(hf["line"])

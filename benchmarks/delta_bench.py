@@ -25,7 +25,7 @@ import sys
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_integer("heads_k", 16, "Hk: key heads.", lower_bound=1, flag_values=FLAGS)
@@ -45,6 +45,7 @@ flags.DEFINE_integer("seed", 0, "Seed of the inputs.", flag_values=FLAGS)
 flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth read in MiB (0 = 4096 on an accelerator, 64 on CPU).",
                      lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each T).", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 # Kernel tuning (see pallas_kernels.gated_delta.gated_delta_step).
 flags.DEFINE_integer("block_dv", 32, "Columns of the state per program (a power of 2).", lower_bound=1,
                      flag_values=FLAGS)
@@ -154,8 +155,8 @@ def run(s) -> dict:
     rows = [[r["T"], r["xla_us"], r["pallas_us"], r["bytes"] / 1e6, r["roofline_us"], 100 * r["xla_roofline_fraction"],
              100 * r["pallas_roofline_fraction"], max(r["out_rel_err"], r["states_rel_err"])]
             for r in result["rows"]]
-    result["table"] = common.format_table(headers, rows)
-    say(result["table"])
+    result["table"] = runner.table(s, "delta_bench", headers, rows, params=["T"], result=result,
+                                   timing="per step: a synced call over the layers / layers, median")
     say()
     say("us = per step (one layer's step, the call's time / layers); MB moved = state read + T states written; "
         "rel err = max over out and states of ||Pallas - XLA||_F / ||XLA||_F on the first layer (float32 math in "

@@ -17,10 +17,11 @@ synchronised, median of --iters after --warmup; per-layer time = call / layers (
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("t", "1,2,4,8", "Row counts T, comma-separated.", flag_values=FLAGS)
@@ -35,6 +36,7 @@ flags.DEFINE_integer("warmup", 3, "Untimed calls first.", lower_bound=0, flag_va
 flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth read in MiB (0 = 4096 on an accelerator, 64 on CPU).",
                      lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 
 FORMULATIONS = ("matmul", "einsum_f32", "pad2", "fused_qkv")
 
@@ -93,23 +95,26 @@ def run(s) -> dict:
                     "a layer at the roofline")
     result = dict(benchmark="dense_bench", settings={n: getattr(s, n) for n in FLAGS}, device=dev, bandwidth=bw,
                   layer_bytes=layer_bytes, roofline_us_per_layer=roof_us, rows=[])
-    for t in ts:
-        x = rnd(t, s.hidden)
-        row = dict(T=t)
-        for kind in FORMULATIONS:
-            fn = jax.jit(layers_fn(kind))
-            compiled = fn.lower(x, weights).compile()
-            timing = common.time_synced(lambda i, c=compiled, x=x: c(x, weights), iters=s.iters, warmup=s.warmup)
-            us = timing.median_ms * 1e3 / s.layers
-            row[kind] = us
-            common.progress(f"  T={t} {kind}: {us:.1f} us a layer ({roof_us / us:.0%} of the roofline)")
-        result["rows"].append(row)
+    inputs: dict[int, Any] = {}
+    for point in runner.grid({"T": ts, "formulation": FORMULATIONS}):  # T slowest: one row per T
+        t, kind = point["T"], point["formulation"]
+        if t not in inputs:
+            inputs[t] = rnd(t, s.hidden)
+            result["rows"].append(dict(T=t))
+        x = inputs[t]
+        fn = jax.jit(layers_fn(kind))
+        compiled = fn.lower(x, weights).compile()
+        timing = common.time_synced(lambda i, c=compiled, x=x: c(x, weights), iters=s.iters, warmup=s.warmup)
+        us = timing.median_ms * 1e3 / s.layers
+        result["rows"][-1][kind] = us
+        common.progress(f"  T={t} {kind}: {us:.1f} us a layer ({roof_us / us:.0%} of the roofline)")
     headers = ["T", *(f"{k} us/layer" for k in FORMULATIONS), "roofline us/layer",
                *(f"{k} % roof" for k in FORMULATIONS)]
     rows = [[r["T"], *(r[k] for k in FORMULATIONS), roof_us, *(100 * roof_us / r[k] for k in FORMULATIONS)]
             for r in result["rows"]]
-    result["table"] = common.format_table(headers, rows)
-    common.say(result["table"])
+    result["table"] = runner.table(s, "dense_bench", headers, rows, params=["T"], result=result,
+                                   timing=f"one jitted call of {s.layers} chained layers, synced, median of {s.iters}, "
+                                          "/ layers (launches included)", units={"roofline us/layer": "us"})
     common.say(f"roofline: {common.fmt_bytes(layer_bytes)} of q/k/v/o weights a layer at the {bw['bandwidth_Bps'] / 1e9:,.0f} "
                f"GB/s measured now; timing: one jitted call of {s.layers} chained layers, synchronised, median of "
                f"{s.iters}, divided by the layers (launches included)")

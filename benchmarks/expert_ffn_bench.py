@@ -22,7 +22,7 @@ import sys
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("t", "1,2,4,8", "Window sizes T, comma-separated.", flag_values=FLAGS)
@@ -39,6 +39,7 @@ flags.DEFINE_integer("seed", 0, "Seed of the weights, slots and routing weights.
 flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth read in MiB (0 = 4096 on an accelerator, 64 on CPU).",
                      lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each T).", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 # Kernel tuning (see pallas_kernels.expert_ffn.expert_ffn).
 flags.DEFINE_integer("block_i", 32, "Gate/up kernel: rows of I per program.", lower_bound=16, flag_values=FLAGS)
 flags.DEFINE_integer("block_k", 256, "Gate/up kernel: H chunk of its loop.", lower_bound=16, flag_values=FLAGS)
@@ -47,7 +48,7 @@ flags.DEFINE_integer("block_i_down", 256, "Down kernel: I chunk of its loop.", l
 flags.DEFINE_integer("n_split", 4, "Down kernel: programs sharing one column block's experts.", lower_bound=1,
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Triton warps per program (both kernels).", lower_bound=1, flag_values=FLAGS)
-flags.DEFINE_list("formats", ["int8", "int4"], "Also time the kernel on quantized experts (strata_jax.quant 'int8': one "
+flags.DEFINE_string("formats", "int8,int4", "Comma list: also time the kernel on quantized experts (strata_jax.quant 'int8': one "
                   "scale per output row; 'int4': one per 64 inputs, two weights a byte), quantized from the same bf16 "
                   "experts, each beside its own roofline; empty: bf16 only.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 3, "Triton pipeline stages (both kernels).", lower_bound=1, flag_values=FLAGS)
@@ -98,7 +99,9 @@ def run(s) -> dict:
     down = (jax.random.normal(kd, (slots, hidden, inter), jnp.float32) / np.sqrt(inter)).astype(jnp.bfloat16)
     jax.block_until_ready((gate, up, down))
     quantized = {}  # format -> (q gate, up, down, their scales, bytes an expert's FFN reads)
-    for fmt in s.formats:  # the same experts quantized, on the device
+    formats = (runner.parse_list(s.formats, str, "formats", empty_ok=True) if isinstance(s.formats, str)
+               else list(s.formats))
+    for fmt in formats:  # the same experts quantized, on the device
         from strata_jax import quant
         if fmt not in (*quant.ENGINE_FORMATS, "int4-g128"):  # g128: the kernel runs it; the engine picks 64 or 32
             raise ValueError(f"--formats: {fmt!r} is not one of {', '.join(quant.ENGINE_FORMATS)}, int4-g128")
@@ -186,7 +189,12 @@ def run(s) -> dict:
             row += [r[f"pallas_{fmt}_us"], r[f"{fmt}_roofline_us"], 100 * r[f"pallas_{fmt}_roofline_fraction"],
                     r[f"{fmt}_vs_bf16_rel"]]
     result["table"] = common.format_table(headers, rows)
-    say(result["table"])
+    runner.emit(runner.rows_from_table(
+        "expert_ffn_bench", headers, rows, params=["T"],
+        fixed=dict(k=k, slots=slots, hidden=hidden, inter=inter, inner=s.inner),
+        timing=f"per op: a synced call of {s.inner} ops (fori_loop over slot sets) / {s.inner}, median of {s.iters} "
+               f"after {s.warmup} untimed", units={"MB read": "MB", "max rel err": ""}),
+        getattr(s, "output", "md"), table=result["table"], result=result)
     say()
     say("max rel err = max |Pallas - reference| / max |reference| on the first slot set (reference: the XLA path's "
         "arithmetic, expert_ffn_reference); bf16 roundings differ by an ulp here and there, ~1e-2 is expected")

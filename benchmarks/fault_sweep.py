@@ -415,7 +415,8 @@ def _placement(engine, exact) -> bool | str:
 def main(argv):
     del argv
     from benchmarks.common import say
-    only = {g for g in FLAGS.only.split(",") if g}
+    from benchmarks.runner import parse_list
+    only = set(parse_list(FLAGS.only, str, "only", empty_ok=True))
     scratch = Path(tempfile.mkdtemp(prefix="strata_sweep_"))
     cache_dir = Path(FLAGS.cache_dir) if FLAGS.cache_dir else scratch / "cache"
     cache_dir.mkdir(parents=True, exist_ok=True)

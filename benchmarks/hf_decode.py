@@ -18,7 +18,7 @@ from pathlib import Path
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 REPO = Path(__file__).resolve().parent.parent
 FLAGS = flags.FlagValues()
@@ -34,6 +34,7 @@ flags.DEFINE_string("impls", "eager,batched_mm,grouped_mm", "Experts implementat
                     flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "torch seed of the weights and tokens.", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write the numbers to this JSON file.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 
 
 def build_model(raw: dict, layers: int, dtype, device):
@@ -93,7 +94,8 @@ def run(s) -> dict:
     result = dict(benchmark="hf_decode", transformers=transformers.__version__, torch=torch.__version__,
                   device=str(device), device_name=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   settings={n: getattr(s, n) for n in FLAGS}, impls={}, skipped={})
-    for impl in [i.strip() for i in s.impls.split(",") if i.strip()]:
+    from benchmarks.runner import parse_list
+    for impl in parse_list(s.impls, str, "impls"):
         try:
             model.set_experts_implementation(impl)
         except (AttributeError, ValueError, KeyError, ImportError) as e:
@@ -112,9 +114,10 @@ def run(s) -> dict:
     result["best"] = best
     rows = [[t, *(result["impls"][i][str(t)] for i in result["impls"]), best[str(t)]["impl"],
              t / best[str(t)]["ms"] * 1e3] for t in windows]
-    table = common.format_table(["T", *(f"{i} ms" for i in result["impls"]), "fastest", "tok/s (fastest)"], rows)
+    table = runner.table(s, "hf_decode", ["T", *(f"{i} ms" for i in result["impls"]), "fastest", "tok/s (fastest)"],
+                         rows, params=["T"], result=result, fixed=dict(model=s.model, pos=s.pos),
+                         timing=f"one window step, synced, median of {s.iters} after {s.warmup} warm-up steps")
     result["table"] = table
-    common.say(table)
     common.say(f"timing: one window step (model forward of T tokens on a cache of {s.pos}), synchronised, median of "
                f"{s.iters} after {s.warmup} warm-up steps")
     if s.json:

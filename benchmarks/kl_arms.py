@@ -20,7 +20,7 @@ from pathlib import Path
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ARMS = ("skip:STRATA_ROUTE_TAIL_SKIP=5;prior:STRATA_ROUTE_PRIOR=0.5;both:STRATA_ROUTE_TAIL_SKIP=5,"
@@ -47,6 +47,7 @@ flags.DEFINE_integer("cpu_threads", 0, "Host pool threads (0 = the cores this pr
                      flag_values=FLAGS)
 flags.DEFINE_string("out_dir", "", "Keep the logpos files here ('' = a temporary folder).", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 flags.DEFINE_string("cache_dir", "", "Engine cache_dir ('' = ~/.cache/strata_jax).", flag_values=FLAGS)
 
 
@@ -121,7 +122,10 @@ def run(s) -> dict:
     common.say(f"KL(exact || arm) in nats by position bucket, teacher-forced through windows of {s.window}; base: "
                f"the exact engine at S={sizes[0]}; 'exact S=...' / 'exact all' rows: other placements of the exact "
                "engine (the floor)")
-    common.say(table)
+    runner.emit(runner.rows_from_table("kl_arms", HEADERS + ["hit rate", "fetched/token", "cpu/token"], table_rows,
+                                       params=HEADERS[:1], timing="no timing: KL of teacher-forced reads",
+                                       units={h: "nats" for h in HEADERS[2:7]}),
+                getattr(s, "output", "md"), table=table, result=result)
     common.say("hit rate / fetched / cpu per token: distinct experts summed over the MoE layers, per scored "
                "position, in these reads")
     if s.json:

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 from strata_jax.logpos import read_logpos
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside the others
@@ -47,6 +47,7 @@ flags.DEFINE_string("runs", "", "Runs to compare, comma-separated name:path (nam
 flags.DEFINE_string("base_again", "", "logpos file of a second run of the base setting (the noise floor row).",
                     flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 flags.DEFINE_string("markdown", "", "Write the table (and its notes) to this Markdown file.", flag_values=FLAGS)
 
 FLOOR = 1e-12  # smallest run probability used inside a log (a run may list no mass for the base's ids)
@@ -191,7 +192,10 @@ def run(s) -> dict:
     if not runs and not s.base_again:
         raise ValueError("nothing to compare: give --runs=name:path,... and/or --base_again")
     result = report(s.base, runs, s.base_again or None)
-    common.say(result["table"])
+    runner.emit(runner.rows_from_table("kl_report", HEADERS, [_table_row(r) for r in result["rows"]],
+                                       params=HEADERS[:1], timing="no timing: KL / top-1 / perplexity of logpos files",
+                                       units={h: "nats" for h in HEADERS[2:7]}),
+                getattr(s, "output", "md"), table=result["table"], result=result)
     common.say()
     for line in result["notes"]:
         common.say(line)

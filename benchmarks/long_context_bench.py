@@ -51,7 +51,7 @@ from pathlib import Path
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside the others
 flags.DEFINE_string("model", "qwen3-30b-a3b", "Model preset from configs/.", flag_values=FLAGS)
@@ -79,6 +79,13 @@ flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten
 flags.DEFINE_integer("seed", 0, "Seed of the random weights, the prompts and the sampling.", lower_bound=0,
                      flag_values=FLAGS)
 flags.DEFINE_string("llama_bench", "", "The peer's llama-bench binary ('' = no peer columns).", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
+
+HEADERS = ["prompt", "experts in slots", "arm", "TTFT s", "prefill tok/s", "TTFT x all", "TTFT floor s",
+           "llama.cpp TTFT s", "decode tok/s", "decode x all", "roofline tok/s", "% of roofline",
+           "llama.cpp tg tok/s", "prefill PCIe GB", "decode PCIe MB/token"]
+TIMING = ("TTFT: one generate() call's prefill (prompt -> first token), synced; decode tok/s: the same call's decode "
+          "windows (engine.stats)")
 flags.DEFINE_string("gguf", "", "The peer's GGUF of the same shape; written with benchmarks/peer/write_gguf.py when "
                     "missing ('' = /tmp/<model>-<layers>.gguf).", flag_values=FLAGS)
 flags.DEFINE_string("gguf_py", "/tmp/llama.cpp/gguf-py", "gguf-py of the peer's source tree (to write the GGUF).",
@@ -111,25 +118,8 @@ class _Stopped(BaseException):
 
 
 def parse_slot_fracs(text: str) -> list:
-    """'all,0.5,0.25' -> ['all', 0.5, 0.25] (deduplicated, in the given order)."""
-    out: list = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if part == "all":
-            v = "all"
-        else:
-            try:
-                v = float(part)
-            except ValueError:
-                raise ValueError(f"--slot_fracs: {part!r} is not 'all' or a number") from None
-            if not 0.0 < v <= 1.0:
-                raise ValueError(f"--slot_fracs: {v:g} must be in (0, 1] (or 'all')")
-        if v not in out:
-            out.append(v)
-    if not out:
-        raise ValueError("--slot_fracs is empty")
-    return out
+    """'all,0.5,0.25' -> ['all', 0.5, 0.25] (deduplicated, in the given order): benchmarks.runner.parse_list."""
+    return runner.parse_list(text, float, "slot_fracs", words=("all",), lo=0.0, hi=1.0, lo_open=True)
 
 
 def _typed(name: str, value: str, kind: str):
@@ -387,6 +377,20 @@ def _ncmoe_entry(peer: dict, frac) -> dict:
 
 
 def make_table(result: dict) -> str:
+    return common.format_table(HEADERS, table_cells(result))
+
+
+def bench_rows(s, result: dict) -> list:
+    """The table's rows in benchmarks/runner.py's schema."""
+    return runner.rows_from_table("long_context_bench", HEADERS, table_cells(result),
+                                  params=["prompt", "experts in slots", "arm"], timing=TIMING,
+                                  fixed=dict(model=s.model, layers=s.layers, dtype=s.dtype, new_tokens=s.new_tokens,
+                                             temperature=s.temperature),
+                                  units={"TTFT x all": "x", "decode x all": "x", "prefill PCIe GB": "GB",
+                                         "decode PCIe MB/token": "MB"})
+
+
+def table_cells(result: dict) -> list[list]:
     order = {k: i for i, k in enumerate(result["prompts"])}
     fracs = {(f if f == "all" else float(f)): i for i, f in enumerate(result["slot_fracs"])}
     arms = {a: i for i, a in enumerate(result["arm_names"])}
@@ -404,10 +408,7 @@ def make_table(result: dict) -> str:
                       r["decode_tok_s"], ratio(r["decode_x_all_resident"]), r["decode_roofline"]["tok_s"],
                       100 * r["decode_tok_s"] / r["decode_roofline"]["tok_s"], tg.get("tok_s") or "-",
                       r["prefill_pcie_bytes"] / 1e9, r["decode_pcie_bytes_per_token"] / 1e6])
-    return common.format_table(
-        ["prompt", "experts in slots", "arm", "TTFT s", "prefill tok/s", "TTFT x all", "TTFT floor s",
-         "llama.cpp TTFT s", "decode tok/s", "decode x all", "roofline tok/s", "% of roofline",
-         "llama.cpp tg tok/s", "prefill PCIe GB", "decode PCIe MB/token"], cells)
+    return cells
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
@@ -633,7 +634,7 @@ def _report(s, cfg, result: dict) -> None:
         return
     table = make_table(result)
     result["table"] = table
-    say(table)
+    runner.emit(bench_rows(s, result), getattr(s, "output", "md"), table=table, result=result)
     say()
     bw = result["bandwidth"]
     mm = bw["matmul"]

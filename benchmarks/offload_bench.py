@@ -29,7 +29,7 @@ import time
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 from host_pool.pool import usable_cores
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside the others
@@ -61,6 +61,7 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weight, activat
 flags.DEFINE_integer("cpu_threads", 0, "Host pool threads; 0 = the cores this process may use.", lower_bound=0,
                      flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each arm).", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Array size of the device_put and memcpy bandwidth copies in MiB (0 = 1024 on an "
                      "accelerator, 64 on CPU).", lower_bound=0, flag_values=FLAGS)
@@ -105,25 +106,9 @@ def parse_switch_arms(text: str) -> list[tuple[str, dict]]:
 
 
 def frac_list(text: str, name: str, allow_auto: bool, lo_open: bool) -> list:
-    """'1,0.5,auto' -> [1.0, 0.5, 'auto'] (deduplicated, in the given order)."""
-    out: list = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if part == "auto" and allow_auto:
-            v = "auto"
-        else:
-            try:
-                v = float(part)
-            except ValueError:
-                raise ValueError(f"--{name}: {part!r} is not a number{' or auto' if allow_auto else ''}") from None
-            if not (0.0 < v <= 1.0 if lo_open else 0.0 <= v <= 1.0):
-                raise ValueError(f"--{name}: {v:g} must be in {'(0' if lo_open else '[0'}, 1]")
-        if v not in out:
-            out.append(v)
-    if not out:
-        raise ValueError(f"--{name} is empty")
-    return out
+    """'1,0.5,auto' -> [1.0, 0.5, 'auto'] (deduplicated, in the given order): benchmarks.runner.parse_list."""
+    return runner.parse_list(text, float, name, words=("auto",) if allow_auto else (), lo=0.0, hi=1.0,
+                             lo_open=lo_open)
 
 
 def host_ram_bytes() -> int | None:
@@ -522,7 +507,14 @@ def run(s) -> dict:
     ]
     bw_table = common.format_table(["copy", "GB/s", "measured"], bw_rows)
     result["table"], result["bandwidth_table"] = table, bw_table
-    say(table)
+    runner.emit(runner.rows_from_table(
+        "offload_bench", headers, rows, params=["arm", "slots", "pcie_frac"],
+        fixed=dict(model=s.model, layers=n_layers, dtype=s.dtype, expert_dtype=s.expert_dtype, context=s.context,
+                   prompt_len=s.prompt_len, new_tokens=s.new_tokens, temperature=s.temperature),
+        timing=f"one seeded generate() of {s.new_tokens} tokens after a warm-up request: decode tok/s from "
+               "engine.stats (decode windows only, not the prefill)",
+        units={"x vs all-resident": "x", "PCIe MB/token": "MB", "hit rate": ""}),
+        s.output, table=table, result=result)
     say()
     if switch_rows:
         say("approximation arms (decode tok/s: mean of 2 runs, plain and arms interleaved and mirrored; each arm's "

@@ -22,7 +22,8 @@ def main(argv):
     cfg = preset(FLAGS.model, layers=FLAGS.layers)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 40).tolist()
     outputs = {}
-    for slots in FLAGS.slots.split(","):
+    from benchmarks.runner import parse_list
+    for slots in parse_list(FLAGS.slots, str, "slots"):
         eng = Engine.from_random(cfg, seed=0, expert_cache_slots=slots, context=512, window=2)
         for _ in range(2):  # the second request runs on a warm cache
             out = eng.generate(prompt, FLAGS.new_tokens, stop_token_ids=[])

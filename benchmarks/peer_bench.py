@@ -27,7 +27,7 @@ from pathlib import Path
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("model", "qwen3-30b-a3b", "Model preset from configs/.", flag_values=FLAGS)
@@ -48,6 +48,7 @@ flags.DEFINE_integer("n_gen", 128, "Tokens generated per request (llama-bench -n
 flags.DEFINE_integer("prompt_tokens", 16, "Random prompt ids of our requests.", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("reps", 3, "Timed requests per arm (llama-bench -r).", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 
 
 def parse_ours(text: str) -> list[tuple[str, dict]]:
@@ -169,11 +170,17 @@ def run(s) -> dict:
         extra = (f"{r['windows']:.0f} windows, {r['drafts_accepted']:.0f}/{r['drafts_proposed']:.0f} drafts "
                  f"accepted" if r["drafts_proposed"] else f"{r['windows']:.0f} windows")
         rows.append(["strata_jax", r["arm"], r["tok_s"], 1000 / r["tok_s"], r["tok_s"] / base if base else "-", extra])
-    table = common.format_table(["engine", "arm", "tok/s", "ms/token", "x llama.cpp all-GPU", "notes"], rows)
+    headers = ["engine", "arm", "tok/s", "ms/token", "x llama.cpp all-GPU", "notes"]
+    table = common.format_table(headers, rows)
     result["table"] = table
     common.say(f"peer_bench: {s.model} cut to {cfg.num_layers} layers, bf16/F16, on {dev['device_kind']}; "
                f"{s.n_gen} new tokens per request")
-    common.say(table)
+    runner.emit(runner.rows_from_table(
+        "peer_bench", headers, rows, params=["engine", "arm"],
+        fixed=dict(model=s.model, layers=cfg.num_layers, n_gen=s.n_gen),
+        timing="llama.cpp: llama-bench tg, mean of -r; strata_jax: Engine.generate's decode tok/s, median of --reps "
+               "requests after a warm-up", units={"x llama.cpp all-GPU": "x"}),
+        getattr(s, "output", "md"), table=table, result=result)
     common.say("llama.cpp: llama-bench tg (mean of -r); strata_jax: Engine.generate's decode tok/s (median of "
                "--reps requests after a warm-up; random weights, random prompt, stop tokens off)")
     if s.json:

@@ -18,7 +18,7 @@ import sys
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("model", "tiny", "Model preset.", flag_values=FLAGS)
@@ -27,10 +27,12 @@ flags.DEFINE_string("windows", "1,4", "Window sizes.", flag_values=FLAGS)
 flags.DEFINE_integer("context", 2048, "KV cache length.", flag_values=FLAGS)
 flags.DEFINE_integer("iters", 30, "Timed calls.", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write the numbers here.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 
 
 def main(argv) -> dict:
     common.parse_flags(FLAGS, argv, "phase_bench")
+    common.set_output(FLAGS.output)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -85,11 +87,13 @@ def main(argv) -> dict:
             rows.append(dict(T=t, phase=name, synced_ms=timing.median_ms, dispatch_ms=timing.dispatch_median_ms,
                              pipelined_ms=piped * 1e3, per_layer_us=per_layer * 1e3))
             common.progress(f"T={t} {name}: {timing.median_ms:.3f} ms synced, {piped * 1e3:.3f} ms pipelined")
-    common.say(common.format_table(["T", "phase", "synced ms", "dispatch ms", "pipelined ms", "us/layer (synced)"],
-                                   [[r["T"], r["phase"], r["synced_ms"], r["dispatch_ms"], r["pipelined_ms"],
-                                     r["per_layer_us"]] for r in rows]))
     result = dict(model=FLAGS.model, layers=cfg.num_layers, context=FLAGS.context, rows=rows,
                   device=common.device_info())
+    runner.table(FLAGS, "phase_bench", ["T", "phase", "synced ms", "dispatch ms", "pipelined ms", "us/layer (synced)"],
+                 [[r["T"], r["phase"], r["synced_ms"], r["dispatch_ms"], r["pipelined_ms"], r["per_layer_us"]]
+                  for r in rows], params=["T", "phase"], fixed=dict(model=FLAGS.model, layers=cfg.num_layers),
+                 timing=f"each phase its own graph: synced calls (median of {FLAGS.iters}) and back to back",
+                 result=result)
     if FLAGS.json:
         common.write_json(FLAGS.json, result)
     return result

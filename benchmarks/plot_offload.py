@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.runner import parse_list
+
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,7 +37,7 @@ def main(argv=None) -> None:
             print(f"error: cannot read {path}: {e}", file=sys.stderr)
             sys.exit(1)
         style = "-" if i == 0 else "--"
-        labels = args.labels.split(",") if args.labels else []
+        labels = parse_list(args.labels, str, "labels", unique=False, empty_ok=True)
         tag = f" ({labels[i]})" if i < len(labels) else ("" if i == 0 else f" ({Path(path).stem})")
         lines: dict[str, list] = {}
         for arm in run["arms"]:

@@ -22,7 +22,7 @@ import time
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("model", "tiny", "Model preset from configs/.", flag_values=FLAGS)
@@ -39,6 +39,8 @@ flags.DEFINE_enum("dense_kernel", "auto", ["auto", "xla", "pallas"], "Attention 
 flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "Layers scanned over stacked weights (the engine's "
                   "default) or unrolled.", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write the numbers to this JSON file.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
+HEADERS = ["phase (named scope)", "us per window", "us per layer", "share of op time"]
 
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -156,6 +158,7 @@ def run(s) -> dict:
                                     dense_kernel=dense_kernel == "pallas")
     rng = np.random.default_rng(0)
     result = dict(benchmark="profile_window", settings={n: getattr(s, n) for n in FLAGS}, device=dev, windows=[])
+    bench_rows: list = []
     for t in windows:
         cache = model.init_cache(cfg, s.context, dtype, stacked=scanned)
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=t), jnp.int32)
@@ -189,9 +192,12 @@ def run(s) -> dict:
         top_unmatched = sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
         top_kernels = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
         rows = sorted(per_scope.items(), key=lambda kv: -kv[1])
-        table = common.format_table(
-            ["phase (named scope)", "us per window", "us per layer", "share of op time"],
-            [[name, us, us / cfg.num_layers, us / op_us if op_us else 0.0] for name, us in rows])
+        cells = [[name, us, us / cfg.num_layers, us / op_us if op_us else 0.0] for name, us in rows]
+        table = common.format_table(HEADERS, cells)
+        bench_rows += runner.rows_from_table(
+            "profile_window", HEADERS, cells, params=HEADERS[:1], fixed=dict(T=t, model=s.model, layers=cfg.num_layers),
+            timing=f"the executed ops' own durations under the JAX profiler, mean over {s.iters} windows",
+            units={"share of op time": ""})
         kernels = sum(1 for line in compiled.as_text().splitlines() if " fusion(" in line or "custom-call(" in line)
         common.say(f"T={t}: {kernels} fusions and custom calls in the compiled module ({s.layer_loop})")
         common.say(f"T={t}: window wall time {wall_ms * 1e3:,.0f} us under the profiler (synchronised, median of "
@@ -205,6 +211,9 @@ def run(s) -> dict:
         result["windows"].append(dict(T=t, wall_us=wall_ms * 1e3, op_us=op_us, phases=dict(per_scope),
                                       ops_per_window=len(events) / s.iters, table=table,
                                       unmatched_us=dict(top_unmatched), top_kernels_us=dict(top_kernels)))
+    result["bench_rows"] = [r.to_dict() for r in bench_rows]
+    if getattr(s, "output", "md") != "md":  # md: the table of each T above
+        runner.emit(bench_rows, s.output)
     common.say("op time: the executed XLA ops' own durations, by the named scope of their HLO instruction; the "
                "rest of the wall time is launch latency, host work and waits between ops")
     if s.json:

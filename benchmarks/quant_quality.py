@@ -20,7 +20,7 @@ from pathlib import Path
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,6 +34,7 @@ flags.DEFINE_string("kv_dtype", "", "Also a row for the engine's KV cache stored
 flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "offload.py"), "The known text.", flag_values=FLAGS)
 flags.DEFINE_integer("positions", 1200, "Positions scored.", lower_bound=2, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 flags.DEFINE_string("cache_dir", "", "Engine cache_dir ('' = ~/.cache/strata_jax).", flag_values=FLAGS)
 
 # Qwen3-30B-A3B's routed experts: 48 layers x 128 experts x (gate, up: 768 x 2048; down: 2048 x 768)
@@ -83,8 +84,9 @@ def run(s) -> dict:
     from strata_jax.engine import Engine
     from strata_jax.errors import StrataError
 
-    formats = [quant.get_format(n.strip()) for n in s.formats.split(",") if n.strip()]
-    models = [m.strip() for m in s.models.split(",") if m.strip()]
+    from benchmarks.runner import parse_list
+    formats = [quant.get_format(n) for n in parse_list(s.formats, str, "formats")]
+    models = parse_list(s.models, str, "models")
     try:
         text = Path(s.text_file).read_text()
     except (OSError, UnicodeDecodeError) as e:
@@ -153,9 +155,11 @@ def run(s) -> dict:
     headers = ["model", "format", "bits/weight", "weight rel err", "KL mean", "KL p99", "top-1", "perplexity",
                "bf16 perplexity", "30B experts GB"]
     result["table"] = common.format_table(headers, rows)
+    result["bench_rows"] = [r.to_dict() for r in runner.rows_from_table(
+        "quant_quality", headers, rows, params=["model", "format"], units={"30B experts GB": "GB"})]
     common.say(f"KL(checkpoint || format) in nats per position, teacher-forced, float32 prefill path, every expert "
                f"resident; {s.positions} positions of {s.text_file}")
-    common.say(result["table"])
+    runner.emit([runner.Row(**r) for r in result["bench_rows"]], getattr(s, "output", "md"), table=result["table"])
     common.say("bits/weight: bits per expert weight as the format stores them packed, scales and minima included "
                "(2 and 3 bits are not packed by the engine yet); 30B experts GB: Qwen3-30B-A3B's routed experts (48 x "
                "128 x 3 matrices of 768 x 2048) in that format (bf16: 57.98 GB)")

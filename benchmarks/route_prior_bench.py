@@ -30,7 +30,7 @@ import sys
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("shapes", "128x8,512x10", "E x K pairs (experts x experts per token), comma-separated.",
@@ -49,28 +49,21 @@ flags.DEFINE_integer("inner", 10, "Ops per timed call (a fori_loop over input se
                      lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the logits and resident masks.", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each row).", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 
 INPUT_SETS = 4  # timed calls rotate over this many [inner, ...] input sets
 WEIGHT_ATOL = 1e-6
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """'128x8,512x10' -> [(128, 8), (512, 10)]; 1 <= K <= E."""
-    out: list[tuple[int, int]] = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        try:
-            e, k = (int(v) for v in part.split("x"))
-        except ValueError:
-            raise ValueError(f"--shapes: {part!r} is not ExK (e.g. 128x8)") from None
+    """'128x8,512x10' -> [(128, 8), (512, 10)]; 1 <= K <= E (benchmarks.runner.parse_list)."""
+    def shape(part: str) -> tuple[int, int]:
+        e, k = (int(v) for v in part.lower().split("x"))
+        return e, k
+    out = runner.parse_list(text, shape, "shapes", what="ExK (e.g. 128x8)")
+    for e, k in out:
         if not 1 <= k <= e:
-            raise ValueError(f"--shapes: {part!r} needs 1 <= K <= E")
-        if (e, k) not in out:
-            out.append((e, k))
-    if not out:
-        raise ValueError("--shapes is empty")
+            raise ValueError(f"--shapes: {e}x{k} needs 1 <= K <= E")
     return out
 
 
@@ -180,8 +173,8 @@ def run(s) -> dict:
                "check"]
     rows = [[r["E"], r["K"], r["T"], r["xla_us"], r["pallas_us"], r["jnp_us"], r["pallas_over_xla"],
              r["changed_tokens_mean"], r["check"]] for r in result["rows"]]
-    result["table"] = common.format_table(headers, rows)
-    say(result["table"])
+    result["table"] = runner.table(s, "route_prior_bench", headers, rows, params=["E", "K", "T"], result=result,
+                                   timing="per op, synced calls, median", units={"Pallas/XLA": "x"})
     say()
     say(f"changed tokens = tokens (of T) whose top-K set the prior changed, mean over the {s.inner} checked ops; "
         f"check = kernel vs route_prior_reference on those ops: ids and changed equal, weights within {WEIGHT_ATOL:g}")

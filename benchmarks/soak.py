@@ -18,7 +18,7 @@ import time
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("model", "embedded", "Model: embedded, reference, or a folder.", flag_values=FLAGS)
@@ -28,6 +28,7 @@ flags.DEFINE_integer("max_growth_mib", 64, "Largest RSS growth allowed after the
                      flag_values=FLAGS)
 flags.DEFINE_string("cache_dir", "", "Engine cache_dir ('' = the default).", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write the numbers to this JSON file.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 
 # (name, pcie_frac set before the request, generate() keywords). The shares stay below 1: a move to or from 1
 # recompiles (it adds or removes the host pool's callback), which is not what a soak is about.
@@ -84,8 +85,8 @@ def run(s) -> dict:
                             f"{len(mismatches)} mismatches")
     end_rss, end_dev = rss_mib(), common.device_memory_in_use()
     growth = (end_rss - warm_rss) if warm_rss is not None else 0.0
-    table = common.format_table(["requests", "RSS MiB", "device MiB in use", "mismatches", "seconds"], rows)
-    common.say(table)
+    table = runner.table(s, "soak", ["requests", "RSS MiB", "device MiB in use", "mismatches", "seconds"], rows,
+                         params=["requests"], timing="wall seconds since the first request")
     ok = not mismatches and growth <= s.max_growth_mib
     common.say(f"soak: {s.requests} requests, {len(mismatches)} answers differing from their kind's first; RSS "
                f"growth after the warm-up {growth:+.1f} MiB (limit {s.max_growth_mib}); "

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from absl import flags
 
-from benchmarks import common
+from benchmarks import common, runner
 from strata_jax.options import env_name
 
 FLAGS = flags.FlagValues()
@@ -32,6 +32,7 @@ flags.DEFINE_string("kl", "", "The JSON file of a benchmarks.kl_arms run.", flag
 flags.DEFINE_string("ab", "", "Comma-separated JSON files of benchmarks.agent_turns_bench runs.", flag_values=FLAGS)
 flags.DEFINE_string("markdown", "", "Also write the table here.", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write the joined rows here.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
 
 
 def _key(slots, pcie_frac, env: dict[str, str]) -> tuple[str, float, frozenset]:
@@ -79,10 +80,16 @@ def join(kl: dict, abs_: list[dict]) -> list[dict]:
     return sorted(rows, key=_order)
 
 
-def make_table(rows: list[dict]) -> str:
-    headers = ["cache slots", "arm", "switches", "KL all", "KL 640+", "top-1", "hit rate (KL read)",
+HEADERS = ["cache slots", "arm", "switches", "KL all", "KL 640+", "top-1", "hit rate (KL read)",
                "fetched/token (KL read)", "decode x median (A/B)", "x min", "x max", "turns won", "hit rate (A/B)",
                "pcie_frac"]
+
+
+def make_table(rows: list[dict]) -> str:
+    return common.format_table(HEADERS, table_cells(rows))
+
+
+def table_cells(rows: list[dict]) -> list[list]:
     out = []
     for r in rows:
         ab = r["ab"]
@@ -98,7 +105,7 @@ def make_table(rows: list[dict]) -> str:
                      else median if median is not None else "-"),
                     x.get("min") if x.get("min") is not None else "-", x.get("max") if x.get("max") is not None
                     else "-", won, ab["hit_rate"] if ab else "-", f"{r['pcie_frac']:g}"])
-    return common.format_table(headers, out)
+    return out
 
 
 def _load(path: str, what: str) -> dict:
@@ -112,19 +119,25 @@ def run(s) -> dict:
     if not s.kl or not s.ab:
         raise ValueError("give --kl=<kl_arms JSON> and --ab=<agent_turns_bench JSON>,...")
     kl = _load(s.kl, "kl")
-    abs_ = [_load(p.strip(), "ab") for p in s.ab.split(",") if p.strip()]
-    for path, ab in zip(s.ab.split(","), abs_):
+    ab_paths = runner.parse_list(s.ab, str, "ab")
+    abs_ = [_load(p, "ab") for p in ab_paths]
+    for path, ab in zip(ab_paths, abs_):
         if ab.get("benchmark") != "agent_turns_bench" or "summary" not in ab:
             raise ValueError(f"--ab={path.strip()}: not an agent_turns_bench result (no summary)")
     if kl.get("benchmark") != "kl_arms":
         raise ValueError(f"--kl={s.kl}: not a kl_arms result")
     rows = join(kl, abs_)
     table = make_table(rows)
-    print(table)
-    print("KL: mean top-20 KL(exact || arm), teacher-forced reads through verify windows; decode x: per-turn decode "
+    result = dict(benchmark="trade_table", kl=s.kl, ab=ab_paths, rows=rows, table=table)
+    runner.emit(runner.rows_from_table("trade_table", HEADERS, table_cells(rows),
+                                       params=["cache slots", "arm", "switches", "pcie_frac"],
+                                       timing="no timing of its own: kl_arms' KL beside the A/B runs' decode ratios",
+                                       units={"KL all": "nats", "KL 640+": "nats", "decode x median (A/B)": "x",
+                                              "x min": "x", "x max": "x"}),
+                getattr(s, "output", "md"), table=table, result=result)
+    common.say("KL: mean top-20 KL(exact || arm), teacher-forced reads through verify windows; decode x: per-turn decode "
           "tok/s / the A/B baseline's, median (min, max) over the turns; the exact rows' x is the baseline's noise "
           "floor (its mirrored runs / its forward runs)")
-    result = dict(benchmark="trade_table", kl=s.kl, ab=s.ab.split(","), rows=rows, table=table)
     if s.markdown:
         Path(s.markdown).write_text(table + "\n")
     if s.json:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks import common, decode_bench
+from benchmarks import common, decode_bench, runner
 
 
 def test_decode_bench_tiny(tmp_path, capsys):
@@ -53,6 +53,56 @@ def test_format_table():
     table = common.format_table(["T", "name"], [[1, "a"], [16, "bb"]])
     lines = table.splitlines()
     assert len(lines) == 4 and lines[1].startswith("| --:")
+
+
+def test_parse_list_one_parser_for_every_list_flag():
+    assert runner.parse_list("1, 2,4,2,") == [1, 2, 4]  # blanks skipped, deduplicated, in order
+    assert runner.parse_list("all,0.5,0.25", float, "slot_fracs", words=("all",), lo=0, hi=1, lo_open=True) == \
+        ["all", 0.5, 0.25]
+    assert runner.parse_list("a,b,a", str, unique=False) == ["a", "b", "a"]
+    assert runner.parse_list("", str, "only", empty_ok=True) == []
+    for text, kind, kw, phrase in (("1,x", int, {}, "'x' is not an integer"), ("0", int, dict(lo=1), "positive"),
+                                   ("1.5", float, dict(lo=0, hi=1), "must be in [0, 1]"),
+                                   ("0", float, dict(lo=0, hi=1, lo_open=True), "must be in (0, 1]"),
+                                   ("nan", float, {}, "finite"), ("gpu", str, dict(choices=("xla", "pallas")), "one of"),
+                                   (" , ", int, {}, "is empty")):
+        with pytest.raises(ValueError, match="--w") as e:
+            runner.parse_list(text, kind, "w", **kw)
+        assert phrase in str(e.value) and "\n" not in str(e.value)
+    assert common.int_list("4,1", "windows") == [4, 1]
+
+
+def test_runner_grid_rows_and_outputs():
+    points = list(runner.grid({"T": [1, 2], "dtype": ["bf16", "f32"]}))
+    assert points[:2] == [{"T": 1, "dtype": "bf16"}, {"T": 1, "dtype": "f32"}] and len(points) == 4
+    seen = []
+    rows = runner.sweep({"T": [1, 2]}, lambda T: runner.Row("b", {"T": T}, {"ms/step": 2.0 * T}, timing="synced"),
+                        on_row=seen.append)
+    assert [r.values["ms/step"] for r in rows] == [2.0, 4.0] and seen == rows
+    table_rows = runner.rows_from_table("b", ["T", "ms/step", "tok/s", "x vs HF", "% of roofline", "hit rate"],
+                                        [[1, 2.0, 500.0, 1.5, 40.0, 0.9]], params=["T"], fixed={"model": "tiny"})
+    r = table_rows[0].to_dict()
+    assert r["params"] == {"model": "tiny", "T": 1} and r["values"]["tok/s"] == 500.0
+    assert r["units"] == {"ms/step": "ms", "tok/s": "tok/s", "x vs HF": "x", "% of roofline": "%", "hit rate": ""}
+    assert json.loads(runner.render(table_rows, "json"))[0]["benchmark"] == "b"
+    csv_lines = runner.render(table_rows, "csv").splitlines()
+    assert csv_lines[0].split(",")[:3] == ["benchmark", "model", "T"] and len(csv_lines) == 2
+    assert runner.render(table_rows, "md", table="given") == "given"
+    assert runner.render(table_rows, "md").splitlines()[0].startswith("| benchmark")
+
+
+def test_output_json_puts_only_the_rows_on_stdout(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    decode_bench.main(["decode_bench", "--model=tiny", "--windows=1", "--iters=1", "--warmup=1", "--context=64",
+                       "--pos=8", "--bw_mib=8", "--probe_windows=0", "--hf=off", "--output=json", f"--json={out}"])
+    printed = capsys.readouterr()
+    rows = json.loads(printed.out)  # stdout: the rows alone; the start-up block and notes went to stderr
+    assert [r["params"]["T"] for r in rows] == [1] and rows[0]["units"]["ms/step"] == "ms"
+    assert rows[0]["values"]["tok/s"] > 0 and "decode_window" in rows[0]["timing"]
+    assert "roofline" in printed.err
+    saved = json.loads(out.read_text())  # the --json file: its own keys, and the rows in the shared schema
+    assert saved["rows"][0]["T"] == 1 and saved["bench_rows"] == rows
+    common.set_output("md")
 
 
 def test_offload_bench_tiny(tmp_path, capsys, cache_dir):

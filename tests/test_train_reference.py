@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro
 from strata_jax import model
 from strata_jax import train_reference as train
 from strata_jax.config import config_from_dict
@@ -18,10 +19,6 @@ from strata_jax.config import config_from_dict
 # 16 experts (not 8) so that the top-8 routing skew is not 1 by construction.
 TINY = ["--hidden=64", "--layers=2", "--experts=16", "--top_k=2", "--moe_intermediate=32", "--heads=2", "--kv_heads=1",
         "--head_dim=32", "--seq_len=32", "--batch=4", "--steps=5", "--max_files=20", "--log_every=5"]
-
-
-def rel_err(a, b) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def train_tiny(folder, *extra) -> dict:
@@ -59,8 +56,8 @@ def test_engine_logits_equal_training_forward(tiny_run, cache_dir):
     with jax.default_matmul_precision("highest"):
         want = np.asarray(train.forward(trained, jnp.asarray([ids], jnp.int32), cfg)[0][0])
     assert want.shape == (len(ids), 257)
-    assert rel_err(engine.prefill_logits(ids), want) <= 1e-4
-    assert rel_err(engine.score(ids), want) <= 1e-4
+    assert rel_fro(engine.prefill_logits(ids), want) <= 1e-4
+    assert rel_fro(engine.score(ids), want) <= 1e-4
 
 
 def test_loss_goes_down_on_a_repeated_batch():
@@ -209,9 +206,9 @@ def test_next_engine_and_mtp_equal_training_forward(tiny_next, cache_dir):
         n = len(ids) - 1
         got_mtp, _, _ = mtp_mod.mtp_layer(loaded, loaded_mtp, mtp_mod.init_cache(cfg, 128, jnp.float32),
                                           hidden[0, :n], tokens[0, 1:], jnp.int32(0), jnp.ones((n,), bool), cfg)
-    assert rel_err(engine.prefill_logits(ids), np.asarray(want[0])) <= 1e-4
-    assert rel_err(engine.score(ids), np.asarray(want[0])) <= 1e-4
-    assert rel_err(np.asarray(got_mtp), np.asarray(want_mtp[0])) <= 1e-4
+    assert rel_fro(engine.prefill_logits(ids), np.asarray(want[0])) <= 1e-4
+    assert rel_fro(engine.score(ids), np.asarray(want[0])) <= 1e-4
+    assert rel_fro(np.asarray(got_mtp), np.asarray(want_mtp[0])) <= 1e-4
 
 
 def test_next_report_and_loss(tiny_next):
