@@ -97,7 +97,7 @@ def run_peer(s, gguf: Path) -> list[dict]:
             rows.append(dict(arm=" ".join(cmd[5:]), error=error))
             continue
         rec = records[0]
-        rows.append(dict(arm=f"-ngl 99 -fa 1" + (f" -ncmoe {ncmoe}" if ncmoe else ""), tok_s=rec["avg_ts"],
+        rows.append(dict(arm="-ngl 99 -fa 1" + (f" -ncmoe {ncmoe}" if ncmoe else ""), tok_s=rec["avg_ts"],
                          tok_s_stdev=rec.get("stddev_ts"), build=rec.get("build_commit"), gpu=rec.get("gpu_info"),
                          ncmoe=ncmoe or 0))
         common.progress(f"peer: {rows[-1]['arm']}: {rec['avg_ts']:.1f} tok/s")

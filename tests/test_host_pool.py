@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import random_layers, reference_ffn, rel_fro, rng_for
-from host_pool import (HostExpertStore, HostPool, HostPoolError, cpu_expert_rows,
+from host_pool import (HostPoolError, cpu_expert_rows,
                        unwrap_pool_error)
 from host_pool import pool as pool_module
 from host_pool import store as store_module
