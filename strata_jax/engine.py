@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax import checkpoint, graphs, model, moe, offload, quant
+from strata_jax import checkpoint, graphs, model, moe, offload, parallel as parallel_mod, quant
 from strata_jax import mtp as mtp_mod
 from strata_jax import placement as placement_mod
 from strata_jax.chat import ChatTemplate, GenerationDefaults, load_chat_template, load_generation_config
@@ -90,13 +90,14 @@ class Engine:
         elif weights.stacked:
             self.weights = weights = model.unstack_layers(weights)
         self.expert_path, self.decode_expert_path = self._expert_paths()
+        self.parallel = parallel_mod.attach(self)  # devices > 1: the weights split over them (strata_jax/parallel.py)
         self.stats = Stats()
         self._reset_state()
         if placement and verbose:
             for line in placement.lines:
                 log(line)
         if verbose:
-            for line in approx_lines:
+            for line in approx_lines + ([self.parallel.line] if self.parallel else []):
                 log(line)
             log(f"kernels: expert FFN {self.expert_kernel}, attention {self.attention_kernel}"
                 + f", attention products {self.dense_kernel}"
@@ -150,6 +151,8 @@ class Engine:
                               "lower --context") from None
         experts = self.placement.init_state(self.cfg, self.expert_storage) if self.placement else None
         self.cache = kv.replace(experts=experts)
+        if self.parallel:
+            self.cache = self.parallel.place_cache(self.cache)
         self._kv_tokens: list[int] = []  # the tokens whose KV rows 0.. the cache holds (prefix reuse)
         self.kv_length = length
 
@@ -288,7 +291,8 @@ class Engine:
         self._samplers, self._verifiers = {True: {}, False: {}}, {True: {}, False: {}}
         with self._full_f32():
             for t in range(1, self.options.window + 1):
-                self._decode[t] = decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile()
+                self._decode[t] = (self.parallel.window(t, self.weights, self.cache) if self.parallel else
+                                   decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile())
                 for filtered in (True, False):
                     self._samplers[filtered][t] = graphs.jit_sample(filtered).lower(
                         jnp.zeros((t, v), jnp.float32), jnp.zeros((t,), jnp.int32), sampling).compile()
@@ -296,8 +300,9 @@ class Engine:
                         self._verifiers[filtered][t] = graphs.jit_verify(filtered).lower(
                             jnp.zeros((t, v), jnp.float32), jnp.zeros((t - 1,), jnp.int32),
                             jnp.zeros((t,), jnp.int32), sampling).compile()
-            self._prefill = {c: prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32), pos,
-                                              jnp.int32(1)).compile() for c in self.chunks}
+            self._prefill = {c: self.parallel.prefill(c, self.weights, self.cache) if self.parallel else
+                             prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32), pos,
+                                           jnp.int32(1)).compile() for c in self.chunks}
         self._pick_samplers(filtered=True)
         self._prefill_logits = {}  # chunk size -> graph, compiled on first use (teacher-forced prompt scoring)
         self._device_verify = {}  # (T, sampled) -> graph; compiled on first use (generate(draft="device") only)
@@ -468,6 +473,9 @@ class Engine:
                     delta_kernel=self.delta_kernel == "pallas")
 
     def _prefill_logits_graph(self, size: int):
+        if size not in self._prefill_logits and self.parallel:
+            with self._full_f32():
+                self._prefill_logits[size] = self.parallel.prefill_logits(size, self.weights, self.cache)
         if size not in self._prefill_logits:
             self._prefill_logits[size] = self._aot(
                 graphs.jit_prefill_logits(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel),
@@ -517,6 +525,8 @@ class Engine:
             raise StrataError(f"spec {spec} needs window >= {spec + 1} (this engine compiled T=1..{self.options.window})")
         if req.draft == "none":
             spec = 0
+        if self.parallel and spec > 0 and (req.draft == "device" or (req.draft == "mtp" and self.mtp is not None)):
+            raise StrataError(f"draft={req.draft} is not wired for devices > 1 yet: use draft=ngram or none")
         if req.draft == "mtp" and drafter is None:
             if self.mtp is None:
                 if not self._said_no_mtp:
@@ -835,6 +845,8 @@ def plan_placement(cfg: ModelConfig, opts: EngineOptions):
     copies of the experts go when offload is on."""
     if any(cfg.sparse_layers):
         placement_mod.expert_format(opts, cfg)  # int4 on experts no group divides: one line before anything loads
+    if parallel_mod.devices_for(opts) is not None:
+        return None, f"devices={opts.devices}: every expert resident over several devices", None
     context, chunk = context_and_chunk(cfg, opts)
     itemsize = jnp.dtype(opts.dtype).itemsize
     kv_bytes = model.cache_bytes(cfg, context + chunk, itemsize, opts.window + 1, opts.kv_dtype)

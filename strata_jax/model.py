@@ -430,9 +430,19 @@ def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: ja
     dense_kernel: the attention products read the stacks in place too (pallas_kernels/stacked_linear.py), where
     XLA would copy layer i's q/k/v/o matrices out of the stacks first.
     All-resident experts only (`experts` None or moe.ResidentExperts): offload keeps the unrolled graph."""
-    t = tokens.shape[0]
+    h = weights.embed[tokens]  # [T, H]
+    h, cache = scan_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel, dense_kernel)
+    return head_logits(weights, h, cfg), cache
+
+
+def scan_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.Array, n_valid: jax.Array,
+                cfg: ModelConfig, experts=None, attention_kernel: bool = False,
+                dense_kernel: bool = False) -> tuple[jax.Array, KVCache]:
+    """The layers of `forward_scanned` alone: hidden states h [T, H] through the stacked layers `stack` ([L', ...]
+    leaves, any L' <= L: a block of layers, as strata_jax/parallel.py's pipeline stages run) and their stacked cache
+    [L', S, Nkv, D]. Returns (h, cache)."""
+    t = h.shape[0]
     valid = jnp.arange(t) < n_valid  # [T]
-    stack = weights.layers
     n_layers = jax.tree.leaves(stack)[0].shape[0]
     sparse = isinstance(stack.ffn, moe.MoEWeights)
     if sparse:  # [L, E, I, H] -> [L*E, I, H]: a bitcast, read in place by the gather or the kernel
@@ -468,9 +478,8 @@ def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: ja
                     h = h + y
         return (h, k_all, v_all), None
 
-    h = weights.embed[tokens]  # [T, H]
     (h, k_all, v_all), _ = jax.lax.scan(body, (h, cache.k, cache.v), jnp.arange(n_layers, dtype=jnp.int32))
-    return head_logits(weights, h, cfg), cache.replace(k=k_all, v=v_all)
+    return h, cache.replace(k=k_all, v=v_all)
 
 
 def param_bytes(weights: Weights) -> int:

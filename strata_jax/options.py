@@ -64,6 +64,15 @@ def _frac(v):
         return "must be auto or a number in [0, 1]"
 
 
+def _devices(v):
+    if v == "all":
+        return None
+    try:
+        return None if int(v) >= 1 else "must be all or a number >= 1"
+    except (TypeError, ValueError):
+        return "must be all or a number >= 1"
+
+
 def opt(default, help: str, check: Callable[[Any], str | None] | None = None, flag_type: str | None = None):
     return dataclasses.field(default=default, metadata={"help": help, "check": check, "flag_type": flag_type})
 
@@ -130,6 +139,14 @@ class EngineOptions:
                                "request with an error.", _float_range(0.0, 3600.0, lo_open=True))
     prefix_reuse: bool = opt(True, "Keep the KV cache of the last request: a request whose tokens start with it "
                              "prefills only the new part (exact: the same logits as a cold run).", _bool)
+    devices: str = opt("1", "Devices the model runs on: a number >= 1 or 'all' (every device JAX sees). Above 1 "
+                       "every expert is resident (offload with several devices is not implemented) and --parallel "
+                       "says how the model is split (strata_jax/parallel.py).", _devices)
+    parallel: str = opt("layers", "How the model is split over --devices > 1: layers (each device holds a contiguous "
+                        "block of layers and their KV cache; a window runs stage by stage, the [T, H] activations "
+                        "copied to the next device) or experts (each MoE layer's experts split over the devices, "
+                        "everything else replicated; each device runs its experts for every token, summed across "
+                        "the devices).", _choice("layers", "experts"))
 
     # The routing approximations (strata_jax.approx): '' = read the STRATA_* environment variable of the same name.
     # A bad value is one line and the switch stays off (as the original engine does), not an error.

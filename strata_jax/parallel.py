@@ -1,0 +1,287 @@
+"""Past one device: the model split over several devices with JAX's own SPMD machinery (`devices` > 1).
+
+Two splits (`parallel=`), every expert resident (offload with several devices is not implemented: one line):
+
+* `layers` (`LayerSplit`): device d holds a contiguous block of layers (their stacked weights and KV cache). A window
+  runs stage by stage, one jitted graph per stage and window size: embed on the first stage, the block's layers
+  (`model.scan_layers`, the single-device graph's own layer body), the activations [T, H] `device_put` to the next
+  stage's device, final norm + lm_head on the last. The stages run one after the other (no overlap between windows
+  yet): it buys memory (each device holds 1/D of the model), not speed. Needs the scanned layer loop.
+* `experts` (`ExpertSplit`): a `Mesh` over the devices with one axis 'experts'; each MoE layer's experts [E, ...]
+  (stacked: [L, E, ...]) sharded on the expert axis (`NamedSharding`), everything else (attention, norms, router,
+  embeddings, KV cache) replicated. The whole window runs in `jax.shard_map`: each device routes every token (the
+  router is replicated), runs its own experts for all T tokens with the other devices' combine weights masked to
+  zero (`ShardedExperts`), and a `psum` over 'experts' adds the devices' rows: the dispatch/combine of an all-to-all,
+  exact for replicated tokens. Each device reads only 1/D of the experts a window needs.
+
+Both return the engine's graph signatures (`window(t)`: (weights, cache, tokens, pos) -> (argmax, logits, cache);
+`prefill(c)` and `prefill_logits(c)`), so `Engine` swaps them in for its own graphs (`attach`); the greedy tokens and
+logits come back on the first device, where the engine's samplers run.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from strata_jax import graphs, model, moe
+from strata_jax.errors import StrataError
+from strata_jax.sampling import greedy
+
+AXIS = "experts"
+
+
+def devices_for(opts) -> list | None:
+    """The devices of `opts.devices` (None: one device, the single-device engine). One line when more are asked
+    for than JAX sees, or when offload is asked for with several devices."""
+    if str(opts.devices) == "1":
+        return None
+    seen = jax.devices()
+    n = len(seen) if opts.devices == "all" else int(opts.devices)
+    if n > len(seen):
+        raise StrataError(f"devices={opts.devices}: JAX sees {len(seen)} {jax.default_backend()} device(s)")
+    if n == 1:
+        return None
+    if opts.expert_cache_slots not in ("all", "auto"):
+        raise StrataError(f"devices={n} with expert_cache_slots={opts.expert_cache_slots}: offload with several "
+                          "devices is not implemented (every expert is resident over several devices: "
+                          "expert_cache_slots=all)")
+    return seen[:n]
+
+
+def attach(engine) -> "LayerSplit | ExpertSplit | None":
+    """The engine's split over `devices` (None on one device); the engine's weights are placed by it."""
+    devices = devices_for(engine.options)
+    if devices is None:
+        return None
+    kw = dict(cfg=engine.cfg, devices=devices, decode_experts=engine.decode_expert_path,
+              attention_kernel=engine.attention_kernel == "pallas", dense_kernel=engine.dense_kernel == "pallas",
+              delta_kernel=engine.delta_kernel == "pallas")
+    if engine.options.parallel == "layers":
+        if not engine.weights.stacked:
+            raise StrataError("parallel=layers runs the scanned layer loop (layer_loop=scan, every layer of one kind, "
+                              "not Qwen3-Next): use parallel=experts for this model")
+        split = LayerSplit(**kw)
+    else:
+        split = ExpertSplit(**kw, expert_kernel=engine.expert_kernel == "pallas")
+    engine.weights = split.place_weights(engine.weights)
+    return split
+
+
+@struct.dataclass
+class Stages:
+    """Per-stage weights or caches of parallel=layers (stage s on devices[s])."""
+    stages: tuple
+    state_pos = None  # (not a field) the engine's prefix reuse reads it: no DeltaNet ring here
+
+
+def _stage(weights: model.Weights, cache: model.KVCache, x: jax.Array, pos: jax.Array, n_valid: jax.Array, *,
+           cfg, first: bool, last: bool, tail: str, experts, attention_kernel: bool, dense_kernel: bool):
+    """One stage of a window: tokens (first) or hidden states [T, H] through the stage's layers; the last stage
+    ends as graphs.decode_window ('window'), prefill_chunk ('prefill') or prefill_logits ('logits') do."""
+    h = weights.embed[x] if first else x
+    h, cache = model.scan_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel,
+                                 dense_kernel)
+    if not last:
+        return h, cache
+    logits = model.head_logits(weights, h, cfg)
+    if tail == "window":
+        return (greedy(logits), logits), cache
+    if tail == "prefill":
+        row = jax.lax.dynamic_slice_in_dim(logits, n_valid - 1, 1, axis=0)  # [1, V]
+        return (greedy(row[0]), row), cache
+    return (logits,), cache
+
+
+class LayerSplit:
+    """parallel=layers: contiguous blocks of layers, one device each (see the module docstring)."""
+
+    def __init__(self, cfg, devices, decode_experts=None, attention_kernel=False, dense_kernel=False,
+                 delta_kernel=False):
+        n = cfg.num_layers
+        if len(devices) > n:
+            raise StrataError(f"parallel=layers over {len(devices)} devices needs at least as many layers "
+                              f"(this model: {n})")
+        self.cfg, self.devices = cfg, list(devices)
+        self.decode_experts, self.attention_kernel, self.dense_kernel = decode_experts, attention_kernel, dense_kernel
+        cuts = [round(i * n / len(devices)) for i in range(len(devices) + 1)]
+        self.blocks = list(zip(cuts[:-1], cuts[1:]))
+        self.line = (f"parallel=layers over {len(devices)} devices: layers "
+                     + ", ".join(f"{a}..{b - 1} on {d}" for (a, b), d in zip(self.blocks, self.devices)))
+
+    def place_weights(self, w: model.Weights) -> Stages:
+        last = len(self.blocks) - 1
+        stages = []
+        for s, ((a, b), dev) in enumerate(zip(self.blocks, self.devices)):
+            stage = model.Weights(embed=w.embed if s == 0 or (s == last and w.lm_head is None) else None,
+                                  layers=jax.tree.map(lambda x, a=a, b=b: x[a:b], w.layers),
+                                  final_norm=w.final_norm if s == last else None,
+                                  lm_head=w.lm_head if s == last else None)
+            stages.append(jax.device_put(stage, dev))
+        return Stages(stages=tuple(stages))
+
+    def place_cache(self, cache: model.KVCache) -> Stages:
+        return Stages(stages=tuple(jax.device_put(model.KVCache(k=jax.tree.map(lambda x: x[a:b], cache.k),
+                                                                v=jax.tree.map(lambda x: x[a:b], cache.v)), dev)
+                                   for (a, b), dev in zip(self.blocks, self.devices)))
+
+    def _pipeline(self, weights: Stages, cache: Stages, t: int, tail: str, experts, attention_kernel,
+                  dense_kernel):
+        """The stages' graphs compiled for T = t, chained: (weights, cache, tokens, pos, n_valid) -> (outs, cache)."""
+        last = len(self.devices) - 1
+        compiled = []
+        for s, dev in enumerate(self.devices):
+            fn = jax.jit(functools.partial(_stage, cfg=self.cfg, first=s == 0, last=s == last, tail=tail,
+                                           experts=experts, attention_kernel=attention_kernel,
+                                           dense_kernel=dense_kernel),
+                         donate_argnums=(1,), compiler_options=graphs.MODEL_COMPILER_OPTIONS)
+            one = jax.sharding.SingleDeviceSharding(dev)
+            x = (jax.ShapeDtypeStruct((t,), jnp.int32, sharding=one) if s == 0 else
+                 jax.ShapeDtypeStruct((t, self.cfg.hidden_size), weights.stages[s].layers.attn_norm.dtype,
+                                      sharding=one))
+            scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=one)
+            compiled.append(fn.lower(weights.stages[s], cache.stages[s], x, scalar, scalar).compile())
+        first_device = self.devices[0]
+
+        def run(weights: Stages, cache: Stages, tokens, pos, n_valid):
+            x, new = tokens, []
+            for s, (fn, dev) in enumerate(zip(compiled, self.devices)):
+                x, c = fn(weights.stages[s], cache.stages[s], *jax.device_put((x, pos, n_valid), dev))
+                new.append(c)
+            return jax.device_put(x, first_device), Stages(stages=tuple(new))  # the samplers' device
+        return run
+
+    def window(self, t: int, weights: Stages, cache: Stages):
+        run = self._pipeline(weights, cache, t, "window", self.decode_experts, self.attention_kernel,
+                             self.dense_kernel)
+
+        def window(weights, cache, tokens, pos):
+            (token, logits), cache = run(weights, cache, tokens, pos, np.int32(t))
+            return token, logits, cache
+        return window
+
+    def prefill(self, c: int, weights: Stages, cache: Stages):
+        run = self._pipeline(weights, cache, c, "prefill", None, self.attention_kernel, False)
+
+        def prefill(weights, cache, tokens, pos, n_valid):
+            (token, last), cache = run(weights, cache, tokens, pos, n_valid)
+            return token, last, cache
+        return prefill
+
+    def prefill_logits(self, c: int, weights: Stages, cache: Stages):
+        run = self._pipeline(weights, cache, c, "logits", None, self.attention_kernel, False)
+
+        def prefill_logits(weights, cache, tokens, pos, n_valid):
+            (logits,), cache = run(weights, cache, tokens, pos, n_valid)
+            return logits, cache
+        return prefill_logits
+
+
+class ShardedExperts:
+    """The expert path inside shard_map over 'experts': this device's experts (E/D of every MoE layer) for every
+    token of the window, the other devices' combine weights masked to zero, summed over the devices by psum.
+    kernel: the Pallas expert FFN (masked entries are rows -1: never read); else XLA's gather + einsums."""
+
+    def __init__(self, cfg, n_devices: int, kernel: bool = False):
+        self.cfg, self.n, self.kernel = cfg, n_devices, kernel
+
+    def __call__(self, layer, x, w: moe.MoEWeights, valid, state=None, offset=0):
+        cfg = self.cfg
+        e_local = cfg.num_experts // self.n
+        with jax.named_scope("moe_route"):
+            r = moe.route(x, w.router, cfg, valid)  # every token, every expert: the router is replicated
+        local = r.expert_ids - jax.lax.axis_index(AXIS) * e_local
+        mine = (r.expert_ids >= 0) & (local >= 0) & (local < e_local)
+        base = (offset // cfg.num_experts) * e_local  # stacked layers: the local row of this layer's expert 0
+        combine = jnp.where(mine[None, :], r.combine, 0.0)
+        with jax.named_scope("moe_experts_local"):
+            if self.kernel:
+                from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
+                rows = jnp.where(mine, local + base, -1)
+                y = expert_ffn_kernel(x, w.gate, w.up, w.down, rows, combine, *w.scales,
+                                      interpret=jax.default_backend() != "gpu").astype(jnp.float32)
+            else:
+                ids = jnp.where(mine, local, 0) + base
+                y = moe.expert_ffn(x, w.gate[ids], w.up[ids], w.down[ids], combine, *(sc[ids] for sc in w.scales))
+        with jax.named_scope("moe_combine"):
+            return jax.lax.psum(y, AXIS).astype(x.dtype), state
+
+
+def expert_specs(weights: model.Weights):
+    """The PartitionSpec tree of `weights`: the MoE layers' experts (and their scales) split on the expert axis
+    (axis 1 of stacked [L, E, ...] leaves, else 0), everything else replicated."""
+    rep = lambda tree: jax.tree.map(lambda _: P(), tree)
+
+    def layer_spec(layer: model.LayerWeights, axis: int):
+        spec = rep(layer)
+        if not isinstance(layer.ffn, moe.MoEWeights):
+            return spec
+        split = P(*([None] * axis), AXIS)
+        names = [n for n in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
+                 if getattr(layer.ffn, n) is not None]
+        return spec.replace(ffn=rep(layer.ffn).replace(**{n: split for n in names}))
+
+    layers = (layer_spec(weights.layers, 1) if weights.stacked else
+              [layer_spec(layer, 0) for layer in weights.layers])
+    return rep(weights).replace(layers=layers)
+
+
+class ExpertSplit:
+    """parallel=experts: each MoE layer's experts split over a 'experts' mesh axis (see the module docstring)."""
+
+    def __init__(self, cfg, devices, decode_experts=None, attention_kernel=False, dense_kernel=False,
+                 delta_kernel=False, expert_kernel=False):
+        if not any(cfg.sparse_layers):
+            raise StrataError("parallel=experts: this model has no MoE layer (use parallel=layers)")
+        if cfg.num_experts % len(devices):
+            raise StrataError(f"parallel=experts over {len(devices)} devices needs the experts ({cfg.num_experts}) "
+                              "divisible by the device count")
+        self.cfg, self.devices = cfg, list(devices)
+        self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self.kernels = dict(attention_kernel=attention_kernel, dense_kernel=dense_kernel, delta_kernel=delta_kernel)
+        self.prefill_experts = ShardedExperts(cfg, len(devices))
+        self.decode_experts = ShardedExperts(cfg, len(devices), kernel=expert_kernel)
+        self.specs = None
+        self.line = (f"parallel=experts over {len(devices)} devices: {cfg.num_experts // len(devices)} experts of "
+                     f"each MoE layer per device, attention and KV cache replicated")
+
+    def place_weights(self, w: model.Weights) -> model.Weights:
+        self.specs = expert_specs(w)
+        return jax.device_put(w, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs))
+
+    def place_cache(self, cache: model.KVCache) -> model.KVCache:
+        return jax.device_put(cache, NamedSharding(self.mesh, P()))
+
+    def _compile(self, fn, n_out: int, weights, cache, t: int, *scalars):
+        rep = NamedSharding(self.mesh, P())
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs, P(), P()) + (P(),) * len(scalars),
+                               out_specs=P(), check_vma=False)
+        compiled = jax.jit(mapped, donate_argnums=(1,), compiler_options=graphs.MODEL_COMPILER_OPTIONS).lower(
+            weights, cache, jax.ShapeDtypeStruct((t,), jnp.int32, sharding=rep),
+            *(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep) for _ in scalars)).compile()
+        first = self.devices[0]
+
+        def run(weights, cache, *args):
+            out = compiled(weights, cache, *jax.device_put(args, rep))
+            # the engine's samplers run on the first device: hand them its replica
+            return tuple(jax.device_put(o, first) for o in out[:n_out]) + tuple(out[n_out:])
+        return run
+
+    def window(self, t: int, weights, cache):
+        fn = functools.partial(graphs.decode_window, cfg=self.cfg, experts=self.decode_experts, **self.kernels)
+        run = self._compile(fn, 2, weights, cache, t, "pos")
+        return lambda weights, cache, tokens, pos: run(weights, cache, tokens, pos)
+
+    def prefill(self, c: int, weights, cache):
+        fn = functools.partial(graphs.prefill_chunk, cfg=self.cfg, experts=self.prefill_experts,
+                               attention_kernel=self.kernels["attention_kernel"])
+        return self._compile(fn, 2, weights, cache, c, "pos", "n_valid")
+
+    def prefill_logits(self, c: int, weights, cache):
+        fn = functools.partial(graphs.prefill_logits, cfg=self.cfg, experts=self.prefill_experts,
+                               attention_kernel=self.kernels["attention_kernel"])
+        return self._compile(fn, 1, weights, cache, c, "pos", "n_valid")

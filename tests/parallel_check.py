@@ -1,0 +1,65 @@
+"""The equality checks of tests/test_parallel.py, run in a process of its own: XLA_FLAGS=
+--xla_force_host_platform_device_count=N must be set before JAX starts (the test sets it).
+
+    python tests/parallel_check.py [--cache_dir=DIR] layers:2 experts:2 experts:4
+
+For each split, an engine over the tiny config's random float32 weights beside the single-device engine: prefill
+logits, decode windows of T=1 and T=4 (teacher-forced, through the prefill and several windows) and greedy
+`generate` (T=1 windows, and verify windows with n-gram drafts). One JSON line per split, then the error lines.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata_jax.config import preset  # noqa: E402
+from strata_jax.engine import Engine  # noqa: E402
+from strata_jax.errors import StrataError  # noqa: E402
+
+OPTS = dict(dtype="float32", expert_cache_slots="all", window=4, context=64, prefill_chunk=16, verbose=False)
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def main(splits: list[str]) -> None:
+    cfg = preset("tiny")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 256, 21).tolist()  # two prefill chunks (16 + 5)
+    text = (prompt * 2)[:30]  # repeats: the n-gram drafter proposes, windows of T = 4 run
+    one = Engine.from_random(cfg, seed=3, **OPTS)
+    ref = dict(prefill=one.prefill_logits(prompt), w1=one.score(text, window=1), w4=one.score(text, window=4),
+               gen1=one.generate(text, max_new_tokens=10, draft="none"),
+               gen4=one.generate(text, max_new_tokens=10, draft="ngram"))
+    for split in splits:
+        mode, n = split.split(":")
+        eng = Engine.from_random(cfg, seed=3, devices=int(n), parallel=mode, **OPTS)
+        got = dict(prefill=eng.prefill_logits(prompt), w1=eng.score(text, window=1), w4=eng.score(text, window=4),
+                   gen1=eng.generate(text, max_new_tokens=10, draft="none"),
+                   gen4=eng.generate(text, max_new_tokens=10, draft="ngram"))
+        out = {"split": split, "line": eng.parallel.line}
+        for k in ("prefill", "w1", "w4"):
+            out[k] = rel(got[k], ref[k])
+        for k in ("gen1", "gen4"):
+            out[k] = got[k] == ref[k]
+        out["tokens"] = got["gen4"]
+        print(json.dumps(out), flush=True)
+    for bad in (dict(devices=2, expert_cache_slots="4"), dict(devices=99)):
+        try:
+            Engine.from_random(cfg, seed=3, **{**OPTS, **bad})
+            print(json.dumps({"error": None, "options": bad}))
+        except StrataError as e:
+            print(json.dumps({"error": str(e), "options": bad}))
+
+
+if __name__ == "__main__":
+    flags = [a for a in sys.argv[1:] if a.startswith("--cache_dir=")]
+    if flags:
+        OPTS["cache_dir"] = flags[-1].split("=", 1)[1]
+    main([a for a in sys.argv[1:] if not a.startswith("--")])

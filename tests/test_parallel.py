@@ -1,0 +1,57 @@
+"""devices > 1 (strata_jax/parallel.py) on the CPU with fake devices: parallel=layers and parallel=experts give the
+single-device logits (float32, 1e-5 relative) through the prefill and decode windows of T=1 and T=4, and the same
+greedy tokens; the refusals are one line.
+
+The fake devices need XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts, so the equality checks
+run in a subprocess (tests/parallel_check.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import one_line_refusal
+from strata_jax.config import preset
+from strata_jax.engine import Engine
+from strata_jax.options import EngineOptions, build
+
+CHECK = Path(__file__).resolve().parent / "parallel_check.py"
+
+
+def test_layers_and_experts_match_one_device(cache_dir):
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
+               XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(CHECK), f"--cache_dir={cache_dir}", "layers:2", "experts:2"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    splits = {r["split"]: r for r in rows if "split" in r}
+    assert set(splits) == {"layers:2", "experts:2"}, proc.stdout
+    for split, r in splits.items():
+        for k in ("prefill", "w1", "w4"):  # prefill logits; decode windows of T=1 and T=4
+            assert r[k] <= 1e-5, (split, k, r[k])
+        assert r["gen1"] and r["gen4"], (split, r)  # greedy generate: T=1 windows, verify windows with drafts
+    assert splits["layers:2"]["prefill"] == 0.0  # the same per-layer graph code, the same sums
+    errors = {json.dumps(r["options"], sort_keys=True): r["error"] for r in rows if "options" in r}
+    offload = errors[json.dumps({"devices": 2, "expert_cache_slots": "4"}, sort_keys=True)]
+    assert offload and "offload with several devices is not implemented" in offload and "\n" not in offload
+    many = errors[json.dumps({"devices": 99}, sort_keys=True)]
+    assert many and "devices=99: JAX sees 4 cpu device(s)" == many
+
+
+def test_devices_option_checks():
+    assert build(EngineOptions, {}).devices == "1" and build(EngineOptions, {}).parallel == "layers"
+    assert build(EngineOptions, {"devices": 2}).devices == "2"
+    assert build(EngineOptions, {"devices": "all"}).devices == "all"
+    one_line_refusal(build, EngineOptions, {"devices": 0}, match="devices")
+    one_line_refusal(build, EngineOptions, {"devices": "two"}, match="devices")
+    one_line_refusal(build, EngineOptions, {"parallel": "tensor"}, match="parallel")
+
+
+def test_more_devices_than_seen_is_one_line():
+    # this process sees one CPU device
+    msg = one_line_refusal(Engine.from_random, preset("tiny"), verbose=False, dtype="float32", devices=2,
+                           match="JAX sees 1")
+    assert msg.startswith("devices=2:")
