@@ -182,16 +182,9 @@ def top_share(engine, slots: int) -> float:
 def device_experts(weights):
     """A copy of `weights` with every MoE layer's experts in device memory (the all-resident baseline)."""
     import jax
-    from strata_jax import moe, offload
+    from strata_jax import model, offload
     dev = offload.device_sharding()
-    layers = []
-    for layer in weights.layers:
-        if isinstance(layer.ffn, moe.MoEWeights):
-            f = layer.ffn
-            layer = layer.replace(ffn=f.replace(gate=jax.device_put(f.gate, dev), up=jax.device_put(f.up, dev),
-                                                down=jax.device_put(f.down, dev)))
-        layers.append(layer)
-    out = weights.replace(layers=layers)
+    out = model.map_experts(weights, lambda x: jax.device_put(x, dev))
     jax.block_until_ready(out)
     return out
 

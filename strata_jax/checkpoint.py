@@ -18,11 +18,9 @@ from safetensors import safe_open
 
 from strata_jax.config import ModelConfig
 from strata_jax.errors import StrataError, make_writable_folder
-from strata_jax.deltanet import DeltaNetWeights
-from strata_jax.model import AttentionWeights, LayerWeights, MLPWeights, Weights
-from strata_jax.moe import MoEWeights
+from strata_jax.model import Leaf, LayerWeights, Weights, build_layer, weight_specs
 from strata_jax import quant
-from strata_jax.mtp import MTPWeights
+from strata_jax.mtp import MTPWeights, weight_specs as mtp_specs
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -161,7 +159,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
                  mtp_only: bool = False, expert_format: str | None = None,
                  place_scales: Placer | None = None) -> Weights:
     """Read a Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE checkpoint in the Hub layout into `Weights` (dense matrices
-    transposed to [in, out]). The `mtp.*` tensors (Next's and Qwen3.5's multi-token-prediction head) are read by
+    transposed to [in, out]): a walk over the declaration model.weight_specs (names, shapes, layouts). The `mtp.*` tensors (Next's and Qwen3.5's multi-token-prediction head) are read by
     `load_mtp` (mtp_only). Qwen3.5-MoE's own names are mapped here (`text_prefix`, `grouped_deltanet_rows`; experts
     per expert or fused as `experts.gate_up_proj` / `experts.down_proj`, either is read for any model).
 
@@ -174,113 +172,74 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     reader = SafetensorsReader(folder)
     place_experts = place_experts or place
     place_scales = place_scales or place
-    h, d, nq, nkv, v = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
     base = text_prefix(reader, cfg)
 
-    def get(name, shape, transpose=False):
-        x = to_dtype(reader.get(name, shape), dtype)
-        return place(name, np.ascontiguousarray(x.T) if transpose else x)
+    def get(leaf: Leaf):
+        return place(leaf.hf, leaf.from_hf(to_dtype(reader.get(leaf.hf, leaf.hf_shape), dtype)))
 
-    def maybe_bias(name, n):
-        return get(name, (n,)) if cfg.attention_bias else None
-
-    def deltanet_weights(p):
-        nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                          cfg.linear_value_head_dim)
-        c, k = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
-        conv = to_dtype(reader.get(p + "conv1d.weight", (c, 1, k)), dtype)[:, 0, :]  # [C, K] -> [K, C] below
-        if cfg.qwen35:  # split projections, regrouped per key head (the same conv channels: q, k, v)
-            qkvz, ba = grouped_deltanet_rows(
+    def grouped(leaf: Leaf, rows: dict):
+        """Qwen3.5's split DeltaNet projections, regrouped per key head (the same conv channels: q, k, v) into the
+        declared in_proj_qkvz / in_proj_ba (rows: both, read once per layer)."""
+        p, which = leaf.hf.split("in_proj_")
+        if not rows:
+            h, nv, dv, c = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim
+            rows["qkvz.weight"], rows["ba.weight"] = grouped_deltanet_rows(
                 reader.get(p + "in_proj_qkv.weight", (c, h)), reader.get(p + "in_proj_z.weight", (nv * dv, h)),
                 reader.get(p + "in_proj_b.weight", (nv, h)), reader.get(p + "in_proj_a.weight", (nv, h)), cfg)
-            in_qkvz = place(p + "in_proj_qkvz.weight", np.ascontiguousarray(to_dtype(qkvz, dtype).T))
-            in_ba = place(p + "in_proj_ba.weight", np.ascontiguousarray(to_dtype(ba, dtype).T))
-        else:
-            in_qkvz = get(p + "in_proj_qkvz.weight", (2 * nk * dk + 2 * nv * dv, h), True)
-            in_ba = get(p + "in_proj_ba.weight", (2 * nv, h), True)
-        return DeltaNetWeights(
-            in_qkvz=in_qkvz, in_ba=in_ba,
-            conv=place(p + "conv1d.weight", np.ascontiguousarray(conv.T)),
-            dt_bias=get(p + "dt_bias", (nv,)), a_log=get(p + "A_log", (nv,)),
-            norm=get(p + "norm.weight", (dv,)), out=get(p + "out_proj.weight", (h, nv * dv), True))
+        return place(leaf.hf, np.ascontiguousarray(to_dtype(rows.pop(which), dtype).T))
 
-    qw = nq * d * (2 if cfg.next else 1)  # Qwen3-Next's q_proj holds each head's q and output gate
-
-    def layer_weights(p: str, linear: bool, sparse: bool, experts_name: str) -> LayerWeights:
-        attn = deltanet_weights(p + "linear_attn.") if linear else AttentionWeights(
-            wq=get(p + "self_attn.q_proj.weight", (qw, h), True),
-            wk=get(p + "self_attn.k_proj.weight", (nkv * d, h), True),
-            wv=get(p + "self_attn.v_proj.weight", (nkv * d, h), True),
-            wo=get(p + "self_attn.o_proj.weight", (h, nq * d), True),
-            q_norm=get(p + "self_attn.q_norm.weight", (d,)),
-            k_norm=get(p + "self_attn.k_norm.weight", (d,)),
-            bq=maybe_bias(p + "self_attn.q_proj.bias", nq * d),
-            bk=maybe_bias(p + "self_attn.k_proj.bias", nkv * d),
-            bv=maybe_bias(p + "self_attn.v_proj.bias", nkv * d),
-            bo=maybe_bias(p + "self_attn.o_proj.bias", h),
-        )
-        if sparse:
-            e, f = cfg.num_experts, cfg.moe_intermediate_size
-            gate = np.empty((e, f, h), jnp.dtype(dtype))  # [E, I, H], the checkpoint's layout
-            up = np.empty((e, f, h), jnp.dtype(dtype))
-            down = np.empty((e, h, f), jnp.dtype(dtype))  # [E, H, I]
-            fused = p + "mlp.experts.gate_up_proj"
-            if fused in reader:  # transformers 5.x's own layout (Qwen3.5-MoE's Hub files): [E, 2I, H] = gate | up
-                gate_up = reader.get(fused, (e, 2 * f, h))
-                gate[:], up[:] = to_dtype(gate_up[:, :f], dtype), to_dtype(gate_up[:, f:], dtype)
-                del gate_up
-                down[:] = to_dtype(reader.get(p + "mlp.experts.down_proj", (e, h, f)), dtype)
-            else:
-                for j in range(e):
-                    q = p + f"mlp.experts.{j}."
-                    gate[j] = to_dtype(reader.get(q + "gate_proj.weight", (f, h)), dtype)
-                    up[j] = to_dtype(reader.get(q + "up_proj.weight", (f, h)), dtype)
-                    down[j] = to_dtype(reader.get(q + "down_proj.weight", (h, f)), dtype)
-            put = place if experts_name.startswith("mtp") else place_experts  # the MTP layer stays on the device
-            router = get(p + "mlp.gate.weight", (e, h), True)
-            if expert_format and not experts_name.startswith("mtp"):
-                parts = {}
-                for which, w in (("gate", gate), ("up", up), ("down", down)):
-                    qa = quant.quantize(w, expert_format)  # q [E, O, I] int8 (int4: [E, O, I/2] uint8)
-                    parts[which] = put(f"{experts_name}.{which}", qa.q)
-                    parts[which + "_scale"] = place_scales(f"{experts_name}.{which}_scale", quant.engine_scale(qa))
-                ffn = MoEWeights(router=router, **parts)
-            else:
-                ffn = MoEWeights(router=router, gate=put(f"{experts_name}.gate", gate),
-                                 up=put(f"{experts_name}.up", up), down=put(f"{experts_name}.down", down))
-            del gate, up, down
+    def expert_stacks(spec: LayerWeights, p: str) -> dict[str, np.ndarray]:
+        """A layer's routed experts, {gate, up, down} -> [E, O, I] in the checkpoint's layout: per expert, or
+        fused as transformers 5.x writes them (Qwen3.5-MoE's Hub files: [E, 2I, H] = gate | up, and [E, H, I])."""
+        leaves = [spec.ffn.gate, spec.ffn.up, spec.ffn.down]
+        out = {leaf.expert: np.empty(leaf.shape, jnp.dtype(dtype)) for leaf in leaves}
+        e, f, h = spec.ffn.gate.shape
+        fused = p + "mlp.experts.gate_up_proj"
+        if fused in reader:
+            gate_up = reader.get(fused, (e, 2 * f, h))
+            out["gate"][:], out["up"][:] = to_dtype(gate_up[:, :f], dtype), to_dtype(gate_up[:, f:], dtype)
+            del gate_up
+            out["down"][:] = to_dtype(reader.get(p + "mlp.experts.down_proj", (e, h, f)), dtype)
         else:
-            f = cfg.intermediate_size
-            ffn = MLPWeights(gate=get(p + "mlp.gate_proj.weight", (f, h), True),
-                             up=get(p + "mlp.up_proj.weight", (f, h), True),
-                             down=get(p + "mlp.down_proj.weight", (h, f), True))
-        layer = LayerWeights(attn_norm=get(p + "input_layernorm.weight", (h,)), attn=attn,
-                             ffn_norm=get(p + "post_attention_layernorm.weight", (h,)), ffn=ffn)
-        if sparse and cfg.shared_expert_intermediate_size:
-            f, q = cfg.shared_expert_intermediate_size, p + "mlp.shared_expert."
-            layer = layer.replace(
-                shared=MLPWeights(gate=get(q + "gate_proj.weight", (f, h), True), up=get(q + "up_proj.weight", (f, h), True),
-                                  down=get(q + "down_proj.weight", (h, f), True)),
-                shared_gate=get(p + "mlp.shared_expert_gate.weight", (1, h), True))
-        return layer
+            for j in range(e):
+                for leaf in leaves:
+                    out[leaf.expert][j] = to_dtype(reader.get(leaf.hf.format(j=j), leaf.hf_shape), dtype)
+        return out
+
+    def layer_weights(spec: LayerWeights, p: str, experts_name: str) -> LayerWeights:
+        mtp = experts_name.startswith("mtp")  # the MTP layer's experts stay on the device, unquantized
+        put = place if mtp else place_experts
+        stacks, rows = {}, {}
+
+        def make(leaf: Leaf):
+            if cfg.qwen35 and leaf.hf.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
+                return grouped(leaf, rows)
+            if not leaf.expert:
+                return get(leaf)
+            if not stacks:
+                stacks.update(expert_stacks(spec, p))
+            w, name = stacks.pop(leaf.expert), f"{experts_name}.{leaf.expert}"
+            if not expert_format or mtp:
+                return put(name, w)
+            qa = quant.quantize(w, expert_format)  # q [E, O, I] int8 (int4: [E, O, I/2] uint8)
+            del w
+            return put(name, qa.q), place_scales(name + "_scale", quant.engine_scale(qa))
+        return build_layer(spec, make)
 
     if mtp_only:
         # Qwen3-Next's MTP module: one full-attention MoE layer over fc([norm(embed(x_{i+1})), norm(hidden_i)])
-        return MTPWeights(fc=get("mtp.fc.weight", (h, 2 * h), True),
-                          norm_embedding=get("mtp.pre_fc_norm_embedding.weight", (h,)),
-                          norm_hidden=get("mtp.pre_fc_norm_hidden.weight", (h,)),
-                          layer=layer_weights("mtp.layers.0.", False, True, "mtp.experts"),
-                          norm=get("mtp.norm.weight", (h,)))
+        spec = mtp_specs(cfg)
+        return spec.replace(fc=get(spec.fc), norm_embedding=get(spec.norm_embedding),
+                            norm_hidden=get(spec.norm_hidden),
+                            layer=layer_weights(spec.layer, "mtp.layers.0.", "mtp.experts"), norm=get(spec.norm))
+    specs = weight_specs(cfg, base)
     layers = []
-    for i in range(cfg.num_layers):
-        layers.append(layer_weights(f"{base}layers.{i}.", cfg.is_linear(i), cfg.sparse_layers[i], f"layers.{i}.experts"))
+    for i, spec in enumerate(specs.layers):
+        layers.append(layer_weights(spec, f"{base}layers.{i}.", f"layers.{i}.experts"))
         if progress:
             progress(f"loading: layer {i + 1}/{cfg.num_layers}")
-    lm_head = None
-    if not cfg.tie_word_embeddings:
-        lm_head = get("lm_head.weight", (v, h), True)
-    return Weights(embed=get(base + "embed_tokens.weight", (v, h)), layers=layers,
-                   final_norm=get(base + "norm.weight", (h,)), lm_head=lm_head)
+    return specs.replace(embed=get(specs.embed), layers=layers, final_norm=get(specs.final_norm),
+                         lm_head=None if specs.lm_head is None else get(specs.lm_head))
 
 
 # ---- the engine's own converted state (orbax) -------------------------------------------------------------------

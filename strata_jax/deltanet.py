@@ -49,17 +49,6 @@ def init_state(cfg: ModelConfig, ring: int, dtype) -> DeltaState:
     return DeltaState(conv=jnp.zeros((ring, k - 1, c), dtype), rec=jnp.zeros((ring, nv, dk, dv), jnp.float32))
 
 
-def random_weights(cfg: ModelConfig, rnd, dtype) -> DeltaNetWeights:
-    """rnd(shape) -> a random array (model.random_weights' draw)."""
-    h, nk, nv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, k = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-    return DeltaNetWeights(
-        in_qkvz=rnd((h, 2 * nk * dk + 2 * nv * dv)), in_ba=rnd((h, 2 * nv)),
-        conv=rnd((k, cfg.linear_conv_dim)) * 10,  # taps O(0.2): the conv passes its input on
-        dt_bias=jnp.ones((nv,), dtype), a_log=jnp.zeros((nv,), dtype), norm=jnp.ones((dv,), dtype),
-        out=rnd((nv * dv, h)))
-
-
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 

@@ -40,44 +40,25 @@ def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
 
 
 def random_checkpoint(raw_config: dict, seed: int) -> dict[str, np.ndarray]:
-    """Hub-layout float32 tensors for a Qwen3-MoE config, drawn from `seed` (numpy: the same on every machine)."""
+    """Hub-layout float32 tensors for a config (model.weight_specs), drawn from `seed` in the Hub files' order
+    (numpy: the same on every machine)."""
+    from strata_jax.model import hub_walk, weight_specs
     cfg = config_from_dict(raw_config)
     rng = np.random.default_rng(seed)
-    h, d, nq, nkv, v = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
 
-    def mat(out_dim, in_dim):  # scaled so activations stay O(1) and the router is far from uniform
-        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+    def draw(leaf, shape):
+        if leaf.init in ("ones", "zeros"):
+            return np.full(shape, 1.0 if leaf.init == "ones" else 0.0, np.float32)
+        if leaf.init == "norm":
+            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        if leaf.init == "embed":
+            return rng.standard_normal(shape).astype(np.float32)
+        # scaled by the fan-in so activations stay O(1); the router 4x: far from uniform
+        fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
+        x = (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+        return 4.0 * x if leaf.init == "router" else x
 
-    def norm(n):
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((v, h)).astype(np.float32)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = norm(h)
-        t[p + "post_attention_layernorm.weight"] = norm(h)
-        t[p + "self_attn.q_proj.weight"] = mat(nq * d, h)
-        t[p + "self_attn.k_proj.weight"] = mat(nkv * d, h)
-        t[p + "self_attn.v_proj.weight"] = mat(nkv * d, h)
-        t[p + "self_attn.o_proj.weight"] = mat(h, nq * d)
-        t[p + "self_attn.q_norm.weight"] = norm(d)
-        t[p + "self_attn.k_norm.weight"] = norm(d)
-        if cfg.sparse_layers[i]:
-            t[p + "mlp.gate.weight"] = 4.0 * mat(cfg.num_experts, h)
-            for j in range(cfg.num_experts):
-                f = cfg.moe_intermediate_size
-                t[p + f"mlp.experts.{j}.gate_proj.weight"] = mat(f, h)
-                t[p + f"mlp.experts.{j}.up_proj.weight"] = mat(f, h)
-                t[p + f"mlp.experts.{j}.down_proj.weight"] = mat(h, f)
-        else:
-            f = cfg.intermediate_size
-            t[p + "mlp.gate_proj.weight"] = mat(f, h)
-            t[p + "mlp.up_proj.weight"] = mat(f, h)
-            t[p + "mlp.down_proj.weight"] = mat(h, f)
-    t["model.norm.weight"] = norm(h)
-    if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = mat(v, h)
-    return t
+    return {name: draw(leaf, leaf.hf_shape) for name, leaf, _, _ in hub_walk(weight_specs(cfg))}
 
 
 def write_checkpoint(folder: Path, raw_config: dict, seed: int, with_tokenizer: bool = True) -> Path:

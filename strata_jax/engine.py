@@ -961,20 +961,9 @@ def chunk_sizes_for(n: int, chunks: tuple[int, ...]) -> list[int]:
 
 def abstract_weights(cfg: ModelConfig, dtype, host: "placement_mod.HostExperts | None", expert_format=None):
     """Shapes and placements of the weights, for an orbax restore (experts into host memory with offload; their
-    scales, with quantized experts, on the device)."""
-    shapes = jax.eval_shape(lambda: model.random_weights(cfg, 0, dtype, expert_format=expert_format))
-    dev = offload.device_sharding()
-    tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), shapes)
-    if host is None:
-        return tree
-    layers = []
-    for layer in tree.layers:
-        if isinstance(layer.ffn, moe.MoEWeights):
-            ffn = layer.ffn
-            to_host = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host.sharding)
-            layer = layer.replace(ffn=ffn.replace(gate=to_host(ffn.gate), up=to_host(ffn.up), down=to_host(ffn.down)))
-        layers.append(layer)
-    return tree.replace(layers=layers)
+    scales, with quantized experts, on the device): model.abstract_weights."""
+    return model.abstract_weights(cfg, dtype, expert_format, sharding=offload.device_sharding(),
+                                  expert_sharding=host.sharding if host is not None else None)
 
 
 def _progress(say, cfg: ModelConfig):

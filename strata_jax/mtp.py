@@ -25,7 +25,8 @@ from flax import struct
 from strata_jax import moe
 from strata_jax.config import ModelConfig
 from strata_jax.linear import linear
-from strata_jax.model import LayerWeights, QuantKV, Weights, attention, kv_zeros, lm_head, norm, shared_expert
+from strata_jax.model import (Leaf, LayerWeights, QuantKV, Weights, attention, kv_zeros, layer_specs, lm_head, norm,
+                              shared_expert)
 
 
 @struct.dataclass
@@ -35,6 +36,16 @@ class MTPWeights:
     norm_hidden: jax.Array  # [H]
     layer: LayerWeights  # full attention + MoE (+ shared expert), all on the device
     norm: jax.Array  # [H]
+
+
+def weight_specs(cfg: ModelConfig) -> MTPWeights:
+    """The module's declaration (the `mtp.*` tensors; see model.weight_specs): one full-attention MoE layer."""
+    h = cfg.hidden_size
+    return MTPWeights(fc=Leaf((2 * h, h), "mtp.fc.weight", "T"),
+                      norm_embedding=Leaf((h,), "mtp.pre_fc_norm_embedding.weight", init="norm"),
+                      norm_hidden=Leaf((h,), "mtp.pre_fc_norm_hidden.weight", init="norm"),
+                      layer=layer_specs(cfg, "mtp.layers.0.", linear=False, sparse=True),
+                      norm=Leaf((h,), "mtp.norm.weight", init="norm"))
 
 
 @struct.dataclass

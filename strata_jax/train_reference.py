@@ -434,17 +434,19 @@ def mtp_forward(weights, mtp, hidden, next_tokens, cfg):
 
 
 def random_mtp(cfg, seed: int, dtype, scale: float):
-    """A random MTP module for cfg (zero-centred norms start at 0: scale 1)."""
+    """A random MTP module for cfg (mtp.weight_specs; zero-centred norms start at 0: scale 1): its layer drawn as
+    random_weights' first layer of seed + 1000, fc from seed + 1001."""
     import jax
     import jax.numpy as jnp
     from strata_jax import model
-    from strata_jax.mtp import MTPWeights
-    one = cfg.replace(num_layers=1, layer_types=("full_attention",), sparse_layers=(True,))
-    layer = model.random_weights(one, seed + 1000, dtype, scale).layers[0]
-    h = cfg.hidden_size
-    fc = (jax.random.normal(jax.random.PRNGKey(seed + 1001), (2 * h, h), jnp.float32) * scale).astype(dtype)
-    zeros = lambda: jnp.zeros((h,), dtype)  # three buffers: the training step donates each leaf
-    return MTPWeights(fc=fc, norm_embedding=zeros(), norm_hidden=zeros(), layer=layer, norm=zeros())
+    from strata_jax.mtp import weight_specs
+    specs = weight_specs(cfg)
+    draw = model.Draw(cfg, jax.random.PRNGKey(seed + 1000), dtype, scale)
+    layer = model.build_layer(specs.layer, draw)
+    fc = (jax.random.normal(jax.random.PRNGKey(seed + 1001), specs.fc.shape, jnp.float32) * scale).astype(dtype)
+    # three buffers (draw makes each anew): the training step donates each leaf
+    return specs.replace(fc=fc, norm_embedding=draw(specs.norm_embedding), norm_hidden=draw(specs.norm_hidden),
+                         layer=layer, norm=draw(specs.norm))
 
 
 def token_nll(logits, targets):
@@ -624,72 +626,27 @@ def evaluate(master, stream, cfg, seq_len: int, batch: int, compute_dtype, skew_
 
 def hf_tensors(weights, cfg, dtype: str, mtp=None) -> dict:
     """model.Weights (and the MTPWeights) -> the Hub's tensor names and layouts (the inverse of
-    checkpoint.load_weights and load_mtp), numpy."""
+    checkpoint.load_weights and load_mtp: both walk model.weight_specs), numpy, in the Hub files' order."""
     import numpy as np
     import jax.numpy as jnp
     from strata_jax import model
-    from strata_jax.deltanet import DeltaNetWeights
+    from strata_jax.mtp import weight_specs as mtp_specs
     np_dtype = jnp.dtype(dtype)
     out = {}
-
-    def put(name, x, transpose=False):
-        a = np.asarray(x, np.float32)
-        out[name] = np.ascontiguousarray(a.T if transpose else a).astype(np_dtype)
-
-    def put_layer(p, layer):
-        a = layer.attn
-        put(p + "input_layernorm.weight", layer.attn_norm)
-        put(p + "post_attention_layernorm.weight", layer.ffn_norm)
-        if isinstance(a, DeltaNetWeights):
-            q = p + "linear_attn."
-            put(q + "in_proj_qkvz.weight", a.in_qkvz, True)
-            put(q + "in_proj_ba.weight", a.in_ba, True)
-            put(q + "conv1d.weight", np.asarray(a.conv, np.float32).T[:, None, :])  # [K, C] -> the Hub's [C, 1, K]
-            put(q + "dt_bias", a.dt_bias)
-            put(q + "A_log", a.a_log)
-            put(q + "norm.weight", a.norm)
-            put(q + "out_proj.weight", a.out, True)
-        else:
-            put(p + "self_attn.q_proj.weight", a.wq, True)  # [in, out] -> the Hub's [out, in]
-            put(p + "self_attn.k_proj.weight", a.wk, True)
-            put(p + "self_attn.v_proj.weight", a.wv, True)
-            put(p + "self_attn.o_proj.weight", a.wo, True)
-            put(p + "self_attn.q_norm.weight", a.q_norm)
-            put(p + "self_attn.k_norm.weight", a.k_norm)
-            for which, bias in (("q", a.bq), ("k", a.bk), ("v", a.bv), ("o", a.bo)):
-                if bias is not None:
-                    put(p + f"self_attn.{which}_proj.bias", bias)
-        if isinstance(layer.ffn, model.MLPWeights):
-            put(p + "mlp.gate_proj.weight", layer.ffn.gate, True)
-            put(p + "mlp.up_proj.weight", layer.ffn.up, True)
-            put(p + "mlp.down_proj.weight", layer.ffn.down, True)
-            return
-        put(p + "mlp.gate.weight", layer.ffn.router, True)
-        gate, up, down = (np.asarray(x, np.float32) for x in (layer.ffn.gate, layer.ffn.up, layer.ffn.down))
-        for j in range(cfg.num_experts):  # experts are kept in the Hub's [out, in] layout already
-            q = p + f"mlp.experts.{j}."
-            put(q + "gate_proj.weight", gate[j])
-            put(q + "up_proj.weight", up[j])
-            put(q + "down_proj.weight", down[j])
-        if layer.shared is not None:
-            q = p + "mlp.shared_expert."
-            put(q + "gate_proj.weight", layer.shared.gate, True)
-            put(q + "up_proj.weight", layer.shared.up, True)
-            put(q + "down_proj.weight", layer.shared.down, True)
-            put(p + "mlp.shared_expert_gate.weight", layer.shared_gate, True)
-
-    put("model.embed_tokens.weight", weights.embed)
-    for i, layer in enumerate(weights.layers):
-        put_layer(f"model.layers.{i}.", layer)
-    put("model.norm.weight", weights.final_norm)
-    if weights.lm_head is not None:
-        put("lm_head.weight", weights.lm_head, True)
+    walks = [model.hub_walk(model.weight_specs(cfg), weights)]
     if mtp is not None:
-        put("mtp.fc.weight", mtp.fc, True)
-        put("mtp.pre_fc_norm_embedding.weight", mtp.norm_embedding)
-        put("mtp.pre_fc_norm_hidden.weight", mtp.norm_hidden)
-        put_layer("mtp.layers.0.", mtp.layer)
-        put("mtp.norm.weight", mtp.norm)
+        walks.append(model.hub_walk(mtp_specs(cfg), mtp))
+    stacks = {}  # the layer's expert stacks as float32, read once each (not once per expert)
+    for walk in walks:
+        for name, leaf, j, x in walk:
+            if j is None:
+                stacks.clear()
+                a = leaf.to_hf(np.asarray(x, np.float32))
+            else:  # experts are kept in the Hub's [out, in] layout already
+                if id(x) not in stacks:
+                    stacks[id(x)] = np.asarray(x, np.float32)
+                a = stacks[id(x)][j]
+            out[name] = np.ascontiguousarray(a).astype(np_dtype)
     return out
 
 
