@@ -9,7 +9,7 @@ Every arm is its own engine over the same checkpoint (the switches are read at s
 exact engine's result does not depend on the placement (tests/test_offload.py), so one exact read at the first cache
 size is the base of every row; "exact again" (another placement: the other cache size, every expert resident) is the
 floor: what float summation order alone gives. The text (--text_file, default this repository's
-strata_jax/offload.py) is not in the reference model's training data (the Python standard library).
+strata_jax/experts/slots.py) is not in the reference model's training data (the Python standard library).
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ DEFAULT_ARMS = ("skip:STRATA_ROUTE_TAIL_SKIP=5;prior:STRATA_ROUTE_PRIOR=0.5;both
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("model", "reference", "Model: reference, reference-next, embedded or a folder.", flag_values=FLAGS)
-flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "offload.py"), "The known text.", flag_values=FLAGS)
+flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "experts" / "slots.py"), "The known text.",
+                    flag_values=FLAGS)
 flags.DEFINE_integer("positions", 1200, "Positions scored (bytes of the text for the byte-level models).",
                      lower_bound=2, flag_values=FLAGS)
 flags.DEFINE_string("slot_fracs", "0.25,0.5", "Expert cache sizes as a share of the experts.", flag_values=FLAGS)

@@ -319,7 +319,7 @@ def build_engine(cfg, seed: int, slots: int | None, options: dict):
     stacked weights directly, with other values)."""
     import jax.numpy as jnp
     from strata_jax import model
-    from strata_jax import placement as placement_mod
+    from strata_jax.experts import placement as placement_mod
     from strata_jax.engine import Engine, enable_compilation_cache
     from strata_jax.options import EngineOptions, build
     if slots is not None:
@@ -484,8 +484,8 @@ def _measure(s, cfg, prompts, slot_arms, arms, context, offloaded, result, save)
     import jax
     import jax.numpy as jnp
     from benchmarks.offload_bench import host_ram_bytes, measure_device_put
-    from strata_jax import offload
-    from strata_jax import placement as placement_mod
+    from strata_jax.experts import slots as slots_mod
+    from strata_jax.experts import placement as placement_mod
     from strata_jax.errors import StrataError
     from strata_jax.options import EngineOptions, build
 
@@ -517,7 +517,7 @@ def _measure(s, cfg, prompts, slot_arms, arms, context, offloaded, result, save)
     pcie_Bps = None
     if offloaded:
         copy_bytes = (s.copy_mib or (64 if on_cpu else 1024)) * 2**20
-        host_kind = offload.host_memory_kind()
+        host_kind = slots_mod.host_memory_kind()
         common.progress(f"measuring {host_kind} -> device jax.device_put over {copy_bytes / 2**20:.0f} MiB")
         result["bandwidth"]["device_put"] = measure_device_put(copy_bytes, host_kind)
         pcie_Bps = result["bandwidth"]["device_put"]["GBps"] * 1e9

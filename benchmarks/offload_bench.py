@@ -122,11 +122,11 @@ def measure_device_put(nbytes: int, host_kind: str, reps: int = 5) -> dict:
     """Host (memory kind `host_kind`) -> device with jax.device_put of one float32 array: bytes / median seconds."""
     import jax
     import numpy as np
-    from strata_jax import offload
+    from strata_jax.experts import slots as slots_mod
     n = max(nbytes // 4, 1)
-    src = jax.device_put(np.ones((n,), np.float32), offload.device_sharding(host_kind))
+    src = jax.device_put(np.ones((n,), np.float32), slots_mod.device_sharding(host_kind))
     jax.block_until_ready(src)
-    dev = offload.device_sharding()
+    dev = slots_mod.device_sharding()
     t = common.time_synced(lambda _: jax.device_put(src, dev), iters=reps, warmup=1)
     del src
     return dict(method=f"jax.device_put of a {host_kind} float32 array to the device, median of {reps}",
@@ -182,8 +182,9 @@ def top_share(engine, slots: int) -> float:
 def device_experts(weights):
     """A copy of `weights` with every MoE layer's experts in device memory (the all-resident baseline)."""
     import jax
-    from strata_jax import model, offload
-    dev = offload.device_sharding()
+    from strata_jax import model
+    from strata_jax.experts import slots as slots_mod
+    dev = slots_mod.device_sharding()
     out = model.map_experts(weights, lambda x: jax.device_put(x, dev))
     jax.block_until_ready(out)
     return out
@@ -196,8 +197,9 @@ def run(s) -> dict:
     import jax.numpy as jnp
     import numpy as np
     from host_pool import HostPool
-    from strata_jax import model, offload
-    from strata_jax import placement as placement_mod
+    from strata_jax import model
+    from strata_jax.experts import slots as slots_mod
+    from strata_jax.experts import placement as placement_mod
     from strata_jax.config import preset
     from strata_jax.engine import Engine, enable_compilation_cache
     from strata_jax.errors import StrataError
@@ -239,7 +241,7 @@ def run(s) -> dict:
                        cpu_threads=s.cpu_threads, cache_policy="lru", expert_kernel=s.expert_kernel,
                        expert_dtype=s.expert_dtype)
     cache_path = enable_compilation_cache(build(EngineOptions, opts_common).resolved_cache_dir())
-    host_kind = offload.host_memory_kind()
+    host_kind = slots_mod.host_memory_kind()
     threads = s.cpu_threads or usable_cores()
 
     say = common.say

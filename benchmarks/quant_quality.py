@@ -8,9 +8,9 @@ the Qwen3-30B-A3B shape would take in host RAM.
 
 A quality study ahead of the engine's `expert_dtype` (issue 16): the weights here are dequantized to float32 before
 the forward, so it measures what the formats lose, not their speed or memory. The forward is the engine's prefill
-path in float32 with every expert resident; the text (--text_file, default this repository's strata_jax/offload.py)
-is not in the reference models' training data. A format whose group does not divide a matrix's input dimension
-(the reference's experts are 96 wide) is shown as n/a.
+path in float32 with every expert resident; the text (--text_file, default this repository's
+strata_jax/experts/slots.py) is not in the reference models' training data. A format whose group does not divide a
+matrix's input dimension (the reference's experts are 96 wide) is shown as n/a.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ flags.DEFINE_string("formats", "int8,int4-g32,int4,int4-g128,int4-asym,int3,int2
                     "(strata_jax.quant.FORMATS).", flag_values=FLAGS)
 flags.DEFINE_string("kv_dtype", "", "Also a row for the engine's KV cache stored this way (int8: kv_dtype=int8, "
                     "the experts unquantized), against the unquantized cache; '' = none.", flag_values=FLAGS)
-flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "offload.py"), "The known text.", flag_values=FLAGS)
+flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "experts" / "slots.py"), "The known text.",
+                    flag_values=FLAGS)
 flags.DEFINE_integer("positions", 1200, "Positions scored.", lower_bound=2, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
 runner.define_output_flag(FLAGS)

@@ -254,6 +254,6 @@ def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)  # rounded once
         y = jnp.einsum("nti,nhi->nth", h, down[ids])  # [N, T, H] bf16
         return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
-    from strata_jax.moe import expert_ffn as xla_expert_ffn
+    from strata_jax.moe import expert_ffn as xla_expert_ffn  # here: strata_jax.moe imports this module at its top
     return xla_expert_ffn(x, gate[ids], up[ids], down[ids], combine, gate_scale[ids], up_scale[ids],
                           down_scale[ids])

@@ -16,16 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax import checkpoint, graphs, model, moe, offload, parallel as parallel_mod, quant
+from host_pool import unwrap_pool_error
+from strata_jax import checkpoint, graphs, model, moe, parallel as parallel_mod
 from strata_jax import mtp as mtp_mod
-from strata_jax import placement as placement_mod
 from strata_jax.chat import ChatTemplate, GenerationDefaults, load_chat_template, load_generation_config
 from strata_jax.config import ModelConfig, config_from_dict
 from strata_jax.drafts import make_drafter
 from strata_jax.embedded import resolve_model
 from strata_jax.errors import StrataError, make_writable_folder
-from strata_jax.options import (EngineOptions, RequestOptions, build, defer_cpu, route_approx, split_options,
-                                unknown_switches)
+from strata_jax.experts import placement as placement_mod
+from strata_jax.experts import slots as slots_mod
+from strata_jax.experts.approx import route_approx
+from strata_jax.experts.defer import defer_cpu
+from strata_jax.options import EngineOptions, RequestOptions, build, split_options, unknown_switches
 from strata_jax.sampling import NON_FINITE, SamplingParams
 from strata_jax.stats import ExpertStats, RequestStats, Stats
 from strata_jax.tokenizer import load_tokenizer
@@ -78,7 +81,7 @@ class Engine:
         # accepted position and the last request's end (prefix reuse) are still there.
         self.ring = options.window + 1
         self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
-        self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.pcie_frac < 1)
+        self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.cpu_path)
         approx_lines += defer_lines + unknown_switches()
         self.expert_kernel, self.attention_kernel, self.dense_kernel = resolve_kernels(options, cfg)
         self._check_attention_kernel()
@@ -115,19 +118,13 @@ class Engine:
             raise StrataError(f"attention_kernel=pallas needs head_dim a power of 2 >= 16 (this model: {d})")
 
     def _expert_paths(self):
-        """The expert paths of the prefill and of the decode graphs. The routing approximations, the deferral and
-        the Pallas expert FFN act in decode windows only; the prefill keeps the exact XLA path. With pcie_frac 1 the
-        offload paths are built without the host pool (no callback)."""
+        """The expert paths of the prefill and of the decode graphs (with offload: placement_mod.expert_paths)."""
         kernel = self.expert_kernel == "pallas"
         if kernel and (jax.default_backend() != "gpu" or self.dtype != jnp.bfloat16):
             raise StrataError("expert_kernel=pallas needs a GPU and dtype=bfloat16")
         if not self.placement:
             return None, (moe.ResidentExperts(self.cfg) if kernel else None)
-        pool = self.placement.pool if self.placement.pcie_frac < 1 else None
-        exact = offload.OffloadedExperts(self.cfg, pool)
-        if not (self.approx.active or self.defer.active or kernel):
-            return exact, exact
-        return exact, offload.OffloadedExperts(self.cfg, pool, route=self.approx, defer_cpu=self.defer, kernel=kernel)
+        return placement_mod.expert_paths(self.cfg, self.placement, self.approx, self.defer, kernel)
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
@@ -204,20 +201,17 @@ class Engine:
                 raise StrataError(f"the saved state at {path} holds expert_dtype={saved.get('expert_dtype', 'auto')} "
                                   f"experts, but expert_dtype={opts.expert_dtype} (load it with that, or the checkpoint)")
             weights = checkpoint.restore_state(path, abstract_weights(cfg, dtype, host, fmt))
-            if host is not None:  # the pool's numpy copies (int8 / int4: and the scales)
-                for i, layer in enumerate(weights.layers):
-                    if cfg.sparse_layers[i]:
-                        for which in ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if fmt else ()):
-                            x = np.asarray(getattr(layer.ffn, which))
-                            host.numpy.setdefault(i, {})[which] = quant.pool_scale(x) if "scale" in which else x
+            if host is not None:
+                host.keep_restored(cfg, weights, quantized=bool(fmt))
             if fmt:
-                say(_quantized_line(cfg, weights, opts, host is not None).replace("quantized at load", "saved state"))
+                say(placement_mod.quantized_line(cfg, weights, opts, host is not None).replace("quantized at load",
+                                                                                               "saved state"))
         else:
             weights = checkpoint.load_weights(path, cfg, dtype, place_experts=host.place if host else None,
                                               progress=_progress(say, cfg), expert_format=fmt,
                                               place_scales=host.place_scale if host else None)
             if fmt:
-                say(_quantized_line(cfg, weights, opts, host is not None))
+                say(placement_mod.quantized_line(cfg, weights, opts, host is not None))
         tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
         template, generation = load_chat_template(path), load_generation_config(path)
         say(f"model: {path} ({cfg.num_layers} layers, {cfg.num_sparse_layers} MoE, {cfg.num_experts} experts "
@@ -306,7 +300,7 @@ class Engine:
         self._pick_samplers(filtered=True)
         self._prefill_logits = {}  # chunk size -> graph, compiled on first use (teacher-forced prompt scoring)
         self._device_verify = {}  # (T, sampled) -> graph; compiled on first use (generate(draft="device") only)
-        self._fill = jax.jit(offload.fill_slots, donate_argnums=(0,))
+        self._fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
         self.stats.compile_s = time.perf_counter() - t0
         if self.verbose:
             log(f"graphs: window T=1..{self.options.window} and prefill {self._chunks_text()} compiled in "
@@ -344,19 +338,19 @@ class Engine:
 
     @_serialized
     def reconfigure(self, pcie_frac: float | None = None, cache_policy: str | None = None) -> None:
-        """Change the PCIe/CPU split or the cache policy (data in the graphs: no recompilation, except when the
-        split moves to or from 1, which adds or removes the host pool's callback); the expert cache starts empty."""
+        """Change the PCIe/CPU split or the cache policy; the expert cache starts empty. Both are data in the graphs:
+        the graphs are recompiled only when the split moves to or from 1 (placement_mod.needs_cpu_path: the host
+        pool's callback comes or goes)."""
         if not self.placement:
             raise StrataError("offload is off (expert_cache_slots=all): nothing to reconfigure")
         opts = build(EngineOptions, dict(pcie_frac=self.placement.pcie_frac if pcie_frac is None else pcie_frac,
                                          cache_policy=cache_policy or self.placement.policy))
         if opts.pcie_frac == "auto":
             raise StrataError("reconfigure takes a number for pcie_frac")
-        uses_pool = self.placement.pcie_frac < 1
-        self.placement.pcie_frac, self.placement.policy = float(opts.pcie_frac), opts.cache_policy
+        rebuild = self.placement.reconfigure(float(opts.pcie_frac), opts.cache_policy)
         self._reset_state()
-        if (self.placement.pcie_frac < 1) != uses_pool:
-            self.defer, _ = defer_cpu(self.options, self.placement.pcie_frac < 1)
+        if rebuild:
+            self.defer, _ = defer_cpu(self.options, self.placement.cpu_path)
             self.expert_path, self.decode_expert_path = self._expert_paths()
             self._compile()
 
@@ -369,29 +363,20 @@ class Engine:
             return ExpertStats()
         states = [s for s in self.cache.experts if s is not None]
         total = np.sum([np.asarray(s.counters) for s in states], axis=0)
-        out = ExpertStats(**{name: int(v) for name, v in zip(offload.COUNTERS, total)})
+        out = ExpertStats(**{name: int(v) for name, v in zip(slots_mod.COUNTERS, total)})
         out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(placement_mod.expert_itemsize(self.options))
         out.pool_s = self.placement.pool.stats.wall_seconds
         self.placement.pool.stats.reset()
         # A buffer per layer: the graphs donate the cache, and one buffer must not be donated twice.
         def zeroed(s):
-            s = s.replace(counters=jnp.zeros((len(offload.COUNTERS),), jnp.int32))
+            s = s.replace(counters=jnp.zeros((len(slots_mod.COUNTERS),), jnp.int32))
             return s.replace(usage=jnp.zeros_like(s.usage)) if new_request else s
         self.cache = self.cache.replace(experts=[None if s is None else zeroed(s) for s in self.cache.experts])
         return out
 
     def _fill_static_slots(self) -> None:
         """Static policy: after the prompt's prefill, the slots take each layer's most used experts, then freeze."""
-        new = []
-        for i, s in enumerate(self.cache.experts):
-            if s is None:
-                new.append(None)
-                continue
-            usage = np.asarray(s.usage)
-            top = np.argsort(-usage, kind="stable")[:s.slots]
-            top = np.where(usage[top] > 0, top, -1).astype(np.int32)
-            w = self.weights.layers[i].ffn
-            new.append(self._fill(s.replace(usage=jnp.zeros_like(s.usage)), w.gate, w.up, w.down, jnp.asarray(top)))
+        new = slots_mod.fill_static_slots(self.cache.experts, self.weights.layers, self._fill)
         self.cache = self.cache.replace(experts=new)
 
     def _guarded(self, fn, *args):
@@ -408,7 +393,6 @@ class Engine:
             if _interrupted(e):  # Ctrl-C landed inside an io_callback: JAX hands it back wrapped in its error
                 self._reset_state()
                 raise KeyboardInterrupt from None
-            from host_pool import unwrap_pool_error
             pool_error = unwrap_pool_error(e) if self.placement else None
             self._reset_state()
             if self.placement:
@@ -842,32 +826,23 @@ def resolve_delta_kernel(opts: EngineOptions, cfg: ModelConfig) -> str:
 
 def plan_placement(cfg: ModelConfig, opts: EngineOptions):
     """Before the weights are read: the slot count (None: every expert on the device), why, and where the host
-    copies of the experts go when offload is on."""
-    if any(cfg.sparse_layers):
-        placement_mod.expert_format(opts, cfg)  # int4 on experts no group divides: one line before anything loads
+    copies of the experts go (placement_mod.plan_placement); devices > 1 keep every expert resident over them."""
     if parallel_mod.devices_for(opts) is not None:
+        if any(cfg.sparse_layers):
+            placement_mod.expert_format(opts, cfg)  # int4 on experts no group divides: one line before loading
         return None, f"devices={opts.devices}: every expert resident over several devices", None
+    return placement_mod.plan_placement(cfg, opts, device_reserve_bytes(cfg, opts))
+
+
+def device_reserve_bytes(cfg: ModelConfig, opts: EngineOptions) -> int:
+    """Device bytes kept beside the weights before the expert slots are counted (placement_mod.plan_placement):
+    the KV cache and the largest prefill chunk's transient activations."""
     context, chunk = context_and_chunk(cfg, opts)
     itemsize = jnp.dtype(opts.dtype).itemsize
     kv_bytes = model.cache_bytes(cfg, context + chunk, itemsize, opts.window + 1, opts.kv_dtype)
     # the largest prefill chunk's transient activations are reserved beside the KV cache
-    kv_bytes += prefill_activation_bytes(cfg, chunk, context + chunk, resolve_kernels(opts, cfg)[1] == "pallas")
-    slots, why = placement_mod.decide_slots(cfg, opts, kv_bytes)
-    return slots, why, (placement_mod.HostExperts(cfg, jnp.dtype(opts.dtype)) if slots is not None else None)
-
-
-def _quantized_line(cfg: ModelConfig, weights: model.Weights, opts: EngineOptions, on_host: bool) -> str:
-    """The start-up line of quantized experts: their bytes where they live, beside the same experts in `dtype`."""
-    moe_ffns = [layer.ffn for layer in weights.layers if isinstance(layer.ffn, moe.MoEWeights)]
-    q_bytes = sum(a.nbytes for f in moe_ffns for a in (f.gate, f.up, f.down))
-    scale_bytes = sum(a.nbytes for f in moe_ffns for a in f.scales)
-    fmt = placement_mod.expert_format(opts, cfg)
-    how = {"int8": "one bf16 scale per output row", "int4": "one bf16 scale per 64 inputs, two weights a byte",
-           "int4-g32": "one bf16 scale per 32 inputs, two weights a byte"}
-    full = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(jnp.dtype(opts.dtype).itemsize)
-    return (f"experts: {fmt}, {how[fmt]} (quantized at load): {q_bytes / 2**20:.1f} MiB "
-            f"{'in host memory' if on_host else 'on the device'} + {scale_bytes / 2**20:.1f} MiB of scales on the "
-            f"device ({full / 2**20:.1f} MiB as {opts.dtype})")
+    return kv_bytes + prefill_activation_bytes(cfg, chunk, context + chunk,
+                                               resolve_kernels(opts, cfg)[1] == "pallas")
 
 
 def scans(cfg: ModelConfig, opts: EngineOptions) -> bool:
@@ -962,7 +937,7 @@ def chunk_sizes_for(n: int, chunks: tuple[int, ...]) -> list[int]:
 def abstract_weights(cfg: ModelConfig, dtype, host: "placement_mod.HostExperts | None", expert_format=None):
     """Shapes and placements of the weights, for an orbax restore (experts into host memory with offload; their
     scales, with quantized experts, on the device): model.abstract_weights."""
-    return model.abstract_weights(cfg, dtype, expert_format, sharding=offload.device_sharding(),
+    return model.abstract_weights(cfg, dtype, expert_format, sharding=slots_mod.device_sharding(),
                                   expert_sharding=host.sharding if host is not None else None)
 
 

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.stacked_linear import stacked_linear
 from strata_jax.config import ModelConfig
 from strata_jax import deltanet, moe
 from strata_jax.deltanet import DeltaNetWeights, DeltaState
@@ -115,7 +117,7 @@ def _layer_of(cache, layer: jax.Array):
 class KVCache:
     """What a window updates: the static-size key/value cache (one array per layer, or one [L, S, Nkv, D] array for
     stacked weights; a donated step updates it in place) and, when experts are offloaded, each sparse layer's device
-    expert cache (offload.SlotCache)."""
+    expert cache (experts/slots.py's SlotCache)."""
     k: list[jax.Array | QuantKV | None] | jax.Array | QuantKV  # per layer [S, Nkv, D] (None: a DeltaNet layer),
     v: list[jax.Array | QuantKV | None] | jax.Array | QuantKV  # or stacked [L, S, Nkv, D]; QuantKV: kv_dtype=int8
     experts: list | None = None  # per layer SlotCache (None for dense layers), or None when all experts resident
@@ -257,7 +259,6 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     if w_stack is None and dense_kernel:
         w_stack, product_layer = jax.tree.map(lambda a: a[None], w), jnp.int32(0)  # [1, K, N]: a bitcast
     if w_stack is not None:
-        from pallas_kernels.stacked_linear import stacked_linear
         qkv = stacked_linear(x, (w_stack.wq, w_stack.wk, w_stack.wv), product_layer,
                              interpret=interpret).astype(x.dtype)
         ys = jnp.split(qkv, [qw, qw + nkv * d], axis=1)  # as linear() rounds each product to x.dtype
@@ -289,7 +290,6 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
         if not kernel:
             k_layer, v_layer = _layer_of(k_cache, layer), _layer_of(v_cache, layer)  # [S, Nkv, D]
     if kernel:
-        from pallas_kernels.decode_attention import decode_attention
         if isinstance(k_cache, QuantKV):
             out = decode_attention(q, k_cache.q, v_cache.q, pos, layer=layer, k_scale=k_cache.scale,
                                    v_scale=v_cache.scale, interpret=interpret).reshape(t, nq * d)
@@ -300,7 +300,6 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     if gate is not None:
         out = out * jax.nn.sigmoid(gate)  # in the model dtype, as transformers
     if w_stack is not None:
-        from pallas_kernels.stacked_linear import stacked_linear
         out = stacked_linear(out, (w_stack.wo,), product_layer, interpret=interpret).astype(x.dtype)
     else:
         out = linear(out, w.wo)
@@ -334,10 +333,11 @@ def dense_mlp(x: jax.Array, w: MLPWeights) -> jax.Array:
 
 
 # The expert path of a sparse layer with its own state: (layer, x [T, H], MoEWeights, valid [T], state)
-# -> (y [T, H], state), or (y, state, pending) when the layer's CPU rows join later: `experts.join(h, pending)` adds
-# them before the next layer's FFN half (right away when `experts.join_now`). None: all experts resident on the device (moe.moe_block); offload.OffloadedExperts
-# reads them from slots, pinned host memory and the host pool.
-ExpertPath = Callable[[int, jax.Array, "moe.MoEWeights", jax.Array, object], tuple[jax.Array, object]]
+# -> moe.ExpertsOut(y [T, H], state, pending); pending is not None when the layer's CPU rows join later:
+# `experts.join(h, pending)` adds them before the next layer's FFN half (right away when `experts.join_now`).
+# None: all experts resident on the device (moe.moe_block); experts/slots.py's OffloadedExperts reads them from
+# slots, pinned host memory and the host pool.
+ExpertPath = Callable[[int, jax.Array, "moe.MoEWeights", jax.Array, object], "moe.ExpertsOut"]
 
 
 def shared_expert(x: jax.Array, layer: LayerWeights) -> jax.Array:
@@ -363,7 +363,7 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
     h = weights.embed[tokens]  # [T, H]
     new_k, new_v = [], []
     new_delta = list(cache.delta) if cache.delta is not None else None
-    pending = None  # a deferred layer's CPU rows (strata_jax.defer), owed before the next FFN half
+    pending = None  # a deferred layer's CPU rows (experts/defer.py), owed before the next FFN half
     for i, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer{i}"):
             if isinstance(layer.attn, DeltaNetWeights):
@@ -392,11 +392,10 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
                 h = h + moe.moe_block(x, layer.ffn, cfg, valid)
             else:
                 state = expert_state[i] if expert_state is not None else None
-                y, state, *deferred = experts(i, x, layer.ffn, valid, state)
+                y, state, pending = experts(i, x, layer.ffn, valid, state)
                 if expert_state is not None:
                     expert_state[i] = state
                 h = h + y
-                pending = deferred[0] if deferred else None
                 if pending is not None and experts.join_now:
                     h, pending = experts.join(h, pending), None
     state_pos = cache.state_pos
@@ -476,8 +475,7 @@ def scan_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.Arra
                 if experts is None:
                     h = h + moe.moe_block(x, w, cfg, valid, offset=offset)
                 else:
-                    y, _ = experts(i, x, w, valid, None, offset=offset)
-                    h = h + y
+                    h = h + experts(i, x, w, valid, None, offset=offset).y
         return (h, k_all, v_all), None
 
     (h, k_all, v_all), _ = jax.lax.scan(body, (h, cache.k, cache.v), jnp.arange(n_layers, dtype=jnp.int32))

@@ -8,10 +8,13 @@ PCIe fetch, host pool) changes where `expert_ffn` reads weights from, never the 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax.config import ModelConfig
 from strata_jax.linear import linear
 from strata_jax.quant import dequantize_engine_int4
@@ -136,24 +139,30 @@ def resident_experts(x: jax.Array, w: MoEWeights, r: Route, offset: jax.Array | 
     return expert_ffn(x, w.gate[ids], w.up[ids], w.down[ids], r.combine, *(sc[ids] for sc in w.scales))
 
 
+class ExpertsOut(NamedTuple):
+    """What an expert path (model.ExpertPath) returns for a sparse layer."""
+    y: jax.Array  # [T, H] the layer's expert rows, combined
+    state: object  # the layer's expert state (experts/slots.py's SlotCache with offload), None without
+    pending: object = None  # experts/defer.py's Pending: deferred cpu rows still owed to the residual, else None
+
+
 class ResidentExperts:
     """The expert path of a model whose experts are all on the device, with the Pallas expert FFN kernel
     (pallas_kernels/expert_ffn.py: each distinct expert's weights read in place, once per window, no gather copy)
-    instead of XLA's gather + einsums. bf16 on a GPU only; `(layer, x, w, valid, state) -> (y, state)`."""
+    instead of XLA's gather + einsums. bf16 on a GPU only; `(layer, x, w, valid, state) -> ExpertsOut(y, state)`."""
 
     def __init__(self, cfg: ModelConfig, interpret: bool = False):
         self.cfg, self.interpret = cfg, interpret
 
     def __call__(self, layer: int, x: jax.Array, w: MoEWeights, valid: jax.Array, state=None,
                  offset: jax.Array | int = 0):
-        from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
         with jax.named_scope("moe_route"):
             r = route(x, w.router, self.cfg, valid)
         with jax.named_scope("moe_experts_pallas"):
             rows = jnp.where(r.expert_ids >= 0, r.expert_ids + offset, -1)  # stacked layers: row layer * E + expert
             y = expert_ffn_kernel(x, w.gate, w.up, w.down, rows, r.combine, *w.scales, interpret=self.interpret)
         with jax.named_scope("moe_combine"):
-            return y.astype(x.dtype), state
+            return ExpertsOut(y.astype(x.dtype), state)
 
 
 def moe_block(x: jax.Array, w: MoEWeights, cfg: ModelConfig, valid: jax.Array,

@@ -148,7 +148,8 @@ class EngineOptions:
                         "everything else replicated; each device runs its experts for every token, summed across "
                         "the devices).", _choice("layers", "experts"))
 
-    # The routing approximations (strata_jax.approx): '' = read the STRATA_* environment variable of the same name.
+    # The routing approximations (strata_jax/experts/approx.py): '' = read the STRATA_* environment variable of the
+    # same name.
     # A bad value is one line and the switch stays off (as the original engine does), not an error.
     route_tail_skip: str = opt("", "STRATA_ROUTE_TAIL_SKIP=R: skip a missed expert that every token of a decode "
                                "window routes at rank >= R (0-based). Off when unset.")
@@ -246,10 +247,11 @@ def from_flags(cls, flag_values):
     return build(cls, {f.name: getattr(flag_values, f.name) for f in dataclasses.fields(cls)})
 
 
-# ---- the STRATA_* approximation switches ----------------------------------------------------------------------
+# ---- the STRATA_* switches (the expert wing parses them: strata_jax/experts/approx.py and defer.py) -------------
 
 ROUTE_SWITCHES = ("route_tail_skip", "route_prior", "route_prior_mode", "route_prior_keep", "route_resident",
                   "route_resident_rank", "route_resident_margin")
+DEFER_SWITCHES = ("verify_defer_cpu", "verify_defer_cpu_below")
 
 
 def env_name(option: str) -> str:
@@ -263,88 +265,12 @@ def switch_values(opts: EngineOptions, names, environ=None) -> dict[str, str]:
     return {n: (getattr(opts, n) or environ.get(env_name(n), "")).strip() for n in names}
 
 
-def _number(text: str, kind=float):
+def parse_number(text: str, kind=float):
     try:
         v = kind(text)
     except ValueError:
         return None
     return v if v == v else None  # NaN is not a number here
-
-
-def route_approx(opts: EngineOptions, k: int, offload: bool, environ=None):
-    """(RouteApprox, start-up lines) from the options and the environment; K = the model's experts per token."""
-    from strata_jax.approx import OFF, RouteApprox, default_resident_rank
-    raw = switch_values(opts, ROUTE_SWITCHES, environ)
-    lines, out = [], {}
-    if raw["route_tail_skip"]:
-        r = _number(raw["route_tail_skip"], int)
-        name = f"{env_name('route_tail_skip')}={raw['route_tail_skip']}"
-        if r is None or r < 1:
-            lines.append(f"route tail skip: {name} is not an integer >= 1; tail skip off")
-        else:
-            r = min(r, INT32_MAX)  # R >= K skips nothing; a huge R must not overflow the graph's int32
-            out["tail_skip"] = r
-            what = (f"skips nothing (R >= K = {k})" if r >= k else
-                    f"a missed expert that every entry of a decode window routes at rank >= {r} (ranks 0..{k - 1}) "
-                    "is skipped")
-            lines.append(f"route tail skip: R = {r}: {what}")
-    if raw["route_prior"]:
-        lam = _number(raw["route_prior"])
-        name = f"{env_name('route_prior')}={raw['route_prior']}"
-        if lam is None or lam < 0:
-            lines.append(f"route prior: {name} is not a number >= 0; prior off")
-        else:
-            mode = raw["route_prior_mode"] or "plain"
-            if mode not in ("plain", "range"):
-                lines.append(f"route prior: {env_name('route_prior_mode')}={mode} is not plain or range; plain")
-                mode = "plain"
-            keep = 1 if mode == "range" else 0
-            if raw["route_prior_keep"]:
-                j = _number(raw["route_prior_keep"], int)
-                if j is None or not 0 <= j <= k:
-                    lines.append(f"route prior: {env_name('route_prior_keep')}={raw['route_prior_keep']} is not an "
-                                 f"integer in 0..{k}; {keep}")
-                else:
-                    keep = j
-            out.update(prior=float(lam), prior_mode=mode, prior_keep=keep)
-            scale = " x the layer's running mean logit range" if mode == "range" else ""
-            lines.append(f"route prior: lambda = {lam:g}{scale} added to resident experts' logits, top-K re-picked "
-                         f"(Pallas kernel), unbiased top-{keep} always kept; mode {mode}")
-    elif raw["route_prior_mode"] or raw["route_prior_keep"]:
-        lines.append("route prior: STRATA_ROUTE_PRIOR_MODE / _KEEP set but the prior is off: ignored")
-    if raw["route_resident"]:
-        if raw["route_resident"] not in ("0", "1"):
-            lines.append(f"route resident swap: {env_name('route_resident')}={raw['route_resident']} is not 0 or 1; off")
-        elif raw["route_resident"] == "1":
-            first = default_resident_rank(k)
-            if raw["route_resident_rank"]:
-                v = _number(raw["route_resident_rank"], int)
-                if v is None or not 0 <= v < k:
-                    lines.append(f"route resident swap: {env_name('route_resident_rank')}="
-                                 f"{raw['route_resident_rank']} is not an integer in 0..{k - 1}; {first}")
-                else:
-                    first = v
-            margin = 1.0
-            if raw["route_resident_margin"]:
-                v = _number(raw["route_resident_margin"])
-                if v is None or v < 0:
-                    lines.append(f"route resident swap: {env_name('route_resident_margin')}="
-                                 f"{raw['route_resident_margin']} is not a number >= 0; 1.0")
-                else:
-                    margin = v
-            out.update(resident=True, resident_rank=first, resident_margin=margin)
-            lines.append(f"route resident swap: a missed expert at rank {first}..{k - 1} is swapped for the best "
-                         f"resident one within a logit margin of {margin:g}")
-    if raw["route_resident"] in ("", "0") and (raw["route_resident_rank"] or raw["route_resident_margin"]):
-        lines.append("route resident swap: STRATA_ROUTE_RESIDENT_RANK / _MARGIN set but the swap is off: ignored")
-    approx = RouteApprox(**out)
-    if approx.active and not offload:
-        lines.append("route approximations: every expert is on the device (offload off): nothing to do")
-        approx = OFF
-    return approx, lines
-
-
-DEFER_SWITCHES = ("verify_defer_cpu", "verify_defer_cpu_below")
 
 
 def unknown_switches(environ=None) -> list[str]:
@@ -359,47 +285,6 @@ def unknown_switches(environ=None) -> list[str]:
         hint = f"did you mean {close[0]}?" if close else "known: " + ", ".join(known)
         lines.append(f"{name}: not a strata_jax switch; ignored ({hint})")
     return lines
-
-
-def defer_cpu(opts: EngineOptions, makes_cpu_rows: bool, environ=None):
-    """(DeferCPU, start-up lines) from the options and the environment; makes_cpu_rows: the placement sends misses
-    to the host pool (offload on and pcie_frac < 1)."""
-    from strata_jax.defer import DEFAULT_BELOW, OFF, DeferCPU
-    raw = switch_values(opts, DEFER_SWITCHES, environ)
-    mode_text, below_text = raw["verify_defer_cpu"], raw["verify_defer_cpu_below"]
-    name, below_name = env_name("verify_defer_cpu"), env_name("verify_defer_cpu_below")
-    mode = {"": "off", "0": "off", "1": "defer", "check": "check"}.get(mode_text)
-    lines = []
-    if mode is None:
-        lines.append(f"{name}={mode_text}: not 0, 1 or check; the deferral is off")
-        mode = "off"
-    if mode == "off":
-        if below_text:
-            lines.append(f"{below_name}={below_text}: ignored ({name} is off)")
-        return OFF, lines
-    below, default = DEFAULT_BELOW, True
-    if below_text:
-        v = _number(below_text)
-        if v is None or v <= 0:
-            lines.append(f"{below_name}={below_text}: not a number above 0; {DEFAULT_BELOW:g}")
-        else:
-            below, default = v, False
-    if mode == "check":
-        lines.append(f"{name}=check: bookkeeping only: a layer's CPU rows of routing weight >= {below:g} join in "
-                     "post(l), the lighter ones right after, in the same layer (the exact sums in another order)")
-    else:
-        lines.append(f"{name}=1: layer l's deferred CPU expert rows join before layer l+1's FFN half (layer l+1's "
-                     "mixer runs without them); the model's last layer is never deferred")
-    if below >= 1.0:
-        lines.append(f"{below_name}={below:g}: every CPU row joins late (no split, no partial wait)")
-    else:
-        lines.append(f"{below_name}={below:g}{' (the default)' if default else ''}: a deferred layer waits for its "
-                     f"CPU rows of routing weight >= {below:g} in post(l) and defers the lighter ones")
-    if not makes_cpu_rows:
-        lines.append(f"{name}: the placement makes no CPU rows (every miss fetched over PCIe, or every expert "
-                     "resident): nothing to defer")
-        return OFF, lines
-    return DeferCPU(mode=mode, below=below), lines
 
 
 def logpos_path(request: RequestOptions, environ=None) -> str:

@@ -105,7 +105,8 @@ def test_cache_dir_that_is_a_file_is_one_line(tmp_path):
 
 
 def test_a_huge_tail_skip_is_capped_to_int32():
-    from strata_jax.options import EngineOptions, build, route_approx
+    from strata_jax.experts.approx import route_approx
+    from strata_jax.options import EngineOptions, build
     approx, lines = route_approx(build(EngineOptions, dict(route_tail_skip=str(2**40))), 8, True, environ={})
     assert approx.tail_skip == 2**31 - 1 and "skips nothing" in lines[0]
 

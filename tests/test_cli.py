@@ -166,7 +166,7 @@ def test_the_package_declares_what_exists():
     import tomllib
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     for package in meta["tool"]["setuptools"]["packages"]:
-        assert (REPO / package / "__init__.py").is_file(), package
+        assert (REPO / package.replace(".", "/") / "__init__.py").is_file(), package  # dotted: a subpackage
     for name, target in meta["project"]["scripts"].items():
         module, attr = target.split(":")
         assert callable(getattr(importlib.import_module(module), attr)), name

@@ -1,4 +1,4 @@
-"""Deferred CPU rows (strata_jax.defer): the switches' values table, `check` against unset, `=1` against a
+"""Deferred CPU rows (strata_jax/experts/defer.py): the switches' values table, `check` against unset, `=1` against a
 plain-jnp model of "layer l's deferred CPU rows join before layer l+1's FFN half", and the timeout path.
 
 The engines here put every expert on the host pool (expert_cache_slots=0, pcie_frac=0): every entry is a CPU row.
@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro
-from strata_jax import StrataError, defer, model, moe
-from strata_jax.options import EngineOptions, build, defer_cpu
+from strata_jax import StrataError, model, moe
+from strata_jax.experts import defer
+from strata_jax.experts import slots as slots_mod
+from strata_jax.experts.defer import defer_cpu
+from strata_jax.options import EngineOptions, build
 
 REL_TOL = 1e-5
 
@@ -165,14 +168,13 @@ def test_a_late_phase_is_one_error_naming_layer_and_phase(engine_factory, tokens
 
 def test_a_window_without_cpu_entries_makes_no_callback(engine_factory, tokens):
     """Every expert resident (a full cache, filled): the deferring graph submits nothing to the pool."""
-    from strata_jax import offload
     eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=16, pcie_frac=0.5,
                          cpu_threads=2, callback_timeout_s=2.0, verify_defer_cpu="1")
     eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
     every = jnp.arange(16, dtype=jnp.int32)
     eng.cache = eng.cache.replace(experts=[
-        None if s is None else offload.fill_slots(s, *(getattr(eng.weights.layers[i].ffn, n) for n in
-                                                      ("gate", "up", "down")), every)
+        None if s is None else slots_mod.fill_slots(s, *(getattr(eng.weights.layers[i].ffn, n) for n in
+                                                        ("gate", "up", "down")), every)
         for i, s in enumerate(eng.cache.experts)])
     eng.placement.pool.stats.reset()
     eng.score(tokens, window=4)

@@ -182,11 +182,12 @@ def test_the_model_with_the_kernel_matches_the_xla_path(fmt, stacked):
 @pytest.mark.parametrize("slots,filled,fmt", [(0, 0, None), (6, 3, None), (16, 10, None), (6, 3, "int8"),
                                                (16, 10, "int8"), (6, 3, "int4")])
 def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, fmt):
-    """offload.OffloadedExperts(kernel=True) (interpret mode): resident experts read in their slots, fetched ones
+    """slots_mod.OffloadedExperts(kernel=True) (interpret mode): resident experts read in their slots, fetched ones
     copied into their victim slots first, the overflow (no slot left: S=0, S=6) through the XLA block: the layer's
     output within bf16 rounding of the XLA path, and the same slot table and slot contents after the window.
     int8 / int4: the slots hold q and the kernel reads each slot's scales (of the expert in it after the fetch)."""
-    from strata_jax import moe, offload, quant
+    from strata_jax import moe, quant
+    from strata_jax.experts import slots as slots_mod
     from strata_jax.config import preset
     cfg = preset("tiny")
     rng = np.random.default_rng()
@@ -197,18 +198,18 @@ def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, 
         qs = {k: quant.quantize(np.asarray(getattr(w, k), np.float32), fmt) for k in ("gate", "up", "down")}
         w = w.replace(**{k: jnp.asarray(qa.q) for k, qa in qs.items()},
                       **{k + "_scale": jnp.asarray(quant.engine_scale(qa)) for k, qa in qs.items()})
-    state = offload.init_slot_cache(cfg, slots, w.gate.dtype)
+    state = slots_mod.init_slot_cache(cfg, slots, w.gate.dtype)
     if filled:
         chosen = np.full(slots, -1, np.int32)
         chosen[:filled] = rng.permutation(e)[:filled]
-        state = offload.fill_slots(state, w.gate, w.up, w.down, jnp.asarray(chosen))
+        state = slots_mod.fill_slots(state, w.gate, w.up, w.down, jnp.asarray(chosen))
     x = f(3, h, scale=1.0)
     valid = jnp.ones((3,), bool)
     out = {}
     for kernel in (False, True):
-        path = offload.OffloadedExperts(cfg, kernel=kernel)
+        path = slots_mod.OffloadedExperts(cfg, kernel=kernel)
         out[kernel] = jax.jit(path, static_argnums=0)(0, x, w, valid, state)
-    (y_xla, s_xla), (y_pallas, s_pallas) = out[False], out[True]
+    (y_xla, s_xla, _), (y_pallas, s_pallas, _) = out[False], out[True]
     y_xla, y_pallas = np.asarray(y_xla, np.float32), np.asarray(y_pallas, np.float32)
     assert rel_fro(y_pallas, y_xla) < 2e-2
     np.testing.assert_array_equal(np.asarray(s_pallas.table), np.asarray(s_xla.table))

@@ -187,7 +187,7 @@ def test_quantized_state_saves_and_restores(engine_factory, tmp_path):
 def test_a_vram_budget_holds_about_four_times_the_int4_slots(monkeypatch):
     """expert_cache_slots=auto at the Qwen3-30B-A3B shape with 16 GiB free: int4 experts (scales counted on the
     device) get about 4x the bf16 slots, int8 about 2x."""
-    from strata_jax import placement
+    from strata_jax.experts import placement
     from strata_jax.config import preset
     from strata_jax.options import EngineOptions, build
     monkeypatch.setattr(placement, "device_free_bytes", lambda: 16 * 2**30)

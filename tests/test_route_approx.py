@@ -1,5 +1,5 @@
-"""The routing approximations (strata_jax.approx): each rule against a plain-numpy implementation of its text, the
-switches' values table, and the engine-level guarantees: off = the exact path; lambda = 0, R >= K and a full cache
+"""The routing approximations (strata_jax/experts/approx.py): each rule against a plain-numpy implementation of its
+text, the switches' values table, and the engine-level guarantees: off = the exact path; lambda = 0, R >= K and a full cache
 change nothing.
 """
 from __future__ import annotations
@@ -9,9 +9,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from strata_jax import approx, moe, offload
+from strata_jax import moe
+from strata_jax.experts import approx
+from strata_jax.experts import slots as slots_mod
 from strata_jax.config import preset
-from strata_jax.options import EngineOptions, build, route_approx
+from strata_jax.experts.approx import route_approx
+from strata_jax.options import EngineOptions, build
 
 CFG = preset("tiny")  # 16 experts, top-4
 E, K = CFG.num_experts, CFG.num_experts_per_tok
@@ -70,10 +73,10 @@ def numpy_swap(logits, resident, first, margin):
 
 def random_state(rng, slots, w=None):
     """A slot cache whose table holds `slots` random experts (their weights in the slots when `w` is given)."""
-    state = offload.init_slot_cache(CFG, slots, jnp.float32)
+    state = slots_mod.init_slot_cache(CFG, slots, jnp.float32)
     experts = rng.permutation(E)[:slots].astype(np.int32)
     if w is not None:
-        return offload.fill_slots(state, w.gate, w.up, w.down, jnp.asarray(experts)), np.isin(np.arange(E), experts)
+        return slots_mod.fill_slots(state, w.gate, w.up, w.down, jnp.asarray(experts)), np.isin(np.arange(E), experts)
     table = np.full(E, -1, np.int32)
     table[experts] = np.arange(slots)
     return state.replace(table=jnp.asarray(table)), np.isin(np.arange(E), experts)
@@ -87,7 +90,7 @@ def random_layer(rng):
 
 def route_with(rule: approx.RouteApprox, x, w, state, valid=None):
     valid = jnp.ones((x.shape[0],), bool) if valid is None else valid
-    return offload.OffloadedExperts(CFG, route=rule).route(x, w, valid, state)
+    return slots_mod.OffloadedExperts(CFG, route=rule).route(x, w, valid, state)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -146,16 +149,16 @@ def test_tail_skip_is_the_rule_in_numpy(seed):
     weights = np.sort(rng.random((t, K)).astype(np.float32), axis=1)[:, ::-1]
     r = moe.make_route(jnp.asarray(topk), jnp.asarray(weights.copy()), CFG, jnp.ones((t,), bool), jnp.float32)
     state, resident = random_state(rng, slots=int(rng.integers(0, E)))
-    kind, _ = offload.plan(r, state, cpu=False, tail_skip=tail)
+    kind, _ = slots_mod.plan(r, state, cpu=False, tail_skip=tail)
     kind, experts = np.asarray(kind), np.asarray(r.expert_ids)
     for n, e in enumerate(experts):
         if e < 0:
             continue
         ranks = [k for row in topk for k, x in enumerate(row) if x == e]
         expect_skip = (not resident[e]) and min(ranks) >= tail
-        assert (kind[n] == offload.SKIP) == expect_skip, (e, ranks, resident[e])
+        assert (kind[n] == slots_mod.SKIP) == expect_skip, (e, ranks, resident[e])
     # an expert that any token ranks below R is never skipped
-    skipped = set(experts[kind == offload.SKIP])
+    skipped = set(experts[kind == slots_mod.SKIP])
     assert not skipped & set(topk[:, :tail].reshape(-1))
 
 
@@ -166,18 +169,18 @@ def test_tail_skip_drops_the_skipped_contributions_without_renormalising():
     x = jnp.asarray(rng.standard_normal((3, CFG.hidden_size)).astype(np.float32))
     state, _ = random_state(rng, slots=4, w=w)
     valid = jnp.ones((3,), bool)
-    path = offload.OffloadedExperts(CFG, route=approx.RouteApprox(tail_skip=2))
+    path = slots_mod.OffloadedExperts(CFG, route=approx.RouteApprox(tail_skip=2))
     with jax.default_matmul_precision("highest"):
-        y, new_state = jax.jit(path, static_argnums=0)(0, x, w, valid, state)
+        y, new_state, _ = jax.jit(path, static_argnums=0)(0, x, w, valid, state)
         r = moe.route(x, w.router, CFG, valid)
-        kind, _ = offload.plan(r, state, cpu=False, tail_skip=2)
-        served = np.asarray(kind) != offload.SKIP
+        kind, _ = slots_mod.plan(r, state, cpu=False, tail_skip=2)
+        served = np.asarray(kind) != slots_mod.SKIP
         assert (~served).any(), "the draw should skip something"
         combine = r.combine * jnp.asarray(served)[None, :]
         ids = jnp.maximum(r.expert_ids, 0)
         want = moe.expert_ffn(x, w.gate[ids], w.up[ids], w.down[ids], combine)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
-    counters = dict(zip(offload.COUNTERS, np.asarray(new_state.counters)))
+    counters = dict(zip(slots_mod.COUNTERS, np.asarray(new_state.counters)))
     assert counters["distinct_skipped"] == (~served).sum() > 0
 
 
@@ -190,8 +193,8 @@ def test_every_rule_is_a_no_op_with_everything_resident():
     r, extra, _ = route_with(rule, x, w, state)
     np.testing.assert_array_equal(np.asarray(r.topk_ids), np.asarray(exact.topk_ids))
     np.testing.assert_array_equal(np.asarray(r.topk_weights), np.asarray(exact.topk_weights))
-    kind, _ = offload.plan(r, state, cpu=False, tail_skip=1)
-    assert (np.asarray(kind)[np.asarray(r.expert_ids) >= 0] == offload.RESIDENT).all()
+    kind, _ = slots_mod.plan(r, state, cpu=False, tail_skip=1)
+    assert (np.asarray(kind)[np.asarray(r.expert_ids) >= 0] == slots_mod.RESIDENT).all()
     assert int(extra["swaps"]) == 0 and int(extra["prior_tokens_changed"]) == 0
 
 
@@ -290,7 +293,7 @@ def full_cache_scores(engine_factory, tokens, **switches):
     eng.reconfigure(pcie_frac=1.0, cache_policy="lru")
     every = jnp.arange(E, dtype=jnp.int32)
     eng.cache = eng.cache.replace(experts=[
-        None if s is None else offload.fill_slots(s, eng.weights.layers[i].ffn.gate, eng.weights.layers[i].ffn.up,
+        None if s is None else slots_mod.fill_slots(s, eng.weights.layers[i].ffn.gate, eng.weights.layers[i].ffn.up,
                                                   eng.weights.layers[i].ffn.down, every)
         for i, s in enumerate(eng.cache.experts)])
     assert all((np.asarray(s.table) >= 0).all() for s in eng.cache.experts if s is not None)

@@ -30,6 +30,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.route_prior import route_prior
+from strata_jax.options import INT32_MAX, ROUTE_SWITCHES, EngineOptions, env_name, parse_number, switch_values
+
 
 @dataclasses.dataclass(frozen=True)
 class RouteApprox:
@@ -76,7 +79,6 @@ def prior_pick(logits: jax.Array, resident: jax.Array, lam: jax.Array, k: int, k
     """The biased re-pick (the Pallas kernel: compiled on a GPU, interpreted elsewhere): logits [T, E],
     resident [E], lam [T] -> (ids [T, K], changed [T]). The weights are recomputed by `weights_of`, with the exact
     router's arithmetic, so a re-pick that changes nothing changes no bit."""
-    from pallas_kernels.route_prior import route_prior
     ids, _, changed = route_prior(logits, resident, lam, k=k, keep=keep, interpret=jax.default_backend() != "gpu")
     return ids, changed
 
@@ -116,3 +118,76 @@ def logit_range(logits: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Arr
     spread = jnp.max(logits, axis=-1) - jnp.min(logits, axis=-1)
     return jnp.sum(jnp.where(valid, spread, 0.0)), jnp.sum(valid).astype(jnp.int32)
 
+
+# ---- the switches (STRATA_ROUTE_* or the options of the same names) -------------------------------------------
+
+def route_approx(opts: EngineOptions, k: int, offload: bool, environ=None):
+    """(RouteApprox, start-up lines) from the options and the environment; K = the model's experts per token."""
+    raw = switch_values(opts, ROUTE_SWITCHES, environ)
+    lines, out = [], {}
+    if raw["route_tail_skip"]:
+        r = parse_number(raw["route_tail_skip"], int)
+        name = f"{env_name('route_tail_skip')}={raw['route_tail_skip']}"
+        if r is None or r < 1:
+            lines.append(f"route tail skip: {name} is not an integer >= 1; tail skip off")
+        else:
+            r = min(r, INT32_MAX)  # R >= K skips nothing; a huge R must not overflow the graph's int32
+            out["tail_skip"] = r
+            what = (f"skips nothing (R >= K = {k})" if r >= k else
+                    f"a missed expert that every entry of a decode window routes at rank >= {r} (ranks 0..{k - 1}) "
+                    "is skipped")
+            lines.append(f"route tail skip: R = {r}: {what}")
+    if raw["route_prior"]:
+        lam = parse_number(raw["route_prior"])
+        name = f"{env_name('route_prior')}={raw['route_prior']}"
+        if lam is None or lam < 0:
+            lines.append(f"route prior: {name} is not a number >= 0; prior off")
+        else:
+            mode = raw["route_prior_mode"] or "plain"
+            if mode not in ("plain", "range"):
+                lines.append(f"route prior: {env_name('route_prior_mode')}={mode} is not plain or range; plain")
+                mode = "plain"
+            keep = 1 if mode == "range" else 0
+            if raw["route_prior_keep"]:
+                j = parse_number(raw["route_prior_keep"], int)
+                if j is None or not 0 <= j <= k:
+                    lines.append(f"route prior: {env_name('route_prior_keep')}={raw['route_prior_keep']} is not an "
+                                 f"integer in 0..{k}; {keep}")
+                else:
+                    keep = j
+            out.update(prior=float(lam), prior_mode=mode, prior_keep=keep)
+            scale = " x the layer's running mean logit range" if mode == "range" else ""
+            lines.append(f"route prior: lambda = {lam:g}{scale} added to resident experts' logits, top-K re-picked "
+                         f"(Pallas kernel), unbiased top-{keep} always kept; mode {mode}")
+    elif raw["route_prior_mode"] or raw["route_prior_keep"]:
+        lines.append("route prior: STRATA_ROUTE_PRIOR_MODE / _KEEP set but the prior is off: ignored")
+    if raw["route_resident"]:
+        if raw["route_resident"] not in ("0", "1"):
+            lines.append(f"route resident swap: {env_name('route_resident')}={raw['route_resident']} is not 0 or 1; off")
+        elif raw["route_resident"] == "1":
+            first = default_resident_rank(k)
+            if raw["route_resident_rank"]:
+                v = parse_number(raw["route_resident_rank"], int)
+                if v is None or not 0 <= v < k:
+                    lines.append(f"route resident swap: {env_name('route_resident_rank')}="
+                                 f"{raw['route_resident_rank']} is not an integer in 0..{k - 1}; {first}")
+                else:
+                    first = v
+            margin = 1.0
+            if raw["route_resident_margin"]:
+                v = parse_number(raw["route_resident_margin"])
+                if v is None or v < 0:
+                    lines.append(f"route resident swap: {env_name('route_resident_margin')}="
+                                 f"{raw['route_resident_margin']} is not a number >= 0; 1.0")
+                else:
+                    margin = v
+            out.update(resident=True, resident_rank=first, resident_margin=margin)
+            lines.append(f"route resident swap: a missed expert at rank {first}..{k - 1} is swapped for the best "
+                         f"resident one within a logit margin of {margin:g}")
+    if raw["route_resident"] in ("", "0") and (raw["route_resident_rank"] or raw["route_resident_margin"]):
+        lines.append("route resident swap: STRATA_ROUTE_RESIDENT_RANK / _MARGIN set but the swap is off: ignored")
+    approx = RouteApprox(**out)
+    if approx.active and not offload:
+        lines.append("route approximations: every expert is on the device (offload off): nothing to do")
+        approx = OFF
+    return approx, lines

@@ -1,5 +1,6 @@
-"""Start-up side of offload: how many expert slots fit, experts into host memory, the host pool, and the cost model
-that picks `pcie_frac=auto`. The in-graph side is strata_jax.offload."""
+"""Start-up side of offload: how many expert slots fit, experts into host memory, the host pool, the cost model
+that picks `pcie_frac=auto`, and the one rule for what a pcie_frac change costs (needs_cpu_path). The in-graph side
+is experts/slots.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +14,10 @@ from jax.experimental import io_callback
 
 from host_pool import HostExpertStore, HostPool, HostPoolError, blas, native
 from host_pool.pool import usable_cores
-from strata_jax import model, offload, quant
+from strata_jax import model, moe, quant
 from strata_jax.config import ModelConfig
 from strata_jax.errors import StrataError
+from strata_jax.experts import approx, defer, slots as slots_mod
 from strata_jax.options import EngineOptions
 
 
@@ -30,10 +32,30 @@ class Placement:
     lines: list[str]  # start-up lines
     costs: dict | None = None  # the measured cost model, when pcie_frac=auto
 
+    @property
+    def cpu_path(self) -> bool:
+        """Whether the graphs are built with the host pool's callback (needs_cpu_path)."""
+        return needs_cpu_path(self.pcie_frac)
+
+    def reconfigure(self, pcie_frac: float, policy: str) -> bool:
+        """Take a new split and policy; whether the graphs must be rebuilt (the split crossed 1: needs_cpu_path)."""
+        rebuild = needs_cpu_path(pcie_frac) != self.cpu_path
+        self.pcie_frac, self.policy = pcie_frac, policy
+        return rebuild
+
     def init_state(self, cfg: ModelConfig, dtype) -> list:
         """Each sparse layer's slot cache; dtype: how the experts are stored (int8 with expert_dtype=int8)."""
-        return [offload.init_slot_cache(cfg, self.slots, dtype, self.policy, self.pcie_frac) if sparse else None
+        return [slots_mod.init_slot_cache(cfg, self.slots, dtype, self.policy, self.pcie_frac) if sparse else None
                 for sparse in cfg.sparse_layers]
+
+
+def needs_cpu_path(pcie_frac: float) -> bool:
+    """Whether graphs for this split include the host pool: pcie_frac < 1 sends some misses to the pool (an
+    io_callback under lax.cond, and the deferral when it is on); pcie_frac == 1 builds them without the pool, so
+    every miss is fetched over PCIe whatever the slot cache's pcie_frac says. The split is data in the graphs
+    (SlotCache.pcie_frac) otherwise: a change recompiles exactly when this answer changes (the split moves to or
+    from 1); the cache policy never recompiles."""
+    return pcie_frac < 1
 
 
 def non_expert_bytes(cfg: ModelConfig, itemsize: int, expert_format: str | None = None) -> int:
@@ -120,8 +142,8 @@ class HostExperts:
     host memory (pinned on a GPU) that the graph fetches from."""
 
     def __init__(self, cfg: ModelConfig, compute_dtype=None):
-        self.kind = offload.host_memory_kind()
-        self.sharding = offload.device_sharding(self.kind)
+        self.kind = slots_mod.host_memory_kind()
+        self.sharding = slots_mod.device_sharding(self.kind)
         self.numpy: dict[int, dict[str, np.ndarray]] = {}
         self.compute_dtype = compute_dtype  # how the pool rounds (int8 experts do not say it themselves)
 
@@ -138,6 +160,16 @@ class HostExperts:
         _, layer, _, which = name.split(".")
         self.numpy.setdefault(int(layer), {})[which] = quant.pool_scale(np.asarray(x))
         return jax.device_put(x)
+
+    def keep_restored(self, cfg: ModelConfig, weights: model.Weights, quantized: bool) -> None:
+        """A saved state's experts, restored into host memory: the pool's numpy copies (quantized: and the
+        scales)."""
+        which_arrays = ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if quantized else ())
+        for i, layer in enumerate(weights.layers):
+            if cfg.sparse_layers[i]:
+                for which in which_arrays:
+                    x = np.asarray(getattr(layer.ffn, which))
+                    self.numpy.setdefault(i, {})[which] = quant.pool_scale(x) if "scale" in which else x
 
     def store(self, cfg: ModelConfig):
         layers = []
@@ -166,12 +198,12 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
     n = min(8, cfg.num_experts)
 
     def fetch_graph(count):
-        """The decode graph's copy (offload.copy_experts) of `count` experts into n device rows (the same buffers
+        """The decode graph's copy (slots.copy_experts) of `count` experts into n device rows (the same buffers
         whatever the count, so the two graphs differ by the copies only)."""
         @jax.jit
         def fetch(g, u, d, ids):
             dest = tuple(jnp.zeros((n, *a.shape[1:]), a.dtype) for a in (g, u, d))
-            (rows,) = offload.copy_experts([(dest, jnp.arange(n, dtype=jnp.int32))], (g, u, d), ids, count)
+            (rows,) = slots_mod.copy_experts([(dest, jnp.arange(n, dtype=jnp.int32))], (g, u, d), ids, count)
             return rows
         return fetch
 
@@ -261,3 +293,39 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
         lines.append(f"pcie_frac: {frac:g}")
     return Placement(slots=slots, policy=opts.cache_policy, pcie_frac=frac, pool=pool, host_kind=host.kind,
                      lines=lines, costs=costs)
+
+
+def plan_placement(cfg: ModelConfig, opts: EngineOptions, reserved_bytes: int):
+    """Before the weights are read: the slot count (None: every expert on the device), why, and where the host
+    copies of the experts go when offload is on. reserved_bytes: the device memory the engine keeps for the KV cache
+    and the largest prefill chunk's activations."""
+    if any(cfg.sparse_layers):
+        expert_format(opts, cfg)  # int4 on experts no group divides: one line before anything loads
+    slots, why = decide_slots(cfg, opts, reserved_bytes)
+    return slots, why, (HostExperts(cfg, jnp.dtype(opts.dtype)) if slots is not None else None)
+
+
+def quantized_line(cfg: ModelConfig, weights: model.Weights, opts: EngineOptions, on_host: bool) -> str:
+    """The start-up line of quantized experts: their bytes where they live, beside the same experts in `dtype`."""
+    moe_ffns = [layer.ffn for layer in weights.layers if isinstance(layer.ffn, moe.MoEWeights)]
+    q_bytes = sum(a.nbytes for f in moe_ffns for a in (f.gate, f.up, f.down))
+    scale_bytes = sum(a.nbytes for f in moe_ffns for a in f.scales)
+    fmt = expert_format(opts, cfg)
+    how = {"int8": "one bf16 scale per output row", "int4": "one bf16 scale per 64 inputs, two weights a byte",
+           "int4-g32": "one bf16 scale per 32 inputs, two weights a byte"}
+    full = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(jnp.dtype(opts.dtype).itemsize)
+    return (f"experts: {fmt}, {how[fmt]} (quantized at load): {q_bytes / 2**20:.1f} MiB "
+            f"{'in host memory' if on_host else 'on the device'} + {scale_bytes / 2**20:.1f} MiB of scales on the "
+            f"device ({full / 2**20:.1f} MiB as {opts.dtype})")
+
+
+def expert_paths(cfg: ModelConfig, placement: Placement, route: approx.RouteApprox, defer_cpu: defer.DeferCPU,
+                 kernel: bool) -> tuple[slots_mod.OffloadedExperts, slots_mod.OffloadedExperts]:
+    """The offloaded expert paths of the prefill and of the decode graphs. The routing approximations, the deferral
+    and the Pallas expert FFN act in decode windows only; the prefill keeps the exact XLA path. Without the cpu
+    path (needs_cpu_path) both are built without the host pool (no callback)."""
+    pool = placement.pool if placement.cpu_path else None
+    exact = slots_mod.OffloadedExperts(cfg, pool)
+    if not (route.active or defer_cpu.active or kernel):
+        return exact, exact
+    return exact, slots_mod.OffloadedExperts(cfg, pool, route=route, defer_cpu=defer_cpu, kernel=kernel)

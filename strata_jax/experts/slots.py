@@ -17,22 +17,24 @@ float summation order.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
 from host_pool import cpu_expert_rows
 from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
-from strata_jax import approx, defer, moe, quant
+from strata_jax import moe, quant
+from strata_jax.experts import approx, defer
 from strata_jax.config import ModelConfig
 
 NONE, RESIDENT, FETCH, CPU, SKIP = 0, 1, 2, 3, 4
 COUNTERS = ("entries", "entries_resident", "entries_fetched", "entries_cpu",
             "distinct", "distinct_resident", "distinct_fetched", "distinct_cpu",
-            # the routing approximations (strata_jax.approx); zero when they are off
+            # the routing approximations (experts/approx.py); zero when they are off
             "distinct_skipped", "entries_skipped", "prior_tokens", "prior_tokens_changed", "prior_entries",
             "prior_hits_unbiased", "prior_hits", "swaps")
 POLICIES = ("lru", "static")
@@ -142,14 +144,30 @@ def count(kind: jax.Array, r: moe.Route, extra: dict | None = None) -> jax.Array
     return jnp.stack([jnp.asarray(v, jnp.int32) for v in [sum(entries), *entries, sum(distinct), *distinct, *rest]])
 
 
+class WindowPlan(NamedTuple):
+    """A window's plan of its distinct experts [N] (moe.Route.expert_ids): plan() and the victim slots."""
+    kind: jax.Array  # [N] int32: NONE / RESIDENT / FETCH / CPU / SKIP
+    slot: jax.Array  # [N] int32: the slot of a resident expert, -1 otherwise
+    fetch: jax.Array  # [N] bool: kind == FETCH
+    insert: jax.Array  # [N] bool: fetched and kept in a victim slot (lru, while victims last)
+    dest: jax.Array  # [N] int32: the victim slot of an inserted expert, the trash row S otherwise
+    block_kind: jax.Array  # [N] int32: the kinds the XLA blocks run (all but the Pallas kernel's)
+    gpu_order: jax.Array  # [N] int32: positions of the blocks' experts first
+    n_gpu: jax.Array  # [] int32: how many experts the blocks run
+
+
 class OffloadedExperts:
-    """The expert path of a sparse layer with offload: `(layer, x, host weights, valid, state) -> (y, state)`.
+    """The expert path of a sparse layer with offload: `(layer, x, host weights, valid, state) -> moe.ExpertsOut`
+    (y, state, and the deferred cpu rows still owed (defer.Pending) or None).
+
+    One window runs route -> plan_window -> submit_cpu (deferral only) -> gpu_experts -> cpu_rows -> combine ->
+    update_slots, each in its own named scope (the profiles' phases).
 
     `w.gate/up/down` are the layer's experts in host memory (int8 experts: their q, with `w.scales` on the device,
     read by expert id); `pool` computes the cpu kind. Without a pool the
     graph has no callback and no lax.cond around it (each makes the GPU stream wait for the host): every miss is
     fetched. `block`: experts per GPU block (bounds the staging memory of prefill chunks). `route`: the routing
-    approximations (strata_jax.approx; the decode graphs only), off by default.
+    approximations (experts/approx.py; the decode graphs only), off by default.
     """
 
     def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
@@ -202,104 +220,130 @@ class OffloadedExperts:
         ids, weights = approx.weights_of(probs, ids, cfg.norm_topk_prob)
         return moe.make_route(ids, weights, cfg, valid, x.dtype), extra, state
 
-    def __call__(self, layer: int, x: jax.Array, w: moe.MoEWeights, valid: jax.Array, state: SlotCache):
-        cfg = self.cfg
+    def __call__(self, layer: int, x: jax.Array, w: moe.MoEWeights, valid: jax.Array,
+                 state: SlotCache) -> moe.ExpertsOut:
         with jax.named_scope("moe_route"):
             r, extra, state = self.route(x, w, valid, state)
         with jax.named_scope("moe_plan"):
-            kind, slot = plan(r, state, cpu=self.pool is not None, tail_skip=self.approx.tail_skip)
-            ids, n = r.expert_ids, r.expert_ids.shape[0]
-            s = state.slots
-            # Victims: slots not read by this window, least recently used (empty ones first); the trash row last.
-            read = jnp.zeros((s + 1,), bool).at[jnp.where(kind == RESIDENT, slot, s)].set(True).at[s].set(True)
-            victims = jnp.argsort(jnp.where(read, jnp.iinfo(jnp.int32).max, state.last_use)).astype(jnp.int32)
-            n_victims = jnp.where(state.lru, s - jnp.sum(read[:s]), 0)
-            fetch = kind == FETCH
-            fetch_rank = jnp.cumsum(fetch) - 1  # [N]
-            insert = fetch & (fetch_rank < n_victims)
-            dest = jnp.where(insert, victims[jnp.clip(fetch_rank, 0, s)], s)  # [N], trash row s when not kept
-            # The XLA blocks run the resident and fetched experts; with the Pallas kernel they run only the fetched
-            # ones that found no slot (overflow, staged in the block), the kernel reads the rest in their slots.
-            block_kind = jnp.where(fetch & ~insert, FETCH, NONE) if self.kernel else kind
-            gpu = (block_kind == RESIDENT) | (block_kind == FETCH)
-            gpu_order = jnp.argsort(~gpu, stable=True).astype(jnp.int32)  # gpu experts first
-            n_gpu = jnp.sum(gpu)
+            p = self.plan_window(r, state)
         pending = None
-        if self.defer.active and layer < cfg.num_layers - 1:  # the model's last layer is never deferred
+        if self.defer.active and layer < self.cfg.num_layers - 1:  # the model's last layer is never deferred
             with jax.named_scope("moe_cpu_submit"):
-                cpu_entries = defer.cpu_entries(r, kind, CPU)
-                ticket = defer.submit(self.pool, layer, x, r, cpu_entries, self.defer.below)
-                pending = defer.Pending(layer=layer, ticket=ticket, weights=r.topk_weights, cpu=cpu_entries)
+                pending = self.submit_cpu(layer, x, r, p)
         with jax.named_scope("moe_experts"):
-            y = jnp.zeros(x.shape, jnp.float32)
-            slots = (state.gate, state.up, state.down)
-            hosts = (w.gate, w.up, w.down)
-            if self.kernel:
-                with jax.named_scope("moe_fetch"):  # straight into their victim slots
-                    into = fetch & insert
-                    order = jnp.argsort(~into, stable=True)
-                    (slots,) = copy_experts([(slots, dest[order])], hosts, ids[order], jnp.sum(into))
-                with jax.named_scope("moe_experts_pallas"):
-                    slot_ids = jnp.where(kind == RESIDENT, slot, jnp.where(fetch & insert, dest, -1))
-                    slot_scales = ()
-                    if w.scales:  # int8: the kernel reads scales by slot too; the slots' experts after the fetch
-                        expert_of = state.expert_of.at[jnp.where(insert, dest, s + 1)].set(ids, mode="drop")
-                        slot_scales = tuple(sc[jnp.maximum(expert_of, 0)] for sc in w.scales)  # [S+1, O]
-                    y = expert_ffn_kernel(x, *slots, slot_ids.astype(jnp.int32), r.combine, *slot_scales,
-                                          interpret=jax.default_backend() != "gpu")
-            b = min(self.block, n)
-            for start in range(0, n, b):
-                def run_block(carry, start=start):
-                    y, slots = carry
-                    sel = gpu_order[start:start + b]  # [B] positions in the window's expert list
-                    in_block = (start + jnp.arange(sel.shape[0])) < n_gpu
-                    k_sel = jnp.where(in_block, block_kind[sel], NONE)
-                    rows = jnp.where(k_sel == RESIDENT, slot[sel], s)
-                    block = tuple(a[rows] for a in slots)  # gather resident experts [B, ...]
-                    is_fetch = k_sel == FETCH
-                    fetch_order = jnp.argsort(~is_fetch, stable=True)  # block positions j, the fetched first
-                    with jax.named_scope("moe_fetch"):  # each into the block at j and its victim slot (or the trash row)
-                        fetched = sel[fetch_order]
-                        block, slots = copy_experts([(block, fetch_order), (slots, dest[fetched])], hosts,
-                                                    ids[fetched], jnp.sum(is_fetch))
-                    combine = r.combine[:, sel] * (k_sel != NONE)[None, :]
-                    block_scales = tuple(sc[jnp.maximum(ids[sel], 0)] for sc in w.scales)  # int8: [B, O] each
-                    return y + moe.expert_ffn(x, *block, combine, *block_scales), slots
-
-                if start == 0 and not self.kernel:
-                    y, slots = run_block((y, slots))
-                else:
-                    y, slots = jax.lax.cond(start < n_gpu, run_block, lambda c: c, (y, slots))
+            y, slots = self.gpu_experts(x, w, r, p, state)
         with jax.named_scope("moe_cpu"):
-            cpu = kind == CPU
-            if pending is not None:
-                y_cpu = jnp.zeros(x.shape, jnp.float32)
-                if self.defer.split:  # post(l) waits for the heavy rows only
-                    y = defer.join_heavy(self.pool, y, pending, self.defer.below, after=y[0, :1])
-            elif self.pool is not None:
-                y_cpu = jax.lax.cond(
-                    jnp.any(cpu),
-                    lambda: cpu_expert_rows(self.pool, layer, x, jnp.where(cpu, ids, -1), r.combine * cpu[None, :]),
-                    lambda: jnp.zeros(x.shape, jnp.float32))
-            else:
-                y_cpu = jnp.zeros(x.shape, jnp.float32)
+            y, y_cpu = self.cpu_rows(layer, x, r, p, y, pending)
         with jax.named_scope("moe_combine"):
             y = (y + y_cpu).astype(x.dtype)
         with jax.named_scope("moe_slot_table"):
-            e = cfg.num_experts
-            evicted = state.expert_of[dest]
-            table = state.table.at[jnp.where(insert & (evicted >= 0), evicted, e)].set(-1, mode="drop")
-            table = table.at[jnp.where(insert, ids, e)].set(dest, mode="drop")
-            expert_of = state.expert_of.at[jnp.where(insert, dest, s + 1)].set(ids, mode="drop")
-            last_use = state.last_use.at[jnp.where(insert, dest, s + 1)].set(state.clock, mode="drop")
-            last_use = last_use.at[jnp.where(kind == RESIDENT, slot, s + 1)].set(state.clock, mode="drop")
-            usage = state.usage.at[jnp.where(ids >= 0, ids, e)].add(r.entry_counts, mode="drop")
-            state = state.replace(gate=slots[0], up=slots[1], down=slots[2], table=table, expert_of=expert_of,
-                                  last_use=last_use, clock=state.clock + 1, usage=usage,
-                                  counters=state.counters + count(kind, r, extra))
+            state = update_slots(state, r, p, slots, extra)
+        return moe.ExpertsOut(y, state, pending)
+
+    def plan_window(self, r: moe.Route, state: SlotCache) -> WindowPlan:
+        """plan(), then where each fetched expert goes: a victim slot (lru) or the trash row."""
+        kind, slot = plan(r, state, cpu=self.pool is not None, tail_skip=self.approx.tail_skip)
+        s = state.slots
+        # Victims: slots not read by this window, least recently used (empty ones first); the trash row last.
+        read = jnp.zeros((s + 1,), bool).at[jnp.where(kind == RESIDENT, slot, s)].set(True).at[s].set(True)
+        victims = jnp.argsort(jnp.where(read, jnp.iinfo(jnp.int32).max, state.last_use)).astype(jnp.int32)
+        n_victims = jnp.where(state.lru, s - jnp.sum(read[:s]), 0)
+        fetch = kind == FETCH
+        fetch_rank = jnp.cumsum(fetch) - 1  # [N]
+        insert = fetch & (fetch_rank < n_victims)
+        dest = jnp.where(insert, victims[jnp.clip(fetch_rank, 0, s)], s)  # [N], trash row s when not kept
+        # The XLA blocks run the resident and fetched experts; with the Pallas kernel they run only the fetched
+        # ones that found no slot (overflow, staged in the block), the kernel reads the rest in their slots.
+        block_kind = jnp.where(fetch & ~insert, FETCH, NONE) if self.kernel else kind
+        gpu = (block_kind == RESIDENT) | (block_kind == FETCH)
+        gpu_order = jnp.argsort(~gpu, stable=True).astype(jnp.int32)  # gpu experts first
+        return WindowPlan(kind=kind, slot=slot, fetch=fetch, insert=insert, dest=dest, block_kind=block_kind,
+                          gpu_order=gpu_order, n_gpu=jnp.sum(gpu))
+
+    def submit_cpu(self, layer: int, x: jax.Array, r: moe.Route, p: WindowPlan) -> defer.Pending:
+        """Deferral: hand the cpu entries to the pool now; their rows join later (model.forward)."""
+        cpu_entries = defer.cpu_entries(r, p.kind, CPU)
+        ticket = defer.submit(self.pool, layer, x, r, cpu_entries, self.defer.below)
+        return defer.Pending(layer=layer, ticket=ticket, weights=r.topk_weights, cpu=cpu_entries)
+
+    def gpu_experts(self, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan,
+                    state: SlotCache) -> tuple[jax.Array, tuple]:
+        """The resident and fetched experts' rows [T, H] float32, and the slot weights after this window's fetches."""
+        ids, n, s = r.expert_ids, r.expert_ids.shape[0], state.slots
+        y = jnp.zeros(x.shape, jnp.float32)
+        slots = (state.gate, state.up, state.down)
+        hosts = (w.gate, w.up, w.down)
+        if self.kernel:
+            with jax.named_scope("moe_fetch"):  # straight into their victim slots
+                into = p.fetch & p.insert
+                order = jnp.argsort(~into, stable=True)
+                (slots,) = copy_experts([(slots, p.dest[order])], hosts, ids[order], jnp.sum(into))
+            with jax.named_scope("moe_experts_pallas"):
+                slot_ids = jnp.where(p.kind == RESIDENT, p.slot, jnp.where(p.fetch & p.insert, p.dest, -1))
+                slot_scales = ()
+                if w.scales:  # int8: the kernel reads scales by slot too; the slots' experts after the fetch
+                    expert_of = state.expert_of.at[jnp.where(p.insert, p.dest, s + 1)].set(ids, mode="drop")
+                    slot_scales = tuple(sc[jnp.maximum(expert_of, 0)] for sc in w.scales)  # [S+1, O]
+                y = expert_ffn_kernel(x, *slots, slot_ids.astype(jnp.int32), r.combine, *slot_scales,
+                                      interpret=jax.default_backend() != "gpu")
+        b = min(self.block, n)
+        for start in range(0, n, b):
+            def run_block(carry, start=start):
+                y, slots = carry
+                sel = p.gpu_order[start:start + b]  # [B] positions in the window's expert list
+                in_block = (start + jnp.arange(sel.shape[0])) < p.n_gpu
+                k_sel = jnp.where(in_block, p.block_kind[sel], NONE)
+                rows = jnp.where(k_sel == RESIDENT, p.slot[sel], s)
+                block = tuple(a[rows] for a in slots)  # gather resident experts [B, ...]
+                is_fetch = k_sel == FETCH
+                fetch_order = jnp.argsort(~is_fetch, stable=True)  # block positions j, the fetched first
+                with jax.named_scope("moe_fetch"):  # each into the block at j and its victim slot (or the trash row)
+                    fetched = sel[fetch_order]
+                    block, slots = copy_experts([(block, fetch_order), (slots, p.dest[fetched])], hosts,
+                                                ids[fetched], jnp.sum(is_fetch))
+                combine = r.combine[:, sel] * (k_sel != NONE)[None, :]
+                block_scales = tuple(sc[jnp.maximum(ids[sel], 0)] for sc in w.scales)  # int8: [B, O] each
+                return y + moe.expert_ffn(x, *block, combine, *block_scales), slots
+
+            if start == 0 and not self.kernel:
+                y, slots = run_block((y, slots))
+            else:
+                y, slots = jax.lax.cond(start < p.n_gpu, run_block, lambda c: c, (y, slots))
+        return y, slots
+
+    def cpu_rows(self, layer: int, x: jax.Array, r: moe.Route, p: WindowPlan, y: jax.Array,
+                 pending: defer.Pending | None) -> tuple[jax.Array, jax.Array]:
+        """(y, the cpu experts' rows [T, H] float32): from the pool now (one io_callback, none when the window has
+        no cpu expert), or zeros when they are deferred (split: y gains the heavy rows here) or there is no pool."""
+        ids, cpu = r.expert_ids, p.kind == CPU
         if pending is not None:
-            return y, state, pending
-        return y, state
+            y_cpu = jnp.zeros(x.shape, jnp.float32)
+            if self.defer.split:  # post(l) waits for the heavy rows only
+                y = defer.join_heavy(self.pool, y, pending, self.defer.below, after=y[0, :1])
+        elif self.pool is not None:
+            y_cpu = jax.lax.cond(
+                jnp.any(cpu),
+                lambda: cpu_expert_rows(self.pool, layer, x, jnp.where(cpu, ids, -1), r.combine * cpu[None, :]),
+                lambda: jnp.zeros(x.shape, jnp.float32))
+        else:
+            y_cpu = jnp.zeros(x.shape, jnp.float32)
+        return y, y_cpu
+
+
+def update_slots(state: SlotCache, r: moe.Route, p: WindowPlan, slots: tuple, extra: dict) -> SlotCache:
+    """The state after a window: the slot weights and table with the inserted experts, the clock, the routing
+    usage and the counters."""
+    ids, s, e = r.expert_ids, state.slots, state.table.shape[0]
+    evicted = state.expert_of[p.dest]
+    table = state.table.at[jnp.where(p.insert & (evicted >= 0), evicted, e)].set(-1, mode="drop")
+    table = table.at[jnp.where(p.insert, ids, e)].set(p.dest, mode="drop")
+    expert_of = state.expert_of.at[jnp.where(p.insert, p.dest, s + 1)].set(ids, mode="drop")
+    last_use = state.last_use.at[jnp.where(p.insert, p.dest, s + 1)].set(state.clock, mode="drop")
+    last_use = last_use.at[jnp.where(p.kind == RESIDENT, p.slot, s + 1)].set(state.clock, mode="drop")
+    usage = state.usage.at[jnp.where(ids >= 0, ids, e)].add(r.entry_counts, mode="drop")
+    return state.replace(gate=slots[0], up=slots[1], down=slots[2], table=table, expert_of=expert_of,
+                         last_use=last_use, clock=state.clock + 1, usage=usage,
+                         counters=state.counters + count(p.kind, r, extra))
 
 
 def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Array) -> SlotCache:
@@ -316,3 +360,19 @@ def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Arr
     expert_of = jnp.concatenate([jnp.where(valid, experts, -1), jnp.full((1,), -1, jnp.int32)]).astype(jnp.int32)
     return state.replace(gate=gate, up=up, down=down, table=table, expert_of=expert_of,
                          last_use=jnp.full_like(state.last_use, -1))
+
+
+def fill_static_slots(states: list, layers: list, fill) -> list:
+    """Static policy, after the prompt's prefill: each layer's slots take its most used experts (by the usage the
+    prefill counted, which starts again from zero); `fill`: fill_slots, jitted with donation."""
+    new = []
+    for i, s in enumerate(states):
+        if s is None:
+            new.append(None)
+            continue
+        usage = np.asarray(s.usage)
+        top = np.argsort(-usage, kind="stable")[:s.slots]
+        top = np.where(usage[top] > 0, top, -1).astype(np.int32)
+        w = layers[i].ffn
+        new.append(fill(s.replace(usage=jnp.zeros_like(s.usage)), w.gate, w.up, w.down, jnp.asarray(top)))
+    return new

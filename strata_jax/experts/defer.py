@@ -25,6 +25,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from host_pool import collect_cpu_rows, submit_cpu_rows, wait_heavy_rows
+from pallas_kernels.copy_rows import copy_rows_by_weight, copy_rows_from_mapped
+from strata_jax.options import DEFER_SWITCHES, EngineOptions, env_name, parse_number, switch_values
+
 DEFAULT_BELOW = 0.1
 
 
@@ -63,7 +67,6 @@ def cpu_entries(route, kind: jax.Array, cpu_kind: int) -> jax.Array:
 
 def submit(pool, layer: int, x: jax.Array, route, cpu: jax.Array, below: float) -> jax.Array:
     """Hand the CPU entries to the pool (returns at once); the ticket, or -1 when there are none."""
-    from host_pool import submit_cpu_rows
     ids = jnp.where(cpu, route.topk_ids, -1)
     # Weights of exactly 1.0 are deferred too when every row is (w >= 1): the pool sees no heavy entry.
     threshold = below if below < 1.0 else float("inf")
@@ -79,8 +82,6 @@ def _rows(pool, fetch, p: Pending, shape, after) -> jax.Array:
 
 def join_heavy(pool, y: jax.Array, p: Pending, below: float, after: jax.Array) -> jax.Array:
     """post(l): wait for the heavy phase and add the heavy rows (weight >= below) to y [T, H] float32."""
-    from host_pool import wait_heavy_rows
-    from pallas_kernels.copy_rows import copy_rows_by_weight
     t, k = p.weights.shape
     rows = _rows(pool, wait_heavy_rows, p, (t, k, y.shape[-1]), after)
     return copy_rows_by_weight(y, rows, p.weights, p.cpu, jnp.float32(below), heavy=True, interpret=_interpret())
@@ -89,8 +90,6 @@ def join_heavy(pool, y: jax.Array, p: Pending, below: float, after: jax.Array) -
 def join_light(pool, h: jax.Array, p: Pending, below: float) -> jax.Array:
     """pre(l+1) (or right after post(l) in check mode): collect the job and add the rows not yet added to the
     residual h [T, H] (every CPU row when below >= 1)."""
-    from host_pool import collect_cpu_rows
-    from pallas_kernels.copy_rows import copy_rows_by_weight, copy_rows_from_mapped
     t, k = p.weights.shape
     # `after`: one element of h, so the collect cannot be scheduled before layer l+1's mixer has run.
     rows = _rows(pool, collect_cpu_rows, p, (t, k, h.shape[-1]), after=h[0, :1])
@@ -105,3 +104,45 @@ def join_light(pool, h: jax.Array, p: Pending, below: float) -> jax.Array:
 
 def _interpret() -> bool:
     return jax.default_backend() != "gpu"
+
+
+# ---- the switches (STRATA_VERIFY_DEFER_CPU* or the options of the same names) ----------------------------------
+
+def defer_cpu(opts: EngineOptions, makes_cpu_rows: bool, environ=None):
+    """(DeferCPU, start-up lines) from the options and the environment; makes_cpu_rows: the placement sends misses
+    to the host pool (offload on and pcie_frac < 1)."""
+    raw = switch_values(opts, DEFER_SWITCHES, environ)
+    mode_text, below_text = raw["verify_defer_cpu"], raw["verify_defer_cpu_below"]
+    name, below_name = env_name("verify_defer_cpu"), env_name("verify_defer_cpu_below")
+    mode = {"": "off", "0": "off", "1": "defer", "check": "check"}.get(mode_text)
+    lines = []
+    if mode is None:
+        lines.append(f"{name}={mode_text}: not 0, 1 or check; the deferral is off")
+        mode = "off"
+    if mode == "off":
+        if below_text:
+            lines.append(f"{below_name}={below_text}: ignored ({name} is off)")
+        return OFF, lines
+    below, default = DEFAULT_BELOW, True
+    if below_text:
+        v = parse_number(below_text)
+        if v is None or v <= 0:
+            lines.append(f"{below_name}={below_text}: not a number above 0; {DEFAULT_BELOW:g}")
+        else:
+            below, default = v, False
+    if mode == "check":
+        lines.append(f"{name}=check: bookkeeping only: a layer's CPU rows of routing weight >= {below:g} join in "
+                     "post(l), the lighter ones right after, in the same layer (the exact sums in another order)")
+    else:
+        lines.append(f"{name}=1: layer l's deferred CPU expert rows join before layer l+1's FFN half (layer l+1's "
+                     "mixer runs without them); the model's last layer is never deferred")
+    if below >= 1.0:
+        lines.append(f"{below_name}={below:g}: every CPU row joins late (no split, no partial wait)")
+    else:
+        lines.append(f"{below_name}={below:g}{' (the default)' if default else ''}: a deferred layer waits for its "
+                     f"CPU rows of routing weight >= {below:g} in post(l) and defers the lighter ones")
+    if not makes_cpu_rows:
+        lines.append(f"{name}: the placement makes no CPU rows (every miss fetched over PCIe, or every expert "
+                     "resident): nothing to defer")
+        return OFF, lines
+    return DeferCPU(mode=mode, below=below), lines
