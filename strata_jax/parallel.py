@@ -28,6 +28,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax import graphs, model, moe
 from strata_jax.errors import StrataError
 from strata_jax.sampling import greedy
@@ -200,7 +201,6 @@ class ShardedExperts:
         combine = jnp.where(mine[None, :], r.combine, 0.0)
         with jax.named_scope("moe_experts_local"):
             if self.kernel:
-                from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
                 rows = jnp.where(mine, local + base, -1)
                 y = expert_ffn_kernel(x, w.gate, w.up, w.down, rows, combine, *w.scales,
                                       interpret=jax.default_backend() != "gpu").astype(jnp.float32)
@@ -208,7 +208,7 @@ class ShardedExperts:
                 ids = jnp.where(mine, local, 0) + base
                 y = moe.expert_ffn(x, w.gate[ids], w.up[ids], w.down[ids], combine, *(sc[ids] for sc in w.scales))
         with jax.named_scope("moe_combine"):
-            return jax.lax.psum(y, AXIS).astype(x.dtype), state
+            return moe.ExpertsOut(jax.lax.psum(y, AXIS).astype(x.dtype), state)
 
 
 def expert_specs(weights: model.Weights):
