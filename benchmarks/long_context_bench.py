@@ -21,7 +21,8 @@ Each (slot fraction, arm) is one engine over the same random weights (seed --see
 Engine.from_random(cfg, seed, expert_cache_slots=S, pcie_frac=1, **arm); the all-resident one is made from the same
 list-form random_weights (Engine.from_random's all-resident path draws its stacked weights with other values), so
 every engine decodes the same model and the tokens of the same prompt can be compared (float32: identical by design).
-Per engine: one untimed warm-up request at the shortest prompt (nothing compiles in the timed ones), then one request
+Per engine: two untimed warm-up requests at the shortest prompt, random and repeating (nothing compiles in the timed
+ones, and every verify window size has run once: a GPU loads a graph's kernels at its first launch), then one request
 per prompt length, random token ids (numpy, seeded; each prompt's first token differs from the last request's, so
 no KV rows are reused), stop tokens off. Engines are freed before the next is built.
 
@@ -351,6 +352,12 @@ def make_prompts(cfg, prompts: list[int], seed: int) -> tuple[list[int], dict[in
     return made[0], dict(zip(prompts, made[1:]))
 
 
+def repeating_prompt(prompt: list[int], motif: int = 8) -> list[int]:
+    """A prompt of the same length that repeats its first `motif` tokens: the n-gram drafter proposes from the
+    first window on (a warm-up that runs the verify windows of every size)."""
+    return (prompt[:motif] * (len(prompt) // motif + 1))[:len(prompt)]
+
+
 # ---- the table ---------------------------------------------------------------------------------------------------
 
 
@@ -540,7 +547,8 @@ def _measure(s, cfg, prompts, slot_arms, arms, context, offloaded, result, save)
     if max(prompts) > cfg.max_position_embeddings:
         say(f"note: prompts past the preset's max_position_embeddings ({cfg.max_position_embeddings}): random "
             f"weights, so RoPE there is only arithmetic")
-    say("timed: per engine, one untimed warm-up request (a prompt of the shortest length), then one request per "
+    say("timed: per engine, two untimed warm-up requests (the shortest length: random ids, then a repeating motif that "
+        "runs every verify window size), then one request per "
         "prompt length. TTFT = stats.last.prefill_s: the whole prompt through the prefill graphs (chunk by chunk) "
         "until the first token is known on the host; prefill tok/s = prompt tokens / TTFT. decode tok/s = "
         "stats.last.decode_tok_s: the generate loop's tokens after the first over their seconds, deep in the "
@@ -585,6 +593,9 @@ def _measure(s, cfg, prompts, slot_arms, arms, context, offloaded, result, save)
             common.progress(f"{label} warm-up request ({len(warm_prompt)} tokens, untimed)")
             t0 = time.perf_counter()
             engine.generate(warm_prompt, **request)
+            # and one whose n-gram drafts are found at once: every verify window size runs once untimed (a GPU
+            # loads a graph's kernels at its first launch, tens of ms, which would land in the first timed request)
+            engine.generate(repeating_prompt(warm_prompt), **request)
             info["warmup_s"] = time.perf_counter() - t0
             for p in prompts:
                 common.progress(f"{label} prompt {p}: prefill + {s.new_tokens} tokens")
