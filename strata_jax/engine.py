@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from host_pool import unwrap_pool_error
-from strata_jax import checkpoint, graphs, model, moe, parallel as parallel_mod
+from strata_jax import checkpoint, graphs, loops, model, moe, parallel as parallel_mod
 from strata_jax import mtp as mtp_mod
 from strata_jax.chat import ChatTemplate, GenerationDefaults, load_chat_template, load_generation_config
 from strata_jax.config import ModelConfig, config_from_dict
@@ -531,7 +531,6 @@ class Engine:
         out: list[int] = []
         self._take_expert_stats(new_request=True)
         if budget > 0:
-            from strata_jax import loops  # the request's prefill and decode loops
             request = loops.Request(ids=ids, budget=budget, stops=stops, sampling=sampling, spec=spec,
                                     drafter=drafter or make_drafter(req.draft), stats=stats, on_token=on_token,
                                     device_drafts=drafter is None and req.draft == "device", reuse=reuse, out=out)
