@@ -263,7 +263,8 @@ class Engine:
     @_serialized
     def save_state(self, path: str | Path) -> None:
         """Save the converted weights with orbax; `from_pretrained(path)` restores them without conversion."""
-        checkpoint.save_state(path, model.unstack_layers(self.weights), self.raw_config or {}, self.options.dtype,
+        weights = self.parallel.gathered(self.weights) if self.parallel is not None else self.weights
+        checkpoint.save_state(path, model.unstack_layers(weights), self.raw_config or {}, self.options.dtype,
                               self.options.expert_dtype)
         if self.tokenizer is not None:
             self.tokenizer.save(str(Path(path) / "tokenizer.json"))

@@ -5,7 +5,7 @@
       decode                    picks and times one of the three loops:
         decode_pipelined        spec 0: one token a window, read one window late (the next window already queued)
         decode_verify           verify windows: out[-1] + up to `spec` drafts, accept what the target agrees with;
-          pipelined_stretch     while the drafter proposes nothing: T=1 windows queued ahead, as decode_pipelined
+          queued_windows        while the drafter proposes nothing: T=1 windows queued ahead, as decode_pipelined
         decode_device           draft="device": drafting and acceptance in the window graph, one window queued
                                 ahead of the one read; the host loop finishes near the context's end
 
@@ -110,28 +110,8 @@ def decode(engine: Engine, r: Request) -> None:
 
 
 def decode_pipelined(engine: Engine, r: Request) -> None:
-    """One token a window. Each window's token feeds the next window on the device and Python reads it one
-    window late: the next window is already queued when the host waits, so dispatch hides behind the device's
-    work. After a stop token, the one window in flight is discarded."""
-    cur = jnp.asarray(r.out[-1:], jnp.int32)
-    pos = r.ids.size
-    in_flight: list[jax.Array] = []
-    while True:
-        if len(r.out) + len(in_flight) < r.budget:
-            cur, logits, engine.cache = engine._decode[1](engine.weights, engine.cache, cur, jnp.int32(pos))
-            if r.sampled:  # the token at position pos + 1
-                cur = engine._sample[1](logits, jnp.asarray([pos + 1], jnp.int32), r.sampling)
-            pos += 1
-            r.stats.windows += 1
-            r.stats.window_tokens += 1
-            in_flight.append(cur)
-        if not in_flight:
-            break
-        if len(in_flight) >= 2 or len(r.out) + len(in_flight) >= r.budget:
-            # np.asarray(x)[0], not x[0]: indexing the device array dispatches a slice op, which serializes the loop
-            token = engine._checked(int(np.asarray(in_flight.pop(0))[0]), r.ids.size + len(r.out))
-            if r.emit(token):
-                break
+    """spec 0: one token a window, every window queued one ahead (queued_windows with no drafter)."""
+    queued_windows(engine, r, None)
 
 
 def decode_verify(engine: Engine, r: Request) -> None:
@@ -151,7 +131,7 @@ def decode_verify(engine: Engine, r: Request) -> None:
             drafts = r.drafter.propose(context, k) if k > 0 else []
         if not drafts and r.mtp is None:
             # Nothing to verify: T=1 windows queued ahead (as decode_pipelined) until the drafter proposes again
-            ready = pipelined_stretch(engine, r, context)
+            ready = queued_windows(engine, r, context)
             if ready is None:
                 return
             pos = r.ids.size + len(r.out) - 1
@@ -178,15 +158,17 @@ def decode_verify(engine: Engine, r: Request) -> None:
                 return
 
 
-def pipelined_stretch(engine: Engine, r: Request, context: list[int]) -> float | None:
-    """decode_verify's windows without drafts: one token a window, each window's token feeding the next on the
-    device and read one window late (decode_pipelined's loop), while the drafter has nothing for the tokens read.
-    Once it proposes, no new window is queued: the one in flight is read and the verify windows go on from it.
-    A synced T=1 window makes the same token (the same graph; sampled: the same key per position), so this only
-    hides the host's dispatch behind the device. Returns when its last token was read (the verify windows' host
-    gap starts there), or None when a stop token ended the request."""
+def queued_windows(engine: Engine, r: Request, context: list[int] | None) -> float | None:
+    """One token a window. Each window's token feeds the next window on the device and Python reads it one window
+    late: the next window is already queued when the host waits, so dispatch hides behind the device's work. After
+    a stop token, the one window in flight is discarded.
+
+    With a `context` (decode_verify's stretches without drafts), the drafter looks at each token read; once it
+    proposes, no new window is queued: the one in flight is read and the verify windows go on from it. A synced
+    T=1 window makes the same token (the same graph; sampled: the same key per position). Returns when its last
+    token was read (the verify windows' host gap starts there), or None when a stop token ended the request."""
     cur = jnp.asarray(r.out[-1:], jnp.int32)
-    pos = r.ids.size + len(r.out) - 1  # position of out[-1]
+    pos = r.ids.size + len(r.out) - 1  # position of out[-1], not yet in the KV cache
     in_flight: list[jax.Array] = []
     proposes = False
     while True:
@@ -201,16 +183,19 @@ def pipelined_stretch(engine: Engine, r: Request, context: list[int]) -> float |
         if not in_flight:
             return time.perf_counter()
         if len(in_flight) >= 2 or proposes or len(r.out) + len(in_flight) >= r.budget:
+            # np.asarray(x)[0], not x[0]: indexing the device array dispatches a slice op, which serializes the loop
             token = engine._checked(int(np.asarray(in_flight.pop(0))[0]), r.ids.size + len(r.out))
             read = time.perf_counter()
-            context.append(token)
-            r.drafter.observe([token])
+            if context is not None:
+                context.append(token)
+                r.drafter.observe([token])
             if r.emit(token):
                 return None
-            k = min(r.spec, r.budget - len(r.out) - len(in_flight) - 1)
-            proposes = proposes or (k > 0 and bool(r.drafter.propose(context, k)))
-            if proposes and not in_flight:
-                return read
+            if context is not None:
+                k = min(r.spec, r.budget - len(r.out) - len(in_flight) - 1)
+                proposes = proposes or (k > 0 and bool(r.drafter.propose(context, k)))
+                if proposes and not in_flight:
+                    return read
 
 
 def verify_window(engine: Engine, r: Request, drafts: list[int], pos: int):

@@ -125,6 +125,14 @@ class LayerSplit:
             stages.append(jax.device_put(stage, dev))
         return Stages(stages=tuple(stages))
 
+    def gathered(self, w: Stages) -> model.Weights:
+        """The whole model on the first device again (save_state): the stages' layer blocks concatenated."""
+        dev, first, last = self.devices[0], w.stages[0], w.stages[-1]
+        layers = jax.tree.map(lambda *xs: jnp.concatenate([jax.device_put(x, dev) for x in xs]),
+                              *[s.layers for s in w.stages])
+        return jax.device_put(model.Weights(embed=first.embed, layers=layers, final_norm=last.final_norm,
+                                            lm_head=last.lm_head), dev)
+
     def place_cache(self, cache: model.KVCache) -> Stages:
         return Stages(stages=tuple(jax.device_put(model.KVCache(k=jax.tree.map(lambda x: x[a:b], cache.k),
                                                                 v=jax.tree.map(lambda x: x[a:b], cache.v)), dev)
@@ -252,6 +260,10 @@ class ExpertSplit:
     def place_weights(self, w: model.Weights) -> model.Weights:
         self.specs = expert_specs(w)
         return jax.device_put(w, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs))
+
+    def gathered(self, w: model.Weights) -> model.Weights:
+        """The whole model on the first device again (save_state)."""
+        return jax.device_put(w, self.devices[0])
 
     def place_cache(self, cache: model.KVCache) -> model.KVCache:
         return jax.device_put(cache, NamedSharding(self.mesh, P()))

@@ -50,6 +50,15 @@ def main(splits: list[str]) -> None:
             out[k] = got[k] == ref[k]
         out["tokens"] = got["gen4"]
         print(json.dumps(out), flush=True)
+    # save_state of a split engine restores on one device with the same logits (the embedded checkpoint folder)
+    import tempfile
+    base = Engine.from_pretrained(None, **OPTS).prefill_logits(prompt)
+    for split in splits[:2]:
+        mode, n = split.split(":")
+        with tempfile.TemporaryDirectory() as tmp:
+            Engine.from_pretrained(None, devices=int(n), parallel=mode, **OPTS).save_state(Path(tmp) / "state")
+            again = Engine.from_pretrained(str(Path(tmp) / "state"), **OPTS).prefill_logits(prompt)
+        print(json.dumps({"saved": split, "prefill": rel(again, base)}), flush=True)
     for bad in (dict(devices=2, expert_cache_slots="4"), dict(devices=99)):
         try:
             Engine.from_random(cfg, seed=3, **{**OPTS, **bad})

@@ -1,6 +1,6 @@
 """devices > 1 (strata_jax/parallel.py) on the CPU with fake devices: parallel=layers and parallel=experts give the
 single-device logits (float32, 1e-5 relative) through the prefill and decode windows of T=1 and T=4, and the same
-greedy tokens; the refusals are one line.
+greedy tokens; a split engine's save_state restores on one device; the refusals are one line.
 
 The fake devices need XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts, so the equality checks
 run in a subprocess (tests/parallel_check.py)."""
@@ -34,6 +34,9 @@ def test_layers_and_experts_match_one_device(cache_dir):
             assert r[k] <= 1e-5, (split, k, r[k])
         assert r["gen1"] and r["gen4"], (split, r)  # greedy generate: T=1 windows, verify windows with drafts
     assert splits["layers:2"]["prefill"] == 0.0  # the same per-layer graph code, the same sums
+    saved = {r["saved"]: r["prefill"] for r in rows if "saved" in r}
+    assert set(saved) == {"layers:2", "experts:2"}, proc.stdout  # save_state of a split engine, restored on one
+    assert all(v <= 1e-5 for v in saved.values()), saved
     errors = {json.dumps(r["options"], sort_keys=True): r["error"] for r in rows if "options" in r}
     offload = errors[json.dumps({"devices": 2, "expert_cache_slots": "4"}, sort_keys=True)]
     assert offload and "offload with several devices is not implemented" in offload and "\n" not in offload

@@ -235,10 +235,10 @@ def test_device_drafts_give_the_host_loops_tokens(engine_factory, prompt, placem
         host_stats = eng.stats.last
         assert eng.generate(prompt, 40, spec=spec, draft="device", stop_token_ids=[]) == host == plain
         dev = eng.stats.last
-        # The same drafts window by window, except near the budget, where the host proposes fewer (it never
-        # drafts past the last token wanted) and the device its usual spec.
+        # The device drafts at every window; the host loop queues T=1 windows while its drafter finds nothing,
+        # and the window in flight when it finds one again runs without drafts, so it takes as many or more.
         assert dev.drafts_accepted >= host_stats.drafts_accepted > 0
-        assert dev.windows <= host_stats.windows <= dev.windows + 1
+        assert dev.windows <= host_stats.windows
         assert dev.window_tokens == dev.windows + dev.drafts_proposed and dev.generated_tokens == 40
     kw = dict(temperature=0.9, top_p=0.95, seed=5, stop_token_ids=[])
     sampled = eng.generate(prompt, 30, spec=W - 1, **kw)
