@@ -270,7 +270,8 @@ def run_peer(s, cfg, prompts: list[int], fracs=()) -> dict:
     except Exception as e:  # noqa: BLE001 (gguf-py missing, disk full: the peer columns say why)
         peer["reason"] = f"writing the GGUF {gguf} failed ({e})"
         return peer
-    base = [s.llama_bench, "-m", str(gguf), "-ngl", "99", "-fa", "1", "-r", str(s.peer_reps), "-o", "json"]
+    model_args = [s.llama_bench, "-m", str(gguf), "-ngl", "99", "-fa", "1"]
+    base = model_args + ["-r", str(s.peer_reps), "-o", "json"]
     sizes = ",".join(map(str, prompts))
     peer["commands"] = [base + ["-p", sizes, "-n", "0"], base + ["-p", "0", "-n", str(s.new_tokens), "-d", sizes]]
     ncmoe_of = {}  # command index -> (slot fraction, -ncmoe N)
@@ -278,7 +279,7 @@ def run_peer(s, cfg, prompts: list[int], fracs=()) -> dict:
         if f == "all":
             continue
         n_cpu = int(round((1 - float(f)) * cfg.num_layers))
-        cpu = base[:7] + ["-r", "1", "-o", "json", "-ncmoe", str(n_cpu), "-t", str(os.cpu_count() or 1)]
+        cpu = model_args + ["-r", "1", "-o", "json", "-ncmoe", str(n_cpu), "-t", str(os.cpu_count() or 1)]
         for cmd in (cpu + ["-p", str(min(prompts)), "-n", "0"],
                     cpu + ["-p", "0", "-n", str(s.new_tokens), "-d", str(min(prompts))]):
             ncmoe_of[len(peer["commands"])] = (float(f), n_cpu)
@@ -291,7 +292,7 @@ def run_peer(s, cfg, prompts: list[int], fracs=()) -> dict:
         t0 = time.perf_counter()
         records, error = peer_bench.llama_bench(cmd)
         if error is not None:
-            peer["errors"].append(f"{' '.join(cmd[7:])}: {error}")
+            peer["errors"].append(f"{' '.join(cmd[len(model_args):])}: {error}")
             common.progress(f"peer: failed: {error}")
             continue
         for rec in records:

@@ -458,10 +458,12 @@ class Engine:
                     delta_kernel=self.delta_kernel == "pallas")
 
     def _prefill_logits_graph(self, size: int):
-        if size not in self._prefill_logits and self.parallel:
+        if size in self._prefill_logits:
+            pass
+        elif self.parallel:
             with self._full_f32():
                 self._prefill_logits[size] = self.parallel.prefill_logits(size, self.weights, self.cache)
-        if size not in self._prefill_logits:
+        else:
             self._prefill_logits[size] = self._aot(
                 graphs.jit_prefill_logits(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel),
                 self.weights, self.cache, jnp.zeros((size,), jnp.int32), jnp.int32(0), jnp.int32(1))

@@ -285,8 +285,7 @@ class ExpertSplit:
 
     def window(self, t: int, weights, cache):
         fn = functools.partial(graphs.decode_window, cfg=self.cfg, experts=self.decode_experts, **self.kernels)
-        run = self._compile(fn, 2, weights, cache, t, "pos")
-        return lambda weights, cache, tokens, pos: run(weights, cache, tokens, pos)
+        return self._compile(fn, 2, weights, cache, t, "pos")
 
     def prefill(self, c: int, weights, cache):
         fn = functools.partial(graphs.prefill_chunk, cfg=self.cfg, experts=self.prefill_experts,
