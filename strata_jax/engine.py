@@ -88,7 +88,7 @@ class Engine:
         self.delta_kernel = resolve_delta_kernel(options, cfg)
         # All experts resident and one kind of layer: the layers run as one scanned body over stacked weights.
         self.scanned = placement is None and scans(cfg, options)
-        if self.scanned:
+        if self.scanned and parallel_mod.layer_device(cfg, options) is None:  # parallel=layers stacks per device
             self.weights = weights = model.stack_layers(weights)
         elif weights.stacked:
             self.weights = weights = model.unstack_layers(weights)
@@ -124,7 +124,8 @@ class Engine:
             raise StrataError("expert_kernel=pallas needs a GPU and dtype=bfloat16")
         if not self.placement:
             return None, (moe.ResidentExperts(self.cfg) if kernel else None)
-        return placement_mod.expert_paths(self.cfg, self.placement, self.approx, self.defer, kernel)
+        return placement_mod.expert_paths(self.cfg, self.placement, self.approx, self.defer, kernel,
+                                          block_ends=parallel_mod.block_ends(self.cfg, self.options))
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
@@ -193,6 +194,7 @@ class Engine:
         slots, why, host = plan_placement(cfg, opts)
         t0 = time.perf_counter()
         fmt = placement_mod.expert_format(opts, cfg)
+        place = parallel_mod.weight_placer(cfg, opts) or checkpoint.default_place  # parallel=layers: per block
         if checkpoint.is_state_dir(path):
             saved = checkpoint.read_state_meta(path)
             if saved["dtype"] != opts.dtype:
@@ -207,7 +209,8 @@ class Engine:
                 say(placement_mod.quantized_line(cfg, weights, opts, host is not None).replace("quantized at load",
                                                                                                "saved state"))
         else:
-            weights = checkpoint.load_weights(path, cfg, dtype, place_experts=host.place if host else None,
+            weights = checkpoint.load_weights(path, cfg, dtype, place=place,
+                                              place_experts=host.place if host else None,
                                               progress=_progress(say, cfg), expert_format=fmt,
                                               place_scales=host.place_scale if host else None)
             if fmt:
@@ -240,7 +243,8 @@ class Engine:
         weights = model.random_weights(cfg, seed, dtype, place_experts=host.place if host else None,
                                        progress=say if stacked else _progress(say, cfg), stacked=stacked,
                                        expert_format=placement_mod.expert_format(opts, cfg),
-                                       place_scales=host.place_scale if host else None)
+                                       place_scales=host.place_scale if host else None,
+                                       layer_device=parallel_mod.layer_device(cfg, opts))
         say(f"model: random {cfg.num_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
             f"{model.param_bytes(weights) / 2**30:.2f} GiB of {opts.dtype} weights, made in "
             f"{time.perf_counter() - t0:.1f} s")
@@ -252,7 +256,7 @@ class Engine:
             if any(cfg.sparse_layers):
                 say(f"expert cache: every expert on the device, offload off ({why})")
             placement = None
-            if scans(cfg, opts):
+            if scans(cfg, opts) and parallel_mod.layer_device(cfg, opts) is None:  # parallel=layers: per device
                 # Stacked here, where nothing else holds the loaded arrays: one leaf at a time, the old freed.
                 weights = model.stack_layers(weights, consume=True)
                 say(f"layers: {cfg.num_layers} stacked, one scanned body per window graph (layer_loop=scan)")
@@ -369,9 +373,10 @@ class Engine:
         out.pool_s = self.placement.pool.stats.wall_seconds
         self.placement.pool.stats.reset()
         # A buffer per layer: the graphs donate the cache, and one buffer must not be donated twice.
-        def zeroed(s):
-            s = s.replace(counters=jnp.zeros((len(slots_mod.COUNTERS),), jnp.int32))
-            return s.replace(usage=jnp.zeros_like(s.usage)) if new_request else s
+        def zeroed(s):  # on the slot cache's own device (parallel=layers: its layer's)
+            zero = lambda a: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding)
+            s = s.replace(counters=zero(s.counters))
+            return s.replace(usage=zero(s.usage)) if new_request else s
         self.cache = self.cache.replace(experts=[None if s is None else zeroed(s) for s in self.cache.experts])
         return out
 
@@ -828,12 +833,15 @@ def resolve_delta_kernel(opts: EngineOptions, cfg: ModelConfig) -> str:
 
 def plan_placement(cfg: ModelConfig, opts: EngineOptions):
     """Before the weights are read: the slot count (None: every expert on the device), why, and where the host
-    copies of the experts go (placement_mod.plan_placement); devices > 1 keep every expert resident over them."""
-    if parallel_mod.devices_for(opts) is not None:
+    copies of the experts go (placement_mod.plan_placement); parallel=experts keeps every expert resident over the
+    devices, parallel=layers counts the slots that fit the devices' memory together."""
+    devices = parallel_mod.devices_for(opts)
+    if devices is not None and opts.parallel == "experts":
         if any(cfg.sparse_layers):
             placement_mod.expert_format(opts, cfg)  # int4 on experts no group divides: one line before loading
         return None, f"devices={opts.devices}: every expert resident over several devices", None
-    return placement_mod.plan_placement(cfg, opts, device_reserve_bytes(cfg, opts))
+    return placement_mod.plan_placement(cfg, opts, device_reserve_bytes(cfg, opts), len(devices) if devices else 1,
+                                        parallel_mod.layer_device(cfg, opts))
 
 
 def device_reserve_bytes(cfg: ModelConfig, opts: EngineOptions) -> int:

@@ -357,24 +357,39 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
     if weights.stacked:
         assert not return_hidden, "return_hidden: the unrolled graph only"
         return forward_scanned(weights, cache, tokens, pos, n_valid, cfg, experts, attention_kernel, dense_kernel)
-    expert_state = list(cache.experts) if cache.experts is not None else None
-    t = tokens.shape[0]
-    valid = jnp.arange(t) < n_valid  # [T]
     h = weights.embed[tokens]  # [T, H]
+    h, new_cache = run_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel, dense_kernel,
+                              delta_kernel)
+    if return_hidden:  # Qwen3-Next's MTP drafter reads the final hidden states (after the final norm)
+        hidden = norm(h, weights.final_norm, cfg)
+        return lm_head(weights, hidden), new_cache, hidden
+    return head_logits(weights, h, cfg), new_cache
+
+
+def run_layers(layers: list, cache: KVCache, h: jax.Array, pos: jax.Array, n_valid: jax.Array, cfg: ModelConfig,
+               experts: ExpertPath | None = None, attention_kernel: bool = False, dense_kernel: bool = False,
+               delta_kernel: bool = False, layer0: int = 0) -> tuple[jax.Array, KVCache]:
+    """The layers of `forward` alone: hidden states h [T, H] through the per-layer `layers` (the model's layers
+    layer0.., all of them or a block: strata_jax/parallel.py's stages) and their cache (lists of the same length).
+    Returns (h, cache)."""
+    expert_state = list(cache.experts) if cache.experts is not None else None
+    t = h.shape[0]
+    valid = jnp.arange(t) < n_valid  # [T]
     new_k, new_v = [], []
     new_delta = list(cache.delta) if cache.delta is not None else None
     pending = None  # a deferred layer's CPU rows (experts/defer.py), owed before the next FFN half
-    for i, layer in enumerate(weights.layers):
+    for j, layer in enumerate(layers):
+        i = layer0 + j  # the model's layer index (the expert path and the host pool know layers by it)
         with jax.named_scope(f"layer{i}"):
             if isinstance(layer.attn, DeltaNetWeights):
                 with jax.named_scope("deltanet"):
-                    a, new_delta[i] = deltanet.deltanet(norm(h, layer.attn_norm, cfg), layer.attn, cache.delta[i],
+                    a, new_delta[j] = deltanet.deltanet(norm(h, layer.attn_norm, cfg), layer.attn, cache.delta[j],
                                                         cache.state_pos, pos, n_valid, cfg, kernel=delta_kernel)
                 kc = vc = None
             else:
                 with jax.named_scope("attention"):
                     a, kc, vc = attention(norm(h, layer.attn_norm, cfg), layer.attn,
-                                          cache.k[i], cache.v[i], pos, cfg, kernel=attention_kernel,
+                                          cache.k[j], cache.v[j], pos, cfg, kernel=attention_kernel,
                                           dense_kernel=dense_kernel)
             h = h + a
             new_k.append(kc)
@@ -391,21 +406,18 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array,
             elif experts is None:
                 h = h + moe.moe_block(x, layer.ffn, cfg, valid)
             else:
-                state = expert_state[i] if expert_state is not None else None
+                state = expert_state[j] if expert_state is not None else None
                 y, state, pending = experts(i, x, layer.ffn, valid, state)
                 if expert_state is not None:
-                    expert_state[i] = state
+                    expert_state[j] = state
                 h = h + y
                 if pending is not None and experts.join_now:
                     h, pending = experts.join(h, pending), None
     state_pos = cache.state_pos
     if state_pos is not None:
         state_pos = deltanet.commit_pos(state_pos, pos, n_valid, t)
-    new_cache = KVCache(k=new_k, v=new_v, experts=expert_state, delta=new_delta, state_pos=state_pos)
-    if return_hidden:  # Qwen3-Next's MTP drafter reads the final hidden states (after the final norm)
-        hidden = norm(h, weights.final_norm, cfg)
-        return lm_head(weights, hidden), new_cache, hidden
-    return head_logits(weights, h, cfg), new_cache
+    assert pending is None, "a block's last layer is never deferred (OffloadedExperts.no_defer)"
+    return h, KVCache(k=new_k, v=new_v, experts=expert_state, delta=new_delta, state_pos=state_pos)
 
 
 def lm_head(weights: Weights, hidden: jax.Array) -> jax.Array:
@@ -490,16 +502,20 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
                    place_experts: Callable[[str, jax.Array], jax.Array] | None = None,
                    progress: Callable[[str], None] | None = None, stacked: bool = False,
                    expert_format: str | None = None,
-                   place_scales: Callable[[str, jax.Array], jax.Array] | None = None) -> Weights:
+                   place_scales: Callable[[str, jax.Array], jax.Array] | None = None,
+                   layer_device: Callable[[int], jax.Device] | None = None) -> Weights:
     """Random weights made on the device layer by layer (benchmarks: no checkpoint needed, no host copy), drawn in
     the declaration's order (weight_specs: the layers, then embed and lm_head).
 
     `place_experts(name, array)` may move each MoE layer's stacked experts elsewhere (host memory) as they are
     made, so the device never holds all of them. stacked: the layers made directly as [L, ...] leaves (other random
     values than the list form; no second copy of the model at any time). expert_format "int8" / "int4": the experts
-    are quantized as they are made (strata_jax/quant.py; `place_scales(name, scale)` sees their scales)."""
+    are quantized as they are made (strata_jax/quant.py; `place_scales(name, scale)` sees their scales).
+    layer_device(i): the device layer i is made on (parallel=layers: its block's), so no device ever holds more than
+    its block; with stacked, the layers then come as the per-layer list of the stacked form's values (stacked per
+    block by strata_jax/parallel.py)."""
     if stacked:
-        return _random_stacked(cfg, seed, dtype, scale, progress)
+        return _random_stacked(cfg, seed, dtype, scale, progress, layer_device)
     place_experts = place_experts or (lambda name, x: x)
     place_scales = place_scales or (lambda name, x: x)
     specs = weight_specs(cfg)
@@ -520,7 +536,8 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
 
     layers = []
     for i, spec in enumerate(specs.layers):
-        layers.append(build_layer(spec, make(i)))
+        with jax.default_device(layer_device(i) if layer_device else None):
+            layers.append(build_layer(spec, make(i)))
         if progress:
             jax.block_until_ready(layers[-1])
             progress(f"random weights: layer {i + 1}/{cfg.num_layers}")
@@ -528,9 +545,10 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
                    lm_head=None if specs.lm_head is None else draw(specs.lm_head))
 
 
-def _random_stacked(cfg: ModelConfig, seed: int, dtype, scale: float, progress) -> Weights:
+def _random_stacked(cfg: ModelConfig, seed: int, dtype, scale: float, progress, layer_device=None) -> Weights:
     """random_weights(stacked=True): each [L, ...] leaf filled layer by layer inside one graph (the float32 draw of
-    one layer at a time is the only temporary); leaf j of the declared layer draws from fold_in(key, j)."""
+    one layer at a time is the only temporary); leaf j of the declared layer draws from fold_in(key, j).
+    layer_device: the same values as a per-layer list, layer i made on layer_device(i)."""
     if not can_stack(cfg):
         raise ValueError("random_weights(stacked=True) needs every layer of one kind")
     specs = weight_specs(cfg)
@@ -544,19 +562,37 @@ def _random_stacked(cfg: ModelConfig, seed: int, dtype, scale: float, progress) 
             return jax.lax.dynamic_update_index_in_dim(buf, layer, i, 0)
         return jax.lax.fori_loop(0, n, body, jnp.zeros((n, *shape), dtype))
 
+    @functools.partial(jax.jit, static_argnums=(2, 3))
+    def one(key, i, shape, ones):  # layer i of fill's buffer alone
+        return jnp.ones(shape, dtype) if ones else (
+            jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * scale).astype(dtype)
+
     key = jax.random.PRNGKey(seed)
     leaves, treedef = jax.tree.flatten(specs.layers[0])
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(specs.layers[0])[0]]
+    if layer_device is not None:
+        layers = []
+        for i in range(n):
+            with jax.default_device(layer_device(i)):
+                layers.append(jax.tree.unflatten(treedef, [
+                    one(jax.random.fold_in(key, j), jnp.int32(i), tuple(leaf.shape), leaf.init == "norm")
+                    for j, leaf in enumerate(leaves)]))
+            if progress:
+                jax.block_until_ready(layers[-1])
+                progress(f"random weights (stacked values): layer {i + 1}/{n} on {layer_device(i)}")
     stacked = []
     for j, (leaf, path) in enumerate(zip(leaves, paths)):
         assert leaf.init in ("normal", "router", "norm"), leaf  # can_stack: no Qwen3-Next (zero-centred) norms
+        if layer_device is not None:
+            continue
         stacked.append(fill(jax.random.fold_in(key, j), tuple(leaf.shape), leaf.init == "norm"))
         if progress:
             jax.block_until_ready(stacked[-1])
             progress(f"random weights (stacked): {path.strip('.')} [{n}, {', '.join(map(str, leaf.shape))}]")
     key, k_embed, k_head = jax.random.split(key, 3)
     normal = lambda k, shape: (jax.random.normal(k, shape, jnp.float32) * scale).astype(dtype)
-    return Weights(embed=normal(k_embed, specs.embed.shape), layers=jax.tree.unflatten(treedef, stacked),
+    return Weights(embed=normal(k_embed, specs.embed.shape),
+                   layers=layers if layer_device is not None else jax.tree.unflatten(treedef, stacked),
                    final_norm=jnp.ones(specs.final_norm.shape, dtype),
                    lm_head=None if specs.lm_head is None else normal(k_head, specs.lm_head.shape))
 

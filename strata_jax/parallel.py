@@ -1,18 +1,25 @@
 """Past one device: the model split over several devices with JAX's own SPMD machinery (`devices` > 1).
 
-Two splits (`parallel=`), every expert resident (offload with several devices is not implemented: one line):
+Two splits (`parallel=`):
 
-* `layers` (`LayerSplit`): device d holds a contiguous block of layers (their stacked weights and KV cache). A window
-  runs stage by stage, one jitted graph per stage and window size: embed on the first stage, the block's layers
-  (`model.scan_layers`, the single-device graph's own layer body), the activations [T, H] `device_put` to the next
-  stage's device, final norm + lm_head on the last. The stages run one after the other (no overlap between windows
-  yet): it buys memory (each device holds 1/D of the model), not speed. Needs the scanned layer loop.
+* `layers` (`LayerSplit`): device d holds a contiguous block of layers (`layer_blocks`): their weights, KV cache
+  and, with offload, their slot caches and host copies of the experts (pinned in that device's host memory; the
+  host pool is shared: the stages run one after the other, so each has all of it while it runs). The loaders make
+  or read each layer on its device (`layer_device`, `weight_placer`): no device ever holds more than its block. A
+  window runs stage by stage, one jitted graph per stage and window size: embed on the first stage, the block's
+  layers (every expert resident: `model.scan_layers` over the block's stacked weights; offload: `model.run_layers`
+  over its per-layer list, the single-device graphs' own layer bodies), the activations [T, H] `device_put` to the
+  next stage's device, final norm + lm_head on the last. A block's last layer is never deferred
+  (OffloadedExperts.no_defer): its rows must be in the activations that leave the device. The stages do not
+  overlap: the split buys memory (each device holds 1/D of the model), not speed.
 * `experts` (`ExpertSplit`): a `Mesh` over the devices with one axis 'experts'; each MoE layer's experts [E, ...]
   (stacked: [L, E, ...]) sharded on the expert axis (`NamedSharding`), everything else (attention, norms, router,
   embeddings, KV cache) replicated. The whole window runs in `jax.shard_map`: each device routes every token (the
   router is replicated), runs its own experts for all T tokens with the other devices' combine weights masked to
-  zero (`ShardedExperts`), and a `psum` over 'experts' adds the devices' rows: the dispatch/combine of an all-to-all,
-  exact for replicated tokens. Each device reads only 1/D of the experts a window needs.
+  zero (`ShardedExperts`), and a `psum` over 'experts' adds the devices' rows. With the tokens replicated this is
+  the dispatch/combine of an all-to-all (dispatch needs no traffic: every device has every token; the combine is
+  the psum, [T, H] per layer), exact up to the order of the sum. Each device reads only 1/D of the experts a window
+  needs. Every expert resident (offload with the experts split: one line).
 
 Both return the engine's graph signatures (`window(t)`: (weights, cache, tokens, pos) -> (argmax, logits, cache);
 `prefill(c)` and `prefill_logits(c)`), so `Engine` swaps them in for its own graphs (`attach`); the greedy tokens and
@@ -21,6 +28,7 @@ logits come back on the first device, where the engine's samplers run.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +46,7 @@ AXIS = "experts"
 
 def devices_for(opts) -> list | None:
     """The devices of `opts.devices` (None: one device, the single-device engine). One line when more are asked
-    for than JAX sees, or when offload is asked for with several devices."""
+    for than JAX sees, or when offload is asked for with parallel=experts."""
     if str(opts.devices) == "1":
         return None
     seen = jax.devices()
@@ -47,11 +55,56 @@ def devices_for(opts) -> list | None:
         raise StrataError(f"devices={opts.devices}: JAX sees {len(seen)} {jax.default_backend()} device(s)")
     if n == 1:
         return None
-    if opts.expert_cache_slots not in ("all", "auto"):
-        raise StrataError(f"devices={n} with expert_cache_slots={opts.expert_cache_slots}: offload with several "
-                          "devices is not implemented (every expert is resident over several devices: "
-                          "expert_cache_slots=all)")
+    if opts.parallel == "experts" and opts.expert_cache_slots not in ("all", "auto"):
+        raise StrataError(f"devices={n} parallel=experts with expert_cache_slots={opts.expert_cache_slots}: offload "
+                          "with the experts split is not implemented (every expert is resident over the devices: "
+                          "expert_cache_slots=all; or parallel=layers, whose devices each keep their own slot caches)")
     return seen[:n]
+
+
+def layer_blocks(n_layers: int, n_devices: int) -> list[tuple[int, int]]:
+    """parallel=layers: the contiguous block [a, b) of layers each device holds (as even as the count allows)."""
+    cuts = [round(i * n_layers / n_devices) for i in range(n_devices + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def layer_device(cfg, opts):
+    """parallel=layers over several devices: layer i -> the device of its block (the loaders make or read each layer
+    there, so no device holds more than its block); None otherwise."""
+    devices = devices_for(opts)
+    if devices is None or opts.parallel != "layers":
+        return None
+    if cfg.has_linear:
+        raise StrataError("parallel=layers with DeltaNet layers (Qwen3-Next) is not implemented: use "
+                          "parallel=experts for this model")
+    if len(devices) > cfg.num_layers:
+        raise StrataError(f"parallel=layers over {len(devices)} devices needs at least as many layers "
+                          f"(this model: {cfg.num_layers})")
+    owner = [d for (a, b), d in zip(layer_blocks(cfg.num_layers, len(devices)), devices) for _ in range(a, b)]
+    return owner.__getitem__
+
+
+def weight_placer(cfg, opts):
+    """parallel=layers: the checkpoint loader's `place(name, array)`: a layer's tensors onto its block's device, the
+    embedding onto the first, the final norm and lm_head onto the last (None: the default placement)."""
+    device_of = layer_device(cfg, opts)
+    if device_of is None:
+        return None
+
+    def place(name: str, x):
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        device = device_of(int(m.group(1))) if m else device_of(0 if "embed" in name else cfg.num_layers - 1)
+        return jax.device_put(x, device)
+    return place
+
+
+def block_ends(cfg, opts) -> tuple[int, ...]:
+    """The last layer of every device's block but the last (parallel=layers; () otherwise): the offloaded expert
+    path never defers them, so a block's activations leave its device whole."""
+    devices = devices_for(opts)
+    if devices is None or opts.parallel != "layers":
+        return ()
+    return tuple(b - 1 for _, b in layer_blocks(cfg.num_layers, len(devices))[:-1])
 
 
 def attach(engine) -> "LayerSplit | ExpertSplit | None":
@@ -63,10 +116,8 @@ def attach(engine) -> "LayerSplit | ExpertSplit | None":
               attention_kernel=engine.attention_kernel == "pallas", dense_kernel=engine.dense_kernel == "pallas",
               delta_kernel=engine.delta_kernel == "pallas")
     if engine.options.parallel == "layers":
-        if not engine.weights.stacked:
-            raise StrataError("parallel=layers runs the scanned layer loop (layer_loop=scan, every layer of one kind, "
-                              "not Qwen3-Next): use parallel=experts for this model")
-        split = LayerSplit(**kw)
+        layer_device(engine.cfg, engine.options)  # the refusals (DeltaNet layers, more devices than layers)
+        split = LayerSplit(**kw, prefill_experts=engine.expert_path, scanned=engine.scanned)
     else:
         split = ExpertSplit(**kw, expert_kernel=engine.expert_kernel == "pallas")
     engine.weights = split.place_weights(engine.weights)
@@ -81,12 +132,17 @@ class Stages:
 
 
 def _stage(weights: model.Weights, cache: model.KVCache, x: jax.Array, pos: jax.Array, n_valid: jax.Array, *,
-           cfg, first: bool, last: bool, tail: str, experts, attention_kernel: bool, dense_kernel: bool):
-    """One stage of a window: tokens (first) or hidden states [T, H] through the stage's layers; the last stage
-    ends as graphs.decode_window ('window'), prefill_chunk ('prefill') or prefill_logits ('logits') do."""
+           cfg, layer0: int, first: bool, last: bool, tail: str, experts, attention_kernel: bool, dense_kernel: bool):
+    """One stage of a window: tokens (first) or hidden states [T, H] through the stage's layers (stacked: the
+    scanned body; a list: model.run_layers, the model's layers layer0..); the last stage ends as
+    graphs.decode_window ('window'), prefill_chunk ('prefill') or prefill_logits ('logits') do."""
     h = weights.embed[x] if first else x
-    h, cache = model.scan_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel,
-                                 dense_kernel)
+    if weights.stacked:
+        h, cache = model.scan_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel,
+                                     dense_kernel)
+    else:
+        h, cache = model.run_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel,
+                                    dense_kernel, layer0=layer0)
     if not last:
         return h, cache
     logits = model.head_logits(weights, h, cfg)
@@ -99,23 +155,53 @@ def _stage(weights: model.Weights, cache: model.KVCache, x: jax.Array, pos: jax.
 
 
 class LayerSplit:
-    """parallel=layers: contiguous blocks of layers, one device each (see the module docstring)."""
+    """parallel=layers: contiguous blocks of layers, one device each (see the module docstring).
 
-    def __init__(self, cfg, devices, decode_experts=None, attention_kernel=False, dense_kernel=False,
-                 delta_kernel=False):
+    Two forms of the model: stacked (every expert resident, the scanned body): `Stages` of per-device Weights and
+    KVCache; per-layer lists (offload, or layer_loop=unroll): the engine's own `model.Weights` / `KVCache` whose
+    layer i (weights, KV rows, slot cache, host experts) lives on its block's device, so the engine's slot-cache
+    code (counters, static fill) reads them as on one device; a stage's graph takes its slice of the lists."""
+
+    def __init__(self, cfg, devices, decode_experts=None, prefill_experts=None, attention_kernel=False,
+                 dense_kernel=False, delta_kernel=False, scanned=True):
         n = cfg.num_layers
         if len(devices) > n:
             raise StrataError(f"parallel=layers over {len(devices)} devices needs at least as many layers "
                               f"(this model: {n})")
-        self.cfg, self.devices = cfg, list(devices)
-        self.decode_experts, self.attention_kernel, self.dense_kernel = decode_experts, attention_kernel, dense_kernel
-        cuts = [round(i * n / len(devices)) for i in range(len(devices) + 1)]
-        self.blocks = list(zip(cuts[:-1], cuts[1:]))
+        self.cfg, self.devices, self.scanned = cfg, list(devices), scanned
+        self.decode_experts, self.prefill_experts = decode_experts, prefill_experts
+        self.attention_kernel, self.dense_kernel = attention_kernel, dense_kernel
+        self.blocks = layer_blocks(n, len(devices))
+        self.head_embed = None  # tied embeddings, per-layer form: the last device's copy of embed for the head
         self.line = (f"parallel=layers over {len(devices)} devices: layers "
                      + ", ".join(f"{a}..{b - 1} on {d}" for (a, b), d in zip(self.blocks, self.devices)))
+        if prefill_experts is not None:  # offload: the experts' slot caches and host copies go with their layers
+            self.line += "; each device keeps its layers' slot caches, a block's last layer is never deferred"
 
-    def place_weights(self, w: model.Weights) -> Stages:
+    def device_of(self, layer: int):
+        return next(d for (a, b), d in zip(self.blocks, self.devices) if a <= layer < b)
+
+    def place_weights(self, w: model.Weights) -> Stages | model.Weights:
+        """The stacked model sliced into blocks; the per-layer list with scanned: each block stacked on its device
+        (the loaders put each layer there already: no device holds more than its block); else the list itself."""
         last = len(self.blocks) - 1
+        if not w.stacked and self.scanned:
+            stages = []
+            for s, ((a, b), dev) in enumerate(zip(self.blocks, self.devices)):
+                block = model.Weights(embed=None, layers=[_put(layer, dev) for layer in w.layers[a:b]],
+                                      final_norm=None, lm_head=None)
+                stages.append(model.Weights(
+                    embed=_put(w.embed, dev) if s == 0 or (s == last and w.lm_head is None) else None,
+                    layers=model.stack_layers(block).layers,  # the list is freed with its last holder
+                    final_norm=_put(w.final_norm, dev) if s == last else None,
+                    lm_head=_put(w.lm_head, dev) if s == last else None))
+            return Stages(stages=tuple(stages))
+        if not w.stacked:  # per-layer form: each layer onto its block's device, host experts stay in host memory
+            if w.lm_head is None:
+                self.head_embed = _put(w.embed, self.devices[-1])
+            return model.Weights(embed=_put(w.embed, self.devices[0]),
+                                 layers=[_put(layer, self.device_of(i)) for i, layer in enumerate(w.layers)],
+                                 final_norm=_put(w.final_norm, self.devices[-1]), lm_head=_put(w.lm_head, self.devices[-1]))
         stages = []
         for s, ((a, b), dev) in enumerate(zip(self.blocks, self.devices)):
             stage = model.Weights(embed=w.embed if s == 0 or (s == last and w.lm_head is None) else None,
@@ -125,46 +211,72 @@ class LayerSplit:
             stages.append(jax.device_put(stage, dev))
         return Stages(stages=tuple(stages))
 
-    def gathered(self, w: Stages) -> model.Weights:
+    def gathered(self, w: Stages | model.Weights) -> model.Weights:
         """The whole model on the first device again (save_state): the stages' layer blocks concatenated."""
-        dev, first, last = self.devices[0], w.stages[0], w.stages[-1]
+        dev = self.devices[0]
+        if isinstance(w, model.Weights):
+            return _put(w, dev)
+        first, last = w.stages[0], w.stages[-1]
         layers = jax.tree.map(lambda *xs: jnp.concatenate([jax.device_put(x, dev) for x in xs]),
                               *[s.layers for s in w.stages])
         return jax.device_put(model.Weights(embed=first.embed, layers=layers, final_norm=last.final_norm,
                                             lm_head=last.lm_head), dev)
 
-    def place_cache(self, cache: model.KVCache) -> Stages:
+    def place_cache(self, cache: model.KVCache) -> Stages | model.KVCache:
+        if isinstance(cache.k, list):
+            per_layer = lambda xs: None if xs is None else [_put(x, self.device_of(i)) for i, x in enumerate(xs)]
+            return cache.replace(k=per_layer(cache.k), v=per_layer(cache.v), experts=per_layer(cache.experts))
         return Stages(stages=tuple(jax.device_put(model.KVCache(k=jax.tree.map(lambda x: x[a:b], cache.k),
                                                                 v=jax.tree.map(lambda x: x[a:b], cache.v)), dev)
                                    for (a, b), dev in zip(self.blocks, self.devices)))
 
-    def _pipeline(self, weights: Stages, cache: Stages, t: int, tail: str, experts, attention_kernel,
-                  dense_kernel):
+    def _stage_view(self, weights, cache, s: int):
+        """Stage s's weights and cache: its Stages entry, or its slice of the per-layer lists."""
+        if isinstance(weights, Stages):
+            return weights.stages[s], cache.stages[s]
+        (a, b), last = self.blocks[s], len(self.blocks) - 1
+        embed = weights.embed if s == 0 else (self.head_embed if s == last else None)
+        w = model.Weights(embed=embed, layers=weights.layers[a:b], final_norm=weights.final_norm if s == last else None,
+                          lm_head=weights.lm_head if s == last else None)
+        piece = lambda xs: None if xs is None else xs[a:b]
+        return w, model.KVCache(k=piece(cache.k), v=piece(cache.v), experts=piece(cache.experts))
+
+    def _joined(self, cache, parts: list):
+        """The stages' updated caches as the engine holds them (Stages, or the per-layer lists joined)."""
+        if isinstance(cache, Stages):
+            return Stages(stages=tuple(parts))
+        join = lambda name: (None if getattr(parts[0], name) is None
+                             else [x for p in parts for x in getattr(p, name)])
+        return cache.replace(k=join("k"), v=join("v"), experts=join("experts"))
+
+    def _pipeline(self, weights, cache, t: int, tail: str, experts, attention_kernel, dense_kernel):
         """The stages' graphs compiled for T = t, chained: (weights, cache, tokens, pos, n_valid) -> (outs, cache)."""
         last = len(self.devices) - 1
         compiled = []
         for s, dev in enumerate(self.devices):
-            fn = jax.jit(functools.partial(_stage, cfg=self.cfg, first=s == 0, last=s == last, tail=tail,
-                                           experts=experts, attention_kernel=attention_kernel,
-                                           dense_kernel=dense_kernel),
+            w, c = self._stage_view(weights, cache, s)
+            fn = jax.jit(functools.partial(_stage, cfg=self.cfg, layer0=self.blocks[s][0], first=s == 0,
+                                           last=s == last, tail=tail, experts=experts,
+                                           attention_kernel=attention_kernel, dense_kernel=dense_kernel),
                          donate_argnums=(1,), compiler_options=graphs.MODEL_COMPILER_OPTIONS)
             one = jax.sharding.SingleDeviceSharding(dev)
             x = (jax.ShapeDtypeStruct((t,), jnp.int32, sharding=one) if s == 0 else
-                 jax.ShapeDtypeStruct((t, self.cfg.hidden_size), weights.stages[s].layers.attn_norm.dtype,
-                                      sharding=one))
+                 jax.ShapeDtypeStruct((t, self.cfg.hidden_size), w.layers[0].attn_norm.dtype
+                                      if isinstance(w.layers, list) else w.layers.attn_norm.dtype, sharding=one))
             scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=one)
-            compiled.append(fn.lower(weights.stages[s], cache.stages[s], x, scalar, scalar).compile())
+            compiled.append(fn.lower(w, c, x, scalar, scalar).compile())
         first_device = self.devices[0]
 
-        def run(weights: Stages, cache: Stages, tokens, pos, n_valid):
+        def run(weights, cache, tokens, pos, n_valid):
             x, new = tokens, []
             for s, (fn, dev) in enumerate(zip(compiled, self.devices)):
-                x, c = fn(weights.stages[s], cache.stages[s], *jax.device_put((x, pos, n_valid), dev))
+                w, c = self._stage_view(weights, cache, s)
+                x, c = fn(w, c, *jax.device_put((x, pos, n_valid), dev))
                 new.append(c)
-            return jax.device_put(x, first_device), Stages(stages=tuple(new))  # the samplers' device
+            return jax.device_put(x, first_device), self._joined(cache, new)  # the samplers' device
         return run
 
-    def window(self, t: int, weights: Stages, cache: Stages):
+    def window(self, t: int, weights, cache):
         run = self._pipeline(weights, cache, t, "window", self.decode_experts, self.attention_kernel,
                              self.dense_kernel)
 
@@ -173,21 +285,27 @@ class LayerSplit:
             return token, logits, cache
         return window
 
-    def prefill(self, c: int, weights: Stages, cache: Stages):
-        run = self._pipeline(weights, cache, c, "prefill", None, self.attention_kernel, False)
+    def prefill(self, c: int, weights, cache):
+        run = self._pipeline(weights, cache, c, "prefill", self.prefill_experts, self.attention_kernel, False)
 
         def prefill(weights, cache, tokens, pos, n_valid):
             (token, last), cache = run(weights, cache, tokens, pos, n_valid)
             return token, last, cache
         return prefill
 
-    def prefill_logits(self, c: int, weights: Stages, cache: Stages):
-        run = self._pipeline(weights, cache, c, "logits", None, self.attention_kernel, False)
+    def prefill_logits(self, c: int, weights, cache):
+        run = self._pipeline(weights, cache, c, "logits", self.prefill_experts, self.attention_kernel, False)
 
         def prefill_logits(weights, cache, tokens, pos, n_valid):
             (logits,), cache = run(weights, cache, tokens, pos, n_valid)
             return logits, cache
         return prefill_logits
+
+
+def _put(tree, device):
+    """tree onto `device`, each array in its own memory kind (host experts stay in the device's host memory)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.sharding.SingleDeviceSharding(
+        device, memory_kind=x.sharding.memory_kind)), tree)
 
 
 class ShardedExperts:

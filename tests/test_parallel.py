@@ -1,6 +1,7 @@
 """devices > 1 (strata_jax/parallel.py) on the CPU with fake devices: parallel=layers and parallel=experts give the
 single-device logits (float32, 1e-5 relative) through the prefill and decode windows of T=1 and T=4, and the same
-greedy tokens; a split engine's save_state restores on one device; the refusals are one line.
+greedy tokens, every expert resident and (parallel=layers) offloaded with each device's own slot caches (PCIe and
+host pool, lru and static); a split engine's save_state restores on one device; the refusals are one line.
 
 The fake devices need XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts, so the equality checks
 run in a subprocess (tests/parallel_check.py)."""
@@ -23,23 +24,37 @@ CHECK = Path(__file__).resolve().parent / "parallel_check.py"
 def test_layers_and_experts_match_one_device(cache_dir):
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
                XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(CHECK), f"--cache_dir={cache_dir}", "layers:2", "experts:2"],
-                          env=env, capture_output=True, text=True, timeout=900)
+    splits = ["layers:2", "experts:2", "layers:2:4:0.5:lru", "layers:3:3:1:static"]
+    proc = subprocess.run([sys.executable, str(CHECK), f"--cache_dir={cache_dir}", *splits],
+                          env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     splits = {r["split"]: r for r in rows if "split" in r}
-    assert set(splits) == {"layers:2", "experts:2"}, proc.stdout
+    assert set(splits) == {"layers:2", "experts:2", "layers:2:4:0.5:lru", "layers:3:3:1:static"}, proc.stdout
     for split, r in splits.items():
         for k in ("prefill", "w1", "w4"):  # prefill logits; decode windows of T=1 and T=4
             assert r[k] <= 1e-5, (split, k, r[k])
         assert r["gen1"] and r["gen4"], (split, r)  # greedy generate: T=1 windows, verify windows with drafts
     assert splits["layers:2"]["prefill"] == 0.0  # the same per-layer graph code, the same sums
+    # each device holds its block of layers (and the experts split: half of each layer's experts)
+    for split in ("layers:2", "experts:2"):
+        held = splits[split]["held"]
+        assert set(held) == {"cpu:0:device", "cpu:1:device"}, (split, held)
+        assert 0.25 < held["cpu:1:device"] / sum(held.values()) < 0.6, (split, held)
+    # offloaded: each device's layers keep their slot caches there, and the windows really missed (PCIe and pool)
+    pool, static = splits["layers:2:4:0.5:lru"], splits["layers:3:3:1:static"]
+    assert pool["slot_devices"] == ["cpu:0", "cpu:1"] and static["slot_devices"] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert pool["experts"]["fetched"] > 0 and pool["experts"]["cpu"] > 0, pool
+    assert static["experts"]["fetched"] > 0 and static["experts"]["cpu"] == 0, static
+    # the deferral: the last layer of device 0's block (layer 1 of 3) is never deferred, nor the model's last
+    defer = next(r for r in rows if "defer" in r)
+    assert defer["no_defer"] == [1, 2] and defer["defer_active"] and defer["tokens"] == 10 and defer["cpu"] > 0
     saved = {r["saved"]: r["prefill"] for r in rows if "saved" in r}
-    assert set(saved) == {"layers:2", "experts:2"}, proc.stdout  # save_state of a split engine, restored on one
+    assert set(saved) == {"layers:2", "experts:2", "layers:2:4:0.5:lru"}, proc.stdout  # restored on one device
     assert all(v <= 1e-5 for v in saved.values()), saved
     errors = {json.dumps(r["options"], sort_keys=True): r["error"] for r in rows if "options" in r}
-    offload = errors[json.dumps({"devices": 2, "expert_cache_slots": "4"}, sort_keys=True)]
-    assert offload and "offload with several devices is not implemented" in offload and "\n" not in offload
+    offload = errors[json.dumps({"devices": 2, "parallel": "experts", "expert_cache_slots": "4"}, sort_keys=True)]
+    assert offload and "offload with the experts split is not implemented" in offload and "\n" not in offload
     many = errors[json.dumps({"devices": 99}, sort_keys=True)]
     assert many and "devices=99: JAX sees 4 cpu device(s)" == many
 

@@ -95,8 +95,9 @@ def expert_itemsize(opts: EngineOptions) -> float:
     return 0.5 if opts.expert_dtype == "int4" else expert_storage(opts).itemsize
 
 
-def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int) -> tuple[int | None, str]:
-    """Slots per MoE layer, or None for no offload (every expert on the device), and why."""
+def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int, devices: int = 1) -> tuple[int | None, str]:
+    """Slots per MoE layer, or None for no offload (every expert on the device), and why. devices: the model's
+    layers split over that many devices of one kind (parallel=layers): their memory counts together."""
     if not any(cfg.sparse_layers):
         return None, "no MoE layers"
     v = opts.expert_cache_slots
@@ -106,24 +107,26 @@ def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int) -> tuple[
         return min(int(v), cfg.num_experts), f"expert_cache_slots={v}"
     itemsize = jnp.dtype(opts.dtype).itemsize
     slots, why = auto_slots(cfg, non_expert_bytes(cfg, itemsize, expert_format(opts, cfg)), kv_bytes, expert_itemsize(opts),
-                            opts.vram_reserve_mib)
+                            opts.vram_reserve_mib, devices)
     if slots >= cfg.num_experts:
         return None, f"auto: all {cfg.num_experts} experts fit ({why})"
     return slots, f"auto: {why}"
 
 
-def auto_slots(cfg: ModelConfig, other_bytes: int, kv_bytes: int, itemsize: int, reserve_mib: int) -> tuple[int, str]:
+def auto_slots(cfg: ModelConfig, other_bytes: int, kv_bytes: int, itemsize: int, reserve_mib: int,
+               devices: int = 1) -> tuple[int, str]:
     """Slots per sparse layer that fit in the device memory left after the rest of the model (other_bytes: its
-    non_expert_bytes), the KV cache and the reserve."""
+    non_expert_bytes), the KV cache and the reserve (on each of `devices` devices, which hold 1/devices each)."""
     free = device_free_bytes()
     if free is None:
         return cfg.num_experts // 2, "half the experts (this backend reports no device memory)"
-    free -= other_bytes + kv_bytes + reserve_mib * 2**20
+    free = free * devices - other_bytes - kv_bytes - reserve_mib * 2**20 * devices
     per_slot = max(cfg.num_sparse_layers, 1) * cfg.expert_bytes(itemsize)
     # One block of staging per layer graph at most: keep room for it.
     free -= 32 * cfg.expert_bytes(itemsize)
     slots = max(0, min(cfg.num_experts, int(free // per_slot)))
-    return slots, f"{free / 2**30:.1f} GiB free after weights, KV cache and a {reserve_mib} MiB reserve"
+    over = f" over {devices} devices" if devices > 1 else ""
+    return slots, f"{free / 2**30:.1f} GiB free{over} after weights, KV cache and a {reserve_mib} MiB reserve"
 
 
 def device_free_bytes() -> int | None:
@@ -139,18 +142,20 @@ def slot_bytes(cfg: ModelConfig, slots: int, itemsize: int) -> int:
 
 class HostExperts:
     """Collects each MoE layer's stacked experts from the loader: a numpy copy for the host pool and a jax array in
-    host memory (pinned on a GPU) that the graph fetches from."""
+    host memory (pinned on a GPU) that the graph fetches from. layer_device(i): the device whose graph fetches layer
+    i's experts (parallel=layers: its block's; default the first device)."""
 
-    def __init__(self, cfg: ModelConfig, compute_dtype=None):
+    def __init__(self, cfg: ModelConfig, compute_dtype=None, layer_device=None):
         self.kind = slots_mod.host_memory_kind()
         self.sharding = slots_mod.device_sharding(self.kind)
+        self.layer_device = layer_device
         self.numpy: dict[int, dict[str, np.ndarray]] = {}
         self.compute_dtype = compute_dtype  # how the pool rounds (int8 experts do not say it themselves)
 
     def place(self, name: str, x):
         """x: numpy (from a checkpoint) or a device array (random weights for benchmarks)."""
         _, layer, _, which = name.split(".")  # layers.{i}.experts.{gate,up,down}
-        on_host = jax.device_put(x, self.sharding)
+        on_host = jax.device_put(x, self._sharding(int(layer)))
         self.numpy.setdefault(int(layer), {})[which] = x if isinstance(x, np.ndarray) else np.asarray(on_host)
         return on_host
 
@@ -159,7 +164,12 @@ class HostExperts:
         random weights): kept for the pool, and on the device."""
         _, layer, _, which = name.split(".")
         self.numpy.setdefault(int(layer), {})[which] = quant.pool_scale(np.asarray(x))
-        return jax.device_put(x)
+        return jax.device_put(x, self.layer_device(int(layer)) if self.layer_device else None)
+
+    def _sharding(self, layer: int):
+        if self.layer_device is None:
+            return self.sharding
+        return jax.sharding.SingleDeviceSharding(self.layer_device(layer), memory_kind=self.kind)
 
     def keep_restored(self, cfg: ModelConfig, weights: model.Weights, quantized: bool) -> None:
         """A saved state's experts, restored into host memory: the pool's numpy copies (quantized: and the
@@ -295,14 +305,15 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
                      lines=lines, costs=costs)
 
 
-def plan_placement(cfg: ModelConfig, opts: EngineOptions, reserved_bytes: int):
+def plan_placement(cfg: ModelConfig, opts: EngineOptions, reserved_bytes: int, devices: int = 1,
+                   layer_device=None):
     """Before the weights are read: the slot count (None: every expert on the device), why, and where the host
     copies of the experts go when offload is on. reserved_bytes: the device memory the engine keeps for the KV cache
     and the largest prefill chunk's activations."""
     if any(cfg.sparse_layers):
         expert_format(opts, cfg)  # int4 on experts no group divides: one line before anything loads
-    slots, why = decide_slots(cfg, opts, reserved_bytes)
-    return slots, why, (HostExperts(cfg, jnp.dtype(opts.dtype)) if slots is not None else None)
+    slots, why = decide_slots(cfg, opts, reserved_bytes, devices)
+    return slots, why, (HostExperts(cfg, jnp.dtype(opts.dtype), layer_device) if slots is not None else None)
 
 
 def quantized_line(cfg: ModelConfig, weights: model.Weights, opts: EngineOptions, on_host: bool) -> str:
@@ -320,12 +331,14 @@ def quantized_line(cfg: ModelConfig, weights: model.Weights, opts: EngineOptions
 
 
 def expert_paths(cfg: ModelConfig, placement: Placement, route: approx.RouteApprox, defer_cpu: defer.DeferCPU,
-                 kernel: bool) -> tuple[slots_mod.OffloadedExperts, slots_mod.OffloadedExperts]:
+                 kernel: bool, block_ends: tuple = ()) -> tuple[slots_mod.OffloadedExperts, slots_mod.OffloadedExperts]:
     """The offloaded expert paths of the prefill and of the decode graphs. The routing approximations, the deferral
     and the Pallas expert FFN act in decode windows only; the prefill keeps the exact XLA path. Without the cpu
-    path (needs_cpu_path) both are built without the host pool (no callback)."""
+    path (needs_cpu_path) both are built without the host pool (no callback). block_ends: the last layer of each
+    device's block (parallel=layers), never deferred."""
     pool = placement.pool if placement.cpu_path else None
     exact = slots_mod.OffloadedExperts(cfg, pool)
     if not (route.active or defer_cpu.active or kernel):
         return exact, exact
-    return exact, slots_mod.OffloadedExperts(cfg, pool, route=route, defer_cpu=defer_cpu, kernel=kernel)
+    return exact, slots_mod.OffloadedExperts(cfg, pool, route=route, defer_cpu=defer_cpu, kernel=kernel,
+                                             block_ends=block_ends)

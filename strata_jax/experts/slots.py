@@ -90,8 +90,9 @@ def init_slot_cache(cfg: ModelConfig, slots: int, dtype, policy: str = "lru", pc
 
 
 def to_device(x: jax.Array) -> jax.Array:
-    """Inside jit: a slice of a pinned-host array copied to device memory (in-graph PCIe copy)."""
-    return jax.device_put(x, device_sharding())
+    """Inside jit: a slice of a pinned-host array copied to device memory (in-graph PCIe copy), on the device the
+    graph runs on (parallel=layers: each block's own)."""
+    return jax.device_put(x, jax.memory.Space.Device)
 
 
 def copy_experts(dests: Sequence[tuple[tuple, jax.Array]], hosts: tuple, expert_ids: jax.Array, count) -> tuple:
@@ -167,12 +168,15 @@ class OffloadedExperts:
     read by expert id); `pool` computes the cpu kind. Without a pool the
     graph has no callback and no lax.cond around it (each makes the GPU stream wait for the host): every miss is
     fetched. `block`: experts per GPU block (bounds the staging memory of prefill chunks). `route`: the routing
-    approximations (experts/approx.py; the decode graphs only), off by default.
+    approximations (experts/approx.py; the decode graphs only), off by default. `block_ends`: layers after which a
+    block of layers ends on one device (parallel=layers): like the model's last layer, never deferred (their rows
+    must be in the activations that leave the device).
     """
 
     def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
-                 defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False):
+                 defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False, block_ends: tuple = ()):
         self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
+        self.no_defer = frozenset(block_ends) | {cfg.num_layers - 1}
         # kernel: the Pallas expert FFN (pallas_kernels/expert_ffn.py) reads resident and fetched experts in their
         # slots (fetched ones are copied straight into their victim slots); bf16 on a GPU.
         self.kernel = kernel
@@ -227,7 +231,7 @@ class OffloadedExperts:
         with jax.named_scope("moe_plan"):
             p = self.plan_window(r, state)
         pending = None
-        if self.defer.active and layer < self.cfg.num_layers - 1:  # the model's last layer is never deferred
+        if self.defer.active and layer not in self.no_defer:  # the model's (or a device block's) last layer
             with jax.named_scope("moe_cpu_submit"):
                 pending = self.submit_cpu(layer, x, r, p)
         with jax.named_scope("moe_experts"):
