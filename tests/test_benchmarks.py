@@ -287,3 +287,34 @@ def test_long_context_bench_flags_and_missing_peer(capsys):
     s = type("S", (), dict(llama_bench="/nonexistent/llama-bench", model="tiny"))()
     peer = lcb.run_peer(s, None, [40])
     assert not peer["ran"] and "not found" in peer["reason"]
+
+
+def test_parallel_bench_tiny_on_two_fake_devices(tmp_path, cache_dir):
+    """benchmarks/parallel_bench.py on two fake CPU devices (they need XLA_FLAGS before JAX starts: a subprocess):
+    the 1-device row, both splits over 2 devices with the 1-device row's greedy tokens (float32: the same), and the
+    1-device offload row (4 slots); a 3-device ask is one line, its rows skipped."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "parallel.json"
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
+               XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.parallel_bench", "--model=tiny", "--dtype=float32",
+                           "--devices=1,2,3", "--modes=layers,experts", "--prompt=20", "--new_tokens=6",
+                           "--vram_reserve_mib=0", "--offload_slots=4", f"--cache_dir={cache_dir}", f"--json={out}"],
+                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [[c.strip() for c in ln.split("|")[1:-1]] for ln in proc.stdout.splitlines() if ln.startswith("|")]
+    assert table[0][:7] == ["devices", "parallel", "slots", "decode tok/s", "ms/window", "x 1 GPU", "same tokens"]
+    rows = {(c[0], c[1], c[2]): c for c in table[2:]}
+    assert sorted(rows) == [("1", "-", "4"), ("1", "-", "all"), ("2", "experts", "all"), ("2", "layers", "all")]
+    for key, c in rows.items():
+        assert float(c[3]) > 0 and float(c[4]) > 0 and float(c[5]) > 0, key
+        assert c[6] == ("-" if key[2] == "4" else "yes"), key  # the offload row draws other random experts
+    assert "skipped: devices=3 (JAX sees 2 device(s))" in proc.stdout
+    assert "2 devices all resident (parallel=experts) vs 1 device with offload at half budget (4 slots)" in proc.stdout
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and len(saved["rows"]) == 4 and len(saved["bench_rows"]) == 4
+    assert all(r["generated_tokens"] == 6 and r["cached_tokens"] == 0 for r in saved["rows"])
