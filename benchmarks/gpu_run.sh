@@ -88,7 +88,8 @@ step long_context "${LONG_LIMIT_S:-560}" "$PY" -m benchmarks.long_context_bench 
 
 # Past one GPU (issue 20): needs the 2-GPU machine (nvidia-h200-x2; on one GPU the 2-device rows are skipped, one
 # line). The 30B shape, T=1 decode: 1 GPU all resident, 2 GPUs all resident (parallel=layers, parallel=experts), and
-# 1 GPU with offload at half its memory (vram_reserve_mib = bytes_limit / 2, expert_cache_slots=auto); the ratio of 2
+# 1 GPU with offload and room for half the weights (vram_reserve_mib = bytes_limit - weights / 2,
+# expert_cache_slots=auto: a GPU the model does not fit, two of which hold it); the ratio of 2
 # GPUs to the offloaded GPU below the table (target >= 3x). The time limit's SIGTERM prints the rows measured so far.
 step parallel "${PARALLEL_LIMIT_S:-560}" "$PY" -m benchmarks.parallel_bench --model=qwen3-30b-a3b --dtype=bfloat16 \
   --devices=1,2 --modes=layers,experts --json="$OUT/parallel.json" --cache_dir="$JIT_CACHE" ${PARALLEL_ARGS:-}

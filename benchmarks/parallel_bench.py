@@ -9,9 +9,9 @@ One table, a row per engine:
 - N devices (--devices) x each split (--modes: parallel=layers, parallel=experts), every expert resident
   (strata_jax/parallel.py): what the split costs against one device when the model fits one;
 - with --half_budget, 1 device with offload: expert_cache_slots=--offload_slots (auto: what fits) with
-  vram_reserve_mib = half the device's memory (jax.devices()[0].memory_stats()['bytes_limit'] / 2, or
-  --vram_reserve_mib), i.e. a device of half the size, which the all-resident model does not fit. Below the table:
-  N devices all resident against it (the issue's target: >= 3x decode tok/s).
+  vram_reserve_mib = the device's memory (memory_stats()['bytes_limit']) less half the model's weights (or
+  --vram_reserve_mib): a device with room for half the model, which the all-resident model does not fit and two of
+  which hold it split. Below the table: N devices all resident against it (the issue's target: >= 3x decode tok/s).
 
 Each row is one engine, Engine.from_random(cfg, --seed, devices=N, parallel=mode, expert_cache_slots=...), freed
 before the next is built (every all-resident engine draws the same random weights; the offloaded one draws its
@@ -49,10 +49,11 @@ flags.DEFINE_string("devices", "1,2", "Device counts, comma-separated (1: the si
                     flag_values=FLAGS)
 flags.DEFINE_string("modes", "layers,experts", "Splits over devices > 1, comma-separated (engine option parallel).",
                     flag_values=FLAGS)
-flags.DEFINE_bool("half_budget", True, "Add the 1-device offload row: a device budget of half the device's memory.",
+flags.DEFINE_bool("half_budget", True, "Add the 1-device offload row: a device budget of half the model's weights.",
                   flag_values=FLAGS)
-flags.DEFINE_integer("vram_reserve_mib", -1, "vram_reserve_mib of the offload row (-1 = half the device's memory: "
-                     "memory_stats()['bytes_limit'] / 2).", lower_bound=-1, flag_values=FLAGS)
+flags.DEFINE_integer("vram_reserve_mib", -1, "vram_reserve_mib of the offload row (-1 = the device's memory less half "
+                     "the model's weights: the budget each of two devices needs for its half).", lower_bound=-1,
+                     flag_values=FLAGS)
 flags.DEFINE_string("offload_slots", "auto", "expert_cache_slots of the offload row: auto (what fits the budget) or a "
                     "number per MoE layer (a small model on the CPU, whose device reports no memory).",
                     flag_values=FLAGS)
@@ -97,16 +98,24 @@ def plan_rows(devices: list[int], modes: list[str], offload: bool, seen: int) ->
     return rows, skipped
 
 
-def half_memory_mib() -> int | None:
-    """Half the first device's memory in MiB (None where the backend does not say: the CPU)."""
+def half_model_reserve_mib(cfg, dtype: str) -> int | None:
+    """The vram_reserve_mib that leaves the first device a budget of half the model's weights (what each of two
+    devices holds with the model split over them): its memory less half the weights, in MiB (None where the
+    backend does not say: the CPU)."""
     import jax
+    import jax.numpy as jnp
+    from strata_jax.experts.placement import non_expert_bytes
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-    return int(limit / 2 / 2**20) if limit else None
+    if not limit:
+        return None
+    itemsize = jnp.dtype(dtype).itemsize
+    weights = non_expert_bytes(cfg, itemsize) + cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
+    return max(0, int((limit - weights / 2) / 2**20))
 
 
 def describe(plan: dict, reserve_mib: int | None) -> str:
     if plan["offload"]:
-        return f"1 device, experts offloaded: the slots of half its memory (vram_reserve_mib={reserve_mib})"
+        return f"1 device, experts offloaded: a budget of half the weights (vram_reserve_mib={reserve_mib})"
     if plan["devices"] == 1:
         return "1 device, every expert resident (the baseline)"
     return f"{plan['devices']} devices, parallel={plan['parallel']}, every expert resident"
@@ -184,7 +193,7 @@ def verdicts(rows: list[dict]) -> list[str]:
     if offload is None or not split:
         return [f"{'N devices all resident' if offload else '1 device with offload'}: not in this run (no ratio)"]
     if offload["slots"] == "all":
-        return ["the offload row kept every expert on the device (the model fits half its memory): no ratio; a "
+        return ["the offload row kept every expert on the device (the model fits the budget): no ratio; a "
                 "larger --vram_reserve_mib or a number in --offload_slots makes it offload"]
     return [f"{r['devices']} devices all resident (parallel={r['parallel']}) vs 1 device with offload at half budget "
             f"({offload['slots']} slots): {r['decode_tok_s'] / offload['decode_tok_s']:.2f}x decode tok/s: target >= "
@@ -211,7 +220,7 @@ def run(s) -> dict:
     cfg = preset(s.model, layers=s.layers if s.layers and s.layers < full.num_layers else None)
     if not any(cfg.sparse_layers):
         raise StrataError(f"the {s.model} preset cut to {cfg.num_layers} layers has no MoE layer")
-    reserve_mib = s.vram_reserve_mib if s.vram_reserve_mib >= 0 else half_memory_mib()
+    reserve_mib = s.vram_reserve_mib if s.vram_reserve_mib >= 0 else half_model_reserve_mib(cfg, s.dtype)
     offload = s.half_budget
     notes = []
     if offload and reserve_mib is None and s.offload_slots == "auto":
