@@ -24,10 +24,17 @@ Two splits (`parallel=`):
 Both return the engine's graph signatures (`window(t)`: (weights, cache, tokens, pos) -> (argmax, logits, cache);
 `prefill(c)` and `prefill_logits(c)`), so `Engine` swaps them in for its own graphs (`attach`); the greedy tokens and
 logits come back on the first device, where the engine's samplers run.
+
+Several processes (hosts), parallel=experts only: call `jax.distributed.initialize(coordinator, num_processes,
+process_id)` first (on the CPU the collectives are gloo's, jax 0.11's default `jax_cpu_collectives_implementation`),
+then build the same engine in every process; devices=all then spans every process. Every process runs the same host loop
+on the same tokens: each builds the same weights, places its own devices' part of them, and reads the replicated
+greedy tokens and logits from its own first device (`local_replica`), so every process samples the same tokens.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 
 import jax
@@ -46,13 +53,17 @@ AXIS = "experts"
 
 def devices_for(opts) -> list | None:
     """The devices of `opts.devices` (None: one device, the single-device engine). One line when more are asked
-    for than JAX sees, or when offload is asked for with parallel=experts."""
+    for than JAX sees, when offload is asked for with parallel=experts, or when several processes (jax.distributed)
+    are asked for anything but parallel=experts over every device."""
     if str(opts.devices) == "1":
         return None
     seen = jax.devices()
     n = len(seen) if opts.devices == "all" else int(opts.devices)
     if n > len(seen):
         raise StrataError(f"devices={opts.devices}: JAX sees {len(seen)} {jax.default_backend()} device(s)")
+    if jax.process_count() > 1 and (opts.parallel != "experts" or n != len(seen)):
+        raise StrataError(f"devices={opts.devices} parallel={opts.parallel} over {jax.process_count()} processes: "
+                          f"several processes run parallel=experts over every device (devices=all)")
     if n == 1:
         return None
     if opts.parallel == "experts" and opts.expert_cache_slots not in ("all", "auto"):
@@ -337,6 +348,37 @@ class ShardedExperts:
             return moe.ExpertsOut(jax.lax.psum(y, AXIS).astype(x.dtype), state)
 
 
+def to_global(x, sharding: NamedSharding) -> jax.Array:
+    """`x` (host or this process's device; the same value in every process) as an array of `sharding`. Several
+    processes: each fills only its own devices' shards (a device_put from a local device onto other processes'
+    devices is a cross-host transfer, which the CPU backend refuses)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    x = x if isinstance(x, (jax.Array, np.ndarray)) else jnp.asarray(x)  # a Python int: int32, as device_put
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+_meshes_connected = itertools.count()  # one barrier name per mesh: every process builds its engines in the same order
+
+
+def connect_processes(mesh: Mesh) -> None:
+    """Several processes: meet at a barrier of the coordination service (10 minutes), then run one psum over `mesh`,
+    so that the CPU collectives (gloo) connect while every process is here. Gloo gives up connecting after 30 s
+    ("Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out"), and a process that compiles
+    its graphs slower than another would otherwise reach its first window too late (and the other waits for ever)."""
+    from jax._src import distributed  # the coordination service's client: no public barrier without a collective
+    distributed.global_state.client.wait_at_barrier(f"strata_experts_mesh_{next(_meshes_connected)}", 600_000)
+    ones = to_global(np.ones(mesh.size, np.float32), NamedSharding(mesh, P(AXIS)))
+    psum = jax.shard_map(lambda x: jax.lax.psum(x, AXIS), mesh=mesh, in_specs=P(AXIS), out_specs=P())
+    jax.block_until_ready(jax.jit(psum)(ones))
+
+
+def local_replica(x: jax.Array, device) -> jax.Array:
+    """The copy on `device` (one of this process's) of a replicated array: no transfer, and in several processes
+    the only copy this process can read."""
+    return next(shard.data for shard in x.addressable_shards if shard.device == device)
+
+
 def expert_specs(weights: model.Weights):
     """The PartitionSpec tree of `weights`: the MoE layers' experts (and their scales) split on the expert axis
     (axis 1 of stacked [L, E, ...] leaves, else 0), everything else replicated."""
@@ -368,6 +410,11 @@ class ExpertSplit:
                               "divisible by the device count")
         self.cfg, self.devices = cfg, list(devices)
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self.replicated = NamedSharding(self.mesh, P())
+        if jax.process_count() > 1:
+            connect_processes(self.mesh)
+        # the samplers' device: this process's first one (several processes: each samples on its own replica)
+        self.first = next(d for d in self.devices if d.process_index == jax.process_index())
         self.kernels = dict(attention_kernel=attention_kernel, dense_kernel=dense_kernel, delta_kernel=delta_kernel)
         self.prefill_experts = ShardedExperts(cfg, len(devices))
         self.decode_experts = ShardedExperts(cfg, len(devices), kernel=expert_kernel)
@@ -377,28 +424,29 @@ class ExpertSplit:
 
     def place_weights(self, w: model.Weights) -> model.Weights:
         self.specs = expert_specs(w)
-        return jax.device_put(w, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs))
+        return jax.tree.map(lambda x, s: to_global(x, NamedSharding(self.mesh, s)), w, self.specs)
 
     def gathered(self, w: model.Weights) -> model.Weights:
-        """The whole model on the first device again (save_state)."""
-        return jax.device_put(w, self.devices[0])
+        """The whole model on this process's first device again (save_state): the experts gathered, replicated."""
+        whole = jax.jit(lambda w: w, out_shardings=self.replicated)(w)
+        return jax.tree.map(lambda x: local_replica(x, self.first), whole)
 
     def place_cache(self, cache: model.KVCache) -> model.KVCache:
-        return jax.device_put(cache, NamedSharding(self.mesh, P()))
+        return jax.tree.map(lambda x: to_global(x, self.replicated), cache)
 
     def _compile(self, fn, n_out: int, weights, cache, t: int, *scalars):
-        rep = NamedSharding(self.mesh, P())
+        rep = self.replicated
         mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs, P(), P()) + (P(),) * len(scalars),
                                out_specs=P(), check_vma=False)
         compiled = jax.jit(mapped, donate_argnums=(1,), compiler_options=graphs.MODEL_COMPILER_OPTIONS).lower(
             weights, cache, jax.ShapeDtypeStruct((t,), jnp.int32, sharding=rep),
             *(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep) for _ in scalars)).compile()
-        first = self.devices[0]
+        first = self.first
 
         def run(weights, cache, *args):
-            out = compiled(weights, cache, *jax.device_put(args, rep))
-            # the engine's samplers run on the first device: hand them its replica
-            return tuple(jax.device_put(o, first) for o in out[:n_out]) + tuple(out[n_out:])
+            out = compiled(weights, cache, *(to_global(a, rep) for a in args))
+            # the engine's samplers run on this process's first device: hand them its replica
+            return tuple(local_replica(o, first) for o in out[:n_out]) + tuple(out[n_out:])
         return run
 
     def window(self, t: int, weights, cache):

@@ -73,3 +73,34 @@ def test_more_devices_than_seen_is_one_line():
     msg = one_line_refusal(Engine.from_random, preset("tiny"), verbose=False, dtype="float32", devices=2,
                            match="JAX sees 1")
     assert msg.startswith("devices=2:")
+
+
+def test_two_processes_through_jax_distributed_match_one_device():
+    """parallel=experts over 2 processes (jax.distributed, gloo collectives on the CPU, one device each): each
+    process's prefill logits, decode windows and greedy tokens equal its own single-device engine's."""
+    import socket
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    script = Path(__file__).resolve().parent / "distributed_check.py"
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), "2", str(port)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:  # a process left waiting on the other (a hang, or the other's failure)
+            if p.poll() is None:
+                p.kill()
+    rows = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert sorted(r["process"] for r in rows) == [0, 1], rows
+    for r in rows:
+        assert r["devices"] == 2 and r["local"] == 1, r  # the experts split over the two processes
+        for k in ("prefill", "w1", "w4"):
+            assert r[k] <= 1e-5, (r["process"], k, r[k])
+        assert r["gen1"] and r["gen4"], r
+    assert rows[0]["tokens"] == rows[1]["tokens"]  # every process samples the same tokens
