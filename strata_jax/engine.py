@@ -261,6 +261,8 @@ class Engine:
                 weights = model.stack_layers(weights, consume=True)
                 say(f"layers: {cfg.num_layers} stacked, one scanned body per window graph (layer_loop=scan)")
         else:
+            if parallel_mod.devices_for(opts) is not None and opts.parallel == "experts":
+                opts = dataclasses.replace(opts, pcie_frac="1")  # the experts split fetches every miss over PCIe
             placement = placement_mod.build(cfg, opts, weights, host, slots, why)
         return cls(cfg, weights, opts, placement=placement, **kwargs)
 
@@ -352,6 +354,9 @@ class Engine:
                                          cache_policy=cache_policy or self.placement.policy))
         if opts.pcie_frac == "auto":
             raise StrataError("reconfigure takes a number for pcie_frac")
+        if isinstance(self.parallel, parallel_mod.ExpertSplit) and (float(opts.pcie_frac) < 1
+                                                                     or opts.cache_policy == "static"):
+            raise StrataError("parallel=experts with offload runs pcie_frac=1 and cache_policy=lru")
         rebuild = self.placement.reconfigure(float(opts.pcie_frac), opts.cache_policy)
         self._reset_state()
         if rebuild:
@@ -367,7 +372,8 @@ class Engine:
         if not self.placement:
             return ExpertStats()
         states = [s for s in self.cache.experts if s is not None]
-        total = np.sum([np.asarray(s.counters) for s in states], axis=0)
+        # parallel=experts: [D, C] counters, one row per device's slot cache
+        total = np.sum([np.asarray(s.counters).reshape(-1, len(slots_mod.COUNTERS)) for s in states], axis=(0, 1))
         out = ExpertStats(**{name: int(v) for name, v in zip(slots_mod.COUNTERS, total)})
         out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(placement_mod.expert_itemsize(self.options))
         out.pool_s = self.placement.pool.stats.wall_seconds
@@ -833,13 +839,9 @@ def resolve_delta_kernel(opts: EngineOptions, cfg: ModelConfig) -> str:
 
 def plan_placement(cfg: ModelConfig, opts: EngineOptions):
     """Before the weights are read: the slot count (None: every expert on the device), why, and where the host
-    copies of the experts go (placement_mod.plan_placement); parallel=experts keeps every expert resident over the
-    devices, parallel=layers counts the slots that fit the devices' memory together."""
+    copies of the experts go (placement_mod.plan_placement); with several devices (`devices`) the slots count
+    their memory together."""
     devices = parallel_mod.devices_for(opts)
-    if devices is not None and opts.parallel == "experts":
-        if any(cfg.sparse_layers):
-            placement_mod.expert_format(opts, cfg)  # int4 on experts no group divides: one line before loading
-        return None, f"devices={opts.devices}: every expert resident over several devices", None
     return placement_mod.plan_placement(cfg, opts, device_reserve_bytes(cfg, opts), len(devices) if devices else 1,
                                         parallel_mod.layer_device(cfg, opts))
 

@@ -34,7 +34,20 @@ def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.
     t = tokens.shape[0]
     out = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel, dense_kernel,
                   delta_kernel, return_hidden)
-    return (greedy(out[0]),) + tuple(out)  # NON_FINITE (-1) for a row whose logits are not all finite
+    return window_outputs(out[0]) + tuple(out[1:])
+
+
+def window_outputs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A window's logits [T, V] -> (argmax [T], logits): NON_FINITE (-1) for a row whose logits are not all
+    finite (also the last stage of strata_jax/parallel.py's split windows)."""
+    return greedy(logits), logits
+
+
+def prefill_outputs(logits: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A prefill chunk's logits [C, V] -> (argmax after the last real row, its logits [1, V]): only that row leaves
+    the graph (a chunk's [C, V] would be a large copy for nothing)."""
+    last = jax.lax.dynamic_slice_in_dim(logits, n_valid - 1, 1, axis=0)  # [1, V]
+    return greedy(last[0]), last
 
 
 def mtp_window(weights: Weights, cache: KVCache, mtp_weights: mtp.MTPWeights, mtp_cache: mtp.MTPCache,
@@ -68,8 +81,7 @@ def prefill_chunk(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.
     Only the last real row's logits leave the graph: a chunk's [C, V] would be a large copy for nothing."""
     logits, cache, *hidden = forward(weights, cache, tokens, pos, n_valid, cfg, experts, attention_kernel,
                                      return_hidden=return_hidden)
-    last = jax.lax.dynamic_slice_in_dim(logits, n_valid - 1, 1, axis=0)  # [1, V]
-    return (greedy(last[0]), last, cache, *hidden)
+    return (*prefill_outputs(logits, n_valid), cache, *hidden)
 
 
 def prefill_logits(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, n_valid: jax.Array,

@@ -19,7 +19,10 @@ Two splits (`parallel=`):
   zero (`ShardedExperts`), and a `psum` over 'experts' adds the devices' rows. With the tokens replicated this is
   the dispatch/combine of an all-to-all (dispatch needs no traffic: every device has every token; the combine is
   the psum, [T, H] per layer), exact up to the order of the sum. Each device reads only 1/D of the experts a window
-  needs. Every expert resident (offload with the experts split: one line).
+  needs. With offload (`ShardedOffloadedExperts`) each device keeps its E/D experts of every MoE layer in its host
+  memory and its own slot cache of S/D slots over them ([D, ...] leaves split on 'experts'), fetches its misses over
+  PCIe and adds its rows in the same psum: every miss fetched (pcie_frac=1), lru, the exact routing (the host pool,
+  the static policy, the route switches and the deferral run with parallel=layers: one line).
 
 Both return the engine's graph signatures (`window(t)`: (weights, cache, tokens, pos) -> (argmax, logits, cache);
 `prefill(c)` and `prefill_logits(c)`), so `Engine` swaps them in for its own graphs (`attach`); the greedy tokens and
@@ -33,6 +36,7 @@ greedy tokens and logits from its own first device (`local_replica`), so every p
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -46,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax import graphs, model, moe
 from strata_jax.errors import StrataError
-from strata_jax.sampling import greedy
+from strata_jax.experts import slots as slots_mod
 
 AXIS = "experts"
 
@@ -66,10 +70,13 @@ def devices_for(opts) -> list | None:
                           f"several processes run parallel=experts over every device (devices=all)")
     if n == 1:
         return None
-    if opts.parallel == "experts" and opts.expert_cache_slots not in ("all", "auto"):
-        raise StrataError(f"devices={n} parallel=experts with expert_cache_slots={opts.expert_cache_slots}: offload "
-                          "with the experts split is not implemented (every expert is resident over the devices: "
-                          "expert_cache_slots=all; or parallel=layers, whose devices each keep their own slot caches)")
+    if opts.parallel == "experts" and opts.expert_cache_slots != "all" and (opts.cache_policy == "static"
+                                                                             or jax.process_count() > 1):
+        raise StrataError(f"devices={n} parallel=experts with offload runs cache_policy=lru in one process "
+                          "(the static policy and several processes: parallel=layers, or expert_cache_slots=all)")
+    if opts.parallel == "experts" and opts.pcie_frac not in ("auto", "1", "1.0"):
+        raise StrataError(f"devices={n} parallel=experts with pcie_frac={opts.pcie_frac}: the experts split fetches "
+                          "every miss over PCIe (pcie_frac=1); the host pool runs with parallel=layers")
     return seen[:n]
 
 
@@ -130,7 +137,10 @@ def attach(engine) -> "LayerSplit | ExpertSplit | None":
         layer_device(engine.cfg, engine.options)  # the refusals (DeltaNet layers, more devices than layers)
         split = LayerSplit(**kw, prefill_experts=engine.expert_path, scanned=engine.scanned)
     else:
-        split = ExpertSplit(**kw, expert_kernel=engine.expert_kernel == "pallas")
+        if engine.placement is not None and (engine.approx.active or engine.defer.active):
+            raise StrataError("parallel=experts with offload runs the exact routing: the route switches and the "
+                              "deferral run with parallel=layers")
+        split = ExpertSplit(**kw, expert_kernel=engine.expert_kernel == "pallas", prefill_experts=engine.expert_path)
     engine.weights = split.place_weights(engine.weights)
     return split
 
@@ -158,10 +168,9 @@ def _stage(weights: model.Weights, cache: model.KVCache, x: jax.Array, pos: jax.
         return h, cache
     logits = model.head_logits(weights, h, cfg)
     if tail == "window":
-        return (greedy(logits), logits), cache
+        return graphs.window_outputs(logits), cache
     if tail == "prefill":
-        row = jax.lax.dynamic_slice_in_dim(logits, n_valid - 1, 1, axis=0)  # [1, V]
-        return (greedy(row[0]), row), cache
+        return graphs.prefill_outputs(logits, n_valid), cache
     return (logits,), cache
 
 
@@ -348,6 +357,41 @@ class ShardedExperts:
             return moe.ExpertsOut(jax.lax.psum(y, AXIS).astype(x.dtype), state)
 
 
+class ShardedOffloadedExperts:
+    """parallel=experts with offload, inside shard_map over 'experts': this device's E/D experts of each MoE layer
+    in its host memory and its own slot cache of S/D slots (experts/slots.py's SlotCache over the local experts).
+    The window's exact route, restricted to the local experts (the other devices' entries route nowhere here), runs
+    the offloaded path's plan, fetches and expert blocks (`inner`: slots.OffloadedExperts, built without the host
+    pool: every miss fetched over PCIe), then the psum adds the devices' rows. The slot cache leaves carry a leading
+    device axis [D, ...] split on 'experts': this device sees [1, ...]."""
+
+    def __init__(self, cfg, n_devices: int, inner):
+        if inner.pool is not None:  # its CPU kind would leave rows out: the engine forces pcie_frac=1
+            raise StrataError("parallel=experts with offload fetches every miss over PCIe: pcie_frac=1")
+        self.cfg, self.n, self.inner = cfg, n_devices, inner
+        self.join_now = False  # no deferral
+
+    def __call__(self, layer, x, w: moe.MoEWeights, valid, state=None, offset=0):
+        cfg = self.cfg
+        e_local = cfg.num_experts // self.n
+        with jax.named_scope("moe_route"):
+            r = moe.route(x, w.router, cfg, valid)  # every token, every expert: the router is replicated
+            base = jax.lax.axis_index(AXIS) * e_local
+            mine = (r.expert_ids >= base) & (r.expert_ids < base + e_local)
+            r = r.replace(expert_ids=jnp.where(mine, r.expert_ids - base, -1), combine=r.combine * mine[None, :],
+                          entry_counts=jnp.where(mine, r.entry_counts, 0))
+        state = jax.tree.map(lambda a: a[0], state)
+        with jax.named_scope("moe_plan"):
+            p = self.inner.plan_window(r, state)
+        with jax.named_scope("moe_experts"):
+            y, slots = self.inner.gpu_experts(x, w, r, p, state)
+        with jax.named_scope("moe_slot_table"):
+            state = slots_mod.update_slots(state, r, p, slots, {})
+        with jax.named_scope("moe_combine"):
+            y = jax.lax.psum(y, AXIS).astype(x.dtype)
+        return moe.ExpertsOut(y, jax.tree.map(lambda a: a[None], state), None)
+
+
 def to_global(x, sharding: NamedSharding) -> jax.Array:
     """`x` (host or this process's device; the same value in every process) as an array of `sharding`. Several
     processes: each fills only its own devices' shards (a device_put from a local device onto other processes'
@@ -402,7 +446,7 @@ class ExpertSplit:
     """parallel=experts: each MoE layer's experts split over a 'experts' mesh axis (see the module docstring)."""
 
     def __init__(self, cfg, devices, decode_experts=None, attention_kernel=False, dense_kernel=False,
-                 delta_kernel=False, expert_kernel=False):
+                 delta_kernel=False, expert_kernel=False, prefill_experts=None):
         if not any(cfg.sparse_layers):
             raise StrataError("parallel=experts: this model has no MoE layer (use parallel=layers)")
         if cfg.num_experts % len(devices):
@@ -416,28 +460,54 @@ class ExpertSplit:
         # the samplers' device: this process's first one (several processes: each samples on its own replica)
         self.first = next(d for d in self.devices if d.process_index == jax.process_index())
         self.kernels = dict(attention_kernel=attention_kernel, dense_kernel=dense_kernel, delta_kernel=delta_kernel)
-        self.prefill_experts = ShardedExperts(cfg, len(devices))
-        self.decode_experts = ShardedExperts(cfg, len(devices), kernel=expert_kernel)
-        self.specs = None
-        self.line = (f"parallel=experts over {len(devices)} devices: {cfg.num_experts // len(devices)} experts of "
-                     f"each MoE layer per device, attention and KV cache replicated")
+        n = len(devices)
+        self.offload = prefill_experts is not None  # the engine's offloaded expert paths (slots.OffloadedExperts)
+        if self.offload:
+            self.prefill_experts = ShardedOffloadedExperts(cfg, n, prefill_experts)
+            self.decode_experts = ShardedOffloadedExperts(cfg, n, decode_experts)
+        else:
+            self.prefill_experts = ShardedExperts(cfg, n)
+            self.decode_experts = ShardedExperts(cfg, n, kernel=expert_kernel)
+        self.specs = self.cache_specs = None
+        self.line = (f"parallel=experts over {n} devices: {cfg.num_experts // n} experts of each MoE layer per "
+                     f"device{' (in its host memory, with its own slot cache)' if self.offload else ''}, attention "
+                     "and KV cache replicated")
 
     def place_weights(self, w: model.Weights) -> model.Weights:
-        self.specs = expert_specs(w)
-        return jax.tree.map(lambda x, s: to_global(x, NamedSharding(self.mesh, s)), w, self.specs)
+        self.specs = expert_specs(w)  # host experts stay in host memory, split like the resident ones
+        return jax.tree.map(lambda x, s: to_global(x, NamedSharding(self.mesh, s, memory_kind=x.sharding.memory_kind)),
+                            w, self.specs)
 
     def gathered(self, w: model.Weights) -> model.Weights:
         """The whole model on this process's first device again (save_state): the experts gathered, replicated."""
-        whole = jax.jit(lambda w: w, out_shardings=self.replicated)(w)
+        kinds = jax.tree.map(lambda x: NamedSharding(self.mesh, P(), memory_kind=x.sharding.memory_kind), w)
+        whole = jax.jit(lambda w: w, out_shardings=kinds)(w)  # host experts stay in host memory
         return jax.tree.map(lambda x: local_replica(x, self.first), whole)
 
     def place_cache(self, cache: model.KVCache) -> model.KVCache:
-        return jax.tree.map(lambda x: to_global(x, self.replicated), cache)
+        """The KV cache replicated; with offload each device's slot caches (S/D slots over its E/D experts), fresh,
+        as [D, ...] leaves split on 'experts'."""
+        experts, split = cache.experts, NamedSharding(self.mesh, P(AXIS))
+        cache = jax.tree.map(lambda x: to_global(x, self.replicated), cache.replace(experts=None))
+        self.cache_specs = jax.tree.map(lambda _: P(), cache)
+        if experts is not None:
+            n = len(self.devices)
+            local_cfg = dataclasses.replace(self.cfg, num_experts=self.cfg.num_experts // n)
+
+            def local(state):
+                fresh = slots_mod.init_slot_cache(local_cfg, state.slots // n, state.gate.dtype,
+                                                  "lru" if bool(state.lru) else "static", float(state.pcie_frac))
+                return jax.tree.map(lambda a: to_global(np.stack([np.asarray(a)] * n), split), fresh)
+            experts = [None if s is None else local(s) for s in experts]
+            cache = cache.replace(experts=experts)
+            self.cache_specs = self.cache_specs.replace(
+                experts=[None if s is None else jax.tree.map(lambda _: P(AXIS), s) for s in experts])
+        return cache
 
     def _compile(self, fn, n_out: int, weights, cache, t: int, *scalars):
         rep = self.replicated
-        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs, P(), P()) + (P(),) * len(scalars),
-                               out_specs=P(), check_vma=False)
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs, self.cache_specs, P()) + (P(),) * len(scalars),
+                               out_specs=(P(),) * n_out + (self.cache_specs,), check_vma=False)
         compiled = jax.jit(mapped, donate_argnums=(1,), compiler_options=graphs.MODEL_COMPILER_OPTIONS).lower(
             weights, cache, jax.ShapeDtypeStruct((t,), jnp.int32, sharding=rep),
             *(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep) for _ in scalars)).compile()

@@ -69,7 +69,7 @@ def main(splits: list[str]) -> None:
             stats = eng.stats.last.decode_experts
             out["experts"] = dict(fetched=stats.distinct_fetched, cpu=stats.distinct_cpu,
                                   resident=stats.distinct_resident)
-            out["slot_devices"] = sorted({str(next(iter(s.gate.devices()))) for s in eng.cache.experts if s})
+            out["slot_devices"] = sorted({str(d) for s in eng.cache.experts if s for d in s.gate.devices()})
         print(json.dumps(out), flush=True)
     # The deferral (verify_defer_cpu=1) with parallel=layers: a device block's last layer is never deferred (its rows
     # must be in the activations that leave the device), and the windows run.
@@ -83,7 +83,7 @@ def main(splits: list[str]) -> None:
     # save_state of a split engine restores on one device with the same logits (the embedded checkpoint folder)
     import tempfile
     base = Engine.from_pretrained(None, **OPTS).prefill_logits(prompt)
-    for split in resident[:2] + offloaded[:1]:
+    for split in resident[:2] + offloaded[:1] + [s for s in offloaded if s.startswith("experts")][:1]:
         mode, n, *offload = split.split(":")
         extra = dict(zip(("expert_cache_slots", "pcie_frac", "cache_policy"), offload))
         with tempfile.TemporaryDirectory() as tmp:
@@ -91,7 +91,9 @@ def main(splits: list[str]) -> None:
                 Path(tmp) / "state")
             again = Engine.from_pretrained(str(Path(tmp) / "state"), **OPTS).prefill_logits(prompt)
         print(json.dumps({"saved": split, "prefill": rel(again, base)}), flush=True)
-    for bad in (dict(devices=2, parallel="experts", expert_cache_slots="4"), dict(devices=99)):
+    for bad in (dict(devices=2, parallel="experts", expert_cache_slots="4", pcie_frac="0.5"), dict(devices=99),
+                dict(devices=2, parallel="experts", expert_cache_slots="4", cache_policy="static"),
+                dict(devices=4, parallel="layers")):  # the tiny model has 3 layers
         try:
             Engine.from_random(cfg, seed=3, **{**OPTS, **bad})
             print(json.dumps({"error": None, "options": bad}))

@@ -24,13 +24,14 @@ CHECK = Path(__file__).resolve().parent / "parallel_check.py"
 def test_layers_and_experts_match_one_device(cache_dir):
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
                XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    splits = ["layers:2", "experts:2", "layers:2:4:0.5:lru", "layers:3:3:1:static"]
+    splits = ["layers:2", "experts:2", "layers:2:4:0.5:lru", "layers:3:3:1:static", "experts:2:4:1:lru"]
     proc = subprocess.run([sys.executable, str(CHECK), f"--cache_dir={cache_dir}", *splits],
                           env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     splits = {r["split"]: r for r in rows if "split" in r}
-    assert set(splits) == {"layers:2", "experts:2", "layers:2:4:0.5:lru", "layers:3:3:1:static"}, proc.stdout
+    assert set(splits) == {"layers:2", "experts:2", "layers:2:4:0.5:lru", "layers:3:3:1:static",
+                           "experts:2:4:1:lru"}, proc.stdout
     for split, r in splits.items():
         for k in ("prefill", "w1", "w4"):  # prefill logits; decode windows of T=1 and T=4
             assert r[k] <= 1e-5, (split, k, r[k])
@@ -46,15 +47,25 @@ def test_layers_and_experts_match_one_device(cache_dir):
     assert pool["slot_devices"] == ["cpu:0", "cpu:1"] and static["slot_devices"] == ["cpu:0", "cpu:1", "cpu:2"]
     assert pool["experts"]["fetched"] > 0 and pool["experts"]["cpu"] > 0, pool
     assert static["experts"]["fetched"] > 0 and static["experts"]["cpu"] == 0, static
+    # parallel=experts with offload: each device's slot cache (of its half of the experts) on that device
+    split_offload = splits["experts:2:4:1:lru"]
+    assert split_offload["slot_devices"] == ["cpu:0", "cpu:1"], split_offload
+    assert split_offload["experts"]["fetched"] > 0 and split_offload["experts"]["resident"] > 0, split_offload
     # the deferral: the last layer of device 0's block (layer 1 of 3) is never deferred, nor the model's last
     defer = next(r for r in rows if "defer" in r)
     assert defer["no_defer"] == [1, 2] and defer["defer_active"] and defer["tokens"] == 10 and defer["cpu"] > 0
     saved = {r["saved"]: r["prefill"] for r in rows if "saved" in r}
-    assert set(saved) == {"layers:2", "experts:2", "layers:2:4:0.5:lru"}, proc.stdout  # restored on one device
+    assert set(saved) == {"layers:2", "experts:2", "layers:2:4:0.5:lru", "experts:2:4:1:lru"}, proc.stdout
     assert all(v <= 1e-5 for v in saved.values()), saved
     errors = {json.dumps(r["options"], sort_keys=True): r["error"] for r in rows if "options" in r}
-    offload = errors[json.dumps({"devices": 2, "parallel": "experts", "expert_cache_slots": "4"}, sort_keys=True)]
-    assert offload and "offload with the experts split is not implemented" in offload and "\n" not in offload
+    pool = errors[json.dumps({"devices": 2, "parallel": "experts", "expert_cache_slots": "4", "pcie_frac": "0.5"},
+                             sort_keys=True)]
+    assert pool and "fetches every miss over PCIe (pcie_frac=1)" in pool and "\n" not in pool
+    lru_only = errors[json.dumps({"devices": 2, "parallel": "experts", "expert_cache_slots": "4",
+                                  "cache_policy": "static"}, sort_keys=True)]
+    assert lru_only and "runs cache_policy=lru" in lru_only and "\n" not in lru_only
+    blocks = errors[json.dumps({"devices": 4, "parallel": "layers"}, sort_keys=True)]
+    assert blocks and "needs at least as many layers (this model: 3)" in blocks and "\n" not in blocks
     many = errors[json.dumps({"devices": 99}, sort_keys=True)]
     assert many and "devices=99: JAX sees 4 cpu device(s)" == many
 
