@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -109,10 +108,6 @@ flags.DEFINE_integer("copy_mib", 0, "Array size of the pinned host -> device cop
 RESERVED = ("expert_cache_slots", "pcie_frac", "context", "max_new_tokens", "temperature", "seed", "stop_token_ids",
             "ignore_eos")
 TARGET_PROMPT, TARGET_FRAC, TARGET_RATIO = 32768, 0.25, 2.0
-
-
-class _Stopped(BaseException):
-    """SIGTERM (a time limit): stop measuring, print what was measured."""
 
 
 # ---- flags -------------------------------------------------------------------------------------------------------
@@ -460,26 +455,8 @@ def run(s) -> dict:
         if s.json:
             common.write_json(s.json, result)
 
-    stopped = []
-
-    def on_term(signum, frame):
-        stopped.append(time.perf_counter())
-        raise _Stopped()
-
-    try:
-        previous = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread: no handler, a SIGTERM ends the process as usual
-        previous = None
-    try:
-        try:
-            _measure(s, cfg, prompts, slot_arms, arms, context, offloaded, result, save)
-        except _Stopped:
-            result["stopped"] = "SIGTERM (a time limit): the rows measured before it"
-            common.progress("SIGTERM: printing the rows measured so far")
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    result["complete"] = not stopped
+    with runner.sigterm_stops(result, common.progress) as stopped:
+        _measure(s, cfg, prompts, slot_arms, arms, context, offloaded, result, save)
     save()
     _report(s, cfg, result)
     save()

@@ -32,7 +32,6 @@ measured so far; the JSON is rewritten after each row.
 from __future__ import annotations
 
 import gc
-import signal
 import sys
 import time
 
@@ -74,10 +73,6 @@ HEADERS = ["devices", "parallel", "slots", "decode tok/s", "ms/window", "x 1 GPU
 TIMING = ("decode tok/s: one greedy generate() call's tokens after the first over its decode loop's seconds "
           "(engine.stats), after one untimed warm-up request")
 TARGET = 3.0  # N devices all resident over 1 device with offload at half budget
-
-
-class _Stopped(BaseException):
-    """SIGTERM (a time limit): stop measuring, print what was measured."""
 
 
 # ---- the rows to run ---------------------------------------------------------------------------------------------
@@ -246,17 +241,7 @@ def run(s) -> dict:
         + ("T=1 windows (draft=none, window=1)" if s.draft == "none" else "the engine's verify windows (draft=ngram)"))
     prompts = make_prompts(cfg, [s.prompt], s.seed)
     prompts = (prompts[0], prompts[1][s.prompt])
-    stopped = []
-
-    def on_term(signum, frame):
-        stopped.append(time.perf_counter())
-        raise _Stopped()
-
-    try:
-        previous = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread: a SIGTERM ends the process as usual
-        previous = None
-    try:
+    with runner.sigterm_stops(result, common.progress) as stopped:
         for plan in plans:
             what = describe(plan, reserve_mib)
             common.progress(f"{what}: building the engine")
@@ -271,13 +256,6 @@ def run(s) -> dict:
             save()
             common.progress(f"{what}: {row['decode_tok_s']:,.1f} tok/s (built in {row['build_s']:.1f} s, compile "
                             f"{row['compile_s']:.1f} s)")
-    except _Stopped:
-        result["stopped"] = "SIGTERM (a time limit): the rows measured before it"
-        common.progress("SIGTERM: printing the rows measured so far")
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    result["complete"] = not stopped
     save()
     _report(s, result, reserve_mib)
     save()

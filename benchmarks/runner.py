@@ -12,6 +12,7 @@ cartesian product of the lists run in order, one row per point, printed as md, j
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
@@ -19,6 +20,7 @@ import itertools
 import json
 import math
 import re
+import signal
 import sys
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -223,3 +225,33 @@ def table(s: Any, benchmark: str, headers: Sequence[str], table_rows: Sequence[S
     rows = rows_from_table(benchmark, headers, table_rows, params, timing=timing, units=units, fixed=fixed)
     emit(rows, getattr(s, "output", "md"), table=md, result=result)
     return md
+
+
+class Stopped(BaseException):
+    """SIGTERM (a time limit): stop measuring, print what was measured."""
+
+
+@contextlib.contextmanager
+def sigterm_stops(result: dict, progress: Callable[[str], None]) -> Iterator[list]:
+    """Measure inside: a SIGTERM (gpu_run.sh's time limit) ends the block, which records it in result["stopped"];
+    result["complete"] says whether the block ran to its end. Yields a list that holds the SIGTERM's time once one
+    came (the caller prints the rows so far, then exits 143). Outside the main thread no handler is installed."""
+    stopped: list = []
+
+    def on_term(signum, frame):
+        stopped.append(signum)
+        raise Stopped()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread: a SIGTERM ends the process as usual
+        previous = None
+    try:
+        yield stopped
+    except Stopped:
+        result["stopped"] = "SIGTERM (a time limit): the rows measured before it"
+        progress("SIGTERM: printing the rows measured so far")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        result["complete"] = not stopped

@@ -523,8 +523,11 @@ class Engine:
             raise StrataError(f"spec {spec} needs window >= {spec + 1} (this engine compiled T=1..{self.options.window})")
         if req.draft == "none":
             spec = 0
-        if self.parallel and spec > 0 and (req.draft == "device" or (req.draft == "mtp" and self.mtp is not None)):
-            raise StrataError(f"draft={req.draft} is not wired for devices > 1 yet: use draft=ngram or none")
+        if self.parallel and spec > 0:
+            if req.draft == "mtp" and self.mtp is not None:
+                raise StrataError("draft=mtp is not wired for devices > 1 yet: use draft=ngram, device or none")
+            if req.draft == "device" and isinstance(self.parallel, parallel_mod.LayerSplit):
+                raise StrataError("draft=device is not wired for parallel=layers yet: use draft=ngram or none")
         if req.draft == "mtp" and drafter is None:
             if self.mtp is None:
                 if not self._said_no_mtp:
@@ -674,11 +677,16 @@ class Engine:
         key = (t, sampled)
         if key not in self._device_verify:
             t0 = time.perf_counter()
-            fn = graphs.jit_device_verify_window(self.cfg, t, sampled, self.decode_expert_path,
-                                                 **self._window_kernels())
-            hist = jnp.zeros((self.context + t,), jnp.int32)
-            self._device_verify[key] = self._aot(fn, self.weights, self.cache, hist, jnp.int32(1),
-                                                 SamplingParams.make())
+            if self.parallel:  # parallel=experts (parallel=layers is refused in one line before)
+                with self._full_f32():
+                    self._device_verify[key] = self.parallel.device_verify(t, sampled, self.weights, self.cache,
+                                                                           self.context, SamplingParams.make())
+            else:
+                fn = graphs.jit_device_verify_window(self.cfg, t, sampled, self.decode_expert_path,
+                                                     **self._window_kernels())
+                hist = jnp.zeros((self.context + t,), jnp.int32)
+                self._device_verify[key] = self._aot(fn, self.weights, self.cache, hist, jnp.int32(1),
+                                                     SamplingParams.make())
             if self.verbose:
                 log(f"graphs: device verify window T={t} ({'sampled' if sampled else 'greedy'}) compiled in "
                     f"{time.perf_counter() - t0:.1f} s")

@@ -183,7 +183,7 @@ def stack_layers(weights: Weights, consume: bool = False) -> Weights:
     for j in range(len(leaves_per_layer[0])):
         first = leaves_per_layer[0][j]
         # Written in place into a buffer of the stacked shape (jnp.stack would hold a second copy of the parts).
-        buf = jax.device_put(jnp.zeros((len(leaves_per_layer), *first.shape), first.dtype), first.sharding)
+        buf = jax.device_put(jnp.zeros((len(leaves_per_layer), *first.shape), first.dtype), _stacked(first.sharding))
         for i, leaves in enumerate(leaves_per_layer):
             buf = _put_layer(buf, leaves[j], jnp.int32(i))
             if consume:
@@ -191,6 +191,15 @@ def stack_layers(weights: Weights, consume: bool = False) -> Weights:
                 leaves[j].delete()
         stacked.append(buf)
     return weights.replace(layers=jax.tree.unflatten(treedef, stacked))
+
+
+def _stacked(sharding):
+    """The sharding of a layer-stacked leaf: a layer's NamedSharding (parallel=experts: experts split on axis 0)
+    shifted by the new leading layer axis; a single device's as it is."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec),
+                                          memory_kind=sharding.memory_kind)
+    return sharding
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

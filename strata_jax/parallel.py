@@ -19,7 +19,8 @@ Two splits (`parallel=`):
   zero (`ShardedExperts`), and a `psum` over 'experts' adds the devices' rows. With the tokens replicated this is
   the dispatch/combine of an all-to-all (dispatch needs no traffic: every device has every token; the combine is
   the psum, [T, H] per layer), exact up to the order of the sum. Each device reads only 1/D of the experts a window
-  needs. With offload (`ShardedOffloadedExperts`) each device keeps its E/D experts of every MoE layer in its host
+  needs; the checkpoint loader splits each expert stack as it reads it (`weight_placer`). draft=device's verify
+  window runs in the same shard_map (`device_verify`). With offload (`ShardedOffloadedExperts`) each device keeps its E/D experts of every MoE layer in its host
   memory and its own slot cache of S/D slots over them ([D, ...] leaves split on 'experts'), fetches its misses over
   PCIe and adds its rows in the same psum: every miss fetched (pcie_frac=1), lru, the exact routing (the host pool,
   the static policy, the route switches and the deferral run with parallel=layers: one line).
@@ -103,8 +104,15 @@ def layer_device(cfg, opts):
 
 
 def weight_placer(cfg, opts):
-    """parallel=layers: the checkpoint loader's `place(name, array)`: a layer's tensors onto its block's device, the
-    embedding onto the first, the final norm and lm_head onto the last (None: the default placement)."""
+    """The checkpoint loader's `place(name, array)` with several devices (None: the default placement), so no
+    device ever holds more than its share: parallel=layers: a layer's tensors onto its block's device, the
+    embedding onto the first, the final norm and lm_head onto the last; parallel=experts, every expert resident:
+    each layer's expert stacks [E, ...] (and their scales) split on the expert axis, the rest replicated."""
+    devices = devices_for(opts)
+    if devices is not None and opts.parallel == "experts" and opts.expert_cache_slots == "all":
+        mesh = Mesh(np.array(devices), (AXIS,))
+        split, rep = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
+        return lambda name, x: to_global(x, split if ".experts." in name and "shared" not in name else rep)
     device_of = layer_device(cfg, opts)
     if device_of is None:
         return None
@@ -522,6 +530,29 @@ class ExpertSplit:
     def window(self, t: int, weights, cache):
         fn = functools.partial(graphs.decode_window, cfg=self.cfg, experts=self.decode_experts, **self.kernels)
         return self._compile(fn, 2, weights, cache, t, "pos")
+
+    def device_verify(self, t: int, sampled: bool, weights, cache, context: int, sampling):
+        """draft="device"'s verify window of T (graphs.device_verify_window) in shard_map: (weights, cache, hist,
+        length, sampling) -> (hist, length, new, n_new, m, cache). The history and its length stay replicated over
+        the devices (fed back to the next window as they are); new, n_new and m come back on this process's first
+        device, where the host loop reads them."""
+        rep = self.replicated
+        fn = functools.partial(graphs.device_verify_window, cfg=self.cfg, t=t, sampled=sampled,
+                               experts=self.decode_experts, **self.kernels)
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs, self.cache_specs, P(), P(), P()),
+                               out_specs=(P(),) * 5 + (self.cache_specs,), check_vma=False)
+        abstract = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.asarray(x).dtype, sharding=rep)
+        compiled = jax.jit(mapped, donate_argnums=(1, 2), compiler_options=graphs.MODEL_COMPILER_OPTIONS).lower(
+            weights, cache, jax.ShapeDtypeStruct((context + t,), jnp.int32, sharding=rep),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), jax.tree.map(abstract, sampling)).compile()
+        first = self.first
+
+        def run(weights, cache, hist, length, sampling):
+            hist, length, new, n_new, m, cache = compiled(
+                weights, cache, to_global(hist, rep), to_global(length, rep),
+                jax.tree.map(lambda x: to_global(x, rep), sampling))
+            return (hist, length) + tuple(local_replica(o, first) for o in (new, n_new, m)) + (cache,)
+        return run
 
     def prefill(self, c: int, weights, cache):
         fn = functools.partial(graphs.prefill_chunk, cfg=self.cfg, experts=self.prefill_experts,
