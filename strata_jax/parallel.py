@@ -109,7 +109,8 @@ def weight_placer(cfg, opts):
     embedding onto the first, the final norm and lm_head onto the last; parallel=experts, every expert resident:
     each layer's expert stacks [E, ...] (and their scales) split on the expert axis, the rest replicated."""
     devices = devices_for(opts)
-    if devices is not None and opts.parallel == "experts" and opts.expert_cache_slots == "all":
+    if (devices is not None and opts.parallel == "experts" and opts.expert_cache_slots == "all"
+            and cfg.num_experts % len(devices) == 0):  # (not divisible: ExpertSplit's one line after loading)
         mesh = Mesh(np.array(devices), (AXIS,))
         split, rep = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
         return lambda name, x: to_global(x, split if ".experts." in name and "shared" not in name else rep)
