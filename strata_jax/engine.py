@@ -526,8 +526,6 @@ class Engine:
         if self.parallel and spec > 0:
             if req.draft == "mtp" and self.mtp is not None:
                 raise StrataError("draft=mtp is not wired for devices > 1 yet: use draft=ngram, device or none")
-            if req.draft == "device" and isinstance(self.parallel, parallel_mod.LayerSplit):
-                raise StrataError("draft=device is not wired for parallel=layers yet: use draft=ngram or none")
         if req.draft == "mtp" and drafter is None:
             if self.mtp is None:
                 if not self._said_no_mtp:
@@ -677,7 +675,7 @@ class Engine:
         key = (t, sampled)
         if key not in self._device_verify:
             t0 = time.perf_counter()
-            if self.parallel:  # parallel=experts (parallel=layers is refused in one line before)
+            if self.parallel:  # the window in shard_map (experts), or chained over the stages (layers)
                 with self._full_f32():
                     self._device_verify[key] = self.parallel.device_verify(t, sampled, self.weights, self.cache,
                                                                            self.context, SamplingParams.make())

@@ -99,15 +99,29 @@ def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, leng
     so far, the first `length` of them (the last not yet in the KV cache). Proposes up to t-1 n-gram drafts, runs
     the window at position length-1 (padding rows route nowhere), accepts as the host loop would, and appends the
     new tokens. -> (hist, length, new [t] (the first n_new real), n_new, drafts proposed m, cache)."""
+    window, drafts, m, pos = draft_window(hist, length, t=t)
+    logits, cache = forward(weights, cache, window, pos, 1 + m, cfg, experts, attention_kernel, dense_kernel,
+                            delta_kernel)
+    return accept_window(logits, hist, length, drafts, m, sampling, t=t, sampled=sampled) + (cache,)
+
+
+def draft_window(hist: jax.Array, length: jax.Array, *, t: int):
+    """device_verify_window's first half: up to t-1 n-gram drafts from the history -> (window [t]: the last token
+    then the drafts, drafts [t-1], m drafts proposed, the window's position length-1)."""
     drafts, m = device_drafts.ngram_propose(hist, length, t - 1)  # [t-1]
     pos = length - 1
     window = jnp.concatenate([jax.lax.dynamic_slice_in_dim(hist, pos, 1), drafts])  # [t]
-    logits, cache = forward(weights, cache, window, pos, 1 + m, cfg, experts, attention_kernel, dense_kernel,
-                            delta_kernel)
-    positions = pos + 1 + jnp.arange(t, dtype=jnp.int32)
+    return window, drafts, m, pos
+
+
+def accept_window(logits: jax.Array, hist: jax.Array, length: jax.Array, drafts: jax.Array, m: jax.Array,
+                  sampling: SamplingParams, *, t: int, sampled: bool):
+    """device_verify_window's second half: the window's logits [t, V] -> (hist, length, new [t], n_new, m), as the
+    host loop accepts."""
+    positions = length + jnp.arange(t, dtype=jnp.int32)  # pos + 1 + i
     new, n_new = device_drafts.accept(logits, drafts, m, positions, sampling, sampled)
     hist = jax.lax.dynamic_update_slice_in_dim(hist, new, length, axis=0)  # past length + n_new: overwritten later
-    return hist, length + n_new, new, n_new, m, cache
+    return hist, length + n_new, new, n_new, m
 
 
 def sample_window(logits: jax.Array, positions: jax.Array, sampling: SamplingParams, filtered: bool = True):

@@ -11,7 +11,9 @@ Two splits (`parallel=`):
   over its per-layer list, the single-device graphs' own layer bodies), the activations [T, H] `device_put` to the
   next stage's device, final norm + lm_head on the last. A block's last layer is never deferred
   (OffloadedExperts.no_defer): its rows must be in the activations that leave the device. The stages do not
-  overlap: the split buys memory (each device holds 1/D of the model), not speed.
+  overlap: the split buys memory (each device holds 1/D of the model), not speed. draft=device's verify window
+  (`LayerSplit.device_verify`): drafts proposed on the first device, the window through the stages, accepted back
+  on the first device, all queued without the host.
 * `experts` (`ExpertSplit`): a `Mesh` over the devices with one axis 'experts'; each MoE layer's experts [E, ...]
   (stacked: [L, E, ...]) sharded on the expert axis (`NamedSharding`), everything else (attention, norms, router,
   embeddings, KV cache) replicated. The whole window runs in `jax.shard_map`: each device routes every token (the
@@ -313,6 +315,24 @@ class LayerSplit:
             (token, logits), cache = run(weights, cache, tokens, pos, np.int32(t))
             return token, logits, cache
         return window
+
+    def device_verify(self, t: int, sampled: bool, weights, cache, context: int, sampling):
+        """draft="device"'s verify window of T over the stages: the drafts proposed on the first device
+        (graphs.draft_window), the window through the stages, the acceptance back on the first device
+        (graphs.accept_window); nothing waits for the host. (weights, cache, hist, length, sampling) ->
+        (hist, length, new, n_new, m, cache)."""
+        run = self._pipeline(weights, cache, t, "logits", self.decode_experts, self.attention_kernel,
+                             self.dense_kernel)
+        first = self.devices[0]
+        propose = jax.jit(functools.partial(graphs.draft_window, t=t))
+        accept = jax.jit(functools.partial(graphs.accept_window, t=t, sampled=sampled))
+
+        def device_verify(weights, cache, hist, length, sampling):
+            hist, length, sampling = jax.device_put((hist, length, sampling), first)
+            window, drafts, m, pos = propose(hist, length)
+            (logits,), cache = run(weights, cache, window, pos, 1 + m)
+            return accept(logits, hist, length, drafts, m, sampling) + (cache,)
+        return device_verify
 
     def prefill(self, c: int, weights, cache):
         run = self._pipeline(weights, cache, c, "prefill", self.prefill_experts, self.attention_kernel, False)
