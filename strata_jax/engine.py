@@ -276,35 +276,28 @@ class Engine:
             self.tokenizer.save(str(Path(path) / "tokenizer.json"))
 
     def _compile(self) -> None:
-        """Every window size 1..W, the prefill chunk and the samplers, ahead of time."""
+        """Every window size 1..W and the prefill chunks, ahead of time (the samplers: on the first sampled
+        request, _pick_samplers)."""
         t0 = time.perf_counter()
         self._mtp_compiled = None  # built with the old expert path: recompiled on the next draft="mtp" request
         if self.verbose:
-            log(f"compiling: window T=1..{self.options.window}, prefill {self._chunks_text()}, samplers ...")
+            log(f"compiling: window T=1..{self.options.window}, prefill {self._chunks_text()} ...")
         pos = jnp.int32(0)
         decode = self._jit_decode_window()
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel)
-        sampling = SamplingParams.make()
-        v = self.cfg.vocab_size
         self._decode = {}
-        # Samplers and verifiers per window size, in two forms: filtered (top-k / top-p: a sort of the vocabulary)
-        # and plain (both off: the same tokens without the sort). Each request picks its form (_pick_samplers).
-        self._samplers, self._verifiers = {True: {}, False: {}}, {True: {}, False: {}}
         with self._full_f32():
             for t in range(1, self.options.window + 1):
                 self._decode[t] = (self.parallel.window(t, self.weights, self.cache) if self.parallel else
                                    decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile())
-                for filtered in (True, False):
-                    self._samplers[filtered][t] = graphs.jit_sample(filtered).lower(
-                        jnp.zeros((t, v), jnp.float32), jnp.zeros((t,), jnp.int32), sampling).compile()
-                    if t > 1:
-                        self._verifiers[filtered][t] = graphs.jit_verify(filtered).lower(
-                            jnp.zeros((t, v), jnp.float32), jnp.zeros((t - 1,), jnp.int32),
-                            jnp.zeros((t,), jnp.int32), sampling).compile()
             self._prefill = {c: self.parallel.prefill(c, self.weights, self.cache) if self.parallel else
                              prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32), pos,
                                            jnp.int32(1)).compile() for c in self.chunks}
-        self._pick_samplers(filtered=True)
+        # Samplers and verifiers per window size, in two forms: filtered (top-k / top-p: a sort of the vocabulary)
+        # and plain (both off: the same tokens without the sort). Each sampled request picks its form
+        # (_pick_samplers), compiled then, once per process (graphs.window_samplers: engines share them).
+        self._samplers = {f: graphs.window_samplers(f, self.options.window, self.cfg.vocab_size) for f in (True, False)}
+        self._pick_samplers(filtered=True, sampled=False)
         self._prefill_logits = {}  # chunk size -> graph, compiled on first use (teacher-forced prompt scoring)
         self._device_verify = {}  # (T, sampled) -> graph; compiled on first use (generate(draft="device") only)
         self._fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
@@ -314,10 +307,16 @@ class Engine:
                 f"{self.stats.compile_s:.1f} s (persistent cache: {jax.config.jax_compilation_cache_dir}); "
                 f"context {self.context} tokens ({resolve_context(self.cfg, self.options)[1]})")
 
-    def _pick_samplers(self, filtered: bool) -> None:
+    def _pick_samplers(self, filtered: bool, sampled: bool = True) -> None:
         """This request's samplers and verifiers (requests run one at a time): the plain form where top-k and
-        top-p are off."""
-        self._sample, self._verify = self._samplers[filtered], self._verifiers[filtered]
+        top-p are off; compiled here, before the request's timed part, the first time a sampled request needs them."""
+        form = self._samplers[filtered]
+        if sampled and not form.compiled:
+            seconds = form.compile()
+            if self.verbose:
+                log(f"samplers: window T=1..{self.options.window} ({'top-k / top-p' if filtered else 'plain'}) "
+                    f"compiled in {seconds:.1f} s (first sampled request; shared by this process's engines)")
+        self._sample, self._verify = form.sample, form.verify
 
     @property
     def _prefill_kernel(self) -> bool:
@@ -540,7 +539,7 @@ class Engine:
         stops = set(eos if stop_token_ids is None else stop_token_ids)
         budget = min(req.max_new_tokens, self.context - ids.size)
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
-        self._pick_samplers(filtered=req.top_k > 0 or req.top_p < 1.0)
+        self._pick_samplers(filtered=req.top_k > 0 or req.top_p < 1.0, sampled=req.temperature > 0)
         reuse = self._reusable(ids) if budget > 0 else 0
         stats = RequestStats(prompt_tokens=int(ids.size), cached_tokens=reuse)
         out: list[int] = []

@@ -13,6 +13,8 @@ branch (lax.cond) would make the GPU stream wait for the host in every window, g
 from __future__ import annotations
 
 import functools
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +187,48 @@ def jit_sample(filtered: bool = True):
 
 def jit_verify(filtered: bool = True):
     return jax.jit(functools.partial(verify_window, filtered=filtered))
+
+
+class WindowSamplers:
+    """One form of the samplers (filtered: top-k / top-p with a sort of the vocabulary; plain: neither) for every
+    window size T = 1..W over a vocabulary of V: `sample[t](logits [T, V], positions [T], params)` and
+    `verify[t](logits, drafts [T-1], positions, params)`. They hold no weights, so every engine of a process with
+    the same (form, W, V) shares one set (`window_samplers`), compiled when a sampled request first needs it: a
+    greedy request never runs them, and the 3(W-1)+2 graphs of a form cost seconds each on a CPU."""
+
+    def __init__(self, filtered: bool, window: int, vocab: int):
+        self.filtered, self.window, self.vocab = filtered, window, vocab
+        self.sample: dict = {}
+        self.verify: dict = {}
+
+    @property
+    def compiled(self) -> bool:
+        return len(self.sample) == self.window
+
+    def compile(self) -> float:
+        """Compile every window size (once); returns the seconds it took (0 when already compiled)."""
+        if self.compiled:
+            return 0.0
+        t0 = time.perf_counter()
+        sampling = SamplingParams.make()
+        for t in range(1, self.window + 1):
+            logits, positions = jnp.zeros((t, self.vocab), jnp.float32), jnp.zeros((t,), jnp.int32)
+            self.sample[t] = jit_sample(self.filtered).lower(logits, positions, sampling).compile()
+            if t > 1:
+                self.verify[t] = jit_verify(self.filtered).lower(logits, jnp.zeros((t - 1,), jnp.int32), positions,
+                                                                 sampling).compile()
+        return time.perf_counter() - t0
+
+
+_SAMPLERS: dict[tuple[bool, int, int, str], WindowSamplers] = {}
+_SAMPLERS_LOCK = threading.Lock()
+
+
+def window_samplers(filtered: bool, window: int, vocab: int) -> WindowSamplers:
+    """The process's samplers of one form for windows 1..W over V tokens, on the default device (not yet compiled:
+    WindowSamplers.compile)."""
+    key = (filtered, window, vocab, str(jax.config.jax_default_device or jax.local_devices()[0]))
+    with _SAMPLERS_LOCK:
+        if key not in _SAMPLERS:
+            _SAMPLERS[key] = WindowSamplers(filtered, window, vocab)
+        return _SAMPLERS[key]

@@ -21,6 +21,15 @@ if str(REPO) not in sys.path:  # `pytest tests` (not `python -m pytest`) does no
 
 HF_FIXTURES = REPO / "tests" / "fixtures" / "hf"
 
+# On a CPU the suite's time is XLA's compile time (tiny models run in milliseconds), and LLVM's optimizer is most of
+# that: the suite (and every CLI subprocess, which inherits the environment) compiles at LLVM -O0 without its
+# expensive passes, ~40% less per graph. Set before JAX starts its backend; not where a GPU may be present (the GPU
+# tests measure the graphs users run). TESTS_XLA_DEFAULT_OPT=1 keeps XLA's default optimization.
+if not shutil.which("nvidia-smi") and os.environ.get("TESTS_XLA_DEFAULT_OPT", "") != "1":
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+        os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+        "--xla_llvm_disable_expensive_passes=true"]))
+
 
 def hf_fixture_names() -> list[str]:
     """Every committed HF reference folder (one with a config.json and a reference.npz)."""

@@ -360,11 +360,28 @@ def test_plain_sampler_draws_the_filtered_samplers_tokens_when_top_k_and_top_p_a
                               graphs.jit_sample(False)(logits, positions, top_k))
 
 
+def test_samplers_compile_once_per_process_on_first_use_and_engines_share_them(engine):
+    """graphs.window_samplers: one set per (form, W, V) in a process, compiled by its first sampled request (a
+    greedy request never runs a sampler), the same tokens as the jitted function; the engine holds the shared set."""
+    from strata_jax import graphs
+    form = graphs.window_samplers(False, 2, 37)  # a vocabulary no engine of the suite has: not compiled yet
+    assert not form.compiled and form.sample == {} and form.verify == {}
+    assert form.compile() > 0 and form.compiled and sorted(form.sample) == [1, 2] and sorted(form.verify) == [2]
+    assert form.compile() == 0.0 and graphs.window_samplers(False, 2, 37) is form
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(2, 37)) * 3, jnp.float32)
+    positions, params = jnp.asarray([7, 8], jnp.int32), SamplingParams.make(1.0, 1.0, 0, 9)
+    assert np.array_equal(form.sample[2](logits, positions, params), graphs.jit_sample(False)(logits, positions, params))
+    for filtered in (True, False):
+        assert engine._samplers[filtered] is graphs.window_samplers(filtered, W, engine.cfg.vocab_size)
+    engine.generate(random_ids(engine, 5, seed=15), 3, temperature=1.0, top_k=3, seed=2, stop_token_ids=[])
+    assert engine._samplers[True].compiled
+
+
 def test_requests_pick_the_plain_sampler_only_without_top_k_and_top_p(engine):
     prompt = random_ids(engine, 5, seed=14)
     engine.generate(prompt, 3, temperature=1.0, seed=1, stop_token_ids=[])
-    assert engine._sample is engine._samplers[False]
+    assert engine._sample is engine._samplers[False].sample
     engine.generate(prompt, 3, temperature=1.0, top_k=4, seed=1, stop_token_ids=[])
-    assert engine._sample is engine._samplers[True]
+    assert engine._sample is engine._samplers[True].sample
     engine.generate(prompt, 3, temperature=1.0, top_p=0.9, seed=1, stop_token_ids=[])
-    assert engine._sample is engine._samplers[True]
+    assert engine._sample is engine._samplers[True].sample
