@@ -299,7 +299,9 @@ def test_parallel_bench_tiny_on_two_fake_devices(tmp_path, cache_dir):
     from pathlib import Path
     out = tmp_path / "parallel.json"
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
-               XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+               # the suite's XLA_FLAGS (conftest) kept, the fake devices added
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip(),
+               JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.parallel_bench", "--model=tiny", "--dtype=float32",
                            "--devices=1,2,3", "--modes=layers,experts", "--prompt=20", "--new_tokens=6",
                            "--vram_reserve_mib=0", "--offload_slots=4", f"--cache_dir={cache_dir}", f"--json={out}"],

@@ -24,7 +24,9 @@ CHECK = Path(__file__).resolve().parent / "parallel_check.py"
 
 def test_layers_and_experts_match_one_device(cache_dir):
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
-               XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+               # the suite's XLA_FLAGS (conftest) kept, the fake devices added
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
+               JAX_PLATFORMS="cpu")
     splits = ["layers:2", "experts:2", "layers:2:4:0.5:lru", "layers:3:3:1:static", "experts:2:4:1:lru"]
     proc = subprocess.run([sys.executable, str(CHECK), f"--cache_dir={cache_dir}", *splits],
                           env=env, capture_output=True, text=True, timeout=1200)
@@ -96,7 +98,9 @@ def test_two_processes_through_jax_distributed_match_one_device():
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
-               XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+               # the suite's XLA_FLAGS (conftest) kept, the fake devices added
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip(),
+               JAX_PLATFORMS="cpu")
     script = Path(__file__).resolve().parent / "distributed_check.py"
     procs = [subprocess.Popen([sys.executable, str(script), str(i), "2", str(port)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
