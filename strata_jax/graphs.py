@@ -194,7 +194,8 @@ class WindowSamplers:
     window size T = 1..W over a vocabulary of V: `sample[t](logits [T, V], positions [T], params)` and
     `verify[t](logits, drafts [T-1], positions, params)`. They hold no weights, so every engine of a process with
     the same (form, W, V) shares one set (`window_samplers`), compiled when a sampled request first needs it: a
-    greedy request never runs them, and the 3(W-1)+2 graphs of a form cost seconds each on a CPU."""
+    greedy request never runs them, and the 2W-1 graphs of a form (W samplers, W-1 verifiers) cost seconds each on
+    a CPU."""
 
     def __init__(self, filtered: bool, window: int, vocab: int):
         self.filtered, self.window, self.vocab = filtered, window, vocab

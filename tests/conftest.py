@@ -48,6 +48,14 @@ def run_cli(args, cache_dir, timeout: int = 300, env: dict | None = None) -> sub
                           cwd=REPO, env=env, capture_output=True, timeout=timeout)
 
 
+def fake_devices_env(n: int) -> dict:
+    """The environment of a subprocess that sees N fake CPU devices (XLA reads the count before JAX starts): no
+    STRATA_* switch of the caller's, the suite's XLA_FLAGS kept and the device count added."""
+    flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+    return dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}, XLA_FLAGS=flags,
+                JAX_PLATFORMS="cpu")
+
+
 def copy_fixture(tmp_path: Path, name: str) -> Path:
     """A writable copy of one HF fixture folder, to break in a test."""
     dst = tmp_path / name

@@ -293,15 +293,13 @@ def test_parallel_bench_tiny_on_two_fake_devices(tmp_path, cache_dir):
     """benchmarks/parallel_bench.py on two fake CPU devices (they need XLA_FLAGS before JAX starts: a subprocess):
     the 1-device row, both splits over 2 devices with the 1-device row's greedy tokens (float32: the same), and the
     1-device offload row (4 slots); a 3-device ask is one line, its rows skipped."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
+
+    from conftest import fake_devices_env
     out = tmp_path / "parallel.json"
-    env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
-               # the suite's XLA_FLAGS (conftest) kept, the fake devices added
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip(),
-               JAX_PLATFORMS="cpu")
+    env = fake_devices_env(2)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.parallel_bench", "--model=tiny", "--dtype=float32",
                            "--devices=1,2,3", "--modes=layers,experts", "--prompt=20", "--new_tokens=6",
                            "--vram_reserve_mib=0", "--offload_slots=4", f"--cache_dir={cache_dir}", f"--json={out}"],

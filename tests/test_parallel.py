@@ -9,11 +9,11 @@ run in a subprocess (tests/parallel_check.py)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from conftest import fake_devices_env
 from helpers import one_line_refusal
 from strata_jax.config import preset
 from strata_jax.engine import Engine
@@ -23,10 +23,7 @@ CHECK = Path(__file__).resolve().parent / "parallel_check.py"
 
 
 def test_layers_and_experts_match_one_device(cache_dir):
-    env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
-               # the suite's XLA_FLAGS (conftest) kept, the fake devices added
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
-               JAX_PLATFORMS="cpu")
+    env = fake_devices_env(4)
     splits = ["layers:2", "experts:2", "layers:2:4:0.5:lru", "layers:3:3:1:static", "experts:2:4:1:lru"]
     proc = subprocess.run([sys.executable, str(CHECK), f"--cache_dir={cache_dir}", *splits],
                           env=env, capture_output=True, text=True, timeout=1200)
@@ -97,10 +94,7 @@ def test_two_processes_through_jax_distributed_match_one_device():
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")},
-               # the suite's XLA_FLAGS (conftest) kept, the fake devices added
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip(),
-               JAX_PLATFORMS="cpu")
+    env = fake_devices_env(1)
     script = Path(__file__).resolve().parent / "distributed_check.py"
     procs = [subprocess.Popen([sys.executable, str(script), str(i), "2", str(port)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
