@@ -28,19 +28,14 @@ $(VENV)/.installed: requirements.txt
 run: venv
 	$(PY) -m strata_jax.decode $(ARGS)
 
-# The suite runs in five processes: one process that compiles every engine of the suite (~50) crashed in XLA's
-# persistent-cache write near the end (a segfault, 2026-11-30; benchmarks/results/NOTES.md), and two halves did again
-# once the quantized tests were added (2026-12-01), and l-r once the prefill-chunk engines joined it; on 2026-12-02
-# one process faulted again at 57%, in the cache *read* of a resident engine (NOTES.md item 7). Exit status 5 (no test selected in a part, e.g. with
-# ARGS="-k name") is not a failure.
-TEST_PARTS := "$(wildcard tests/test_[a-d]*.py)" "$(wildcard tests/test_[e-k]*.py)" "$(wildcard tests/test_[l-o]*.py)" "$(wildcard tests/test_[p-r]*.py)" \
-  "$(wildcard tests/test_[s-z]*.py)"
+# The suite is one pytest command: its tests spread over one worker process per core (pytest-xdist; a file's tests
+# stay on one worker, so its module-scoped engines are built once). The test processes do not use XLA's persistent
+# compilation cache, which faulted in a process that built the suite's engines (benchmarks/results/NOTES.md item 7);
+# engines of a process share executables in memory instead (graphs.compile_shared). TEST_WORKERS=1: one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: venv
-	@for part in $(TEST_PARTS); do \
-	  $(PY) -m pytest -q $$part $(ARGS); rc=$$?; \
-	  if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; \
-	done
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -289,10 +289,12 @@ class Engine:
         with self._full_f32():
             for t in range(1, self.options.window + 1):
                 self._decode[t] = (self.parallel.window(t, self.weights, self.cache) if self.parallel else
-                                   decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos).compile())
+                                   graphs.compile_shared(decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos),
+                                                         graphs.MODEL_COMPILER_OPTIONS))
             self._prefill = {c: self.parallel.prefill(c, self.weights, self.cache) if self.parallel else
-                             prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32), pos,
-                                           jnp.int32(1)).compile() for c in self.chunks}
+                             graphs.compile_shared(prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32),
+                                                                 pos, jnp.int32(1)), graphs.MODEL_COMPILER_OPTIONS)
+                             for c in self.chunks}
         # Samplers and verifiers per window size, in two forms: filtered (top-k / top-p: a sort of the vocabulary)
         # and plain (both off: the same tokens without the sort). Each sampled request picks its form
         # (_pick_samplers), compiled then, once per process (graphs.window_samplers: engines share them).
@@ -460,7 +462,7 @@ class Engine:
         """A graph compiled on first use: `fn` (jitted) lowered for `args` and compiled at the engine's matmul
         precision (_full_f32), as _compile does for the graphs compiled at start-up."""
         with self._full_f32():
-            return fn.lower(*args).compile()
+            return graphs.compile_shared(fn.lower(*args), graphs.MODEL_COMPILER_OPTIONS)
 
     def _window_kernels(self) -> dict:
         """The decode windows' kernel switches (keyword arguments of the graphs.jit_*_window builders)."""

@@ -12,7 +12,9 @@ branch (lax.cond) would make the GPU stream wait for the host in every window, g
 """
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import threading
 import time
 
@@ -143,6 +145,35 @@ def verify_window(logits: jax.Array, drafts: jax.Array, positions: jax.Array, sa
 # keeps then depends on how the graph fuses, so the scanned and unrolled graphs, and the device and the host pool,
 # would round in different places (7e-3 relative apart in bf16). Off: every graph rounds where the model code says.
 MODEL_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+# Executables by (module text, shardings, compiler options), shared by the process (compile_shared).
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_COMPILED_LOCK = threading.Lock()
+COMPILED_SHARED_MAX = 256  # executables kept (least recently used first out); they hold no weights
+
+
+def compile_shared(lowered: jax.stages.Lowered, compiler_options: dict | None = None) -> jax.stages.Compiled:
+    """`lowered.compile()`, once per process for each program: two engines (or one engine reconfigured back and
+    forth) whose graph lowers to the same module for the same shardings get one executable, without a compile or
+    a read of the persistent cache. Weights and caches are arguments, so an executable serves any engine of the
+    same shapes. A graph with a host callback (the host pool's io_callback) is bound to its engine's pool: compiled
+    for itself, never shared. `compiler_options`: those the function was jitted with (part of the key)."""
+    args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
+    if not isinstance(args, dict) or args.get("host_callbacks") or "in_shardings" not in args:
+        return lowered.compile()
+    text = lowered.as_text()
+    key = (hashlib.sha256(text.encode()).hexdigest(), repr(args["in_shardings"]), repr(args.get("out_shardings")),
+           repr(args.get("in_layouts")), repr(args.get("out_layouts")), repr(sorted((compiler_options or {}).items())))
+    with _COMPILED_LOCK:
+        if key in _COMPILED:
+            _COMPILED.move_to_end(key)
+            return _COMPILED[key]
+    compiled = lowered.compile()
+    with _COMPILED_LOCK:
+        _COMPILED[key] = compiled
+        while len(_COMPILED) > COMPILED_SHARED_MAX:
+            _COMPILED.popitem(last=False)
+    return compiled
 
 
 def jit_decode_window(cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False,

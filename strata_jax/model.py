@@ -554,6 +554,22 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
                    lm_head=None if specs.lm_head is None else draw(specs.lm_head))
 
 
+# Module level, so that every engine of a process draws with the same compiled graphs (one per leaf shape).
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _fill_stacked(key, n: int, shape: tuple, dtype, scale: float, ones: bool):
+    """[n, *shape]: layer i drawn from fold_in(key, i) (ones: a norm's ones), filled one layer at a time."""
+    def body(i, buf):
+        return jax.lax.dynamic_update_index_in_dim(buf, _stacked_layer(key, i, shape, dtype, scale, ones), i, 0)
+    return jax.lax.fori_loop(0, n, body, jnp.zeros((n, *shape), dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _stacked_layer(key, i, shape: tuple, dtype, scale: float, ones: bool):
+    """Layer i of _fill_stacked's buffer alone."""
+    return jnp.ones(shape, dtype) if ones else (
+        jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * scale).astype(dtype)
+
+
 def _random_stacked(cfg: ModelConfig, seed: int, dtype, scale: float, progress, layer_device=None) -> Weights:
     """random_weights(stacked=True): each [L, ...] leaf filled layer by layer inside one graph (the float32 draw of
     one layer at a time is the only temporary); leaf j of the declared layer draws from fold_in(key, j).
@@ -563,18 +579,9 @@ def _random_stacked(cfg: ModelConfig, seed: int, dtype, scale: float, progress, 
     specs = weight_specs(cfg)
     n = cfg.num_layers
 
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def fill(key, shape, ones):
-        def body(i, buf):
-            layer = jnp.ones(shape, dtype) if ones else (
-                jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * scale).astype(dtype)
-            return jax.lax.dynamic_update_index_in_dim(buf, layer, i, 0)
-        return jax.lax.fori_loop(0, n, body, jnp.zeros((n, *shape), dtype))
-
-    @functools.partial(jax.jit, static_argnums=(2, 3))
-    def one(key, i, shape, ones):  # layer i of fill's buffer alone
-        return jnp.ones(shape, dtype) if ones else (
-            jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * scale).astype(dtype)
+    dtype = jnp.dtype(dtype)
+    fill = lambda key, shape, ones: _fill_stacked(key, n, shape, dtype, scale, ones)
+    one = lambda key, i, shape, ones: _stacked_layer(key, i, shape, dtype, scale, ones)
 
     key = jax.random.PRNGKey(seed)
     leaves, treedef = jax.tree.flatten(specs.layers[0])

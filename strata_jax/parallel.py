@@ -295,7 +295,7 @@ class LayerSplit:
                  jax.ShapeDtypeStruct((t, self.cfg.hidden_size), w.layers[0].attn_norm.dtype
                                       if isinstance(w.layers, list) else w.layers.attn_norm.dtype, sharding=one))
             scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=one)
-            compiled.append(fn.lower(w, c, x, scalar, scalar).compile())
+            compiled.append(graphs.compile_shared(fn.lower(w, c, x, scalar, scalar), graphs.MODEL_COMPILER_OPTIONS))
         first_device = self.devices[0]
 
         def run(weights, cache, tokens, pos, n_valid):
@@ -537,9 +537,10 @@ class ExpertSplit:
         rep = self.replicated
         mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs, self.cache_specs, P()) + (P(),) * len(scalars),
                                out_specs=(P(),) * n_out + (self.cache_specs,), check_vma=False)
-        compiled = jax.jit(mapped, donate_argnums=(1,), compiler_options=graphs.MODEL_COMPILER_OPTIONS).lower(
+        compiled = graphs.compile_shared(jax.jit(
+            mapped, donate_argnums=(1,), compiler_options=graphs.MODEL_COMPILER_OPTIONS).lower(
             weights, cache, jax.ShapeDtypeStruct((t,), jnp.int32, sharding=rep),
-            *(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep) for _ in scalars)).compile()
+            *(jax.ShapeDtypeStruct((), jnp.int32, sharding=rep) for _ in scalars)), graphs.MODEL_COMPILER_OPTIONS)
         first = self.first
 
         def run(weights, cache, *args):
@@ -563,9 +564,11 @@ class ExpertSplit:
         mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs, self.cache_specs, P(), P(), P()),
                                out_specs=(P(),) * 5 + (self.cache_specs,), check_vma=False)
         abstract = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.asarray(x).dtype, sharding=rep)
-        compiled = jax.jit(mapped, donate_argnums=(1, 2), compiler_options=graphs.MODEL_COMPILER_OPTIONS).lower(
+        compiled = graphs.compile_shared(jax.jit(
+            mapped, donate_argnums=(1, 2), compiler_options=graphs.MODEL_COMPILER_OPTIONS).lower(
             weights, cache, jax.ShapeDtypeStruct((context + t,), jnp.int32, sharding=rep),
-            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), jax.tree.map(abstract, sampling)).compile()
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), jax.tree.map(abstract, sampling)),
+            graphs.MODEL_COMPILER_OPTIONS)
         first = self.first
 
         def run(weights, cache, hist, length, sampling):

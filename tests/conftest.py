@@ -1,9 +1,10 @@
-"""Shared test set-up: the `gpu` marker, one persistent compilation cache per session, and engines built once.
+"""Shared test set-up: the `gpu` marker, one cache folder per session, and engines built once.
 
 Engine construction compiles a graph per window size and the prefill chunk (seconds each on a CPU), so tests share
-engines through `engine_factory` (cached per (path, options) for the whole session) and every engine, and every CLI
-subprocess, points at the same `cache_dir`, where JAX's persistent compilation cache lets a second engine of the same
-shapes skip compilation.
+engines through `engine_factory` (cached per (path, options) for the whole session); a second engine of the same
+shapes reuses the first one's executables (graphs.compile_shared). Every CLI subprocess points at the same
+`cache_dir`, where JAX's persistent compilation cache lets a later CLI skip compilation (the test process itself
+does not use that cache: pytest_configure).
 """
 from __future__ import annotations
 
@@ -63,8 +64,48 @@ def copy_fixture(tmp_path: Path, name: str) -> Path:
     return dst
 
 
+# TESTS_COMPILE_REPORT=FILE: one JSON line per test appended to FILE with the JAX compile work it did in this process
+# (backend compiles and seconds, tracing and lowering seconds, persistent-cache hits): where the suite's time goes.
+_COMPILE_REPORT = os.environ.get("TESTS_COMPILE_REPORT", "")
+_compile_work: dict = {}
+
+
+def _count_compile_work():
+    from jax import monitoring
+
+    def on_duration(event, seconds, **kwargs):
+        name = event.rsplit("/", 1)[-1]
+        if "compile" in event or "jaxpr" in event or "cache" in event:
+            n, total = _compile_work.get(name, (0, 0.0))
+            _compile_work[name] = (n + 1, total + seconds)
+    monitoring.register_event_duration_secs_listener(on_duration)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a JAX GPU backend; skipped (with the reason) elsewhere")
+    # No persistent compilation cache in the test process: one process that builds the suite's engines faulted in
+    # XLA's cache read or write (benchmarks/results/NOTES.md item 7). Its engines share executables through
+    # graphs.compile_shared instead, in memory; the CLI subprocesses keep the cache (their --cache_dir).
+    import jax
+    jax.config.update("jax_enable_compilation_cache", False)
+    if _COMPILE_REPORT:
+        _count_compile_work()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _COMPILE_REPORT:
+        yield
+        return
+    import json
+    import time
+    _compile_work.clear()
+    t0 = time.perf_counter()
+    yield
+    row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - t0, 2)}
+    row.update({k: [n, round(s, 2)] for k, (n, s) in sorted(_compile_work.items())})
+    with open(_COMPILE_REPORT, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -377,6 +377,42 @@ def test_samplers_compile_once_per_process_on_first_use_and_engines_share_them(e
     assert engine._samplers[True].compiled
 
 
+def test_engines_of_the_same_shapes_share_executables_and_each_computes_its_own_weights(cache_dir):
+    """graphs.compile_shared: a second engine whose graphs lower to the same modules builds without one backend
+    compile (nor a read of the persistent cache), and its shared executables compute its own weights' logits, the
+    same as the plain jitted graph over them; an engine of other shapes compiles its own."""
+    from jax import monitoring
+    from strata_jax import graphs
+    from strata_jax.config import preset
+    compiles = []
+
+    def count(event, seconds, **kwargs):
+        if event.endswith("backend_compile_duration") or "compilation_cache" in event:
+            compiles.append((event.rsplit("/", 1)[-1], kwargs.get("fun_name")))
+    opts = dict(dtype="float32", window=2, context=32, expert_cache_slots="all", prefill_chunk=8, verbose=False,
+                cache_dir=str(cache_dir))
+    cfg = preset("tiny")
+    first = Engine.from_random(cfg, seed=21, **opts)
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        second = Engine.from_random(cfg, seed=22, **opts)
+        assert compiles == []
+        assert second._decode[2] is first._decode[2] and second._prefill[8] is first._prefill[8]
+        ids = random_ids(second, 6, seed=23)
+        got, other = second.score(ids, window=2), first.score(ids, window=2)
+        assert rel_fro(got, other) > 0.1  # other weights, other logits
+        step, cache, want = graphs.jit_decode_window(second.cfg), jax.tree.map(jnp.copy, second.cache), []
+        with second._full_f32():  # the precision the engine compiles at
+            for i in range(0, 6, 2):
+                _, logits, cache = step(second.weights, cache, jnp.asarray(ids[i:i + 2], jnp.int32), jnp.int32(i))
+                want.append(np.asarray(logits))
+        assert rel_fro(got, np.concatenate(want)) <= 1e-5
+        wider = Engine.from_random(cfg, seed=22, **{**opts, "context": 48})
+        assert compiles and wider._decode[2] is not second._decode[2]
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+
+
 def test_requests_pick_the_plain_sampler_only_without_top_k_and_top_p(engine):
     prompt = random_ids(engine, 5, seed=14)
     engine.generate(prompt, 3, temperature=1.0, seed=1, stop_token_ids=[])
