@@ -6,6 +6,7 @@ host never holds a second full copy of the model. Every failure names the file o
 from __future__ import annotations
 
 import contextlib
+import os
 
 import json
 from pathlib import Path
@@ -38,6 +39,8 @@ class SafetensorsReader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise StrataError(f"{index}: malformed index ({e})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+                raise StrataError(f"{index}: malformed index (weight_map must map each tensor name to a file name)")
             self.file_of = {name: self.folder / f for name, f in weight_map.items()}
         else:
             files = sorted(self.folder.glob("*.safetensors"))
@@ -46,6 +49,9 @@ class SafetensorsReader:
             self.file_of = {}
             for f in files:
                 for name in self._open(f).keys():
+                    if name in self.file_of:  # which copy is real cannot be told: never let the last file win
+                        raise StrataError(f"checkpoint tensor {name!r} is in two files, {self.file_of[name].name} "
+                                          f"and {f.name} (in {self.folder}, no {INDEX_FILE}): remove the stray one")
                     self.file_of[name] = f
         self._handles: dict[Path, object] = {}
 
@@ -247,16 +253,75 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
 STATE_META = "strata_state.json"
 
 
-def save_state(path: str | Path, weights: Weights, cfg_raw: dict, dtype: str, expert_dtype: str = "auto") -> None:
-    """Save converted weights with orbax, beside the model's config.json, so a restore skips the conversion
-    (quantized experts are saved quantized, with their scales: a restore needs the same expert_dtype)."""
-    import orbax.checkpoint as ocp
+# What a folder holds that marks it as a model or a saved state (save_state refuses to write over one).
+MODEL_MARKERS = ("config.json", STATE_META, "model.safetensors", "model.safetensors.index.json", "tokenizer.json")
+
+
+def check_state_target(path: str | Path, overwrite: bool = False) -> Path:
+    """The folder save_state may write (absolute), checked before anything is loaded: a new path whose parent can
+    be written, or an empty folder, or (overwrite) any folder. Else one StrataError line."""
     path = Path(path).absolute()
-    make_writable_folder(path, f"cannot save the state to {path}")
-    with _quiet_orbax(), ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(path / "weights", weights, force=True)
-    (path / "config.json").write_text(json.dumps(cfg_raw, indent=1))
-    (path / STATE_META).write_text(json.dumps({"dtype": dtype, "format": 1, "expert_dtype": expert_dtype}))
+    if path.exists() and not path.is_dir():
+        raise StrataError(f"cannot save the state to {path}: it is a file, not a folder")
+    try:
+        held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    except OSError as e:
+        raise StrataError(f"cannot save the state to {path}: {e.strerror or e}") from None
+    if held and not overwrite:
+        marks = [m for m in MODEL_MARKERS if m in held]
+        what = (f"it holds a model or a saved state ({', '.join(marks)})" if marks else
+                f"it is not empty ({len(held)} entries, e.g. {held[0]})")
+        raise StrataError(f"cannot save the state to {path}: {what}; give a new folder, or overwrite=True "
+                          "(--overwrite) to replace it")
+    make_writable_folder(path.parent, f"cannot save the state to {path}")
+    return path
+
+
+def save_state(path: str | Path, weights: Weights, cfg_raw: dict, dtype: str, expert_dtype: str = "auto",
+               write_files: Callable[[Path], None] | None = None, overwrite: bool = False) -> None:
+    """Save converted weights with orbax, beside the model's config.json, so a restore skips the conversion
+    (quantized experts are saved quantized, with their scales: a restore needs the same expert_dtype).
+    `write_files(folder)` adds the model's other files (tokenizer, generation and chat settings).
+
+    A folder that is not empty (a model, another state) is refused unless `overwrite`. The state is written to a
+    hidden sibling folder and renamed into place when complete, so a failure (a full disk, Ctrl-C) never leaves a
+    half-written state, nor touches what was there."""
+    import shutil
+    import orbax.checkpoint as ocp
+    path = check_state_target(path, overwrite)
+    tmp = path.parent / f".{path.name}.saving-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        with _quiet_orbax(), ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp / "weights", weights, force=True)
+        (tmp / "config.json").write_text(json.dumps(cfg_raw, indent=1))
+        if write_files is not None:
+            write_files(tmp)
+        (tmp / STATE_META).write_text(json.dumps({"dtype": dtype, "format": 1, "expert_dtype": expert_dtype}))
+        if path.exists():  # overwrite: the old folder leaves only once the new one is complete
+            old = path.parent / f".{path.name}.replaced-{os.getpid()}"
+            path.rename(old)
+            try:
+                tmp.rename(path)
+            except BaseException:
+                old.rename(path)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except Exception as e:  # noqa: BLE001 (orbax wraps a full disk in several exception types)
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            nxt = cause.__cause__ or cause.__context__
+            if isinstance(cause, OSError):
+                break
+            cause = nxt
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).splitlines()[0:1]
+        reason = reason if isinstance(reason, str) else (reason[0] if reason else type(cause).__name__)
+        raise StrataError(f"cannot save the state to {path}: {reason} (nothing was written there)") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,10 @@ flags.DEFINE_string("model", "reference", "Model folder (config.json, *.safetens
                     "tiny random MoE, for tests).", flag_values=FLAGS)
 flags.DEFINE_string("prompt", "class Stack:\n    def __init__(self):\n", "Prompt text.", flag_values=FLAGS)
 flags.DEFINE_string("prompt_file", "", "Read the prompt from this file (overrides --prompt).", flag_values=FLAGS)
-flags.DEFINE_string("save_state", "", "After loading, save the converted weights here with orbax.", flag_values=FLAGS)
+flags.DEFINE_string("save_state", "", "After loading, save the converted weights here with orbax (a new or empty "
+                    "folder; see --overwrite).", flag_values=FLAGS)
+flags.DEFINE_bool("overwrite", False, "Let --save_state replace a folder that is not empty (a model, another state).",
+                  flag_values=FLAGS)
 flags.DEFINE_bool("chat", False, "Talk through the model's chat template: --prompt is the user's turn; without a "
                   "prompt, a REPL on stdin.", flag_values=FLAGS)
 flags.DEFINE_bool("quiet", False, "Only the text (stdout) and errors: no start-up lines, no statistics (stderr).",
@@ -53,13 +56,16 @@ def run() -> None:
             prompt = Path(FLAGS.prompt_file).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise StrataError(f"cannot read --prompt_file {FLAGS.prompt_file}: {e}") from None
+    if FLAGS.save_state:  # refused before a minute of loading, not after
+        from strata_jax.checkpoint import check_state_target
+        check_state_target(FLAGS.save_state, FLAGS.overwrite)
     repl = FLAGS.chat and not (FLAGS["prompt"].present or FLAGS.prompt_file)
     if not repl:
         check_prompt_fits(FLAGS.model, engine_opts, prompt)
     engine = Engine.from_pretrained(FLAGS.model, verbose=not FLAGS.quiet,
                                     **{k: getattr(engine_opts, k) for k in engine_opts.__dataclass_fields__})
     if FLAGS.save_state:
-        engine.save_state(FLAGS.save_state)
+        engine.save_state(FLAGS.save_state, overwrite=FLAGS.overwrite)
         print(f"saved state: {FLAGS.save_state}", file=sys.stderr)
     # Sampling flags not given on the command line take the model's generation_config.json.
     kwargs = {k: getattr(request, k) for k in request.__dataclass_fields__ if k not in ("logpos", "logpos_read")

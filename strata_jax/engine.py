@@ -36,12 +36,30 @@ from strata_jax.tokenizer import load_tokenizer
 
 def _serialized(method):
     """One request at a time per engine: the requests of several threads queue on the engine's lock (the KV cache
-    is donated to every graph and the expert counters are per engine, so interleaved requests would corrupt both)."""
+    is donated to every graph and the expert counters are per engine, so interleaved requests would corrupt both).
+    A call from the user code a running request calls (its on_token, its Drafter) is refused: it would run inside
+    that request, on its KV cache (the lock is re-entrant, for the engine's own nested calls)."""
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
+        self._refuse_reentry(method.__name__)
         with self._lock:
             return method(self, *args, **kwargs)
     return locked
+
+
+class _UserDrafter:
+    """A Drafter object given to generate(), its calls marked as the request's user code (Engine._refuse_reentry)."""
+
+    def __init__(self, drafter, engine: "Engine"):
+        self._drafter, self._engine = drafter, engine
+
+    def propose(self, context, k):
+        with self._engine._user_code():
+            return self._drafter.propose(context, k)
+
+    def observe(self, tokens):
+        with self._engine._user_code():
+            return self._drafter.observe(tokens)
 
 
 def log(line: str) -> None:
@@ -64,6 +82,7 @@ class Engine:
                  model_dir: Path | None = None, raw_config: dict | None = None, verbose: bool = True,
                  placement: placement_mod.Placement | None = None):
         self._lock = threading.RLock()  # requests of several threads run one after the other (_serialized)
+        self._user_code_thread: int | None = None  # the thread running a request's on_token / Drafter, meanwhile
         self.cfg, self.weights, self.options, self.tokenizer = cfg, weights, options, tokenizer
         self.model_dir, self.raw_config, self.verbose = model_dir, raw_config, verbose
         # From the model folder (from_pretrained): its chat template and generation_config.json's defaults.
@@ -266,14 +285,41 @@ class Engine:
             placement = placement_mod.build(cfg, opts, weights, host, slots, why)
         return cls(cfg, weights, opts, placement=placement, **kwargs)
 
+    # The model folder's files that a restored state needs to behave as the model: its sampling defaults and extra
+    # eos ids, its chat template and special tokens.
+    STATE_MODEL_FILES = ("generation_config.json", "tokenizer_config.json", "chat_template.jinja",
+                         "special_tokens_map.json")
+
     @_serialized
-    def save_state(self, path: str | Path) -> None:
-        """Save the converted weights with orbax; `from_pretrained(path)` restores them without conversion."""
+    def save_state(self, path: str | Path, overwrite: bool = False) -> None:
+        """Save the converted weights with orbax, with the tokenizer and the model folder's generation and chat
+        files; `from_pretrained(path)` restores them without conversion. A folder that is not empty (a model,
+        another state) is refused unless `overwrite`; the state appears there only once complete."""
         weights = self.parallel.gathered(self.weights) if self.parallel is not None else self.weights
+
+        def write_files(folder: Path) -> None:
+            if self.tokenizer is not None:
+                self.tokenizer.save(str(folder / "tokenizer.json"))
+            for name in self.STATE_MODEL_FILES:
+                src = None if self.model_dir is None else Path(self.model_dir) / name
+                if src is not None and src.is_file():
+                    (folder / name).write_bytes(src.read_bytes())
         checkpoint.save_state(path, model.unstack_layers(weights), self.raw_config or {}, self.options.dtype,
-                              self.options.expert_dtype)
-        if self.tokenizer is not None:
-            self.tokenizer.save(str(Path(path) / "tokenizer.json"))
+                              self.options.expert_dtype, write_files=write_files, overwrite=overwrite)
+
+    @contextlib.contextmanager
+    def _user_code(self):
+        """Mark the caller's code a running request calls (on_token, a Drafter): engine calls from it are refused."""
+        outer, self._user_code_thread = self._user_code_thread, threading.get_ident()
+        try:
+            yield
+        finally:
+            self._user_code_thread = outer
+
+    def _refuse_reentry(self, name: str) -> None:
+        if self._user_code_thread == threading.get_ident():
+            raise StrataError(f"engine.{name}() called from inside a running request (its on_token or drafter): "
+                              f"the engine runs one request at a time; call it after generate() returns")
 
     def _compile(self) -> None:
         """Every window size 1..W and the prefill chunks, ahead of time (the samplers: on the first sampled
@@ -515,7 +561,7 @@ class Engine:
                               f"(drafts.Drafter), not {type(draft).__name__}")
         if stop_token_ids is not None:
             stop_token_ids = check_token_ids(stop_token_ids, self.cfg.vocab_size, "stop_token_ids").tolist()
-        drafter = None if isinstance(draft, str) else draft  # a Drafter object (API): used as given
+        drafter = None if isinstance(draft, str) else _UserDrafter(draft, self)  # a Drafter object (API)
         req = build(RequestOptions, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                          top_k=top_k, seed=seed, draft=draft if drafter is None else "ngram",
                                          spec=spec, ignore_eos=ignore_eos))
@@ -547,8 +593,14 @@ class Engine:
         out: list[int] = []
         self._take_expert_stats(new_request=True)
         if budget > 0:
+            user_on_token = on_token
+
+            def on_token_guarded(token: int) -> None:
+                with self._user_code():
+                    user_on_token(token)
             request = loops.Request(ids=ids, budget=budget, stops=stops, sampling=sampling, spec=spec,
-                                    drafter=drafter or make_drafter(req.draft), stats=stats, on_token=on_token,
+                                    drafter=drafter or make_drafter(req.draft), stats=stats,
+                                    on_token=None if on_token is None else on_token_guarded,
                                     device_drafts=drafter is None and req.draft == "device", reuse=reuse, out=out)
             self._kv_tokens = []  # until this request has finished
             try:
@@ -570,6 +622,7 @@ class Engine:
     def stream(self, token_ids: Sequence[int], **request) -> Iterator[int]:
         """`generate` as a generator: each new token id as soon as it is accepted (same options, same tokens).
         Closing the generator early (break, or a client gone) stops the request at its next token."""
+        self._refuse_reentry("stream")  # its worker thread would wait for the running request for good
         tokens: queue.Queue = queue.Queue()
         closed = threading.Event()
         done = object()

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import HF_FIXTURES, REPO, run_cli
 from strata_jax.embedded import embedded_model_dir
 
 SUMMARY = re.compile(r"prompt tokens: (\d+), prefill: [\d.]+ tok/s, generated tokens: 8, decode: [\d.]+ tok/s")
@@ -41,6 +41,7 @@ REFUSALS = {  # case: (args, what the error line must name)
     "no prompt_file": (["--prompt_file=/nonexistent"], "/nonexistent"),
     "unknown flag": (["--no_such_flag=1"], "no_such_flag"),
     "positional": (["stray"], "stray"),
+    "save_state over a model": ([f"--save_state={HF_FIXTURES / 'base'}"], "holds a model or a saved state"),
     "prompt too long": (["--context=8", "--window=1", "--expert_cache_slots=all", f"--prompt={LONG_PROMPT}"],
                         "context"),
 }

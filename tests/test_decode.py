@@ -307,6 +307,44 @@ def test_stop_request_in_on_token_ends_the_request_cleanly(engine):
     assert "max_new_tokens" in one_line_refusal(lambda: list(engine.stream(prompt, max_new_tokens=-1)))
 
 
+def test_engine_calls_from_inside_a_running_request_are_refused_and_leave_it_intact(engine):
+    """generate / score / reconfigure / stream called from a request's on_token or its Drafter would run inside
+    that request, on its KV cache: each is one StrataError line there (stream: no deadlock), the outer request's
+    tokens are the plain ones, and the next requests are exact."""
+    import threading
+    from strata_jax import StrataError
+    prompt = random_ids(engine, 9, seed=31)
+    want = engine.generate(prompt, 10, stop_token_ids=[])
+    calls = {"generate": lambda: engine.generate(prompt, 3), "score": lambda: engine.score(prompt),
+             "reconfigure": lambda: engine.reconfigure(cache_policy="lru"),
+             "stream": lambda: list(engine.stream(prompt, max_new_tokens=3))}
+    for name, call in calls.items():
+        refusals = []
+
+        def on_token(token, call=call):
+            try:
+                call()
+            except StrataError as e:
+                refusals.append(str(e))
+        done = []
+        worker = threading.Thread(target=lambda: done.append(engine.generate(prompt, 10, stop_token_ids=[],
+                                                                             on_token=on_token)), daemon=True)
+        worker.start()
+        worker.join(120)
+        assert done, f"{name} from on_token hung the engine"
+        assert done[0] == want and len(refusals) == 10, (name, refusals[:1])
+        assert f"engine.{name}() called from inside a running request" in refusals[0] and "\n" not in refusals[0]
+
+    class Reentrant:  # a Drafter that calls the engine: refused, and generate() raises it
+        def propose(self, tokens, k):
+            return engine.score(list(tokens))
+
+        def observe(self, accepted):
+            pass
+    assert "from inside a running request" in one_line_refusal(lambda: engine.generate(prompt, 4, draft=Reentrant()))
+    assert engine.generate(prompt, 10, stop_token_ids=[]) == want and engine.stats.last.cached_tokens == 0
+
+
 # ---- prefix reuse ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("slots", ["all", 4])

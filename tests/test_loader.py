@@ -110,6 +110,31 @@ def test_index_points_to_missing_shard(sharded_copy, cache_dir):
     assert "model-00009-of-00004.safetensors" in refused(sharded_copy, cache_dir)
 
 
+@pytest.mark.parametrize("weight_map", [["model-00001-of-00004.safetensors"], "int", "null"])
+def test_malformed_weight_map_is_one_line(sharded_copy, cache_dir, weight_map):
+    index_path = sharded_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    if isinstance(weight_map, list):
+        index["weight_map"] = weight_map
+    else:
+        name = sorted(index["weight_map"])[0]
+        index["weight_map"][name] = 3 if weight_map == "int" else None
+    index_path.write_text(json.dumps(index))
+    assert "malformed index" in refused(sharded_copy, cache_dir)
+
+
+def test_a_tensor_in_two_files_is_an_error_naming_both(tmp_path, cache_dir):
+    """Without an index, a stray extra file holding a real tensor's name must not replace it (the last file in
+    sorted order used to win)."""
+    folder = copy_fixture(tmp_path, "base")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = sorted(tensors)[np.random.default_rng(4).integers(len(tensors))]
+    save_file({name: np.random.default_rng(5).normal(size=tensors[name].shape).astype(tensors[name].dtype)},
+              str(folder / "zz-stray.safetensors"))
+    msg = refused(folder, cache_dir)
+    assert name in msg and "model.safetensors" in msg and "zz-stray.safetensors" in msg
+
+
 def test_deleted_shard(sharded_copy, cache_dir):
     shard = sharded_copy / "model-00003-of-00004.safetensors"
     shard.unlink()
@@ -228,3 +253,55 @@ def test_integer_weights_refused(base_copy, cache_dir):
     save_file(dict(tensors, **{name: np.ones(tensors[name].shape, np.int32)}), base_copy / "model.safetensors")
     msg = refused(base_copy, cache_dir)
     assert name in msg and "int32" in msg and "floating-point" in msg, msg
+
+
+def test_save_state_keeps_the_model_files_refuses_a_full_folder_and_never_leaves_half_a_state(
+        engine_factory, cache_dir, tmp_path, monkeypatch):
+    """A state behaves as its model (sampling defaults, extra eos ids, chat template); a folder that holds a model
+    or a state is refused in one line unless overwrite=True, which replaces it; a save that fails (a full disk)
+    leaves the target as it was and no temporary folder beside it."""
+    import json
+    from strata_jax import checkpoint
+    src = copy_fixture(tmp_path, "base")
+    (src / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "eos_token_id": [3, 7]}))
+    (src / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}",
+         "eos_token": "<e>"}))
+    engine = engine_factory(src, dtype="float32", window=W, **RESIDENT)
+    state = tmp_path / "state"
+    engine.save_state(state)
+    restored = Engine.from_pretrained(state, verbose=False, dtype="float32", window=1, cache_dir=str(cache_dir),
+                                      **RESIDENT)
+    assert restored.generation_defaults == engine.generation_defaults
+    assert restored.generation_defaults.temperature == 0.7 and restored.end_of_turn_ids == engine.end_of_turn_ids
+    assert restored.chat_template is not None and restored.chat_template.source == engine.chat_template.source
+
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for target in (src, state):  # a model folder, a saved state
+        msg = one_line_refusal(engine.save_state, target)
+        assert "holds a model or a saved state" in msg and "--overwrite" in msg
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before  # untouched
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    assert "not empty" in one_line_refusal(engine.save_state, tmp_path / "notes")
+
+    real_write = checkpoint.Path.write_bytes
+
+    def write_bytes(self, data):
+        if self.name == "generation_config.json" and ".saving-" in str(self.parent):
+            raise OSError(28, "No space left on device")
+        return real_write(self, data)
+    monkeypatch.setattr(checkpoint.Path, "write_bytes", write_bytes)
+    for target, overwrite in ((tmp_path / "new_state", False), (state, True)):
+        held = sorted(p.name for p in target.iterdir()) if target.exists() else None
+        msg = one_line_refusal(engine.save_state, target, overwrite=overwrite)
+        assert "No space left on device" in msg and "nothing was written" in msg
+        assert (sorted(p.name for p in target.iterdir()) if target.exists() else None) == held
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    engine.save_state(state, overwrite=True)  # replaces the state
+    again = Engine.from_pretrained(state, verbose=False, dtype="float32", window=1, cache_dir=str(cache_dir),
+                                   **RESIDENT)
+    ids = np.random.default_rng(3).integers(0, engine.cfg.vocab_size, 9).tolist()
+    assert np.array_equal(again.prefill_logits(ids), restored.prefill_logits(ids))
