@@ -144,8 +144,13 @@ def load_generation_config(folder: str | Path) -> GenerationDefaults:
     sample = bool(raw.get("do_sample", False))
     try:
         temperature = float(raw.get("temperature", 1.0)) if sample else 0.0
-        top_p = float(raw.get("top_p", 1.0) or 1.0) if sample else 1.0
+        top_p = float(1.0 if raw.get("top_p") is None else raw["top_p"]) if sample else 1.0
         top_k = int(raw.get("top_k", 0) or 0) if sample else 0
     except (TypeError, ValueError) as e:
         raise StrataError(f"{path}: malformed sampling value: {e}") from None
+    if not (0.0 <= top_p <= 1.0) or temperature < 0 or top_k < 0 or temperature != temperature:
+        raise StrataError(f"{path}: sampling values out of range (temperature {temperature} >= 0, top_p {top_p} "
+                          f"in 0..1, top_k {top_k} >= 0)")
+    if top_p == 0.0:  # transformers keeps at least one token: top_p 0 is the most likely token, greedy
+        temperature, top_p, top_k = 0.0, 1.0, 0
     return GenerationDefaults(eos_token_ids=tuple(eos_ids), temperature=temperature, top_p=top_p, top_k=top_k)

@@ -160,6 +160,21 @@ def grouped_deltanet_rows(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.n
     return qkvz, ba
 
 
+def check_layer_count(folder: str | Path, cfg: ModelConfig) -> None:
+    """config.json's num_hidden_layers against the layers the checkpoint's tensors hold (`...layers.{i}.` names),
+    before anything is sized from the config: a wrong count would size weights, slots and caches for layers that
+    are not there (a count of 10^6 ran for minutes) or silently leave layers out."""
+    import re
+    found = set()
+    for name in SafetensorsReader(folder).file_of:
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if m and not name.startswith("mtp."):
+            found.add(int(m.group(1)))
+    if found and found != set(range(cfg.num_layers)):
+        raise StrataError(f"{Path(folder) / 'config.json'}: num_hidden_layers is {cfg.num_layers}, but the checkpoint "
+                          f"holds {len(found)} layers (indices {min(found)}..{max(found)})")
+
+
 def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Placer = default_place,
                  place_experts: Placer | None = None, progress: Callable[[str], None] | None = None,
                  mtp_only: bool = False, expert_format: str | None = None,

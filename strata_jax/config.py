@@ -285,6 +285,13 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
                         ("head_dim", cfg.head_dim), ("vocab_size", cfg.vocab_size)):
         if value <= 0:
             raise StrataError(f"{where}: {name} must be positive (got {value})")
+    import math
+    for name, value in (("rope_theta", cfg.rope_theta), ("rms_norm_eps", cfg.rms_norm_eps)):
+        if not (math.isfinite(value) and value > 0):
+            raise StrataError(f"{where}: {name} must be a finite positive number (got {value})")
+    bad_eos = [e for e in cfg.eos_token_ids if not 0 <= e < cfg.vocab_size]
+    if bad_eos:
+        raise StrataError(f"{where}: eos_token_id {bad_eos[0]} is not a token id (vocab_size {cfg.vocab_size})")
     if len(set(archs)) > 1:
         raise StrataError(f"{where}: architectures {archs} name more than one model class")
     if cfg.next and cfg.rotary_dim % 2:

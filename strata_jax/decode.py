@@ -113,6 +113,12 @@ def respond(engine, ids: list[int], shown_prompt: str, kwargs: dict, drop_stop: 
             show(text.flush() + "\n")
         raise
     show(text.flush() + "\n")
+    wanted = kwargs.get("max_new_tokens", 0)
+    ended = out and out[-1] in stops and not kwargs.get("ignore_eos")
+    if len(out) < wanted and not ended and len(ids) + len(out) >= engine.context:
+        # the budget was cut to the context: said, even under --quiet (the text is shorter than asked)
+        print(f"warning: stopped at the end of the context ({engine.context} tokens): {len(out)} of "
+              f"max_new_tokens={wanted} generated", file=sys.stderr, flush=True)
     if not FLAGS.quiet:
         say = functools.partial(print, file=sys.stderr, flush=True)
         say(engine.stats.last.summary())

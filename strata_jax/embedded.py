@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 
 from strata_jax.chat import CODE_CHAT_TEMPLATE
 from strata_jax.config import CONFIGS_DIR, config_from_dict
-from strata_jax.errors import make_writable_folder
+from strata_jax.errors import StrataError, make_writable_folder
 from strata_jax.tokenizer import EOS_TOKEN, byte_level_tokenizer
 
 EMBEDDED_NAME = "embedded"
@@ -32,6 +32,9 @@ NAMED_MODELS = {REFERENCE_NAME: REFERENCE_DIR, REFERENCE_NEXT_NAME: REFERENCE_NE
 def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
     """A model argument -> its folder: None / 'embedded' (the tiny random model, written on first use),
     'reference' / 'reference-next' (the committed trained models), or a path."""
+    if model is not None and not str(model).strip():  # Path("") is the working folder: never read it by accident
+        raise StrataError("model is empty: give a model folder, a saved state, 'reference', 'reference-next' or "
+                          "'embedded'")
     if model is None or str(model) == EMBEDDED_NAME:
         return embedded_model_dir(cache_dir)
     if str(model) in NAMED_MODELS:

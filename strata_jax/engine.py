@@ -208,6 +208,8 @@ class Engine:
         except (OSError, ValueError) as e:
             raise StrataError(f"{cfg_path}: malformed config.json: {e}") from None
         cfg = config_from_dict(raw, where=str(cfg_path))
+        if not checkpoint.is_state_dir(path):
+            checkpoint.check_layer_count(path, cfg)
         say = log if verbose else (lambda _: None)
         dtype = jnp.dtype(opts.dtype)
         slots, why, host = plan_placement(cfg, opts)
@@ -236,6 +238,10 @@ class Engine:
                 say(placement_mod.quantized_line(cfg, weights, opts, host is not None))
         tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
         template, generation = load_chat_template(path), load_generation_config(path)
+        if any(not 0 <= e < cfg.vocab_size for e in generation.eos_token_ids):
+            bad = next(e for e in generation.eos_token_ids if not 0 <= e < cfg.vocab_size)
+            raise StrataError(f"{path / 'generation_config.json'}: eos_token_id {bad} is not a token id "
+                              f"(vocab_size {cfg.vocab_size})")
         say(f"model: {path} ({cfg.num_layers} layers, {cfg.num_sparse_layers} MoE, {cfg.num_experts} experts "
             f"top-{cfg.num_experts_per_tok}, {model.param_bytes(weights) / 2**20:.1f} MiB of {opts.dtype} weights) "
             f"loaded in {time.perf_counter() - t0:.1f} s")
@@ -398,7 +404,7 @@ class Engine:
         if not self.placement:
             raise StrataError("offload is off (expert_cache_slots=all): nothing to reconfigure")
         opts = build(EngineOptions, dict(pcie_frac=self.placement.pcie_frac if pcie_frac is None else pcie_frac,
-                                         cache_policy=cache_policy or self.placement.policy))
+                                         cache_policy=self.placement.policy if cache_policy is None else cache_policy))
         if opts.pcie_frac == "auto":
             raise StrataError("reconfigure takes a number for pcie_frac")
         if isinstance(self.parallel, parallel_mod.ExpertSplit) and (float(opts.pcie_frac) < 1
@@ -849,9 +855,12 @@ def check_token_ids(ids, vocab_size: int, what: str = "token ids") -> np.ndarray
     """A 1-D sequence of integer token ids in 0..vocab_size-1 -> int32 array, or one StrataError line. Nothing is
     converted silently: floats (1.7), bools, strings, None, nested lists and 2-D arrays are refused, not truncated
     or flattened."""
-    if ids is None or isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+    # A dict (its keys), a set (no order), bytes-like (its bytes) iterate as ints: not token ids either.
+    if ids is None or isinstance(ids, (str, bytes, bytearray, memoryview, dict, set, frozenset)) or \
+            not hasattr(ids, "__len__"):
         raise StrataError(f"{what}: expected a list of integer token ids, got {type(ids).__name__}"
-                          + (" (encode text first: engine.encode(text))" if isinstance(ids, str) else ""))
+                          + (" (encode text first: engine.encode(text))" if isinstance(ids, (str, bytes, bytearray))
+                             else ""))
     if isinstance(ids, np.ndarray):
         if ids.ndim != 1:
             raise StrataError(f"{what}: expected a 1-D sequence of token ids, got an array of shape {ids.shape}")

@@ -25,7 +25,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from sse_starlette.sse import EventSourceResponse
 
 from strata_jax.engine import Engine, StopRequest
@@ -40,22 +40,23 @@ PAGE = Path(__file__).resolve().parent / "chat_page.html"
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, metadata, ...)
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
+    # Integers strict: "7", 7.0 and true are not token counts, seeds or ids (pydantic's lax mode converts them).
+    max_tokens: StrictInt | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # an extension (vLLM has it too)
-    seed: int | None = Field(None, ge=0, lt=2**32)
+    top_k: StrictInt | None = Field(None, ge=0)  # an extension (vLLM has it too)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**32)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: dict | None = None
-    n: int = Field(1, ge=1, le=1)
-    ignore_eos: bool = False  # an extension: run to max_tokens
+    n: StrictInt = Field(1, ge=1, le=1)
+    ignore_eos: StrictBool = False  # an extension: run to max_tokens
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-    echo: bool = False
-    logprobs: int | None = None
+    prompt: str | list[StrictInt]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
 
 
 class ChatMessage(BaseModel):
@@ -74,8 +75,8 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool | None = None
+    max_completion_tokens: StrictInt | None = Field(None, ge=0)
+    logprobs: StrictBool | None = None
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -249,7 +250,7 @@ def create_app(engine: Engine, model_name: str, log=print) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         if (bad := check_model(req)) is not None:
             return bad
-        if req.echo or req.logprobs:
+        if req.echo or req.logprobs is not None:  # logprobs: 0 asks for the sampled token's log-prob: not served
             return error_response(400, "echo and logprobs are not supported", param="echo" if req.echo else "logprobs")
         if isinstance(req.prompt, str):
             ids = engine.encode(req.prompt)

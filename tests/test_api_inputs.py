@@ -31,6 +31,10 @@ def prompt(seed: int, n: int = 9) -> list[int]:
     (None, "list of integer token ids"),
     (5, "list of integer token ids"),
     ([2**40], r"0\.\."),  # beyond the int range: refused, not wrapped
+    ({1: "a", 2: "b"}, "got dict"),  # its keys would have been taken
+    ({4, 5}, "got set"),  # no order
+    (bytearray(b"ab"), "encode text first"),  # its bytes would have been taken
+    (memoryview(b"ab"), "got memoryview"),
 ])
 def test_bad_prompt_ids_are_refused(engine, ids, match):
     requests = engine.stats.requests

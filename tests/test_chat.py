@@ -60,6 +60,25 @@ def test_generation_config(tmp_path):
     path.write_text(json.dumps({"eos_token_id": "x"}))
     with pytest.raises(StrataError, match="eos_token_id"):
         load_generation_config(tmp_path)
+    path.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0}))  # transformers keeps one token
+    g = load_generation_config(tmp_path)
+    assert (g.temperature, g.top_p, g.top_k) == (0.0, 1.0, 0)  # greedy, not top_p 1.0 (every token)
+    for bad in ({"top_p": 1.5}, {"top_p": -0.1}, {"temperature": -1}, {"top_k": -2}):
+        path.write_text(json.dumps({"do_sample": True, **bad}))
+        with pytest.raises(StrataError, match="out of range"):
+            load_generation_config(tmp_path)
+
+
+def test_generation_config_eos_outside_the_vocabulary_is_one_line(tmp_path, cache_dir):
+    from conftest import copy_fixture
+    from helpers import one_line_refusal
+    from strata_jax import Engine
+    folder = copy_fixture(tmp_path, "base")
+    for eos in (10**12, -1):
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, eos]}))
+        msg = one_line_refusal(Engine.from_pretrained, folder, verbose=False, dtype="float32",
+                               cache_dir=str(cache_dir), expert_cache_slots="all", window=1)
+        assert "generation_config.json" in msg and "eos_token_id" in msg
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,16 @@ def test_decode_prints_continuation_and_summary(success, embedded_engine):
     assert text == PROMPT + embedded_engine.decode(new)
 
 
+def test_a_budget_cut_by_the_context_is_said_even_under_quiet(cache_dir):
+    res = cli(["--max_new_tokens=100", "--window=2", "--dtype=float32", "--context=64", "--expert_cache_slots=all",
+               "--ignore_eos", "--quiet", f"--prompt={PROMPT}"], cache_dir)
+    err = res.stderr.decode("utf-8", "replace")
+    assert res.returncode == 0, err
+    n = 64 - len(PROMPT.encode("utf-8"))  # byte-level tokenizer: one token per byte
+    assert err.splitlines() == [f"warning: stopped at the end of the context (64 tokens): {n} of max_new_tokens=100 "
+                                "generated"], err
+
+
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refusal_is_one_error_line(refusals, case):
     result, culprit = refusals[case], REFUSALS[case][1]

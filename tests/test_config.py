@@ -152,6 +152,13 @@ def test_refuses_top_k_above_experts():
     assert "num_experts_per_tok" in msg
 
 
+@pytest.mark.parametrize("field,value", [("rope_theta", float("inf")), ("rope_theta", 0), ("rms_norm_eps", -1.0),
+                                         ("eos_token_id", 10**12), ("eos_token_id", [1, -1])])
+def test_refuses_values_that_would_decode_wrong(field, value):
+    msg = refusal(dict(hub_style(fixture_raw()), **{field: value}))  # rope_theta at the top level (4.x spelling)
+    assert field in msg
+
+
 def test_load_config_errors(tmp_path):
     with pytest.raises(StrataError, match="config.json"):
         load_config(tmp_path)

@@ -86,6 +86,23 @@ def test_malformed_config(base_copy, cache_dir):
     assert "config.json" in refused(base_copy, cache_dir)
 
 
+@pytest.mark.parametrize("layers", [1_000_000, 1, 3])
+def test_a_layer_count_the_tensors_do_not_hold_is_one_line_at_once(base_copy, cache_dir, layers):
+    import time
+    raw = json.loads((base_copy / "config.json").read_text())
+    (base_copy / "config.json").write_text(json.dumps(dict(raw, num_hidden_layers=layers)))
+    t0 = time.perf_counter()
+    msg = refused(base_copy, cache_dir)
+    assert f"num_hidden_layers is {layers}" in msg and "holds 2 layers" in msg and time.perf_counter() - t0 < 10
+
+
+def test_an_empty_model_name_is_refused_not_the_working_folder(tmp_path, cache_dir, monkeypatch):
+    shutil.copytree(HF_FIXTURES / "base", tmp_path / "here")
+    monkeypatch.chdir(tmp_path / "here")  # a model in the working folder must not be read for model=""
+    for empty in ("", "  "):
+        assert "model is empty" in refused(empty, cache_dir)
+
+
 def test_missing_folder(tmp_path, cache_dir):
     missing = tmp_path / "no-such-model"
     assert str(missing) in refused(missing, cache_dir)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import rel_fro
+from helpers import one_line_refusal, rel_fro
 from strata_jax import Engine, StrataError
 from strata_jax.config import preset
 from conftest import run_cli
@@ -66,6 +66,7 @@ def test_logits_and_greedy_do_not_depend_on_placement(engine_factory, reference,
 def test_counters_add_up(engine_factory, tokens):
     cfg = preset("tiny")  # the embedded model's shape
     eng = offload_engine(engine_factory, 5)
+    assert "cache_policy" in one_line_refusal(eng.reconfigure, cache_policy="")  # not a silent no-op
     eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
     prompt, new = tokens[:20], 10
     out = eng.generate(prompt, new, stop_token_ids=[])

@@ -102,6 +102,12 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
         client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])
     bad_json = httpx.post(server[0] + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and "error" in bad_json.json()
+    # Nothing converted silently: bools and floats are not token ids, "7" is not a seed, logprobs=0 is not served.
+    for field, body in (("prompt", {"prompt": [True, False]}), ("prompt", {"prompt": [1.0, 2.0]}),
+                        ("seed", {"prompt": "x", "seed": "7"}), ("max_tokens", {"prompt": "x", "max_tokens": 2.0}),
+                        ("logprobs", {"prompt": "x", "logprobs": 0})):
+        r = httpx.post(server[0] + "/v1/completions", json={"model": "tiny", **body})
+        assert r.status_code == 400 and field in r.text and "error" in r.json(), (body, r.text)
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
 
 
