@@ -278,8 +278,25 @@ def create_app(engine: Engine, model_name: str, log=print) -> FastAPI:
         ahead = server.admit()
         headers = {"x-strata-queue-position": str(ahead)}
         if not req.stream:
+            # A client that goes away stops its generation at the next token, as a stream's does (the watcher
+            # polls the connection while the worker thread decodes).
+            cancelled, finished = threading.Event(), threading.Event()
+
+            async def watch() -> None:
+                while not finished.is_set():
+                    if await request.is_disconnected():
+                        cancelled.set()
+                        return
+                    await anyio.sleep(0.1)
             try:
-                outcome = await anyio.to_thread.run_sync(lambda: server.run(ids, kw, stops, drop_eos=drop_eos))
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(watch)
+                    try:
+                        outcome = await anyio.to_thread.run_sync(
+                            lambda: server.run(ids, kw, stops, cancelled=cancelled, drop_eos=drop_eos))
+                    finally:
+                        finished.set()
+                        tg.cancel_scope.cancel()
             finally:
                 server.release()
             return JSONResponse(headers=headers, content=body(kind, rid, created, outcome))

@@ -126,6 +126,27 @@ def test_a_client_that_disconnects_stops_its_generation(server, client):
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_non_streaming_client_that_disconnects_stops_its_generation(server, client, monkeypatch):
+    from strata_jax import serve
+    push = serve.TextStream.push
+
+    def slow_push(self, token):  # 30 ms a token: the request outlives the client's 0.5 s
+        time.sleep(0.03)
+        return push(self, token)
+    monkeypatch.setattr(serve.TextStream, "push", slow_push)
+    srv, served = server[1], server[1].served
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server[0] + "/v1/completions", timeout=0.5,
+                   json={"model": "tiny", "prompt": "def", "max_tokens": 55, "ignore_eos": True})
+    deadline = time.time() + 60
+    while time.time() < deadline and srv.served == served:
+        time.sleep(0.05)
+    last = srv.history[-1]
+    assert last["disconnected"] and last["tokens"] < 55, last
+    monkeypatch.undo()
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
 def test_two_clients_at_once_get_their_own_answers(engine, client):
     prompts = ["import os", "class A:"]
     want = [engine.decode([t for t in engine.generate(engine.encode(p), 8) if t != 256]) for p in prompts]
