@@ -6,18 +6,68 @@ stderr and a non-zero exit status, never a traceback.
 """
 from __future__ import annotations
 
-import faulthandler
-import functools
 import os
 import signal
 import sys
-from pathlib import Path
+import threading
 
-from absl import app, flags, logging
 
-from strata_jax import options
-from strata_jax.errors import StrataError
-from strata_jax.tokenizer import TextStream
+def _exit_now(code: int) -> None:
+    """Leave at once after a failed or interrupted request: a window may still be in flight on the runtime's
+    threads, its host callback waiting for the interpreter lock or for the pool, and the interpreter's shutdown
+    (joining threads, tearing the backend down) must not wait on it."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+_DECODING = False  # set once the engine is built: from then on Ctrl-C ends the text cleanly (KeyboardInterrupt)
+
+
+def _interrupt(signum, frame) -> None:
+    """Ctrl-C exits 130 wherever it lands. Until the engine is built (imports, loading, compiling) it leaves at
+    once: a KeyboardInterrupt there lands inside C extensions' initialisation (an ImportError, or an abort) or in
+    XLA's gc callback, where Python prints and drops it (and the run went on to decode every token). While decoding
+    it raises KeyboardInterrupt, so the text so far ends with its line; and the process leaves on its own a second
+    later if nothing caught it."""
+    if not _DECODING:
+        _exit_now(130)
+    timer = threading.Timer(1.0, _exit_now, (130,))
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
+
+
+def _install_interrupt() -> None:
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job keeps ignoring it (Unix)
+        signal.signal(signal.SIGINT, _interrupt)
+    sys.unraisablehook = _quiet_unraisable()
+
+
+def _quiet_unraisable(hook=sys.unraisablehook):
+    """A KeyboardInterrupt dropped inside a runtime callback prints "Exception ignored in ..." and a traceback:
+    the exit is on its way (_interrupt), so say nothing."""
+    def unraisable(info):
+        if not isinstance(info.exc_value, KeyboardInterrupt):
+            hook(info)
+    return unraisable
+
+
+if __name__ == "__main__":  # python -m strata_jax.decode: before the imports below (absl; JAX comes with the engine)
+    _install_interrupt()
+
+import faulthandler  # noqa: E402
+import functools  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from absl import app, flags, logging  # noqa: E402
+
+from strata_jax import options  # noqa: E402
+from strata_jax.errors import StrataError  # noqa: E402
+from strata_jax.tokenizer import TextStream  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "reference", "Model folder (config.json, *.safetensors, tokenizer.json), a folder "
@@ -67,6 +117,8 @@ def run() -> None:
     if FLAGS.save_state:
         engine.save_state(FLAGS.save_state, overwrite=FLAGS.overwrite)
         print(f"saved state: {FLAGS.save_state}", file=sys.stderr)
+    global _DECODING
+    _DECODING = True
     # Sampling flags not given on the command line take the model's generation_config.json.
     kwargs = {k: getattr(request, k) for k in request.__dataclass_fields__ if k not in ("logpos", "logpos_read")
               and not (k in ("temperature", "top_p", "top_k") and not FLAGS[k].present)}
@@ -203,20 +255,9 @@ def main(argv: list[str]) -> None:
         _exit_now(130)
 
 
-def _exit_now(code: int) -> None:
-    """Leave at once after a failed or interrupted request: a window may still be in flight on the runtime's
-    threads, its host callback waiting for the interpreter lock or for the pool, and the interpreter's shutdown
-    (joining threads, tearing the backend down) must not wait on it."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
 def cli() -> None:
     """The `strata-decode` console script (pyproject.toml)."""
+    _install_interrupt()
     app.run(main, flags_parser=parse_flags)
 
 

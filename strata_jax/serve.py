@@ -392,8 +392,19 @@ def main(argv: list[str]) -> None:
     name = FLAGS.served_name or Path(str(engine.model_dir)).name
     print(f"serving {name} on http://{FLAGS.host}:{FLAGS.port} (chat page at /, OpenAI API under /v1)",
           file=sys.stderr, flush=True)
-    uvicorn.run(create_app(engine, name, log=lambda line: print(line, file=sys.stderr, flush=True)),
-                host=FLAGS.host, port=FLAGS.port, log_level="warning")
+    app = create_app(engine, name, log=lambda line: print(line, file=sys.stderr, flush=True))
+
+    class SignalledServer(uvicorn.Server):
+        """uvicorn shuts down gracefully on SIGINT / SIGTERM and returns: remember which, for the exit status."""
+        signalled: int | None = None
+
+        def handle_exit(self, sig, frame):
+            self.signalled = sig
+            super().handle_exit(sig, frame)
+    server = SignalledServer(uvicorn.Config(app, host=FLAGS.host, port=FLAGS.port, log_level="warning"))
+    server.run()
+    if server.signalled is not None:  # Ctrl-C: 130, as the CLI; SIGTERM: 143 (the shell's 128 + signal)
+        sys.exit(128 + int(server.signalled))
 
 
 def _define_flags():

@@ -130,6 +130,31 @@ def test_switches_print_their_lines_and_logpos_writes_the_prompt(cache_dir, tmp_
 
 
 
+def test_ctrl_c_at_any_moment_of_start_up_exits_130_quietly(cache_dir):
+    """SIGINT during the imports, the engine's build and its compile (0.1 to 4 s after the start, runs side by
+    side): always exit 130, no traceback, no "Exception ignored" (one that landed in XLA's gc callback during a
+    compile was dropped, and the run went on to decode every token)."""
+    import signal
+    import time
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}, PYTHONIOENCODING="utf-8")
+    procs = []
+    for delay in (0.1, 0.6, 1.5, 2.5, 4.0):
+        procs.append((delay, subprocess.Popen(
+            [sys.executable, "-m", "strata_jax.decode", "--model=embedded", "--prompt=hello world",
+             "--max_new_tokens=3000", "--context=4096", "--ignore_eos", "--window=3", "--expert_cache_slots=4",
+             f"--cache_dir={cache_dir}"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))))
+    t0 = time.time()
+    for delay, proc in procs:
+        time.sleep(max(0.0, t0 + delay - time.time()))
+        proc.send_signal(signal.SIGINT)
+    for delay, proc in procs:
+        out, err = proc.communicate(timeout=60)
+        err = err.decode(errors="replace")
+        assert proc.returncode == 130, (delay, proc.returncode, err[-2000:])
+        assert "Traceback" not in err and "Exception ignored" not in err, (delay, err[-2000:])
+
+
 def test_ctrl_c_while_the_host_pool_works_exits_130_quietly(cache_dir):
     """SIGINT while the host pool computes every expert (pcie_frac=0): exit 130, no traceback. --ignore_eos keeps
     the run going for seconds (without it the tiny model meets its eos within a second and a late signal found an

@@ -180,3 +180,36 @@ def test_the_chat_page_in_a_headless_browser(server):
                                "document.getElementById('counters').textContent.includes('last turn')")
         assert page.inner_text("#counters").startswith("last turn")
         browser.close()
+
+
+def test_the_server_command_exits_130_on_ctrl_c(cache_dir):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from conftest import REPO
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}, PYTHONIOENCODING="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "strata_jax.serve", "--model=embedded", f"--port={port}",
+                             "--dtype=float32", "--expert_cache_slots=all", "--window=2", "--context=64",
+                             f"--cache_dir={cache_dir}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    err = b""
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        err += line
+        if b"serving" in line or not line:
+            break
+    for _ in range(100):  # until it answers
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, rest = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (err + rest).decode(errors="replace")[-2000:]
+    assert b"Traceback" not in err + rest
