@@ -68,6 +68,10 @@ class ChatTemplate:
                                    **{**self.special_tokens, **kwargs})
         except jinja2.exceptions.TemplateError as e:
             raise StrataError(f"{self.where}: {e}".replace("\n", " ")) from None
+        except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError, ZeroDivisionError,
+                RecursionError) as e:  # the template's own code failed on these messages
+            raise StrataError(f"{self.where}: the template failed while rendering: {type(e).__name__}: {e}"
+                              .replace("\n", " ")) from None
 
 
 def check_messages(messages) -> None:

@@ -61,7 +61,6 @@ if __name__ == "__main__":  # python -m strata_jax.decode: before the imports be
 
 import faulthandler  # noqa: E402
 import functools  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
@@ -102,10 +101,7 @@ def run() -> None:
     request = options.from_flags(options.RequestOptions, FLAGS)
     prompt = FLAGS.prompt
     if FLAGS.prompt_file:
-        try:
-            prompt = Path(FLAGS.prompt_file).read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise StrataError(f"cannot read --prompt_file {FLAGS.prompt_file}: {e}") from None
+        prompt = read_prompt_file(FLAGS.prompt_file)
     if FLAGS.save_state:  # refused before a minute of loading, not after
         from strata_jax.checkpoint import check_state_target
         check_state_target(FLAGS.save_state, FLAGS.overwrite)
@@ -132,6 +128,24 @@ def run() -> None:
         print(f"logpos: {n} positions of the prompt, read through the {request.logpos_read}, written to {logpos}",
               file=sys.stderr, flush=True)
     respond(engine, ids, prompt, kwargs)
+
+
+PROMPT_FILE_MAX_BYTES = 256 * 2**20  # far beyond any context in tokens; /dev/zero or a stray disk image is refused
+
+
+def read_prompt_file(name: str) -> str:
+    """--prompt_file's text, read with a bound (a device or a pipe may never end)."""
+    try:
+        with open(name, "rb") as f:
+            data = f.read(PROMPT_FILE_MAX_BYTES + 1)
+    except OSError as e:
+        raise StrataError(f"cannot read --prompt_file {name}: {e.strerror or e}") from None
+    if len(data) > PROMPT_FILE_MAX_BYTES:
+        raise StrataError(f"--prompt_file {name} holds more than {PROMPT_FILE_MAX_BYTES >> 20} MiB: not a prompt")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise StrataError(f"cannot read --prompt_file {name}: not UTF-8 text ({e})") from None
 
 
 def respond(engine, ids: list[int], shown_prompt: str, kwargs: dict, drop_stop: bool = False) -> list[int]:

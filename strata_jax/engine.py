@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import queue
 import sys
@@ -55,7 +56,13 @@ class _UserDrafter:
 
     def propose(self, context, k):
         with self._engine._user_code():
-            return self._drafter.propose(context, k)
+            drafts = self._drafter.propose(context, k)
+        # What the windows get must be at most k token ids: a string, a dict, too many or out of the vocabulary
+        # would be a wrong window (or a crash deep in the loop), so one line here.
+        drafts = check_token_ids(drafts, self._engine.cfg.vocab_size, "the drafter's propose()").tolist()
+        if len(drafts) > k:
+            raise StrataError(f"the drafter's propose() returned {len(drafts)} drafts; it may return at most k={k}")
+        return drafts
 
     def observe(self, tokens):
         with self._engine._user_code():
@@ -546,7 +553,7 @@ class Engine:
                  top_p: float | None = None, top_k: int | None = None, seed: int = 0, draft: str = "ngram",
                  spec: int = -1,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                 on_token: Callable[[int], None] | None = None) -> list[int]:
+                 on_token: Callable[[int], None] | None = None, **unknown) -> list[int]:
         """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
 
         Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', 'device', 'mtp' (Qwen3-Next's
@@ -557,6 +564,10 @@ class Engine:
         temperature / top_p / top_k left None take the model's generation_config.json (greedy without one); the
         model's eos ids and generation_config's end a request unless stop_token_ids replace them. on_token sees
         each new token as it is accepted; raising StopRequest there ends the request at that token."""
+        if unknown:
+            known = [p for p in inspect.signature(Engine.generate).parameters if p not in ("self", "unknown")]
+            raise StrataError(f"generate() got unknown option(s) {', '.join(sorted(unknown))} "
+                              f"(its options: {', '.join(known[1:])})")
         sampling_defaults = self.generation_defaults.request_defaults()
         temperature = sampling_defaults["temperature"] if temperature is None else temperature
         top_p = sampling_defaults["top_p"] if top_p is None else top_p
@@ -756,6 +767,8 @@ class Engine:
         `window` (default: the engine's W); row i is the distribution of token i+1."""
         ids = self._check_prompt(token_ids)
         w = self.options.window if window is None else window
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
+            raise StrataError(f"window must be an integer (1..{self.options.window}), not {w!r}")
         if not 1 <= w <= self.options.window:
             raise StrataError(f"window {w} is not compiled (1..{self.options.window})")
         self._take_expert_stats()

@@ -214,3 +214,36 @@ def test_non_finite_logits_end_the_request_in_one_line(cache_dir):
     eng._prefill_all = finite_prefill
     for kw in (dict(spec=0), dict(), dict(temperature=0.7), dict(draft="device")):
         one_line_refusal(eng.generate, prompt(9), 6, stop_token_ids=[], match="non-finite logits", **kw)
+
+
+def test_request_options_and_drafters_that_would_fail_deep_are_one_line(engine):
+    """A float window, an unknown option (generate, chat), a Drafter returning a string, too many drafts or
+    ids outside the vocabulary: one StrataError line each; a numpy array of ids is taken as a list."""
+    ids = prompt(41)
+    assert "window must be an integer" in one_line_refusal(engine.score, ids, window=2.0)
+    assert "unknown option(s) foo" in one_line_refusal(engine.generate, ids, 4, foo=1)
+    assert "unknown option(s) foo" in one_line_refusal(engine.chat, [{"role": "user", "content": "hi"}], foo=1)
+
+    class Returns:
+        def __init__(self, value):
+            self.value = value
+
+        def propose(self, tokens, k):
+            return self.value(k)
+
+        def observe(self, accepted):
+            pass
+    for value, match in ((lambda k: "abc", "propose"), (lambda k: [1] * (k + 2), "at most k"),
+                         (lambda k: [engine.cfg.vocab_size + 5], "token ids must be in"),
+                         (lambda k: {1: 2}, "got dict")):
+        one_line_refusal(engine.generate, ids, 6, draft=Returns(value), match=match)
+    plain = engine.generate(ids, 6, draft="none", stop_token_ids=[])
+    assert engine.generate(ids, 6, draft=Returns(lambda k: np.asarray([3, 4][:k])), stop_token_ids=[]) == plain
+
+
+def test_a_chat_template_that_fails_while_rendering_is_one_line():
+    from strata_jax.chat import ChatTemplate
+    for source, kind in (("{{ messages[0]['content'] + 1 }}", "TypeError"), ("{{ range(10**20) | list }}", "Overflow")):
+        msg = one_line_refusal(ChatTemplate(source=source, special_tokens={}).render,
+                               [{"role": "user", "content": "hi"}])
+        assert "failed while rendering" in msg and kind in msg, msg

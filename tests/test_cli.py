@@ -39,6 +39,7 @@ REFUSALS = {  # case: (args, what the error line must name)
     "temperature=-1": (["--temperature=-1"], "temperature"),
     "no model": (["--model=/nonexistent"], "/nonexistent"),
     "no prompt_file": (["--prompt_file=/nonexistent"], "/nonexistent"),
+    "endless prompt_file": (["--prompt_file=/dev/zero"], "/dev/zero"),  # read with a bound
     "unknown flag": (["--no_such_flag=1"], "no_such_flag"),
     "positional": (["stray"], "stray"),
     "save_state over a model": ([f"--save_state={HF_FIXTURES / 'base'}"], "holds a model or a saved state"),
