@@ -10,6 +10,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -73,7 +74,32 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def enable_compilation_cache(cache_dir: Path) -> Path:
+_CACHE_TROUBLE = {"said": False, "quiet": False}
+
+
+def _cache_warnings(show=warnings.showwarning):
+    """JAX warns once per entry of the persistent compilation cache that it cannot read or write (a corrupt or
+    truncated file), with the whole key: nine warnings for one damaged cache, even under --quiet. The graph is
+    compiled instead, so it is not an error: one line per process (none when quiet)."""
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text.startswith(("Error reading persistent compilation cache", "Error writing persistent compilation "
+                                                                         "cache")):
+            if not _CACHE_TROUBLE["said"] and not _CACHE_TROUBLE["quiet"]:
+                log(f"note: the compilation cache ({jax.config.jax_compilation_cache_dir}) has entries it cannot "
+                    f"{'read' if 'reading' in text else 'write'} ({text.split(': ', 1)[-1][:120]}); those graphs "
+                    "are compiled instead")
+            _CACHE_TROUBLE["said"] = True
+            return
+        show(message, category, filename, lineno, file, line)
+    return showwarning
+
+
+warnings.showwarning = _cache_warnings()
+
+
+def enable_compilation_cache(cache_dir: Path, quiet: bool = False) -> Path:
+    _CACHE_TROUBLE["quiet"] = quiet
     path = cache_dir / "jax"
     make_writable_folder(path, f"cache_dir {cache_dir}: not a writable folder for the compilation cache")
     jax.config.update("jax_compilation_cache_dir", str(path))
@@ -200,7 +226,7 @@ class Engine:
             raise StrataError(f"{sorted(request_opts)} are generate() options, not engine options")
         opts = build(EngineOptions, engine_opts)
         cache_dir = opts.resolved_cache_dir()
-        enable_compilation_cache(cache_dir)
+        enable_compilation_cache(cache_dir, quiet=not verbose)
         path = resolve_model(path, cache_dir)
         if path.is_file():
             raise StrataError(f"model {path} is a file, not a folder (a model folder holds config.json, "
@@ -265,7 +291,7 @@ class Engine:
         """An engine over random weights of a model shape (benchmarks): non-expert weights made on the device,
         experts made on the device layer by layer and moved to host memory when offload is on."""
         opts = build(EngineOptions, options)
-        enable_compilation_cache(opts.resolved_cache_dir())
+        enable_compilation_cache(opts.resolved_cache_dir(), quiet=not verbose)
         say = log if verbose else (lambda _: None)
         dtype = jnp.dtype(opts.dtype)
         slots, why, host = plan_placement(cfg, opts)

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from sse_starlette.sse import EventSourceResponse
@@ -212,6 +213,21 @@ def create_app(engine: Engine, model_name: str, log=print) -> FastAPI:
     @app.exception_handler(StrataError)
     async def strata_error(request: Request, exc: StrataError):
         return error_response(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        """FastAPI's own refusals (an unknown path, a body it cannot parse, a wrong method) in OpenAI's error
+        object, not {"detail": ...}: clients read error.message."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            detail = f"{request.method} {request.url.path}: not found ({detail})"
+        return error_response(exc.status_code, detail, kind=kind)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        """Anything else (a bug): a 500 in OpenAI's error object, not a plain-text page."""
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}".splitlines()[0], kind="server_error")
 
     @app.get("/health")
     async def health():

@@ -93,6 +93,31 @@ def test_a_budget_cut_by_the_context_is_said_even_under_quiet(cache_dir):
                                 "generated"], err
 
 
+def test_a_damaged_compilation_cache_is_one_note_and_nothing_under_quiet(tmp_path):
+    """Every entry of the persistent cache truncated: the graphs are compiled again, the text is the same, and JAX's
+    per-entry UserWarnings (nine of them) become one note line, none under --quiet."""
+    args = ["--max_new_tokens=4", "--window=1", "--dtype=float32", "--context=64", "--expert_cache_slots=all",
+            f"--prompt={PROMPT}"]
+    first = cli(args, tmp_path)
+    assert first.returncode == 0, first.stderr.decode(errors="replace")
+    entries = [f for f in (tmp_path / "jax").rglob("*") if f.is_file()]
+    assert entries
+    for f in entries:
+        f.write_bytes(f.read_bytes()[:20])
+    for quiet in (True, False):
+        res = cli(args + (["--quiet"] if quiet else []), tmp_path)
+        err = res.stderr.decode(errors="replace")
+        assert res.returncode == 0 and res.stdout == first.stdout, err
+        assert "Warning" not in err and "Traceback" not in err, err
+        notes = [ln for ln in err.splitlines() if ln.startswith("note: the compilation cache")]
+        assert (notes == []) if quiet else (len(notes) == 1), err
+        if quiet:
+            assert err == "", err
+        for f in entries:  # damaged again for the second run (the first rewrote them)
+            if f.exists():
+                f.write_bytes(f.read_bytes()[:20])
+
+
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refusal_is_one_error_line(refusals, case):
     result, culprit = refusals[case], REFUSALS[case][1]

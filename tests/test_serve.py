@@ -108,6 +108,17 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
                         ("logprobs", {"prompt": "x", "logprobs": 0})):
         r = httpx.post(server[0] + "/v1/completions", json={"model": "tiny", **body})
         assert r.status_code == 400 and field in r.text and "error" in r.json(), (body, r.text)
+    # Bodies FastAPI cannot parse, and unknown paths: OpenAI's error object, never {"detail": ...}
+    url = server[0] + "/v1/completions"
+    for content, ctype in ((b'{"model": "tiny", "prompt": "\xff\xfe"}', "application/json"),
+                           ('{"model": "tiny", "prompt": "caf\u00e9"}'.encode("latin-1"),
+                            "application/json; charset=latin-1"),
+                           (b'{"a":' * 100000 + b"1" + b"}" * 100000, "application/json")):
+        r = httpx.post(url, content=content, headers={"content-type": ctype})
+        assert r.status_code in (200, 400) and "detail" not in r.json(), r.text[:300]
+        assert r.status_code == 200 or r.json()["error"]["message"], r.text[:300]
+    for r in (httpx.get(server[0] + "/v1/nowhere"), httpx.get(server[0] + "/v1/models/gpt-9")):
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error" and "detail" not in r.json()
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
 
 
