@@ -631,7 +631,11 @@ class Engine:
         budget = min(req.max_new_tokens, self.context - ids.size)
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
         self._pick_samplers(filtered=req.top_k > 0 or req.top_p < 1.0, sampled=req.temperature > 0)
-        reuse = self._reusable(ids) if budget > 0 else 0
+        # A sampled request's tokens follow its drafts (the accept / resample draws), and the MTP module's drafts
+        # follow its KV rows: reused rows (written by another request's windows) round differently from a fresh
+        # prefill's, so the same seed would give other tokens. Such a request prefills its whole prompt.
+        mtp_sampled = req.draft == "mtp" and self.mtp is not None and spec > 0 and req.temperature > 0
+        reuse = self._reusable(ids) if budget > 0 and not mtp_sampled else 0
         stats = RequestStats(prompt_tokens=int(ids.size), cached_tokens=reuse)
         out: list[int] = []
         self._take_expert_stats(new_request=True)

@@ -12,11 +12,11 @@ branch (lax.cond) would make the GPU stream wait for the host in every window, g
 """
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import threading
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -146,10 +146,12 @@ def verify_window(logits: jax.Array, drafts: jax.Array, positions: jax.Array, sa
 # would round in different places (7e-3 relative apart in bf16). Off: every graph rounds where the model code says.
 MODEL_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
-# Executables by (module text, shardings, compiler options), shared by the process (compile_shared).
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
+# Executables by (module text, shardings, compiler options), shared by the process's engines (compile_shared)
+# while one of them holds it: weak references, so a dropped engine's executables are freed. (Each XLA CPU
+# executable maps its kernels' code, ~400 memory maps a window graph of the tiny model: a process that kept every
+# executable it compiled ran past the kernel's vm.max_map_count of 65530 and crashed inside XLA; NOTES.md item 7.)
+_COMPILED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _COMPILED_LOCK = threading.Lock()
-COMPILED_SHARED_MAX = 256  # executables kept (least recently used first out); they hold no weights
 
 
 def compile_shared(lowered: jax.stages.Lowered, compiler_options: dict | None = None) -> jax.stages.Compiled:
@@ -165,14 +167,12 @@ def compile_shared(lowered: jax.stages.Lowered, compiler_options: dict | None = 
     key = (hashlib.sha256(text.encode()).hexdigest(), repr(args["in_shardings"]), repr(args.get("out_shardings")),
            repr(args.get("in_layouts")), repr(args.get("out_layouts")), repr(sorted((compiler_options or {}).items())))
     with _COMPILED_LOCK:
-        if key in _COMPILED:
-            _COMPILED.move_to_end(key)
-            return _COMPILED[key]
+        compiled = _COMPILED.get(key)
+    if compiled is not None:
+        return compiled
     compiled = lowered.compile()
     with _COMPILED_LOCK:
         _COMPILED[key] = compiled
-        while len(_COMPILED) > COMPILED_SHARED_MAX:
-            _COMPILED.popitem(last=False)
     return compiled
 
 

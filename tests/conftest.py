@@ -8,6 +8,7 @@ does not use that cache: pytest_configure).
 """
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -102,13 +103,24 @@ def pytest_runtest_protocol(item, nextitem):
     _compile_work.clear()
     t0 = time.perf_counter()
     yield
-    row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - t0, 2)}
+    row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - t0, 2), "maps": memory_maps()}
     row.update({k: [n, round(s, 2)] for k, (n, s) in sorted(_compile_work.items())})
     with open(_COMPILE_REPORT, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
+# The files that take longest on the 2-core CPU machine (tests/conftest.py TESTS_COMPILE_REPORT, 2026-12-02),
+# longest first: pytest-xdist hands out whole files in collection order, so these start first and the short ones
+# fill the workers' ends (one long file left for last would run alone).
+SLOW_FILES = ("test_parallel.py", "test_offload.py", "test_quant.py", "test_spec.py", "test_benchmarks.py",
+              "test_defer.py", "test_hf_next.py", "test_route_approx.py", "test_agent_turns_bench.py",
+              "test_train_reference.py", "test_expert_ffn.py", "test_decode_attention.py", "test_loader.py",
+              "test_decode.py", "test_hf_reference.py", "test_cli.py", "test_scan.py", "test_kv_int8.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: a file's order is kept
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
@@ -135,16 +147,36 @@ def engine_factory(cache_dir):
     """
     from strata_jax import Engine
 
-    engines: dict = {}
+    engines: dict = {}  # key -> engine, least recently used first
 
     def get(path=None, **options):
         options.setdefault("cache_dir", str(cache_dir))
         key = (None if path is None else str(path), tuple(sorted(options.items())))
-        if key not in engines:
-            engines[key] = Engine.from_pretrained(path, verbose=False, **options)
+        if key in engines:
+            engines[key] = engines.pop(key)  # most recently used last
+            return engines[key]
+        # Every live XLA CPU executable holds memory maps of its kernels (~400 a window graph); past the kernel's
+        # vm.max_map_count (65530) XLA crashes in its next compile. Drop the least recently used engines before
+        # the process gets near it (their executables go with them; a later test that asks again rebuilds).
+        while engines and memory_maps() > MAX_MEMORY_MAPS:
+            engines.pop(next(iter(engines)))
+            gc.collect()
+        engines[key] = Engine.from_pretrained(path, verbose=False, **options)
         return engines[key]
 
     return get
+
+
+MAX_MEMORY_MAPS = 30000  # of the 65530 a Linux process may hold (vm.max_map_count's default)
+
+
+def memory_maps() -> int:
+    """The process's memory maps (Linux); 0 where /proc is not there."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
 
 
 @pytest.fixture(scope="session")

@@ -261,6 +261,14 @@ def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder
     sampled = [engine.generate(prompt, 12, temperature=0.8, seed=3, draft="mtp", stop_token_ids=[])
                for _ in range(2)]
     assert sampled[0] == sampled[1] and len(sampled[0]) == 12 and engine.stats.last.drafts_proposed > 0
+    # ... and the same whatever the engine served before (prefix reuse would hand the module other KV rows)
+    longer = prompt + plain[:6]
+    after = []
+    for before in (prompt, longer[::-1]):  # a request this one extends; an unrelated one
+        engine.generate(before, 4, stop_token_ids=[])
+        after.append(engine.generate(longer, 12, temperature=0.8, seed=4, draft="mtp", stop_token_ids=[]))
+        assert engine.stats.last.cached_tokens == 0
+    assert after[0] == after[1]
 
     seq = np.asarray(prompt + plain, np.int32)
     cfg = engine.cfg
