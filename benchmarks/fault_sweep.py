@@ -53,9 +53,9 @@ class Case:
 # ---- CLI cases ---------------------------------------------------------------------------------------------------
 
 def cli(args: list[str], cache_dir: Path, env: dict | None = None, sigint_after: str | None = None,
-        limit_s: int = 180) -> tuple[int | None, str, str]:
+        limit_s: int = 180, sigint_at: float | None = None) -> tuple[int | None, str, str]:
     """Run `python -m strata_jax.decode`; (returncode or None on a hang, stdout, stderr). sigint_after: send
-    SIGINT one second after this text shows on stderr."""
+    SIGINT one second after this text shows on stderr; sigint_at: this many seconds after the start."""
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}, PYTHONIOENCODING="utf-8",
                **(env or {}))
     if not any(a.startswith("--model") for a in args):
@@ -66,6 +66,9 @@ def cli(args: list[str], cache_dir: Path, env: dict | None = None, sigint_after:
                             # hands its children SIGINT ignored)
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err = b""
+    if sigint_at is not None:
+        time.sleep(sigint_at)
+        proc.send_signal(signal.SIGINT)
     if sigint_after:
         deadline = time.time() + limit_s
         while time.time() < deadline:
@@ -121,12 +124,14 @@ def warn(args, cache_dir, env, match: str):
     return run
 
 
-def sigint(args, cache_dir):
+def sigint(args, cache_dir, at: float | None = None):
     def run():
-        rc, out, err = cli(args, cache_dir, sigint_after="graphs:")
+        rc, out, err = cli(args, cache_dir, sigint_after=None if at is not None else "graphs:", sigint_at=at)
         if rc is None:
             return "hang", last_line(err)
         if "Traceback" in err:
+            return "traceback", last_line(err)
+        if "Exception ignored" in err:
             return "traceback", last_line(err)
         return ("clean", "exit 130") if rc == 130 else ("silent", f"exit {rc}: " + last_line(out))
     return run
@@ -250,8 +255,24 @@ def checkpoint_cases(cache_dir: Path, scratch: Path) -> list[Case]:
     broken("NaN expert", tensors(poison("model.layers.2.mlp.experts.5.down_proj.weight", np.nan)), "non-finite")
     broken("int32 expert tensor", tensors(lambda t: t.update({"model.layers.0.mlp.experts.0.up_proj.weight": np.ones(
         t["model.layers.0.mlp.experts.0.up_proj.weight"].shape, np.int32)})), "int32")
+    broken("config.json a million layers", config(lambda r: dict(r, num_hidden_layers=1_000_000)),
+           "num_hidden_layers")
+    broken("config.json rope_theta inf", config(lambda r: dict(r, rope_theta=float("inf"))), "rope_theta")
+    broken("config.json eos outside the vocabulary", config(lambda r: dict(r, eos_token_id=10**12)), "eos_token_id")
+
+    def stray_shard(folder):  # a second file, no index, holding one of the real tensors with other values
+        t = load_file(folder / "model.safetensors")
+        name = "model.layers.1.mlp.gate.weight"
+        save_file({name: (t[name] * 2).astype(t[name].dtype)}, folder / "zz-extra.safetensors")
+    broken("a tensor in two files (no index)", stray_shard, "two files")
+    broken("index weight_map a list", lambda f: (f / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": ["model.safetensors"]})), "malformed index")
     broken("no tokenizer.json, text prompt", lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json")
     broken("tokenizer.json not JSON", lambda f: (f / "tokenizer.json").write_text("{oops"), "tokenizer")
+    over = scratch / "ckpt_save_state_target"
+    shutil.copytree(src, over)
+    cases.append(Case("ckpt", "--save_state into a model folder", refuse([*BASE, f"--save_state={over}"], cache_dir,
+                                                                         "holds a model")))
     state = scratch / "state_meta"
     cases.append(Case("ckpt", "strata_state.json malformed", lambda: _state_case(cache_dir, state, "meta")))
     cases.append(Case("ckpt", "orbax data corrupt", lambda: _state_case(cache_dir, scratch / "state_data", "data")))
@@ -281,7 +302,9 @@ def runtime_cases(cache_dir: Path) -> list[Case]:
         Case("runtime", "Ctrl-C while the pool works",
              sigint(["--prompt=hello world", "--max_new_tokens=16000", "--context=16384", "--ignore_eos",
                      "--expert_cache_slots=0", "--pcie_frac=0", "--spec=0"], cache_dir)),
-    ]
+    ] + [Case("runtime", f"Ctrl-C {at:g} s after the start (imports, loading, compiling)",
+              sigint(["--prompt=hello world", "--max_new_tokens=3000", "--context=4096", "--ignore_eos",
+                      "--expert_cache_slots=4"], cache_dir, at=at)) for at in (0.05, 0.3, 0.8, 1.5, 2.5, 4.0)]
 
 
 # ---- API cases (in this process) ---------------------------------------------------------------------------------
@@ -368,6 +391,24 @@ def api_cases(cache_dir: Path, limit_s: float) -> list[Case]:
         Case("api", "from_pretrained(no_such_option=1)", lambda: api_call(lambda: Engine.from_pretrained(
             None, verbose=False, cache_dir=str(cache_dir), no_such_option=1), limit_s)),
         Case("api", "4 threads on one engine", lambda: api_check(lambda: _threads(engine(**exact)), limit_s)),
+        Case("api", "generate() from inside on_token", lambda: api_call(lambda: engine(**exact).generate(
+            ids, 4, on_token=lambda t: engine(**exact).generate(ids, 2)), limit_s)),
+        Case("api", "list(stream()) from inside on_token", lambda: api_call(lambda: engine(**exact).generate(
+            ids, 4, on_token=lambda t: list(engine(**exact).stream(ids, max_new_tokens=2))), limit_s)),
+        Case("api", "reconfigure() from inside on_token", lambda: api_call(lambda: engine(**exact).generate(
+            ids, 4, on_token=lambda t: engine(**exact).reconfigure(pcie_frac=0.5)), limit_s)),
+        Case("api", "the engine exact after refused re-entrant calls",
+             lambda: api_check(lambda: _after_reentry(engine(**exact)), limit_s)),
+        Case("api", "a Drafter returning a string", lambda: api_call(lambda: engine(**exact).generate(
+            ids, 4, draft=_Drafter(lambda k: "abc")), limit_s)),
+        Case("api", "a Drafter returning too many drafts", lambda: api_call(lambda: engine(**exact).generate(
+            ids, 4, draft=_Drafter(lambda k: [1] * (k + 3))), limit_s)),
+        Case("api", "generate(ids, 4, foo=1)", lambda: api_call(lambda: engine(**exact).generate(ids, 4, foo=1),
+                                                                 limit_s)),
+        Case("api", "score(ids, window=2.0)", lambda: api_call(lambda: engine(**exact).score(ids, window=2.0),
+                                                               limit_s)),
+        Case("api", "generate(dict of ids)", lambda: api_call(lambda: engine(**exact).generate({1: 2, 3: 4}, 4),
+                                                              limit_s)),
         Case("api", "bf16: a request after others (pool share 0.5)",
              lambda: api_check(lambda: _history(engine(dtype="bfloat16", expert_cache_slots=4, pcie_frac=0.5),
                                                 engine(dtype="bfloat16", expert_cache_slots="all")), limit_s)),
@@ -375,6 +416,33 @@ def api_cases(cache_dir: Path, limit_s: float) -> list[Case]:
              lambda: api_check(lambda: _placement(engine, exact), limit_s)),
     ]
     return cases
+
+
+class _Drafter:
+    def __init__(self, propose):
+        self._propose = propose
+
+    def propose(self, tokens, k):
+        return self._propose(k)
+
+    def observe(self, accepted):
+        pass
+
+
+def _after_reentry(eng) -> bool | str:
+    """Refused calls from on_token leave nothing behind: the next requests give the plain tokens."""
+    from strata_jax import StrataError
+    prompt = np.random.default_rng(79).integers(0, 255, 9).tolist()
+    want = eng.generate(prompt, 10, stop_token_ids=[])
+
+    def reenter(token):
+        try:
+            eng.generate(prompt[::-1], 3)
+        except StrataError:
+            pass
+    outer = eng.generate(prompt, 10, stop_token_ids=[], on_token=reenter)
+    after = [eng.generate(prompt, 10, stop_token_ids=[]) for _ in range(3)]
+    return True if outer == want and all(a == want for a in after) else "other tokens after re-entrant calls"
 
 
 def _rel(a, b) -> float:

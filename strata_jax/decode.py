@@ -227,10 +227,7 @@ def chat(engine, prompts: list[str], kwargs: dict) -> None:
 
 def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:
     """Refuse a prompt longer than the context before loading or compiling anything."""
-    from strata_jax.config import load_config
     from strata_jax.embedded import resolve_model
-    from strata_jax.engine import context_and_chunk
-    from strata_jax.tokenizer import load_tokenizer
     if not prompt:
         raise StrataError("the prompt is empty: pass --prompt=... or --prompt_file=...")
     try:
@@ -238,6 +235,17 @@ def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:
     except UnicodeEncodeError:  # invalid bytes on the command line arrive as surrogates
         raise StrataError("the prompt is not valid UTF-8") from None
     folder = resolve_model(model, engine_opts.resolved_cache_dir())
+    try:
+        _check_prompt_fits(folder, model, engine_opts, prompt)
+    except OSError as e:  # an unreadable folder or file: Path.is_file() raises PermissionError
+        raise StrataError(f"cannot read the model folder {folder}: {e.strerror or e}"
+                          + (f" ({e.filename})" if getattr(e, "filename", None) else "")) from None
+
+
+def _check_prompt_fits(folder, model: str, engine_opts, prompt: str) -> None:
+    from strata_jax.config import load_config
+    from strata_jax.engine import context_and_chunk
+    from strata_jax.tokenizer import load_tokenizer
     if folder.is_file():
         raise StrataError(f"--model={model} is a file, not a folder (a model folder holds config.json, "
                           "*.safetensors and tokenizer.json)")

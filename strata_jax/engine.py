@@ -228,6 +228,10 @@ class Engine:
         cache_dir = opts.resolved_cache_dir()
         enable_compilation_cache(cache_dir, quiet=not verbose)
         path = resolve_model(path, cache_dir)
+        try:  # a folder that cannot be searched: Path.is_file() and exists() raise PermissionError
+            path.is_file() or (path / "config.json").exists()
+        except OSError as e:
+            raise StrataError(f"cannot read the model folder {path}: {e.strerror or e}") from None
         if path.is_file():
             raise StrataError(f"model {path} is a file, not a folder (a model folder holds config.json, "
                               "*.safetensors and tokenizer.json)")
@@ -269,8 +273,12 @@ class Engine:
                                               place_scales=host.place_scale if host else None)
             if fmt:
                 say(placement_mod.quantized_line(cfg, weights, opts, host is not None))
-        tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
-        template, generation = load_chat_template(path), load_generation_config(path)
+        try:
+            tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
+            template, generation = load_chat_template(path), load_generation_config(path)
+        except OSError as e:  # an unreadable file (permissions)
+            raise StrataError(f"cannot read the model folder {path}: {e.strerror or e}"
+                              + (f" ({e.filename})" if getattr(e, "filename", None) else "")) from None
         if any(not 0 <= e < cfg.vocab_size for e in generation.eos_token_ids):
             bad = next(e for e in generation.eos_token_ids if not 0 <= e < cfg.vocab_size)
             raise StrataError(f"{path / 'generation_config.json'}: eos_token_id {bad} is not a token id "
@@ -833,8 +841,12 @@ class Engine:
                     expert_cache_slots=self.placement.slots if self.placement else "all",
                     pcie_frac=self.placement.pcie_frac if self.placement else None,
                     route=dataclasses.asdict(self.approx), defer_cpu=dataclasses.asdict(self.defer), **(meta or {}))
-        with LogposWriter(path, top=top, meta=info) as writer:
-            writer.write_many(0, logits[:-1], ids[1:])
+        try:
+            with LogposWriter(path, top=top, meta=info) as writer:
+                writer.write_many(0, logits[:-1], ids[1:])
+        except OSError as e:  # a full disk: no truncated file left to be read as a whole one
+            Path(path).unlink(missing_ok=True)
+            raise StrataError(f"cannot write the logpos file {path}: {e.strerror or e} (nothing was kept)") from None
         return int(ids.size - 1)
 
     # ---- text helpers ----------------------------------------------------------------------------------------

@@ -322,3 +322,35 @@ def test_save_state_keeps_the_model_files_refuses_a_full_folder_and_never_leaves
                                    **RESIDENT)
     ids = np.random.default_rng(3).integers(0, engine.cfg.vocab_size, 9).tolist()
     assert np.array_equal(again.prefill_logits(ids), restored.prefill_logits(ids))
+
+
+def test_logpos_on_a_full_disk_is_one_line_and_leaves_no_partial_file(engine_factory, tmp_path, monkeypatch):
+    from strata_jax import logpos
+    engine = engine_factory(HF_FIXTURES / "base", dtype="float32", window=W, **RESIDENT)
+
+    def full_disk(self, start_pos, logits, targets=None):
+        self._file.write('{"pos":0,"tar')  # a line cut short, as a full disk leaves it
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(logpos.LogposWriter, "write_many", full_disk)
+    path = tmp_path / "out.logpos"
+    msg = one_line_refusal(engine.write_logpos, [1, 2, 3, 4], path)
+    assert "No space left on device" in msg and not path.exists()
+
+
+def test_an_unreadable_model_folder_is_one_line(tmp_path, cache_dir, monkeypatch):
+    """A folder the user may not search: Path.is_file() raises PermissionError there (running as root, the test
+    makes it so): one line from the CLI's early check and from from_pretrained."""
+    import pathlib
+    from strata_jax import decode, options
+    folder = copy_fixture(tmp_path, "base")
+    real = pathlib.Path.is_file
+
+    def is_file(self):
+        if str(self).startswith(str(folder)):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+    monkeypatch.setattr(pathlib.Path, "is_file", is_file)
+    opts = options.build(options.EngineOptions, {"cache_dir": str(cache_dir)})
+    msg = one_line_refusal(decode.check_prompt_fits, str(folder), opts, "hi")
+    assert "cannot read the model folder" in msg and "Permission denied" in msg
+    assert "Permission denied" in refused(folder, cache_dir)
