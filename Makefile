@@ -29,13 +29,15 @@ run: venv
 	$(PY) -m strata_jax.decode $(ARGS)
 
 # The suite is one pytest command: its tests spread over one worker process per core (pytest-xdist; a file's tests
-# stay on one worker, so its module-scoped engines are built once). The test processes do not use XLA's persistent
-# compilation cache, which faulted in a process that built the suite's engines (benchmarks/results/NOTES.md item 7);
-# engines of a process share executables in memory instead (graphs.compile_shared). TEST_WORKERS=1: one process.
+# stay on one worker, so its module-scoped engines are built once; the slowest files first, in conftest's order,
+# not xdist's default of the files with most tests first). A process that kept every engine it built faulted in
+# XLA past Linux's limit of 65530 memory maps (benchmarks/results/NOTES.md item 7): tests/conftest.py's engine_factory
+# drops old engines before that. The test processes compile without XLA's persistent cache; their engines share
+# executables in memory (graphs.compile_shared). TEST_WORKERS=1: one worker process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -369,25 +369,32 @@ class Engine:
                               f"the engine runs one request at a time; call it after generate() returns")
 
     def _compile(self) -> None:
-        """Every window size 1..W and the prefill chunks, ahead of time (the samplers: on the first sampled
-        request, _pick_samplers)."""
+        """Every window size 1..W and the prefill chunks: ahead of time, or (compile_graphs=lazy) each on its first
+        use (the samplers: on the first sampled request, _pick_samplers)."""
         t0 = time.perf_counter()
+        ahead = self.options.compile_graphs == "ahead"
         self._mtp_compiled = None  # built with the old expert path: recompiled on the next draft="mtp" request
-        if self.verbose:
+        if self.verbose and ahead:
             log(f"compiling: window T=1..{self.options.window}, prefill {self._chunks_text()} ...")
         pos = jnp.int32(0)
         decode = self._jit_decode_window()
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel)
-        self._decode = {}
-        with self._full_f32():
-            for t in range(1, self.options.window + 1):
-                self._decode[t] = (self.parallel.window(t, self.weights, self.cache) if self.parallel else
-                                   graphs.compile_shared(decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos),
-                                                         graphs.MODEL_COMPILER_OPTIONS))
-            self._prefill = {c: self.parallel.prefill(c, self.weights, self.cache) if self.parallel else
-                             graphs.compile_shared(prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32),
-                                                                 pos, jnp.int32(1)), graphs.MODEL_COMPILER_OPTIONS)
-                             for c in self.chunks}
+
+        def window(t: int):
+            with self._full_f32():
+                if self.parallel:
+                    return self.parallel.window(t, self.weights, self.cache)
+                return graphs.compile_shared(decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos),
+                                             graphs.MODEL_COMPILER_OPTIONS)
+
+        def chunk(c: int):
+            with self._full_f32():
+                if self.parallel:
+                    return self.parallel.prefill(c, self.weights, self.cache)
+                return graphs.compile_shared(prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32), pos,
+                                                           jnp.int32(1)), graphs.MODEL_COMPILER_OPTIONS)
+        self._decode = graphs.GraphTable(range(1, self.options.window + 1), window, ahead)
+        self._prefill = graphs.GraphTable(self.chunks, chunk, ahead)
         # Samplers and verifiers per window size, in two forms: filtered (top-k / top-p: a sort of the vocabulary)
         # and plain (both off: the same tokens without the sort). Each sampled request picks its form
         # (_pick_samplers), compiled then, once per process (graphs.window_samplers: engines share them).
@@ -398,8 +405,10 @@ class Engine:
         self._fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
         self.stats.compile_s = time.perf_counter() - t0
         if self.verbose:
-            log(f"graphs: window T=1..{self.options.window} and prefill {self._chunks_text()} compiled in "
-                f"{self.stats.compile_s:.1f} s (persistent cache: {jax.config.jax_compilation_cache_dir}); "
+            when = (f"compiled in {self.stats.compile_s:.1f} s" if ahead else
+                    "compiled each on its first use (compile_graphs=lazy)")
+            log(f"graphs: window T=1..{self.options.window} and prefill {self._chunks_text()} {when} "
+                f"(persistent cache: {jax.config.jax_compilation_cache_dir}); "
                 f"context {self.context} tokens ({resolve_context(self.cfg, self.options)[1]})")
 
     def _pick_samplers(self, filtered: bool, sampled: bool = True) -> None:

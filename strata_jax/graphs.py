@@ -220,6 +220,24 @@ def jit_verify(filtered: bool = True):
     return jax.jit(functools.partial(verify_window, filtered=filtered))
 
 
+class GraphTable(dict):
+    """An engine's graphs of one kind by size (window T, prefill chunk C): every size compiled now (`ahead`), or
+    each the first time it is looked up (compile_graphs=lazy). `build(size)` compiles one."""
+
+    def __init__(self, sizes, build, ahead: bool):
+        super().__init__()
+        self.sizes, self._build = tuple(sizes), build
+        if ahead:
+            for size in self.sizes:
+                self[size] = build(size)
+
+    def __missing__(self, size):
+        if size not in self.sizes:
+            raise KeyError(size)
+        graph = self[size] = self._build(size)
+        return graph
+
+
 class WindowSamplers:
     """One form of the samplers (filtered: top-k / top-p with a sort of the vocabulary; plain: neither) for every
     window size T = 1..W over a vocabulary of V: `sample[t](logits [T, V], positions [T], params)` and

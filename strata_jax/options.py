@@ -81,6 +81,10 @@ def opt(default, help: str, check: Callable[[Any], str | None] | None = None, fl
 class EngineOptions:
     """Options fixed when an engine is built (graphs are compiled for them)."""
     window: int = opt(4, "Largest verify window W: graphs for T = 1..W tokens are compiled at start-up.", _int_range(1, 16))
+    compile_graphs: str = opt("ahead", "When the window and prefill graphs compile: ahead (all at start-up, so no "
+                              "request pays a compile) or lazy (each the first time a request needs it: a faster "
+                              "start where compiling is most of it, as on a CPU; the graphs and tokens are the same).",
+                              _choice("ahead", "lazy"))
     dtype: str = opt("bfloat16", "Compute and weight dtype.", _choice(*DTYPES))
     context: int = opt(0, "Tokens the KV cache holds (prompt + generated); 0 = auto: with the Pallas attention (a GPU in "
                        "bf16) the model's max_position_embeddings, halved while the KV cache would take more than an "

@@ -8,6 +8,7 @@ does not use that cache: pytest_configure).
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import shutil
@@ -82,6 +83,21 @@ def _count_compile_work():
     monitoring.register_event_duration_secs_listener(on_duration)
 
 
+def _lazy_graphs_by_default() -> None:
+    """The test process's engines compile each window / prefill graph on its first use (compile_graphs=lazy)
+    unless a test asks otherwise: most tests run one or two of an engine's W window sizes, and compiling is the
+    suite's time. The graphs, and so every assertion, are the same (test_decode checks lazy against ahead); the
+    CLI subprocesses keep the default (ahead). TESTS_COMPILE_GRAPHS=ahead runs the suite with the default."""
+    from strata_jax.engine import Engine
+    for name in ("from_pretrained", "from_random"):
+        original = getattr(Engine, name).__func__
+
+        def lazy(cls, *args, _original=original, **options):
+            options.setdefault("compile_graphs", "lazy")
+            return _original(cls, *args, **options)
+        setattr(Engine, name, classmethod(functools.wraps(original)(lazy)))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a JAX GPU backend; skipped (with the reason) elsewhere")
     # No persistent compilation cache in the test process: one process that builds the suite's engines faulted in
@@ -89,6 +105,8 @@ def pytest_configure(config):
     # graphs.compile_shared instead, in memory; the CLI subprocesses keep the cache (their --cache_dir).
     import jax
     jax.config.update("jax_enable_compilation_cache", False)
+    if os.environ.get("TESTS_COMPILE_GRAPHS", "lazy") == "lazy":
+        _lazy_graphs_by_default()
     if _COMPILE_REPORT:
         _count_compile_work()
 

@@ -25,7 +25,8 @@ from strata_jax.config import preset  # noqa: E402
 from strata_jax.engine import Engine  # noqa: E402
 from strata_jax.errors import StrataError  # noqa: E402
 
-OPTS = dict(dtype="float32", expert_cache_slots="all", window=4, context=64, prefill_chunk=16, verbose=False)
+OPTS = dict(dtype="float32", expert_cache_slots="all", window=4, context=64, prefill_chunk=16, verbose=False,
+            compile_graphs="lazy")  # each graph on its first use: the checks run few of the sizes (compile time)
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:

@@ -428,7 +428,7 @@ def test_engines_of_the_same_shapes_share_executables_and_each_computes_its_own_
         if event.endswith("backend_compile_duration") or "compilation_cache" in event:
             compiles.append((event.rsplit("/", 1)[-1], kwargs.get("fun_name")))
     opts = dict(dtype="float32", window=2, context=32, expert_cache_slots="all", prefill_chunk=8, verbose=False,
-                cache_dir=str(cache_dir))
+                cache_dir=str(cache_dir), compile_graphs="ahead")
     cfg = preset("tiny")
     first = Engine.from_random(cfg, seed=21, **opts)
     monitoring.register_event_duration_secs_listener(count)
@@ -449,6 +449,29 @@ def test_engines_of_the_same_shapes_share_executables_and_each_computes_its_own_
         assert compiles and wider._decode[2] is not second._decode[2]
     finally:
         monitoring.unregister_event_duration_listener(count)
+
+
+def test_lazy_graphs_compile_on_first_use_and_give_what_ahead_gives(cache_dir, capfd):
+    """compile_graphs=lazy: nothing compiled at start-up (its line says so), each window size and prefill chunk
+    compiled by the first request that runs it, once; the logits and tokens are ahead's, bit for bit."""
+    from strata_jax.config import preset
+    opts = dict(dtype="float32", window=3, context=48, expert_cache_slots="all", prefill_chunk=8,
+                cache_dir=str(cache_dir))
+    ahead = Engine.from_random(preset("tiny"), seed=24, verbose=False, compile_graphs="ahead", **opts)
+    assert sorted(ahead._decode) == [1, 2, 3] and sorted(ahead._prefill) == [8]
+    capfd.readouterr()
+    lazy = Engine.from_random(preset("tiny"), seed=24, verbose=True, compile_graphs="lazy", **opts)
+    assert "compiled each on its first use (compile_graphs=lazy)" in capfd.readouterr().err
+    assert dict(lazy._decode) == {} and dict(lazy._prefill) == {}
+    ids = random_ids(lazy, 7, seed=25)
+    assert np.array_equal(lazy.score(ids, window=2), ahead.score(ids, window=2))
+    assert sorted(lazy._decode) == [1, 2] and dict(lazy._prefill) == {}  # 7 = 2+2+2+1: sizes 2 and 1 only
+    graph = lazy._decode[2]
+    assert lazy._decode[2] is graph  # compiled once
+    assert lazy.generate(ids, 6, stop_token_ids=[]) == ahead.generate(ids, 6, stop_token_ids=[])
+    assert 8 in lazy._prefill
+    with pytest.raises(KeyError):
+        lazy._decode[4]  # beyond W: no graph of that size
 
 
 def test_requests_pick_the_plain_sampler_only_without_top_k_and_top_p(engine):
