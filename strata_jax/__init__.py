@@ -1,5 +1,15 @@
 """strata_jax: decode large Mixture-of-Experts models on a GPU too small to hold every expert."""
-from strata_jax.errors import StrataError
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"] and {"strata_jax.decode", "strata_jax.serve"} & set(getattr(_sys, "orig_argv", ())):
+    # `python -m strata_jax.decode` / `.serve` imports this package first: Ctrl-C exits 130 from here on, until
+    # the program sets its own handling (a KeyboardInterrupt in the middle of an import is a traceback).
+    import os as _os
+    import signal as _signal
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        _signal.signal(_signal.SIGINT, lambda signum, frame: _os._exit(130))
+
+from strata_jax.errors import StrataError  # noqa: E402
 
 __all__ = ["Engine", "ExpertStats", "RequestStats", "StopRequest", "Stats", "StrataError"]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 
 
 def _exit_now(code: int) -> None:
@@ -35,6 +34,7 @@ def _interrupt(signum, frame) -> None:
     later if nothing caught it."""
     if not _DECODING:
         _exit_now(130)
+    import threading  # here: the handler is set before any import that Ctrl-C could interrupt
     timer = threading.Timer(1.0, _exit_now, (130,))
     timer.daemon = True
     timer.start()
