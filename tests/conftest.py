@@ -87,7 +87,8 @@ def _lazy_graphs_by_default() -> None:
     """The test process's engines compile each window / prefill graph on its first use (compile_graphs=lazy)
     unless a test asks otherwise: most tests run one or two of an engine's W window sizes, and compiling is the
     suite's time. The graphs, and so every assertion, are the same (test_decode checks lazy against ahead); the
-    CLI subprocesses keep the default (ahead). TESTS_COMPILE_GRAPHS=ahead runs the suite with the default."""
+    CLI subprocesses keep the default (ahead). TESTS_COMPILE_GRAPHS=ahead runs the suite with the default (the
+    default where nvidia-smi is found)."""
     from strata_jax.engine import Engine
     for name in ("from_pretrained", "from_random"):
         original = getattr(Engine, name).__func__
@@ -105,8 +106,8 @@ def pytest_configure(config):
     # graphs.compile_shared instead, in memory; the CLI subprocesses keep the cache (their --cache_dir).
     import jax
     jax.config.update("jax_enable_compilation_cache", False)
-    if os.environ.get("TESTS_COMPILE_GRAPHS", "lazy") == "lazy":
-        _lazy_graphs_by_default()
+    if os.environ.get("TESTS_COMPILE_GRAPHS", "ahead" if shutil.which("nvidia-smi") else "lazy") == "lazy":
+        _lazy_graphs_by_default()  # on a CPU only, as the -O0 flags: the GPU tests run the graphs as users do
     if _COMPILE_REPORT:
         _count_compile_work()
 
