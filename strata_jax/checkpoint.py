@@ -18,7 +18,7 @@ import numpy as np
 from safetensors import safe_open
 
 from strata_jax.config import ModelConfig
-from strata_jax.errors import StrataError, make_writable_folder
+from strata_jax.errors import StrataError, make_writable_folder, os_error_behind
 from strata_jax.model import Leaf, LayerWeights, Weights, build_layer, weight_specs
 from strata_jax import quant
 from strata_jax.mtp import MTPWeights, weight_specs as mtp_specs
@@ -326,14 +326,9 @@ def save_state(path: str | Path, weights: Weights, cfg_raw: dict, dtype: str, ex
         else:
             tmp.rename(path)
     except Exception as e:  # noqa: BLE001 (orbax wraps a full disk in several exception types)
-        cause = e
-        while cause.__cause__ is not None or cause.__context__ is not None:
-            nxt = cause.__cause__ or cause.__context__
-            if isinstance(cause, OSError):
-                break
-            cause = nxt
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).splitlines()[0:1]
-        reason = reason if isinstance(reason, str) else (reason[0] if reason else type(cause).__name__)
+        os_error = os_error_behind(e)
+        reason = (os_error.strerror if os_error is not None and os_error.strerror else
+                  (str(e).splitlines() or [type(e).__name__])[0])
         raise StrataError(f"cannot save the state to {path}: {reason} (nothing was written there)") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

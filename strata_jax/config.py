@@ -214,6 +214,13 @@ def _qwen35_text(raw: dict, archs: list, where: str) -> dict:
     return flat
 
 
+def check_eos_ids(eos_ids, vocab_size: int, where: str) -> None:
+    """eos ids (config.json's, generation_config.json's) must be token ids of the vocabulary."""
+    bad = [e for e in eos_ids if not 0 <= e < vocab_size]
+    if bad:
+        raise StrataError(f"{where}: eos_token_id {bad[0]} is not a token id (vocab_size {vocab_size})")
+
+
 def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     if not isinstance(raw, dict):
         raise StrataError(f"{where}: malformed config.json: a JSON object is expected, not a {type(raw).__name__}")
@@ -289,9 +296,7 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
     for name, value in (("rope_theta", cfg.rope_theta), ("rms_norm_eps", cfg.rms_norm_eps)):
         if not (math.isfinite(value) and value > 0):
             raise StrataError(f"{where}: {name} must be a finite positive number (got {value})")
-    bad_eos = [e for e in cfg.eos_token_ids if not 0 <= e < cfg.vocab_size]
-    if bad_eos:
-        raise StrataError(f"{where}: eos_token_id {bad_eos[0]} is not a token id (vocab_size {cfg.vocab_size})")
+    check_eos_ids(cfg.eos_token_ids, cfg.vocab_size, where)
     if len(set(archs)) > 1:
         raise StrataError(f"{where}: architectures {archs} name more than one model class")
     if cfg.next and cfg.rotary_dim % 2:

@@ -65,7 +65,7 @@ import functools  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from strata_jax import options  # noqa: E402
-from strata_jax.errors import StrataError  # noqa: E402
+from strata_jax.errors import StrataError, unreadable_folder  # noqa: E402
 from strata_jax.tokenizer import TextStream  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -237,9 +237,8 @@ def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:
     folder = resolve_model(model, engine_opts.resolved_cache_dir())
     try:
         _check_prompt_fits(folder, model, engine_opts, prompt)
-    except OSError as e:  # an unreadable folder or file: Path.is_file() raises PermissionError
-        raise StrataError(f"cannot read the model folder {folder}: {e.strerror or e}"
-                          + (f" ({e.filename})" if getattr(e, "filename", None) else "")) from None
+    except OSError as e:
+        raise unreadable_folder(folder, e) from None
 
 
 def _check_prompt_fits(folder, model: str, engine_opts, prompt: str) -> None:

@@ -22,10 +22,10 @@ from host_pool import unwrap_pool_error
 from strata_jax import checkpoint, graphs, loops, model, moe, parallel as parallel_mod
 from strata_jax import mtp as mtp_mod
 from strata_jax.chat import ChatTemplate, GenerationDefaults, load_chat_template, load_generation_config
-from strata_jax.config import ModelConfig, config_from_dict
+from strata_jax.config import ModelConfig, check_eos_ids, config_from_dict
 from strata_jax.drafts import make_drafter
 from strata_jax.embedded import resolve_model
-from strata_jax.errors import StrataError, make_writable_folder
+from strata_jax.errors import StrataError, make_writable_folder, unreadable_folder
 from strata_jax.experts import placement as placement_mod
 from strata_jax.experts import slots as slots_mod
 from strata_jax.experts.approx import route_approx
@@ -231,7 +231,7 @@ class Engine:
         try:  # a folder that cannot be searched: Path.is_file() and exists() raise PermissionError
             path.is_file() or (path / "config.json").exists()
         except OSError as e:
-            raise StrataError(f"cannot read the model folder {path}: {e.strerror or e}") from None
+            raise unreadable_folder(path, e) from None
         if path.is_file():
             raise StrataError(f"model {path} is a file, not a folder (a model folder holds config.json, "
                               "*.safetensors and tokenizer.json)")
@@ -277,12 +277,8 @@ class Engine:
             tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
             template, generation = load_chat_template(path), load_generation_config(path)
         except OSError as e:  # an unreadable file (permissions)
-            raise StrataError(f"cannot read the model folder {path}: {e.strerror or e}"
-                              + (f" ({e.filename})" if getattr(e, "filename", None) else "")) from None
-        if any(not 0 <= e < cfg.vocab_size for e in generation.eos_token_ids):
-            bad = next(e for e in generation.eos_token_ids if not 0 <= e < cfg.vocab_size)
-            raise StrataError(f"{path / 'generation_config.json'}: eos_token_id {bad} is not a token id "
-                              f"(vocab_size {cfg.vocab_size})")
+            raise unreadable_folder(path, e) from None
+        check_eos_ids(generation.eos_token_ids, cfg.vocab_size, str(path / "generation_config.json"))
         say(f"model: {path} ({cfg.num_layers} layers, {cfg.num_sparse_layers} MoE, {cfg.num_experts} experts "
             f"top-{cfg.num_experts_per_tok}, {model.param_bytes(weights) / 2**20:.1f} MiB of {opts.dtype} weights) "
             f"loaded in {time.perf_counter() - t0:.1f} s")
@@ -657,11 +653,9 @@ class Engine:
         out: list[int] = []
         self._take_expert_stats(new_request=True)
         if budget > 0:
-            user_on_token = on_token
-
             def on_token_guarded(token: int) -> None:
                 with self._user_code():
-                    user_on_token(token)
+                    on_token(token)
             request = loops.Request(ids=ids, budget=budget, stops=stops, sampling=sampling, spec=spec,
                                     drafter=drafter or make_drafter(req.draft), stats=stats,
                                     on_token=None if on_token is None else on_token_guarded,

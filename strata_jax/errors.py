@@ -5,6 +5,25 @@ class StrataError(Exception):
     """Bad input or a failed request; the CLI prints `error: <message>` and exits non-zero."""
 
 
+def unreadable_folder(folder, e: OSError) -> StrataError:
+    """The one line for a model folder (or a file in it) that cannot be read: permissions, mostly (Path.is_file()
+    raises PermissionError where the folder cannot be searched)."""
+    name = getattr(e, "filename", None)
+    return StrataError(f"cannot read the model folder {folder}: {e.strerror or e}" + (f" ({name})" if name else ""))
+
+
+def os_error_behind(exc: BaseException) -> OSError | None:
+    """The first OSError in exc's chain of causes (itself included), or None: libraries (orbax) wrap a full disk
+    in their own exception types."""
+    seen = []
+    while exc is not None and all(exc is not s for s in seen):
+        if isinstance(exc, OSError):
+            return exc
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def make_writable_folder(path, what: str) -> None:
     """Create `path` (and its parents) and check that a file can be written in it; else one StrataError line that
     starts with `what`."""

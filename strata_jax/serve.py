@@ -296,14 +296,12 @@ def create_app(engine: Engine, model_name: str, log=print) -> FastAPI:
         if not req.stream:
             # A client that goes away stops its generation at the next token, as a stream's does (the watcher
             # polls the connection while the worker thread decodes).
-            cancelled, finished = threading.Event(), threading.Event()
+            cancelled = threading.Event()
 
-            async def watch() -> None:
-                while not finished.is_set():
-                    if await request.is_disconnected():
-                        cancelled.set()
-                        return
+            async def watch() -> None:  # until the worker is done: its cancel scope ends this loop
+                while not await request.is_disconnected():
                     await anyio.sleep(0.1)
+                cancelled.set()
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(watch)
@@ -311,7 +309,6 @@ def create_app(engine: Engine, model_name: str, log=print) -> FastAPI:
                         outcome = await anyio.to_thread.run_sync(
                             lambda: server.run(ids, kw, stops, cancelled=cancelled, drop_eos=drop_eos))
                     finally:
-                        finished.set()
                         tg.cancel_scope.cancel()
             finally:
                 server.release()

@@ -59,6 +59,19 @@ def fake_devices_env(n: int) -> dict:
                 JAX_PLATFORMS="cpu")
 
 
+def stderr_until(proc: subprocess.Popen, marker: bytes, timeout_s: float = 240) -> bytes:
+    """A subprocess's stderr read line by line until a line holds `marker` (or the stream ends, or the time is up):
+    what it read, for the test's messages."""
+    import time
+    err, deadline = b"", time.time() + timeout_s
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        err += line
+        if marker in line or not line:
+            break
+    return err
+
+
 def copy_fixture(tmp_path: Path, name: str) -> Path:
     """A writable copy of one HF fixture folder, to break in a test."""
     dst = tmp_path / name

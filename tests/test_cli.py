@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import HF_FIXTURES, REPO, run_cli
+from conftest import HF_FIXTURES, REPO, run_cli, stderr_until
 from strata_jax.embedded import embedded_model_dir
 
 SUMMARY = re.compile(r"prompt tokens: (\d+), prefill: [\d.]+ tok/s, generated tokens: 8, decode: [\d.]+ tok/s")
@@ -197,13 +197,7 @@ def test_ctrl_c_while_the_host_pool_works_exits_130_quietly(cache_dir):
                             # As from a terminal: a suite started in the background (`make test &`, CI) hands its
                             # children SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    err = b""
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        err += line
-        if b"graphs:" in line or not line:
-            break
+    err = stderr_until(proc, b"graphs:")
     time.sleep(1.0)
     assert proc.poll() is None, err.decode(errors="replace")  # still decoding when interrupted
     proc.send_signal(signal.SIGINT)

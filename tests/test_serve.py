@@ -198,7 +198,7 @@ def test_the_server_command_exits_130_on_ctrl_c(cache_dir):
     import signal
     import subprocess
     import sys
-    from conftest import REPO
+    from conftest import REPO, stderr_until
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -207,13 +207,7 @@ def test_the_server_command_exits_130_on_ctrl_c(cache_dir):
                              "--dtype=float32", "--expert_cache_slots=all", "--window=2", "--context=64",
                              f"--cache_dir={cache_dir}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    err = b""
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        err += line
-        if b"serving" in line or not line:
-            break
+    err = stderr_until(proc, b"serving")
     for _ in range(100):  # until it answers
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
