@@ -30,6 +30,7 @@ import time
 from absl import flags
 
 from benchmarks import common, runner
+from host_pool import native
 from host_pool.pool import usable_cores
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside the others
@@ -138,6 +139,14 @@ def measure_memcpy(nbytes: int, reps: int = 5) -> dict:
     from host_pool.measure import copy_gbps  # the host pool's own yardstick: np.copyto, bytes copied / s
     return dict(method=f"np.copyto of a float32 array, {reps} copies (GB/s of bytes copied; DRAM traffic ~2x)",
                 array_bytes=nbytes // 4 * 4, GBps=copy_gbps(nbytes, reps))
+
+
+def measure_read(nbytes: int, threads: int) -> dict:
+    """What the host's cores read together: `threads` threads summing one large array in native code (the
+    pool's yardstick; host_pool.measure.read_gbps), best of 5."""
+    from host_pool.measure import read_gbps
+    return dict(method=f"{threads} threads reading a {nbytes >> 20} MiB array (native_experts.c read_words), best of 5",
+                array_bytes=nbytes, threads=threads, GBps=read_gbps(nbytes, threads))
 
 
 def measure_pool(pool, cfg, itemsize: int, reps: int, seed: int) -> dict:
@@ -286,6 +295,7 @@ def run(s) -> dict:
                     f"{copy_bytes / 2**20:.0f} MiB arrays")
     result["bandwidth"]["device_put"] = measure_device_put(copy_bytes, host_kind)
     result["bandwidth"]["memcpy"] = measure_memcpy(copy_bytes)
+    result["bandwidth"]["read"] = measure_read(copy_bytes if on_cpu else max(copy_bytes, 2 << 30), threads)
 
     # ---- the weights: made once, experts into host memory layer by layer ----
     t0 = time.perf_counter()
@@ -319,6 +329,7 @@ def run(s) -> dict:
     try:
         costs = placement_mod.measure_costs(cfg, weights, pool)
         result["bandwidth"]["pool"] = measure_pool(pool, cfg, itemsize, reps=20, seed=s.seed)
+        result["bandwidth"]["pool"]["expert_jobs"] = native.describe_experts()
     finally:
         pool.close()
     result["bandwidth"]["in_graph_fetch"] = dict(
@@ -496,7 +507,11 @@ def run(s) -> dict:
          f"fetch loop in jit, + {bw['in_graph_fetch']['fixed_ms']:.3f} ms fixed per loop; "
          f"{bw['in_graph_fetch']['GBps'] / bw['device_put']['GBps']:.2f}x device_put"],
         ["pool", bw["pool"]["GBps"], f"expert FFN, {k} experts T=1, {bw['pool']['median_ms']:.3f} ms a layer job, "
-         f"{bw['pool']['threads']} threads; {bw['pool']['GBps'] / bw['memcpy']['GBps']:.2f}x memcpy"],
+         f"{bw['pool']['threads']} threads ({bw['pool'].get('expert_jobs', '')}); "
+         + (f"{bw['pool']['GBps'] / bw['read']['GBps']:.1%} of the read bandwidth" if bw.get("read", {}).get("GBps")
+            else "no read bandwidth (no native build)")],
+        ["host read, all threads", (bw.get("read") or {}).get("GBps") or float("nan"),
+         (bw.get("read") or {}).get("method", "not measured")],
         ["pool (engine cost model)", costs["pool_gbs"], "measure_costs: 4 experts repeated (may sit in cache)"],
         ["host memcpy", bw["memcpy"]["GBps"], f"np.copyto, {common.fmt_bytes(copy_bytes)} array"],
     ]

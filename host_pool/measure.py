@@ -1,15 +1,16 @@
-"""Pool throughput for a Qwen3-30B-A3B-sized layer job, per store format, vs a plain memory copy.
+"""Pool throughput for a Qwen3-30B-A3B-sized layer job, per store format and path, beside what the cores can read.
 
-    python -m host_pool.measure [--threads N] [--blas-threads K] [--experts 8] [--formats bf16,int8,int4,int4-numpy]
+    python -m host_pool.measure [--threads N] [--experts 8] [--formats bf16,int8,int4] [--paths C,numpy]
+                                [--read_mb 2048]
 
-One row per format and window size T: ms per layer job, ms per expert (the job's
-wall time / its experts), GB/s = expert weight bytes read (q and scales for
-int8 / int4) / wall time, so compare ms across formats. Experts are drawn from a
-larger store (--store-experts) so weights come from DRAM, not cache. int8 and
-int4 weights are random q and scales (the arithmetic's speed does not depend on
-their values). "int4" dequantizes as the pool does by default (the C kernel of
-host_pool/native.py where it builds; the first line says which), "int4-numpy"
-with STRATA_POOL_NATIVE=0.
+One row per format, path and window size T: ms per layer job, ms per expert (the job's wall time / its experts),
+GB/s = expert weight bytes read (q and scales for int8 / int4) / wall time, that GB/s as a share of the machine's
+read bandwidth, and the time against bf16's on the same path and T. The read bandwidth is measured in the same run,
+first: `--threads` threads summing one large array (`--read_mb`, far larger than the caches) in native code, best
+of 5; the one-thread `np.copyto` rate is printed beside it. Path "C" is the expert kernel of host_pool/native.py
+(native_experts.c, one call per job), "numpy" the BLAS thread jobs (STRATA_POOL_NATIVE=0). Experts are drawn from
+a larger store (--store-experts) so weights come from DRAM, not cache. int8 and int4 weights are random q and scales
+(the arithmetic's speed does not depend on their values).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from host_pool import store as store_module
 from host_pool.pool import HostPool
 from host_pool.store import BF16, HostExpertStore
 
-FORMATS = ("float32", "bf16", "bf16-f32-once", "int8", "int4", "int4-numpy")
+FORMATS = ("float32", "bf16", "bf16-f32-once", "int8", "int4")
+PATHS = ("C", "numpy")
 INT4_GROUP = 64  # strata_jax/quant.py "int4"
 
 
@@ -40,6 +42,22 @@ def copy_gbps(nbytes: int, repeats: int) -> float:
     for _ in range(repeats):
         np.copyto(dst, src)
     return nbytes * repeats / (time.perf_counter() - t0) / 1e9
+
+
+def read_gbps(nbytes: int, threads: int, repeats: int = 5) -> float | None:
+    """GB/s of `threads` threads reading one `nbytes` array (native_experts.c's read_words), best of `repeats`;
+    None where the native kernel does not build."""
+    kernel = native.experts_kernel() if native.mode() != "off" else None
+    if kernel is None:
+        return None
+    words = np.ones(nbytes // 8, np.uint64)  # written once: every page is mapped before the timing
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first round warms up the threads
+        t0 = time.perf_counter()
+        total = kernel.read_words(words.ctypes.data, len(words), threads)
+        best = min(best, time.perf_counter() - t0)
+    assert total == len(words) // 8 * 8, total
+    return words.nbytes / best / 1e9
 
 
 def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int, rounds: int = 3):
@@ -68,18 +86,17 @@ def make_store(fmt: str, rng, E: int, H: int, I: int) -> tuple[str, HostExpertSt
         q = [rng.integers(-127, 128, shape, dtype=np.int8) for shape in shapes]
         scales = [(rng.random(shape[:2], dtype=np.float32) * 1e-3).astype(BF16) for shape in shapes]
         return "int8 (row scales)", HostExpertStore([(*q, *scales)])
-    if fmt.startswith("int4"):  # packed two a byte, one bf16 scale per (output row, group)
+    if fmt == "int4":  # packed two a byte, one bf16 scale per (output row, group)
         q = [rng.integers(0, 256, (e, o, i // 2), dtype=np.uint8) for e, o, i in shapes]
         scales = [(rng.random((e, o, i // INT4_GROUP), dtype=np.float32) * 1e-2).astype(BF16)
                   for e, o, i in shapes]
-        how = "C" if native.int4_kernel() else "numpy"  # int4-numpy: STRATA_POOL_NATIVE=0 here
-        return f"int4 (g{INT4_GROUP}, {how})", HostExpertStore([(*q, *scales)])
+        return f"int4 (g{INT4_GROUP})", HostExpertStore([(*q, *scales)])
     weights = [0.02 * rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
     if fmt == "float32":
         return "float32", HostExpertStore([tuple(weights)])
     weights = [a.astype(BF16) for a in weights]
     if fmt == "bf16":
-        return "bf16 (convert per chunk)", HostExpertStore([tuple(weights)])
+        return "bf16", HostExpertStore([tuple(weights)])
     return "bf16 -> f32 once", HostExpertStore([tuple(weights)], bf16_as_f32=True)
 
 
@@ -92,38 +109,61 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--windows", default="1,4", help="comma-separated window sizes T")
     parser.add_argument("--jobs-per-thread", type=int, default=pool_module.JOBS_PER_THREAD)
     parser.add_argument("--chunk-kb", type=int, default=store_module.CHUNK_FLOATS * 4 // 1024,
-                        help="float32 scratch per conversion chunk (bf16, int8, int4)")
-    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+                        help="float32 scratch per conversion chunk (numpy path: bf16, int8, int4)")
+    parser.add_argument("--formats", default="bf16,int8,int4", help=f"comma-separated, of {', '.join(FORMATS)}")
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of C (the expert kernel), numpy")
+    parser.add_argument("--read_mb", type=int, default=2048, help="array size of the read-bandwidth probe")
     args = parser.parse_args()
     pool_module.JOBS_PER_THREAD = args.jobs_per_thread
     store_module.CHUNK_FLOATS = args.chunk_kb * 1024 // 4
 
-    formats = args.formats.split(",")
+    formats, paths = args.formats.split(","), args.paths.split(",")
     if unknown := set(formats) - set(FORMATS):
         parser.error(f"unknown formats {sorted(unknown)}; known: {', '.join(FORMATS)}")
+    if unknown := set(paths) - set(PATHS):
+        parser.error(f"unknown paths {sorted(unknown)}; known: {', '.join(PATHS)}")
+    windows = [int(t) for t in args.windows.split(",")]
     E, H, I = args.store_experts, args.hidden, args.intermediate
     rng = np.random.default_rng(0)
     blas_threads = None if args.blas_threads < 0 else args.blas_threads
 
     print(f"threads {args.threads}, BLAS threads {blas_threads or 'default'}, "
           f"{args.experts} experts of H={H} I={I}, jobs/thread {args.jobs_per_thread}, "
-          f"conversion chunk {args.chunk_kb} KB")
-    print(native.describe())
-    print(f"{'store format':26s} {'store MB':>9s} {'T':>2s} {'ms/job':>8s} {'ms/expert':>9s} {'GB/s':>7s} {'jobs':>5s}")
+          f"conversion chunk {args.chunk_kb} KB", flush=True)
     switch = os.environ.get(native.ENV, "")
+    print(native.describe_experts())
+    print(native.describe())
+    read = read_gbps(args.read_mb << 20, args.threads)
+    copy = copy_gbps(512 << 20, 5)
+    read_text = f"{read:.1f} GB/s" if read else "n/a (no native build)"
+    print(f"read bandwidth: {read_text} ({args.threads} threads reading {args.read_mb} MB, best of 5); "
+          f"np.copyto 512 MB, 1 thread: {copy:.1f} GB/s", flush=True)
+    print(f"{'store format':20s} {'path':5s} {'store MB':>9s} {'T':>2s} {'ms/job':>8s} {'ms/expert':>9s} "
+          f"{'GB/s':>7s} {'of read':>8s} {'vs bf16':>8s} {'jobs':>5s}")
+    bf16_ms = {}
     for fmt in formats:
-        os.environ[native.ENV] = "0" if fmt == "int4-numpy" else switch  # read at each chunk conversion
         name, store = make_store(fmt, rng, E, H, I)  # one at a time: only its weights in memory
-        pool = HostPool(store, threads=args.threads, blas_threads=blas_threads)
         host_mb = store.nbytes(0, 0) * E / 1e6
-        for T in (1, 4):
-            ms, gbps, jobs = pool_row(pool, rng, T, args.experts, H, args.repeats)
-            print(f"{name:26s} {host_mb:9.0f} {T:2d} {ms:8.2f} {ms / args.experts:9.3f} {gbps:7.2f} {jobs:5d}")
-        pool.close()
-        del pool, store
-    print(f"{'np.copyto 512 MB (1 thread)':26s} {'':9s} {'':2s} {'':8s} {copy_gbps(512 << 20, 5):7.2f}")
+        for path in paths:
+            os.environ[native.ENV] = "0" if path == "numpy" else switch  # read at each job
+            if path == "C" and native.experts_kernel() is None:
+                print(f"{name:20s} {path:5s} skipped: {native.describe_experts()}")
+                continue
+            pool = HostPool(store, threads=args.threads, blas_threads=blas_threads)
+            for T in windows:
+                ms, gbps, jobs = pool_row(pool, rng, T, args.experts, H, args.repeats)
+                if fmt == "bf16":
+                    bf16_ms[path, T] = ms
+                share = f"{gbps / read:7.1%}" if read else "n/a"
+                ratio = f"{ms / bf16_ms[path, T]:7.2f}x" if (path, T) in bf16_ms else "-"
+                print(f"{name:20s} {path:5s} {host_mb:9.0f} {T:2d} {ms:8.2f} {ms / args.experts:9.3f} "
+                      f"{gbps:7.2f} {share:>8s} {ratio:>8s} {jobs:5d}", flush=True)
+            pool.close()
+        del store
+    os.environ[native.ENV] = switch
 
 
 if __name__ == "__main__":

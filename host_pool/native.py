@@ -12,6 +12,12 @@ The library is built once per source, compiler, flags and CPU (-march=native) in
 (strata_jax's default cache folder), else a per-user temp folder; never into the repo. A build writes a temporary
 name and renames it, so processes building at once do not see each other's half-written files.
 ctypes.CDLL functions release the GIL while they run, so pool threads dequantize in parallel.
+
+The expert kernel (native_experts.c, `experts_kernel`): a whole layer job (or a split job's phase) in one call,
+threads over experts and output rows inside it (OpenMP), the weights widened in registers, for float32, bf16, int8
+and int4 experts; the pool's numpy / BLAS jobs remain for windows of many tokens and where it does not build. It is
+built the same way, under the same switch (STRATA_POOL_NATIVE=0: numpy for both), with -fopenmp where the compiler
+takes it (without: one thread, which its line says).
 """
 
 from __future__ import annotations
@@ -34,10 +40,16 @@ import numpy as np
 ENV = "STRATA_POOL_NATIVE"
 SOURCE = Path(__file__).with_name("native_dequant.c")
 FLAGS = (("-O3", "-march=native", "-shared", "-fPIC"), ("-O3", "-shared", "-fPIC"))  # the second if -march fails
+EXPERTS_SOURCE = Path(__file__).with_name("native_experts.c")
+# OpenMP and -march=native where the compiler takes them; each later entry drops what the one before may lack.
+EXPERTS_FLAGS = (("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"), ("-O3", "-fopenmp", "-shared", "-fPIC"),
+                 ("-O3", "-march=native", "-shared", "-fPIC"), ("-O3", "-shared", "-fPIC"))
+LIBS = ("-lm",)
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _built: tuple | None = None  # (the kernel or None, a line saying which path and why), once built or failed
+_experts_built: tuple | None = None  # the same for the expert kernel: (ExpertsKernel or None, its line)
 
 
 def mode() -> str:
@@ -93,34 +105,87 @@ def _build() -> tuple:
     if _built is None:
         with _lock:  # pool threads may ask at once: one build
             if _built is None:
-                _built = _compile_and_load()
+                _built = _compile_and_load(SOURCE, FLAGS, "int4 dequantization", _load)
                 log.info("host pool: %s", _built[1])
     return _built
 
 
-def _compile_and_load() -> tuple:
+class ExpertsKernel:
+    """native_experts.c loaded: `job` (experts_job), `read_words`, `build` (its ISA and threads, a few words)."""
+
+    def __init__(self, path: Path):
+        library = ctypes.CDLL(str(path))  # CDLL: the GIL is released during each call
+        self.job = library.experts_job
+        self.job.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_long]
+                             + [ctypes.c_void_p] * 7 + [ctypes.c_int])
+        self.job.restype = ctypes.c_int
+        self.read_words = library.read_words
+        self.read_words.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+        self.read_words.restype = ctypes.c_uint64
+        library.experts_build.restype = ctypes.c_char_p
+        self.build = library.experts_build().decode()
+
+
+def experts_kernel() -> ExpertsKernel | None:
+    """The expert kernel, or None when the pool's numpy jobs are to run (STRATA_POOL_NATIVE=0, or no build in auto
+    mode). Builds it on the first call."""
+    if _experts_built is not None and not os.environ.get(ENV):
+        return _experts_built[0]
+    wanted = mode()
+    if wanted == "off":
+        return None
+    kernel, line = _build_experts()
+    if kernel is None and wanted == "on":
+        raise RuntimeError(f"{ENV}=1 but {line}")
+    return kernel
+
+
+def describe_experts(short: bool = False) -> str:
+    """One line: which expert jobs the pool runs now (short: the C build without its file and flags)."""
+    if mode() == "off":
+        return f"expert jobs: numpy ({ENV}=0)"
+    kernel, line = _build_experts()
+    return line.split(" (", 1)[0] if short and kernel is not None else line
+
+
+def _build_experts() -> tuple:
+    global _experts_built
+    if _experts_built is None:
+        with _lock:
+            if _experts_built is None:
+                built, line = _compile_and_load(EXPERTS_SOURCE, EXPERTS_FLAGS, "expert jobs", ExpertsKernel)
+                if built is not None:
+                    line = f"expert jobs: C, {built.build} ({line.split('(', 1)[1]}"
+                _experts_built = built, line
+                log.info("host pool: %s", line)
+    return _experts_built
+
+
+def _compile_and_load(source_path: Path, flag_sets: tuple, what: str, loader) -> tuple:
+    """(loader(the built library) or None, a line "<what>: C (<file>, <compiler> <flags>)" or "<what>: numpy
+    (why)"): the first flag set that builds and loads."""
     compiler = _find_compiler()
     if compiler is None:
-        return None, "int4 dequantization: numpy (no C compiler found: cc, gcc or sysconfig's CC)"
+        return None, f"{what}: numpy (no C compiler found: cc, gcc or sysconfig's CC)"
     try:
-        source = SOURCE.read_bytes()
+        source = source_path.read_bytes()
         folder = _cache_folder()
     except OSError as e:
-        return None, f"int4 dequantization: numpy (native kernel not built: {e})"
+        return None, f"{what}: numpy (native kernel not built: {e})"
     error = ""
-    for flags in FLAGS:
+    for flags in flag_sets:
         key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
                                          _cpu_id().encode()])).hexdigest()[:16]
-        path = folder / f"native_dequant-{key}.so"
+        path = folder / f"{source_path.stem}-{key}.so"
         try:
             if not path.exists():
-                _compile(compiler, flags, path)
-            kernel = _load(path)
-        except (OSError, subprocess.SubprocessError) as e:
+                _compile(compiler, flags, path, source_path)
+            kernel = loader(path)
+        except (OSError, AttributeError, subprocess.SubprocessError) as e:
             error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             continue
-        return kernel, f"int4 dequantization: C ({path.name}, {compiler} {' '.join(flags)})"
-    return None, f"int4 dequantization: numpy (native kernel not built with {compiler}: {error})"
+        return kernel, f"{what}: C ({path.name}, {compiler} {' '.join(flags)})"
+    return None, f"{what}: numpy (native kernel not built with {compiler}: {error})"
 
 
 def _load(path: Path):
@@ -130,11 +195,11 @@ def _load(path: Path):
     return kernel
 
 
-def _compile(compiler: str, flags: tuple, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".native_dequant-", suffix=".so")
+def _compile(compiler: str, flags: tuple, path: Path, source: Path = SOURCE) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{source.stem}-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, "-o", tmp, str(source), *LIBS], capture_output=True, text=True,
                               timeout=120)
         if done.returncode:
             raise OSError(f"{compiler} {' '.join(flags)} failed: {done.stderr.strip() or done.returncode}")

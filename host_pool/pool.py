@@ -10,6 +10,12 @@ numpy's BLAS releases the GIL, so the jobs run in parallel. Activations are
 kept transposed ([rows, T]): OpenBLAS runs W @ xT about 2x faster than
 x @ W^T for T = 4 (measured), and the same for T = 1.
 
+Where host_pool/native.py builds its expert kernel (native_experts.c), a layer job
+or a split phase of at most NATIVE_MAX_TOKENS tokens per expert is one C call
+instead: the same two phases, threads inside it, the weights widened in
+registers, no Python per expert. The BLAS jobs below run the rest (prefill-sized
+windows, STRATA_POOL_NATIVE=0, no compiler).
+
 Split jobs (`submit_split`, for deferred CPU rows) return per-entry unweighted
 rows [T, K, H] instead of the weighted sum, in two phases: first the "heavy"
 entries (routing weight >= threshold), then a signal, then the "light" ones.
@@ -38,6 +44,10 @@ from host_pool.store import HostExpertStore, row_chunks_f32
 # submit overhead (~10 us per job).
 JOBS_PER_THREAD = 2
 MIN_ROWS_PER_JOB = 16
+# Tokens per expert up to which a job runs in the C kernel: it reads each weight row once per 4 tokens from cache,
+# so past a few dozen tokens BLAS's blocked products are the faster path.
+NATIVE_MAX_TOKENS = 16
+_FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}  # native_experts.c's FMT_*
 
 
 class HostPoolError(RuntimeError):
@@ -132,6 +142,7 @@ class HostPool:
         native.mode()  # a bad STRATA_POOL_NATIVE fails here, not in a job
         if store.format == "int4":
             native.int4_kernel()  # compiled now (once per machine), not inside the first job's timeout
+        native.experts_kernel()  # the same
         self.store = store
         self.threads = threads or usable_cores()
         self.timeout_s = timeout_s
@@ -380,6 +391,14 @@ class HostPool:
         yT = np.zeros((H, T), np.float32)
         if N == 0:
             return yT.T.copy()
+        kernel = self._native(T)
+        if kernel is not None:  # entries: each expert's tokens of nonzero weight, all into the token's row of y
+            entry_unit, entry_token = np.nonzero(weights.T)  # [J] each, grouped by expert (row-major [N, T])
+            y = np.zeros((T, H), np.float32)
+            self._record(self._run_native(kernel, generation, layer, x, experts, np.bincount(entry_unit, minlength=N),
+                                          entry_token, entry_token, weights.T[entry_unit, entry_token], y, fault),
+                         started)
+            return y
         xT = np.ascontiguousarray(x.T)  # [H, T]
         # SwiGLU activations, unweighted: each expert's output is weighted.
         hT = np.empty((N, self.store.intermediate_size(layer), T), np.float32)
@@ -393,6 +412,39 @@ class HostPool:
             fault, add_weighted)
         self._record(results, started)
         return np.ascontiguousarray(yT.T)
+
+    def _native(self, tokens_per_expert: int):
+        """The C expert kernel when it is built and the job is small enough for it, else None (the BLAS jobs)."""
+        if tokens_per_expert > NATIVE_MAX_TOKENS:
+            return None
+        return native.experts_kernel()
+
+    def _run_native(self, kernel, generation, layer, x, experts, counts, entry_token, entry_out, entry_weight,
+                    out, fault) -> list:
+        """One C call for a layer job or split phase: units = experts [U] with counts [U] entries each (in order),
+        entry j reads x[entry_token[j]] and adds entry_weight[j] * its row into out[entry_out[j]] (out [R, H],
+        float32, zeroed or partly summed). Returns [(seconds summed over the threads, bytes read)]."""
+        _injected_fault(fault, generation)
+        store, t0 = self.store, time.perf_counter()
+        keep = counts > 0
+        experts, counts = np.ascontiguousarray(experts[keep], np.int64), counts[keep]
+        unit_start = np.zeros(len(experts) + 1, np.int64)
+        np.cumsum(counts, out=unit_start[1:])
+        entry_token = np.ascontiguousarray(entry_token, np.int64)
+        entry_out = np.ascontiguousarray(entry_out, np.int64)
+        entry_weight = np.ascontiguousarray(entry_weight, np.float32)
+        H, I = store.hidden_size(layer), store.intermediate_size(layer)
+        h = np.empty((len(entry_token), I), np.float32)  # [J, I] SwiGLU activations
+        gate, up, down = store.gate[layer], store.up[layer], store.down[layer]
+        scales = [getattr(store, name)[layer] for name in ("gate_scale", "up_scale", "down_scale")]
+        group = 0 if store.format != "int4" else H // scales[0].shape[2]
+        ptr = lambda a: 0 if a is None else a.ctypes.data
+        threads = kernel.job(
+            _FORMAT_CODES[store.format], int(self.round_bf16), H, I, group, ptr(gate), ptr(up), ptr(down),
+            *map(ptr, scales), ptr(x), len(experts), ptr(experts), ptr(unit_start), ptr(entry_token),
+            ptr(entry_out), ptr(entry_weight), ptr(h), ptr(out), self.threads)
+        seconds = time.perf_counter() - t0
+        return [(seconds * threads, sum(store.nbytes(layer, int(e)) for e in experts))]
 
     def _record(self, results: list, started: float) -> None:
         """Add one finished layer job's thread jobs ((seconds, bytes) each) to the stats."""
@@ -428,6 +480,15 @@ class HostPool:
         if not groups:
             _injected_fault(fault, generation)
             return []
+        kernel = self._native(max(len(tokens) for _, tokens, _ in groups))
+        if kernel is not None:  # one entry per (token, k), into its own row of rows [T * K, H], weight 1
+            K = ids.shape[1]
+            tokens = np.concatenate([tokens for _, tokens, _ in groups])
+            outs = np.concatenate([tokens * K + ks for _, tokens, ks in groups])
+            return self._run_native(
+                kernel, generation, layer, x, np.array([expert for expert, _, _ in groups]),
+                np.array([len(t) for _, t, _ in groups]), tokens, outs, np.ones(len(tokens), np.float32),
+                rows.reshape(-1, rows.shape[2]), fault)
         I = self.store.intermediate_size(layer)
         # Per group: its tokens' activations [H, n] and SwiGLU activations [I, n].
         units = [(expert, np.ascontiguousarray(x[tokens].T), np.empty((I, len(tokens)), np.float32))

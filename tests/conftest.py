@@ -218,6 +218,21 @@ def embedded_engine(engine_factory):
     return engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all")
 
 
+@pytest.fixture(params=["C", "numpy"])
+def pool_path(request, monkeypatch):
+    """Each host-pool test that takes it runs twice: the C expert kernel (host_pool/native_experts.c; skipped, saying
+    why, where no compiler builds it) and the numpy / BLAS jobs (STRATA_POOL_NATIVE=0)."""
+    from host_pool import native
+    if request.param == "C":
+        monkeypatch.delenv(native.ENV, raising=False)
+        if native.experts_kernel() is None:
+            pytest.skip(native.describe_experts())
+        monkeypatch.setenv(native.ENV, "1")
+    else:
+        monkeypatch.setenv(native.ENV, "0")
+    return request.param
+
+
 @pytest.fixture
 def make_pool():
     """`make_pool(layers, compute_dtype=None, **HostPool options)` -> a HostPool over HostExpertStore(layers) (the

@@ -144,11 +144,12 @@ def test_offload_bench_tiny(tmp_path, capsys, cache_dir):
     assert half["pcie_frac_chosen"] == 0.5
     assert half["fetched_per_token"] > 0 and half["cpu_per_token"] > 0 and half["pool_ms_per_token"] > 0
     assert arms[2]["pcie_frac_chosen"] in (0.0, 0.25, 0.5, 0.75, 1.0)
-    for name in ("device_put", "in_graph_fetch", "pool", "memcpy"):
+    for name in ("device_put", "in_graph_fetch", "pool", "memcpy", "read"):
         assert saved["bandwidth"][name]["GBps"] > 0, name
-    # Two tables: the arms (header, separator, one line per arm) and the bandwidths (four copies + the engine's).
+    # Two tables: the arms (header, separator, one line per arm) and the bandwidths (five copies + the engine's).
     table_lines = [ln for ln in printed.splitlines() if ln.startswith("|")]
-    assert len(table_lines) == (2 + 3) + (2 + 5)
+    assert len(table_lines) == (2 + 3) + (2 + 6)
+    assert "of the read bandwidth" in printed and "threads reading a" in printed
     assert "PCIe MB/token" in table_lines[0] and "% of bound" in table_lines[0] and "auto -> " in printed
     assert saved["table"] in printed and saved["bandwidth_table"] in printed
 

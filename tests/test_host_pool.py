@@ -49,7 +49,7 @@ IDS_CASES = {"one": [4], "several_padded": [5, -1, 0, 3, -1]}
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("ids_case", list(IDS_CASES))
-def test_matches_reference(make_pool, dtype, threads, T, ids_case):
+def test_matches_reference(make_pool, pool_path, dtype, threads, T, ids_case):
     rng = rng_for(f"ref-{dtype}-{threads}-{T}-{ids_case}")
     layers = make_layers(rng, BF16 if dtype == "bfloat16" else np.float32)
     pool = make_pool(layers, threads=threads)
@@ -104,13 +104,14 @@ def test_submit_collect_matches_compute(make_pool):
         assert rel_fro(y, reference_ffn(layers[layer], x, ids, w)) < REL_TOL
 
 
-def test_stats_count_bytes_jobs_and_reset(make_pool):
+def test_stats_count_bytes_jobs_and_reset(make_pool, pool_path):
     rng = rng_for("stats")
     pool = make_pool(make_layers(rng), threads=3)
     x, ids, w = make_inputs(rng, 1, [0, -1, 2])
     pool.compute(0, x, ids, w)
     stats = pool.stats
-    assert stats.calls == 1 and stats.jobs > 3
+    # numpy: thread jobs cut by experts and rows; C: the layer job is one call, its threads inside it
+    assert stats.calls == 1 and (stats.jobs == 1 if pool_path == "C" else stats.jobs > 3)
     assert stats.bytes_read == pool.store.nbytes(0, 0) + pool.store.nbytes(0, 2)
     assert stats.job_seconds > 0 and stats.wall_seconds > 0
     stats.reset()

@@ -67,7 +67,7 @@ def test_chunks_are_dequantize_exactly(monkeypatch, fmt, path):
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("T", [1, 4])
-def test_plain_jobs_match_reference(make_pool, compute_dtype, threads, T):
+def test_plain_jobs_match_reference(make_pool, pool_path, compute_dtype, threads, T):
     rng = rng_for(f"plain-{compute_dtype}-{threads}-{T}")
     layers = make_layers(rng)
     pool = make_pool(stored(layers), compute_dtype, threads=threads)
@@ -94,7 +94,7 @@ def test_many_chunks_per_job(make_pool, monkeypatch):
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("T,K", [(1, 4), (4, 3)])
-def test_split_jobs_match_reference(make_pool, compute_dtype, T, K):
+def test_split_jobs_match_reference(make_pool, pool_path, compute_dtype, T, K):
     rng = rng_for(f"split-{compute_dtype}-{T}-{K}")
     layers = make_layers(rng)
     pool = make_pool(stored(layers), compute_dtype, threads=2)

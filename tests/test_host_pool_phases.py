@@ -55,7 +55,7 @@ def heavy_mask(ids, w, threshold):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("T,K", [(1, 1), (1, 4), (4, 4)])
-def test_split_rows_match_reference(make_pool, dtype, threads, T, K):
+def test_split_rows_match_reference(make_pool, pool_path, dtype, threads, T, K):
     rng = rng_for(f"split-ref-{dtype}-{threads}-{T}-{K}")
     layers = make_layers(rng, BF16 if dtype == "bfloat16" else np.float32)
     pool = make_pool(layers, threads=threads)
@@ -132,7 +132,7 @@ def test_all_entries_missing_gives_zeros(make_pool):
     np.testing.assert_array_equal(pool.collect_split(ticket), np.zeros((2, 3, H), np.float32))
 
 
-def test_weights_read_once_per_expert_and_phase(make_pool):
+def test_weights_read_once_per_expert_and_phase(make_pool, pool_path):
     rng = rng_for("split-bytes")
     layers = make_layers(rng)
     pool = make_pool(layers, threads=3)
@@ -143,7 +143,8 @@ def test_weights_read_once_per_expert_and_phase(make_pool):
     pool.compute_split(1, x, ids, w, THRESHOLD)
     nbytes = pool.store.nbytes
     assert pool.stats.bytes_read == nbytes(1, 1) + 2 * nbytes(1, 2) + nbytes(1, 3)
-    assert pool.stats.calls == 1 and pool.stats.jobs > 4
+    # numpy: thread jobs cut by experts and rows; C: one call per phase
+    assert pool.stats.calls == 1 and (pool.stats.jobs == 2 if pool_path == "C" else pool.stats.jobs > 4)
 
 
 def test_tickets_in_flight_collected_in_any_order(make_pool):

@@ -282,8 +282,8 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
     itemsize = expert_itemsize(opts)
     lines = [f"expert cache: {slots} of {cfg.num_experts} slots per MoE layer ({why}), policy {opts.cache_policy}, "
              f"{slot_bytes(cfg, slots, itemsize) / 2**20:.1f} MiB on the device; experts in "
-             f"{host.kind} memory; host pool: {threads} threads ({blas.describe()}"
-             + (f"; {native.describe()}" if pool.store.dtype == np.uint8 else "") + ")"]
+             f"{host.kind} memory; host pool: {threads} threads ({native.describe_experts(short=True)}; "
+             f"{blas.describe()}" + (f"; {native.describe()}" if pool.store.dtype == np.uint8 else "") + ")"]
     costs = None
     if opts.pcie_frac == "auto":
         try:
