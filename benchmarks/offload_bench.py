@@ -59,6 +59,9 @@ flags.DEFINE_integer("context", 512, "KV cache positions (prompt + new tokens mu
                      flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weight, activation and KV cache dtype.",
                   flag_values=FLAGS)
+flags.DEFINE_enum("cache_policy", "lru", ["lru", "static"], "The engine option: lru (misses fetched into victim "
+                  "slots) or static (slots filled with the prefill's most used experts, then frozen: with "
+                  "pcie_frac=0 the llama.cpp -ncmoe analogue, misses on the CPU).", flag_values=FLAGS)
 flags.DEFINE_integer("cpu_threads", 0, "Host pool threads; 0 = the cores this process may use.", lower_bound=0,
                      flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each arm).", flag_values=FLAGS)
@@ -247,7 +250,7 @@ def run(s) -> dict:
         raise StrataError(f"{host_copies} host copies of {common.fmt_bytes(experts_total)} of experts do not fit in "
                           f"{common.fmt_bytes(ram)} of host RAM (cut with --layers)")
     opts_common = dict(window=s.window, dtype=s.dtype, context=s.context, cache_dir=s.cache_dir,
-                       cpu_threads=s.cpu_threads, cache_policy="lru", expert_kernel=s.expert_kernel,
+                       cpu_threads=s.cpu_threads, cache_policy=s.cache_policy, expert_kernel=s.expert_kernel,
                        expert_dtype=s.expert_dtype)
     cache_path = enable_compilation_cache(build(EngineOptions, opts_common).resolved_cache_dir())
     host_kind = slots_mod.host_memory_kind()

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from host_pool import native
 from host_pool.pool import HostPool, HostPoolError
 
 # Our messages are one line: "host pool: layer <n> <what happened>".
@@ -47,13 +48,26 @@ _POOL_MESSAGE = re.compile(r"host pool: layer (\d+) [^\n]*")
 _SPLIT_PHASE = re.compile(r"host pool: layer \d+ (heavy|light) rows ")
 
 
+def native_calls(pool: HostPool) -> bool:
+    """Whether `cpu_expert_rows` reaches this pool through the native FFI handler (no Python, no host round trip on
+    a GPU; see HostPool.ffi_handle) rather than io_callback."""
+    return pool.ffi_handle() is not None
+
+
 def cpu_expert_rows(pool: HostPool, layer, x, ids, w):
     """y [T, H] float32 = host pool result for x [T, H], ids [N] (-1 = padding), w [T, N].
 
-    `layer` may be a Python int or a traced int scalar (e.g. inside a scan).
-    Call inside jitted code; the pool runs on the host while the graph waits.
+    `layer` may be a Python int or a traced int scalar (e.g. inside a scan; then always io_callback).
+    Call inside jitted code; the pool runs on the host while the graph (its stream) waits. Where the pool has a
+    native handle, one XLA FFI call (host_pool/native_ffi.cc) instead of io_callback: on a GPU the stream runs the
+    copies and the job in order while the host thread that launches the graph goes on.
     """
     T, H = x.shape
+    pool_id = pool.ffi_handle()
+    if pool_id is not None and isinstance(layer, int):
+        return jax.ffi.ffi_call(native.FFI_TARGET, jax.ShapeDtypeStruct((T, H), jnp.float32))(
+            x.astype(jnp.float32), ids.astype(jnp.int32), w.astype(jnp.float32),
+            pool=np.int64(pool_id), layer=np.int64(layer))
     layer = jnp.asarray(layer, jnp.int32)
 
     def on_host(layer, x, ids, w):

@@ -161,6 +161,104 @@ def _build_experts() -> tuple:
     return _experts_built
 
 
+FFI_SOURCE = Path(__file__).with_name("native_ffi.cc")
+FFI_TARGET = "strata_pool_layer"
+_ffi_built: tuple | None = None  # (FfiLibrary or None, its line)
+
+
+class FfiLibrary:
+    """native_ffi.cc + native_experts.c loaded: the FFI handlers (registered with JAX as FFI_TARGET, "cpu" and, where
+    jaxlib has it, "CUDA") and the pool registry (`register`, `release`, `counters`)."""
+
+    def __init__(self, path: Path):
+        import jax
+        library = ctypes.CDLL(str(path))
+        self.register = library.pool_register
+        self.register.argtypes = [ctypes.c_int] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 11
+        self.register.restype = ctypes.c_int64
+        self.release = library.pool_release
+        self.release.argtypes = [ctypes.c_int64]
+        self.release.restype = None
+        self.counters = library.pool_counters
+        self.counters.argtypes = [ctypes.c_int64, ctypes.c_void_p]
+        self.counters.restype = None
+        self.platforms = []
+        for platform_name, symbol in (("cpu", "strata_pool_layer_cpu"), ("CUDA", "strata_pool_layer_cuda")):
+            try:
+                jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(getattr(library, symbol)),
+                                            platform=platform_name)
+                self.platforms.append(platform_name)
+            except Exception:  # noqa: BLE001 (a jaxlib without that platform)
+                pass
+        if "cpu" not in self.platforms:
+            raise OSError("jax.ffi.register_ffi_target refused the CPU handler")
+
+
+def ffi_library() -> FfiLibrary | None:
+    """The FFI library, or None where it does not build (or STRATA_POOL_NATIVE=0): the pool is then reached by
+    io_callback. Built on the first call, with the C expert kernel compiled into it."""
+    global _ffi_built
+    if mode() == "off":
+        return None
+    if _ffi_built is None:
+        with _lock:
+            if _ffi_built is None:
+                _ffi_built = _build_ffi()
+                log.info("host pool: %s", _ffi_built[1])
+    return _ffi_built[0]
+
+
+def describe_ffi() -> str:
+    if mode() == "off":
+        return f"pool calls: io_callback ({ENV}=0)"
+    ffi_library()
+    return _ffi_built[1]
+
+
+def _build_ffi() -> tuple:
+    compiler, cxx = _find_compiler(), _find_cxx()
+    if compiler is None or cxx is None:
+        return None, "pool calls: io_callback (no C and C++ compiler found for the FFI handler)"
+    try:
+        import jax
+        include = jax.ffi.include_dir()
+        key_parts = [EXPERTS_SOURCE.read_bytes(), FFI_SOURCE.read_bytes(), compiler.encode(), cxx.encode(),
+                     include.encode(), jax.__version__.encode(), _cpu_id().encode()]
+        folder = _cache_folder()
+    except (OSError, AttributeError) as e:
+        return None, f"pool calls: io_callback (FFI handler not built: {e})"
+    error = ""
+    for flags in EXPERTS_FLAGS:
+        c_flags = [f for f in flags if f != "-shared"]
+        key = hashlib.sha256(b"\0".join(key_parts + [" ".join(flags).encode()])).hexdigest()[:16]
+        path = folder / f"native_ffi-{key}.so"
+        try:
+            if not path.exists():
+                _link_ffi(compiler, cxx, c_flags, include, path)
+            library = FfiLibrary(path)
+            return library, f"pool calls: XLA FFI ({path.name}; {', '.join(library.platforms)})"
+        except (OSError, AttributeError, subprocess.SubprocessError) as e:
+            error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return None, f"pool calls: io_callback (FFI handler not built with {cxx}: {error})"
+
+
+def _link_ffi(compiler: str, cxx: str, c_flags: list, include: str, path: Path) -> None:
+    """native_experts.c to an object with `c_flags`, then native_ffi.cc and it into the library `path`."""
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".native_ffi-") as tmp:
+        obj = Path(tmp) / "native_experts.o"
+        done = subprocess.run([compiler, *c_flags, "-c", "-o", str(obj), str(EXPERTS_SOURCE)], capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode:
+            raise OSError(f"{compiler} {' '.join(c_flags)} failed: {done.stderr.strip() or done.returncode}")
+        out = Path(tmp) / "native_ffi.so"
+        openmp = ["-fopenmp"] if "-fopenmp" in c_flags else []
+        done = subprocess.run([cxx, "-std=c++17", "-O2", "-fPIC", "-shared", *openmp, f"-I{include}", "-o", str(out),
+                               str(FFI_SOURCE), str(obj), "-ldl", *LIBS], capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            raise OSError(f"{cxx} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+        os.replace(out, path)
+
+
 def _compile_and_load(source_path: Path, flag_sets: tuple, what: str, loader) -> tuple:
     """(loader(the built library) or None, a line "<what>: C (<file>, <compiler> <flags>)" or "<what>: numpy
     (why)"): the first flag set that builds and loads."""
@@ -207,6 +305,15 @@ def _compile(compiler: str, flags: tuple, path: Path, source: Path = SOURCE) -> 
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _find_cxx() -> str | None:
+    cxx = shlex.split(sysconfig.get_config_var("CXX") or "")[:1]
+    for name in ("c++", "g++", "clang++", *cxx):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
 
 
 def _find_compiler() -> str | None:

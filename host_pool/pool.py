@@ -25,6 +25,7 @@ expert (one weight read per expert and phase).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import math
@@ -138,7 +139,7 @@ class HostPool:
     """
 
     def __init__(self, store: HostExpertStore, threads: int | None = None,
-                 timeout_s: float = 20.0, blas_threads: int | None = 1):
+                 timeout_s: float = 20.0, blas_threads: int | None = 1, native_calls: bool = True):
         native.mode()  # a bad STRATA_POOL_NATIVE fails here, not in a job
         if store.format == "int4":
             native.int4_kernel()  # compiled now (once per machine), not inside the first job's timeout
@@ -149,7 +150,11 @@ class HostPool:
         # bf16 compute (bf16 experts; int8 and int4 by default): round where the device rounds (g, u, h and each
         # expert's output), so an expert's rows do not depend on where it ran beyond float32 summation order.
         self.round_bf16 = store.compute_dtype == BF16
-        self.stats = PoolStats()
+        self._stats = PoolStats()
+        # native_calls: jitted graphs reach this pool through the XLA FFI handler (host_pool/native_ffi.cc) where it
+        # builds, else (or False) through io_callback; see `ffi_handle`.
+        self._native_calls = native_calls
+        self._ffi: tuple | None = None  # (library, pool id, [the counters folded into stats so far]) once registered
         self._lock = threading.Lock()       # guards stats, faults, generation
         # layer (plain jobs) or (layer, phase) (split jobs) -> "raise" | "hang", one-shot
         self._faults: dict[int | tuple[int, str], str] = {}
@@ -160,6 +165,50 @@ class HostPool:
             set_blas_threads(blas_threads)
 
     # ---- public API --------------------------------------------------------
+
+    @property
+    def stats(self) -> PoolStats:
+        """Layer jobs run so far (since the last `stats.reset()`), through either path: the Python jobs' own
+        counts plus what the native FFI calls counted meanwhile."""
+        if self._ffi is not None:
+            library, pool_id, seen = self._ffi
+            counts = (ctypes.c_int64 * 4)()
+            library.counters(pool_id, counts)
+            calls, _, nbytes, nanos = (int(c) - s for c, s in zip(counts, seen))
+            seen[:] = list(counts)
+            with self._lock:
+                self._stats.calls += calls
+                self._stats.jobs += calls
+                self._stats.bytes_read += nbytes
+                self._stats.wall_seconds += nanos * 1e-9
+                self._stats.job_seconds += nanos * 1e-9 * self.threads
+        return self._stats
+
+    def ffi_handle(self) -> int | None:
+        """This pool's id in the native FFI handler's registry (registered on the first call), or None when jitted
+        graphs are to reach it by io_callback: native_calls=False, STRATA_POOL_NATIVE=0, no compiler, or a store
+        the kernel does not take. Layer jobs through the handler run natively in the thread that meets them (CPU)
+        or in CUDA's host-function thread (GPU): no Python, no timeout (native code that cannot hang), no faults
+        to inject."""
+        if not self._native_calls:
+            return None
+        if self._ffi is None:
+            library = native.ffi_library()
+            if library is None or native.experts_kernel() is None:
+                return None
+            store = self.store
+            L = store.num_layers
+            arrays = [store.gate, store.up, store.down, store.gate_scale, store.up_scale, store.down_scale]
+            pointers = [(ctypes.c_void_p * L)(*[0 if a is None else a.ctypes.data for a in arr]) for arr in arrays]
+            ints = [(ctypes.c_int64 * L)(*values) for values in (
+                [store.hidden_size(i) for i in range(L)], [store.intermediate_size(i) for i in range(L)],
+                [store.hidden_size(i) // store.gate_scale[i].shape[2] if store.format == "int4" else 0
+                 for i in range(L)],
+                [store.num_experts(i) for i in range(L)], [store.nbytes(i, 0) for i in range(L)])]
+            pool_id = library.register(_FORMAT_CODES[store.format], int(self.round_bf16), self.threads, L,
+                                       *pointers, *ints)
+            self._ffi = (library, pool_id, [0, 0, 0, 0])
+        return self._ffi[1]
 
     def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         """y [T, H] float32 for x [T, H], ids [N] (-1 = padding), w [T, N]."""
@@ -191,11 +240,15 @@ class HostPool:
         """Test hook: the next job of `layer` raises ("raise") or never
         answers ("hang", until the pool gives up on it).
 
+        Faults reach the jobs this Python pool runs: its own calls, and graphs that reach it by io_callback; a
+        graph's FFI calls (see `ffi_handle`) run native code that never sees them (engines: pool_calls=callback).
+
         phase None: the next plain job (`submit`/`compute`); "heavy" or
         "light": that phase of the next split job (`submit_split`) of `layer`.
         """
         if kind not in ("raise", "hang"):
             raise ValueError(f"fault kind {kind!r}, want 'raise' or 'hang'")
+
         if phase is not None and phase not in PHASES:
             raise ValueError(f"fault phase {phase!r}, want None, 'heavy' or 'light'")
         with self._lock:
@@ -293,6 +346,11 @@ class HostPool:
         return count
 
     def close(self) -> None:
+        if self._ffi is not None:  # later FFI calls with its id fail in one line instead of reading freed memory
+            self.stats  # noqa: B018 (folds the native counters in first)
+            library, pool_id, _ = self._ffi
+            self._ffi, self._native_calls = None, False
+            library.release(pool_id)
         with self._lock:
             self._generation.shutdown(wait=True)
 
@@ -449,7 +507,7 @@ class HostPool:
     def _record(self, results: list, started: float) -> None:
         """Add one finished layer job's thread jobs ((seconds, bytes) each) to the stats."""
         with self._lock:
-            stats = self.stats
+            stats = self._stats
             stats.calls += 1
             stats.jobs += len(results)
             stats.job_seconds += sum(seconds for seconds, _ in results)

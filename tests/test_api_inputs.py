@@ -118,7 +118,8 @@ def test_a_huge_tail_skip_is_capped_to_int32():
 def test_ctrl_c_inside_the_host_pool_is_a_keyboard_interrupt(engine_factory):
     """Ctrl-C while an io_callback runs the host pool reaches the API as KeyboardInterrupt (JAX wraps it in its
     runtime error), and the engine still answers the next request the same as before."""
-    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=0, pcie_frac=0.0)
+    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=0, pcie_frac=0.0,
+                         pool_calls="callback")  # the Python pool, whose compute is replaced below
     ids = prompt(8)
     want = eng.generate(ids, 6, stop_token_ids=[])
     pool = eng.placement.pool
@@ -179,10 +180,12 @@ def test_cli_refuses_early_and_in_one_line(tmp_path, cache_dir):
 
 def test_a_pool_timeout_ends_the_cli_in_one_line(cache_dir):
     """A --callback_timeout_s below one expert's product: during start-up's cost measurement (pcie_frac=auto) and
-    during decoding (pcie_frac=0, every miss on the pool). One error line naming the layer, exit 1, no traceback and
-    no hang (subprocess.run's timeout fails the test if the process does not exit)."""
+    during decoding (pcie_frac=0, every miss on the pool, reached by io_callback: the FFI calls have no timeout). One
+    error line naming the layer, exit 1, no traceback and no hang (subprocess.run's timeout fails the test if the
+    process does not exit)."""
     from conftest import run_cli
-    for args, match in ((["--pcie_frac=auto"], "while measuring start-up costs"), (["--pcie_frac=0"], "layer")):
+    for args, match in ((["--pcie_frac=auto"], "while measuring start-up costs"),
+                        (["--pcie_frac=0", "--pool_calls=callback"], "layer")):
         proc = run_cli(["--dtype=float32", "--window=4", "--context=64", "--expert_cache_slots=8", "--prompt=hello",
                         "--max_new_tokens=8", "--callback_timeout_s=0.000001", *args], cache_dir, timeout=180)
         err = proc.stderr.decode("utf-8", "replace")

@@ -167,7 +167,8 @@ def test_a_late_phase_is_one_error_naming_layer_and_phase(engine_factory, tokens
 
 
 def test_a_window_without_cpu_entries_makes_no_callback(engine_factory, tokens):
-    """Every expert resident (a full cache, filled): the deferring graph submits nothing to the pool."""
+    """Every expert resident (a full cache, filled): the deferring graph submits nothing to the pool (the exact
+    prefill's FFI call meets no cpu expert and computes no job)."""
     eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=16, pcie_frac=0.5,
                          cpu_threads=2, callback_timeout_s=2.0, verify_defer_cpu="1")
     eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
@@ -188,7 +189,7 @@ def test_fault_injection_sweep(engine_factory, tokens, defer, kind, phase):
     """Each pool phase raising or hanging, plain jobs and deferred split jobs: one StrataError line naming the layer
     (and the phase), no hang, and the engine's next request gives the same tokens as before the fault."""
     opts = dict(verify_defer_cpu="1", verify_defer_cpu_below="0.3") if defer else {}
-    eng = all_cpu_engine(engine_factory, **opts)
+    eng = all_cpu_engine(engine_factory, pool_calls="callback", **opts)  # faults are injected into the Python pool
     eng.reconfigure(pcie_frac=0.0)
     want = eng.generate(tokens[:6], 5, stop_token_ids=[])
     eng.reconfigure(pcie_frac=0.0)

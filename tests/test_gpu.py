@@ -39,7 +39,7 @@ def test_offload_is_exact_on_gpu(engine_factory, tokens, frac):
 
 def test_pool_failure_on_gpu_is_one_line_and_recovers(engine_factory, tokens):
     eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=0, pcie_frac=0.0,
-                         callback_timeout_s=2.0)
+                         callback_timeout_s=2.0, pool_calls="callback")  # faults: the Python pool
     expected = eng.generate(tokens[:9], 8, stop_token_ids=[])
     eng.placement.pool.inject_fault(2, "raise")
     with pytest.raises(StrataError, match="layer 2"):

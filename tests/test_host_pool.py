@@ -189,10 +189,18 @@ def _drivers() -> int:
     return sum(1 for t in threading.enumerate() if t.name.startswith("host-pool-driver") and t.is_alive())
 
 
-def test_bridge_inside_jit_matches_pool(make_pool):
+@pytest.mark.parametrize("native_calls", [True, False], ids=["ffi", "io_callback"])
+def test_bridge_inside_jit_matches_pool(make_pool, native_calls):
+    """The graph reaches the pool by the native FFI call where it builds (else, and with native_calls=False, by
+    io_callback): the same rows as the pool's own call, and the pool's counters see the graph's job."""
+    from host_pool import bridge
     rng = rng_for("bridge")
     layers = make_layers(rng)
-    pool = make_pool(layers, threads=3)
+    pool = make_pool(layers, threads=3, native_calls=native_calls)
+    if native_calls and pool.ffi_handle() is None:
+        from host_pool import native
+        pytest.skip(native.describe_ffi())
+    assert bridge.native_calls(pool) == native_calls
     x, ids, w = make_inputs(rng, 4, [0, -1, 5, 2])
 
     @jax.jit
@@ -200,7 +208,9 @@ def test_bridge_inside_jit_matches_pool(make_pool):
         return cpu_expert_rows(pool, 1, x.astype(jnp.bfloat16).astype(jnp.float32), ids, w) * 2.0
 
     x_rounded = x.astype(BF16).astype(np.float32)  # what the graph passes on
+    pool.stats.reset()
     y = np.asarray(step(x, ids, w))
+    assert pool.stats.calls == 1 and pool.stats.bytes_read == 3 * pool.store.nbytes(1, 0)
     np.testing.assert_allclose(y, 2.0 * pool.compute(1, x_rounded, ids, w), rtol=1e-6, atol=1e-6)
     assert rel_fro(y / 2.0, reference_ffn(layers[1], x_rounded, ids, w)) < REL_TOL
 
@@ -219,7 +229,7 @@ def test_bridge_with_traced_layer(make_pool):
 def test_bridge_error_unwraps_to_pool_error(make_pool):
     rng = rng_for("bridge-error")
     layers = make_layers(rng)
-    pool = make_pool(layers, threads=2)
+    pool = make_pool(layers, threads=2, native_calls=False)  # faults reach the io_callback path
     x, ids, w = make_inputs(rng, 4, [1, 4])
     run = jax.jit(lambda x, ids, w: cpu_expert_rows(pool, 1, x, ids, w))
     pool.inject_fault(1, "raise")

@@ -143,7 +143,7 @@ def test_static_policy_fills_the_prefills_most_used_experts(engine_factory, toke
 @pytest.mark.parametrize("fault", ["raise", "hang"])
 def test_pool_failure_is_one_error_and_the_engine_recovers(engine_factory, reference, tokens, fault):
     eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=0, pcie_frac=0.0,
-                         cpu_threads=2, callback_timeout_s=1.0)
+                         cpu_threads=2, callback_timeout_s=1.0, pool_calls="callback")  # faults: the Python pool
     _, ref_greedy = reference
     eng.placement.pool.inject_fault(1, fault)
     with pytest.raises(StrataError) as info:

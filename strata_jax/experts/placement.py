@@ -10,9 +10,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
-
-from host_pool import HostExpertStore, HostPool, HostPoolError, blas, native
+from host_pool import HostExpertStore, HostPool, HostPoolError, blas, cpu_expert_rows, native
+from host_pool.bridge import native_calls
 from host_pool.pool import usable_cores
 from strata_jax import model, moe, quant
 from strata_jax.config import ModelConfig
@@ -201,7 +200,8 @@ class HostExperts:
 
 
 def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int = 5) -> dict:
-    """PCIe GB/s and fixed cost of an in-graph fetch, host pool GB/s, and the cost of one io_callback."""
+    """PCIe GB/s and fixed cost of an in-graph fetch, host pool GB/s, and the cost of one pool call from a graph (the
+    FFI call or io_callback the decode graphs make, with no expert to compute)."""
     layer = cfg.sparse_layers.index(True)
     w = weights.layers[layer].ffn
     ebytes = sum(a.nbytes for a in (w.gate, w.up, w.down)) // cfg.num_experts  # stored bytes (int4: packed)
@@ -240,10 +240,13 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
     pool_gbs = k * ebytes / timed(pool.compute, layer, x, pool_ids, pw) / 1e9
     pool.stats.reset()
 
+    # The cost of reaching the pool as the decode graphs do (FFI or io_callback), with no expert to compute.
+    none = jnp.full((k,), -1, jnp.int32)
+
     @jax.jit
-    def one_callback(v):
-        return io_callback(lambda a: a, jax.ShapeDtypeStruct((), jnp.float32), v, ordered=False)
-    callback_s = timed(one_callback, jnp.float32(1))
+    def one_call(v):
+        return cpu_expert_rows(pool, layer, v, none, jnp.zeros((1, k), jnp.float32))
+    callback_s = timed(one_call, jnp.asarray(x))
     return dict(pcie_gbs=pcie_gbs, pcie_call_s=pcie_call_s, pool_gbs=pool_gbs, callback_s=callback_s)
 
 
@@ -275,7 +278,8 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
     logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
     threads = opts.cpu_threads or usable_cores()
     try:  # a bad STRATA_POOL_NATIVE, or =1 where no C compiler builds the int4 kernel: one line
-        pool = HostPool(host.store(cfg), threads=threads, timeout_s=opts.callback_timeout_s)
+        pool = HostPool(host.store(cfg), threads=threads, timeout_s=opts.callback_timeout_s,
+                        native_calls=opts.pool_calls == "auto")
     except (ValueError, RuntimeError, OSError) as e:
         raise StrataError(f"host pool: {e}") from None
     host.numpy.clear()
@@ -283,7 +287,8 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
     lines = [f"expert cache: {slots} of {cfg.num_experts} slots per MoE layer ({why}), policy {opts.cache_policy}, "
              f"{slot_bytes(cfg, slots, itemsize) / 2**20:.1f} MiB on the device; experts in "
              f"{host.kind} memory; host pool: {threads} threads ({native.describe_experts(short=True)}; "
-             f"{blas.describe()}" + (f"; {native.describe()}" if pool.store.dtype == np.uint8 else "") + ")"]
+             f"{blas.describe()}" + (f"; {native.describe()}" if pool.store.dtype == np.uint8 else "")
+             + f"), reached by {'XLA FFI' if native_calls(pool) else 'io_callback'}"]
     costs = None
     if opts.pcie_frac == "auto":
         try:
@@ -295,7 +300,7 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
         frac, by_frac = choose_pcie_frac(cfg, slots, itemsize, **costs)
         lines.append(
             f"pcie_frac: {frac:g} (auto: PCIe {costs['pcie_gbs']:.1f} GB/s + {costs['pcie_call_s'] * 1e3:.2f} ms a "
-            f"fetch loop, host pool {costs['pool_gbs']:.1f} GB/s, io_callback {costs['callback_s'] * 1e3:.2f} ms; "
+            f"fetch loop, host pool {costs['pool_gbs']:.1f} GB/s, a pool call {costs['callback_s'] * 1e3:.2f} ms; "
             f"modelled ms per layer at T=1: " + ", ".join(f"{f:g}: {c * 1e3:.2f}" for f, c in by_frac.items()) + ")")
         costs["by_frac"] = by_frac
     else:

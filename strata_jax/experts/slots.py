@@ -26,6 +26,7 @@ from flax import struct
 from jax.sharding import SingleDeviceSharding
 
 from host_pool import cpu_expert_rows
+from host_pool.bridge import native_calls
 from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax import moe, quant
 from strata_jax.experts import approx, defer
@@ -324,6 +325,9 @@ class OffloadedExperts:
             y_cpu = jnp.zeros(x.shape, jnp.float32)
             if self.defer.split:  # post(l) waits for the heavy rows only
                 y = defer.join_heavy(self.pool, y, pending, self.defer.below, after=y[0, :1])
+        elif self.pool is not None and native_calls(self.pool):
+            # The FFI call costs little with no cpu expert; a lax.cond would read its predicate back on a GPU.
+            y_cpu = cpu_expert_rows(self.pool, layer, x, jnp.where(cpu, ids, -1), r.combine * cpu[None, :])
         elif self.pool is not None:
             y_cpu = jax.lax.cond(
                 jnp.any(cpu),
