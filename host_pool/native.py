@@ -66,10 +66,16 @@ def int4_kernel():
     build in auto mode). Builds it on the first call."""
     if _built is not None and not os.environ.get(ENV):  # the usual case, once per chunked weight: kept short
         return _built[0]
+    return _switched(_build)
+
+
+def _switched(build):
+    """The switch applied to a library's build (`build()` -> (library or None, its line)): None when off, the
+    library (or None) in auto mode, the library or a RuntimeError saying why not when on."""
     wanted = mode()
     if wanted == "off":
         return None
-    kernel, line = _build()
+    kernel, line = build()
     if kernel is None and wanted == "on":
         raise RuntimeError(f"{ENV}=1 but {line}")
     return kernel
@@ -131,13 +137,7 @@ def experts_kernel() -> ExpertsKernel | None:
     mode). Builds it on the first call."""
     if _experts_built is not None and not os.environ.get(ENV):
         return _experts_built[0]
-    wanted = mode()
-    if wanted == "off":
-        return None
-    kernel, line = _build_experts()
-    if kernel is None and wanted == "on":
-        raise RuntimeError(f"{ENV}=1 but {line}")
-    return kernel
+    return _switched(_build_experts)
 
 
 def describe_experts(short: bool = False) -> str:
@@ -307,22 +307,21 @@ def _compile(compiler: str, flags: tuple, path: Path, source: Path = SOURCE) -> 
             os.unlink(tmp)
 
 
-def _find_cxx() -> str | None:
-    cxx = shlex.split(sysconfig.get_config_var("CXX") or "")[:1]
-    for name in ("c++", "g++", "clang++", *cxx):
+def _find_tool(names: tuple, config_var: str) -> str | None:
+    """The first of `names`, then sysconfig's `config_var` command, found on PATH."""
+    for name in (*names, *shlex.split(sysconfig.get_config_var(config_var) or "")[:1]):
         found = shutil.which(name)
         if found:
             return found
     return None
+
+
+def _find_cxx() -> str | None:
+    return _find_tool(("c++", "g++", "clang++"), "CXX")
 
 
 def _find_compiler() -> str | None:
-    cc = shlex.split(sysconfig.get_config_var("CC") or "")[:1]
-    for name in ("cc", "gcc", *cc):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
+    return _find_tool(("cc", "gcc"), "CC")
 
 
 def _cache_folder() -> Path:
