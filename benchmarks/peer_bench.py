@@ -47,6 +47,9 @@ flags.DEFINE_string("ours", "default;spec=0", "Our arms, ';'-separated; each a '
 flags.DEFINE_integer("n_gen", 128, "Tokens generated per request (llama-bench -n).", lower_bound=2, flag_values=FLAGS)
 flags.DEFINE_integer("prompt_tokens", 16, "Random prompt ids of our requests.", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("reps", 3, "Timed requests per arm (llama-bench -r).", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_float("embed_scale", 1.0, "Our arms' random embedding multiplied by this (Engine.from_random; 50 "
+                   "spreads the routing as offload_bench --embed_scale does; the peer's -ncmoe does not depend on it).",
+                   flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
 runner.define_output_flag(FLAGS)
 
@@ -119,9 +122,9 @@ def run_ours(s, cfg) -> list[dict]:
                         for k, v in request_opts.items() if k in request_names}
         common.progress(f"ours [{name}]: building the engine (random weights, {cfg.num_layers} layers)")
         t0 = time.perf_counter()
-        engine = Engine.from_random(cfg, seed=0, verbose=True, **engine_opts)
+        engine = Engine.from_random(cfg, seed=0, verbose=True, embed_scale=s.embed_scale, **engine_opts)
         start_s = time.perf_counter() - t0
-        samples, windows, drafted, accepted, host = [], [], [], [], []
+        samples, windows, drafted, accepted, host, hits = [], [], [], [], [], []
         for rep in range(s.reps + 1):
             prompt = rng.integers(0, cfg.vocab_size, size=s.prompt_tokens).tolist()
             engine.generate(prompt, max_new_tokens=s.n_gen, stop_token_ids=[], **request_opts)
@@ -133,11 +136,16 @@ def run_ours(s, cfg) -> list[dict]:
             drafted.append(st.drafts_proposed)
             accepted.append(st.drafts_accepted)
             host.append(st.host_gap_s / st.host_gaps * 1e3 if st.host_gaps else 0.0)
+            hits.append(st.decode_experts.hit_rate if engine.placement else 1.0)
         tok_s = statistics.median(samples)
+        offload = {}
+        if engine.placement:  # the expert cache: slots, the split, the hit rate of the decode windows
+            offload = dict(slots=engine.placement.slots, pcie_frac=engine.placement.pcie_frac,
+                           hit_rate=statistics.median(hits), native=engine.placement.native)
         rows.append(dict(arm=name, options=opts, tok_s=tok_s, samples=samples, windows=statistics.median(windows),
                          drafts_proposed=statistics.median(drafted), drafts_accepted=statistics.median(accepted),
                          host_gap_ms=statistics.median(host), start_s=start_s, compile_s=engine.stats.compile_s,
-                         scanned=engine.scanned))
+                         scanned=engine.scanned, **offload))
         common.progress(f"ours [{name}]: {tok_s:.1f} tok/s (median of {s.reps}; {rows[-1]['windows']} windows, "
                         f"{rows[-1]['drafts_accepted']}/{rows[-1]['drafts_proposed']} drafts accepted; start-up "
                         f"{start_s:.1f} s, compile {engine.stats.compile_s:.1f} s)")
@@ -169,6 +177,9 @@ def run(s) -> dict:
     for r in result["ours"]:
         extra = (f"{r['windows']:.0f} windows, {r['drafts_accepted']:.0f}/{r['drafts_proposed']:.0f} drafts "
                  f"accepted" if r["drafts_proposed"] else f"{r['windows']:.0f} windows")
+        if "slots" in r:
+            extra += (f"; {r['slots']} slots, pcie_frac {r['pcie_frac']:g}, hit rate {r['hit_rate']:.1%}"
+                      + ("" if r["native"] else ", graph offload path"))
         rows.append(["strata_jax", r["arm"], r["tok_s"], 1000 / r["tok_s"], r["tok_s"] / base if base else "-", extra])
     headers = ["engine", "arm", "tok/s", "ms/token", "x llama.cpp all-GPU", "notes"]
     table = common.format_table(headers, rows)

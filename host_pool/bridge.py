@@ -81,6 +81,39 @@ def cpu_expert_rows(pool: HostPool, layer, x, ids, w):
         ordered=False)
 
 
+def offload_begin(pool: HostPool, layer: int, x, cpu_ids, cpu_w, fetch_src, fetch_dst, slots: tuple, cpu: bool):
+    """One offloaded layer's start, one FFI call (native_ffi.cc strata_offload_begin): the fetched experts copied
+    from pinned host memory, and the cpu experts handed to the pool, which computes them while the graph goes on.
+    x [T, H]; cpu_ids [N] (-1: not a cpu expert) and cpu_w [T, N] as `cpu_expert_rows` takes them; fetch_src [N]
+    expert ids to fetch (-1: none) and fetch_dst [N] each one's slot row, or -1: into staging row n instead;
+    slots (gate, up, down) [S+1, ...]. Returns (the slots after the fetch: the same buffers, aliased; the staging
+    rows (gate, up, down) [N, ...], valid where fetched with fetch_dst -1; a token for `offload_collect`).
+    cpu: whether this graph has a cpu part (static). The layer's pinned experts are registered
+    (HostPool.register_fetch)."""
+    T, H = x.shape
+    N, M = cpu_ids.shape[0], fetch_src.shape[0]
+    assert M == N, "fetch_src is by window position"
+    ints = jnp.concatenate([cpu_ids.astype(jnp.int32), fetch_src.astype(jnp.int32), fetch_dst.astype(jnp.int32)])
+    packed = jnp.concatenate([x.astype(jnp.float32).reshape(-1), cpu_w.astype(jnp.float32).reshape(-1),
+                              jax.lax.bitcast_convert_type(ints, jnp.float32)])
+    out = jax.ffi.ffi_call(
+        native.OFFLOAD_BEGIN,
+        tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in slots)
+        + tuple(jax.ShapeDtypeStruct((N, *a.shape[1:]), a.dtype) for a in slots)
+        + (jax.ShapeDtypeStruct((1,), jnp.int32),),
+        input_output_aliases={1: 0, 2: 1, 3: 2})(
+        packed, *slots, pool=np.int64(pool.ffi_handle()), layer=np.int64(layer), tokens=np.int64(T),
+        n=np.int64(N), m=np.int64(M), cpu=np.int64(cpu), fetch=np.int64(1))
+    return tuple(out[:3]), tuple(out[3:6]), out[6]
+
+
+def offload_collect(pool: HostPool, layer: int, token, after):
+    """The cpu experts' rows [T, H] float32 of the layer's last `offload_begin`; `after` [T, H] float32 (the GPU
+    experts' rows) only orders it: the stream waits for the pool after the GPU's own experts."""
+    return jax.ffi.ffi_call(native.OFFLOAD_COLLECT, jax.ShapeDtypeStruct(after.shape, jnp.float32))(
+        token, after.astype(jnp.float32), pool=np.int64(pool.ffi_handle()), layer=np.int64(layer))
+
+
 def submit_cpu_rows(pool: HostPool, layer, x, ids, weights, threshold):
     """Ticket (int32 scalar) of a split job for x [T, H], ids [T, K] (-1 = not
     a CPU entry), weights [T, K]; see `HostPool.submit_split`. The callback

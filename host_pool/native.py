@@ -163,6 +163,10 @@ def _build_experts() -> tuple:
 
 FFI_SOURCE = Path(__file__).with_name("native_ffi.cc")
 FFI_TARGET = "strata_pool_layer"
+# The offload layer calls (native_ffi.cc): fetch and pool work enqueued on the graph's stream, no read-back.
+OFFLOAD_BEGIN = "strata_offload_begin"
+OFFLOAD_COLLECT = "strata_offload_collect"
+COUNTERS = 7  # pool_counters: jobs, experts, bytes, nanoseconds; fetch calls, experts fetched, bytes fetched
 _ffi_built: tuple | None = None  # (FfiLibrary or None, its line)
 
 
@@ -182,11 +186,15 @@ class FfiLibrary:
         self.counters = library.pool_counters
         self.counters.argtypes = [ctypes.c_int64, ctypes.c_void_p]
         self.counters.restype = None
+        self.register_fetch = library.pool_register_fetch
+        self.register_fetch.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
+        self.register_fetch.restype = None
         self.platforms = []
-        for platform_name, symbol in (("cpu", "strata_pool_layer_cpu"), ("CUDA", "strata_pool_layer_cuda")):
+        for platform_name, suffix in (("cpu", "_cpu"), ("CUDA", "_cuda")):
             try:
-                jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(getattr(library, symbol)),
-                                            platform=platform_name)
+                for target in (FFI_TARGET, OFFLOAD_BEGIN, OFFLOAD_COLLECT):
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target + suffix)),
+                                                platform=platform_name)
                 self.platforms.append(platform_name)
             except Exception:  # noqa: BLE001 (a jaxlib without that platform)
                 pass

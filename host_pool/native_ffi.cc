@@ -13,7 +13,10 @@
 // runs one window's copies, host function and copies in order, so a later window never overwrites them early.
 #include <dlfcn.h>
 
+#include <array>
 #include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -22,7 +25,10 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <thread>
 #include <vector>
+
+#include <sched.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -43,13 +49,20 @@ struct Layer {
 };
 
 struct Staging;
+struct Offload;
 
 struct Pool {
   int fmt, round_bf16, threads;
   std::vector<Layer> layers;
   std::atomic<int64_t> calls{0}, experts_run{0}, bytes{0}, nanos{0};
+  std::atomic<int64_t> fetch_calls{0}, fetched{0}, fetch_bytes{0};
   std::mutex staging_mutex;
   std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<Staging>> staging;
+  // The offload layer calls (strata_offload_begin / _collect): each layer's experts in pinned host memory (gate, up,
+  // down; what a fetch copies from) and the worker thread that fetches and computes.
+  std::vector<std::array<const char *, 3>> fetch_host;
+  std::mutex offload_mutex;
+  std::unique_ptr<Offload> offload;
 };
 
 std::mutex registry_mutex;
@@ -111,13 +124,22 @@ void run_job(Pool *pool, int64_t layer_index, const float *x, const int32_t *ids
 using CUresult = int;
 using CUstream = void *;
 using CUdeviceptr = unsigned long long;
+using CUcontext = void *;
 struct Driver {
   CUresult (*memcpy_dtoh)(void *, CUdeviceptr, size_t, CUstream) = nullptr;
   CUresult (*memcpy_htod)(CUdeviceptr, const void *, size_t, CUstream) = nullptr;
   CUresult (*launch_host_func)(CUstream, void (*)(void *), void *) = nullptr;
   CUresult (*host_alloc)(void **, size_t, unsigned int) = nullptr;
   CUresult (*host_free)(void *) = nullptr;
-  std::string error;
+  // The offload calls: stream memory operations (a stream writes or waits for a 32-bit flag in mapped host memory),
+  // a copy stream of the worker's own, the context the graph's stream runs in.
+  CUresult (*host_device_pointer)(CUdeviceptr *, void *, unsigned int) = nullptr;
+  CUresult (*write_value)(CUstream, CUdeviceptr, uint32_t, unsigned int) = nullptr;
+  CUresult (*wait_value)(CUstream, CUdeviceptr, uint32_t, unsigned int) = nullptr;
+  CUresult (*stream_create)(CUstream *, unsigned int) = nullptr;
+  CUresult (*stream_ctx)(CUstream, CUcontext *) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  std::string error, offload_error;
 };
 
 const Driver &driver() {
@@ -135,6 +157,17 @@ const Driver &driver() {
     d.host_free = (decltype(d.host_free))dlsym(lib, "cuMemFreeHost");
     if (!d.memcpy_dtoh || !d.memcpy_htod || !d.launch_host_func || !d.host_alloc || !d.host_free)
       d.error = "libcuda.so.1 lacks cuMemcpyDtoHAsync_v2 / cuMemcpyHtoDAsync_v2 / cuLaunchHostFunc / cuMemHostAlloc";
+    auto either = [&](const char *a, const char *b) { void *f = dlsym(lib, a); return f ? f : dlsym(lib, b); };
+    d.host_device_pointer = (decltype(d.host_device_pointer))either("cuMemHostGetDevicePointer_v2",
+                                                                    "cuMemHostGetDevicePointer");
+    d.write_value = (decltype(d.write_value))either("cuStreamWriteValue32_v2", "cuStreamWriteValue32");
+    d.wait_value = (decltype(d.wait_value))either("cuStreamWaitValue32_v2", "cuStreamWaitValue32");
+    d.stream_create = (decltype(d.stream_create))dlsym(lib, "cuStreamCreate");
+    d.stream_ctx = (decltype(d.stream_ctx))dlsym(lib, "cuStreamGetCtx");
+    d.ctx_set_current = (decltype(d.ctx_set_current))dlsym(lib, "cuCtxSetCurrent");
+    if (!d.host_device_pointer || !d.write_value || !d.wait_value || !d.stream_create || !d.stream_ctx ||
+        !d.ctx_set_current)
+      d.offload_error = "libcuda.so.1 lacks cuStreamWaitValue32 / cuStreamWriteValue32 / cuStreamGetCtx";
     return d;
   }();
   return d;
@@ -183,6 +216,380 @@ Staging *staging_for(Pool *pool, int64_t layer, int64_t T, int64_t N, std::strin
   s->N = N;
   slot = std::move(s);
   return slot.get();
+}
+
+// ---- the offload layer calls: fetch and pool work with no read-back ------------------------------------------------
+//
+// strata_offload_begin (one per offloaded MoE layer and window) enqueues on the graph's stream: one copy of the
+// layer's packed plan (x [T, H], the cpu combine w [T, N], the cpu ids [N], the fetch sources and slots [M] each)
+// into pinned staging, then a write of the job's sequence number to the `posted` flag (mapped host memory), then,
+// when the layer fetches, a wait until the `fetched` flag reaches it. The worker thread (one per pool), told of the
+// job when the handler ran, sees `posted`, reads the plan, enqueues each fetched expert's three copies (pinned host
+// -> its victim slot, or the window's staging row when it has none) on its own copy stream, then a write of
+// `fetched`, then computes the cpu experts (the C kernel,
+// OpenMP) and stores `done`. strata_offload_collect waits on the stream until `done` reaches the job and copies y
+// back. So the GPU runs the layer's resident experts while the pool computes, no host thread waits on the GPU, and
+// the number of misses never reaches the host's control flow (no lax.cond, no loop with a traced trip count).
+// Where stream memory operations are missing the flags are set and awaited by host functions instead.
+
+struct alignas(64) Flag {
+  uint32_t value;
+  char pad[60];
+};
+
+struct OffloadStaging {
+  void *memory = nullptr;
+  std::vector<float> plain;            // CPU: ordinary memory
+  float *in = nullptr, *y = nullptr;  // in: x [T*H], w [T*N], then int32 ids [N], src [M], dst [M]
+  Scratch scratch;
+  ~OffloadStaging() {
+    if (memory) driver().host_free(memory);
+  }
+};
+
+struct OffloadJob {
+  uint32_t seq = 0;
+  int64_t layer = 0, T = 0, N = 0, M = 0;
+  bool cpu = false, fetch = false;
+  OffloadStaging *staging = nullptr;
+  CUdeviceptr slot[3] = {0, 0, 0}, stage[3] = {0, 0, 0};  // the slot arrays [S+1, ...], the staging rows [N, ...]
+  int64_t slot_row_bytes[3] = {0, 0, 0};
+  CUcontext ctx = nullptr;
+};
+
+enum { POSTED = 0, FETCHED = 1, DONE = 2 };
+
+uint32_t load_flag(const Flag *f) { return __atomic_load_n(&f->value, __ATOMIC_ACQUIRE); }
+void store_flag(Flag *f, uint32_t v) { __atomic_store_n(&f->value, v, __ATOMIC_RELEASE); }
+bool reached(uint32_t value, uint32_t seq) { return (int32_t)(value - seq) >= 0; }
+
+void spin_until(const Flag *f, uint32_t seq, const std::atomic<bool> &stop) {
+  for (long i = 0; !reached(load_flag(f), seq); i++) {
+    if (stop.load(std::memory_order_relaxed)) return;
+    if (i > 20000) sched_yield();  // a long wait (a prefill ahead of it): give the core back now and then
+    else __builtin_ia32_pause();
+  }
+}
+
+struct Offload {
+  Pool *pool = nullptr;
+  void *flag_memory = nullptr;
+  Flag *flags = nullptr;  // POSTED, FETCHED, DONE
+  CUdeviceptr flag_dev[3] = {0, 0, 0};
+  bool mem_ops = true;
+  uint32_t next_seq = 0;
+  std::vector<uint32_t> last_seq;                 // per layer: the job of its last begin (collect waits for it)
+  std::vector<OffloadStaging *> last_staging;     // per layer: where that job's y lands
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<OffloadStaging>> staging;
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::deque<OffloadJob> queue;
+  std::atomic<bool> stop{false};
+  std::thread worker;
+  std::map<CUcontext, CUstream> copy_streams;
+  CUcontext current = nullptr;
+
+  ~Offload() {
+    stop = true;
+    wake.notify_all();
+    if (worker.joinable()) worker.join();
+    // flag_memory stays: a stream may still hold a wait on it (a graph given up on)
+  }
+
+  void run() {
+    const Driver &d = driver();
+    for (;;) {
+      OffloadJob job;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        // Spin a little before sleeping: the next layer's job is usually enqueued long before the GPU posts it.
+        for (int i = 0; queue.empty() && i < 2000 && !stop; i++) {
+          lock.unlock();
+          __builtin_ia32_pause();
+          lock.lock();
+        }
+        wake.wait(lock, [&] { return stop.load() || !queue.empty(); });
+        if (stop) return;
+        job = queue.front();
+        queue.pop_front();
+      }
+      spin_until(&flags[POSTED], job.seq, stop);
+      if (stop) return;
+      OffloadStaging *s = job.staging;
+      const Layer &layer = pool->layers[job.layer];
+      const int64_t H = layer.hidden;
+      const float *x = s->in, *w = s->in + job.T * H;
+      const int32_t *ids = reinterpret_cast<const int32_t *>(w + job.T * job.N);
+      const int32_t *src = ids + job.N, *dst = src + job.M;
+      if (job.fetch) {
+        if (job.ctx != current) {
+          d.ctx_set_current(job.ctx);
+          current = job.ctx;
+        }
+        CUstream &copy = copy_streams[job.ctx];
+        if (!copy) d.stream_create(&copy, 1 /* CU_STREAM_NON_BLOCKING */);
+        const auto &host = pool->fetch_host[job.layer];
+        int64_t count = 0;
+        for (int64_t m = 0; m < job.M; m++) {
+          if (src[m] < 0) continue;
+          for (int k = 0; k < 3; k++) {  // into its victim slot, or (dst -1) into staging row m
+            const int64_t rb = job.slot_row_bytes[k];
+            const CUdeviceptr to = dst[m] >= 0 ? job.slot[k] + (CUdeviceptr)(dst[m] * rb) : job.stage[k] + m * rb;
+            d.memcpy_htod(to, host[k] + src[m] * rb, rb, copy);
+          }
+          count++;
+        }
+        pool->fetch_calls += 1;
+        pool->fetched += count;
+        pool->fetch_bytes += count * (job.slot_row_bytes[0] + job.slot_row_bytes[1] + job.slot_row_bytes[2]);
+        if (mem_ops) {
+          d.write_value(copy, flag_dev[FETCHED], job.seq, 0);
+        } else {
+          // no stream memory operations: wait for the copies here (this thread may call CUDA), then say so
+          CUresult (*sync)(CUstream) = (CUresult(*)(CUstream))dlsym(RTLD_DEFAULT, "cuStreamSynchronize");
+          if (sync) sync(copy);
+          store_flag(&flags[FETCHED], job.seq);
+        }
+      }
+      if (job.cpu) run_job(pool, job.layer, x, ids, w, s->y, job.T, job.N, s->scratch);
+      store_flag(&flags[DONE], job.seq);
+    }
+  }
+};
+
+// The stream sets flag `which` to seq once its earlier work is done.
+struct HostFlag {
+  Offload *offload;
+  int which;
+  uint32_t seq;
+};
+void host_store_flag(void *data) {
+  auto *f = static_cast<HostFlag *>(data);
+  store_flag(&f->offload->flags[f->which], f->seq);
+  delete f;
+}
+void host_wait_flag(void *data) {
+  auto *f = static_cast<HostFlag *>(data);
+  spin_until(&f->offload->flags[f->which], f->seq, f->offload->stop);
+  delete f;
+}
+
+CUresult stream_write(Offload *o, CUstream stream, int which, uint32_t seq) {
+  const Driver &d = driver();
+  if (o->mem_ops) return d.write_value(stream, o->flag_dev[which], seq, 0);
+  return d.launch_host_func(stream, host_store_flag, new HostFlag{o, which, seq});
+}
+
+CUresult stream_wait(Offload *o, CUstream stream, int which, uint32_t seq) {
+  const Driver &d = driver();
+  if (o->mem_ops) return d.wait_value(stream, o->flag_dev[which], seq, 0 /* CU_STREAM_WAIT_VALUE_GEQ */);
+  return d.launch_host_func(stream, host_wait_flag, new HostFlag{o, which, seq});
+}
+
+// The pool's offload part, made on its first begin (CUDA: mapped flags; STRATA_POOL_MEMOPS=0 forces host functions).
+Offload *offload_for(Pool *pool, bool cuda, std::string &error) {
+  std::lock_guard<std::mutex> lock(pool->offload_mutex);
+  if (pool->offload) return pool->offload.get();
+  auto o = std::make_unique<Offload>();
+  o->pool = pool;
+  o->last_seq.assign(pool->layers.size(), 0);
+  o->last_staging.assign(pool->layers.size(), nullptr);
+  if (cuda) {
+    const Driver &d = driver();
+    if (!d.offload_error.empty()) {
+      error = d.offload_error;
+      return nullptr;
+    }
+    if (d.host_alloc(&o->flag_memory, 3 * sizeof(Flag), 0x01 | 0x02 /* PORTABLE | DEVICEMAP */) != 0) {
+      error = "cuMemHostAlloc of the flags failed";
+      return nullptr;
+    }
+    std::memset(o->flag_memory, 0, 3 * sizeof(Flag));
+    o->flags = static_cast<Flag *>(o->flag_memory);
+    for (int k = 0; k < 3; k++)
+      if (d.host_device_pointer(&o->flag_dev[k], &o->flags[k], 0) != 0) {
+        error = "cuMemHostGetDevicePointer of the flags failed";
+        return nullptr;
+      }
+    const char *env = std::getenv("STRATA_POOL_MEMOPS");
+    o->mem_ops = !(env && std::string(env) == "0");
+    Offload *raw = o.get();
+    o->worker = std::thread([raw] { raw->run(); });
+  }
+  pool->offload = std::move(o);
+  return pool->offload.get();
+}
+
+size_t packed_floats(int64_t T, int64_t H, int64_t N, int64_t M) { return T * H + T * N + N + 2 * M; }
+
+OffloadStaging *offload_staging(Offload *o, int64_t layer, int64_t T, int64_t N, int64_t M, bool cuda,
+                                std::string &error) {
+  auto &slot = o->staging[{layer, T, N, M}];
+  if (slot) return slot.get();
+  auto s = std::make_unique<OffloadStaging>();
+  const int64_t H = o->pool->layers[layer].hidden;
+  const size_t inb = padded(sizeof(float) * packed_floats(T, H, N, M)), yb = padded(sizeof(float) * T * H);
+  if (cuda) {
+    if (driver().host_alloc(&s->memory, inb + yb, 0) != 0) {
+      error = "cuMemHostAlloc failed";
+      o->staging.erase({layer, T, N, M});
+      return nullptr;
+    }
+    s->in = static_cast<float *>(s->memory);
+  } else {
+    s->plain.resize((inb + yb) / sizeof(float));
+    s->in = s->plain.data();
+  }
+  s->y = reinterpret_cast<float *>(reinterpret_cast<char *>(s->in) + inb);
+  slot = std::move(s);
+  return slot.get();
+}
+
+ffi::Error check_begin(Pool *pool, int64_t layer, int64_t T, int64_t N, int64_t M, ffi::Buffer<ffi::F32> &packed,
+                       ffi::AnyBuffer *slots[3]) {
+  if (!pool) return ffi::Error::InvalidArgument("strata_offload_begin: unknown or released host pool");
+  if (layer < 0 || layer >= (int64_t)pool->layers.size())
+    return ffi::Error::InvalidArgument("strata_offload_begin: layer outside the host pool's store");
+  if (packed.element_count() != packed_floats(T, pool->layers[layer].hidden, N, M))
+    return ffi::Error::InvalidArgument("strata_offload_begin: the packed plan has the wrong size");
+  for (int k = 0; k < 3; k++)
+    if (slots[k]->dimensions().size() < 1 || slots[k]->dimensions()[0] < 1)
+      return ffi::Error::InvalidArgument("strata_offload_begin: want slot arrays [S+1, ...]");
+  return ffi::Error::Success();
+}
+
+int64_t row_bytes(ffi::AnyBuffer &b) { return (int64_t)b.size_bytes() / (int64_t)b.dimensions()[0]; }
+
+ffi::Error OffloadBeginCuda(void *stream, int64_t pool_id, int64_t layer, int64_t T, int64_t N, int64_t M,
+                            int64_t cpu, int64_t fetch, ffi::Buffer<ffi::F32> packed, ffi::AnyBuffer gate,
+                            ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> gate_out,
+                            ffi::Result<ffi::AnyBuffer> up_out, ffi::Result<ffi::AnyBuffer> down_out,
+                            ffi::Result<ffi::AnyBuffer> gate_stage, ffi::Result<ffi::AnyBuffer> up_stage,
+                            ffi::Result<ffi::AnyBuffer> down_stage, ffi::ResultBuffer<ffi::S32> token) {
+  const Driver &d = driver();
+  if (!d.error.empty()) return ffi::Error::Internal("strata_offload_begin: " + d.error);
+  Pool *pool = find_pool(pool_id);
+  ffi::AnyBuffer *slots[3] = {&gate, &up, &down};
+  ffi::Error error = check_begin(pool, layer, T, N, M, packed, slots);
+  if (!error.success()) return error;
+  if (fetch && ((int64_t)pool->fetch_host.size() <= layer || !pool->fetch_host[layer][0]))
+    return ffi::Error::InvalidArgument("strata_offload_begin: no pinned host experts registered for this layer");
+  std::string why;
+  Offload *o = offload_for(pool, true, why);
+  if (!o) return ffi::Error::Internal("strata_offload_begin: " + why);
+  OffloadJob job;
+  {
+    std::lock_guard<std::mutex> lock(o->mutex);
+    job.staging = offload_staging(o, layer, T, N, M, true, why);
+    if (!job.staging) return ffi::Error::Internal("strata_offload_begin: " + why);
+    job.seq = ++o->next_seq;
+  }
+  job.layer = layer;
+  job.T = T;
+  job.N = N;
+  job.M = M;
+  job.cpu = cpu != 0;
+  job.fetch = fetch != 0;
+  ffi::AnyBuffer *outs[3] = {&*gate_out, &*up_out, &*down_out}, *stages[3] = {&*gate_stage, &*up_stage, &*down_stage};
+  for (int k = 0; k < 3; k++) {
+    job.slot[k] = (CUdeviceptr)(uintptr_t)outs[k]->untyped_data();
+    job.stage[k] = (CUdeviceptr)(uintptr_t)stages[k]->untyped_data();
+    job.slot_row_bytes[k] = row_bytes(*slots[k]);
+  }
+  if (job.fetch && d.stream_ctx(stream, &job.ctx) != 0)
+    return ffi::Error::Internal("strata_offload_begin: cuStreamGetCtx failed");
+  o->last_seq[layer] = job.seq;
+  o->last_staging[layer] = job.staging;
+  {
+    std::lock_guard<std::mutex> lock(o->mutex);
+    o->queue.push_back(job);
+  }
+  o->wake.notify_one();
+  const int64_t H = pool->layers[layer].hidden;
+  if (d.memcpy_dtoh(job.staging->in, (CUdeviceptr)(uintptr_t)packed.untyped_data(),
+                    sizeof(float) * packed_floats(T, H, N, M), stream) ||
+      stream_write(o, stream, POSTED, job.seq) || (job.fetch && stream_wait(o, stream, FETCHED, job.seq)))
+    return ffi::Error::Internal("strata_offload_begin: a CUDA copy or stream flag operation failed");
+  return ffi::Error::Success();
+}
+
+ffi::Error OffloadCollectCuda(void *stream, int64_t pool_id, int64_t layer, ffi::Buffer<ffi::S32> token,
+                              ffi::Buffer<ffi::F32> after, ffi::ResultBuffer<ffi::F32> y) {
+  const Driver &d = driver();
+  Pool *pool = find_pool(pool_id);
+  if (!pool || !pool->offload || layer < 0 || layer >= (int64_t)pool->layers.size() ||
+      !pool->offload->last_staging[layer])
+    return ffi::Error::InvalidArgument("strata_offload_collect: no begin of this layer before it");
+  Offload *o = pool->offload.get();
+  if (stream_wait(o, stream, DONE, o->last_seq[layer]) ||
+      d.memcpy_htod((CUdeviceptr)(uintptr_t)y->untyped_data(), o->last_staging[layer]->y,
+                    sizeof(float) * after.element_count(), stream))
+    return ffi::Error::Internal("strata_offload_collect: a CUDA copy or stream flag operation failed");
+  return ffi::Error::Success();
+}
+
+// CPU: the same calls done in place, in the thread that runs the graph (the tests' path).
+ffi::Error OffloadBeginCpu(int64_t pool_id, int64_t layer, int64_t T, int64_t N, int64_t M, int64_t cpu,
+                           int64_t fetch, ffi::Buffer<ffi::F32> packed, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                           ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> gate_out,
+                           ffi::Result<ffi::AnyBuffer> up_out, ffi::Result<ffi::AnyBuffer> down_out,
+                           ffi::Result<ffi::AnyBuffer> gate_stage, ffi::Result<ffi::AnyBuffer> up_stage,
+                           ffi::Result<ffi::AnyBuffer> down_stage, ffi::ResultBuffer<ffi::S32> token) {
+  Pool *pool = find_pool(pool_id);
+  ffi::AnyBuffer *slots[3] = {&gate, &up, &down};
+  ffi::Error error = check_begin(pool, layer, T, N, M, packed, slots);
+  if (!error.success()) return error;
+  if (fetch && ((int64_t)pool->fetch_host.size() <= layer || !pool->fetch_host[layer][0]))
+    return ffi::Error::InvalidArgument("strata_offload_begin: no host experts registered for this layer");
+  std::string why;
+  Offload *o = offload_for(pool, false, why);
+  if (!o) return ffi::Error::Internal("strata_offload_begin: " + why);
+  std::lock_guard<std::mutex> lock(o->mutex);
+  OffloadStaging *s = offload_staging(o, layer, T, N, M, false, why);
+  if (!s) return ffi::Error::Internal("strata_offload_begin: " + why);
+  const int64_t H = pool->layers[layer].hidden;
+  const float *in = packed.typed_data();
+  const float *x = in, *w = in + T * H;
+  const int32_t *ids = reinterpret_cast<const int32_t *>(w + T * N);
+  const int32_t *src = ids + N, *dst = src + M;
+  ffi::AnyBuffer *outs[3] = {&*gate_out, &*up_out, &*down_out}, *stages[3] = {&*gate_stage, &*up_stage, &*down_stage};
+  for (int k = 0; k < 3; k++)
+    if (outs[k]->untyped_data() != slots[k]->untyped_data())
+      std::memcpy(outs[k]->untyped_data(), slots[k]->untyped_data(), slots[k]->size_bytes());
+  if (fetch) {
+    int64_t count = 0;
+    const auto &host = pool->fetch_host[layer];
+    for (int64_t m = 0; m < M; m++) {
+      if (src[m] < 0) continue;
+      for (int k = 0; k < 3; k++) {  // into its victim slot, or (dst -1) into staging row m
+        const int64_t rb = row_bytes(*slots[k]);
+        if (dst[m] >= (int64_t)slots[k]->dimensions()[0] || src[m] >= pool->layers[layer].experts)
+          return ffi::Error::InvalidArgument("strata_offload_begin: a fetch outside the store or the cache");
+        char *to = dst[m] >= 0 ? static_cast<char *>(outs[k]->untyped_data()) + dst[m] * rb
+                               : static_cast<char *>(stages[k]->untyped_data()) + m * rb;
+        std::memcpy(to, host[k] + src[m] * rb, rb);
+      }
+      count++;
+    }
+    pool->fetch_calls += 1;
+    pool->fetched += count;
+    pool->fetch_bytes += count * (row_bytes(gate) + row_bytes(up) + row_bytes(down));
+  }
+  if (cpu) run_job(pool, layer, x, ids, w, s->y, T, N, s->scratch);
+  else std::memset(s->y, 0, sizeof(float) * T * H);
+  o->last_staging[layer] = s;
+  token->typed_data()[0] = 0;
+  return ffi::Error::Success();
+}
+
+ffi::Error OffloadCollectCpu(int64_t pool_id, int64_t layer, ffi::Buffer<ffi::S32> token,
+                             ffi::Buffer<ffi::F32> after, ffi::ResultBuffer<ffi::F32> y) {
+  Pool *pool = find_pool(pool_id);
+  if (!pool || !pool->offload || layer < 0 || layer >= (int64_t)pool->layers.size() ||
+      !pool->offload->last_staging[layer])
+    return ffi::Error::InvalidArgument("strata_offload_collect: no begin of this layer before it");
+  std::memcpy(y->typed_data(), pool->offload->last_staging[layer]->y, sizeof(float) * after.element_count());
+  return ffi::Error::Success();
 }
 
 // ---- the handlers -----------------------------------------------------------------------------------------------
@@ -255,6 +662,43 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_pool_layer_cuda, PoolLayerCuda,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+#define STRATA_OFFLOAD_BEGIN_BIND(...)                                                                        \
+  ffi::Ffi::Bind()                                                                                                 \
+      __VA_ARGS__.Attr<int64_t>("pool")                                                                            \
+      .Attr<int64_t>("layer")                                                                                      \
+      .Attr<int64_t>("tokens")                                                                                     \
+      .Attr<int64_t>("n")                                                                                          \
+      .Attr<int64_t>("m")                                                                                          \
+      .Attr<int64_t>("cpu")                                                                                        \
+      .Attr<int64_t>("fetch")                                                                                      \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                                                \
+      .Arg<ffi::AnyBuffer>()                                                                                       \
+      .Arg<ffi::AnyBuffer>()                                                                                       \
+      .Arg<ffi::AnyBuffer>()                                                                                       \
+      .Ret<ffi::AnyBuffer>()                                                                                       \
+      .Ret<ffi::AnyBuffer>()                                                                                       \
+      .Ret<ffi::AnyBuffer>()                                                                                       \
+      .Ret<ffi::AnyBuffer>()                                                                                       \
+      .Ret<ffi::AnyBuffer>()                                                                                       \
+      .Ret<ffi::AnyBuffer>()                                                                                       \
+      .Ret<ffi::Buffer<ffi::S32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_begin_cpu, OffloadBeginCpu, STRATA_OFFLOAD_BEGIN_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_begin_cuda, OffloadBeginCuda,
+                              STRATA_OFFLOAD_BEGIN_BIND(.Ctx<ffi::PlatformStream<void *>>()));
+
+#define STRATA_OFFLOAD_COLLECT_BIND(...)                                                                      \
+  ffi::Ffi::Bind()                                                                                                 \
+      __VA_ARGS__.Attr<int64_t>("pool")                                                                            \
+      .Attr<int64_t>("layer")                                                                                      \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                                                \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                                                \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_collect_cpu, OffloadCollectCpu, STRATA_OFFLOAD_COLLECT_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_collect_cuda, OffloadCollectCuda,
+                              STRATA_OFFLOAD_COLLECT_BIND(.Ctx<ffi::PlatformStream<void *>>()));
+
 // ---- the registry, called from Python (ctypes) --------------------------------------------------------------------
 
 extern "C" {
@@ -281,17 +725,40 @@ int64_t pool_register(int fmt, int round_bf16, int threads, int64_t layers, cons
 // Forget a pool: later calls with its id fail. Its memory stays (a graph still queued on a stream may run its host
 // function after this; a pool is released once per engine).
 void pool_release(int64_t id) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  if (id >= 0 && id < (int64_t)registry.size()) registry[id] = nullptr;
+  Pool *pool = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (id >= 0 && id < (int64_t)registry.size()) std::swap(pool, registry[id]);
+  }
+  if (pool) {  // the worker stops (a job it still waits for is given up: its graph has failed or finished)
+    std::lock_guard<std::mutex> lock(pool->offload_mutex);
+    pool->offload.reset();
+  }
 }
 
-// out[4] = layer jobs, experts computed, weight bytes read, nanoseconds inside the jobs (since registration).
+// out[7] = layer jobs, experts computed, weight bytes read, nanoseconds inside the jobs; fetch calls, experts
+// fetched, bytes fetched (since registration).
 void pool_counters(int64_t id, int64_t *out) {
   Pool *pool = find_pool(id);
   out[0] = pool ? pool->calls.load() : 0;
   out[1] = pool ? pool->experts_run.load() : 0;
   out[2] = pool ? pool->bytes.load() : 0;
   out[3] = pool ? pool->nanos.load() : 0;
+  out[4] = pool ? pool->fetch_calls.load() : 0;
+  out[5] = pool ? pool->fetched.load() : 0;
+  out[6] = pool ? pool->fetch_bytes.load() : 0;
+}
+
+// Layer `layer`'s experts in pinned host memory (what strata_offload_begin fetches from; rows laid out as the slot
+// arrays' rows). The caller keeps them alive until pool_release.
+void pool_register_fetch(int64_t id, int64_t layer, const void *gate, const void *up, const void *down) {
+  Pool *pool = find_pool(id);
+  if (!pool || layer < 0 || layer >= (int64_t)pool->layers.size()) return;
+  std::lock_guard<std::mutex> lock(pool->offload_mutex);
+  if ((int64_t)pool->fetch_host.size() < (int64_t)pool->layers.size())
+    pool->fetch_host.resize(pool->layers.size(), {nullptr, nullptr, nullptr});
+  pool->fetch_host[layer] = {static_cast<const char *>(gate), static_cast<const char *>(up),
+                             static_cast<const char *>(down)};
 }
 
 }  // extern "C"

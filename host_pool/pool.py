@@ -172,10 +172,10 @@ class HostPool:
         counts plus what the native FFI calls counted meanwhile."""
         if self._ffi is not None:
             library, pool_id, seen = self._ffi
-            counts = (ctypes.c_int64 * 4)()
+            counts = (ctypes.c_int64 * native.COUNTERS)()
             library.counters(pool_id, counts)
-            calls, _, nbytes, nanos = (int(c) - s for c, s in zip(counts, seen))
-            seen[:] = list(counts)
+            calls, _, nbytes, nanos = (int(c) - s for c, s in zip(counts[:4], seen))
+            seen[:] = list(counts[:4])
             with self._lock:
                 self._stats.calls += calls
                 self._stats.jobs += calls
@@ -209,6 +209,25 @@ class HostPool:
                                        *pointers, *ints)
             self._ffi = (library, pool_id, [0, 0, 0, 0])
         return self._ffi[1]
+
+    def register_fetch(self, layer: int, gate: int, up: int, down: int) -> bool:
+        """Tell the native handler where layer `layer`'s experts sit in pinned host memory (addresses of arrays
+        laid out as the slot arrays' rows, kept alive by the caller), so the offload calls (bridge.offload_begin)
+        can fetch them. False where the pool has no native handle."""
+        pool_id = self.ffi_handle()
+        if pool_id is None:
+            return False
+        self._ffi[0].register_fetch(pool_id, int(layer), gate, up, down)
+        return True
+
+    def fetch_counters(self) -> tuple[int, int, int]:
+        """(offload calls that fetched, experts fetched, bytes fetched) by the native offload calls so far."""
+        if self._ffi is None:
+            return 0, 0, 0
+        library, pool_id, _ = self._ffi
+        counts = (ctypes.c_int64 * native.COUNTERS)()
+        library.counters(pool_id, counts)
+        return int(counts[4]), int(counts[5]), int(counts[6])
 
     def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         """y [T, H] float32 for x [T, H], ids [N] (-1 = padding), w [T, N]."""

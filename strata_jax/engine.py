@@ -291,9 +291,12 @@ class Engine:
         return engine
 
     @classmethod
-    def from_random(cls, cfg: ModelConfig, seed: int = 0, verbose: bool = True, **options) -> "Engine":
+    def from_random(cls, cfg: ModelConfig, seed: int = 0, verbose: bool = True, embed_scale: float = 1.0,
+                    **options) -> "Engine":
         """An engine over random weights of a model shape (benchmarks): non-expert weights made on the device,
-        experts made on the device layer by layer and moved to host memory when offload is on."""
+        experts made on the device layer by layer and moved to host memory when offload is on. embed_scale: the
+        random embedding multiplied by it (random weights route most tokens to a few experts; 50 spreads the
+        routing over ~80% of them, as a trained model's does: benchmarks/offload_bench.py --embed_scale)."""
         opts = build(EngineOptions, options)
         enable_compilation_cache(opts.resolved_cache_dir(), quiet=not verbose)
         say = log if verbose else (lambda _: None)
@@ -307,6 +310,8 @@ class Engine:
                                        expert_format=placement_mod.expert_format(opts, cfg),
                                        place_scales=host.place_scale if host else None,
                                        layer_device=parallel_mod.layer_device(cfg, opts))
+        if embed_scale != 1.0:
+            weights = weights.replace(embed=(weights.embed * embed_scale).astype(weights.embed.dtype))
         say(f"model: random {cfg.num_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
             f"{model.param_bytes(weights) / 2**30:.2f} GiB of {opts.dtype} weights, made in "
             f"{time.perf_counter() - t0:.1f} s")

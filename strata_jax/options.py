@@ -142,10 +142,13 @@ class EngineOptions:
     callback_timeout_s: float = opt(20.0, "A host pool job that does not answer within this many seconds ends the "
                                "request with an error (pool_calls=callback: the native FFI calls have no "
                                "timeout, their code cannot hang).", _float_range(0.0, 3600.0, lo_open=True))
-    pool_calls: str = opt("auto", "How the decode graphs reach the host pool: auto (an XLA FFI call into native "
-                          "code where it builds: no Python, and on a GPU no host round trip per layer), or "
-                          "callback (io_callback into the Python pool: timeouts, fault injection, any store).",
-                          _choice("auto", "callback"))
+    pool_calls: str = opt("auto", "How the decode graphs reach the host pool and fetch misses: auto (native "
+                          "offload calls where the FFI handler builds: per layer one call fetches the misses and "
+                          "starts the pool, one collects its rows after the GPU's own experts; no Python, no host "
+                          "read-back, the pool computing while the GPU does), layer (one FFI pool call per layer, "
+                          "misses fetched by the graph's loops under lax.cond), or callback (io_callback into the "
+                          "Python pool: timeouts, fault injection, any store).",
+                          _choice("auto", "layer", "callback"))
     prefix_reuse: bool = opt(True, "Keep the KV cache of the last request: a request whose tokens start with it "
                              "prefills only the new part (exact: the same logits as a cold run).", _bool)
     devices: str = opt("1", "Devices the model runs on: a number >= 1 or 'all' (every device JAX sees). Above 1 "

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from host_pool import HostExpertStore, HostPool, HostPoolError, blas, cpu_expert_rows, native
-from host_pool.bridge import native_calls
+from host_pool.bridge import native_calls, offload_begin, offload_collect
 from host_pool.pool import usable_cores
 from strata_jax import model, moe, quant
 from strata_jax.config import ModelConfig
@@ -30,11 +30,18 @@ class Placement:
     host_kind: str  # memory kind of the host expert arrays (pinned_host on GPU)
     lines: list[str]  # start-up lines
     costs: dict | None = None  # the measured cost model, when pcie_frac=auto
+    # The native offload calls (bridge.offload_begin / offload_collect: fetches and pool work enqueued on the
+    # stream, no read-back) where the pool's FFI handler built and the layers' pinned experts are registered.
+    native: bool = False
 
     @property
     def cpu_path(self) -> bool:
         """Whether the graphs are built with the host pool's callback (needs_cpu_path)."""
         return needs_cpu_path(self.pcie_frac)
+
+    def native_offload(self) -> slots_mod.NativeOffload | None:
+        """The graphs' native offload calls, or None (the graph path of loops and lax.cond)."""
+        return slots_mod.NativeOffload(pool=self.pool) if self.native else None
 
     def reconfigure(self, pcie_frac: float, policy: str) -> bool:
         """Take a new split and policy; whether the graphs must be rebuilt (the split crossed 1: needs_cpu_path)."""
@@ -199,9 +206,11 @@ class HostExperts:
         return HostExpertStore(layers, compute_dtype=self.compute_dtype)
 
 
-def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int = 5) -> dict:
+def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int = 5, native: bool = False) -> dict:
     """PCIe GB/s and fixed cost of an in-graph fetch, host pool GB/s, and the cost of one pool call from a graph (the
-    FFI call or io_callback the decode graphs make, with no expert to compute)."""
+    FFI call or io_callback the decode graphs make, with no expert to compute). native: the fetch and the pool call
+    as the native offload calls make them (bridge.offload_begin / offload_collect; the layers' pinned experts
+    registered)."""
     layer = cfg.sparse_layers.index(True)
     w = weights.layers[layer].ffn
     ebytes = sum(a.nbytes for a in (w.gate, w.up, w.down)) // cfg.num_experts  # stored bytes (int4: packed)
@@ -213,6 +222,12 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
         @jax.jit
         def fetch(g, u, d, ids):
             dest = tuple(jnp.zeros((n, *a.shape[1:]), a.dtype) for a in (g, u, d))
+            if native:
+                src = jnp.where(jnp.arange(n) < count, ids, -1)
+                rows, _, _ = offload_begin(pool, layer, jnp.zeros((1, cfg.hidden_size), jnp.float32),
+                                           jnp.full((n,), -1, jnp.int32), jnp.zeros((1, n), jnp.float32), src,
+                                           jnp.arange(n, dtype=jnp.int32), dest, cpu=False)
+                return rows
             (rows,) = slots_mod.copy_experts([(dest, jnp.arange(n, dtype=jnp.int32))], (g, u, d), ids, count)
             return rows
         return fetch
@@ -245,6 +260,11 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
 
     @jax.jit
     def one_call(v):
+        if native:
+            dest = tuple(jnp.zeros((1, *a.shape[1:]), a.dtype) for a in (w.gate, w.up, w.down))
+            _, _, token = offload_begin(pool, layer, v, none, jnp.zeros((1, k), jnp.float32), none,
+                                        jnp.full((k,), -1, jnp.int32), dest, cpu=True)
+            return offload_collect(pool, layer, token, v)
         return cpu_expert_rows(pool, layer, v, none, jnp.zeros((1, k), jnp.float32))
     callback_s = timed(one_call, jnp.asarray(x))
     return dict(pcie_gbs=pcie_gbs, pcie_call_s=pcie_call_s, pool_gbs=pool_gbs, callback_s=callback_s)
@@ -256,18 +276,21 @@ def expected_misses(cfg: ModelConfig, slots: int) -> float:
 
 
 def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: float, pcie_call_s: float,
-                     pool_gbs: float, callback_s: float) -> tuple[float, dict]:
+                     pool_gbs: float, callback_s: float, overlap: bool = False) -> tuple[float, dict]:
     """The share of misses to fetch that minimises a T=1 window's miss time in the measured cost model.
 
-    The fetch and the pool run one after the other (the io_callback stalls the stream), so:
+    The graph path runs the fetch and the pool one after the other (the pool call stalls the stream):
       cost(F) = [F>0] * pcie_call + F*m*b/pcie + [F<1] * (callback + (1-F)*m*b/pool)
+    overlap (the native offload calls): the copy stream and the pool work at once, so the slower one counts:
+      cost(F) = [F>0] * pcie_call + [F<1] * callback + max(F*m*b/pcie, (1-F)*m*b/pool)
     """
     m = expected_misses(cfg, slots)
     b = cfg.expert_bytes(itemsize)
     costs = {}
     for f in (0.0, 0.25, 0.5, 0.75, 1.0):
-        costs[f] = ((pcie_call_s if f > 0 else 0.0) + f * m * b / (pcie_gbs * 1e9)
-                    + ((callback_s + (1 - f) * m * b / (pool_gbs * 1e9)) if f < 1 else 0.0))
+        fetch_s, pool_s = f * m * b / (pcie_gbs * 1e9), (1 - f) * m * b / (pool_gbs * 1e9)
+        fixed = (pcie_call_s if f > 0 else 0.0) + (callback_s if f < 1 else 0.0)
+        costs[f] = fixed + (max(fetch_s, pool_s) if overlap else fetch_s + pool_s)
     best = min(costs, key=lambda f: (costs[f], -f))
     return best, costs
 
@@ -279,7 +302,7 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
     threads = opts.cpu_threads or usable_cores()
     try:  # a bad STRATA_POOL_NATIVE, or =1 where no C compiler builds the int4 kernel: one line
         pool = HostPool(host.store(cfg), threads=threads, timeout_s=opts.callback_timeout_s,
-                        native_calls=opts.pool_calls == "auto")
+                        native_calls=opts.pool_calls in ("auto", "layer"))
     except (ValueError, RuntimeError, OSError) as e:
         raise StrataError(f"host pool: {e}") from None
     host.numpy.clear()
@@ -289,25 +312,33 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
              f"{host.kind} memory; host pool: {threads} threads ({native.describe_experts(short=True)}; "
              f"{blas.describe()}" + (f"; {native.describe()}" if pool.store.dtype == np.uint8 else "")
              + f"), reached by {'XLA FFI' if native_calls(pool) else 'io_callback'}"]
+    native_offload, why_not = False, f"pool_calls={opts.pool_calls}"
+    if opts.pool_calls == "auto":
+        several = opts.devices != "1" and not (opts.devices == "all" and jax.device_count() == 1)
+        why_not = "several devices" if several else register_native_fetch(cfg, weights, pool)
+        native_offload = why_not is None
     costs = None
     if opts.pcie_frac == "auto":
         try:
-            costs = measure_costs(cfg, weights, pool)
+            costs = measure_costs(cfg, weights, pool, native=native_offload)
         except HostPoolError as e:  # e.g. a --callback_timeout_s shorter than one expert's product
             pool.close()
             raise StrataError(f"{e} while measuring start-up costs for pcie_frac=auto "
                               f"(see --callback_timeout_s)") from None
-        frac, by_frac = choose_pcie_frac(cfg, slots, itemsize, **costs)
+        frac, by_frac = choose_pcie_frac(cfg, slots, itemsize, **costs, overlap=native_offload)
         lines.append(
             f"pcie_frac: {frac:g} (auto: PCIe {costs['pcie_gbs']:.1f} GB/s + {costs['pcie_call_s'] * 1e3:.2f} ms a "
-            f"fetch loop, host pool {costs['pool_gbs']:.1f} GB/s, a pool call {costs['callback_s'] * 1e3:.2f} ms; "
+            f"fetch {'call' if native_offload else 'loop'}, host pool {costs['pool_gbs']:.1f} GB/s, a pool call "
+            f"{costs['callback_s'] * 1e3:.2f} ms{', both at once' if native_offload else ''}; "
             f"modelled ms per layer at T=1: " + ", ".join(f"{f:g}: {c * 1e3:.2f}" for f, c in by_frac.items()) + ")")
         costs["by_frac"] = by_frac
     else:
         frac = float(opts.pcie_frac)
         lines.append(f"pcie_frac: {frac:g}")
+    lines.append("offload calls: " + ("native (fetches and pool jobs enqueued on the stream; no read-back)"
+                                      if native_offload else f"graph loops and lax.cond ({why_not})"))
     return Placement(slots=slots, policy=opts.cache_policy, pcie_frac=frac, pool=pool, host_kind=host.kind,
-                     lines=lines, costs=costs)
+                     lines=lines, costs=costs, native=native_offload)
 
 
 def plan_placement(cfg: ModelConfig, opts: EngineOptions, reserved_bytes: int, devices: int = 1,
@@ -342,8 +373,29 @@ def expert_paths(cfg: ModelConfig, placement: Placement, route: approx.RouteAppr
     path (needs_cpu_path) both are built without the host pool (no callback). block_ends: the last layer of each
     device's block (parallel=layers), never deferred."""
     pool = placement.pool if placement.cpu_path else None
-    exact = slots_mod.OffloadedExperts(cfg, pool)
+    native = placement.native_offload()
+    exact = slots_mod.OffloadedExperts(cfg, pool, native=native)
     if not (route.active or defer_cpu.active or kernel):
         return exact, exact
     return exact, slots_mod.OffloadedExperts(cfg, pool, route=route, defer_cpu=defer_cpu, kernel=kernel,
-                                             block_ends=block_ends)
+                                             block_ends=block_ends, native=native)
+
+
+def register_native_fetch(cfg: ModelConfig, weights: model.Weights, pool) -> str | None:
+    """Give the pool's native handler each sparse layer's pinned host experts (weights.layers[i].ffn.gate/up/down),
+    for the native offload calls; None when done, else why not (one device, the FFI handler, host arrays whose
+    address is known)."""
+    if pool.ffi_handle() is None:
+        return "no FFI handler"
+    for i, layer in enumerate(weights.layers):
+        if not cfg.sparse_layers[i]:
+            continue
+        try:
+            arrays = [getattr(layer.ffn, which) for which in ("gate", "up", "down")]
+            if any(len(a.sharding.device_set) != 1 for a in arrays):
+                return "experts spread over devices"
+            pointers = [a.addressable_data(0).unsafe_buffer_pointer() for a in arrays]
+        except (AttributeError, TypeError, ValueError, RuntimeError) as e:  # jax.errors.JaxRuntimeError is one
+            return f"host expert address unknown ({type(e).__name__})"
+        pool.register_fetch(i, *pointers)
+    return None

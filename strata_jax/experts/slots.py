@@ -26,7 +26,7 @@ from flax import struct
 from jax.sharding import SingleDeviceSharding
 
 from host_pool import cpu_expert_rows
-from host_pool.bridge import native_calls
+from host_pool.bridge import native_calls, offload_begin, offload_collect
 from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax import moe, quant
 from strata_jax.experts import approx, defer
@@ -158,6 +158,17 @@ class WindowPlan(NamedTuple):
     n_gpu: jax.Array  # [] int32: how many experts the blocks run
 
 
+class NativeOffload(NamedTuple):
+    """The native offload calls of a window (host_pool/native_ffi.cc): one FFI call per layer copies the window's
+    fetched experts into their victim slots (or, without one: static policy, no victim left, into the window's
+    staging rows) and hands its cpu experts to the pool; a second collects the pool's rows after the GPU has run its
+    own. Nothing depends on a count the host would read back. Windows of at most `max_experts` distinct experts
+    (decode windows; the staging rows are a temporary of that many experts); larger ones (prefill chunks) take the
+    blocks and loops of the graph path."""
+    pool: object  # host_pool.HostPool, with its layers' pinned experts registered
+    max_experts: int = 32
+
+
 class OffloadedExperts:
     """The expert path of a sparse layer with offload: `(layer, x, host weights, valid, state) -> moe.ExpertsOut`
     (y, state, and the deferred cpu rows still owed (defer.Pending) or None).
@@ -175,8 +186,10 @@ class OffloadedExperts:
     """
 
     def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
-                 defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False, block_ends: tuple = ()):
+                 defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False, block_ends: tuple = (),
+                 native: NativeOffload | None = None):
         self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
+        self.native = native  # the native offload calls (NativeOffload), or None: the graph path
         self.no_defer = frozenset(block_ends) | {cfg.num_layers - 1}
         # kernel: the Pallas expert FFN (pallas_kernels/expert_ffn.py) reads resident and fetched experts in their
         # slots (fetched ones are copied straight into their victim slots); bf16 on a GPU.
@@ -231,6 +244,9 @@ class OffloadedExperts:
             r, extra, state = self.route(x, w, valid, state)
         with jax.named_scope("moe_plan"):
             p = self.plan_window(r, state)
+        if (self.native is not None and not self.defer.active and isinstance(layer, int)
+                and r.expert_ids.shape[0] <= self.native.max_experts):
+            return self.native_window(layer, x, w, r, p, state, extra)
         pending = None
         if self.defer.active and layer not in self.no_defer:  # the model's (or a device block's) last layer
             with jax.named_scope("moe_cpu_submit"):
@@ -244,6 +260,46 @@ class OffloadedExperts:
         with jax.named_scope("moe_slot_table"):
             state = update_slots(state, r, p, slots, extra)
         return moe.ExpertsOut(y, state, pending)
+
+    def native_window(self, layer: int, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan,
+                      state: SlotCache, extra: dict) -> moe.ExpertsOut:
+        """The window through the native offload calls (NativeOffload): begin (each fetched expert copied into its
+        victim slot or its staging row, the pool starts on the cpu experts), the resident and fetched experts read
+        where they are, collect."""
+        ids, n, s = r.expert_ids, r.expert_ids.shape[0], state.slots
+        cpu = p.kind == CPU
+        staged = p.fetch & ~p.insert  # [N] fetched with no victim slot: into staging row n
+        with jax.named_scope("moe_offload_begin"):
+            slots, stage, token = offload_begin(
+                self.native.pool, layer, x, jnp.where(cpu, ids, -1), r.combine * cpu[None, :],
+                jnp.where(p.fetch, ids, -1), jnp.where(p.insert, p.dest, -1), (state.gate, state.up, state.down),
+                cpu=self.pool is not None)
+        slot_ids = jnp.where(p.kind == RESIDENT, p.slot, jnp.where(p.insert, p.dest, -1)).astype(jnp.int32)  # [N]
+        stage_ids = jnp.where(staged, jnp.arange(n, dtype=jnp.int32), -1)  # [N]
+        scales = tuple(sc[jnp.maximum(ids, 0)] for sc in w.scales)  # int8/int4: [N, ...] each, by window position
+        with jax.named_scope("moe_experts"):
+            if self.kernel:
+                slot_scales = ()
+                if w.scales:  # int8: the kernel reads scales by slot; the slots' experts after the fetch
+                    expert_of = state.expert_of.at[jnp.where(p.insert, p.dest, s + 1)].set(ids, mode="drop")
+                    slot_scales = tuple(sc[jnp.maximum(expert_of, 0)] for sc in w.scales)  # [S+1, O]
+                interpret = jax.default_backend() != "gpu"
+                y = expert_ffn_kernel(x, *slots, slot_ids, r.combine, *slot_scales, interpret=interpret)
+                y = y + expert_ffn_kernel(x, *stage, stage_ids, r.combine, *scales, interpret=interpret)
+            else:  # every gpu expert of the window gathered at once (slot or staging row), the rest weighted 0
+                rows = jnp.where(slot_ids >= 0, slot_ids, s)
+                block = tuple(jnp.where(staged.reshape(-1, *([1] * (a.ndim - 1))), b, a[rows])
+                              for a, b in zip(slots, stage))
+                gpu = (slot_ids >= 0) | staged
+                y = moe.expert_ffn(x, *block, r.combine * gpu[None, :], *scales)
+        if self.pool is not None:
+            with jax.named_scope("moe_offload_collect"):
+                y = y + offload_collect(self.native.pool, layer, token, y)
+        with jax.named_scope("moe_combine"):
+            y = y.astype(x.dtype)
+        with jax.named_scope("moe_slot_table"):
+            state = update_slots(state, r, p, slots, extra)
+        return moe.ExpertsOut(y, state, None)
 
     def plan_window(self, r: moe.Route, state: SlotCache) -> WindowPlan:
         """plan(), then where each fetched expert goes: a victim slot (lru) or the trash row."""
