@@ -3,6 +3,8 @@
 #   STEPS="build tests" bash benchmarks/gpu_speed.sh        # call A: the peer builds (setsid, all cores) while the
 #                                                            # GPU tests run; it survives into a call made within 30 s
 #   STEPS="peer decode" bash benchmarks/gpu_speed.sh        # call B: llama.cpp and our generate loop, then our graphs
+#   STEPS="build gguf tests" PEER_LAYERS=12, then STEPS="peer offload" PEER_LAYERS=12 PEER_NCMOE=6,9
+#     PEER_EMBED_SCALE=50 PEER_OURS="expert_cache_slots=64;expert_cache_slots=32" (offload beside the peer)
 # Knobs: DECODE_ARMS (name:flags[@XLA_FLAGS];...), DECODE_WINDOWS, PEER_LAYERS, PEER_OURS, PEER_NCMOE, PEER_XLA (our
 # arms again under these XLA flags), PROFILE_LAYERS, PROFILE_XLA.
 set -u
@@ -38,11 +40,22 @@ profile)
   step profile 150 env XLA_FLAGS="${PROFILE_XLA:-}" python3 -m benchmarks.profile_window --model=qwen3-30b-a3b \
     --layers=${PROFILE_LAYERS:-12} --windows=1,4 --iters=10 --expert_kernel=pallas --attention_kernel=pallas \
     --json=$R/profile.json ;;
+gguf)  # the peer's F16 GGUF of PEER_LAYERS layers, written under setsid once the build has unpacked gguf-py
+  setsid nohup bash -c "while [ ! -d $LLAMA/gguf-py ]; do sleep 2; done; python3 benchmarks/peer/write_gguf.py \
+    --out=/tmp/gguf.part --model=qwen3-30b-a3b --layers=${PEER_LAYERS:-24} --gguf_py=$LLAMA/gguf-py > /tmp/gguf.log 2>&1 \
+    && mv /tmp/gguf.part /tmp/qwen3-30b-a3b-${PEER_LAYERS:-24}.gguf; echo rc=\$? > /tmp/gguf.done" > /dev/null 2>&1 < /dev/null &
+  echo "[gguf] writing /tmp/qwen3-30b-a3b-${PEER_LAYERS:-24}.gguf under setsid (log /tmp/gguf.log)" ;;
+offload)  # the offload arms (spread routing), the native offload calls against the graph path, in one process
+  step offload ${OFFLOAD_LIMIT_S:-400} python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b \
+    --layers=${OFFLOAD_LAYERS:-12} --slot_fracs=${OFFLOAD_FRACS:-0.5,0.25} --pcie_fracs=${OFFLOAD_PCIE:-auto,1,0} \
+    --pool_calls=${OFFLOAD_CALLS:-auto,layer} --embed_scale=50 --new_tokens=64 --json=$R/offload.json ;;
 peer)
   t0=$SECONDS; while [ -f .peer/llama.tar.xz ] && [ ! -f $LLAMA.done ] && [ $((SECONDS - t0)) -lt ${BUILD_WAIT_S:-240} ]; do sleep 5; done
-  echo "[peer] build: $(cat $LLAMA.done 2>/dev/null || echo 'not done') (waited $((SECONDS - t0)) s)"
+  while [ -f /tmp/gguf.log ] && [ ! -f /tmp/gguf.done ] && [ $((SECONDS - t0)) -lt ${BUILD_WAIT_S:-240} ]; do sleep 5; done
+  echo "[peer] build: $(cat $LLAMA.done 2>/dev/null || echo 'not done') (waited $((SECONDS - t0)) s); gguf: $(cat /tmp/gguf.done 2>/dev/null)"
   step peer ${PEER_LIMIT_S:-420} python3 -m benchmarks.peer_bench --layers=${PEER_LAYERS:-24} --llama_bench=${PEER_LLAMA-$LLAMA/build/bin/llama-bench} \
-    --gguf_py=$LLAMA/gguf-py --ours="${PEER_OURS:-default;spec=0}" --ncmoe="${PEER_NCMOE:-}" --json=$R/peer.json
+    --gguf_py=$LLAMA/gguf-py --ours="${PEER_OURS:-default;spec=0}" --ncmoe="${PEER_NCMOE:-}" \
+    --embed_scale=${PEER_EMBED_SCALE:-1} --json=$R/peer.json
   if [ -n "${PEER_LAYERS2:-}" ]; then  # our arms at a second depth (no peer there: its GGUF would not fit the disk)
     step peer_ours2 ${PEER2_LIMIT_S:-200} python3 -m benchmarks.peer_bench --layers=$PEER_LAYERS2 --llama_bench= \
       --ours="${PEER_OURS:-default;spec=0}" --json=$R/peer_ours_$PEER_LAYERS2.json
