@@ -48,7 +48,12 @@ gguf)  # the peer's F16 GGUF of PEER_LAYERS layers, written under setsid once th
 offload)  # the offload arms (spread routing), the native offload calls against the graph path, in one process
   step offload ${OFFLOAD_LIMIT_S:-400} python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b \
     --layers=${OFFLOAD_LAYERS:-12} --slot_fracs=${OFFLOAD_FRACS:-0.5,0.25} --pcie_fracs=${OFFLOAD_PCIE:-auto,1,0} \
-    --pool_calls=${OFFLOAD_CALLS:-auto,layer} --embed_scale=50 --new_tokens=64 --json=$R/offload.json ;;
+    --pool_calls=${OFFLOAD_CALLS:-auto,layer} --embed_scale=50 --new_tokens=64 --json=$R/offload.json ${OFFLOAD_ARGS:-}
+  if [ -n "${OFFLOAD_INT4:-}" ]; then  # int4 experts at these slot fractions against the bf16 arms above
+    step offload_int4 ${OFFLOAD_LIMIT_S:-400} python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b \
+      --layers=${OFFLOAD_LAYERS:-12} --slot_fracs=$OFFLOAD_INT4 --pcie_fracs=1 --pool_calls=auto --expert_dtype=int4 \
+      --embed_scale=50 --new_tokens=64 --json=$R/offload_int4.json
+  fi ;;
 peer)
   t0=$SECONDS; while [ -f .peer/llama.tar.xz ] && [ ! -f $LLAMA.done ] && [ $((SECONDS - t0)) -lt ${BUILD_WAIT_S:-240} ]; do sleep 5; done
   while [ -f /tmp/gguf.log ] && [ ! -f /tmp/gguf.done ] && [ $((SECONDS - t0)) -lt ${BUILD_WAIT_S:-240} ]; do sleep 5; done

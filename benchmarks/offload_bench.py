@@ -424,8 +424,13 @@ def run(s) -> dict:
             source = "engine"
             if engine is not None and hasattr(engine, "reconfigure"):
                 if frac == "auto":  # the engine's own rule over the costs measured above
-                    chosen = placement_mod.choose_pcie_frac(cfg, slots, itemsize, **costs)[0]
-                    source = "choose_pcie_frac over this run's measure_costs"
+                    # measured as this engine's decode graphs reach the copies and the pool (native or not)
+                    native_costs = placement_mod.measure_costs(cfg, weights, engine.placement.pool,
+                                                               native=engine.placement.native)
+                    chosen = placement_mod.choose_pcie_frac(cfg, slots, itemsize, **native_costs,
+                                                            overlap=engine.placement.native,
+                                                            policy=engine.placement.policy)[0]
+                    source = "choose_pcie_frac over measure_costs of this engine's offload calls"
                 else:
                     chosen = frac
                 common.progress(f"arm {name}: reconfigure(pcie_frac={chosen:g}) (no recompile)")

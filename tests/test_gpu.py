@@ -25,16 +25,22 @@ def test_experts_live_in_pinned_host_memory(engine_factory):
     assert eng.cache.experts[0].gate.sharding.memory_kind == "device"
 
 
+@pytest.mark.parametrize("pool_calls", ["auto", "layer"])
 @pytest.mark.parametrize("frac", [0.0, 0.5, 1.0])
-def test_offload_is_exact_on_gpu(engine_factory, tokens, frac):
+def test_offload_is_exact_on_gpu(engine_factory, tokens, frac, pool_calls):
+    """pool_calls=auto: the native offload calls (copies on their own stream into victim slots, or staging rows
+    under static; the pool started by stream flags); layer: the graph's fetch loops and one FFI pool call."""
     ref = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all")
-    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, pcie_frac=1.0)
-    eng.reconfigure(pcie_frac=frac, cache_policy="lru")
-    for w in (1, 4):
-        assert rel_fro(eng.score(tokens, window=w), ref.score(tokens, window=w)) <= 1e-5
-    assert eng.generate(tokens[:9], 10, stop_token_ids=[]) == ref.generate(tokens[:9], 10, stop_token_ids=[])
-    d = eng.stats.last.decode_experts
-    assert d.entries == d.entries_resident + d.entries_fetched + d.entries_cpu > 0
+    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, pcie_frac=1.0,
+                         pool_calls=pool_calls)
+    assert eng.placement.native == (pool_calls == "auto")
+    for policy in ("lru", "static"):
+        eng.reconfigure(pcie_frac=frac, cache_policy=policy)
+        for w in (1, 4):
+            assert rel_fro(eng.score(tokens, window=w), ref.score(tokens, window=w)) <= 1e-5, policy
+        assert eng.generate(tokens[:9], 10, stop_token_ids=[]) == ref.generate(tokens[:9], 10, stop_token_ids=[])
+        d = eng.stats.last.decode_experts
+        assert d.entries == d.entries_resident + d.entries_fetched + d.entries_cpu > 0
 
 
 def test_pool_failure_on_gpu_is_one_line_and_recovers(engine_factory, tokens):
@@ -52,10 +58,15 @@ def test_the_pallas_expert_kernel_in_the_engine(engine_factory, tokens, slots):
     """expert_kernel=pallas (bf16): the decode windows' logits within bf16 rounding of the XLA path, all experts
     resident and offloaded (resident and fetched experts read in their slots)."""
     common = dict(dtype="bfloat16", window=4, context=64, expert_cache_slots=slots, pcie_frac=1.0)
-    xla = engine_factory(None, expert_kernel="xla", attention_kernel="xla", **common).score(tokens, window=4)
-    pallas = engine_factory(None, expert_kernel="pallas", attention_kernel="xla", **common).score(tokens, window=4)
-    assert rel_fro(pallas, xla) < 3e-2
-    assert (pallas.argmax(-1) == xla.argmax(-1)).mean() > 0.8
+    xla = engine_factory(None, expert_kernel="xla", attention_kernel="xla", **common)
+    pallas = engine_factory(None, expert_kernel="pallas", attention_kernel="xla", **common)
+    for policy in ("lru", "static") if slots != "all" else ("lru",):  # static: fetched experts in staging rows
+        if slots != "all":
+            xla.reconfigure(cache_policy=policy)
+            pallas.reconfigure(cache_policy=policy)
+        want, got = xla.score(tokens, window=4), pallas.score(tokens, window=4)
+        assert rel_fro(got, want) < 3e-2, policy
+        assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.8, policy
 
 
 @pytest.mark.parametrize("dtype,bound", [("float32", 1e-4), ("bfloat16", 3e-2)])

@@ -215,6 +215,53 @@ def test_bridge_inside_jit_matches_pool(make_pool, native_calls):
     assert rel_fro(y / 2.0, reference_ffn(layers[1], x_rounded, ids, w)) < REL_TOL
 
 
+@pytest.mark.parametrize("cpu", [True, False], ids=["fetch_and_pool", "fetch_only"])
+def test_offload_calls_fetch_into_slots_and_staging_and_compute(make_pool, cpu):
+    """The native offload calls (bridge.offload_begin / offload_collect): each fetched expert's three matrices land in
+    its victim slot row (fetch_dst >= 0) or in staging row n (-1), other slot rows keep their values, the pool's rows
+    are the cpu experts' product, and the fetch counters count what was copied."""
+    from host_pool import bridge
+    rng = rng_for(f"offload-calls-{cpu}")
+    layers = make_layers(rng)
+    pool = make_pool(layers, threads=2, native_calls=True)
+    if pool.ffi_handle() is None:
+        from host_pool import native
+        pytest.skip(native.describe_ffi())
+    host = [tuple(jnp.asarray(a) for a in layer) for layer in layers]  # the experts where the fetch reads them
+    for i, arrays in enumerate(host):
+        pool.register_fetch(i, *(a.addressable_data(0).unsafe_buffer_pointer() for a in arrays))
+    S = 3
+    slots = tuple(jnp.asarray(rng.standard_normal((S + 1, *a.shape[1:])).astype(np.float32)) for a in layers[1])
+    cpu_ids = np.array([0, -1, 5, -1], np.int32) if cpu else np.full(4, -1, np.int32)
+    fetch_src = np.array([-1, 2, -1, 4], np.int32)
+    fetch_dst = np.array([-1, 1, -1, -1], np.int32)  # expert 2 into slot 1; expert 4 into staging row 3
+    x, _, w = make_inputs(rng, 3, cpu_ids)
+    after = rng.standard_normal((3, H)).astype(np.float32)
+
+    @jax.jit
+    def window(x, w, slots, after):
+        slots, stage, token = bridge.offload_begin(pool, 1, x, jnp.asarray(cpu_ids), w, jnp.asarray(fetch_src),
+                                                   jnp.asarray(fetch_dst), slots, cpu)
+        y = bridge.offload_collect(pool, 1, token, after) if cpu else jnp.zeros_like(after)
+        return slots, stage, y
+
+    before = pool.fetch_counters()
+    pool.stats.reset()
+    got_slots, stage, y = window(x, w, slots, after)
+    for which in range(3):
+        want = np.asarray(slots[which]).copy()
+        want[1] = layers[1][which][2]
+        np.testing.assert_array_equal(np.asarray(got_slots[which]), want)
+        np.testing.assert_array_equal(np.asarray(stage[which])[3], layers[1][which][4])
+    calls, experts, nbytes = (b - a for a, b in zip(before, pool.fetch_counters()))
+    assert (calls, experts, nbytes) == (1, 2, 2 * sum(a[0].nbytes for a in layers[1]))
+    if cpu:
+        assert pool.stats.calls == 1
+        assert rel_fro(np.asarray(y), reference_ffn(layers[1], x, cpu_ids, w)) < REL_TOL
+    else:
+        assert pool.stats.calls == 0
+
+
 def test_bridge_with_traced_layer(make_pool):
     rng = rng_for("bridge-traced-layer")
     layers = make_layers(rng)

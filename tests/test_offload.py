@@ -63,6 +63,32 @@ def test_logits_and_greedy_do_not_depend_on_placement(engine_factory, reference,
                 assert d.distinct_resident == 0
 
 
+@pytest.mark.parametrize("pool_calls", ["auto", "layer", "callback"])
+def test_every_way_to_reach_the_pool_is_exact(engine_factory, reference, tokens, pool_calls):
+    """pool_calls=auto (the native offload calls where the FFI handler builds: fetches and pool jobs in two FFI calls
+    per layer), layer (graph fetch loops, the pool by one FFI call) and callback (io_callback): the same logits and
+    greedy tokens, and the start-up line says which path the decode graphs take."""
+    ref_scores, ref_greedy = reference
+    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, pcie_frac=0.5,
+                         cpu_threads=2, pool_calls=pool_calls)
+    pool = eng.placement.pool
+    native = pool_calls == "auto" and pool.ffi_handle() is not None
+    assert eng.placement.native == native
+    line = next(x for x in eng.placement.lines if x.startswith("offload calls: "))
+    assert line.startswith("offload calls: native") == native, line
+    before = pool.fetch_counters()
+    for policy in ("lru", "static"):
+        eng.reconfigure(cache_policy=policy)
+        for w in (1, 4):
+            assert rel_fro(eng.score(tokens, window=w), ref_scores[w]) <= REL_TOL, (policy, w)
+        assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy, policy
+    calls, experts, nbytes = (b - a for a, b in zip(before, pool.fetch_counters()))
+    if native:  # the decode windows fetched through the native calls; bytes are whole experts
+        assert calls > 0 and experts > 0 and nbytes == experts * preset("tiny").expert_bytes(4)
+    else:
+        assert (calls, experts, nbytes) == (0, 0, 0)
+
+
 def test_counters_add_up(engine_factory, tokens):
     cfg = preset("tiny")  # the embedded model's shape
     eng = offload_engine(engine_factory, 5)
@@ -153,6 +179,19 @@ def test_pool_failure_is_one_error_and_the_engine_recovers(engine_factory, refer
     if fault == "hang":
         assert "did not answer within 1.0 s" in msg
     assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
+
+
+def test_auto_split_knows_lru_slots_fill_only_by_fetches():
+    """pcie_frac=auto's cost model: under lru a split that fetches nothing leaves the slots empty (every entry a
+    miss), under static the slots hold the prefill's experts whatever the split; so a fast pool wins the whole split
+    only under static."""
+    from strata_jax.experts.placement import choose_pcie_frac
+    cfg = preset("qwen3-30b-a3b")
+    costs = dict(pcie_gbs=50.0, pcie_call_s=2e-4, pool_gbs=100.0, callback_s=2e-5, overlap=True)
+    lru, by_lru = choose_pcie_frac(cfg, cfg.num_experts // 2, 2, **costs, policy="lru")
+    static, by_static = choose_pcie_frac(cfg, cfg.num_experts // 2, 2, **costs, policy="static")
+    assert static == 0.0 and lru > 0.0
+    assert by_lru[0.0] > by_static[0.0] and by_lru[0.5] == by_static[0.5]
 
 
 def test_auto_slots_and_refusals(engine_factory, cache_dir):

@@ -276,7 +276,8 @@ def expected_misses(cfg: ModelConfig, slots: int) -> float:
 
 
 def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: float, pcie_call_s: float,
-                     pool_gbs: float, callback_s: float, overlap: bool = False) -> tuple[float, dict]:
+                     pool_gbs: float, callback_s: float, overlap: bool = False,
+                     policy: str = "lru") -> tuple[float, dict]:
     """The share of misses to fetch that minimises a T=1 window's miss time in the measured cost model.
 
     The graph path runs the fetch and the pool one after the other (the pool call stalls the stream):
@@ -284,10 +285,11 @@ def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: floa
     overlap (the native offload calls): the copy stream and the pool work at once, so the slower one counts:
       cost(F) = [F>0] * pcie_call + [F<1] * callback + max(F*m*b/pcie, (1-F)*m*b/pool)
     """
-    m = expected_misses(cfg, slots)
     b = cfg.expert_bytes(itemsize)
     costs = {}
     for f in (0.0, 0.25, 0.5, 0.75, 1.0):
+        # lru fills its slots only with fetched experts: with nothing fetched they stay empty, every entry a miss
+        m = expected_misses(cfg, 0 if f == 0.0 and policy == "lru" else slots)
         fetch_s, pool_s = f * m * b / (pcie_gbs * 1e9), (1 - f) * m * b / (pool_gbs * 1e9)
         fixed = (pcie_call_s if f > 0 else 0.0) + (callback_s if f < 1 else 0.0)
         costs[f] = fixed + (max(fetch_s, pool_s) if overlap else fetch_s + pool_s)
@@ -325,7 +327,8 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
             pool.close()
             raise StrataError(f"{e} while measuring start-up costs for pcie_frac=auto "
                               f"(see --callback_timeout_s)") from None
-        frac, by_frac = choose_pcie_frac(cfg, slots, itemsize, **costs, overlap=native_offload)
+        frac, by_frac = choose_pcie_frac(cfg, slots, itemsize, **costs, overlap=native_offload,
+                                          policy=opts.cache_policy)
         lines.append(
             f"pcie_frac: {frac:g} (auto: PCIe {costs['pcie_gbs']:.1f} GB/s + {costs['pcie_call_s'] * 1e3:.2f} ms a "
             f"fetch {'call' if native_offload else 'loop'}, host pool {costs['pool_gbs']:.1f} GB/s, a pool call "
