@@ -29,6 +29,8 @@
 #include <vector>
 
 #include <sched.h>
+#include <cstdio>
+#include <cstdlib>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -259,6 +261,22 @@ struct OffloadJob {
 
 enum { POSTED = 0, FETCHED = 1, DONE = 2 };
 
+// STRATA_OFFLOAD_TRACE=1: one stderr line per offload call and worker step (a hang shows where it stopped).
+bool tracing() {
+  static const bool on = [] {
+    const char *e = std::getenv("STRATA_OFFLOAD_TRACE");
+    return e && std::string(e) == "1";
+  }();
+  return on;
+}
+#define OFFLOAD_TRACE(...)                 \
+  do {                                     \
+    if (tracing()) {                       \
+      std::fprintf(stderr, "[offload] " __VA_ARGS__); \
+      std::fflush(stderr);                 \
+    }                                      \
+  } while (0)
+
 uint32_t load_flag(const Flag *f) { return __atomic_load_n(&f->value, __ATOMIC_ACQUIRE); }
 void store_flag(Flag *f, uint32_t v) { __atomic_store_n(&f->value, v, __ATOMIC_RELEASE); }
 bool reached(uint32_t value, uint32_t seq) { return (int32_t)(value - seq) >= 0; }
@@ -313,8 +331,11 @@ struct Offload {
         job = queue.front();
         queue.pop_front();
       }
+      OFFLOAD_TRACE("worker: job %u layer %ld, waiting for posted (now %u)\n", job.seq, (long)job.layer,
+                    load_flag(&flags[POSTED]));
       spin_until(&flags[POSTED], job.seq, stop);
       if (stop) return;
+      OFFLOAD_TRACE("worker: job %u posted\n", job.seq);
       OffloadStaging *s = job.staging;
       const Layer &layer = pool->layers[job.layer];
       const int64_t H = layer.hidden;
@@ -353,6 +374,7 @@ struct Offload {
       }
       if (job.cpu) run_job(pool, job.layer, x, ids, w, s->y, job.T, job.N, s->scratch);
       store_flag(&flags[DONE], job.seq);
+      OFFLOAD_TRACE("worker: job %u done (fetched %u)\n", job.seq, load_flag(&flags[FETCHED]));
     }
   }
 };
@@ -505,6 +527,8 @@ ffi::Error OffloadBeginCuda(void *stream, int64_t pool_id, int64_t layer, int64_
     o->queue.push_back(job);
   }
   o->wake.notify_one();
+  OFFLOAD_TRACE("begin: job %u layer %ld T %ld N %ld M %ld cpu %d fetch %d\n", job.seq, (long)layer, (long)T,
+                (long)N, (long)M, (int)job.cpu, (int)job.fetch);
   const int64_t H = pool->layers[layer].hidden;
   if (d.memcpy_dtoh(job.staging->in, (CUdeviceptr)(uintptr_t)packed.untyped_data(),
                     sizeof(float) * packed_floats(T, H, N, M), stream) ||
@@ -521,6 +545,7 @@ ffi::Error OffloadCollectCuda(void *stream, int64_t pool_id, int64_t layer, ffi:
       !pool->offload->last_staging[layer])
     return ffi::Error::InvalidArgument("strata_offload_collect: no begin of this layer before it");
   Offload *o = pool->offload.get();
+  OFFLOAD_TRACE("collect: layer %ld waits for job %u\n", (long)layer, o->last_seq[layer]);
   if (stream_wait(o, stream, DONE, o->last_seq[layer]) ||
       d.memcpy_htod((CUdeviceptr)(uintptr_t)y->untyped_data(), o->last_staging[layer]->y,
                     sizeof(float) * after.element_count(), stream))
