@@ -342,7 +342,14 @@ struct Offload {
       const float *x = s->in, *w = s->in + job.T * H;
       const int32_t *ids = reinterpret_cast<const int32_t *>(w + job.T * job.N);
       const int32_t *src = ids + job.N, *dst = src + job.M;
-      if (job.fetch) {
+      int64_t to_fetch = 0;
+      for (int64_t m = 0; job.fetch && m < job.M; m++) to_fetch += src[m] >= 0;
+      if (job.fetch && to_fetch == 0) {
+        // Nothing to copy (every expert resident or on the pool): say so at once, not behind a copy-stream op.
+        // Safe: the stream passed the previous job's wait before it posted this one, so no earlier write is due.
+        store_flag(&flags[FETCHED], job.seq);
+        pool->fetch_calls += 1;
+      } else if (job.fetch) {
         if (job.ctx != current) {
           d.ctx_set_current(job.ctx);
           current = job.ctx;
