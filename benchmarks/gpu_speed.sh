@@ -22,7 +22,7 @@ for s in $STEPS; do case $s in
 build)
   if [ -f .peer/llama.tar.xz ] && [ ! -x $LLAMA/build/bin/llama-bench ]; then
     echo "[build] llama-bench from .peer/llama.tar.xz, setsid, all cores; log $LLAMA.log"
-    setsid nohup bash benchmarks/peer/build_llama.sh "$PWD/.peer/llama.tar.xz" $LLAMA > /dev/null 2>&1 < /dev/null &
+    setsid nohup nice -n 19 bash benchmarks/peer/build_llama.sh "$PWD/.peer/llama.tar.xz" $LLAMA > /dev/null 2>&1 < /dev/null &
   fi ;;
 tests)
   step tests ${TESTS_LIMIT_S:-420} python3 -m pytest -q -p no:cacheprovider -x ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu.py \
@@ -41,7 +41,7 @@ profile)
     --layers=${PROFILE_LAYERS:-12} --windows=1,4 --iters=10 --expert_kernel=pallas --attention_kernel=pallas \
     --json=$R/profile.json ;;
 gguf)  # the peer's F16 GGUF of PEER_LAYERS layers, written under setsid once the build has unpacked gguf-py
-  setsid nohup bash -c "while [ ! -d $LLAMA/gguf-py ]; do sleep 2; done; python3 benchmarks/peer/write_gguf.py \
+  setsid nohup nice -n 19 bash -c "while [ ! -d $LLAMA/gguf-py ]; do sleep 2; done; python3 benchmarks/peer/write_gguf.py \
     --out=/tmp/gguf.part --model=qwen3-30b-a3b --layers=${PEER_LAYERS:-24} --gguf_py=$LLAMA/gguf-py > /tmp/gguf.log 2>&1 \
     && mv /tmp/gguf.part /tmp/qwen3-30b-a3b-${PEER_LAYERS:-24}.gguf; echo rc=\$? > /tmp/gguf.done" > /dev/null 2>&1 < /dev/null &
   echo "[gguf] writing /tmp/qwen3-30b-a3b-${PEER_LAYERS:-24}.gguf under setsid (log /tmp/gguf.log)" ;;
