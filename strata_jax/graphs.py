@@ -12,8 +12,10 @@ branch (lax.cond) would make the GPU stream wait for the host in every window, g
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
+import os
 import threading
 import time
 import weakref
@@ -220,6 +222,17 @@ def jit_verify(filtered: bool = True):
     return jax.jit(functools.partial(verify_window, filtered=filtered))
 
 
+def compile_all(build, sizes) -> list:
+    """[build(size) for size in sizes], the sizes in threads: tracing holds the GIL, XLA's compile does not, so the
+    compiles of a window table run side by side on the host's cores (start-up: the slowest graph, not their sum)."""
+    sizes = tuple(sizes)
+    workers = min(len(sizes), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if workers <= 1:
+        return [build(size) for size in sizes]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="strata-compile") as pool:
+        return list(pool.map(build, sizes))
+
+
 class GraphTable(dict):
     """An engine's graphs of one kind by size (window T, prefill chunk C): every size compiled now (`ahead`), or
     each the first time it is looked up (compile_graphs=lazy). `build(size)` compiles one."""
@@ -228,8 +241,7 @@ class GraphTable(dict):
         super().__init__()
         self.sizes, self._build = tuple(sizes), build
         if ahead:
-            for size in self.sizes:
-                self[size] = build(size)
+            self.update(zip(self.sizes, compile_all(build, self.sizes)))
 
     def __missing__(self, size):
         if size not in self.sizes:
