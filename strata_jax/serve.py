@@ -443,6 +443,9 @@ def cli() -> None:
     import sys
 
     from absl import flags
+    if any(a in ("-h", "-?", "--help", "--helpshort", "--helpfull") for a in sys.argv[1:]):
+        print((__doc__ or "").strip() + "\n\nflags:\n" + FLAGS.get_help())  # this command's flags, grouped
+        sys.exit(0)
     try:
         argv = FLAGS(sys.argv)
     except flags.Error as e:

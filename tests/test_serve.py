@@ -218,3 +218,21 @@ def test_the_server_command_exits_130_on_ctrl_c(cache_dir):
     out, rest = proc.communicate(timeout=60)
     assert proc.returncode == 130, (err + rest).decode(errors="replace")[-2000:]
     assert b"Traceback" not in err + rest
+
+
+def test_the_server_command_lists_its_flags_and_names_a_mistyped_one():
+    """`strata-serve --help` prints this command's flags (its own and the engine options) and exits 0; a mistyped
+    flag is one line naming the nearest one, exit 2."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    run = lambda *args: subprocess.run([sys.executable, "-m", "strata_jax.serve", *args], cwd=REPO,
+                                       capture_output=True, text=True, timeout=120)
+    shown = run("--help")
+    assert shown.returncode == 0, shown.stderr
+    for flag in ("--port", "--host", "--served_name", "--expert_cache_slots", "--pcie_frac"):
+        assert flag in shown.stdout, flag
+    typo = run("--prot=8001")
+    assert typo.returncode == 2 and typo.stderr.strip().count("\n") == 0
+    assert "Did you mean: port" in typo.stderr
