@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import threading
 import time
 import uuid
@@ -385,6 +386,44 @@ def create_app(engine: Engine, model_name: str, log=print) -> FastAPI:
 
 # ---- command line --------------------------------------------------------------------------------------------------
 
+class Loading:
+    """The ASGI app while the engine loads and compiles: the port answers at once, /health and every other path
+    with a 503 in OpenAI's error object (clients and load balancers wait for 200), then each request goes to the
+    real app (`ready`)."""
+
+    def __init__(self):
+        self.app = None
+
+    def ready(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return
+        body = json.dumps({"error": {"message": "the model is loading", "type": "unavailable", "param": None,
+                                     "code": "loading"}}).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"5")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def listen(host: str, port: int):
+    """The server's socket, bound before anything loads: a port in use is one line at once, not after a minute."""
+    import socket
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(128)
+        sock.set_inheritable(True)
+        return sock
+    except OSError as e:
+        raise StrataError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def main(argv: list[str]) -> None:
     import sys
 
@@ -398,14 +437,15 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     try:
         opts = options.from_flags(options.EngineOptions, FLAGS)
-        engine = Engine.from_pretrained(FLAGS.model, **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
+        sock = listen(FLAGS.host, FLAGS.port)
     except StrataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    name = FLAGS.served_name or Path(str(engine.model_dir)).name
-    print(f"serving {name} on http://{FLAGS.host}:{FLAGS.port} (chat page at /, OpenAI API under /v1)",
+    port = sock.getsockname()[1]
+    print(f"listening on http://{FLAGS.host}:{port} (/health answers 503 until the model is loaded)",
           file=sys.stderr, flush=True)
-    app = create_app(engine, name, log=lambda line: print(line, file=sys.stderr, flush=True))
+    loading = Loading()
+    failed: list[str] = []
 
     class SignalledServer(uvicorn.Server):
         """uvicorn shuts down gracefully on SIGINT / SIGTERM and returns: remember which, for the exit status."""
@@ -414,9 +454,33 @@ def main(argv: list[str]) -> None:
         def handle_exit(self, sig, frame):
             self.signalled = sig
             super().handle_exit(sig, frame)
-    server = SignalledServer(uvicorn.Config(app, host=FLAGS.host, port=FLAGS.port, log_level="warning"))
-    server.run()
+    server = SignalledServer(uvicorn.Config(loading, host=FLAGS.host, port=port, log_level="warning",
+                                            lifespan="off"))
+
+    def load() -> None:  # the engine in a thread: the server answers (503) while it loads and compiles
+        try:
+            engine = Engine.from_pretrained(FLAGS.model, **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
+        except StrataError as e:
+            failed.append(str(e))
+            server.should_exit = True
+            return
+        except BaseException as e:  # a bug: one line, and the server goes down rather than answer 503 forever
+            failed.append(f"internal error while loading: {type(e).__name__}: {e}".splitlines()[0])
+            server.should_exit = True
+            return
+        name = FLAGS.served_name or Path(str(engine.model_dir)).name
+        loading.ready(create_app(engine, name, log=lambda line: print(line, file=sys.stderr, flush=True)))
+        print(f"serving {name} on http://{FLAGS.host}:{port} (chat page at /, OpenAI API under /v1)",
+              file=sys.stderr, flush=True)
+    threading.Thread(target=load, name="strata-load", daemon=True).start()
+    server.run(sockets=[sock])
+    if failed:
+        print(f"error: {failed[0]}", file=sys.stderr, flush=True)
+        sys.exit(1)
     if server.signalled is not None:  # Ctrl-C: 130, as the CLI; SIGTERM: 143 (the shell's 128 + signal)
+        if loading.app is None:  # still loading: the loader thread may sit in a compile; leave now
+            sys.stderr.flush()
+            os._exit(128 + int(server.signalled))
         sys.exit(128 + int(server.signalled))
 
 

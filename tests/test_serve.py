@@ -207,7 +207,11 @@ def test_the_server_command_exits_130_on_ctrl_c(cache_dir):
                              "--dtype=float32", "--expert_cache_slots=all", "--window=2", "--context=64",
                              f"--cache_dir={cache_dir}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    err = stderr_until(proc, b"serving")
+    # The port answers before the model is loaded: /health says 503 (OpenAI's error object) until it is.
+    err = stderr_until(proc, b"listening on")
+    loading = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    assert loading.status_code == 503 and loading.json()["error"]["code"] == "loading", loading.text
+    err += stderr_until(proc, b"serving")
     for _ in range(100):  # until it answers
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
@@ -236,3 +240,21 @@ def test_the_server_command_lists_its_flags_and_names_a_mistyped_one():
     typo = run("--prot=8001")
     assert typo.returncode == 2 and typo.stderr.strip().count("\n") == 0
     assert "Did you mean: port" in typo.stderr
+
+
+def test_a_port_in_use_is_one_line_before_anything_loads(cache_dir):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "strata_jax.serve", "--model=embedded", f"--port={port}",
+                               f"--cache_dir={cache_dir}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        seconds = time.perf_counter() - t0
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", proc.stderr
+    assert seconds < 30  # imports only: no weights read, nothing compiled
