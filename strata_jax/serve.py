@@ -200,8 +200,11 @@ class Server:
 
 # ---- the app -------------------------------------------------------------------------------------------------------
 
-def create_app(engine: Engine, model_name: str, log=print) -> FastAPI:
+def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = ()) -> FastAPI:
+    """The server's app. model_name: the name /v1/models lists and responses carry; aliases: other names requests
+    may use (strata-serve: the --model value as given, and its folder's name)."""
     app = FastAPI(title="strata_jax", docs_url=None, redoc_url=None)
+    names = {model_name, *(a for a in aliases if a)}
     server = Server(engine, model_name, log)
     app.state.server = server
 
@@ -234,10 +237,19 @@ def create_app(engine: Engine, model_name: str, log=print) -> FastAPI:
     async def health():
         return {"status": "ok", "waiting": server.waiting}
 
+    def model_object() -> dict:
+        return {"id": model_name, "object": "model", "created": server.created, "owned_by": "strata_jax"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "strata_jax"}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str):
+        if model_id not in names:
+            return error_response(404, f"model {model_id!r} is not served here (this server has {model_name!r})",
+                                  kind="not_found_error", param="model", code="model_not_found")
+        return model_object()
 
     @app.get("/metrics")
     async def metrics():
@@ -258,7 +270,7 @@ def create_app(engine: Engine, model_name: str, log=print) -> FastAPI:
         return HTMLResponse(PAGE.read_text().replace("{{MODEL}}", model_name))
 
     def check_model(req: _Sampling):
-        if req.model not in (None, "", model_name):
+        if req.model not in (None, "") and req.model not in names:
             return error_response(404, f"model {req.model!r} is not served here (this server has {model_name!r})",
                                   code="model_not_found")
         return None
@@ -468,8 +480,10 @@ def main(argv: list[str]) -> None:
             failed.append(f"internal error while loading: {type(e).__name__}: {e}".splitlines()[0])
             server.should_exit = True
             return
-        name = FLAGS.served_name or Path(str(engine.model_dir)).name
-        loading.ready(create_app(engine, name, log=lambda line: print(line, file=sys.stderr, flush=True)))
+        folder = Path(str(engine.model_dir)).name
+        name = FLAGS.served_name or folder
+        loading.ready(create_app(engine, name, log=lambda line: print(line, file=sys.stderr, flush=True),
+                                 aliases=(FLAGS.model, Path(FLAGS.model).name, folder)))
         print(f"serving {name} on http://{FLAGS.host}:{port} (chat page at /, OpenAI API under /v1)",
               file=sys.stderr, flush=True)
     threading.Thread(target=load, name="strata-load", daemon=True).start()

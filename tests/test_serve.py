@@ -27,7 +27,7 @@ def server(engine):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(engine, "tiny", log=lambda line: None)
+    app = create_app(engine, "tiny", log=lambda line: None, aliases=("embedded", "/models/tiny-folder"))
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -53,6 +53,14 @@ def reply_of(engine, messages, n):
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+    # the model answers to its other names (strata-serve: the --model value as given, its folder's name)
+    for name in ("tiny", "embedded", "/models/tiny-folder"):
+        assert client.models.retrieve(name).id == "tiny"
+        got = client.completions.create(model=name, prompt="def f(x):", max_tokens=2, temperature=0)
+        assert got.model == "tiny" and got.usage.completion_tokens == 2
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("other")
+    assert e.value.body["code"] == "model_not_found"
 
 
 def test_streamed_chat_is_the_engines_answer(engine, client):
