@@ -79,6 +79,24 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=0)
     logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    # Not served yet: named here so that a request using them is refused (400), not answered as if they were absent.
+    tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
+    response_format: dict | None = None
+
+    def unserved(self) -> str | None:
+        """The first field this server cannot honour, or None."""
+        if self.tools or self.functions or self.tool_choice not in (None, "none") or self.function_call not in (
+                None, "none"):
+            return "tools" if self.tools or self.tool_choice not in (None, "none") else "functions"
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        if self.logprobs or self.top_logprobs is not None:
+            return "logprobs"
+        return None
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -291,8 +309,12 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = ()) 
     async def chat(req: ChatRequest, request: Request):
         if (bad := check_model(req)) is not None:
             return bad
-        if req.logprobs:
-            return error_response(400, "logprobs are not supported", param="logprobs")
+        if (field := req.unserved()) is not None:  # never a 200 that ignored what was asked
+            what = {"tools": "tool calls (tools, tool_choice)", "functions": "function calls (functions, function_call)",
+                    "response_format": f"response_format {req.response_format.get('type')!r} (JSON mode and JSON "
+                                       f"schemas)" if req.response_format else "",
+                    "logprobs": "logprobs"}[field]
+            return error_response(400, f"{what} are not supported by this server", param=field)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         ids = engine.chat_ids(messages)

@@ -108,6 +108,19 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
         client.completions.create(model="tiny", prompt="x" * 100)
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])
+    # What the server cannot honour yet is refused, never a 200 that ignored it
+    hi = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for extra, field in ((dict(tools=[tool]), "tools"), (dict(tool_choice="required"), "tools"),
+                         (dict(response_format={"type": "json_object"}), "response_format"),
+                         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+                          "response_format"), (dict(logprobs=True, top_logprobs=2), "logprobs")):
+        with pytest.raises(openai.BadRequestError, match="not supported") as e:
+            client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, **extra)
+        assert e.value.body["param"] == field, extra
+    plain = client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, response_format={"type": "text"},
+                                           tool_choice="none")
+    assert plain.usage.completion_tokens == 2
     bad_json = httpx.post(server[0] + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and "error" in bad_json.json()
     # Nothing converted silently: bools and floats are not token ids, "7" is not a seed, logprobs=0 is not served.
