@@ -218,11 +218,35 @@ class Server:
 
 # ---- the app -------------------------------------------------------------------------------------------------------
 
+class AccessLog:
+    """ASGI middleware: one line per request once its response has been sent (streams: when the last event went),
+    `client "METHOD path" status seconds`."""
+
+    def __init__(self, app, log):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), [0]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                client = scope.get("client") or ("-", 0)
+                self.log(f'{client[0]}:{client[1]} "{scope["method"]} {scope["path"]}" {status[0]} '
+                         f"{time.perf_counter() - t0:.3f} s")
+        await self.app(scope, receive, sending)
+
+
 def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = ()) -> FastAPI:
     """The server's app. model_name: the name /v1/models lists and responses carry; aliases: other names requests
     may use (strata-serve: the --model value as given, and its folder's name)."""
     app = FastAPI(title="strata_jax", docs_url=None, redoc_url=None)
     names = {model_name, *(a for a in aliases if a)}
+    app.add_middleware(AccessLog, log=log)
     server = Server(engine, model_name, log)
     app.state.server = server
 

@@ -27,7 +27,9 @@ def server(engine):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(engine, "tiny", log=lambda line: None, aliases=("embedded", "/models/tiny-folder"))
+    lines: list[str] = []  # the server's log (queue notes, one access line per request)
+    app = create_app(engine, "tiny", log=lines.append, aliases=("embedded", "/models/tiny-folder"))
+    app.state.server.lines = lines
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -53,6 +55,7 @@ def reply_of(engine, messages, n):
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+    assert any(line.endswith(" s") and '"GET /health" 200 ' in line for line in server[1].lines), server[1].lines[-3:]
     # the model answers to its other names (strata-serve: the --model value as given, its folder's name)
     for name in ("tiny", "embedded", "/models/tiny-folder"):
         assert client.models.retrieve(name).id == "tiny"
