@@ -325,7 +325,11 @@ def load_config(path: str | Path) -> ModelConfig:
     return config_from_dict(raw, where=str(path))
 
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The presets: configs/ beside the package in the repository; installed (pip install .), the same files as
+# strata_jax/configs (pyproject.toml maps the folder into the package).
+CONFIGS_DIR = next((d for d in (Path(__file__).resolve().parent.parent / "configs",
+                                Path(__file__).resolve().parent / "configs") if (d / "tiny.json").is_file()),
+                   Path(__file__).resolve().parent.parent / "configs")
 
 
 def preset(name: str, layers: int | None = None) -> ModelConfig:

@@ -276,9 +276,26 @@ def main(argv: list[str]) -> None:
         _exit_now(130)
 
 
+HELP_FLAGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
+
+
+def print_help() -> None:
+    """This command's flags, by the module that defines them (absl's own logging flags left out): absl's --help
+    lists only the main module's, and a console script's main module defines none."""
+    modules = [m for m in FLAGS.flags_by_module_dict() if not m.startswith("absl")]
+    print((__doc__ or "").strip() + "\n\n" + "\n\n".join(FLAGS.module_help(m) for m in modules))
+
+
 def cli() -> None:
     """The `strata-decode` console script (pyproject.toml)."""
     _install_interrupt()
+    if any(a in HELP_FLAGS for a in sys.argv[1:]):
+        try:
+            print_help()
+            sys.stdout.flush()
+        except BrokenPipeError:  # `strata-decode --help | head`
+            _exit_now(0)
+        sys.exit(0)
     app.run(main, flags_parser=parse_flags)
 
 
