@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import os
 import threading
@@ -241,12 +242,37 @@ class AccessLog:
         await self.app(scope, receive, sending)
 
 
-def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = ()) -> FastAPI:
+class BearerKey:
+    """ASGI middleware: with an API key set, every /v1 request must carry `Authorization: Bearer <key>` (as OpenAI's
+    API and its clients do); else a 401 in OpenAI's error object. /health, /metrics and the page stay open."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.key):
+                await error_response(401, "missing or incorrect API key (Authorization: Bearer <key>)",
+                                     code="invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), api_key: str = "",
+               cors_origins: tuple = ()) -> FastAPI:
     """The server's app. model_name: the name /v1/models lists and responses carry; aliases: other names requests
-    may use (strata-serve: the --model value as given, and its folder's name)."""
+    may use (strata-serve: the --model value as given, and its folder's name); api_key: required of /v1 requests
+    as a Bearer token ('' = none); cors_origins: origins a browser page may call the API from ('*': any)."""
     app = FastAPI(title="strata_jax", docs_url=None, redoc_url=None)
     names = {model_name, *(a for a in aliases if a)}
-    app.add_middleware(AccessLog, log=log)
+    if api_key:
+        app.add_middleware(BearerKey, key=api_key)
+    if cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(AccessLog, log=log)  # added last: outermost, so refused requests are logged too
     server = Server(engine, model_name, log)
     app.state.server = server
 
@@ -500,6 +526,7 @@ def main(argv: list[str]) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     port = sock.getsockname()[1]
+    api_key = FLAGS.api_key or os.environ.get("STRATA_API_KEY", "")
     print(f"listening on http://{FLAGS.host}:{port} (/health answers 503 until the model is loaded)",
           file=sys.stderr, flush=True)
     loading = Loading()
@@ -529,7 +556,8 @@ def main(argv: list[str]) -> None:
         folder = Path(str(engine.model_dir)).name
         name = FLAGS.served_name or folder
         loading.ready(create_app(engine, name, log=lambda line: print(line, file=sys.stderr, flush=True),
-                                 aliases=(FLAGS.model, Path(FLAGS.model).name, folder)))
+                                 aliases=(FLAGS.model, Path(FLAGS.model).name, folder), api_key=api_key,
+                                 cors_origins=tuple(o.strip() for o in FLAGS.cors_origins.split(",") if o.strip())))
         print(f"serving {name} on http://{FLAGS.host}:{port} (chat page at /, OpenAI API under /v1)",
               file=sys.stderr, flush=True)
     threading.Thread(target=load, name="strata-load", daemon=True).start()
@@ -555,6 +583,11 @@ def _define_flags():
     flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535, flag_values=values)
     flags.DEFINE_string("served_name", "", "The model's name in the API (default: the folder's name).",
                         flag_values=values)
+    flags.DEFINE_string("api_key", "", "Require this key of every /v1 request (Authorization: Bearer <key>, as "
+                        "OpenAI clients send their api_key); '' = none, or the STRATA_API_KEY environment variable.",
+                        flag_values=values)
+    flags.DEFINE_string("cors_origins", "", "Comma-separated origins a web page may call the API from (CORS; '*' = "
+                        "any); '' = none (same-origin only).", flag_values=values)
     options.define_flags(values, classes=(options.EngineOptions,))
     return values
 

@@ -282,3 +282,30 @@ def test_a_port_in_use_is_one_line_before_anything_loads(cache_dir):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", proc.stderr
     assert seconds < 30  # imports only: no weights read, nothing compiled
+
+
+def test_an_api_key_guards_the_api_and_cors_lets_a_page_call_it(engine):
+    """--api_key: /v1 wants `Authorization: Bearer <key>` (the openai client's api_key), else 401 in OpenAI's error
+    object; /health stays open. --cors_origins: the browser's preflight and the response name the origin."""
+    from starlette.testclient import TestClient
+
+    from strata_jax.serve import create_app
+    lines: list[str] = []
+    app = create_app(engine, "tiny", log=lines.append, api_key="s3cret", cors_origins=("http://page.example",))
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = http.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
+        ok = http.post("/v1/completions", headers={"Authorization": "Bearer s3cret", "Origin": "http://page.example"},
+                       json={"model": "tiny", "prompt": "def", "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        assert ok.headers["access-control-allow-origin"] == "http://page.example"
+        pre = http.options("/v1/chat/completions", headers={
+            "Origin": "http://page.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://page.example"
+        other = http.options("/v1/chat/completions", headers={"Origin": "http://elsewhere.example",
+                                                               "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
+    assert sum('"GET /v1/models" 401' in line for line in lines) == 3  # refused requests are logged too
