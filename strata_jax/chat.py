@@ -158,3 +158,63 @@ def load_generation_config(folder: str | Path) -> GenerationDefaults:
     if top_p == 0.0:  # transformers keeps at least one token: top_p 0 is the most likely token, greedy
         temperature, top_p, top_k = 0.0, 1.0, 0
     return GenerationDefaults(eos_token_ids=tuple(eos_ids), temperature=temperature, top_p=top_p, top_k=top_k)
+
+
+# ---- tool calls ----------------------------------------------------------------------------------------------------
+# Qwen3 (and Hermes-style templates) write a call as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`
+# in the assistant's text; the server hands them back as OpenAI's `tool_calls`.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """(the text outside the calls, [{"name", "arguments" (a JSON string)}]) of an assistant's reply. A block that
+    is not a JSON object with a string "name", or one left open (the reply was cut), stays text."""
+    calls, content, rest = [], [], text
+    while (start := rest.find(TOOL_CALL_OPEN)) >= 0:
+        end = rest.find(TOOL_CALL_CLOSE, start)
+        if end < 0:
+            break
+        body = rest[start + len(TOOL_CALL_OPEN):end].strip()
+        after = end + len(TOOL_CALL_CLOSE)
+        try:
+            call = json.loads(body)
+            ok = isinstance(call, dict) and isinstance(call.get("name"), str)
+        except ValueError:
+            ok = False
+        if not ok:
+            content.append(rest[:after])
+        else:
+            args = call.get("arguments", {})
+            content.append(rest[:start])
+            calls.append({"name": call["name"],
+                          "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
+        rest = rest[after:]
+    content.append(rest)
+    return "".join(content), calls
+
+
+class ToolCallHold:
+    """A stream's text with tool calls held back: `add(piece)` returns what may go out as content now (everything
+    before a `<tool_call>`, never the start of one), `rest()` what was held."""
+
+    def __init__(self):
+        self.text, self.sent, self.held = "", 0, False
+
+    def add(self, piece: str) -> str:
+        self.text += piece
+        if self.held:
+            return ""
+        at = self.text.find(TOOL_CALL_OPEN, max(0, self.sent - len(TOOL_CALL_OPEN)))
+        if at >= 0:
+            self.held = True
+            end = at
+        else:  # keep back a tail that may be the start of one
+            keep = next((n for n in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text)), 0, -1)
+                         if TOOL_CALL_OPEN.startswith(self.text[-n:])), 0)
+            end = max(self.sent, len(self.text) - keep)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def rest(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out

@@ -31,6 +31,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from sse_starlette.sse import EventSourceResponse
 
+from strata_jax.chat import ToolCallHold, parse_tool_calls
 from strata_jax.engine import Engine, StopRequest
 from strata_jax.errors import StrataError
 from strata_jax.tokenizer import TextStream
@@ -64,10 +65,16 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None  # None: an assistant turn that only called tools
+    tool_calls: list[dict] | None = None  # an assistant turn's calls, as this server returned them
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""
+            raise StrataError(f"a {self.role} message needs its content")
         if isinstance(self.content, str):
             return self.content
         parts = [p.get("text") for p in self.content if isinstance(p, dict) and p.get("type") == "text"]
@@ -89,10 +96,12 @@ class ChatRequest(_Sampling):
     response_format: dict | None = None
 
     def unserved(self) -> str | None:
-        """The first field this server cannot honour, or None."""
-        if self.tools or self.functions or self.tool_choice not in (None, "none") or self.function_call not in (
-                None, "none"):
-            return "tools" if self.tools or self.tool_choice not in (None, "none") else "functions"
+        """The first field this server cannot honour, or None. Tools are served with tool_choice auto or none: a
+        required or named call would need constrained decoding."""
+        if self.functions or self.function_call not in (None, "none"):
+            return "functions"
+        if self.tool_choice not in (None, "auto", "none") or (self.tool_choice == "auto" and not self.tools):
+            return "tool_choice"
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             return "response_format"
         if self.logprobs or self.top_logprobs is not None:
@@ -115,6 +124,7 @@ class Outcome:
     finish_reason: str = "length"
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    tool_calls: list | None = None  # OpenAI's tool_calls, parsed from the text (requests with tools)
 
 
 class StopStrings:
@@ -360,17 +370,53 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
         if (bad := check_model(req)) is not None:
             return bad
         if (field := req.unserved()) is not None:  # never a 200 that ignored what was asked
-            what = {"tools": "tool calls (tools, tool_choice)", "functions": "function calls (functions, function_call)",
+            what = {"tool_choice": f"tool_choice {req.tool_choice!r} (a call forced by constrained decoding; auto "
+                                   f"and none are served)",
+                    "functions": "function calls (functions, function_call; use tools)",
                     "response_format": f"response_format {req.response_format.get('type')!r} (JSON mode and JSON "
                                        f"schemas)" if req.response_format else "",
                     "logprobs": "logprobs"}[field]
             return error_response(400, f"{what} are not supported by this server", param=field)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+        messages = [template_message(m) for m in req.messages]
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
         ids = engine.chat_ids(messages)
-        return await respond(req, request, ids, "chat.completion", drop_eos=True)
+        if tools:  # rendered through the template as transformers' apply_chat_template(tools=) does
+            with_tools = engine.chat_ids(messages, tools=tools)
+            if with_tools == ids:
+                return error_response(400, f"the chat template of {model_name!r} does not render tools (its "
+                                      "prompt would not show them to the model)", param="tools")
+            ids = with_tools
+        return await respond(req, request, ids, "chat.completion", drop_eos=True, tools=bool(tools))
 
-    async def respond(req: _Sampling, request: Request, ids: list[int], kind: str, drop_eos: bool):
+    def template_message(m: ChatMessage) -> dict:
+        out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:  # arguments as the templates take them: a mapping (a JSON string is parsed back)
+            calls = []
+            for c in m.tool_calls:
+                f = dict(c.get("function") or {})
+                if isinstance(f.get("arguments"), str):
+                    try:
+                        f["arguments"] = json.loads(f["arguments"])
+                    except ValueError:
+                        pass
+                calls.append({**c, "function": f})
+            out["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            out["tool_call_id"] = m.tool_call_id
+        return out
+
+    def with_tool_calls(outcome: Outcome) -> Outcome:
+        """The reply's tool calls (chat.parse_tool_calls) moved out of its text into outcome.tool_calls."""
+        content, calls = parse_tool_calls(outcome.text)
+        if calls:
+            outcome.text = content.strip()
+            outcome.tool_calls = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": c}
+                                  for c in calls]
+            outcome.finish_reason = "tool_calls"
+        return outcome
+
+    async def respond(req: _Sampling, request: Request, ids: list[int], kind: str, drop_eos: bool,
+                      tools: bool = False):
         kw = server.sampling(req, len(ids))
         engine._check_prompt(ids)  # a prompt too long for the context: 400 before queueing
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -397,8 +443,10 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                         tg.cancel_scope.cancel()
             finally:
                 server.release()
+            if tools:
+                outcome = with_tool_calls(outcome)
             return JSONResponse(headers=headers, content=body(kind, rid, created, outcome))
-        return EventSourceResponse(stream(kind, rid, created, ids, kw, stops, drop_eos, req), headers=headers,
+        return EventSourceResponse(stream(kind, rid, created, ids, kw, stops, drop_eos, req, tools), headers=headers,
                                    ping=15)
 
     def usage(outcome: Outcome) -> dict:
@@ -408,8 +456,10 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
 
     def body(kind: str, rid: str, created: int, outcome: Outcome) -> dict:
         if kind == "chat.completion":
-            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                      "finish_reason": outcome.finish_reason, "logprobs": None}
+            message = {"role": "assistant", "content": outcome.text}
+            if outcome.tool_calls:
+                message.update(content=outcome.text or None, tool_calls=outcome.tool_calls)
+            choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None}
         return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
@@ -425,16 +475,22 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
 
-    async def stream(kind, rid, created, ids, kw, stops, drop_eos, req):
+    async def stream(kind, rid, created, ids, kw, stops, drop_eos, req, tools=False):
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
         done = object()
+        hold = ToolCallHold() if tools else None  # content goes out as it comes; a tool call once it is whole
+
+        def put(piece: str) -> None:
+            if hold is not None:
+                piece = hold.add(piece)
+            if piece:
+                loop.call_soon_threadsafe(pieces.put_nowait, piece)
 
         def work():
             try:
-                outcome = server.run(ids, kw, stops, emit=lambda p: loop.call_soon_threadsafe(pieces.put_nowait, p),
-                                     cancelled=cancelled, drop_eos=drop_eos)
+                outcome = server.run(ids, kw, stops, emit=put, cancelled=cancelled, drop_eos=drop_eos)
                 loop.call_soon_threadsafe(pieces.put_nowait, (done, outcome))
             except BaseException as e:  # noqa: BLE001 (sent to the client as an error event)
                 loop.call_soon_threadsafe(pieces.put_nowait, (done, e))
@@ -457,6 +513,19 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                 yield json.dumps({"error": {"message": message, "type": "server_error", "param": None,
                                             "code": None}})
                 return
+            if hold is not None:
+                sent = hold.text[:hold.sent]
+                result = with_tool_calls(result)
+                if result.tool_calls:
+                    after = result.text[len(sent.strip()):].strip() if result.text.startswith(sent.strip()) else ""
+                    if after:
+                        yield json.dumps(chunk(kind, rid, created, after, None))
+                    delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(result.tool_calls)]}
+                    yield json.dumps({**chunk(kind, rid, created, None, None),
+                                      "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                                   "logprobs": None}]})
+                elif (held := hold.rest()):
+                    yield json.dumps(chunk(kind, rid, created, held, None))
             yield json.dumps(chunk(kind, rid, created, None, result.finish_reason))
             if (req.stream_options or {}).get("include_usage"):
                 yield json.dumps({"id": rid, "object": chunk(kind, rid, created, None, None)["object"],

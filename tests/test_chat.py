@@ -129,3 +129,25 @@ def test_cli_chat_repl_streams_replies_and_reuses_the_conversation(cache_dir):
     summaries = [line for line in err.splitlines() if line.startswith("prompt tokens:")]
     assert len(summaries) == 2, err
     assert "reused" not in summaries[0] and "reused)" in summaries[1], summaries
+
+
+def test_tool_calls_are_parsed_out_of_a_reply_and_held_back_while_streaming():
+    from strata_jax.chat import ToolCallHold, parse_tool_calls
+    text = ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1, "s": "é"}}\n</tool_call>\n'
+            '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content.strip() == "Sure." and calls == [{"name": "f", "arguments": '{"x": 1, "s": "é"}'},
+                                                     {"name": "g", "arguments": '{"y": 2}'}]
+    for not_a_call in ("<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                       '<tool_call>{"name": "f"', "plain text"):  # stays text: malformed, nameless, cut short
+        assert parse_tool_calls(not_a_call) == (not_a_call, [])
+    # streaming: every piece of content before the call goes out, the call's markup never does
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        cuts = sorted(rng.choice(np.arange(1, len(text)), size=6, replace=False))
+        hold, out = ToolCallHold(), []
+        for a, b in zip([0, *cuts], [*cuts, len(text)]):
+            out.append(hold.add(text[a:b]))
+        assert "".join(out) == "Sure.\n" and hold.rest() == text[len("Sure.\n"):]
+    hold = ToolCallHold()
+    assert hold.add("a <tool") == "a " and hold.add("box>") == "<toolbox>" and hold.rest() == ""  # not a call

@@ -114,13 +114,18 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
     # What the server cannot honour yet is refused, never a 200 that ignored it
     hi = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    for extra, field in ((dict(tools=[tool]), "tools"), (dict(tool_choice="required"), "tools"),
+    for extra, field in ((dict(tools=[tool], tool_choice="required"), "tool_choice"),
+                         (dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}),
+                          "tool_choice"),
                          (dict(response_format={"type": "json_object"}), "response_format"),
                          (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
                           "response_format"), (dict(logprobs=True, top_logprobs=2), "logprobs")):
         with pytest.raises(openai.BadRequestError, match="not supported") as e:
             client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, **extra)
         assert e.value.body["param"] == field, extra
+    with pytest.raises(openai.BadRequestError, match="does not render tools") as e:  # the code model's template
+        client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, tools=[tool])
+    assert e.value.body["param"] == "tools"
     plain = client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, response_format={"type": "text"},
                                            tool_choice="none")
     assert plain.usage.completion_tokens == 2
@@ -309,3 +314,72 @@ def test_an_api_key_guards_the_api_and_cors_lets_a_page_call_it(engine):
                                                                "Access-Control-Request-Method": "POST"})
         assert "access-control-allow-origin" not in other.headers
     assert sum('"GET /v1/models" 401' in line for line in lines) == 3  # refused requests are logged too
+
+
+# A template that shows tools, calls and results as Qwen3's does (its own markup), for the tool tests.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{ '<tools>' }}{%- for t in tools %}{{ t | tojson }}{%- endfor %}{{ '</tools>\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls is defined %}"
+    "{%- for c in m.tool_calls %}{{ '<tool_call>' + (c.function | tojson) + '</tool_call>\n' }}{%- endfor %}"
+    "{%- elif m.role == 'tool' %}{{ '<tool_response>' + m.content + '</tool_response>\n' }}"
+    "{%- else %}{{ m.role + ': ' + m.content + '\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ 'assistant: ' }}{%- endif %}")
+
+
+def test_tools_go_through_the_template_and_calls_come_back_parsed(engine_factory, monkeypatch):
+    """tools= renders through the model's chat template (as transformers' apply_chat_template(tools=)); a reply
+    holding `<tool_call>{json}</tool_call>` comes back as OpenAI's tool_calls (finish_reason tool_calls), streamed
+    too, and the calls and the tool's answer render in the next turn. The model's reply is scripted (the test
+    models never call tools); the parsing and the streaming are the server's own."""
+    import json
+
+    from starlette.testclient import TestClient
+
+    from strata_jax.chat import ChatTemplate
+    from strata_jax.serve import create_app
+    # a context that holds a tool's JSON schema in bytes; its graphs never run (the reply is scripted)
+    engine = engine_factory(None, dtype="float32", window=1, context=1024, expert_cache_slots="all")
+    monkeypatch.setattr(engine, "chat_template", ChatTemplate(TOOLS_TEMPLATE, engine.chat_template.special_tokens))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                           http_client=TestClient(create_app(engine, "tiny", log=lambda line: None)))
+    prompts = []
+    reply = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+    def scripted(ids, on_token=None, **kw):
+        prompts.append(engine.decode(ids))
+        out = engine.encode(reply, add_special_tokens=False) + [sorted(engine.end_of_turn_ids)[0]]
+        for t in out:
+            on_token(t)
+        return out
+    monkeypatch.setattr(engine, "generate", scripted)
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    got = client.chat.completions.create(model="tiny", messages=ask, tools=[tool])
+    assert '<tools>{"type": "function", "function": {"name": "get_weather"' in prompts[-1]
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # streamed: the content as it comes, never the start of the call; the call whole at the end
+    chunks = list(client.chat.completions.create(model="tiny", messages=ask, tools=[tool], stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content.strip() == "Let me look." and "<tool" not in content
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in streamed] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the next turn: the assistant's call and the tool's answer, through the template
+    turn = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+    client.chat.completions.create(model="tiny", messages=turn, tools=[tool])
+    rendered = prompts[-1].split("<tool_call>")[1].split("</tool_call>")[0]
+    assert json.loads(rendered) == {"name": "get_weather", "arguments": {"city": "Paris"}}  # a mapping, not a string
+    assert "<tool_response>18 C</tool_response>" in prompts[-1]
+    # tool_choice none: no tools in the prompt, the text comes back as it is
+    plain = client.chat.completions.create(model="tiny", messages=ask, tools=[tool], tool_choice="none")
+    assert "<tools>" not in prompts[-1] and plain.choices[0].finish_reason == "stop"
+    assert "<tool_call>" in plain.choices[0].message.content and not plain.choices[0].message.tool_calls
