@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,7 +35,7 @@ from sse_starlette.sse import EventSourceResponse
 from strata_jax.chat import ToolCallHold, parse_tool_calls
 from strata_jax.engine import Engine, StopRequest
 from strata_jax.errors import StrataError
-from strata_jax.tokenizer import TextStream
+from strata_jax.tokenizer import TextStream, token_bytes
 
 PAGE = Path(__file__).resolve().parent / "chat_page.html"
 
@@ -60,7 +61,7 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[StrictInt]
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)  # the k most likely tokens at each step, and the chosen
 
 
 class ChatMessage(BaseModel):
@@ -87,7 +88,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=0)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     # Not served yet: named here so that a request using them is refused (400), not answered as if they were absent.
     tools: list | None = None
     tool_choice: Any = None
@@ -104,7 +105,9 @@ class ChatRequest(_Sampling):
             return "tool_choice"
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             return "response_format"
-        if self.logprobs or self.top_logprobs is not None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs"
+        if self.logprobs and self.stream:
             return "logprobs"
         return None
 
@@ -125,6 +128,8 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     tool_calls: list | None = None  # OpenAI's tool_calls, parsed from the text (requests with tools)
+    ids: list = dataclasses.field(default_factory=list)  # the generated tokens behind the text
+    logprobs: Any = None  # (token_logprobs [N], top ids [N, K], top logprobs [N, K]) when asked
 
 
 class StopStrings:
@@ -151,6 +156,20 @@ class StopStrings:
     def rest(self) -> str:
         out, self.sent = self.text[self.sent:], len(self.text)
         return out
+
+
+def token_logprobs(engine: Engine, prompt: list[int], generated: list[int], k: int):
+    """The model's log-probabilities of the generated tokens (log-softmax of the logits, before temperature and
+    top-k / top-p, as vLLM and OpenAI report them) and the k most likely at each step: one teacher-forced pass over
+    prompt + generated (Engine.prefill_logits; it drops the KV rows kept for prefix reuse).
+    Returns (chosen [N], top ids [N, k], top logprobs [N, k])."""
+    logits = engine.prefill_logits(list(prompt) + list(generated))[len(prompt) - 1:len(prompt) - 1 + len(generated)]
+    logits = logits.astype(np.float64)
+    lp = logits - logits.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    chosen = lp[np.arange(len(generated)), np.asarray(generated)]
+    top = np.argsort(-lp, axis=-1, kind="stable")[:, :k]
+    return chosen, top, np.take_along_axis(lp, top, -1)
 
 
 class Server:
@@ -190,7 +209,7 @@ class Server:
         return kw
 
     def run(self, ids: list[int], kw: dict, stops: list[str], emit=None, cancelled: threading.Event | None = None,
-            drop_eos: bool = False) -> Outcome:
+            drop_eos: bool = False, top_logprobs: int | None = None) -> Outcome:
         """Generate in this (worker) thread; emit(text) gets each safe piece as it is accepted."""
         eng = self.engine
         text, stop = TextStream(eng.decode), StopStrings(stops)
@@ -203,6 +222,7 @@ class Server:
             outcome.tokens += 1
             if drop_eos and token in eos and not kw.get("ignore_eos"):
                 return
+            outcome.ids.append(int(token))
             piece = stop.add(text.push(token))
             if piece and emit:
                 emit(piece)
@@ -211,6 +231,8 @@ class Server:
         with eng._lock:  # this request's stats are read before the next request starts
             out = eng.generate(ids, on_token=on_token, **kw)
             stats = eng.stats.last
+            if top_logprobs is not None and outcome.ids:
+                outcome.logprobs = token_logprobs(eng, ids, outcome.ids, top_logprobs)
         if not stop.hit:
             piece = stop.add(text.flush()) + stop.rest()
             if piece and emit:
@@ -357,8 +379,10 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
     async def completions(req: CompletionRequest, request: Request):
         if (bad := check_model(req)) is not None:
             return bad
-        if req.echo or req.logprobs is not None:  # logprobs: 0 asks for the sampled token's log-prob: not served
-            return error_response(400, "echo and logprobs are not supported", param="echo" if req.echo else "logprobs")
+        if req.echo:
+            return error_response(400, "echo is not supported", param="echo")
+        if req.logprobs is not None and req.stream:
+            return error_response(400, "logprobs with stream: true are not supported", param="logprobs")
         if isinstance(req.prompt, str):
             ids = engine.encode(req.prompt)
         else:
@@ -375,7 +399,8 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                     "functions": "function calls (functions, function_call; use tools)",
                     "response_format": f"response_format {req.response_format.get('type')!r} (JSON mode and JSON "
                                        f"schemas)" if req.response_format else "",
-                    "logprobs": "logprobs"}[field]
+                    "top_logprobs": "top_logprobs without logprobs: true",
+                    "logprobs": "logprobs with stream: true"}[field]
             return error_response(400, f"{what} are not supported by this server", param=field)
         messages = [template_message(m) for m in req.messages]
         tools = req.tools if req.tools and req.tool_choice != "none" else None
@@ -438,7 +463,8 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                     tg.start_soon(watch)
                     try:
                         outcome = await anyio.to_thread.run_sync(
-                            lambda: server.run(ids, kw, stops, cancelled=cancelled, drop_eos=drop_eos))
+                            lambda: server.run(ids, kw, stops, cancelled=cancelled, drop_eos=drop_eos,
+                                               top_logprobs=wanted_logprobs(req)))
                     finally:
                         tg.cancel_scope.cancel()
             finally:
@@ -454,14 +480,47 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                 "total_tokens": outcome.prompt_tokens + outcome.tokens,
                 "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
 
+    def wanted_logprobs(req: _Sampling) -> int | None:
+        """How many most likely tokens a request wants beside each chosen one (None: no logprobs)."""
+        if isinstance(req, ChatRequest):
+            return (req.top_logprobs or 0) if req.logprobs else None
+        return req.logprobs if isinstance(req, CompletionRequest) else None
+
+    def piece(token: int) -> tuple[str, bytes]:
+        """A token's text and bytes; a token that ends inside a UTF-8 character reads `bytes:\\xNN...` (as vLLM
+        writes it), so that two such tokens never share a name."""
+        raw = token_bytes(engine.tokenizer, token) if engine.tokenizer is not None else engine.decode([token]).encode()
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+    def logprobs_of(kind: str, outcome: Outcome):
+        if outcome.logprobs is None:
+            return None
+        chosen, top, top_lp = outcome.logprobs
+        if kind == "chat.completion":  # {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}
+            content = []
+            for t, lp, ids, lps in zip(outcome.ids, chosen, top, top_lp):
+                text, raw = piece(t)
+                content.append({"token": text, "logprob": float(lp), "bytes": list(raw), "top_logprobs": [
+                    {"token": piece(i)[0], "logprob": float(v), "bytes": list(piece(i)[1])} for i, v in zip(ids, lps)]})
+            return {"content": content, "refusal": None}
+        tokens = [piece(t)[0] for t in outcome.ids]  # completions: the legacy form
+        offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist()
+        return {"tokens": tokens, "token_logprobs": [float(v) for v in chosen], "text_offset": offsets,
+                "top_logprobs": [{piece(i)[0]: float(v) for i, v in zip(ids, lps)} for ids, lps in zip(top, top_lp)]}
+
     def body(kind: str, rid: str, created: int, outcome: Outcome) -> dict:
         if kind == "chat.completion":
             message = {"role": "assistant", "content": outcome.text}
             if outcome.tool_calls:
                 message.update(content=outcome.text or None, tool_calls=outcome.tool_calls)
-            choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason, "logprobs": None}
+            choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason,
+                      "logprobs": logprobs_of(kind, outcome)}
         else:
-            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason,
+                      "logprobs": logprobs_of(kind, outcome)}
         return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
                 "usage": usage(outcome)}
 

@@ -73,3 +73,16 @@ class TextStream:
         text = self._decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
         return text[len(before):]
+
+
+_UNICODE_TO_BYTE = {ch: b for b, ch in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer: Tokenizer, token: int) -> bytes:
+    """The bytes one token stands for (OpenAI's logprobs `bytes`): a byte-level BPE token's characters mapped back
+    through GPT-2's table; other tokenizers: the UTF-8 of its decoded text."""
+    piece = tokenizer.id_to_token(int(token))
+    if piece is not None and isinstance(tokenizer.decoder, decoders.ByteLevel) and all(
+            ch in _UNICODE_TO_BYTE for ch in piece):
+        return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+    return tokenizer.decode([int(token)], skip_special_tokens=False).encode("utf-8")

@@ -119,7 +119,8 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
                           "tool_choice"),
                          (dict(response_format={"type": "json_object"}), "response_format"),
                          (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-                          "response_format"), (dict(logprobs=True, top_logprobs=2), "logprobs")):
+                          "response_format"), (dict(top_logprobs=2), "top_logprobs"),
+                         (dict(logprobs=True, stream=True), "logprobs")):
         with pytest.raises(openai.BadRequestError, match="not supported") as e:
             client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, **extra)
         assert e.value.body["param"] == field, extra
@@ -134,7 +135,8 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
     # Nothing converted silently: bools and floats are not token ids, "7" is not a seed, logprobs=0 is not served.
     for field, body in (("prompt", {"prompt": [True, False]}), ("prompt", {"prompt": [1.0, 2.0]}),
                         ("seed", {"prompt": "x", "seed": "7"}), ("max_tokens", {"prompt": "x", "max_tokens": 2.0}),
-                        ("logprobs", {"prompt": "x", "logprobs": 0})):
+                        ("logprobs", {"prompt": "x", "logprobs": 21}),
+                        ("logprobs", {"prompt": "x", "logprobs": 1, "stream": True})):
         r = httpx.post(server[0] + "/v1/completions", json={"model": "tiny", **body})
         assert r.status_code == 400 and field in r.text and "error" in r.json(), (body, r.text)
     # Bodies FastAPI cannot parse, and unknown paths: OpenAI's error object, never {"detail": ...}
@@ -383,3 +385,31 @@ def test_tools_go_through_the_template_and_calls_come_back_parsed(engine_factory
     plain = client.chat.completions.create(model="tiny", messages=ask, tools=[tool], tool_choice="none")
     assert "<tools>" not in prompts[-1] and plain.choices[0].finish_reason == "stop"
     assert "<tool_call>" in plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+
+
+def test_logprobs_are_the_models_own(engine, client):
+    """logprobs (completions: the k most likely beside each chosen token; chat: logprobs + top_logprobs): the
+    log-softmax of the model's logits, checked against the decode-window graphs' teacher-forced logits
+    (Engine.score, another graph than the one the server reads), greedy tokens the most likely."""
+    import numpy as np
+    prompt = "def add(a, b):"
+    ids = engine.encode(prompt)
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    lp = got.choices[0].logprobs
+    out = engine.generate(ids, 5, temperature=0, ignore_eos=True)
+    logits = engine.score(ids + out, window=1)[len(ids) - 1:len(ids) - 1 + len(out)].astype(np.float64)
+    ref = logits - logits.max(-1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+    np.testing.assert_allclose(lp.token_logprobs, ref[np.arange(len(out)), out], atol=1e-4)
+    assert len(lp.tokens) == 5 and lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and abs(max(top.values()) - chosen) < 1e-9  # greedy: the chosen is the most likely
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    assert bytes(b for c in content for b in c.bytes).decode(errors="replace") == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+               and abs(c.top_logprobs[0].logprob - c.logprob) < 1e-9 for c in content)
