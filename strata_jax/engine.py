@@ -394,8 +394,9 @@ class Engine:
                     return self.parallel.prefill(c, self.weights, self.cache)
                 return graphs.compile_shared(prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32), pos,
                                                            jnp.int32(1)), graphs.MODEL_COMPILER_OPTIONS)
-        self._decode = graphs.GraphTable(range(1, self.options.window + 1), window, ahead)
-        self._prefill = graphs.GraphTable(self.chunks, chunk, ahead)
+        # Several devices: their stages' graphs compile one after the other (parallel.py keeps per-stage state).
+        self._decode = graphs.GraphTable(range(1, self.options.window + 1), window, ahead, threads=not self.parallel)
+        self._prefill = graphs.GraphTable(self.chunks, chunk, ahead, threads=not self.parallel)
         # Samplers and verifiers per window size, in two forms: filtered (top-k / top-p: a sort of the vocabulary)
         # and plain (both off: the same tokens without the sort). Each sampled request picks its form
         # (_pick_samplers), compiled then, once per process (graphs.window_samplers: engines share them).

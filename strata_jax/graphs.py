@@ -237,11 +237,11 @@ class GraphTable(dict):
     """An engine's graphs of one kind by size (window T, prefill chunk C): every size compiled now (`ahead`), or
     each the first time it is looked up (compile_graphs=lazy). `build(size)` compiles one."""
 
-    def __init__(self, sizes, build, ahead: bool):
+    def __init__(self, sizes, build, ahead: bool, threads: bool = True):
         super().__init__()
         self.sizes, self._build = tuple(sizes), build
         if ahead:
-            self.update(zip(self.sizes, compile_all(build, self.sizes)))
+            self.update(zip(self.sizes, compile_all(build, self.sizes) if threads else map(build, self.sizes)))
 
     def __missing__(self, size):
         if size not in self.sizes:
