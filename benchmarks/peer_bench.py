@@ -111,15 +111,14 @@ def run_ours(s, cfg) -> list[dict]:
     import jax
     import numpy as np
     from strata_jax.engine import Engine
-    from strata_jax.options import RequestOptions, split_options
+    from strata_jax.options import RequestOptions, from_text, split_options
     import dataclasses
     request_names = {f.name for f in dataclasses.fields(RequestOptions)}
     rows = []
     rng = np.random.default_rng(0)
     for name, opts in parse_ours(s.ours):
-        engine_opts, request_opts = split_options(opts)
-        request_opts = {k: (int(v) if k in ("spec", "max_new_tokens", "top_k", "seed") else v)
-                        for k, v in request_opts.items() if k in request_names}
+        engine_opts, request_opts = split_options(from_text(opts))  # "temperature=1": a number, as the flags
+        request_opts = {k: v for k, v in request_opts.items() if k in request_names}
         common.progress(f"ours [{name}]: building the engine (random weights, {cfg.num_layers} layers)")
         t0 = time.perf_counter()
         engine = Engine.from_random(cfg, seed=0, verbose=True, embed_scale=s.embed_scale, **engine_opts)

@@ -255,6 +255,32 @@ def define_flags(flag_values, classes=(EngineOptions, RequestOptions)) -> None:
             define(f.name, f.default, f.metadata["help"], flag_values=flag_values)
 
 
+def from_text(options: dict[str, str]) -> dict[str, Any]:
+    """Options written as text (`name=value` lists of the benchmarks) converted by their fields' types (engine and
+    request options alike; unknown names kept as given, for build() to refuse): "1" is a number for temperature,
+    "true" / "0" a bool for ignore_eos. A value that does not convert is one StrataError line."""
+    types = {f.name: f.metadata.get("flag_type") or f.type
+             for cls in (EngineOptions, RequestOptions) for f in dataclasses.fields(cls)}
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        kind, text = types.get(name), str(value).strip()
+        try:
+            if kind == "int":
+                out[name] = int(text)
+            elif kind == "float":
+                out[name] = float(text)
+            elif kind == "bool":
+                if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(text)
+                out[name] = text.lower() in ("1", "true", "yes")
+            else:
+                out[name] = value
+        except ValueError:
+            raise StrataError(f"bad value for {name}: {text!r} (must be {'a number' if kind != 'bool' else 'a bool'}"
+                              f"{'' if kind != 'int' else ', an integer'})") from None
+    return out
+
+
 def from_flags(cls, flag_values):
     return build(cls, {f.name: getattr(flag_values, f.name) for f in dataclasses.fields(cls)})
 

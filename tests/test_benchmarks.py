@@ -319,3 +319,22 @@ def test_parallel_bench_tiny_on_two_fake_devices(tmp_path, cache_dir):
     saved = json.loads(out.read_text())
     assert saved["complete"] and len(saved["rows"]) == 4 and len(saved["bench_rows"]) == 4
     assert all(r["generated_tokens"] == 6 and r["cached_tokens"] == 0 for r in saved["rows"])
+
+
+def test_options_written_as_text_convert_by_their_types():
+    """peer_bench --ours="temperature=1,top_p=0.9,..." and the like: text values take their option's type (a request
+    option as much as an engine option), bad values are one StrataError line."""
+    from benchmarks.peer_bench import parse_ours
+    from strata_jax import StrataError
+    from strata_jax.options import from_text, split_options
+    (name, opts), = parse_ours("temperature=1,top_p=0.9,top_k=20,spec=0,ignore_eos=true,window=2,"
+                               "expert_cache_slots=32,pcie_frac=auto")
+    engine, request = split_options(from_text(opts))
+    assert request == {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "spec": 0, "ignore_eos": True}
+    assert engine == {"window": 2, "expert_cache_slots": "32", "pcie_frac": "auto"}
+    assert isinstance(request["temperature"], float) and isinstance(engine["window"], int)
+    for bad, says in (({"temperature": "warm"}, "temperature"), ({"spec": "1.5"}, "integer"),
+                      ({"ignore_eos": "maybe"}, "bool")):
+        with pytest.raises(StrataError, match=says) as e:
+            from_text(bad)
+        assert "\n" not in str(e.value)
