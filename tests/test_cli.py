@@ -244,7 +244,13 @@ def test_the_wheel_installs_and_runs_outside_the_repository(tmp_path):
     import sys
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) and not k.startswith("STRATA_")}
-    build = subprocess.run([*pip, "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist")],
+    import shutil  # built from a copy: setuptools writes build/ and *.egg-info beside the sources
+    source = tmp_path / "source"
+    for part in ("strata_jax", "host_pool", "pallas_kernels", "configs"):
+        shutil.copytree(REPO / part, source / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for part in ("pyproject.toml", "README.md", "requirements.txt"):
+        shutil.copy(REPO / part, source / part)
+    build = subprocess.run([*pip, "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist")],
                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert build.returncode == 0, build.stderr[-3000:]
     wheel = next((tmp_path / "dist").glob("strata_jax-*.whl"))
