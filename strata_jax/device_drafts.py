@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.drafts import NGRAM_MAX_N, NGRAM_WINDOW
-from strata_jax.sampling import SamplingParams, greedy, sample_row, verify_row
+from strata_jax.sampling import SamplingParams, filter_rows, greedy, sample_filtered, verify_filtered
 
 
 def ngram_propose(hist: jax.Array, length: jax.Array, k: int, max_n: int = NGRAM_MAX_N,
@@ -52,9 +52,9 @@ def accept(logits: jax.Array, drafts: jax.Array, m: jax.Array, positions: jax.Ar
     t = logits.shape[0]
     real = jnp.arange(t - 1) < m
     if sampled:
-        acc, drawn = jax.vmap(verify_row, in_axes=(0, 0, 0, None))(logits[:t - 1], drafts, positions[:t - 1],
-                                                                 sampling)
-        plain = jax.vmap(sample_row, in_axes=(0, 0, None))(logits, positions, sampling)
+        f = filter_rows(logits, sampling)  # the window filtered once (sampling.filter_rows)
+        acc, drawn = verify_filtered(logits[:t - 1], f[:t - 1], drafts, positions[:t - 1], sampling)
+        plain = sample_filtered(logits, f, positions, sampling)
         tokens = jnp.where(jnp.arange(t) < m, jnp.concatenate([drawn, plain[-1:]]), plain)  # row m: a plain sample
     else:
         tokens = greedy(logits)  # NON_FINITE rows never match a draft

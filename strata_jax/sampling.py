@@ -24,14 +24,14 @@ class SamplingParams:
                               top_k=jnp.int32(top_k), seed=jnp.uint32(seed))
 
 
-def filtered_logits(logits: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
-    """Temperature, then top-k, then top-p (the smallest set of top tokens whose mass reaches top_p). [V] -> [V].
-    filtered=False: the graph for requests with top-k and top-p off (top_k 0, top_p 1), where the filter keeps
-    every token: the same values without sorting the vocabulary (a sort of V ~ 152K per token on the GPU)."""
-    v = logits.shape[-1]
-    scaled = logits / jnp.maximum(params.temperature, 1e-6)
-    if not filtered:
-        return scaled
+# Candidates of the sort-free filter: lax.top_k of this many tokens, then top-k / top-p among them. Exact whenever
+# the kept set ends inside them (top_k <= this, or top_p's mass reached within them); else the vocabulary is sorted.
+TOP_CANDIDATES = 64
+
+
+def _sorted_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+    """top-k, then top-p (the smallest set of top tokens whose mass reaches top_p) by a sort of the vocabulary."""
+    v = scaled.shape[-1]
     order = jnp.argsort(-scaled)  # [V], descending
     sorted_logits = scaled[order]
     rank = jnp.arange(v)
@@ -41,6 +41,44 @@ def filtered_logits(logits: jax.Array, params: SamplingParams, filtered: bool = 
     mass_before = jnp.cumsum(probs) - probs
     keep = keep & ((mass_before < params.top_p) | (rank == 0) | (params.top_p >= 1.0))  # 1 = off, whatever the rounding
     return jnp.full((v,), -jnp.inf, scaled.dtype).at[order].set(jnp.where(keep, sorted_logits, -jnp.inf))
+
+
+def _candidate_filter(scaled: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """The same filter over the TOP_CANDIDATES most likely tokens (lax.top_k; ties to the lower id, as the stable
+    sort): ([V] filtered logits, whether the kept set ends inside the candidates, i.e. the result is exact)."""
+    v = scaled.shape[-1]
+    k = min(TOP_CANDIDATES, v)
+    vals, idx = jax.lax.top_k(scaled, k)  # [k], descending
+    rank = jnp.arange(k)
+    on = params.top_k > 0
+    keep = jnp.where(on, rank < params.top_k, True)
+    kept = jnp.where(keep, vals, -jnp.inf)
+    # probabilities as the sorted filter normalises them: over the top-k when it is on, else over the vocabulary
+    norm = jnp.where(on, jax.nn.logsumexp(kept), jax.nn.logsumexp(scaled))
+    probs = jnp.exp(kept - norm)
+    mass_before = jnp.cumsum(probs) - probs
+    keep = keep & ((mass_before < params.top_p) | (rank == 0) | (params.top_p >= 1.0))
+    fits = jnp.where(on, params.top_k <= k, (params.top_p < 1.0) & (jnp.sum(probs) >= params.top_p))
+    return jnp.full((v,), -jnp.inf, scaled.dtype).at[idx].set(jnp.where(keep, vals, -jnp.inf)), fits
+
+
+def filter_rows(logits: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
+    """Temperature, then top-k, then top-p, for every row: [T, V] -> [T, V]. The candidates' filter when every row's
+    kept set fits inside its TOP_CANDIDATES most likely tokens (Qwen3's top_k 20; top_p alone on a peaked
+    distribution), else the sorted one: one decision for the whole window (a cond under vmap would run both).
+    filtered=False: the graph for requests with top-k and top-p off (top_k 0, top_p 1), where the filter keeps
+    every token: the same values, nothing sorted or selected."""
+    scaled = logits / jnp.maximum(params.temperature, 1e-6)
+    if not filtered:
+        return scaled
+    fast, fits = jax.vmap(_candidate_filter, in_axes=(0, None))(scaled, params)
+    return jax.lax.cond(jnp.all(fits), lambda: fast,
+                        lambda: jax.vmap(_sorted_filter, in_axes=(0, None))(scaled, params))
+
+
+def filtered_logits(logits: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
+    """One row of `filter_rows`: [V] -> [V]."""
+    return filter_rows(logits[None], params, filtered)[0]
 
 
 NON_FINITE = -1  # the token a graph returns for a row whose logits hold NaN or inf: the host ends the request
@@ -55,26 +93,37 @@ def mark_non_finite(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), tokens, NON_FINITE).astype(jnp.int32)
 
 
-def sample_row(logits: jax.Array, position: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
-    """One token from float32 logits [V]; `position` is the absolute position of the token being chosen.
-    Temperature 0 is the argmax (the engine does not call the sampler then; this keeps the function total)."""
+def _sample_one(logits: jax.Array, f: jax.Array, position: jax.Array, params: SamplingParams) -> jax.Array:
+    """One token from float32 logits [V] and their filtered form f [V] (filter_rows); `position` is the absolute
+    position of the token being chosen. Temperature 0 is the argmax (the engine does not call the sampler then;
+    this keeps the function total)."""
     key = jax.random.fold_in(jax.random.PRNGKey(params.seed), position)
-    drawn = jax.random.categorical(key, filtered_logits(logits, params, filtered)).astype(jnp.int32)
+    drawn = jax.random.categorical(key, f).astype(jnp.int32)
     return mark_non_finite(logits, jnp.where(params.temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32)))
+
+
+def sample_filtered(logits: jax.Array, f: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
+    """logits [T, V], their filter_rows f [T, V], positions [T] -> tokens [T]."""
+    return jax.vmap(_sample_one, in_axes=(0, 0, 0, None))(logits, f, positions, params)
 
 
 def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
     """logits [T, V], positions [T] -> tokens [T]."""
-    return jax.vmap(sample_row, in_axes=(0, 0, None, None))(logits, positions, params, filtered)
+    return sample_filtered(logits, filter_rows(logits, params, filtered), positions, params)
 
 
-def verify_row(logits: jax.Array, draft: jax.Array, position: jax.Array, params: SamplingParams,
-               filtered: bool = True):
+def sample_row(logits: jax.Array, position: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
+    """One token from float32 logits [V] (a window of one row)."""
+    return sample(logits[None], jnp.asarray(position)[None], params, filtered)[0]
+
+
+def _verify_one(logits: jax.Array, f: jax.Array, draft: jax.Array, position: jax.Array, params: SamplingParams):
     """Speculative rejection sampling for one row whose draft is a single proposed token (the drafter's q is
     one-hot): accept the draft with probability p(draft); else draw from the residual max(0, p - q), i.e. p
     without the draft, renormalised. The result follows p exactly. Returns (accept, the token drawn if not).
-    `position` is the absolute position of the token this row chooses (its key, as in sample_row)."""
-    p = jax.nn.softmax(filtered_logits(logits, params, filtered))  # [V]
+    f: the row's filtered logits (filter_rows); `position`: the absolute position of the token this row chooses
+    (its key, as in sample)."""
+    p = jax.nn.softmax(f)  # [V]
     key = jax.random.fold_in(jax.random.PRNGKey(params.seed), position)
     accept = jax.random.uniform(jax.random.fold_in(key, 1)) < p[draft]
     residual = p.at[draft].set(0.0)
@@ -84,13 +133,28 @@ def verify_row(logits: jax.Array, draft: jax.Array, position: jax.Array, params:
     return accept & finite, mark_non_finite(logits, drawn)
 
 
+def verify_filtered(logits: jax.Array, f: jax.Array, drafts: jax.Array, positions: jax.Array,
+                    params: SamplingParams):
+    """Rows [N] of rejection sampling (_verify_one): logits and their filtered form [N, V], drafts [N], positions
+    [N] -> (accept [N], drawn [N])."""
+    return jax.vmap(_verify_one, in_axes=(0, 0, 0, 0, None))(logits, f, drafts, positions, params)
+
+
+def verify_row(logits: jax.Array, draft: jax.Array, position: jax.Array, params: SamplingParams,
+               filtered: bool = True):
+    """One row of rejection sampling from float32 logits [V]."""
+    accept, drawn = verify_filtered(logits[None], filter_rows(logits[None], params, filtered), draft[None],
+                                    jnp.asarray(position)[None], params)
+    return accept[0], drawn[0]
+
+
 def verify(logits: jax.Array, drafts: jax.Array, positions: jax.Array, params: SamplingParams, filtered: bool = True):
     """A verify window: logits [T, V], drafts [T-1] (row i checks drafts[i]), positions [T] of the tokens chosen.
 
     Returns accept [T-1] bool, and tokens [T]: row i < T-1 the residual draw used when drafts[i] is rejected, row
-    T-1 a plain sample (the token after the last draft when every draft is accepted)."""
+    T-1 a plain sample (the token after the last draft when every draft is accepted). The window is filtered once."""
     t = logits.shape[0]
-    accept, drawn = jax.vmap(verify_row, in_axes=(0, 0, 0, None, None))(logits[:t - 1], drafts, positions[:t - 1],
-                                                                         params, filtered)
-    last = sample_row(logits[t - 1], positions[t - 1], params, filtered)
-    return accept, jnp.concatenate([drawn, last[None]])
+    f = filter_rows(logits, params, filtered)
+    accept, drawn = verify_filtered(logits[:t - 1], f[:t - 1], drafts, positions[:t - 1], params)
+    last = sample_filtered(logits[t - 1:], f[t - 1:], positions[t - 1:], params)
+    return accept, jnp.concatenate([drawn, last])

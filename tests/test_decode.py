@@ -118,6 +118,31 @@ def test_filtered_logits_matches_numpy(v, seed, temperature, top_k, top_p):
         assert set(np.argsort(-x)[:len(kept)].tolist()) == kept  # the kept set is a top slice of x
 
 
+@pytest.mark.parametrize("scale", [4.0, 0.2])  # a peaked vocabulary (top-p inside the candidates) and a flat one
+def test_the_candidate_filter_is_the_sorted_one(scale):
+    """filter_rows keeps the same tokens with the same values as a sort of the whole vocabulary, whether its
+    TOP_CANDIDATES hold the kept set (top_k <= 64, top-p reached) or it falls back to the sort (top_k 65, a flat
+    vocabulary under top_p alone), and the seeded draws are the same tokens."""
+    from strata_jax import sampling
+    v, t = 3000, 3
+    logits = jnp.asarray(np.random.default_rng(int(scale * 10)).standard_normal((t, v)).astype(np.float32) * scale)
+    positions = jnp.arange(t, dtype=jnp.int32) + 11
+    filt = jax.jit(sampling.filter_rows)
+    cand = jax.jit(jax.vmap(sampling._candidate_filter, in_axes=(0, None)))
+    ref = jax.jit(jax.vmap(sampling._sorted_filter, in_axes=(0, None)))
+    for temperature, top_k, top_p in ((0.7, 20, 0.8), (1.0, 64, 1.0), (1.0, 65, 0.95), (0.6, 0, 0.9), (1.0, 1, 0.5),
+                                      (1.2, 0, 0.3)):
+        params = SamplingParams.make(temperature, top_p, top_k, seed=3)
+        scaled = logits / temperature
+        got, want = np.asarray(filt(logits, params)), np.asarray(ref(scaled, params))
+        assert np.array_equal(np.isfinite(got), np.isfinite(want)), (temperature, top_k, top_p)
+        np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
+        fits = np.asarray(cand(scaled, params)[1])
+        assert fits.all() == (0 < top_k <= 64 or (top_k == 0 and scale > 1)), (scale, top_k, top_p, fits)
+        assert np.array_equal(np.asarray(sampling.sample_filtered(logits, jnp.asarray(got), positions, params)),
+                              np.asarray(sampling.sample_filtered(logits, jnp.asarray(want), positions, params)))
+
+
 @pytest.mark.parametrize("top_k", [0, 200])
 def test_top_p_one_keeps_everything(top_k):
     """top_p=1 is off even when the tail's probabilities vanish in float32 (logits spread over ~40 units)."""
