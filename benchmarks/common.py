@@ -69,12 +69,12 @@ def define_option_flags(flag_values: flags.FlagValues, names: Sequence[str], def
     """One absl flag per named EngineOptions / RequestOptions field, from strata_jax.options (its type, help and
     check, as strata_jax.options.define_flags makes them), with a benchmark's own default where `defaults` names
     one. A value the option's check refuses is a flag error (one line, exit status 2)."""
-    from strata_jax.options import EngineOptions, RequestOptions
+    from strata_jax.options import EngineOptions, RequestOptions, option_kind
     fields = {f.name: f for cls in (EngineOptions, RequestOptions) for f in dataclasses.fields(cls)}
     defaults = defaults or {}
     for name in names:
         f = fields[name]
-        kind = f.metadata.get("flag_type") or f.type
+        kind = option_kind(f)
         define = {"int": flags.DEFINE_integer, "float": flags.DEFINE_float, "str": flags.DEFINE_string,
                   "bool": flags.DEFINE_bool}[kind]
         define(name, defaults.get(name, f.default), prefix + f.metadata["help"], flag_values=flag_values)

@@ -474,8 +474,8 @@ OffloadStaging *offload_staging(Offload *o, int64_t layer, int64_t T, int64_t N,
   return slot.get();
 }
 
-ffi::Error check_begin(Pool *pool, int64_t layer, int64_t T, int64_t N, int64_t M, ffi::Buffer<ffi::F32> &packed,
-                       ffi::AnyBuffer *slots[3]) {
+ffi::Error check_begin(Pool *pool, int64_t layer, int64_t T, int64_t N, int64_t M, bool fetch,
+                       ffi::Buffer<ffi::F32> &packed, ffi::AnyBuffer *slots[3]) {
   if (!pool) return ffi::Error::InvalidArgument("strata_offload_begin: unknown or released host pool");
   if (layer < 0 || layer >= (int64_t)pool->layers.size())
     return ffi::Error::InvalidArgument("strata_offload_begin: layer outside the host pool's store");
@@ -484,6 +484,9 @@ ffi::Error check_begin(Pool *pool, int64_t layer, int64_t T, int64_t N, int64_t 
   for (int k = 0; k < 3; k++)
     if (slots[k]->dimensions().size() < 1 || slots[k]->dimensions()[0] < 1)
       return ffi::Error::InvalidArgument("strata_offload_begin: want slot arrays [S+1, ...]");
+  if (fetch && ((int64_t)pool->fetch_host.size() <= layer || !pool->fetch_host[layer][0]))
+    return ffi::Error::InvalidArgument("strata_offload_begin: no host experts registered for this layer "
+                                       "(HostPool.register_fetch)");
   return ffi::Error::Success();
 }
 
@@ -499,10 +502,8 @@ ffi::Error OffloadBeginCuda(void *stream, int64_t pool_id, int64_t layer, int64_
   if (!d.error.empty()) return ffi::Error::Internal("strata_offload_begin: " + d.error);
   Pool *pool = find_pool(pool_id);
   ffi::AnyBuffer *slots[3] = {&gate, &up, &down};
-  ffi::Error error = check_begin(pool, layer, T, N, M, packed, slots);
+  ffi::Error error = check_begin(pool, layer, T, N, M, fetch != 0, packed, slots);
   if (!error.success()) return error;
-  if (fetch && ((int64_t)pool->fetch_host.size() <= layer || !pool->fetch_host[layer][0]))
-    return ffi::Error::InvalidArgument("strata_offload_begin: no pinned host experts registered for this layer");
   std::string why;
   Offload *o = offload_for(pool, true, why);
   if (!o) return ffi::Error::Internal("strata_offload_begin: " + why);
@@ -569,10 +570,8 @@ ffi::Error OffloadBeginCpu(int64_t pool_id, int64_t layer, int64_t T, int64_t N,
                            ffi::Result<ffi::AnyBuffer> down_stage, ffi::ResultBuffer<ffi::S32> token) {
   Pool *pool = find_pool(pool_id);
   ffi::AnyBuffer *slots[3] = {&gate, &up, &down};
-  ffi::Error error = check_begin(pool, layer, T, N, M, packed, slots);
+  ffi::Error error = check_begin(pool, layer, T, N, M, fetch != 0, packed, slots);
   if (!error.success()) return error;
-  if (fetch && ((int64_t)pool->fetch_host.size() <= layer || !pool->fetch_host[layer][0]))
-    return ffi::Error::InvalidArgument("strata_offload_begin: no host experts registered for this layer");
   std::string why;
   Offload *o = offload_for(pool, false, why);
   if (!o) return ffi::Error::Internal("strata_offload_begin: " + why);

@@ -276,9 +276,6 @@ def main(argv: list[str]) -> None:
         _exit_now(130)
 
 
-HELP_FLAGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
-
-
 def print_help() -> None:
     """This command's flags, by the module that defines them (absl's own logging flags left out): absl's --help
     lists only the main module's, and a console script's main module defines none."""
@@ -289,7 +286,7 @@ def print_help() -> None:
 def cli() -> None:
     """The `strata-decode` console script (pyproject.toml)."""
     _install_interrupt()
-    if any(a in HELP_FLAGS for a in sys.argv[1:]):
+    if any(a in options.HELP_FLAGS for a in sys.argv[1:]):
         try:
             print_help()
             sys.stdout.flush()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
-import os
 import threading
 import time
 import weakref
@@ -226,7 +225,8 @@ def compile_all(build, sizes) -> list:
     """[build(size) for size in sizes], the sizes in threads: tracing holds the GIL, XLA's compile does not, so the
     compiles of a window table run side by side on the host's cores (start-up: the slowest graph, not their sum)."""
     sizes = tuple(sizes)
-    workers = min(len(sizes), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    from host_pool.pool import usable_cores
+    workers = min(len(sizes), usable_cores())
     if workers <= 1:
         return [build(size) for size in sizes]
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="strata-compile") as pool:

@@ -244,12 +244,20 @@ def split_options(options: dict[str, Any]) -> tuple[dict, dict]:
             {k: v for k, v in options.items() if k in request_names})
 
 
+HELP_FLAGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")  # the commands print their own flags (decode, serve)
+
+
+def option_kind(f: dataclasses.Field) -> str:
+    """An option field's value type as its flag has it: int, float, str or bool."""
+    return f.metadata.get("flag_type") or f.type
+
+
 def define_flags(flag_values, classes=(EngineOptions, RequestOptions)) -> None:
     """Define one absl flag per option field (same name, default and help)."""
     from absl import flags
     for cls in classes:
         for f in dataclasses.fields(cls):
-            kind = f.metadata.get("flag_type") or f.type
+            kind = option_kind(f)
             define = {"int": flags.DEFINE_integer, "float": flags.DEFINE_float, "str": flags.DEFINE_string,
                       "bool": flags.DEFINE_bool}[kind]
             define(f.name, f.default, f.metadata["help"], flag_values=flag_values)
@@ -259,8 +267,7 @@ def from_text(options: dict[str, str]) -> dict[str, Any]:
     """Options written as text (`name=value` lists of the benchmarks) converted by their fields' types (engine and
     request options alike; unknown names kept as given, for build() to refuse): "1" is a number for temperature,
     "true" / "0" a bool for ignore_eos. A value that does not convert is one StrataError line."""
-    types = {f.name: f.metadata.get("flag_type") or f.type
-             for cls in (EngineOptions, RequestOptions) for f in dataclasses.fields(cls)}
+    types = {f.name: option_kind(f) for cls in (EngineOptions, RequestOptions) for f in dataclasses.fields(cls)}
     out: dict[str, Any] = {}
     for name, value in options.items():
         kind, text = types.get(name), str(value).strip()

@@ -112,11 +112,6 @@ def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams, filt
     return sample_filtered(logits, filter_rows(logits, params, filtered), positions, params)
 
 
-def sample_row(logits: jax.Array, position: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
-    """One token from float32 logits [V] (a window of one row)."""
-    return sample(logits[None], jnp.asarray(position)[None], params, filtered)[0]
-
-
 def _verify_one(logits: jax.Array, f: jax.Array, draft: jax.Array, position: jax.Array, params: SamplingParams):
     """Speculative rejection sampling for one row whose draft is a single proposed token (the drafter's q is
     one-hot): accept the draft with probability p(draft); else draw from the residual max(0, p - q), i.e. p
@@ -138,14 +133,6 @@ def verify_filtered(logits: jax.Array, f: jax.Array, drafts: jax.Array, position
     """Rows [N] of rejection sampling (_verify_one): logits and their filtered form [N, V], drafts [N], positions
     [N] -> (accept [N], drawn [N])."""
     return jax.vmap(_verify_one, in_axes=(0, 0, 0, 0, None))(logits, f, drafts, positions, params)
-
-
-def verify_row(logits: jax.Array, draft: jax.Array, position: jax.Array, params: SamplingParams,
-               filtered: bool = True):
-    """One row of rejection sampling from float32 logits [V]."""
-    accept, drawn = verify_filtered(logits[None], filter_rows(logits[None], params, filtered), draft[None],
-                                    jnp.asarray(position)[None], params)
-    return accept[0], drawn[0]
 
 
 def verify(logits: jax.Array, drafts: jax.Array, positions: jax.Array, params: SamplingParams, filtered: bool = True):

@@ -503,8 +503,9 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
             content = []
             for t, lp, ids, lps in zip(outcome.ids, chosen, top, top_lp):
                 text, raw = piece(t)
+                top = [(piece(i), v) for i, v in zip(ids, lps)]
                 content.append({"token": text, "logprob": float(lp), "bytes": list(raw), "top_logprobs": [
-                    {"token": piece(i)[0], "logprob": float(v), "bytes": list(piece(i)[1])} for i, v in zip(ids, lps)]})
+                    {"token": t_text, "logprob": float(v), "bytes": list(t_raw)} for (t_text, t_raw), v in top]})
             return {"content": content, "refusal": None}
         tokens = [piece(t)[0] for t in outcome.ids]  # completions: the legacy form
         offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist()
@@ -614,11 +615,9 @@ class Loading:
             return await self.app(scope, receive, send)
         if scope["type"] != "http":
             return
-        body = json.dumps({"error": {"message": "the model is loading", "type": "unavailable", "param": None,
-                                     "code": "loading"}}).encode()
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"5")]})
-        await send({"type": "http.response.body", "body": body})
+        response = error_response(503, "the model is loading", kind="unavailable", code="loading")
+        response.headers["retry-after"] = "5"
+        await response(scope, receive, send)
 
 
 def listen(host: str, port: int):
@@ -728,7 +727,8 @@ def cli() -> None:
     import sys
 
     from absl import flags
-    if any(a in ("-h", "-?", "--help", "--helpshort", "--helpfull") for a in sys.argv[1:]):
+    from strata_jax.options import HELP_FLAGS
+    if any(a in HELP_FLAGS for a in sys.argv[1:]):
         print((__doc__ or "").strip() + "\n\nflags:\n" + FLAGS.get_help())  # this command's flags, grouped
         sys.exit(0)
     try:
