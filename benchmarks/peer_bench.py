@@ -42,6 +42,9 @@ flags.DEFINE_string("ncmoe", "", "Peer offload arms: layers whose experts stay o
                     flag_values=FLAGS)
 flags.DEFINE_integer("threads", 0, "CPU threads of the peer's offload arms (0 = the cores this process may use).",
                      lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_string("peer_sampling", "", "The peer's sampled arms: llama-completion (built beside llama-bench) with "
+                    "these settings, e.g. temperature=0.7,top_k=20,top_p=0.8 (min_p 0, no penalties), all on the GPU "
+                    "and at each --ncmoe; '' = none.", flag_values=FLAGS)
 flags.DEFINE_string("ours", "default;spec=0", "Our arms, ';'-separated; each a ','-separated list of "
                     "option=value (engine or request options; 'default' = none).", flag_values=FLAGS)
 flags.DEFINE_integer("n_gen", 128, "Tokens generated per request (llama-bench -n).", lower_bound=2, flag_values=FLAGS)
@@ -107,6 +110,70 @@ def run_peer(s, gguf: Path) -> list[dict]:
     return rows
 
 
+_PEER_SAMPLING = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "seed": "-s"}
+
+
+def peer_sampling_args(text: str) -> list[str]:
+    """--peer_sampling's option=value list -> llama-completion's flags (min-p off: ours has none)."""
+    args = ["--min-p", "0"]
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in _PEER_SAMPLING:
+            raise ValueError(f"--peer_sampling: {item!r} is not one of {', '.join(_PEER_SAMPLING)}=value")
+        float(value)  # a number, or the ValueError names it
+        args += [_PEER_SAMPLING[name.strip()], value.strip()]
+    return args
+
+
+def completion_tok_s(stderr: str) -> tuple[float, float, int] | None:
+    """llama-completion's perf lines -> (tok/s of its decode including its sampling time, tok/s of the eval
+    alone, tokens evaluated), or None when they are missing."""
+    import re
+    ev = re.search(r"\s eval time =\s*([\d.]+) ms /\s*(\d+) runs", stderr)
+    sm = re.search(r"sampling time =\s*([\d.]+) ms", stderr)
+    if not ev or not sm:
+        return None
+    eval_ms, runs, sample_ms = float(ev.group(1)), int(ev.group(2)), float(sm.group(1))
+    return runs * 1e3 / (eval_ms + sample_ms), runs * 1e3 / eval_ms, runs
+
+
+def run_peer_sampled(s, gguf: Path) -> list[dict]:
+    """llama-completion with --peer_sampling: --n_gen tokens after a short prompt, eos ignored, --reps runs (the
+    median); decode tok/s = evaluated tokens / (eval time + sampling time), both from its own perf lines."""
+    import os
+    binary = Path(s.llama_bench).with_name("llama-completion")
+    if not binary.is_file():
+        common.say(f"peer: {binary} not found: no sampled peer arms (benchmarks/peer/build_llama.sh builds it)")
+        return []
+    threads = s.threads or len(os.sched_getaffinity(0))
+    rows = []
+    for ncmoe in [0] + (common.int_list(s.ncmoe, "ncmoe") if s.ncmoe else []):
+        cmd = [str(binary), "-m", str(gguf), "-ngl", "99", "-fa", "on", "-c", str(s.n_gen + 64), "-n", str(s.n_gen),
+               "-p", "Once upon a time", "--ignore-eos", "-no-cnv", "--no-display-prompt", "--no-warmup",
+               *peer_sampling_args(s.peer_sampling)]
+        if ncmoe:
+            cmd += ["-ncmoe", str(ncmoe), "-t", str(threads)]
+        arm = f"llama-completion {s.peer_sampling}" + (f" -ncmoe {ncmoe}" if ncmoe else "")
+        common.progress("peer: " + " ".join(cmd))
+        samples, evals, error = [], [], None
+        for _ in range(s.reps + 1):  # the first run warms up (its numbers are dropped)
+            proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+            got = completion_tok_s(proc.stderr) if proc.returncode == 0 else None
+            if got is None:
+                error = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                break
+            samples.append(got[0])
+            evals.append(got[1])
+        if error is not None:
+            rows.append(dict(arm=arm, error=error, sampled=True, ncmoe=ncmoe))
+            continue
+        rows.append(dict(arm=arm, tok_s=statistics.median(samples[1:]), eval_tok_s=statistics.median(evals[1:]),
+                         samples=samples[1:], sampled=True, ncmoe=ncmoe))
+        common.progress(f"peer: {arm}: {rows[-1]['tok_s']:.1f} tok/s with sampling ({rows[-1]['eval_tok_s']:.1f} "
+                        f"eval alone)")
+    return rows
+
+
 def run_ours(s, cfg) -> list[dict]:
     import jax
     import numpy as np
@@ -164,15 +231,19 @@ def run(s) -> dict:
         gguf = ensure_gguf(s.model, cfg.num_layers, Path(s.gguf or f"/tmp/{s.model}-{cfg.num_layers}.gguf"),
                            s.gguf_py)
         result["peer"] = run_peer(s, gguf)
+        if s.peer_sampling:
+            result["peer"] += run_peer_sampled(s, gguf)
     dev = common.device_info()
     result["device"] = dev
     result["ours"] = run_ours(s, cfg)
-    base = next((r["tok_s"] for r in result["peer"] if r.get("ncmoe") == 0 and "tok_s" in r), None)
+    base = next((r["tok_s"] for r in result["peer"] if r.get("ncmoe") == 0 and "tok_s" in r
+                 and not r.get("sampled")), None)
     rows = []
     for r in result["peer"]:
         rows.append(["llama.cpp", r["arm"], r.get("tok_s", r.get("error")), 1000 / r["tok_s"] if "tok_s" in r else "-",
-                     "1.00" if r.get("ncmoe") == 0 and "tok_s" in r else (r["tok_s"] / base if base and "tok_s" in r
-                                                                         else "-"), "-"])
+                     "1.00" if r.get("ncmoe") == 0 and "tok_s" in r and not r.get("sampled") else
+                     (r["tok_s"] / base if base and "tok_s" in r else "-"),
+                     f"eval alone {r['eval_tok_s']:.1f} tok/s" if "eval_tok_s" in r else "-"])
     for r in result["ours"]:
         extra = (f"{r['windows']:.0f} windows, {r['drafts_accepted']:.0f}/{r['drafts_proposed']:.0f} drafts "
                  f"accepted" if r["drafts_proposed"] else f"{r['windows']:.0f} windows")
@@ -188,10 +259,12 @@ def run(s) -> dict:
     runner.emit(runner.rows_from_table(
         "peer_bench", headers, rows, params=["engine", "arm"],
         fixed=dict(model=s.model, layers=cfg.num_layers, n_gen=s.n_gen),
-        timing="llama.cpp: llama-bench tg, mean of -r; strata_jax: Engine.generate's decode tok/s, median of --reps "
+        timing="llama.cpp: llama-bench tg, mean of -r (sampled: llama-completion's eval + sampling time, median of "
+               "--reps); strata_jax: Engine.generate's decode tok/s, median of --reps "
                "requests after a warm-up", units={"x llama.cpp all-GPU": "x"}),
         getattr(s, "output", "md"), table=table, result=result)
-    common.say("llama.cpp: llama-bench tg (mean of -r); strata_jax: Engine.generate's decode tok/s (median of "
+    common.say("llama.cpp: llama-bench tg (mean of -r; sampled rows: llama-completion, its eval + sampling time, "
+               "median of --reps after a warm-up run); strata_jax: Engine.generate's decode tok/s (median of "
                "--reps requests after a warm-up; random weights, random prompt, stop tokens off)")
     if s.json:
         common.write_json(s.json, result)

@@ -46,13 +46,14 @@ def ngram_propose(hist: jax.Array, length: jax.Array, k: int, max_n: int = NGRAM
 
 
 def accept(logits: jax.Array, drafts: jax.Array, m: jax.Array, positions: jax.Array, sampling: SamplingParams,
-           sampled: bool) -> tuple[jax.Array, jax.Array]:
+           form: str | None) -> tuple[jax.Array, jax.Array]:
     """logits [T, V] float32, drafts [T-1] (the first m real), positions [T] of the tokens chosen -> (new [T]: the
-    accepted drafts then the target's token, zeros after; n_new = accepted + 1)."""
+    accepted drafts then the target's token, zeros after; n_new = accepted + 1). form: greedy (None), or a sampled
+    request's filter form (sampling.FORMS)."""
     t = logits.shape[0]
     real = jnp.arange(t - 1) < m
-    if sampled:
-        f = filter_rows(logits, sampling)  # the window filtered once (sampling.filter_rows)
+    if form is not None:
+        f = filter_rows(logits, sampling, form)  # the window filtered once
         acc, drawn = verify_filtered(logits[:t - 1], f[:t - 1], drafts, positions[:t - 1], sampling)
         plain = sample_filtered(logits, f, positions, sampling)
         tokens = jnp.where(jnp.arange(t) < m, jnp.concatenate([drawn, plain[-1:]]), plain)  # row m: a plain sample

@@ -31,7 +31,7 @@ from strata_jax.experts import slots as slots_mod
 from strata_jax.experts.approx import route_approx
 from strata_jax.experts.defer import defer_cpu
 from strata_jax.options import EngineOptions, RequestOptions, build, split_options, unknown_switches
-from strata_jax.sampling import NON_FINITE, SamplingParams
+from strata_jax.sampling import FORMS, NON_FINITE, SamplingParams, form_of
 from strata_jax.stats import ExpertStats, RequestStats, Stats
 from strata_jax.tokenizer import load_tokenizer
 
@@ -113,14 +113,14 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, weights: model.Weights, options: EngineOptions, tokenizer=None,
                  model_dir: Path | None = None, raw_config: dict | None = None, verbose: bool = True,
-                 placement: placement_mod.Placement | None = None):
+                 placement: placement_mod.Placement | None = None, generation: GenerationDefaults | None = None):
         self._lock = threading.RLock()  # requests of several threads run one after the other (_serialized)
         self._user_code_thread: int | None = None  # the thread running a request's on_token / Drafter, meanwhile
         self.cfg, self.weights, self.options, self.tokenizer = cfg, weights, options, tokenizer
         self.model_dir, self.raw_config, self.verbose = model_dir, raw_config, verbose
         # From the model folder (from_pretrained): its chat template and generation_config.json's defaults.
         self.chat_template: ChatTemplate | None = None
-        self.generation_defaults = GenerationDefaults()
+        self.generation_defaults = generation or GenerationDefaults()
         self.placement = placement
         self.mtp: mtp_mod.MTPWeights | None = None  # Qwen3-Next's MTP module (attach_mtp)
         self._mtp_compiled = self._mtp_cache = None
@@ -283,11 +283,11 @@ class Engine:
             f"top-{cfg.num_experts_per_tok}, {model.param_bytes(weights) / 2**20:.1f} MiB of {opts.dtype} weights) "
             f"loaded in {time.perf_counter() - t0:.1f} s")
         engine = cls._assemble(cfg, weights, opts, host, slots, why, say, tokenizer=tok, model_dir=path,
-                               raw_config=raw, verbose=verbose)
+                               raw_config=raw, verbose=verbose, generation=generation)
         if not checkpoint.is_state_dir(path) and checkpoint.has_mtp(path, cfg):
             engine.attach_mtp(checkpoint.load_mtp(path, cfg, dtype))
             say(f"MTP module: {model.param_bytes(engine.mtp) / 2**20:.1f} MiB on the device (draft=mtp drafts with it)")
-        engine.chat_template, engine.generation_defaults = template, generation
+        engine.chat_template = template
         return engine
 
     @classmethod
@@ -397,13 +397,18 @@ class Engine:
         # Several devices: their stages' graphs compile one after the other (parallel.py keeps per-stage state).
         self._decode = graphs.GraphTable(range(1, self.options.window + 1), window, ahead, threads=not self.parallel)
         self._prefill = graphs.GraphTable(self.chunks, chunk, ahead, threads=not self.parallel)
-        # Samplers and verifiers per window size, in two forms: filtered (top-k / top-p: a sort of the vocabulary)
-        # and plain (both off: the same tokens without the sort). Each sampled request picks its form
-        # (_pick_samplers), compiled then, once per process (graphs.window_samplers: engines share them).
-        self._samplers = {f: graphs.window_samplers(f, self.options.window, self.cfg.vocab_size) for f in (True, False)}
-        self._pick_samplers(filtered=True, sampled=False)
+        # Sampled requests: window graphs that draw their tokens (graphs.sampled_window), one table per filter form
+        # (sampling.FORMS), compiled for the first request of that form (_sampled_windows_for); and the samplers
+        # alone per window size and form, for what those graphs do not draw (the prompt's first token, draft=mtp,
+        # several devices), compiled once per process (graphs.window_samplers: engines share them).
+        self._samplers = {f: graphs.window_samplers(f, self.options.window, self.cfg.vocab_size) for f in FORMS}
+        self._pick_samplers("sorted", sampled=False)
+        self._sampled_windows: dict[str, graphs.GraphTable] = {}
+        defaults = self.generation_defaults.request_defaults()
+        if ahead and defaults["temperature"] > 0 and not self.parallel:  # the model samples by default
+            self._sampled_windows_for(form_of(defaults["top_k"], defaults["top_p"]))
         self._prefill_logits = {}  # chunk size -> graph, compiled on first use (teacher-forced prompt scoring)
-        self._device_verify = {}  # (T, sampled) -> graph; compiled on first use (generate(draft="device") only)
+        self._device_verify = {}  # (T, filter form or None: greedy) -> graph; compiled on first use (generate(draft="device") only)
         self._fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
         self.stats.compile_s = time.perf_counter() - t0
         if self.verbose:
@@ -413,16 +418,39 @@ class Engine:
                 f"(persistent cache: {jax.config.jax_compilation_cache_dir}); "
                 f"context {self.context} tokens ({resolve_context(self.cfg, self.options)[1]})")
 
-    def _pick_samplers(self, filtered: bool, sampled: bool = True) -> None:
-        """This request's samplers and verifiers (requests run one at a time): the plain form where top-k and
-        top-p are off; compiled here, before the request's timed part, the first time a sampled request needs them."""
-        form = self._samplers[filtered]
-        if sampled and not form.compiled:
-            seconds = form.compile()
+    def _pick_samplers(self, form: str, sampled: bool = True, every_size: bool = False) -> None:
+        """This request's samplers and verifiers of its filter form (requests run one at a time). every_size: the
+        request draws its windows' tokens through them (draft=mtp, several devices): every size compiled here,
+        before the request's timed part, the first time a request needs them; else only the first token's."""
+        samplers = self._samplers[form]
+        if sampled and every_size and not samplers.compiled:
+            seconds = samplers.compile()
             if self.verbose:
-                log(f"samplers: window T=1..{self.options.window} ({'top-k / top-p' if filtered else 'plain'}) "
-                    f"compiled in {seconds:.1f} s (first sampled request; shared by this process's engines)")
-        self._sample, self._verify = form.sample, form.verify
+                log(f"samplers: window T=1..{self.options.window} ({form}) compiled in {seconds:.1f} s (first "
+                    f"request that draws through them; shared by this process's engines)")
+        elif sampled:
+            samplers.sample[1]  # the prompt's first token
+        self._sample, self._verify = samplers.sample, samplers.verify
+
+    def _sampled_windows_for(self, form: str) -> graphs.GraphTable | None:
+        """The window graphs of T=1..W that draw a sampled request's tokens in filter form `form`
+        (graphs.sampled_window): compiled (ahead: every size now, in threads) by the first request of that form;
+        None with several devices (their windows are chained or sharded graphs: the samplers draw apart)."""
+        if self.parallel:
+            return None
+        if form not in self._sampled_windows:
+            t0 = time.perf_counter()
+            fn = graphs.jit_sampled_window(self.cfg, form, self.decode_expert_path, **self._window_kernels())
+
+            def window(t: int):
+                return self._aot(fn, self.weights, self.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0),
+                                 SamplingParams.make())
+            ahead = self.options.compile_graphs == "ahead"
+            self._sampled_windows[form] = graphs.GraphTable(range(1, self.options.window + 1), window, ahead)
+            if self.verbose and ahead:
+                log(f"graphs: sampled windows T=1..{self.options.window} ({form}) compiled in "
+                    f"{time.perf_counter() - t0:.1f} s (the first request of that filter form)")
+        return self._sampled_windows[form]
 
     @property
     def _prefill_kernel(self) -> bool:
@@ -649,7 +677,7 @@ class Engine:
         stops = set(eos if stop_token_ids is None else stop_token_ids)
         budget = min(req.max_new_tokens, self.context - ids.size)
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
-        self._pick_samplers(filtered=req.top_k > 0 or req.top_p < 1.0, sampled=req.temperature > 0)
+        form = form_of(req.top_k, req.top_p) if req.temperature > 0 else None
         # A sampled request's tokens follow its drafts (the accept / resample draws), and the MTP module's drafts
         # follow its KV rows: reused rows (written by another request's windows) round differently from a fresh
         # prefill's, so the same seed would give other tokens. Such a request prefills its whole prompt.
@@ -662,7 +690,15 @@ class Engine:
             def on_token_guarded(token: int) -> None:
                 with self._user_code():
                     on_token(token)
-            request = loops.Request(ids=ids, budget=budget, stops=stops, sampling=sampling, spec=spec,
+            # draw in the window graphs, except where the device verify graph draws (draft=device) or the MTP
+            # module's drafts need the window's hidden rows
+            in_graph = form is not None and not isinstance(drafter, mtp_mod.MTPDrafter) and not (
+                drafter is None and req.draft == "device" and spec > 0)
+            windows = self._sampled_windows_for(form) if in_graph else None
+            self._pick_samplers(form or "sorted", sampled=form is not None, every_size=windows is None)
+            request = loops.Request(ids=ids, budget=budget, stops=stops, sampling=sampling, form=form,
+                                    sampled_windows=windows,
+                                    spec=spec,
                                     drafter=drafter or make_drafter(req.draft), stats=stats,
                                     on_token=None if on_token is None else on_token_guarded,
                                     device_drafts=drafter is None and req.draft == "device", reuse=reuse, out=out)
@@ -788,23 +824,23 @@ class Engine:
                                                 self.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0))
         return self._mtp_compiled[key]
 
-    def _device_verify_graph(self, t: int, sampled: bool):
+    def _device_verify_graph(self, t: int, form: str | None):
         """draft="device"'s window of T (loops.decode_device), compiled on first use."""
-        key = (t, sampled)
+        key = (t, form)
         if key not in self._device_verify:
             t0 = time.perf_counter()
             if self.parallel:  # the window in shard_map (experts), or chained over the stages (layers)
                 with self._full_f32():
-                    self._device_verify[key] = self.parallel.device_verify(t, sampled, self.weights, self.cache,
+                    self._device_verify[key] = self.parallel.device_verify(t, form, self.weights, self.cache,
                                                                            self.context, SamplingParams.make())
             else:
-                fn = graphs.jit_device_verify_window(self.cfg, t, sampled, self.decode_expert_path,
+                fn = graphs.jit_device_verify_window(self.cfg, t, form, self.decode_expert_path,
                                                      **self._window_kernels())
                 hist = jnp.zeros((self.context + t,), jnp.int32)
                 self._device_verify[key] = self._aot(fn, self.weights, self.cache, hist, jnp.int32(1),
                                                      SamplingParams.make())
             if self.verbose:
-                log(f"graphs: device verify window T={t} ({'sampled' if sampled else 'greedy'}) compiled in "
+                log(f"graphs: device verify window T={t} ({'greedy' if form is None else 'sampled, ' + form}) compiled in "
                     f"{time.perf_counter() - t0:.1f} s")
         return self._device_verify[key]
 

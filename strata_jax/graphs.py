@@ -4,11 +4,13 @@
     step = graphs.jit_decode_window(cfg)                  # one compiled graph per window size T (by shape)
     greedy_tokens, logits, cache = step(weights, cache, tokens_T, pos)
     tokens = graphs.jit_sample()(logits, positions, SamplingParams.make(temperature=0.7))   # when sampling
+    new, n_new, cache = graphs.jit_sampled_window(cfg, "top_k")(weights, cache, tokens_T, pos, sampling)  # in one
 
 `decode_window` runs T tokens at positions pos..pos+T-1 and returns each row's argmax beside the logits;
 `prefill_chunk` runs a chunk of C prompt tokens of which the first n_valid are real. Both donate the cache (updated
-in place) when jitted with the helpers below. Sampling is a graph of its own: a window graph with a data-dependent
-branch (lax.cond) would make the GPU stream wait for the host in every window, greedy or not.
+in place) when jitted with the helpers below. A sampled request's windows draw their tokens inside the window
+graph (`sampled_window`, one graph per filter form); the samplers alone (`jit_sample`, `jit_verify`) serve the rest.
+No graph branches on data (lax.cond): that would make the GPU stream wait for the host in every window.
 """
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def prefill_logits(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax
 
 
 def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, length: jax.Array,
-                         sampling: SamplingParams, *, cfg: ModelConfig, t: int, sampled: bool,
+                         sampling: SamplingParams, *, cfg: ModelConfig, t: int, form: str | None,
                          experts: ExpertPath | None = None, attention_kernel: bool = False,
                          dense_kernel: bool = False, delta_kernel: bool = False):
     """A verify window that needs nothing from the host (strata_jax.device_drafts): hist [C] int32 holds the tokens
@@ -107,7 +109,7 @@ def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, leng
     window, drafts, m, pos = draft_window(hist, length, t=t)
     logits, cache = forward(weights, cache, window, pos, 1 + m, cfg, experts, attention_kernel, dense_kernel,
                             delta_kernel)
-    return accept_window(logits, hist, length, drafts, m, sampling, t=t, sampled=sampled) + (cache,)
+    return accept_window(logits, hist, length, drafts, m, sampling, t=t, form=form) + (cache,)
 
 
 def draft_window(hist: jax.Array, length: jax.Array, *, t: int):
@@ -120,26 +122,43 @@ def draft_window(hist: jax.Array, length: jax.Array, *, t: int):
 
 
 def accept_window(logits: jax.Array, hist: jax.Array, length: jax.Array, drafts: jax.Array, m: jax.Array,
-                  sampling: SamplingParams, *, t: int, sampled: bool):
+                  sampling: SamplingParams, *, t: int, form: str | None):
     """device_verify_window's second half: the window's logits [t, V] -> (hist, length, new [t], n_new, m), as the
     host loop accepts."""
     positions = length + jnp.arange(t, dtype=jnp.int32)  # pos + 1 + i
-    new, n_new = device_drafts.accept(logits, drafts, m, positions, sampling, sampled)
+    new, n_new = device_drafts.accept(logits, drafts, m, positions, sampling, form)
     hist = jax.lax.dynamic_update_slice_in_dim(hist, new, length, axis=0)  # past length + n_new: overwritten later
     return hist, length + n_new, new, n_new, m
 
 
-def sample_window(logits: jax.Array, positions: jax.Array, sampling: SamplingParams, filtered: bool = True):
-    """logits [T, V] float32, positions [T] (of the tokens being chosen) -> tokens [T]. filtered=False: the graph
-    for top-k and top-p off (no sort of the vocabulary; the same tokens)."""
-    return sample(logits, positions, sampling, filtered)
+def sampled_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, sampling: SamplingParams,
+                   *, cfg: ModelConfig, form: str, experts: ExpertPath | None = None, attention_kernel: bool = False,
+                   dense_kernel: bool = False, delta_kernel: bool = False):
+    """A sampled request's window with its tokens chosen in the same graph: tokens [T] (the last accepted token,
+    then T-1 drafts) at positions pos.. -> (new [T]: the accepted drafts then one drawn token, zeros after; n_new =
+    accepted + 1; cache). T=1: new[0] is the token at pos + 1, fed to the next window on the device. The draws are
+    the separate samplers' (sampling.verify: the same key per position), in the request's filter form
+    (sampling.FORMS): one dispatch and no host round trip a window, as a greedy window."""
+    t = tokens.shape[0]
+    logits, cache = forward(weights, cache, tokens, pos, jnp.int32(t), cfg, experts, attention_kernel, dense_kernel,
+                            delta_kernel)
+    with jax.named_scope("sample"):
+        positions = pos + 1 + jnp.arange(t, dtype=jnp.int32)
+        new, n_new = device_drafts.accept(logits, tokens[1:], jnp.int32(t - 1), positions, sampling, form)
+    return new, n_new, cache
+
+
+def sample_window(logits: jax.Array, positions: jax.Array, sampling: SamplingParams, form: str = "sorted"):
+    """logits [T, V] float32, positions [T] (of the tokens being chosen) -> tokens [T], in the request's filter
+    form (sampling.FORMS)."""
+    return sample(logits, positions, sampling, form)
 
 
 def verify_window(logits: jax.Array, drafts: jax.Array, positions: jax.Array, sampling: SamplingParams,
-                  filtered: bool = True):
+                  form: str = "sorted"):
     """Speculative sampling of a verify window: logits [T, V], drafts [T-1], positions [T] -> (accept [T-1],
     tokens [T]); see sampling.verify."""
-    return verify(logits, drafts, positions, sampling, filtered)
+    return verify(logits, drafts, positions, sampling, form)
 
 
 # XLA may keep a bf16 intermediate in float32 inside a fusion ("excess precision", on by default). Which values it
@@ -205,20 +224,28 @@ def jit_prefill_logits(cfg: ModelConfig, experts: ExpertPath | None = None, atte
                    donate_argnums=(1,), compiler_options=MODEL_COMPILER_OPTIONS)
 
 
-def jit_device_verify_window(cfg: ModelConfig, t: int, sampled: bool, experts: ExpertPath | None = None,
+def jit_device_verify_window(cfg: ModelConfig, t: int, form: str | None, experts: ExpertPath | None = None,
                              attention_kernel: bool = False, dense_kernel: bool = False, delta_kernel: bool = False):
-    return jax.jit(functools.partial(device_verify_window, cfg=cfg, t=t, sampled=sampled, experts=experts,
+    return jax.jit(functools.partial(device_verify_window, cfg=cfg, t=t, form=form, experts=experts,
                                      attention_kernel=attention_kernel, dense_kernel=dense_kernel,
                                      delta_kernel=delta_kernel),
                    donate_argnums=(1, 2), compiler_options=MODEL_COMPILER_OPTIONS)
 
 
-def jit_sample(filtered: bool = True):
-    return jax.jit(functools.partial(sample_window, filtered=filtered))
+def jit_sampled_window(cfg: ModelConfig, form: str, experts: ExpertPath | None = None,
+                       attention_kernel: bool = False, dense_kernel: bool = False, delta_kernel: bool = False):
+    return jax.jit(functools.partial(sampled_window, cfg=cfg, form=form, experts=experts,
+                                     attention_kernel=attention_kernel, dense_kernel=dense_kernel,
+                                     delta_kernel=delta_kernel), donate_argnums=(1,),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
 
 
-def jit_verify(filtered: bool = True):
-    return jax.jit(functools.partial(verify_window, filtered=filtered))
+def jit_sample(form: str = "sorted"):
+    return jax.jit(functools.partial(sample_window, form=form))
+
+
+def jit_verify(form: str = "sorted"):
+    return jax.jit(functools.partial(verify_window, form=form))
 
 
 def compile_all(build, sizes) -> list:
@@ -251,46 +278,52 @@ class GraphTable(dict):
 
 
 class WindowSamplers:
-    """One form of the samplers (filtered: top-k / top-p with a sort of the vocabulary; plain: neither) for every
-    window size T = 1..W over a vocabulary of V: `sample[t](logits [T, V], positions [T], params)` and
-    `verify[t](logits, drafts [T-1], positions, params)`. They hold no weights, so every engine of a process with
-    the same (form, W, V) shares one set (`window_samplers`), compiled when a sampled request first needs it: a
-    greedy request never runs them, and the 2W-1 graphs of a form (W samplers, W-1 verifiers) cost seconds each on
-    a CPU."""
+    """One filter form of the samplers (sampling.FORMS) for every window size T = 1..W over a vocabulary of V:
+    `sample[t](logits [T, V], positions [T], params)` and `verify[t](logits, drafts [T-1], positions, params)`:
+    the tokens of requests whose window graphs do not draw them (a prompt's first token, draft=mtp, several
+    devices). They hold no weights, so every engine of a process with the same (form, W, V) shares one set
+    (`window_samplers`). Each graph is compiled the first time it is looked up, or all of them by `compile` (a
+    request that will need them, before its timed part): a greedy request never runs them."""
 
-    def __init__(self, filtered: bool, window: int, vocab: int):
-        self.filtered, self.window, self.vocab = filtered, window, vocab
-        self.sample: dict = {}
-        self.verify: dict = {}
+    def __init__(self, form: str, window: int, vocab: int):
+        self.form, self.window, self.vocab = form, window, vocab
+        sampling = SamplingParams.make()
+
+        def sampler(t: int):
+            logits, positions = jnp.zeros((t, vocab), jnp.float32), jnp.zeros((t,), jnp.int32)
+            return jit_sample(form).lower(logits, positions, sampling).compile()
+
+        def verifier(t: int):
+            logits, positions = jnp.zeros((t, vocab), jnp.float32), jnp.zeros((t,), jnp.int32)
+            return jit_verify(form).lower(logits, jnp.zeros((t - 1,), jnp.int32), positions, sampling).compile()
+        self.sample = GraphTable(range(1, window + 1), sampler, ahead=False)
+        self.verify = GraphTable(range(2, window + 1), verifier, ahead=False)
 
     @property
     def compiled(self) -> bool:
-        return len(self.sample) == self.window
+        return len(self.sample) == self.window and len(self.verify) == self.window - 1
 
     def compile(self) -> float:
-        """Compile every window size (once); returns the seconds it took (0 when already compiled)."""
+        """Compile every window size not compiled yet; returns the seconds it took (0 when none was left)."""
+        t0 = time.perf_counter()
         if self.compiled:
             return 0.0
-        t0 = time.perf_counter()
-        sampling = SamplingParams.make()
         for t in range(1, self.window + 1):
-            logits, positions = jnp.zeros((t, self.vocab), jnp.float32), jnp.zeros((t,), jnp.int32)
-            self.sample[t] = jit_sample(self.filtered).lower(logits, positions, sampling).compile()
+            self.sample[t]
             if t > 1:
-                self.verify[t] = jit_verify(self.filtered).lower(logits, jnp.zeros((t - 1,), jnp.int32), positions,
-                                                                 sampling).compile()
+                self.verify[t]
         return time.perf_counter() - t0
 
 
-_SAMPLERS: dict[tuple[bool, int, int, str], WindowSamplers] = {}
+_SAMPLERS: dict[tuple[str, int, int, str], WindowSamplers] = {}
 _SAMPLERS_LOCK = threading.Lock()
 
 
-def window_samplers(filtered: bool, window: int, vocab: int) -> WindowSamplers:
-    """The process's samplers of one form for windows 1..W over V tokens, on the default device (not yet compiled:
-    WindowSamplers.compile)."""
-    key = (filtered, window, vocab, str(jax.config.jax_default_device or jax.local_devices()[0]))
+def window_samplers(form: str, window: int, vocab: int) -> WindowSamplers:
+    """The process's samplers of one filter form for windows 1..W over V tokens, on the default device (not yet
+    compiled: WindowSamplers.compile)."""
+    key = (form, window, vocab, str(jax.config.jax_default_device or jax.local_devices()[0]))
     with _SAMPLERS_LOCK:
         if key not in _SAMPLERS:
-            _SAMPLERS[key] = WindowSamplers(filtered, window, vocab)
+            _SAMPLERS[key] = WindowSamplers(form, window, vocab)
         return _SAMPLERS[key]

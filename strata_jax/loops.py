@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import mtp as mtp_mod
-from strata_jax.sampling import SamplingParams
+from strata_jax.sampling import SamplingParams, form_of
 from strata_jax.stats import RequestStats
 
 if TYPE_CHECKING:
@@ -46,10 +46,20 @@ class Request:
     device_drafts: bool = False  # draft="device": drafts and acceptance on the device (decode_device)
     reuse: int = 0  # leading prompt tokens whose KV rows the cache holds (prefix reuse): not prefilled
     out: list[int] = dataclasses.field(default_factory=list)  # the accepted new tokens
+    form: str | None = None  # a sampled request's filter form (sampling.FORMS; from its settings when None)
+    # The window graphs that draw this request's tokens (graphs.sampled_window, by T), or None: the window graphs
+    # give logits and the samplers alone draw (several devices, draft=mtp)
+    sampled_windows: Mapping[int, Callable] | None = None
     sampled: bool = dataclasses.field(init=False)  # temperature > 0
 
     def __post_init__(self) -> None:
         self.sampled = float(self.sampling.temperature) > 0
+        if not self.sampled:
+            self.form, self.sampled_windows = None, None
+        elif self.form is None:
+            self.form = form_of(int(self.sampling.top_k), float(self.sampling.top_p))
+        if self.mtp is not None:  # the module's drafts follow the window's hidden rows (verify_window)
+            self.sampled_windows = None
 
     @property
     def mtp(self) -> mtp_mod.MTPDrafter | None:
@@ -98,7 +108,7 @@ def decode(engine: Engine, r: Request) -> None:
     """The decode loop the request asks for, timed as stats.decode_s (a graph compiled on first use is not)."""
     on_device = r.spec > 0 and r.device_drafts
     if on_device:
-        engine._device_verify_graph(r.spec + 1, r.sampled)  # compiled on first use, outside the decode's time
+        engine._device_verify_graph(r.spec + 1, r.form)  # compiled on first use, outside the decode's time
     t0 = time.perf_counter()
     if on_device:
         decode_device(engine, r)
@@ -136,11 +146,20 @@ def decode_verify(engine: Engine, r: Request) -> None:
                 return
             pos = r.ids.size + len(r.out) - 1
             continue
-        greedy, logits, made = verify_window(engine, r, drafts, pos)
+        if r.sampled_windows is not None:  # the window's graph draws the acceptance and the next token
+            drawn, n_new, engine.cache = r.sampled_windows[len(drafts) + 1](
+                engine.weights, engine.cache, np.asarray(r.out[-1:] + drafts, np.int32), jnp.int32(pos), r.sampling)
+            made = None
+        else:
+            greedy, logits, made = verify_window(engine, r, drafts, pos)
         if ready is not None:  # drafting, bookkeeping and this dispatch: host time between two windows
             r.stats.host_gap_s += time.perf_counter() - ready
             r.stats.host_gaps += 1
-        accepted, new = accept(engine, r, drafts, greedy, logits, pos)
+        if r.sampled_windows is not None:
+            n = int(n_new)
+            accepted, new = n - 1, np.asarray(drawn)[:n].tolist()
+        else:
+            accepted, new = accept(engine, r, drafts, greedy, logits, pos)
         engine._checked(new[-1], pos + 1 + accepted)
         ready = time.perf_counter()
         r.stats.windows += 1
@@ -173,9 +192,13 @@ def queued_windows(engine: Engine, r: Request, context: list[int] | None) -> flo
     proposes = False
     while True:
         if not proposes and len(r.out) + len(in_flight) < r.budget:
-            cur, logits, engine.cache = engine._decode[1](engine.weights, engine.cache, cur, jnp.int32(pos))
-            if r.sampled:  # the token at position pos + 1
-                cur = engine._sample[1](logits, jnp.asarray([pos + 1], jnp.int32), r.sampling)
+            if r.sampled_windows is not None:  # the token at position pos + 1, drawn in the window's graph
+                cur, _, engine.cache = r.sampled_windows[1](engine.weights, engine.cache, cur, jnp.int32(pos),
+                                                            r.sampling)
+            else:
+                cur, logits, engine.cache = engine._decode[1](engine.weights, engine.cache, cur, jnp.int32(pos))
+                if r.sampled:  # the token at position pos + 1
+                    cur = engine._sample[1](logits, jnp.asarray([pos + 1], jnp.int32), r.sampling)
             pos += 1
             r.stats.windows += 1
             r.stats.window_tokens += 1
@@ -243,7 +266,7 @@ def decode_device(engine: Engine, r: Request) -> None:
     ahead of the one being read. A window that might pass the context is not dispatched: the last tokens go
     through the host loop (decode_verify)."""
     t = r.spec + 1
-    step = engine._device_verify_graph(t, r.sampled)
+    step = engine._device_verify_graph(t, r.form)
     hist = np.zeros((engine.context + t,), np.int32)
     hist[:r.ids.size] = r.ids
     hist[r.ids.size:r.ids.size + len(r.out)] = r.out

@@ -316,7 +316,7 @@ class LayerSplit:
             return token, logits, cache
         return window
 
-    def device_verify(self, t: int, sampled: bool, weights, cache, context: int, sampling):
+    def device_verify(self, t: int, form: str | None, weights, cache, context: int, sampling):
         """draft="device"'s verify window of T over the stages: the drafts proposed on the first device
         (graphs.draft_window), the window through the stages, the acceptance back on the first device
         (graphs.accept_window); nothing waits for the host. (weights, cache, hist, length, sampling) ->
@@ -325,7 +325,7 @@ class LayerSplit:
                              self.dense_kernel)
         first = self.devices[0]
         propose = jax.jit(functools.partial(graphs.draft_window, t=t))
-        accept = jax.jit(functools.partial(graphs.accept_window, t=t, sampled=sampled))
+        accept = jax.jit(functools.partial(graphs.accept_window, t=t, form=form))
 
         def device_verify(weights, cache, hist, length, sampling):
             hist, length, sampling = jax.device_put((hist, length, sampling), first)
@@ -553,13 +553,13 @@ class ExpertSplit:
         fn = functools.partial(graphs.decode_window, cfg=self.cfg, experts=self.decode_experts, **self.kernels)
         return self._compile(fn, 2, weights, cache, t, "pos")
 
-    def device_verify(self, t: int, sampled: bool, weights, cache, context: int, sampling):
+    def device_verify(self, t: int, form: str | None, weights, cache, context: int, sampling):
         """draft="device"'s verify window of T (graphs.device_verify_window) in shard_map: (weights, cache, hist,
         length, sampling) -> (hist, length, new, n_new, m, cache). The history and its length stay replicated over
         the devices (fed back to the next window as they are); new, n_new and m come back on this process's first
         device, where the host loop reads them."""
         rep = self.replicated
-        fn = functools.partial(graphs.device_verify_window, cfg=self.cfg, t=t, sampled=sampled,
+        fn = functools.partial(graphs.device_verify_window, cfg=self.cfg, t=t, form=form,
                                experts=self.decode_experts, **self.kernels)
         mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(self.specs, self.cache_specs, P(), P(), P()),
                                out_specs=(P(),) * 5 + (self.cache_specs,), check_vma=False)

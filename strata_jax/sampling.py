@@ -24,8 +24,8 @@ class SamplingParams:
                               top_k=jnp.int32(top_k), seed=jnp.uint32(seed))
 
 
-# Candidates of the sort-free filter: lax.top_k of this many tokens, then top-k / top-p among them. Exact whenever
-# the kept set ends inside them (top_k <= this, or top_p's mass reached within them); else the vocabulary is sorted.
+# Candidates of the sort-free filter ("top_k" form): lax.top_k of this many tokens, then top-k / top-p among them,
+# exact whenever top_k <= this (Qwen3's generation config asks for 20).
 TOP_CANDIDATES = 64
 
 
@@ -62,23 +62,38 @@ def _candidate_filter(scaled: jax.Array, params: SamplingParams) -> tuple[jax.Ar
     return jnp.full((v,), -jnp.inf, scaled.dtype).at[idx].set(jnp.where(keep, vals, -jnp.inf)), fits
 
 
-def filter_rows(logits: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
-    """Temperature, then top-k, then top-p, for every row: [T, V] -> [T, V]. The candidates' filter when every row's
-    kept set fits inside its TOP_CANDIDATES most likely tokens (Qwen3's top_k 20; top_p alone on a peaked
-    distribution), else the sorted one: one decision for the whole window (a cond under vmap would run both).
-    filtered=False: the graph for requests with top-k and top-p off (top_k 0, top_p 1), where the filter keeps
-    every token: the same values, nothing sorted or selected."""
+# The filter's forms, picked on the host per request (form_of) so that no graph branches on the data (a lax.cond
+# in a graph makes the GPU stream wait for the host): "plain" (top-k and top-p off: nothing to filter), "top_k"
+# (1 <= top_k <= TOP_CANDIDATES: the kept set lies inside the candidates whatever the logits, no sort), "sorted"
+# (top-p alone, or a top_k beyond the candidates: a sort of the vocabulary). The same tokens and values in each.
+FORMS = ("plain", "top_k", "sorted")
+
+
+def form_of(top_k: int, top_p: float) -> str:
+    """The filter form of a request's settings (FORMS)."""
+    if top_k <= 0 and top_p >= 1.0:
+        return "plain"
+    return "top_k" if 0 < top_k <= TOP_CANDIDATES else "sorted"
+
+
+def filter_rows(logits: jax.Array, params: SamplingParams, form: str = "sorted") -> jax.Array:
+    """Temperature, then top-k, then top-p, for every row: [T, V] -> [T, V], in the given form (FORMS; form_of
+    picks it from the settings; "sorted" is right for any). "top_k": among the TOP_CANDIDATES most likely tokens
+    (lax.top_k), exact only for 1 <= top_k <= TOP_CANDIDATES; "plain": the scaled logits (exact only with top-k and
+    top-p off)."""
+    if form not in FORMS:
+        raise ValueError(f"filter form {form!r} is not one of {FORMS}")
     scaled = logits / jnp.maximum(params.temperature, 1e-6)
-    if not filtered:
+    if form == "plain":
         return scaled
-    fast, fits = jax.vmap(_candidate_filter, in_axes=(0, None))(scaled, params)
-    return jax.lax.cond(jnp.all(fits), lambda: fast,
-                        lambda: jax.vmap(_sorted_filter, in_axes=(0, None))(scaled, params))
+    if form == "top_k":
+        return jax.vmap(_candidate_filter, in_axes=(0, None))(scaled, params)[0]
+    return jax.vmap(_sorted_filter, in_axes=(0, None))(scaled, params)
 
 
-def filtered_logits(logits: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
+def filtered_logits(logits: jax.Array, params: SamplingParams, form: str = "sorted") -> jax.Array:
     """One row of `filter_rows`: [V] -> [V]."""
-    return filter_rows(logits[None], params, filtered)[0]
+    return filter_rows(logits[None], params, form)[0]
 
 
 NON_FINITE = -1  # the token a graph returns for a row whose logits hold NaN or inf: the host ends the request
@@ -107,9 +122,9 @@ def sample_filtered(logits: jax.Array, f: jax.Array, positions: jax.Array, param
     return jax.vmap(_sample_one, in_axes=(0, 0, 0, None))(logits, f, positions, params)
 
 
-def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams, filtered: bool = True) -> jax.Array:
+def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams, form: str = "sorted") -> jax.Array:
     """logits [T, V], positions [T] -> tokens [T]."""
-    return sample_filtered(logits, filter_rows(logits, params, filtered), positions, params)
+    return sample_filtered(logits, filter_rows(logits, params, form), positions, params)
 
 
 def _verify_one(logits: jax.Array, f: jax.Array, draft: jax.Array, position: jax.Array, params: SamplingParams):
@@ -135,13 +150,13 @@ def verify_filtered(logits: jax.Array, f: jax.Array, drafts: jax.Array, position
     return jax.vmap(_verify_one, in_axes=(0, 0, 0, 0, None))(logits, f, drafts, positions, params)
 
 
-def verify(logits: jax.Array, drafts: jax.Array, positions: jax.Array, params: SamplingParams, filtered: bool = True):
+def verify(logits: jax.Array, drafts: jax.Array, positions: jax.Array, params: SamplingParams, form: str = "sorted"):
     """A verify window: logits [T, V], drafts [T-1] (row i checks drafts[i]), positions [T] of the tokens chosen.
 
     Returns accept [T-1] bool, and tokens [T]: row i < T-1 the residual draw used when drafts[i] is rejected, row
     T-1 a plain sample (the token after the last draft when every draft is accepted). The window is filtered once."""
     t = logits.shape[0]
-    f = filter_rows(logits, params, filtered)
+    f = filter_rows(logits, params, form)
     accept, drawn = verify_filtered(logits[:t - 1], f[:t - 1], drafts, positions[:t - 1], params)
     last = sample_filtered(logits[t - 1:], f[t - 1:], positions[t - 1:], params)
     return accept, jnp.concatenate([drawn, last])

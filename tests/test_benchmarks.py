@@ -321,6 +321,22 @@ def test_parallel_bench_tiny_on_two_fake_devices(tmp_path, cache_dir):
     assert all(r["generated_tokens"] == 6 and r["cached_tokens"] == 0 for r in saved["rows"])
 
 
+def test_the_peers_sampled_arm_takes_our_settings_and_reads_its_own_timings():
+    """peer_bench --peer_sampling: our request settings become llama-completion's flags (min-p off, as ours has
+    none), a name it does not know is refused; its perf lines give decode tok/s with the sampling time counted."""
+    from benchmarks.peer_bench import completion_tok_s, peer_sampling_args
+    assert peer_sampling_args("temperature=0.7,top_k=20,top_p=0.8") == [
+        "--min-p", "0", "--temp", "0.7", "--top-k", "20", "--top-p", "0.8"]
+    for bad in ("min_p=0.1", "temperature", "top_k=many"):
+        with pytest.raises(ValueError):
+            peer_sampling_args(bad)
+    err = ("common_perf_print:    sampling time =      25.00 ms\n"
+           "common_perf_print: prompt eval time =      10.00 ms /     5 tokens (    2.00 ms per token)\n"
+           "common_perf_print:        eval time =     225.00 ms /   125 runs   (    1.80 ms per token)\n")
+    assert completion_tok_s(err) == (500.0, 125 * 1e3 / 225.0, 125)
+    assert completion_tok_s("no perf lines") is None
+
+
 def test_options_written_as_text_convert_by_their_types():
     """peer_bench --ours="temperature=1,top_p=0.9,..." and the like: text values take their option's type (a request
     option as much as an engine option), bad values are one StrataError line."""

@@ -2,6 +2,8 @@
 limits and refusals, and the byte-level tokenizer."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,29 +120,32 @@ def test_filtered_logits_matches_numpy(v, seed, temperature, top_k, top_p):
         assert set(np.argsort(-x)[:len(kept)].tolist()) == kept  # the kept set is a top slice of x
 
 
-@pytest.mark.parametrize("scale", [4.0, 0.2])  # a peaked vocabulary (top-p inside the candidates) and a flat one
-def test_the_candidate_filter_is_the_sorted_one(scale):
-    """filter_rows keeps the same tokens with the same values as a sort of the whole vocabulary, whether its
-    TOP_CANDIDATES hold the kept set (top_k <= 64, top-p reached) or it falls back to the sort (top_k 65, a flat
-    vocabulary under top_p alone), and the seeded draws are the same tokens."""
+@pytest.mark.parametrize("scale", [4.0, 0.2])  # a peaked vocabulary and a flat one
+def test_every_filter_form_keeps_what_the_sort_keeps(scale):
+    """filter_rows in the form a request's settings get (sampling.form_of) keeps the same tokens with the same
+    values as a sort of the whole vocabulary, and the seeded draws are the same tokens: "top_k" (1 <= top_k <= 64:
+    among the TOP_CANDIDATES most likely tokens, no sort), "plain" (top-k and top-p off: nothing filtered)."""
     from strata_jax import sampling
     v, t = 3000, 3
     logits = jnp.asarray(np.random.default_rng(int(scale * 10)).standard_normal((t, v)).astype(np.float32) * scale)
     positions = jnp.arange(t, dtype=jnp.int32) + 11
-    filt = jax.jit(sampling.filter_rows)
-    cand = jax.jit(jax.vmap(sampling._candidate_filter, in_axes=(0, None)))
     ref = jax.jit(jax.vmap(sampling._sorted_filter, in_axes=(0, None)))
+    filt = {form: jax.jit(functools.partial(sampling.filter_rows, form=form)) for form in sampling.FORMS}
+    forms = set()
     for temperature, top_k, top_p in ((0.7, 20, 0.8), (1.0, 64, 1.0), (1.0, 65, 0.95), (0.6, 0, 0.9), (1.0, 1, 0.5),
-                                      (1.2, 0, 0.3)):
+                                      (1.2, 0, 0.3), (0.8, 0, 1.0), (1.0, 300, 1.0)):
         params = SamplingParams.make(temperature, top_p, top_k, seed=3)
-        scaled = logits / temperature
-        got, want = np.asarray(filt(logits, params)), np.asarray(ref(scaled, params))
+        form = sampling.form_of(top_k, top_p)
+        forms.add(form)
+        assert form == ("plain" if (top_k, top_p) == (0, 1.0) else "top_k" if 0 < top_k <= 64 else "sorted")
+        got, want = np.asarray(filt[form](logits, params)), np.asarray(ref(logits / temperature, params))
         assert np.array_equal(np.isfinite(got), np.isfinite(want)), (temperature, top_k, top_p)
         np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
-        fits = np.asarray(cand(scaled, params)[1])
-        assert fits.all() == (0 < top_k <= 64 or (top_k == 0 and scale > 1)), (scale, top_k, top_p, fits)
         assert np.array_equal(np.asarray(sampling.sample_filtered(logits, jnp.asarray(got), positions, params)),
                               np.asarray(sampling.sample_filtered(logits, jnp.asarray(want), positions, params)))
+    assert forms == set(sampling.FORMS)
+    with pytest.raises(ValueError, match="not one of"):
+        sampling.filter_rows(logits, SamplingParams.make(1.0), form="fast")
 
 
 @pytest.mark.parametrize("top_k", [0, 200])
@@ -403,8 +408,8 @@ def test_prefix_reuse_prefills_only_the_new_part_and_matches_a_cold_run(engine_f
 
 
 def test_plain_sampler_draws_the_filtered_samplers_tokens_when_top_k_and_top_p_are_off():
-    """The sampler without the vocabulary sort (requests with top_k 0 and top_p 1) draws exactly the tokens of the
-    filtered one, in sampling and in speculative verification; with a filter on, the two differ."""
+    """The sampler without a filter (requests with top_k 0 and top_p 1) draws exactly the tokens of the sorted
+    one, in sampling and in speculative verification; with a filter on, the two differ."""
     from strata_jax import graphs
     from strata_jax.sampling import verify
     rng = np.random.default_rng(13)
@@ -412,32 +417,35 @@ def test_plain_sampler_draws_the_filtered_samplers_tokens_when_top_k_and_top_p_a
     positions = jnp.arange(100, 164, dtype=jnp.int32)
     for temperature, seed in ((1.0, 3), (0.7, 11)):
         params = SamplingParams.make(temperature, 1.0, 0, seed)
-        filtered = graphs.jit_sample(True)(logits, positions, params)
-        assert np.array_equal(graphs.jit_sample(False)(logits, positions, params), filtered)
+        filtered = graphs.jit_sample("sorted")(logits, positions, params)
+        assert np.array_equal(graphs.jit_sample("plain")(logits, positions, params), filtered)
         assert len(set(np.asarray(filtered).tolist())) > 10  # sampled, not argmax
         drafts = jnp.asarray(rng.integers(0, 257, 63), jnp.int32)
-        a, b = verify(logits, drafts, positions, params, True), verify(logits, drafts, positions, params, False)
+        a, b = verify(logits, drafts, positions, params, "sorted"), verify(logits, drafts, positions, params, "plain")
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     top_k = SamplingParams.make(1.0, 1.0, 5, 3)
-    assert not np.array_equal(graphs.jit_sample(True)(logits, positions, top_k),
-                              graphs.jit_sample(False)(logits, positions, top_k))
+    assert not np.array_equal(graphs.jit_sample("sorted")(logits, positions, top_k),
+                              graphs.jit_sample("plain")(logits, positions, top_k))
 
 
 def test_samplers_compile_once_per_process_on_first_use_and_engines_share_them(engine):
-    """graphs.window_samplers: one set per (form, W, V) in a process, compiled by its first sampled request (a
-    greedy request never runs a sampler), the same tokens as the jitted function; the engine holds the shared set."""
+    """graphs.window_samplers: one set per (form, W, V) in a process, each graph compiled on its first use (a
+    greedy request never runs a sampler; a sampled one whose windows draw in their own graph needs only the first
+    token's), the same tokens as the jitted function; the engine holds the shared set."""
     from strata_jax import graphs
-    form = graphs.window_samplers(False, 2, 37)  # a vocabulary no engine of the suite has: not compiled yet
-    assert not form.compiled and form.sample == {} and form.verify == {}
+    from strata_jax.sampling import FORMS
+    form = graphs.window_samplers("plain", 2, 37)  # a vocabulary no engine of the suite has: not compiled yet
+    assert not form.compiled and dict(form.sample) == {} and dict(form.verify) == {}
     assert form.compile() > 0 and form.compiled and sorted(form.sample) == [1, 2] and sorted(form.verify) == [2]
-    assert form.compile() == 0.0 and graphs.window_samplers(False, 2, 37) is form
+    assert form.compile() == 0.0 and graphs.window_samplers("plain", 2, 37) is form
     logits = jnp.asarray(np.random.default_rng(5).normal(size=(2, 37)) * 3, jnp.float32)
     positions, params = jnp.asarray([7, 8], jnp.int32), SamplingParams.make(1.0, 1.0, 0, 9)
-    assert np.array_equal(form.sample[2](logits, positions, params), graphs.jit_sample(False)(logits, positions, params))
-    for filtered in (True, False):
-        assert engine._samplers[filtered] is graphs.window_samplers(filtered, W, engine.cfg.vocab_size)
+    assert np.array_equal(form.sample[2](logits, positions, params),
+                          graphs.jit_sample("plain")(logits, positions, params))
+    for f in FORMS:
+        assert engine._samplers[f] is graphs.window_samplers(f, W, engine.cfg.vocab_size)
     engine.generate(random_ids(engine, 5, seed=15), 3, temperature=1.0, top_k=3, seed=2, stop_token_ids=[])
-    assert engine._samplers[True].compiled
+    assert 1 in engine._samplers["top_k"].sample
 
 
 def test_engines_of_the_same_shapes_share_executables_and_each_computes_its_own_weights(cache_dir):
@@ -502,8 +510,8 @@ def test_lazy_graphs_compile_on_first_use_and_give_what_ahead_gives(cache_dir, c
 def test_requests_pick_the_plain_sampler_only_without_top_k_and_top_p(engine):
     prompt = random_ids(engine, 5, seed=14)
     engine.generate(prompt, 3, temperature=1.0, seed=1, stop_token_ids=[])
-    assert engine._sample is engine._samplers[False].sample
+    assert engine._sample is engine._samplers["plain"].sample
     engine.generate(prompt, 3, temperature=1.0, top_k=4, seed=1, stop_token_ids=[])
-    assert engine._sample is engine._samplers[True].sample
+    assert engine._sample is engine._samplers["top_k"].sample
     engine.generate(prompt, 3, temperature=1.0, top_p=0.9, seed=1, stop_token_ids=[])
-    assert engine._sample is engine._samplers[True].sample
+    assert engine._sample is engine._samplers["sorted"].sample

@@ -86,14 +86,14 @@ def test_rollback_leaves_the_cache_of_a_run_without_the_rejected_drafts(engine_f
         np.testing.assert_allclose(v0, np.asarray(v1[:valid]), rtol=1e-5, atol=1e-5)
 
 
-def emitted_distribution(logits, drafts, params, n):
+def emitted_distribution(logits, drafts, params, n, form="sorted"):
     """Empirical distribution of the first token a verify window emits (draft 0 if accepted, else the residual
-    draw), and of the second given the first draft was accepted, over n seeds."""
+    draw), and of the second given the first draft was accepted, over n seeds, with the filter in `form`."""
     positions = jnp.arange(1, logits.shape[0] + 1, dtype=jnp.int32)
 
     def one(seed):
         p = params.replace(seed=seed)
-        accept, drawn = verify(logits, drafts, positions, p)
+        accept, drawn = verify(logits, drafts, positions, p, form)
         first = jnp.where(accept[0], drafts[0], drawn[0])
         second = jnp.where(accept[1], drafts[1], drawn[1])
         return first, accept[0], second
@@ -106,8 +106,12 @@ def emitted_distribution(logits, drafts, params, n):
     return f, s, acc0.mean()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)])
-def test_speculative_sampling_draws_from_the_target_distribution(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,form", [(1.0, 0, 1.0, "plain"), (0.7, 5, 1.0, "top_k"),
+                                                          (0.7, 5, 0.7, "top_k"), (1.3, 0, 0.8, "sorted")])
+def test_speculative_sampling_draws_from_the_target_distribution(temperature, top_k, top_p, form):
+    """Each filter form a request can get (sampling.form_of) draws from the exact distribution of its settings."""
+    from strata_jax.sampling import form_of
+    assert form_of(top_k, top_p) == form
     rng = np.random.default_rng(int(temperature * 10) + top_k)
     v = 12
     logits = jnp.asarray(rng.standard_normal((3, v)) * 1.5, jnp.float32)
@@ -115,7 +119,7 @@ def test_speculative_sampling_draws_from_the_target_distribution(temperature, to
     p = [np.asarray(jax.nn.softmax(filtered_logits(logits[i], params))) for i in range(3)]
     # One draft the target likes, one it does not: both the accept and the reject branches carry weight.
     drafts = jnp.asarray([int(np.argmax(p[0])), int(np.argsort(p[1])[-2])], jnp.int32)
-    f, s, acc = emitted_distribution(logits, drafts, params, 40_000)
+    f, s, acc = emitted_distribution(logits, drafts, params, 40_000, form)
     assert 0.05 < acc < 0.95
     # Total variation distance; with 40,000 draws over 12 outcomes the sampling noise is ~0.01.
     assert 0.5 * np.abs(f - p[0]).sum() < 0.02
@@ -289,3 +293,56 @@ def test_windows_without_drafts_run_queued_ahead_with_the_same_tokens(engine_fac
     stop = plain[7]
     cut = plain[:plain.index(stop) + 1]
     assert eng.generate(fresh, 40, spec=3, draft="none", stop_token_ids=[stop]) == cut
+
+
+@pytest.mark.parametrize("placement", ["resident", "offloaded"])
+def test_sampled_windows_draw_in_the_window_graph_the_samplers_tokens(engine_factory, prompt, placement):
+    """A sampled request's windows draw their tokens in the window's own graph (graphs.sampled_window: one
+    dispatch and no host round trip a window), the same tokens as the window graph followed by the samplers alone,
+    in every filter form, in queued T=1 stretches and in verify windows whose drafts are accepted and rejected."""
+    from strata_jax import graphs
+    eng = resident(engine_factory) if placement == "resident" else offloaded(engine_factory)
+    greedy = eng.generate(prompt, 32, stop_token_ids=[])
+    settings = [dict(temperature=0.05, top_k=20, top_p=0.8)]  # offloaded: one form (its graphs compile slowly)
+    if placement == "resident":
+        settings += [dict(temperature=0.05, top_p=0.9), dict(temperature=0.05)]
+    for sampling in settings:
+        form = __import__("strata_jax.sampling", fromlist=["form_of"]).form_of(sampling.get("top_k", 0),
+                                                                            sampling.get("top_p", 1.0))
+        runs = {}
+        for in_graph in (True, False):
+            if not in_graph:
+                eng._sampled_windows_for = lambda form: None  # the window graph's logits, then the samplers
+            try:
+                for spec in (0, 2):  # windows of 1..3
+                    # drafts: the same seed's plain samples (near the argmax at this temperature: accepted), every
+                    # second one changed (rejected: its residual draw goes on)
+                    drafter = TopTokenDrafterAt(prompt, runs[in_graph, 0]) if spec else "none"
+                    runs[in_graph, spec] = eng.generate(prompt, 30, seed=7, spec=spec, draft=drafter,
+                                                        stop_token_ids=[], **sampling)
+                    if in_graph and spec:
+                        last = eng.stats.last
+                        assert 0 < last.drafts_accepted < last.drafts_proposed, (sampling, last)
+            finally:
+                eng.__dict__.pop("_sampled_windows_for", None)
+        assert isinstance(eng._sampled_windows[form], graphs.GraphTable)
+        assert runs[True, 0] == runs[False, 0], sampling
+        assert runs[True, 2] == runs[False, 2], sampling
+        assert runs[True, 0] != greedy[:30]  # sampled, not the argmax
+
+
+class TopTokenDrafterAt:
+    """Proposes a given continuation at the context's length, its second draft changed to another token."""
+
+    def __init__(self, prompt, continuation):
+        self.n, self.continuation = len(prompt), continuation
+
+    def propose(self, tokens, k):
+        i = len(tokens) - self.n
+        drafts = list(self.continuation[i:i + k])
+        if len(drafts) > 1:
+            drafts[1] = (drafts[1] + 1) % 256
+        return drafts
+
+    def observe(self, accepted):
+        pass
