@@ -125,6 +125,15 @@ def pytest_configure(config):
         _count_compile_work()
 
 
+_outcomes: dict = {}  # nodeid -> its worst phase outcome (the compile report's rows say which tests failed)
+
+
+def pytest_runtest_logreport(report):
+    if _COMPILE_REPORT and (report.when == "call" or report.outcome != "passed"):
+        if _outcomes.get(report.nodeid) in (None, "", "passed"):
+            _outcomes[report.nodeid] = report.outcome
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if not _COMPILE_REPORT:
@@ -135,19 +144,22 @@ def pytest_runtest_protocol(item, nextitem):
     _compile_work.clear()
     t0 = time.perf_counter()
     yield
-    row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - t0, 2), "maps": memory_maps()}
+    row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - t0, 2), "maps": memory_maps(),
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "outcome": _outcomes.pop(item.nodeid, "")}
     row.update({k: [n, round(s, 2)] for k, (n, s) in sorted(_compile_work.items())})
     with open(_COMPILE_REPORT, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
-# The files that take longest on the 2-core CPU machine (tests/conftest.py TESTS_COMPILE_REPORT, 2026-12-02),
-# longest first: pytest-xdist hands out whole files in collection order, so these start first and the short ones
-# fill the workers' ends (one long file left for last would run alone).
-SLOW_FILES = ("test_parallel.py", "test_offload.py", "test_quant.py", "test_spec.py", "test_benchmarks.py",
-              "test_defer.py", "test_hf_next.py", "test_route_approx.py", "test_agent_turns_bench.py",
-              "test_train_reference.py", "test_expert_ffn.py", "test_decode_attention.py", "test_loader.py",
-              "test_decode.py", "test_hf_reference.py", "test_cli.py", "test_scan.py", "test_kv_int8.py")
+# The files that take longest on the 2-core CPU machine (tests/conftest.py TESTS_COMPILE_REPORT, 2026-12-03,
+# seconds of one worker: benchmarks/results/cpu-2026-12-03-test-durations), longest first: pytest-xdist hands out
+# whole files in collection order, so these start first and the short ones fill the workers' ends (one long file
+# left for last would run alone).
+SLOW_FILES = ("test_parallel.py", "test_offload.py", "test_spec.py", "test_hf_next.py", "test_quant.py",
+              "test_expert_ffn.py", "test_benchmarks.py", "test_train_reference.py", "test_agent_turns_bench.py",
+              "test_defer.py", "test_decode.py", "test_decode_attention.py", "test_cli.py", "test_route_approx.py",
+              "test_hf_reference.py", "test_scan.py", "test_kv_int8.py", "test_api_inputs.py", "test_loader.py",
+              "test_prefill_chunks.py", "test_kernel_benches.py")
 
 
 def pytest_collection_modifyitems(config, items):

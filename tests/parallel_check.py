@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -48,10 +49,13 @@ def main(splits: list[str]) -> None:
     # All-resident engines draw their stacked weights; offloaded ones the per-layer list (other values): one
     # reference of each form.
     resident, offloaded = [s for s in splits if s.count(":") == 1], [s for s in splits if s.count(":") > 1]
+    t0 = time.perf_counter()
     refs = {"stacked": run(Engine.from_random(cfg, seed=3, **OPTS))}
     if offloaded:
         refs["list"] = run(Engine.from_random(cfg, seed=3, **{**OPTS, "layer_loop": "unrolled"}))
+    print(json.dumps({"references_s": round(time.perf_counter() - t0, 1)}), flush=True)
     for split in splits:
+        t0 = time.perf_counter()
         mode, n, *offload = split.split(":")
         extra = dict(zip(("expert_cache_slots", "pcie_frac", "cache_policy"), offload))
         eng = Engine.from_random(cfg, seed=3, devices=int(n), parallel=mode, **{**OPTS, **extra})
@@ -73,9 +77,11 @@ def main(splits: list[str]) -> None:
             out["experts"] = dict(fetched=stats.distinct_fetched, cpu=stats.distinct_cpu,
                                   resident=stats.distinct_resident)
             out["slot_devices"] = sorted({str(d) for s in eng.cache.experts if s for d in s.gate.devices()})
+        out["seconds"] = round(time.perf_counter() - t0, 1)  # where the check's time goes (the test's report)
         print(json.dumps(out), flush=True)
     # The deferral (verify_defer_cpu=1) with parallel=layers: a device block's last layer is never deferred (its rows
     # must be in the activations that leave the device), and the windows run.
+    t0 = time.perf_counter()
     if offloaded:
         eng = Engine.from_random(cfg, seed=3, devices=2, parallel="layers", verify_defer_cpu="1",
                                  **{**OPTS, "expert_cache_slots": "4", "pcie_frac": "0.5"})
@@ -84,6 +90,8 @@ def main(splits: list[str]) -> None:
                           "defer_active": eng.decode_expert_path.defer.active, "tokens": len(tokens),
                           "cpu": eng.stats.last.decode_experts.distinct_cpu}), flush=True)
     # save_state of a split engine restores on one device with the same logits (the embedded checkpoint folder)
+    print(json.dumps({"defer_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    t0 = time.perf_counter()
     import tempfile
     base = Engine.from_pretrained(None, **OPTS).prefill_logits(prompt)
     for split in resident[:2] + offloaded[:1] + [s for s in offloaded if s.startswith("experts")][:1]:
@@ -94,6 +102,7 @@ def main(splits: list[str]) -> None:
                 Path(tmp) / "state")
             again = Engine.from_pretrained(str(Path(tmp) / "state"), **OPTS).prefill_logits(prompt)
         print(json.dumps({"saved": split, "prefill": rel(again, base)}), flush=True)
+    print(json.dumps({"saved_s": round(time.perf_counter() - t0, 1)}), flush=True)
     for bad in (dict(devices=2, parallel="experts", expert_cache_slots="4", pcie_frac="0.5"), dict(devices=99),
                 dict(devices=2, parallel="experts", expert_cache_slots="4", cache_policy="static"),
                 dict(devices=4, parallel="layers")):  # the tiny model has 3 layers

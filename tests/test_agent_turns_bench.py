@@ -136,8 +136,9 @@ def test_parse_arms_order_and_env():
 
 # ---- end to end ------------------------------------------------------------------------------------------------
 
+# window=2: each worker compiles graphs of T = 1, 2 (not 1..4); the A/B's bookkeeping is the same at any window
 TINY = ["--model=embedded", "--dtype=float32", "--turns=3", "--sessions=1", "--new_tokens=4",
-        "--expert_cache_slots=4"]
+        "--expert_cache_slots=4", "--window=2"]
 
 
 def test_two_arms_end_to_end(tmp_path, cache_dir):

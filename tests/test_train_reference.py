@@ -53,8 +53,8 @@ def test_engine_logits_equal_training_forward(tiny_run, cache_dir):
     text = (Path(corpus["root"]) / corpus["heldout_files"][0]).read_bytes()[:48]
     ids = list(text)
     assert engine.encode("def f(x):\n") == list(b"def f(x):\n")  # the byte tokenizer: id = byte
-    with jax.default_matmul_precision("highest"):
-        want = np.asarray(train.forward(trained, jnp.asarray([ids], jnp.int32), cfg)[0][0])
+    with jax.default_matmul_precision("highest"):  # one jitted graph (op by op it was ~170 compiles)
+        want = np.asarray(jax.jit(train.forward, static_argnums=2)(trained, jnp.asarray([ids], jnp.int32), cfg)[0][0])
     assert want.shape == (len(ids), 257)
     assert rel_fro(engine.prefill_logits(ids), want) <= 1e-4
     assert rel_fro(engine.score(ids), want) <= 1e-4
@@ -200,12 +200,15 @@ def test_next_engine_and_mtp_equal_training_forward(tiny_next, cache_dir):
     assert engine.mtp is not None
     ids = list((Path(result["corpus"]["root"]) / result["corpus"]["heldout_files"][0]).read_bytes()[:70])
     tokens = jnp.asarray([ids], jnp.int32)
+    # Each reference pass as one jitted graph (op by op they were ~480 compiles, most of this test's time).
     with jax.default_matmul_precision("highest"):
-        want, _, hidden = train.forward(result["weights"], tokens, cfg, return_hidden=True)
-        want_mtp, _ = train.mtp_forward(result["weights"], result["mtp"], hidden[:, :-1], tokens[:, 1:], cfg)
+        want, _, hidden = jax.jit(train.forward, static_argnums=(2, 3))(result["weights"], tokens, cfg, True)
+        want_mtp, _ = jax.jit(train.mtp_forward, static_argnums=4)(result["weights"], result["mtp"], hidden[:, :-1],
+                                                                   tokens[:, 1:], cfg)
         n = len(ids) - 1
-        got_mtp, _, _ = mtp_mod.mtp_layer(loaded, loaded_mtp, mtp_mod.init_cache(cfg, 128, jnp.float32),
-                                          hidden[0, :n], tokens[0, 1:], jnp.int32(0), jnp.ones((n,), bool), cfg)
+        got_mtp, _, _ = jax.jit(mtp_mod.mtp_layer, static_argnums=7)(
+            loaded, loaded_mtp, mtp_mod.init_cache(cfg, 128, jnp.float32), hidden[0, :n], tokens[0, 1:], jnp.int32(0),
+            jnp.ones((n,), bool), cfg)
     assert rel_fro(engine.prefill_logits(ids), np.asarray(want[0])) <= 1e-4
     assert rel_fro(engine.score(ids), np.asarray(want[0])) <= 1e-4
     assert rel_fro(np.asarray(got_mtp), np.asarray(want_mtp[0])) <= 1e-4
