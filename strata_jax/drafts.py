@@ -67,6 +67,38 @@ class NgramDrafter:
         pass
 
 
+class DraftGate:
+    """When the built-in drafter keeps missing, stop asking it for a while: a verify window whose drafts were all
+    rejected costs a window of T > 1 and breaks the queue of T=1 windows (the host reads every verify window before
+    the next one goes), for no token more. After such a window the loops run `pause` tokens without drafts (T=1
+    windows queued ahead), the pause doubling from FIRST_PAUSE up to LONGEST_PAUSE with each further rejected window
+    and back to FIRST_PAUSE once a draft is accepted. Sampled text that quotes nothing (most chat) then decodes as
+    spec=0 does, and greedy text that repeats itself keeps its drafts. Placement of tokens only: the output is the
+    same (greedy: the same tokens; sampled: the same key per position)."""
+    FIRST_PAUSE = 4
+    LONGEST_PAUSE = 128
+
+    def __init__(self) -> None:
+        self.pause = self.FIRST_PAUSE
+        self.quiet_until = 0  # no drafts until the request has made this many tokens
+        self.pauses = 0  # rejected windows that started a pause
+
+    def open(self, made: int) -> bool:
+        """Whether to ask the drafter, the request having made `made` tokens."""
+        return made >= self.quiet_until
+
+    def after_window(self, made: int, proposed: int, accepted: int) -> None:
+        """A verify window of `proposed` drafts accepted `accepted`; the request has now made `made` tokens."""
+        if proposed == 0:
+            return
+        if accepted:
+            self.pause = self.FIRST_PAUSE
+            return
+        self.quiet_until = made + self.pause
+        self.pause = min(2 * self.pause, self.LONGEST_PAUSE)
+        self.pauses += 1
+
+
 def make_drafter(name: str) -> Drafter:
     # device: the host loop's tail; mtp without an MTP module: the n-gram drafter
     return NgramDrafter() if name in ("ngram", "device", "mtp") else NoDrafter()

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import mtp as mtp_mod
+from strata_jax.drafts import DraftGate, NgramDrafter
 from strata_jax.sampling import SamplingParams, form_of
 from strata_jax.stats import RequestStats
 
@@ -51,15 +52,23 @@ class Request:
     # give logits and the samplers alone draw (several devices, draft=mtp)
     sampled_windows: Mapping[int, Callable] | None = None
     sampled: bool = dataclasses.field(init=False)  # temperature > 0
+    # The built-in n-gram drafter's pauses after rejected windows (drafts.DraftGate); None for other drafters (an
+    # API Drafter object is asked at every window, as its author expects; MTP drafts come from the window graph)
+    gate: DraftGate | None = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.sampled = float(self.sampling.temperature) > 0
+        self.gate = DraftGate() if isinstance(self.drafter, NgramDrafter) else None
         if not self.sampled:
             self.form, self.sampled_windows = None, None
         elif self.form is None:
             self.form = form_of(int(self.sampling.top_k), float(self.sampling.top_p))
         if self.mtp is not None:  # the module's drafts follow the window's hidden rows (verify_window)
             self.sampled_windows = None
+
+    def drafting(self) -> bool:
+        """Whether the drafter is asked now (not within a pause of the gate)."""
+        return self.gate is None or self.gate.open(len(self.out))
 
     @property
     def mtp(self) -> mtp_mod.MTPDrafter | None:
@@ -138,7 +147,7 @@ def decode_verify(engine: Engine, r: Request) -> None:
         if next_drafts is not None:
             drafts = next_drafts[:k]
         else:  # the first window after the prefill (or any window of another drafter)
-            drafts = r.drafter.propose(context, k) if k > 0 else []
+            drafts = r.drafter.propose(context, k) if k > 0 and r.drafting() else []
         if not drafts and r.mtp is None:
             # Nothing to verify: T=1 windows queued ahead (as decode_pipelined) until the drafter proposes again
             ready = queued_windows(engine, r, context)
@@ -166,6 +175,10 @@ def decode_verify(engine: Engine, r: Request) -> None:
         r.stats.window_tokens += len(drafts) + 1
         r.stats.drafts_proposed += len(drafts)
         r.stats.drafts_accepted += accepted
+        if r.gate is not None:
+            pauses = r.gate.pauses
+            r.gate.after_window(len(r.out) + len(new), len(drafts), accepted)
+            r.stats.draft_pauses += r.gate.pauses - pauses
         if made is not None:
             next_drafts = mtp_mod.draft_tokens(made, engine.cfg.vocab_size)
         else:
@@ -216,7 +229,7 @@ def queued_windows(engine: Engine, r: Request, context: list[int] | None) -> flo
                 return None
             if context is not None:
                 k = min(r.spec, r.budget - len(r.out) - len(in_flight) - 1)
-                proposes = proposes or (k > 0 and bool(r.drafter.propose(context, k)))
+                proposes = proposes or (k > 0 and r.drafting() and bool(r.drafter.propose(context, k)))
                 if proposes and not in_flight:
                     return read
 

@@ -73,6 +73,7 @@ class RequestStats:
     window_tokens: int = 0  # tokens those windows ran (the last accepted one + drafts)
     drafts_proposed: int = 0
     drafts_accepted: int = 0
+    draft_pauses: int = 0  # rejected verify windows after which the n-gram drafter paused (drafts.DraftGate)
     # Verify windows: host time from one window's result to the next window's dispatch (the device idles then;
     # the T=1 loop without drafts queues the next window before it reads, so it has no such gap).
     host_gap_s: float = 0.0
@@ -116,7 +117,8 @@ class RequestStats:
         rate = self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
         gap = (f"; host time between windows {self.host_gap_s / self.host_gaps * 1e3:.2f} ms (mean of "
                f"{self.host_gaps})" if self.host_gaps else "")
-        return (f"drafts: proposed {self.drafts_proposed}, accepted {self.drafts_accepted} ({rate:.0%}); "
+        pauses = f", paused {self.draft_pauses} times after a rejected window" if self.draft_pauses else ""
+        return (f"drafts: proposed {self.drafts_proposed}, accepted {self.drafts_accepted} ({rate:.0%}){pauses}; "
                 f"{self.windows} windows, mean accepted per window {self.mean_accepted:.2f}, "
                 f"mean window size {self.mean_window:.2f}{gap}")
 

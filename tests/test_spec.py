@@ -14,7 +14,7 @@ import pytest
 
 from conftest import run_cli
 from strata_jax import StrataError
-from strata_jax.drafts import NgramDrafter
+from strata_jax.drafts import DraftGate, NgramDrafter
 from strata_jax.sampling import SamplingParams, filtered_logits, verify
 
 W = 5
@@ -293,6 +293,55 @@ def test_windows_without_drafts_run_queued_ahead_with_the_same_tokens(engine_fac
     stop = plain[7]
     cut = plain[:plain.index(stop) + 1]
     assert eng.generate(fresh, 40, spec=3, draft="none", stop_token_ids=[stop]) == cut
+
+
+def test_the_draft_gate_pauses_after_rejected_windows():
+    gate = DraftGate()
+    assert gate.open(0)
+    gate.after_window(10, 0, 0)  # a window without drafts says nothing
+    assert gate.open(10) and gate.pauses == 0
+    made, pauses = 10, []
+    for _ in range(8):  # rejected windows in a row: pauses of 4, 8, ... up to the longest
+        gate.after_window(made, 3, 0)
+        assert not gate.open(made) and not gate.open(gate.quiet_until - 1) and gate.open(gate.quiet_until)
+        pauses.append(gate.quiet_until - made)
+        made = gate.quiet_until + 1
+    assert pauses == [4, 8, 16, 32, 64, 128, 128, 128] and gate.pauses == 8
+    gate.after_window(made, 3, 1)  # an accepted draft: open, and the next pause is short again
+    assert gate.open(made)
+    gate.after_window(made + 2, 3, 0)
+    assert gate.quiet_until == made + 2 + DraftGate.FIRST_PAUSE
+
+
+def test_the_ngram_drafter_pauses_after_rejected_windows_with_the_same_tokens(engine_factory, prompt):
+    """Sampled text that quotes nothing: the built-in drafter's rejected windows pause it (T=1 windows queued ahead
+    meanwhile), so the request runs fewer verify windows than one that asks the same drafter at every window (an
+    API Drafter object is never paused). Greedy: every run gives the spec=0 loop's tokens; sampled: a seed
+    reproduces its run (a rejected draft's residual draw is a draw of its own, so runs with other windows differ)."""
+    eng = resident(engine_factory)
+    rng = np.random.default_rng(21)
+    fresh = rng.permutation(256)[:24].tolist()
+    fewer = 0
+    for sampling in (dict(temperature=1.0, seed=3), dict(temperature=0.7, top_k=20, top_p=0.8, seed=4), dict()):
+        plain = eng.generate(fresh + prompt, 48, spec=0, stop_token_ids=[], **sampling)
+        gated = eng.generate(fresh + prompt, 48, spec=3, stop_token_ids=[], **sampling)
+        g = eng.stats.last
+        asked = eng.generate(fresh + prompt, 48, spec=3, draft=NgramDrafter(), stop_token_ids=[], **sampling)
+        a = eng.stats.last
+        if sampling:
+            assert eng.generate(fresh + prompt, 48, spec=3, stop_token_ids=[], **sampling) == gated, sampling
+            assert len(gated) == len(plain) == 48
+        else:
+            assert gated == plain and asked == plain
+        assert a.draft_pauses == 0 and g.window_tokens == g.windows + g.drafts_proposed
+        if sampling:  # drafts of the prompt's motif on sampled text: mostly rejected
+            assert a.drafts_proposed - a.drafts_accepted > 3 * a.drafts_accepted, (sampling, a)
+            assert g.draft_pauses > 0 and "paused" in g.draft_summary()
+            assert g.drafts_proposed <= a.drafts_proposed and g.host_gaps <= a.host_gaps, (sampling, g, a)
+            fewer += a.drafts_proposed - g.drafts_proposed
+        else:
+            assert g.drafts_accepted > 0  # the motif repeats under greedy: the drafts keep working
+    assert fewer > 0  # the pauses saved drafts (windows of T > 1)
 
 
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
