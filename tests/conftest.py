@@ -162,14 +162,14 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 # The files that take longest on the 2-core CPU machine (tests/conftest.py TESTS_COMPILE_REPORT, 2026-12-03,
-# seconds of one worker: benchmarks/results/cpu-2026-12-03-test-durations), longest first: pytest-xdist hands out
-# whole files in collection order, so these start first and the short ones fill the workers' ends (one long file
-# left for last would run alone).
-SLOW_FILES = ("test_parallel.py", "test_offload.py", "test_spec.py", "test_hf_next.py", "test_quant.py",
-              "test_expert_ffn.py", "test_benchmarks.py", "test_train_reference.py", "test_agent_turns_bench.py",
-              "test_defer.py", "test_decode.py", "test_decode_attention.py", "test_cli.py", "test_route_approx.py",
-              "test_hf_reference.py", "test_scan.py", "test_kv_int8.py", "test_api_inputs.py", "test_loader.py",
-              "test_prefill_chunks.py", "test_kernel_benches.py")
+# seconds of one worker, less this round's cuts: benchmarks/results/cpu-2026-12-03-test-durations), longest first:
+# pytest-xdist hands out whole files in collection order, so these start first and the short ones fill the
+# workers' ends (one long file left for last would run alone).
+SLOW_FILES = ("test_parallel.py", "test_offload.py", "test_hf_next.py", "test_spec.py", "test_benchmarks.py",
+              "test_decode_attention.py", "test_train_reference.py", "test_hf_reference.py", "test_expert_ffn.py",
+              "test_cli.py", "test_decode.py", "test_quant.py", "test_route_approx.py", "test_defer.py",
+              "test_kv_int8.py", "test_agent_turns_bench.py", "test_scan.py", "test_loader.py",
+              "test_kernel_benches.py", "test_prefill_chunks.py", "test_chat.py", "test_api_inputs.py")
 
 
 def pytest_collection_modifyitems(config, items):
