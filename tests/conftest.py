@@ -40,13 +40,23 @@ def hf_fixture_names() -> list[str]:
                   if (p / "config.json").is_file() and (p / "reference.npz").is_file())
 
 
+def tests_compile_graphs() -> str:
+    """When the suite's engines compile their window / prefill graphs: lazy on a CPU (compiling is the suite's time),
+    ahead where nvidia-smi is found (the GPU tests run the graphs as users do); TESTS_COMPILE_GRAPHS overrides."""
+    return os.environ.get("TESTS_COMPILE_GRAPHS", "ahead" if shutil.which("nvidia-smi") else "lazy")
+
+
 def run_cli(args, cache_dir, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m strata_jax.decode ARGS --cache_dir=...` from the repo root, with `env` added to the environment;
-    stdout and stderr as bytes (the embedded model's text is arbitrary bytes)."""
+    stdout and stderr as bytes (the embedded model's text is arbitrary bytes). The run compiles as the test
+    process's engines do (tests_compile_graphs: on a CPU --compile_graphs=lazy, the window sizes it runs, not
+    T = 1..W and the prefill ahead) unless ARGS name --compile_graphs; the graphs and the output are the same."""
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}, PYTHONIOENCODING="utf-8",
                **(env or {}))
     if not any(str(a).startswith("--model") for a in args):
         args = ["--model=embedded", *args]  # the tests' tiny model (the CLI's default is the reference model)
+    if not any(str(a).startswith("--compile_graphs") for a in args):
+        args = [*args, f"--compile_graphs={tests_compile_graphs()}"]
     return subprocess.run([sys.executable, "-m", "strata_jax.decode", *args, f"--cache_dir={cache_dir}"],
                           cwd=REPO, env=env, capture_output=True, timeout=timeout)
 
@@ -100,8 +110,8 @@ def _lazy_graphs_by_default() -> None:
     """The test process's engines compile each window / prefill graph on its first use (compile_graphs=lazy)
     unless a test asks otherwise: most tests run one or two of an engine's W window sizes, and compiling is the
     suite's time. The graphs, and so every assertion, are the same (test_decode checks lazy against ahead); the
-    CLI subprocesses keep the default (ahead). TESTS_COMPILE_GRAPHS=ahead runs the suite with the default (the
-    default where nvidia-smi is found)."""
+    CLI subprocesses of run_cli pass --compile_graphs the same way. TESTS_COMPILE_GRAPHS=ahead runs the suite with
+    the default (the default where nvidia-smi is found)."""
     from strata_jax.engine import Engine
     for name in ("from_pretrained", "from_random"):
         original = getattr(Engine, name).__func__
@@ -119,7 +129,7 @@ def pytest_configure(config):
     # graphs.compile_shared instead, in memory; the CLI subprocesses keep the cache (their --cache_dir).
     import jax
     jax.config.update("jax_enable_compilation_cache", False)
-    if os.environ.get("TESTS_COMPILE_GRAPHS", "ahead" if shutil.which("nvidia-smi") else "lazy") == "lazy":
+    if tests_compile_graphs() == "lazy":
         _lazy_graphs_by_default()  # on a CPU only, as the -O0 flags: the GPU tests run the graphs as users do
     if _COMPILE_REPORT:
         _count_compile_work()
@@ -152,14 +162,14 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 # The files that take longest on the 2-core CPU machine (tests/conftest.py TESTS_COMPILE_REPORT, 2026-12-03,
-# seconds of one worker: benchmarks/results/cpu-2026-12-03-test-durations), longest first: pytest-xdist hands out
-# whole files in collection order, so these start first and the short ones fill the workers' ends (one long file
-# left for last would run alone).
-SLOW_FILES = ("test_parallel.py", "test_offload.py", "test_spec.py", "test_hf_next.py", "test_quant.py",
-              "test_expert_ffn.py", "test_benchmarks.py", "test_train_reference.py", "test_agent_turns_bench.py",
-              "test_defer.py", "test_decode.py", "test_decode_attention.py", "test_cli.py", "test_route_approx.py",
-              "test_hf_reference.py", "test_scan.py", "test_kv_int8.py", "test_api_inputs.py", "test_loader.py",
-              "test_prefill_chunks.py", "test_kernel_benches.py")
+# seconds of one worker, less this round's cuts: benchmarks/results/cpu-2026-12-03-test-durations), longest first:
+# pytest-xdist hands out whole files in collection order, so these start first and the short ones fill the
+# workers' ends (one long file left for last would run alone).
+SLOW_FILES = ("test_parallel.py", "test_offload.py", "test_hf_next.py", "test_spec.py", "test_benchmarks.py",
+              "test_decode_attention.py", "test_train_reference.py", "test_hf_reference.py", "test_expert_ffn.py",
+              "test_cli.py", "test_decode.py", "test_quant.py", "test_route_approx.py", "test_defer.py",
+              "test_kv_int8.py", "test_agent_turns_bench.py", "test_scan.py", "test_loader.py",
+              "test_kernel_benches.py", "test_prefill_chunks.py", "test_chat.py", "test_api_inputs.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -38,7 +38,9 @@ def main(splits: list[str]) -> None:
     cfg = preset("tiny")
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 256, 21).tolist()  # two prefill chunks (16 + 5)
-    text = (prompt * 2)[:30]  # repeats: the n-gram drafter proposes, windows of T = 4 run
+    # repeats: the n-gram drafter proposes, windows of T = 4 run; 28 tokens, whole windows of 4 for score (30 ran a
+    # last window of 2: one more pipeline of graphs per split, T = 2 being no size the check names)
+    text = (prompt * 2)[:28]
     def run(eng):
         return dict(prefill=eng.prefill_logits(prompt), w1=eng.score(text, window=1), w4=eng.score(text, window=4),
                     gen1=eng.generate(text, max_new_tokens=10, draft="none"),

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, tests_compile_graphs
 from strata_jax import StrataError
 from strata_jax.chat import load_chat_template, load_generation_config
 from strata_jax.tokenizer import load_tokenizer
@@ -122,7 +122,8 @@ def test_no_chat_template_is_one_line(engine, monkeypatch):
 def test_cli_chat_repl_streams_replies_and_reuses_the_conversation(cache_dir):
     """--chat without a prompt: a REPL on stdin; the second turn reuses the first turn's KV rows."""
     proc = subprocess.run([sys.executable, "-m", "strata_jax.decode", "--model=embedded", "--chat", "--dtype=float32",
-                           "--window=4", "--context=256", "--max_new_tokens=6", f"--cache_dir={cache_dir}"],
+                           "--window=4", "--context=256", "--max_new_tokens=6", f"--cache_dir={cache_dir}",
+                           f"--compile_graphs={tests_compile_graphs()}"],  # as run_cli: lazy on a CPU
                           input=b"reverse a list\nand sort it\n", cwd=REPO, capture_output=True, timeout=300)
     err = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 0 and "Traceback" not in err, err

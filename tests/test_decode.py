@@ -412,6 +412,7 @@ def test_plain_sampler_draws_the_filtered_samplers_tokens_when_top_k_and_top_p_a
     one, in sampling and in speculative verification; with a filter on, the two differ."""
     from strata_jax import graphs
     from strata_jax.sampling import verify
+    jit_verify = jax.jit(verify, static_argnums=4)  # as the engine's graphs run it (op by op: ~80 compiles)
     rng = np.random.default_rng(13)
     logits = jnp.asarray(rng.normal(size=(64, 257)) * 3, jnp.float32)  # [T, V]
     positions = jnp.arange(100, 164, dtype=jnp.int32)
@@ -421,7 +422,8 @@ def test_plain_sampler_draws_the_filtered_samplers_tokens_when_top_k_and_top_p_a
         assert np.array_equal(graphs.jit_sample("plain")(logits, positions, params), filtered)
         assert len(set(np.asarray(filtered).tolist())) > 10  # sampled, not argmax
         drafts = jnp.asarray(rng.integers(0, 257, 63), jnp.int32)
-        a, b = verify(logits, drafts, positions, params, "sorted"), verify(logits, drafts, positions, params, "plain")
+        a, b = jit_verify(logits, drafts, positions, params, "sorted"), jit_verify(logits, drafts, positions, params,
+                                                                                 "plain")
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     top_k = SamplingParams.make(1.0, 1.0, 5, 3)
     assert not np.array_equal(graphs.jit_sample("sorted")(logits, positions, top_k),

@@ -85,37 +85,43 @@ def deferred_reference(eng, tokens, window: int, below: float) -> np.ndarray:
     last = cfg.num_layers - 1
     # the experts live in pinned host memory: device copies for the reference
     experts = [[jnp.asarray(np.asarray(getattr(layer.ffn, n))) for n in ("gate", "up", "down")] for layer in w.layers]
+
+    def one_window(w, experts, k_cache, v_cache, part, start):  # jitted below: op by op it was ~250 compiles
+        valid = jnp.ones(part.shape, bool)
+        h = w.embed[part]
+        late = None
+        for i, layer in enumerate(w.layers):
+            a, k_cache[i], v_cache[i] = model.attention(model.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps),
+                                                        layer.attn, k_cache[i], v_cache[i], start, cfg)
+            h = h + a
+            if late is not None:
+                h, late = h + late, None
+            x = model.rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
+            r = moe.route(x, layer.ffn.router, cfg, valid)
+            heavy = r.topk_weights >= below if below < 1 else jnp.zeros(r.topk_weights.shape, bool)
+            rows = []
+            for mask in (heavy, ~heavy):
+                kept = jnp.where(mask, r.topk_weights, 0.0)
+                combine = jnp.sum(jnp.where(r.topk_ids[:, :, None] == r.expert_ids[None, None, :],
+                                            kept[:, :, None], 0.0), axis=1)
+                ids = jnp.maximum(r.expert_ids, 0)
+                gate, up, down = experts[i]
+                rows.append(moe.expert_ffn(x, gate[ids], up[ids], down[ids], combine))
+            if i == last:
+                h = h + (rows[0] + rows[1])
+            else:
+                h, late = h + rows[0], rows[1]
+        h = model.rms_norm(h, w.final_norm, cfg.rms_norm_eps)
+        head = w.embed.T if w.lm_head is None else w.lm_head
+        return h @ head, k_cache, v_cache
+
+    step = jax.jit(one_window)  # one graph per window length (the window, and the last one's remainder)
     out = []
     with jax.default_matmul_precision("highest"):
         for start in range(0, len(tokens), window):
-            part = jnp.asarray(tokens[start:start + window], jnp.int32)
-            valid = jnp.ones(part.shape, bool)
-            h = w.embed[part]
-            late = None
-            for i, layer in enumerate(w.layers):
-                a, k_cache[i], v_cache[i] = model.attention(model.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps),
-                                                            layer.attn, k_cache[i], v_cache[i], jnp.int32(start), cfg)
-                h = h + a
-                if late is not None:
-                    h, late = h + late, None
-                x = model.rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
-                r = moe.route(x, layer.ffn.router, cfg, valid)
-                heavy = r.topk_weights >= below if below < 1 else jnp.zeros(r.topk_weights.shape, bool)
-                rows = []
-                for mask in (heavy, ~heavy):
-                    kept = jnp.where(mask, r.topk_weights, 0.0)
-                    combine = jnp.sum(jnp.where(r.topk_ids[:, :, None] == r.expert_ids[None, None, :],
-                                                kept[:, :, None], 0.0), axis=1)
-                    ids = jnp.maximum(r.expert_ids, 0)
-                    gate, up, down = experts[i]
-                    rows.append(moe.expert_ffn(x, gate[ids], up[ids], down[ids], combine))
-                if i == last:
-                    h = h + (rows[0] + rows[1])
-                else:
-                    h, late = h + rows[0], rows[1]
-            h = model.rms_norm(h, w.final_norm, cfg.rms_norm_eps)
-            head = w.embed.T if w.lm_head is None else w.lm_head
-            out.append(np.asarray(h @ head, np.float32))
+            logits, k_cache, v_cache = step(w, experts, k_cache, v_cache,
+                                            jnp.asarray(tokens[start:start + window], jnp.int32), jnp.int32(start))
+            out.append(np.asarray(logits, np.float32))
     return np.concatenate(out)
 
 

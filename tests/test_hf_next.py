@@ -272,13 +272,15 @@ def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder
 
     seq = np.asarray(prompt + plain, np.int32)
     cfg = engine.cfg
-    with jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision("highest"):  # each pass one jitted graph (op by op: ~350 compiles)
         cache = model.init_cache(cfg, seq.size + 8, jnp.float32, ring=W + 1)
-        _, _, hidden = model.forward(engine.weights, cache, jnp.asarray(seq), jnp.int32(0), jnp.int32(seq.size),
-                                     cfg, return_hidden=True)
+        forward = jax.jit(model.forward, static_argnums=5, static_argnames="return_hidden")
+        _, _, hidden = forward(engine.weights, cache, jnp.asarray(seq), jnp.int32(0), jnp.int32(seq.size), cfg,
+                               return_hidden=True)
         n = seq.size - 1
-        logits, _, _ = mtp_mod.mtp_layer(engine.weights, engine.mtp, mtp_mod.init_cache(cfg, seq.size + 8, jnp.float32),
-                                         hidden[:n], jnp.asarray(seq[1:]), jnp.int32(0), jnp.ones((n,), bool), cfg)
+        logits, _, _ = jax.jit(mtp_mod.mtp_layer, static_argnums=7)(
+            engine.weights, engine.mtp, mtp_mod.init_cache(cfg, seq.size + 8, jnp.float32), hidden[:n],
+            jnp.asarray(seq[1:]), jnp.int32(0), jnp.ones((n,), bool), cfg)
     logits = np.asarray(logits)
     for at, draft in firsts:  # the last window's rows may pass the sequence
         if at < n:

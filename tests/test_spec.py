@@ -209,9 +209,13 @@ def test_host_time_between_verify_windows_is_measured(engine_factory, prompt):
 
 def test_device_ngram_proposes_what_the_host_drafter_proposes():
     """strata_jax.device_drafts.ngram_propose against drafts.NgramDrafter on random histories (small vocabularies,
-    so suffixes of 1..3 tokens recur), a short look-back window included."""
+    so suffixes of 1..3 tokens recur), a short look-back window included. Jitted (as the engine runs it) on
+    histories padded to one length with more tokens past the history: one compile per (k, window), not an eager
+    op-by-op trace per history length (~1000 compiles)."""
     from strata_jax.device_drafts import ngram_propose
-    rng = np.random.default_rng(9)
+    propose = jax.jit(ngram_propose, static_argnums=2, static_argnames="window")
+    rng, pad_rng = np.random.default_rng(9), np.random.default_rng(10)
+    padded = 64  # > the longest history array drawn below (39 + 5 + 7)
     checked = 0
     for window in (4096, 7):
         host = NgramDrafter(window=window)
@@ -222,7 +226,8 @@ def test_device_ngram_proposes_what_the_host_drafter_proposes():
             hist = np.zeros(n + k + int(rng.integers(0, 8)), np.int32)
             hist[:n] = tokens
             hist[n:] = rng.integers(0, 50, hist.size - n)  # past the history: must never be read as context
-            drafts, m = ngram_propose(jnp.asarray(hist), jnp.int32(n), k, window=window)
+            hist = np.concatenate([hist, pad_rng.integers(0, 50, padded - hist.size).astype(np.int32)])
+            drafts, m = propose(jnp.asarray(hist), jnp.int32(n), k, window=window)
             assert np.asarray(drafts)[:int(m)].tolist() == host.propose(tokens, k), (tokens, k, window)
             checked += int(m) > 0
     assert checked > 100  # most cases found a draft
