@@ -72,8 +72,10 @@ class DraftGate:
     rejected costs a window of T > 1 and breaks the queue of T=1 windows (the host reads every verify window before
     the next one goes), for no token more. After such a window the loops run `pause` tokens without drafts (T=1
     windows queued ahead), the pause doubling from FIRST_PAUSE up to LONGEST_PAUSE with each further rejected window
-    and back to FIRST_PAUSE once a draft is accepted. Sampled text that quotes nothing (most chat) then decodes as
-    spec=0 does, and greedy text that repeats itself keeps its drafts. Placement of tokens only: the output is the
+    and halving (down to FIRST_PAUSE) with each window that accepts a draft: a drafter right once in many windows
+    (sampled text, where a match of the context is one candidate among top_k) stays mostly paused, one that keeps
+    being right keeps drafting. Sampled text that quotes nothing (most chat) then decodes as spec=0 does, and greedy
+    text that repeats itself keeps its drafts. Placement of tokens only: the output is the
     same (greedy: the same tokens; sampled: the same key per position)."""
     FIRST_PAUSE = 4
     LONGEST_PAUSE = 128
@@ -92,7 +94,7 @@ class DraftGate:
         if proposed == 0:
             return
         if accepted:
-            self.pause = self.FIRST_PAUSE
+            self.pause = max(self.pause // 2, self.FIRST_PAUSE)
             return
         self.quiet_until = made + self.pause
         self.pause = min(2 * self.pause, self.LONGEST_PAUSE)

@@ -312,10 +312,16 @@ def test_the_draft_gate_pauses_after_rejected_windows():
         pauses.append(gate.quiet_until - made)
         made = gate.quiet_until + 1
     assert pauses == [4, 8, 16, 32, 64, 128, 128, 128] and gate.pauses == 8
-    gate.after_window(made, 3, 1)  # an accepted draft: open, and the next pause is short again
+    gate.after_window(made, 3, 1)  # an accepted draft: open, and the next pause half as long
     assert gate.open(made)
     gate.after_window(made + 2, 3, 0)
-    assert gate.quiet_until == made + 2 + DraftGate.FIRST_PAUSE
+    assert gate.quiet_until == made + 2 + 64
+    made = gate.quiet_until
+    for _ in range(6):  # a run of accepting windows brings it down to the shortest pause
+        gate.after_window(made, 3, 2)
+        assert gate.open(made)
+    gate.after_window(made, 3, 0)
+    assert gate.quiet_until == made + DraftGate.FIRST_PAUSE and gate.pauses == 10
 
 
 def test_the_ngram_drafter_pauses_after_rejected_windows_with_the_same_tokens(engine_factory, prompt):
