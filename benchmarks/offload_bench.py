@@ -90,6 +90,9 @@ flags.DEFINE_float("embed_scale", 1.0, "Multiply the random embedding by this (1
                    "steer its routing (80% of the entries on a quarter of the experts at 50): more misses, the regime where PCIe "
                    "bytes bound the decode.",
                    lower_bound=0.0, flag_values=FLAGS)
+flags.DEFINE_bool("unrolled_baseline", False, "Also run every expert on the device with layer_loop=unrolled (one copy "
+                  "of the layer per layer, as the offload graphs are): what the S=E arm's overhead over all-resident "
+                  "owes to the unrolled graph, and what to the offload calls.", flag_values=FLAGS)
 flags.DEFINE_string("cache_dir", "", "Engine cache_dir: persistent compilation cache under <dir>/jax ('' = "
                     "~/.cache/strata_jax).", flag_values=FLAGS)
 
@@ -411,6 +414,24 @@ def run(s) -> dict:
     result["arms"].append(base)
     common.progress(f"arm all-resident: {base['decode_tok_s']:,.1f} tok/s (compile {base['compile_s']:.1f} s)")
     save()
+    if s.unrolled_baseline:
+        common.progress("arm all-resident unrolled: building the engine (layer_loop=unrolled)")
+        del engine
+        gc.collect()
+        t0 = time.perf_counter()
+        engine = Engine(cfg, weights_dev, build(EngineOptions, dict(opts_common, expert_cache_slots="all",
+                                                                      layer_loop="unrolled")), verbose=False)
+        unrolled = dict(arm="all-resident unrolled", slots="all", slot_frac=None, pcie_frac=None,
+                        pcie_frac_chosen=None, expected_hit_rate=1.0, build_s=time.perf_counter() - t0,
+                        compile_s=engine.stats.compile_s)
+        timed(engine, unrolled)
+        unrolled.update(x_vs_all_resident=unrolled["decode_tok_s"] / base["decode_tok_s"],
+                        overhead_ms_per_token=unrolled["ms_per_token"] - base["ms_per_token"],
+                        tokens_match_baseline=unrolled["tokens"] == base["tokens"])
+        result["arms"].append(unrolled)
+        common.progress(f"arm all-resident unrolled: {unrolled['decode_tok_s']:,.1f} tok/s "
+                        f"(compile {unrolled['compile_s']:.1f} s)")
+        save()
     del engine, weights_dev
     gc.collect()  # the device copy of the experts goes before the offload arms
 
