@@ -1,7 +1,7 @@
 """Pool throughput for a Qwen3-30B-A3B-sized layer job, per store format and path, beside what the cores can read.
 
     python -m host_pool.measure [--threads N] [--experts 8] [--formats bf16,int8,int4] [--paths C,numpy]
-                                [--read_mb 2048]
+                                [--read_mb 2048] [--variants "default PREFETCH_BYTES=0 ROWS_UP=64,ROWS_DOWN=32"]
 
 One row per format, path and window size T: ms per layer job, ms per expert (the job's wall time / its experts),
 GB/s = expert weight bytes read (q and scales for int8 / int4) / wall time, that GB/s as a share of the machine's
@@ -10,7 +10,8 @@ first: `--threads` threads summing one large array (`--read_mb`, far larger than
 of 5; the one-thread `np.copyto` rate is printed beside it. Path "C" is the expert kernel of host_pool/native.py
 (native_experts.c, one call per job), "numpy" the BLAS thread jobs (STRATA_POOL_NATIVE=0). Experts are drawn from
 a larger store (--store-experts) so weights come from DRAM, not cache. int8 and int4 weights are random q and scales
-(the arithmetic's speed does not depend on their values).
+(the arithmetic's speed does not depend on their values). --variants: path "C" once per build of the kernel, each
+with its -D macros (comma-separated; "default": none), side by side; "vs bf16" compares with bf16 of the same build.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ def main() -> None:
     parser.add_argument("--formats", default="bf16,int8,int4", help=f"comma-separated, of {', '.join(FORMATS)}")
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of C (the expert kernel), numpy")
     parser.add_argument("--read_mb", type=int, default=2048, help="array size of the read-bandwidth probe")
+    parser.add_argument("--variants", default="default",
+                        help='space-separated builds of path C: "default" or comma-separated -D macros of '
+                             'native_experts.c, e.g. "default PREFETCH_BYTES=0 ROWS_UP=64,ROWS_DOWN=32"')
     args = parser.parse_args()
     pool_module.JOBS_PER_THREAD = args.jobs_per_thread
     store_module.CHUNK_FLOATS = args.chunk_kb * 1024 // 4
@@ -141,17 +145,32 @@ def main() -> None:
     read_text = f"{read:.1f} GB/s" if read else "n/a (no native build)"
     print(f"read bandwidth: {read_text} ({args.threads} threads reading {args.read_mb} MB, best of 5); "
           f"np.copyto 512 MB, 1 thread: {copy:.1f} GB/s", flush=True)
-    print(f"{'store format':20s} {'path':5s} {'store MB':>9s} {'T':>2s} {'ms/job':>8s} {'ms/expert':>9s} "
+    kernels = {"C": None}  # path -> the variant's kernel (None: native.experts_kernel's default build)
+    if "C" in paths and args.variants.split() != ["default"]:
+        kernels = {}
+        for variant in args.variants.split():
+            defines = () if variant == "default" else tuple(variant.split(","))
+            kernel, line = native.experts_variant(defines) if defines else (native.experts_kernel(), "default")
+            print(f"variant {variant}: {line}")
+            if kernel is None:
+                parser.error(f"variant {variant} did not build")
+            kernels["C" if variant == "default" else f"C {variant}"] = kernel
+        paths = [p for p in paths if p != "C"] + list(kernels)
+    width = max(5, *map(len, paths))
+    print(f"{'store format':20s} {'path':{width}s} {'store MB':>9s} {'T':>2s} {'ms/job':>8s} {'ms/expert':>9s} "
           f"{'GB/s':>7s} {'of read':>8s} {'vs bf16':>8s} {'jobs':>5s}")
     bf16_ms = {}
+    default_kernel = native.experts_kernel
     for fmt in formats:
         name, store = make_store(fmt, rng, E, H, I)  # one at a time: only its weights in memory
         host_mb = store.nbytes(0, 0) * E / 1e6
         for path in paths:
             os.environ[native.ENV] = "0" if path == "numpy" else switch  # read at each job
             if path == "C" and native.experts_kernel() is None:
-                print(f"{name:20s} {path:5s} skipped: {native.describe_experts()}")
+                print(f"{name:20s} {path:{width}s} skipped: {native.describe_experts()}")
                 continue
+            if kernels.get(path) is not None:  # a variant: the pool's jobs call it instead of the default build
+                native.experts_kernel = lambda kernel=kernels[path]: kernel
             pool = HostPool(store, threads=args.threads, blas_threads=blas_threads)
             for T in windows:
                 ms, gbps, jobs = pool_row(pool, rng, T, args.experts, H, args.repeats)
@@ -159,9 +178,10 @@ def main() -> None:
                     bf16_ms[path, T] = ms
                 share = f"{gbps / read:7.1%}" if read else "n/a"
                 ratio = f"{ms / bf16_ms[path, T]:7.2f}x" if (path, T) in bf16_ms else "-"
-                print(f"{name:20s} {path:5s} {host_mb:9.0f} {T:2d} {ms:8.2f} {ms / args.experts:9.3f} "
+                print(f"{name:20s} {path:{width}s} {host_mb:9.0f} {T:2d} {ms:8.2f} {ms / args.experts:9.3f} "
                       f"{gbps:7.2f} {share:>8s} {ratio:>8s} {jobs:5d}", flush=True)
             pool.close()
+            native.experts_kernel = default_kernel
         del store
     os.environ[native.ENV] = switch
 

@@ -161,6 +161,13 @@ def _build_experts() -> tuple:
     return _experts_built
 
 
+def experts_variant(defines: tuple) -> tuple:
+    """(ExpertsKernel or None, its line): native_experts.c built with the first of EXPERTS_FLAGS and -D`define` for
+    each of `defines` ("ROWS_UP=64", ...), cached as the default build is; host_pool/measure.py's --variants."""
+    flags = (*EXPERTS_FLAGS[0], *(f"-D{define}" for define in defines))
+    return _compile_and_load(EXPERTS_SOURCE, (flags,), "expert jobs", ExpertsKernel)
+
+
 FFI_SOURCE = Path(__file__).with_name("native_ffi.cc")
 FFI_TARGET = "strata_pool_layer"
 # The offload layer calls (native_ffi.cc): fetch and pool work enqueued on the graph's stream, no read-back.

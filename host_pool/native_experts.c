@@ -15,7 +15,15 @@
    The products are float32 dot products over the build's vector lanes (AVX-512 or AVX2 intrinsics, else GNU vector
    types), weights widened in registers: bf16 by a 16-bit shift, int8 by a sign extension, int4 nibble pairs in GGUF
    Q4_0's order (in each group of `group` inputs, byte b holds input b in its low nibble and input b + group/2 in its
-   high one, stored q + 8). The lanes are summed at the end of a row: a fixed order for a build. */
+   high one, stored q + 8) looked up in a per-group table of the 16 dequantized values (AVX-512: one permute per 16
+   weights; the product is then that of the dequantized weight, as numpy's path). The lanes are summed at the end
+   of a row: a fixed order for a build. The weights are prefetched PREFETCH_BYTES ahead of the reads (see
+   prefetch_ahead): with it one thread's bf16 reads reached its read bandwidth here.
+
+   Measured (benchmarks/results/cpu-2026-12-04-pool-kernel.md, a 2-core AVX-512 VM): per 16 weights and token every
+   format costs about 3 vector ops (widen, convert or look up, FMA), so int8 and int4 gain by reading fewer bytes
+   only while their arithmetic stays under the memory's time; the int4 loop before the table had a 64-bit division
+   per group and its accumulators in memory, and took 1.6x its present time on weights in cache. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -51,12 +59,20 @@ static inline vf v_bf16(const uint16_t *p)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline vf v_int8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-/* VL bytes of packed int4 -> (low nibbles - 8, high nibbles - 8) as floats */
-static inline void v_int4(const uint8_t *p, vf *low, vf *high)
+/* int4: a group's 16 weights (k - 8) * scale, k = 0..15, in the lanes of one register; a nibble is then one
+   permute (its index, which reads the low 4 bits of each lane: no mask for the low nibble) */
+typedef vf int4_table;
+static inline int4_table v_int4_table(float scale)
 {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), eight = _mm512_set1_epi32(8);
-    *low = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), eight));
-    *high = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), eight));
+    const vf nibble_values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm512_mul_ps(nibble_values, _mm512_set1_ps(scale));
+}
+/* VL bytes of packed int4 -> the weights of their low nibbles and of their high ones */
+static inline void v_int4(const uint8_t *p, int4_table table, vf *low, vf *high)
+{
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *low = _mm512_permutexvar_ps(bytes, table);
+    *high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -79,11 +95,15 @@ static inline vf v_bf16(const uint16_t *p)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 static inline vf v_int8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-static inline void v_int4(const uint8_t *p, vf *low, vf *high)
+/* int4: 8 lanes hold half a 16-entry table, so the nibble is converted and times the scale (exact) instead */
+typedef vf int4_table;
+static inline int4_table v_int4_table(float scale) { return _mm256_set1_ps(scale); }
+static inline void v_int4(const uint8_t *p, int4_table scale, vf *low, vf *high)
 {
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), eight = _mm256_set1_epi32(8);
-    *low = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), eight));
-    *high = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight));
+    const __m256i low_q = _mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), eight);
+    *low = _mm256_mul_ps(_mm256_cvtepi32_ps(low_q), scale);
+    *high = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight)), scale);
 }
 #else
 #if defined(__SSE2__)
@@ -122,11 +142,13 @@ static inline vf v_int8(const int8_t *p)
     for (int k = 0; k < VL; k++) f[k] = (float)p[k];
     return f;
 }
-static inline void v_int4(const uint8_t *p, vf *low, vf *high)
+typedef float int4_table;
+static inline int4_table v_int4_table(float scale) { return scale; }
+static inline void v_int4(const uint8_t *p, int4_table scale, vf *low, vf *high)
 {
     for (int k = 0; k < VL; k++) {
-        (*low)[k] = (float)((p[k] & 15) - 8);
-        (*high)[k] = (float)((p[k] >> 4) - 8);
+        (*low)[k] = (float)((p[k] & 15) - 8) * scale;
+        (*high)[k] = (float)((p[k] >> 4) - 8) * scale;
     }
 }
 #endif
@@ -145,19 +167,38 @@ static inline float scalar_weight(int fmt, const void *row, long k)
     }
 }
 
+/* Software prefetch of the weights PREFETCH_BYTES ahead of those being read, one cache line per 64 bytes read: the
+   rows of a work item lie one after the other, so this reaches into the item's next row too. With several tokens a
+   row takes longer than the memory's latency to compute, and the hardware prefetcher alone left the reads and the
+   arithmetic one after the other (bf16, 1 thread: T = 4 took the time of T = 1 plus that of the same job from cache).
+   0: none. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 3
+#endif
+static inline __attribute__((always_inline)) void prefetch_ahead(const char *at, const long bytes)
+{
+    if (PREFETCH_BYTES > 0)
+        for (long b = 0; b < bytes; b += 64) __builtin_prefetch(at + PREFETCH_BYTES + b, 0, PREFETCH_LOCALITY);
+}
+
 /* out[t] = row . xs[t] for t < NT: float32, bf16 or int8 weights (int8 unscaled). NT is a constant where this is
    inlined (dot_rows below), so the accumulators stay in registers; one loop per format, so the widening is not a
    branch inside it. Few tokens get several accumulators each (U steps of VL inputs per iteration): one FMA chain
    would wait on its own latency. The U partial sums and the lanes are added at the end, then the tail of n % VL
    inputs in order. */
 #define UNROLL(NT) ((NT) == 1 ? 4 : (NT) == 2 ? 2 : 1)
-#define DOT_LOOP(WIDEN)                                                                                           \
-    for (; k + U * VL <= n; k += U * VL)                                                                        \
+#define DOT_LOOP(WIDEN, ITEMSIZE)                                                                                 \
+    for (; k + U * VL <= n; k += U * VL) {                                                                      \
+        prefetch_ahead((const char *)row + k * (ITEMSIZE), U * VL * (ITEMSIZE));                               \
         for (int u = 0; u < U; u++) {                                                                           \
             const long at = k + u * VL;                                                                         \
             const vf w = WIDEN(at);                                                                             \
             for (int t = 0; t < NT; t++) acc[u * NT + t] = v_fma(w, v_load(xs[t] + at), acc[u * NT + t]);       \
         }                                                                                                       \
+    }                                                                                                           \
     for (; k + VL <= n; k += VL) {                                                                              \
         const vf w = WIDEN(k);                                                                                  \
         for (int t = 0; t < NT; t++) acc[t] = v_fma(w, v_load(xs[t] + k), acc[t]);                              \
@@ -173,11 +214,11 @@ static inline __attribute__((always_inline)) void dot_rows_nt(int fmt, const voi
     for (int a = 0; a < U * NT; a++) acc[a] = v_zero();
     long k = 0;
     if (fmt == FMT_F32) {
-        DOT_LOOP(W_F32)
+        DOT_LOOP(W_F32, 4)
     } else if (fmt == FMT_BF16) {
-        DOT_LOOP(W_BF16)
+        DOT_LOOP(W_BF16, 2)
     } else {
-        DOT_LOOP(W_INT8)
+        DOT_LOOP(W_INT8, 1)
     }
     for (int t = 0; t < NT; t++) {
         vf total = acc[t];
@@ -188,41 +229,40 @@ static inline __attribute__((always_inline)) void dot_rows_nt(int fmt, const voi
     }
 }
 
-/* out[t] = dequantized int4 row . xs[t]: packed [n/2] bytes, scales [n/group]. Each group's products are summed in
-   registers of their own (low and high nibbles apart: two chains), then times the group's scale into one of two
-   accumulators (even and odd groups) per token; the dequantized weight (q - 8) * scale is exact, so this is the
-   same sum in another order. group is a multiple of 16; half groups not of VL bytes go through a scalar loop. */
+/* out[t] = dequantized int4 row . xs[t]: packed [n/2] bytes, scales [n/group]. The products are those of the
+   dequantized weights (q - 8) * scale, exact in float32 as store.py's, so this is dot_rows_nt's sum over the
+   dequantized row in another order: per token four chains (low and high nibbles of even and odd VL-byte steps in a
+   group), added at the end. HALF (group / 2) is a constant where dot_rows_int4 dispatches the usual groups, so the
+   chains stay in registers; half groups not of VL bytes go through a scalar loop. */
 static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t *packed, const float *scales, long n,
-                                                                   long group, const float *const *xs, float *out,
-                                                                   const int NT)
+                                                                   const long HALF, const float *const *xs,
+                                                                   float *out, const int NT)
 {
-    vf acc[2 * TOKENS];
-    for (int a = 0; a < 2 * NT; a++) acc[a] = v_zero();
-    const long half = group / 2;
+    vf acc[4 * TOKENS];
+    for (int a = 0; a < 4 * NT; a++) acc[a] = v_zero();
     float tail[TOKENS] = {0};
-    for (long g0 = 0, parity = 0; g0 < n; g0 += group, packed += half, parity ^= 1) {
-        const float scale = scales[g0 / group];
-        if (half % VL == 0) {
-            vf part_low[TOKENS], part_high[TOKENS];
-            for (int t = 0; t < NT; t++) part_low[t] = part_high[t] = v_zero();
-            for (long b = 0; b < half; b += VL) {
+    for (long g0 = 0; g0 < n; g0 += 2 * HALF, packed += HALF, scales++) {
+        if (HALF % VL == 0) {
+            prefetch_ahead((const char *)packed, HALF);
+            const int4_table table = v_int4_table(*scales);
+            for (long b = 0; b < HALF; b += VL) {
+                const int chain = (int)(b / VL % 2) * 2;
                 vf low, high;
-                v_int4(packed + b, &low, &high);  /* inputs g0 + b + lane and g0 + half + b + lane */
+                v_int4(packed + b, table, &low, &high);  /* inputs g0 + b + lane and g0 + HALF + b + lane */
                 for (int t = 0; t < NT; t++) {
-                    part_low[t] = v_fma(low, v_load(xs[t] + g0 + b), part_low[t]);
-                    part_high[t] = v_fma(high, v_load(xs[t] + g0 + half + b), part_high[t]);
+                    acc[chain * NT + t] = v_fma(low, v_load(xs[t] + g0 + b), acc[chain * NT + t]);
+                    acc[(chain + 1) * NT + t] = v_fma(high, v_load(xs[t] + g0 + HALF + b), acc[(chain + 1) * NT + t]);
                 }
             }
-            const vf s = v_set1(scale);
-            for (int t = 0; t < NT; t++) acc[parity * NT + t] = v_fma(part_low[t] + part_high[t], s, acc[parity * NT + t]);
         } else {
-            for (long b = 0; b < half; b++)
+            for (long b = 0; b < HALF; b++)
                 for (int t = 0; t < NT; t++)
-                    tail[t] += (float)((packed[b] & 15) - 8) * scale * xs[t][g0 + b]
-                             + (float)((packed[b] >> 4) - 8) * scale * xs[t][g0 + half + b];
+                    tail[t] += (float)((packed[b] & 15) - 8) * *scales * xs[t][g0 + b]
+                             + (float)((packed[b] >> 4) - 8) * *scales * xs[t][g0 + HALF + b];
         }
     }
-    for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]) + tail[t];
+    for (int t = 0; t < NT; t++)
+        out[t] = v_sum((acc[t] + acc[NT + t]) + (acc[2 * NT + t] + acc[3 * NT + t])) + tail[t];
 }
 
 static void dot_rows(int fmt, const void *row, long n, const float *const *xs, int nt, float *out)
@@ -235,14 +275,25 @@ static void dot_rows(int fmt, const void *row, long n, const float *const *xs, i
     }
 }
 
+#define INT4_TOKENS(HALF)                                                                                         \
+    switch (nt) {                                                                                                 \
+    case 1: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 1); break;                                        \
+    case 2: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 2); break;                                        \
+    case 3: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 3); break;                                        \
+    default: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 4); break;                                       \
+    }
+/* quant.py's int4 groups (64; 32 and 128) with a constant half group, others with a variable one */
 static void dot_rows_int4(const uint8_t *packed, const float *scales, long n, long group, const float *const *xs,
                           int nt, float *out)
 {
-    switch (nt) {
-    case 1: dot_rows_int4_nt(packed, scales, n, group, xs, out, 1); break;
-    case 2: dot_rows_int4_nt(packed, scales, n, group, xs, out, 2); break;
-    case 3: dot_rows_int4_nt(packed, scales, n, group, xs, out, 3); break;
-    default: dot_rows_int4_nt(packed, scales, n, group, xs, out, 4); break;
+    if (group == 64) {
+        INT4_TOKENS(32)
+    } else if (group == 32) {
+        INT4_TOKENS(16)
+    } else if (group == 128) {
+        INT4_TOKENS(64)
+    } else {
+        INT4_TOKENS(group / 2)
     }
 }
 
