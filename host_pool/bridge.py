@@ -92,15 +92,15 @@ def offload_begin(pool: HostPool, layer: int, x, cpu_ids, cpu_w, fetch_src, fetc
     (HostPool.register_fetch)."""
     T, H = x.shape
     N, M = cpu_ids.shape[0], fetch_src.shape[0]
-    assert M == N, "fetch_src is by window position"
+    assert M == N, "fetch_src is by window position"  # also: the capture path's collect finds its staging by N
     ints = jnp.concatenate([cpu_ids.astype(jnp.int32), fetch_src.astype(jnp.int32), fetch_dst.astype(jnp.int32)])
     packed = jnp.concatenate([x.astype(jnp.float32).reshape(-1), cpu_w.astype(jnp.float32).reshape(-1),
                               jax.lax.bitcast_convert_type(ints, jnp.float32)])
     out = jax.ffi.ffi_call(
-        native.OFFLOAD_BEGIN,
+        native.OFFLOAD_BEGIN_CAPTURE if native.offload_capture() else native.OFFLOAD_BEGIN,
         tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in slots)
         + tuple(jax.ShapeDtypeStruct((N, *a.shape[1:]), a.dtype) for a in slots)
-        + (jax.ShapeDtypeStruct((1,), jnp.int32),),
+        + (jax.ShapeDtypeStruct((N,), jnp.int32),),  # the token: [N], so that collect knows N statically
         input_output_aliases={1: 0, 2: 1, 3: 2})(
         packed, *slots, pool=np.int64(pool.ffi_handle()), layer=np.int64(layer), tokens=np.int64(T),
         n=np.int64(N), m=np.int64(M), cpu=np.int64(cpu), fetch=np.int64(1))
@@ -108,9 +108,18 @@ def offload_begin(pool: HostPool, layer: int, x, cpu_ids, cpu_w, fetch_src, fetc
 
 
 def offload_collect(pool: HostPool, layer: int, token, after):
-    """The cpu experts' rows [T, H] float32 of the layer's last `offload_begin`; `after` [T, H] float32 (the GPU
-    experts' rows) only orders it: the stream waits for the pool after the GPU's own experts."""
-    return jax.ffi.ffi_call(native.OFFLOAD_COLLECT, jax.ShapeDtypeStruct(after.shape, jnp.float32))(
+    """The cpu experts' rows [T, H] float32 of the layer's last `offload_begin` (one with cpu=True; each such begin
+    wants exactly one collect before the layer's next begin); `after` [T, H] float32 (the GPU experts' rows) only
+    orders it: the stream waits for the pool after the GPU's own experts.
+    The capture path (native.offload_capture(), the default) takes the window's N from the token's shape: its
+    handler finds the begin's staging from (layer, T, N) itself, so the call is the same at every execution and
+    XLA records it into its command buffers."""
+    result = jax.ShapeDtypeStruct(after.shape, jnp.float32)
+    if native.offload_capture():
+        return jax.ffi.ffi_call(native.OFFLOAD_COLLECT_CAPTURE, result)(
+            token, after.astype(jnp.float32), pool=np.int64(pool.ffi_handle()), layer=np.int64(layer),
+            n=np.int64(token.shape[0]))
+    return jax.ffi.ffi_call(native.OFFLOAD_COLLECT, result)(
         token, after.astype(jnp.float32), pool=np.int64(pool.ffi_handle()), layer=np.int64(layer))
 
 

@@ -173,6 +173,12 @@ FFI_TARGET = "strata_pool_layer"
 # The offload layer calls (native_ffi.cc): fetch and pool work enqueued on the graph's stream, no read-back.
 OFFLOAD_BEGIN = "strata_offload_begin"
 OFFLOAD_COLLECT = "strata_offload_collect"
+# The same calls in their command-buffer compatible form (constant flag values per layer, no host work per execution:
+# XLA records them into its CUDA graphs); bridge.py uses them unless CAPTURE_ENV is 0 or the CUDA driver lacks stream
+# memory operations (FfiLibrary.capture_supported).
+OFFLOAD_BEGIN_CAPTURE = "strata_offload_begin_v2"
+OFFLOAD_COLLECT_CAPTURE = "strata_offload_collect_v2"
+CAPTURE_ENV = "STRATA_OFFLOAD_CAPTURE"
 COUNTERS = 7  # pool_counters: jobs, experts, bytes, nanoseconds; fetch calls, experts fetched, bytes fetched
 _ffi_built: tuple | None = None  # (FfiLibrary or None, its line)
 
@@ -196,10 +202,15 @@ class FfiLibrary:
         self.register_fetch = library.pool_register_fetch
         self.register_fetch.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
         self.register_fetch.restype = None
+        self._capture_supported = library.offload_capture_supported
+        self._capture_supported.argtypes = []
+        self._capture_supported.restype = ctypes.c_int
         self.platforms = []
         for platform_name, suffix in (("cpu", "_cpu"), ("CUDA", "_cuda")):
             try:
-                for target in (FFI_TARGET, OFFLOAD_BEGIN, OFFLOAD_COLLECT):
+                # the _v2 CUDA handlers declare themselves command-buffer compatible (XLA reads the trait from them)
+                for target in (FFI_TARGET, OFFLOAD_BEGIN, OFFLOAD_COLLECT, OFFLOAD_BEGIN_CAPTURE,
+                               OFFLOAD_COLLECT_CAPTURE):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target + suffix)),
                                                 platform=platform_name)
                 self.platforms.append(platform_name)
@@ -207,6 +218,24 @@ class FfiLibrary:
                 pass
         if "cpu" not in self.platforms:
             raise OSError("jax.ffi.register_ffi_target refused the CPU handler")
+
+    def capture_supported(self) -> bool:
+        """Whether the offload calls may take the capture path: the CUDA driver has stream memory operations and
+        STRATA_POOL_MEMOPS is not 0 (or there is no CUDA driver: only the CPU handlers run). Read at each call."""
+        return bool(self._capture_supported())
+
+
+def offload_capture() -> bool:
+    """STRATA_OFFLOAD_CAPTURE: unset, empty or 1: the capture path where the library supports it; 0: the sequence
+    path. ValueError (one line) for any other value. Read at each use (at trace time)."""
+    text = os.environ.get(CAPTURE_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{CAPTURE_ENV}={text!r}: not 0 (the sequence-number offload calls) or 1 (the "
+                         "command-buffer compatible ones, the default)")
+    if text == "0":
+        return False
+    library = ffi_library()
+    return library is not None and library.capture_supported()
 
 
 def ffi_library() -> FfiLibrary | None:

@@ -13,6 +13,7 @@
 // runs one window's copies, host function and copies in order, so a later window never overwrites them early.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -233,6 +234,14 @@ Staging *staging_for(Pool *pool, int64_t layer, int64_t T, int64_t N, std::strin
 // back. So the GPU runs the layer's resident experts while the pool computes, no host thread waits on the GPU, and
 // the number of misses never reaches the host's control flow (no lax.cond, no loop with a traced trip count).
 // Where stream memory operations are missing the flags are set and awaited by host functions instead.
+//
+// That sequence path does host work at each execution (a sequence number, a queued job), so XLA cannot record its
+// calls into a command buffer (CUDA graph) and splits the graph around each one (0.13 ms a layer on an H200). The
+// capture path (strata_offload_begin_v2 / _collect_v2, the default; bridge.py picks it) enqueues only operations
+// with constant arguments: three flags per layer with constant values, the job named by the id of a descriptor
+// (layer, shape, buffers, context) made when the handler runs, which is once at recording (and again when XLA
+// records the graph anew for other buffers). Its worker polls every layer's POSTED flag (Offload::poll says why
+// that is race-free). STRATA_OFFLOAD_CAPTURE=0, or no stream memory operations: the sequence path.
 
 struct alignas(64) Flag {
   uint32_t value;
@@ -289,16 +298,39 @@ void spin_until(const Flag *f, uint32_t seq, const std::atomic<bool> &stop) {
   }
 }
 
+// STRATA_OFFLOAD_SPIN_US (default 20000): how long the capture path's worker keeps polling the flags with `pause`
+// after its last job; idle longer, it sleeps kIdleSleep between polls (an idle engine does not hold a core; the first
+// layer after a pause pays up to about that sleep).
+int64_t spin_us() {
+  static const int64_t us = [] {
+    const char *e = std::getenv("STRATA_OFFLOAD_SPIN_US");
+    return e && *e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(20000);
+  }();
+  return us;
+}
+constexpr auto kIdleSleep = std::chrono::microseconds(50);
+// Descriptors a pool may hold: one per distinct (layer, shape, buffers, context) a graph was recorded with.
+constexpr uint32_t kMaxDescriptors = 1u << 16;
+
 struct Offload {
   Pool *pool = nullptr;
   void *flag_memory = nullptr;
-  Flag *flags = nullptr;  // POSTED, FETCHED, DONE
-  CUdeviceptr flag_dev[3] = {0, 0, 0};
+  Flag *flags = nullptr;  // sequence path: POSTED, FETCHED, DONE; capture path: those three per layer
+  CUdeviceptr flag_dev[3] = {0, 0, 0}, flag_base_dev = 0;
   bool mem_ops = true;
+  // The capture path (strata_offload_begin_v2 / _collect_v2): flags of constant values per layer, jobs named by
+  // descriptor id (below) instead of queued per execution.
+  bool capture = false;
+  int64_t layers = 0;
   uint32_t next_seq = 0;
   std::vector<uint32_t> last_seq;                 // per layer: the job of its last begin (collect waits for it)
   std::vector<OffloadStaging *> last_staging;     // per layer: where that job's y lands
   std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<OffloadStaging>> staging;
+  // Capture path: the job descriptors, append-only (the worker reads one without the lock: a slot, once set,
+  // never changes) and found by content, so a graph recorded again with the same buffers posts the same id.
+  std::map<std::array<uint64_t, 16>, uint32_t> descriptor_ids;
+  std::vector<std::unique_ptr<OffloadJob>> descriptor_store;
+  std::unique_ptr<std::atomic<const OffloadJob *>[]> descriptors;  // id - 1 -> job
   std::mutex mutex;
   std::condition_variable wake;
   std::deque<OffloadJob> queue;
@@ -311,11 +343,71 @@ struct Offload {
     stop = true;
     wake.notify_all();
     if (worker.joinable()) worker.join();
-    // flag_memory stays: a stream may still hold a wait on it (a graph given up on)
+    // flag_memory stays: a stream may still hold a wait on it (a graph given up on). Capture path: the staging
+    // memory stays too, since a recorded graph replays its copies without asking us.
+    if (capture)
+      for (auto &entry : staging) entry.second.release();
   }
 
-  void run() {
+  Flag *flag(int64_t layer, int which) { return &flags[3 * layer + which]; }
+  CUdeviceptr flag_device(int64_t layer, int which) {
+    return flag_base_dev + (CUdeviceptr)(sizeof(Flag) * (3 * layer + which));
+  }
+
+  // One job's fetches and cpu experts, its plan read from its staging's `in`: the fetched experts' copies on the
+  // copy stream, then `fetched` (set to `value` behind the copies, or here when nothing is copied), then the cpu
+  // experts into the staging's y; `done` is the caller's to store.
+  void process(const OffloadJob &job, Flag *fetched, CUdeviceptr fetched_dev, uint32_t value) {
     const Driver &d = driver();
+    OffloadStaging *s = job.staging;
+    const Layer &layer = pool->layers[job.layer];
+    const int64_t H = layer.hidden;
+    const float *x = s->in, *w = s->in + job.T * H;
+    const int32_t *ids = reinterpret_cast<const int32_t *>(w + job.T * job.N);
+    const int32_t *src = ids + job.N, *dst = src + job.M;
+    int64_t to_fetch = 0;
+    for (int64_t m = 0; job.fetch && m < job.M; m++) to_fetch += src[m] >= 0;
+    if (job.fetch && to_fetch == 0) {
+      // Nothing to copy (every expert resident or on the pool): say so at once, not behind a copy-stream op.
+      // Safe: the stream passed the previous job's wait before it posted this one, so no earlier write is due.
+      pool->fetch_calls += 1;
+      store_flag(fetched, value);
+    } else if (job.fetch) {
+      if (job.ctx != current) {
+        d.ctx_set_current(job.ctx);
+        current = job.ctx;
+      }
+      CUstream &copy = copy_streams[job.ctx];
+      if (!copy) d.stream_create(&copy, 1 /* CU_STREAM_NON_BLOCKING */);
+      const auto &host = pool->fetch_host[job.layer];
+      int64_t count = 0;
+      for (int64_t m = 0; m < job.M; m++) {
+        if (src[m] < 0) continue;
+        for (int k = 0; k < 3; k++) {  // into its victim slot, or (dst -1) into staging row m
+          const int64_t rb = job.slot_row_bytes[k];
+          const CUdeviceptr to = dst[m] >= 0 ? job.slot[k] + (CUdeviceptr)(dst[m] * rb) : job.stage[k] + m * rb;
+          d.memcpy_htod(to, host[k] + src[m] * rb, rb, copy);
+        }
+        count++;
+      }
+      // counted before the flag: a graph that waits for nothing else may finish as soon as it is set
+      pool->fetch_calls += 1;
+      pool->fetched += count;
+      pool->fetch_bytes += count * (job.slot_row_bytes[0] + job.slot_row_bytes[1] + job.slot_row_bytes[2]);
+      if (mem_ops) {
+        d.write_value(copy, fetched_dev, value, 0);
+      } else {
+        // no stream memory operations: wait for the copies here (this thread may call CUDA), then say so
+        CUresult (*sync)(CUstream) = (CUresult(*)(CUstream))dlsym(RTLD_DEFAULT, "cuStreamSynchronize");
+        if (sync) sync(copy);
+        store_flag(fetched, value);
+      }
+    }
+    if (job.cpu) run_job(pool, job.layer, x, ids, w, s->y, job.T, job.N, s->scratch);
+  }
+
+  // The sequence path: jobs queued by each begin, awaited by sequence number.
+  void run() {
     for (;;) {
       OffloadJob job;
       {
@@ -336,52 +428,59 @@ struct Offload {
       spin_until(&flags[POSTED], job.seq, stop);
       if (stop) return;
       OFFLOAD_TRACE("worker: job %u posted\n", job.seq);
-      OffloadStaging *s = job.staging;
-      const Layer &layer = pool->layers[job.layer];
-      const int64_t H = layer.hidden;
-      const float *x = s->in, *w = s->in + job.T * H;
-      const int32_t *ids = reinterpret_cast<const int32_t *>(w + job.T * job.N);
-      const int32_t *src = ids + job.N, *dst = src + job.M;
-      int64_t to_fetch = 0;
-      for (int64_t m = 0; job.fetch && m < job.M; m++) to_fetch += src[m] >= 0;
-      if (job.fetch && to_fetch == 0) {
-        // Nothing to copy (every expert resident or on the pool): say so at once, not behind a copy-stream op.
-        // Safe: the stream passed the previous job's wait before it posted this one, so no earlier write is due.
-        store_flag(&flags[FETCHED], job.seq);
-        pool->fetch_calls += 1;
-      } else if (job.fetch) {
-        if (job.ctx != current) {
-          d.ctx_set_current(job.ctx);
-          current = job.ctx;
-        }
-        CUstream &copy = copy_streams[job.ctx];
-        if (!copy) d.stream_create(&copy, 1 /* CU_STREAM_NON_BLOCKING */);
-        const auto &host = pool->fetch_host[job.layer];
-        int64_t count = 0;
-        for (int64_t m = 0; m < job.M; m++) {
-          if (src[m] < 0) continue;
-          for (int k = 0; k < 3; k++) {  // into its victim slot, or (dst -1) into staging row m
-            const int64_t rb = job.slot_row_bytes[k];
-            const CUdeviceptr to = dst[m] >= 0 ? job.slot[k] + (CUdeviceptr)(dst[m] * rb) : job.stage[k] + m * rb;
-            d.memcpy_htod(to, host[k] + src[m] * rb, rb, copy);
-          }
-          count++;
-        }
-        pool->fetch_calls += 1;
-        pool->fetched += count;
-        pool->fetch_bytes += count * (job.slot_row_bytes[0] + job.slot_row_bytes[1] + job.slot_row_bytes[2]);
-        if (mem_ops) {
-          d.write_value(copy, flag_dev[FETCHED], job.seq, 0);
-        } else {
-          // no stream memory operations: wait for the copies here (this thread may call CUDA), then say so
-          CUresult (*sync)(CUstream) = (CUresult(*)(CUstream))dlsym(RTLD_DEFAULT, "cuStreamSynchronize");
-          if (sync) sync(copy);
-          store_flag(&flags[FETCHED], job.seq);
-        }
-      }
-      if (job.cpu) run_job(pool, job.layer, x, ids, w, s->y, job.T, job.N, s->scratch);
+      process(job, &flags[FETCHED], flag_dev[FETCHED], job.seq);
       store_flag(&flags[DONE], job.seq);
       OFFLOAD_TRACE("worker: job %u done (fetched %u)\n", job.seq, load_flag(&flags[FETCHED]));
+    }
+  }
+
+  // The capture path: every layer's POSTED polled; a nonzero value names the job's descriptor.
+  //   stream (begin):   copy plan -> in; POSTED[l] = d; if fetch: wait FETCHED[l] == 1; FETCHED[l] = 0
+  //   worker:           sees POSTED[l] == d; POSTED[l] = 0; fetch copies; FETCHED[l] = 1 (copy stream, or here);
+  //                     cpu experts -> y; if cpu: DONE[l] = 1
+  //   stream (collect): wait DONE[l] == 1; DONE[l] = 0; copy y back
+  // A flag is written again only after the write it answers was seen: the worker clears POSTED before it answers
+  // (FETCHED / DONE), and the stream posts the layer's next job only after it has passed this job's waits and
+  // cleared FETCHED and DONE (stream order, each stream write fenced after the ones before it). So between a
+  // layer's collect (or, with no cpu part, its FETCHED wait) and its next begin all three flags are 0, and no
+  // value is lost or seen twice. The plan and y are safe the same way: the next begin's copy into `in` follows the
+  // DONE / FETCHED wait, after which the worker no longer reads it; the worker writes y only after a post, which
+  // follows the previous collect's copy of y. Needs: a begin with cpu is followed by one collect of its layer
+  // before the layer's next begin (bridge.py and its callers keep that), on one stream.
+  void poll() {
+    const auto spin_for = std::chrono::microseconds(spin_us());
+    auto last = std::chrono::steady_clock::now();
+    int64_t next = 0;
+    while (!stop.load(std::memory_order_relaxed)) {
+      int64_t found = -1;
+      uint32_t id = 0;
+      for (int64_t i = 0, l = next; i < layers; i++, l = l + 1 == layers ? 0 : l + 1)
+        if ((id = load_flag(flag(l, POSTED))) != 0) {
+          found = l;
+          break;
+        }
+      if (found < 0) {
+        if (std::chrono::steady_clock::now() - last < spin_for) __builtin_ia32_pause();
+        else std::this_thread::sleep_for(kIdleSleep);
+        continue;
+      }
+      store_flag(flag(found, POSTED), 0);  // before any answer: see above
+      const OffloadJob *job = id <= kMaxDescriptors ? descriptors[id - 1].load(std::memory_order_acquire) : nullptr;
+      if (!job || job->layer != found) {
+        // cannot happen unless the flags were overwritten; answer both so the stream does not hang
+        std::fprintf(stderr, "[offload] worker: layer %ld posted unknown job %u; answered without work\n",
+                     (long)found, id);
+        store_flag(flag(found, FETCHED), 1);
+        store_flag(flag(found, DONE), 1);
+        continue;
+      }
+      OFFLOAD_TRACE("worker: layer %ld job %u posted (T %ld N %ld M %ld cpu %d fetch %d)\n", (long)found, id,
+                    (long)job->T, (long)job->N, (long)job->M, (int)job->cpu, (int)job->fetch);
+      process(*job, flag(found, FETCHED), flag_device(found, FETCHED), 1);
+      if (job->cpu) store_flag(flag(found, DONE), 1);  // no cpu part: no collect waits for it
+      OFFLOAD_TRACE("worker: layer %ld job %u done\n", (long)found, id);
+      next = found + 1 == layers ? 0 : found + 1;  // the next layer's post is the likely next one
+      last = std::chrono::steady_clock::now();
     }
   }
 };
@@ -415,12 +514,36 @@ CUresult stream_wait(Offload *o, CUstream stream, int which, uint32_t seq) {
   return d.launch_host_func(stream, host_wait_flag, new HostFlag{o, which, seq});
 }
 
+// XLA records a command-buffer-compatible call under stream capture in CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, which
+// forbids the capturing thread calls such as cuMemHostAlloc (they would end the capture with an error). The capture
+// path's allocations therefore run in a short-lived thread of their own, in the stream's context (once per
+// staging, not per execution).
+template <typename F>
+CUresult off_thread(CUcontext ctx, F fn) {
+  CUresult result = 0;
+  std::thread([&] {
+    if (ctx) driver().ctx_set_current(ctx);
+    result = fn();
+  }).join();
+  return result;
+}
+
 // The pool's offload part, made on its first begin (CUDA: mapped flags; STRATA_POOL_MEMOPS=0 forces host functions).
-Offload *offload_for(Pool *pool, bool cuda, std::string &error) {
+// capture: the capture path's flags (three per layer) and polling worker; ctx: the stream's context (capture path:
+// the allocations are made off this thread in it). A pool's offload calls keep the path of the first one.
+Offload *offload_for(Pool *pool, bool cuda, bool capture, CUcontext ctx, std::string &error) {
   std::lock_guard<std::mutex> lock(pool->offload_mutex);
-  if (pool->offload) return pool->offload.get();
+  if (pool->offload) {
+    if (cuda && pool->offload->capture != capture) {
+      error = capture ? "this pool's offload calls already run the sequence path (STRATA_OFFLOAD_CAPTURE=0)"
+                      : "this pool's offload calls already run the capture path (_v2 handlers)";
+      return nullptr;
+    }
+    return pool->offload.get();
+  }
   auto o = std::make_unique<Offload>();
   o->pool = pool;
+  o->layers = (int64_t)pool->layers.size();
   o->last_seq.assign(pool->layers.size(), 0);
   o->last_staging.assign(pool->layers.size(), nullptr);
   if (cuda) {
@@ -429,21 +552,32 @@ Offload *offload_for(Pool *pool, bool cuda, std::string &error) {
       error = d.offload_error;
       return nullptr;
     }
-    if (d.host_alloc(&o->flag_memory, 3 * sizeof(Flag), 0x01 | 0x02 /* PORTABLE | DEVICEMAP */) != 0) {
-      error = "cuMemHostAlloc of the flags failed";
-      return nullptr;
-    }
-    std::memset(o->flag_memory, 0, 3 * sizeof(Flag));
-    o->flags = static_cast<Flag *>(o->flag_memory);
-    for (int k = 0; k < 3; k++)
-      if (d.host_device_pointer(&o->flag_dev[k], &o->flags[k], 0) != 0) {
-        error = "cuMemHostGetDevicePointer of the flags failed";
-        return nullptr;
-      }
     const char *env = std::getenv("STRATA_POOL_MEMOPS");
     o->mem_ops = !(env && std::string(env) == "0");
+    if (capture && !o->mem_ops) {
+      error = "the capture path needs stream memory operations (STRATA_POOL_MEMOPS=0: set STRATA_OFFLOAD_CAPTURE=0)";
+      return nullptr;
+    }
+    o->capture = capture;
+    const size_t count = capture ? 3 * pool->layers.size() : 3;
+    auto alloc = [&] {
+      CUresult r = d.host_alloc(&o->flag_memory, count * sizeof(Flag), 0x01 | 0x02 /* PORTABLE | DEVICEMAP */);
+      return r ? r : d.host_device_pointer(&o->flag_base_dev, o->flag_memory, 0);
+    };
+    if ((capture ? off_thread(ctx, alloc) : alloc()) != 0) {
+      error = "cuMemHostAlloc / cuMemHostGetDevicePointer of the flags failed";
+      return nullptr;
+    }
+    std::memset(o->flag_memory, 0, count * sizeof(Flag));
+    o->flags = static_cast<Flag *>(o->flag_memory);
+    for (int k = 0; k < 3; k++) o->flag_dev[k] = o->flag_base_dev + (CUdeviceptr)(k * sizeof(Flag));
     Offload *raw = o.get();
-    o->worker = std::thread([raw] { raw->run(); });
+    if (capture) {
+      o->descriptors.reset(new std::atomic<const OffloadJob *>[kMaxDescriptors]());
+      o->worker = std::thread([raw] { raw->poll(); });
+    } else {
+      o->worker = std::thread([raw] { raw->run(); });
+    }
   }
   pool->offload = std::move(o);
   return pool->offload.get();
@@ -451,15 +585,17 @@ Offload *offload_for(Pool *pool, bool cuda, std::string &error) {
 
 size_t packed_floats(int64_t T, int64_t H, int64_t N, int64_t M) { return T * H + T * N + N + 2 * M; }
 
+// alloc_ctx (capture path): allocate off this thread, in that context.
 OffloadStaging *offload_staging(Offload *o, int64_t layer, int64_t T, int64_t N, int64_t M, bool cuda,
-                                std::string &error) {
+                                std::string &error, CUcontext alloc_ctx = nullptr) {
   auto &slot = o->staging[{layer, T, N, M}];
   if (slot) return slot.get();
   auto s = std::make_unique<OffloadStaging>();
   const int64_t H = o->pool->layers[layer].hidden;
   const size_t inb = padded(sizeof(float) * packed_floats(T, H, N, M)), yb = padded(sizeof(float) * T * H);
   if (cuda) {
-    if (driver().host_alloc(&s->memory, inb + yb, 0) != 0) {
+    auto alloc = [&] { return driver().host_alloc(&s->memory, inb + yb, 0); };
+    if ((alloc_ctx ? off_thread(alloc_ctx, alloc) : alloc()) != 0) {
       error = "cuMemHostAlloc failed";
       o->staging.erase({layer, T, N, M});
       return nullptr;
@@ -472,6 +608,27 @@ OffloadStaging *offload_staging(Offload *o, int64_t layer, int64_t T, int64_t N,
   s->y = reinterpret_cast<float *>(reinterpret_cast<char *>(s->in) + inb);
   slot = std::move(s);
   return slot.get();
+}
+
+// Capture path: the id (>= 1) of `job`'s descriptor, added if new; 0 when the table is full. Under o->mutex.
+uint32_t descriptor_for(Offload *o, const OffloadJob &job) {
+  const std::array<uint64_t, 16> key = {
+      (uint64_t)job.layer, (uint64_t)job.T, (uint64_t)job.N, (uint64_t)job.M, (uint64_t)job.cpu,
+      (uint64_t)job.fetch, job.slot[0], job.slot[1], job.slot[2], job.stage[0], job.stage[1], job.stage[2],
+      (uint64_t)job.slot_row_bytes[0], (uint64_t)job.slot_row_bytes[1], (uint64_t)job.slot_row_bytes[2],
+      (uint64_t)(uintptr_t)job.ctx};
+  auto found = o->descriptor_ids.find(key);
+  if (found != o->descriptor_ids.end()) return found->second;
+  if (o->descriptor_store.size() >= kMaxDescriptors) return 0;
+  o->descriptor_store.push_back(std::make_unique<OffloadJob>(job));
+  const uint32_t id = (uint32_t)o->descriptor_store.size();
+  o->descriptor_store.back()->seq = id;
+  o->descriptors[id - 1].store(o->descriptor_store.back().get(), std::memory_order_release);
+  o->descriptor_ids[key] = id;
+  if (id >= 1024 && (id & (id - 1)) == 0)  // growing without end means XLA records the calls anew each time
+    std::fprintf(stderr, "[offload] %u distinct offload calls recorded for this pool (the table holds %u): the "
+                 "graphs' buffers keep moving\n", id, kMaxDescriptors);
+  return id;
 }
 
 ffi::Error check_begin(Pool *pool, int64_t layer, int64_t T, int64_t N, int64_t M, bool fetch,
@@ -505,7 +662,7 @@ ffi::Error OffloadBeginCuda(void *stream, int64_t pool_id, int64_t layer, int64_
   ffi::Error error = check_begin(pool, layer, T, N, M, fetch != 0, packed, slots);
   if (!error.success()) return error;
   std::string why;
-  Offload *o = offload_for(pool, true, why);
+  Offload *o = offload_for(pool, true, false, nullptr, why);
   if (!o) return ffi::Error::Internal("strata_offload_begin: " + why);
   OffloadJob job;
   {
@@ -561,6 +718,109 @@ ffi::Error OffloadCollectCuda(void *stream, int64_t pool_id, int64_t layer, ffi:
   return ffi::Error::Success();
 }
 
+// The capture path (strata_offload_begin_v2 / _collect_v2, command-buffer compatible): what each handler enqueues
+// has constant arguments (fixed host and device addresses, constant flag values), and its host work (staging,
+// descriptor) is done once, so XLA may record it into a CUDA graph and replay it without calling us. See
+// Offload::poll for the flags.
+ffi::Error OffloadBeginCaptureCuda(void *stream, int64_t pool_id, int64_t layer, int64_t T, int64_t N, int64_t M,
+                                   int64_t cpu, int64_t fetch, ffi::Buffer<ffi::F32> packed, ffi::AnyBuffer gate,
+                                   ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> gate_out,
+                                   ffi::Result<ffi::AnyBuffer> up_out, ffi::Result<ffi::AnyBuffer> down_out,
+                                   ffi::Result<ffi::AnyBuffer> gate_stage, ffi::Result<ffi::AnyBuffer> up_stage,
+                                   ffi::Result<ffi::AnyBuffer> down_stage, ffi::ResultBuffer<ffi::S32> token) {
+  const Driver &d = driver();
+  if (!d.error.empty()) return ffi::Error::Internal("strata_offload_begin_v2: " + d.error);
+  Pool *pool = find_pool(pool_id);
+  ffi::AnyBuffer *slots[3] = {&gate, &up, &down};
+  ffi::Error error = check_begin(pool, layer, T, N, M, fetch != 0, packed, slots);
+  if (!error.success()) return error;
+  OffloadJob job;
+  if (d.stream_ctx(stream, &job.ctx) != 0)
+    return ffi::Error::Internal("strata_offload_begin_v2: cuStreamGetCtx failed");
+  std::string why;
+  Offload *o = offload_for(pool, true, true, job.ctx, why);
+  if (!o) return ffi::Error::Internal("strata_offload_begin_v2: " + why);
+  job.layer = layer;
+  job.T = T;
+  job.N = N;
+  job.M = M;
+  job.cpu = cpu != 0;
+  job.fetch = fetch != 0;
+  ffi::AnyBuffer *outs[3] = {&*gate_out, &*up_out, &*down_out}, *stages[3] = {&*gate_stage, &*up_stage, &*down_stage};
+  for (int k = 0; k < 3; k++) {
+    job.slot[k] = (CUdeviceptr)(uintptr_t)outs[k]->untyped_data();
+    job.stage[k] = (CUdeviceptr)(uintptr_t)stages[k]->untyped_data();
+    job.slot_row_bytes[k] = row_bytes(*slots[k]);
+  }
+  uint32_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(o->mutex);
+    job.staging = offload_staging(o, layer, T, N, M, true, why, job.ctx);
+    if (!job.staging) return ffi::Error::Internal("strata_offload_begin_v2: " + why);
+    id = descriptor_for(o, job);
+  }
+  if (!id)
+    return ffi::Error::Internal("strata_offload_begin_v2: too many distinct offload calls recorded for this pool");
+  OFFLOAD_TRACE("begin_v2: layer %ld job %u T %ld N %ld M %ld cpu %d fetch %d (recorded or run)\n", (long)layer, id,
+                (long)T, (long)N, (long)M, (int)job.cpu, (int)job.fetch);
+  const int64_t H = pool->layers[layer].hidden;
+  CUresult failed = d.memcpy_dtoh(job.staging->in, (CUdeviceptr)(uintptr_t)packed.untyped_data(),
+                                  sizeof(float) * packed_floats(T, H, N, M), stream);
+  // nothing to fetch or compute: nothing to post (and no collect follows)
+  if (!failed && (job.cpu || job.fetch)) failed = d.write_value(stream, o->flag_device(layer, POSTED), id, 0);
+  if (!failed && job.fetch)
+    failed = d.wait_value(stream, o->flag_device(layer, FETCHED), 1, 0x1 /* CU_STREAM_WAIT_VALUE_EQ */);
+  if (!failed && job.fetch) failed = d.write_value(stream, o->flag_device(layer, FETCHED), 0, 0);
+  if (failed)
+    return ffi::Error::Internal("strata_offload_begin_v2: a CUDA copy or stream flag operation failed (error " +
+                                std::to_string(failed) + ")");
+  return ffi::Error::Success();
+}
+
+// The staging whose y the collect of (layer, T from `after` [T, H], n) reads: the begin of the same layer and
+// shape made it (bridge.py keeps M == N). Found from the collect's own attributes, whichever begin ran last.
+OffloadStaging *collect_staging(Pool *pool, int64_t layer, int64_t n, ffi::Buffer<ffi::F32> &after,
+                                std::string &error) {
+  if (!pool || layer < 0 || layer >= (int64_t)pool->layers.size()) {
+    error = "unknown or released host pool, or a layer outside its store";
+    return nullptr;
+  }
+  auto dims = after.dimensions();
+  if (dims.size() != 2 || dims[1] != pool->layers[layer].hidden) {
+    error = "want `after` [T, H]";
+    return nullptr;
+  }
+  Offload *o = pool->offload.get();
+  OffloadStaging *s = nullptr;
+  if (o) {
+    std::lock_guard<std::mutex> lock(o->mutex);
+    auto found = o->staging.find({layer, (int64_t)dims[0], n, n});
+    if (found != o->staging.end()) s = found->second.get();
+  }
+  if (!s) error = "no begin of this layer and shape before it";
+  return s;
+}
+
+ffi::Error OffloadCollectCaptureCuda(void *stream, int64_t pool_id, int64_t layer, int64_t n,
+                                     ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::F32> after,
+                                     ffi::ResultBuffer<ffi::F32> y) {
+  const Driver &d = driver();
+  Pool *pool = find_pool(pool_id);
+  std::string why;
+  OffloadStaging *s = collect_staging(pool, layer, n, after, why);
+  if (!s) return ffi::Error::InvalidArgument("strata_offload_collect_v2: " + why);
+  Offload *o = pool->offload.get();
+  if (!o->capture)
+    return ffi::Error::InvalidArgument("strata_offload_collect_v2: this pool's begin ran the sequence path");
+  OFFLOAD_TRACE("collect_v2: layer %ld T %ld N %ld (recorded or run)\n", (long)layer, (long)after.dimensions()[0],
+                (long)n);
+  if (d.wait_value(stream, o->flag_device(layer, DONE), 1, 0x1 /* CU_STREAM_WAIT_VALUE_EQ */) ||
+      d.write_value(stream, o->flag_device(layer, DONE), 0, 0) ||
+      d.memcpy_htod((CUdeviceptr)(uintptr_t)y->untyped_data(), s->y, sizeof(float) * after.element_count(), stream))
+    return ffi::Error::Internal("strata_offload_collect_v2: a CUDA copy or stream flag operation failed");
+  return ffi::Error::Success();
+}
+
 // CPU: the same calls done in place, in the thread that runs the graph (the tests' path).
 ffi::Error OffloadBeginCpu(int64_t pool_id, int64_t layer, int64_t T, int64_t N, int64_t M, int64_t cpu,
                            int64_t fetch, ffi::Buffer<ffi::F32> packed, ffi::AnyBuffer gate, ffi::AnyBuffer up,
@@ -573,7 +833,7 @@ ffi::Error OffloadBeginCpu(int64_t pool_id, int64_t layer, int64_t T, int64_t N,
   ffi::Error error = check_begin(pool, layer, T, N, M, fetch != 0, packed, slots);
   if (!error.success()) return error;
   std::string why;
-  Offload *o = offload_for(pool, false, why);
+  Offload *o = offload_for(pool, false, false, nullptr, why);
   if (!o) return ffi::Error::Internal("strata_offload_begin: " + why);
   std::lock_guard<std::mutex> lock(o->mutex);
   OffloadStaging *s = offload_staging(o, layer, T, N, M, false, why);
@@ -609,7 +869,7 @@ ffi::Error OffloadBeginCpu(int64_t pool_id, int64_t layer, int64_t T, int64_t N,
   if (cpu) run_job(pool, layer, x, ids, w, s->y, T, N, s->scratch);
   else std::memset(s->y, 0, sizeof(float) * T * H);
   o->last_staging[layer] = s;
-  token->typed_data()[0] = 0;
+  std::memset(token->untyped_data(), 0, token->size_bytes());
   return ffi::Error::Success();
 }
 
@@ -620,6 +880,16 @@ ffi::Error OffloadCollectCpu(int64_t pool_id, int64_t layer, ffi::Buffer<ffi::S3
       !pool->offload->last_staging[layer])
     return ffi::Error::InvalidArgument("strata_offload_collect: no begin of this layer before it");
   std::memcpy(y->typed_data(), pool->offload->last_staging[layer]->y, sizeof(float) * after.element_count());
+  return ffi::Error::Success();
+}
+
+// The capture path's collect on CPU: the staging found as the CUDA one finds it (the begin is the shared CPU one).
+ffi::Error OffloadCollectCaptureCpu(int64_t pool_id, int64_t layer, int64_t n, ffi::Buffer<ffi::S32> token,
+                                    ffi::Buffer<ffi::F32> after, ffi::ResultBuffer<ffi::F32> y) {
+  std::string why;
+  OffloadStaging *s = collect_staging(find_pool(pool_id), layer, n, after, why);
+  if (!s) return ffi::Error::InvalidArgument("strata_offload_collect_v2: " + why);
+  std::memcpy(y->typed_data(), s->y, sizeof(float) * after.element_count());
   return ffi::Error::Success();
 }
 
@@ -730,6 +1000,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_collect_cpu, OffloadCollectCpu, STR
 XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_collect_cuda, OffloadCollectCuda,
                               STRATA_OFFLOAD_COLLECT_BIND(.Ctx<ffi::PlatformStream<void *>>()));
 
+// The capture path: the same begin binding; collect also takes `n` (the window's N, so it finds its staging itself).
+// The CUDA handlers carry kCmdBufferCompatible: XLA records them into its command buffers (CUDA graphs).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_begin_v2_cpu, OffloadBeginCpu, STRATA_OFFLOAD_BEGIN_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_begin_v2_cuda, OffloadBeginCaptureCuda,
+                              STRATA_OFFLOAD_BEGIN_BIND(.Ctx<ffi::PlatformStream<void *>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+#define STRATA_OFFLOAD_COLLECT_V2_BIND(...)                                                                   \
+  ffi::Ffi::Bind()                                                                                                 \
+      __VA_ARGS__.Attr<int64_t>("pool")                                                                            \
+      .Attr<int64_t>("layer")                                                                                      \
+      .Attr<int64_t>("n")                                                                                          \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                                                \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                                                \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_collect_v2_cpu, OffloadCollectCaptureCpu,
+                              STRATA_OFFLOAD_COLLECT_V2_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_collect_v2_cuda, OffloadCollectCaptureCuda,
+                              STRATA_OFFLOAD_COLLECT_V2_BIND(.Ctx<ffi::PlatformStream<void *>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 // ---- the registry, called from Python (ctypes) --------------------------------------------------------------------
 
 extern "C" {
@@ -765,6 +1057,15 @@ void pool_release(int64_t id) {
     std::lock_guard<std::mutex> lock(pool->offload_mutex);
     pool->offload.reset();
   }
+}
+
+// 1 when the offload calls may take the capture path (strata_offload_begin_v2 / _collect_v2): the CUDA driver has
+// stream memory operations and STRATA_POOL_MEMOPS is not 0, or there is no CUDA driver (only the CPU handlers run).
+int offload_capture_supported() {
+  const char *env = std::getenv("STRATA_POOL_MEMOPS");
+  if (env && std::string(env) == "0") return 0;
+  const Driver &d = driver();
+  return !d.error.empty() || d.offload_error.empty();
 }
 
 // out[7] = layer jobs, experts computed, weight bytes read, nanoseconds inside the jobs; fetch calls, experts
