@@ -626,7 +626,7 @@ class Engine:
                  top_p: float | None = None, top_k: int | None = None, seed: int = 0, draft: str = "ngram",
                  spec: int = -1,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                 on_token: Callable[[int], None] | None = None, **unknown) -> list[int]:
+                 on_token: Callable[[int], None] | None = None, json_schema=None, **unknown) -> list[int]:
         """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
 
         Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', 'device', 'mtp' (Qwen3-Next's
@@ -636,7 +636,10 @@ class Engine:
         device and windows of spec+1 tokens go back to back, read one window late (strata_jax.device_drafts).
         temperature / top_p / top_k left None take the model's generation_config.json (greedy without one); the
         model's eos ids and generation_config's end a request unless stop_token_ids replace them. on_token sees
-        each new token as it is accepted; raising StopRequest there ends the request at that token."""
+        each new token as it is accepted; raising StopRequest there ends the request at that token.
+        json_schema: True (the output is a JSON object) or a JSON schema (a dict or its text) the output follows:
+        each token is drawn among those the grammar allows (strata_jax/grammar.py; T=1 windows, no drafts), and
+        the request ends with an end-of-sequence token after the complete JSON (or at max_new_tokens, cut)."""
         if unknown:
             known = [p for p in inspect.signature(Engine.generate).parameters if p not in ("self", "unknown")]
             raise StrataError(f"generate() got unknown option(s) {', '.join(sorted(unknown))} "
@@ -675,6 +678,12 @@ class Engine:
         # stop_token_ids replace the model's eos ids; ignore_eos drops those (given stop ids still stop).
         eos = frozenset() if req.ignore_eos else self.end_of_turn_ids
         stops = set(eos if stop_token_ids is None else stop_token_ids)
+        constraint = None
+        if json_schema is not None and json_schema is not False:
+            from strata_jax import grammar as grammar_mod
+            constraint = grammar_mod.JsonConstraint(self.tokenizer, self.cfg.vocab_size,
+                                                    stops or self.end_of_turn_ids, json_schema)
+            spec, drafter = 0, None  # a token's mask follows from the tokens before it: no drafts
         budget = min(req.max_new_tokens, self.context - ids.size)
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
         form = form_of(req.top_k, req.top_p) if req.temperature > 0 else None
@@ -692,7 +701,7 @@ class Engine:
                     on_token(token)
             # draw in the window graphs, except where the device verify graph draws (draft=device) or the MTP
             # module's drafts need the window's hidden rows
-            in_graph = form is not None and not isinstance(drafter, mtp_mod.MTPDrafter) and not (
+            in_graph = form is not None and constraint is None and not isinstance(drafter, mtp_mod.MTPDrafter) and not (
                 drafter is None and req.draft == "device" and spec > 0)
             windows = self._sampled_windows_for(form) if in_graph else None
             self._pick_samplers(form or "sorted", sampled=form is not None, every_size=windows is None)
@@ -701,7 +710,8 @@ class Engine:
                                     spec=spec,
                                     drafter=drafter or make_drafter(req.draft), stats=stats,
                                     on_token=None if on_token is None else on_token_guarded,
-                                    device_drafts=drafter is None and req.draft == "device", reuse=reuse, out=out)
+                                    device_drafts=drafter is None and req.draft == "device" and constraint is None,
+                                    reuse=reuse, out=out, grammar=constraint)
             self._kv_tokens = []  # until this request has finished
             try:
                 self._guarded(loops.run, self, request)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax import grammar as grammar_mod
 from strata_jax import mtp as mtp_mod
 from strata_jax.drafts import DraftGate, NgramDrafter
 from strata_jax.sampling import SamplingParams, form_of
@@ -30,6 +31,7 @@ from strata_jax.stats import RequestStats
 
 if TYPE_CHECKING:
     from strata_jax.drafts import Drafter
+    from strata_jax.grammar import JsonConstraint
     from strata_jax.engine import Engine
 
 
@@ -55,6 +57,8 @@ class Request:
     # The built-in n-gram drafter's pauses after rejected windows (drafts.DraftGate); None for other drafters (an
     # API Drafter object is asked at every window, as its author expects; MTP drafts come from the window graph)
     gate: DraftGate | None = dataclasses.field(init=False)
+    # The output's grammar (strata_jax/grammar.py: JSON, a schema), or None: each token drawn among the ones it allows
+    grammar: JsonConstraint | None = None
 
     def __post_init__(self) -> None:
         self.sampled = float(self.sampling.temperature) > 0
@@ -99,9 +103,12 @@ def prefill(engine: Engine, r: Request) -> int:
     t0 = time.perf_counter()
     mtp = r.mtp
     token, last = engine._prefill_all(r.ids, first=r.reuse, mtp=mtp)
-    if r.sampled:
-        token = engine._sample[1](last, jnp.asarray([r.ids.size], jnp.int32), r.sampling)[0]
-    first = engine._checked(int(token), r.ids.size)
+    if r.grammar is not None:
+        first = constrained_token(engine, r, last, r.ids.size)
+    else:
+        if r.sampled:
+            token = engine._sample[1](last, jnp.asarray([r.ids.size], jnp.int32), r.sampling)[0]
+        first = engine._checked(int(token), r.ids.size)
     r.out.append(first)
     if mtp is not None:
         mtp.observe([first])
@@ -119,13 +126,45 @@ def decode(engine: Engine, r: Request) -> None:
     if on_device:
         engine._device_verify_graph(r.spec + 1, r.form)  # compiled on first use, outside the decode's time
     t0 = time.perf_counter()
-    if on_device:
+    if r.grammar is not None:
+        decode_constrained(engine, r)
+    elif on_device:
         decode_device(engine, r)
     elif r.spec > 0:
         decode_verify(engine, r)
     else:
         decode_pipelined(engine, r)
     r.stats.decode_s = time.perf_counter() - t0
+
+
+def constrained_token(engine: Engine, r: Request, logits, position: int) -> int:
+    """The token at `position` from one row of logits, among the tokens r.grammar allows: their logits kept, the
+    others at -inf, then the request's sampler (greedy: the argmax); the grammar takes the token."""
+    allowed = jnp.asarray(r.grammar.allowed())
+    if r.sampled:
+        token = engine._sample[1](grammar_mod.masked_logits(logits, allowed), jnp.asarray([position], jnp.int32),
+                                  r.sampling)[0]
+    else:
+        token = grammar_mod.masked_argmax(logits, allowed)
+    token = engine._checked(int(token), position)
+    r.grammar.advance(token)
+    return token
+
+
+def decode_constrained(engine: Engine, r: Request) -> None:
+    """A request held to a grammar: T=1 windows one at a time (a token's mask follows from the tokens before it, so
+    nothing is queued ahead), until a stop token, the budget, or the end-of-sequence token that follows a complete
+    output (with ignore_eos too: the grammar allows nothing after it)."""
+    pos = r.ids.size + len(r.out) - 1  # position of out[-1], not yet in the KV cache
+    while len(r.out) < r.budget and not r.grammar.finished:
+        _, logits, engine.cache = engine._decode[1](engine.weights, engine.cache, jnp.asarray(r.out[-1:], jnp.int32),
+                                                    jnp.int32(pos))
+        token = constrained_token(engine, r, logits, pos + 1)
+        pos += 1
+        r.stats.windows += 1
+        r.stats.window_tokens += 1
+        if r.emit(token):
+            return
 
 
 def decode_pipelined(engine: Engine, r: Request) -> None:

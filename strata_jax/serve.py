@@ -32,6 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from sse_starlette.sse import EventSourceResponse
 
+from strata_jax import grammar
 from strata_jax.chat import ToolCallHold, parse_tool_calls
 from strata_jax.engine import Engine, StopRequest
 from strata_jax.errors import StrataError
@@ -84,6 +85,20 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def _json_schema(response_format: dict | None):
+    """What generate(json_schema=) takes for an OpenAI response_format: True for json_object, the schema of a
+    json_schema one; None for text, an unknown type or a json_schema without a schema object."""
+    if not response_format:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "json_object":
+        return True
+    spec = response_format.get("json_schema")
+    if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
+        return spec["schema"]
+    return None
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=0)
@@ -94,7 +109,10 @@ class ChatRequest(_Sampling):
     tool_choice: Any = None
     functions: list | None = None
     function_call: Any = None
-    response_format: dict | None = None
+    response_format: dict | None = None  # text, json_object (JSON mode) or json_schema: constrained decoding
+
+    def json_schema(self):
+        return _json_schema(self.response_format)
 
     def unserved(self) -> str | None:
         """The first field this server cannot honour, or None. Tools are served with tool_choice auto or none: a
@@ -103,7 +121,8 @@ class ChatRequest(_Sampling):
             return "functions"
         if self.tool_choice not in (None, "auto", "none") or (self.tool_choice == "auto" and not self.tools):
             return "tool_choice"
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+        if self.response_format is not None and self.json_schema() is None and (
+                self.response_format.get("type", "text") != "text"):
             return "response_format"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs"
@@ -203,6 +222,8 @@ class Server:
         if budget is None:  # OpenAI: 16 for completions; a chat runs to the end of the context
             budget = 16 if isinstance(req, CompletionRequest) else eng.context - prompt_tokens
         kw: dict[str, Any] = dict(max_new_tokens=budget, ignore_eos=req.ignore_eos)
+        if isinstance(req, ChatRequest) and (schema := req.json_schema()) is not None:
+            kw["json_schema"] = schema
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(req, name) is not None:
                 kw[name] = getattr(req, name)
@@ -397,11 +418,17 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
             what = {"tool_choice": f"tool_choice {req.tool_choice!r} (a call forced by constrained decoding; auto "
                                    f"and none are served)",
                     "functions": "function calls (functions, function_call; use tools)",
-                    "response_format": f"response_format {req.response_format.get('type')!r} (JSON mode and JSON "
-                                       f"schemas)" if req.response_format else "",
+                    "response_format": f"response_format {req.response_format.get('type')!r} (text, json_object "
+                                       f"and json_schema with a schema object are served)" if req.response_format
+                                       else "",
                     "top_logprobs": "top_logprobs without logprobs: true",
                     "logprobs": "logprobs with stream: true"}[field]
             return error_response(400, f"{what} are not supported by this server", param=field)
+        if (schema := req.json_schema()) is not None:  # a schema the grammar engine refuses: 400 before queueing
+            try:
+                grammar.grammar_for(schema)
+            except StrataError as e:
+                return error_response(400, str(e), param="response_format")
         messages = [template_message(m) for m in req.messages]
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         ids = engine.chat_ids(messages)

@@ -3,6 +3,7 @@ streamed chat, a second turn that reuses the first, plain completion, stop strin
 disconnects mid-stream, two clients at once; the chat page."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -117,8 +118,8 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
     for extra, field in ((dict(tools=[tool], tool_choice="required"), "tool_choice"),
                          (dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}),
                           "tool_choice"),
-                         (dict(response_format={"type": "json_object"}), "response_format"),
-                         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+                         (dict(response_format={"type": "xml"}), "response_format"),
+                         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
                           "response_format"), (dict(top_logprobs=2), "top_logprobs"),
                          (dict(logprobs=True, stream=True), "logprobs")):
         with pytest.raises(openai.BadRequestError, match="not supported") as e:
@@ -151,6 +152,36 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
     for r in (httpx.get(server[0] + "/v1/nowhere"), httpx.get(server[0] + "/v1/models/gpt-9")):
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error" and "detail" not in r.json()
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_response_format_json_is_constrained_decoding(engine, client):
+    """response_format json_schema and json_object (JSON mode): the reply follows the schema / is a JSON object,
+    streamed or not, and ends with finish_reason stop; a schema the grammar engine refuses is a 400."""
+    hi = [{"role": "user", "content": "json"}]  # the embedded engine's context is 64 tokens (bytes)
+    schema = {"type": "object", "properties": {"c": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+              "required": ["c", "ok"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}}
+    for temperature in (0, 1.0):
+        r = client.chat.completions.create(model="tiny", messages=hi, max_tokens=60, temperature=temperature, seed=3,
+                                           response_format=fmt)
+        value = json.loads(r.choices[0].message.content)
+        assert set(value) == {"c", "ok"} and value["c"] in ("red", "green", "blue"), value
+        assert isinstance(value["ok"], bool) and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=hi, max_tokens=60, temperature=0, response_format=fmt, stream=True))
+    assert json.loads(streamed) == json.loads(client.chat.completions.create(
+        model="tiny", messages=hi, max_tokens=60, temperature=0, response_format=fmt).choices[0].message.content)
+    # JSON mode: an object, or (cut by max_tokens) text that the JSON grammar still accepts
+    r = client.chat.completions.create(model="tiny", messages=hi, max_tokens=40, temperature=0,
+                                       response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+    assert e.value.body["param"] == "response_format" and "\n" not in e.value.body["message"]
 
 
 def test_a_client_that_disconnects_stops_its_generation(server, client):
