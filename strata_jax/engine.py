@@ -626,7 +626,8 @@ class Engine:
                  top_p: float | None = None, top_k: int | None = None, seed: int = 0, draft: str = "ngram",
                  spec: int = -1,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                 on_token: Callable[[int], None] | None = None, json_schema=None, **unknown) -> list[int]:
+                 on_token: Callable[[int], None] | None = None, json_schema=None, grammar: str | None = None,
+                 **unknown) -> list[int]:
         """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
 
         Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', 'device', 'mtp' (Qwen3-Next's
@@ -639,7 +640,9 @@ class Engine:
         each new token as it is accepted; raising StopRequest there ends the request at that token.
         json_schema: True (the output is a JSON object) or a JSON schema (a dict or its text) the output follows:
         each token is drawn among those the grammar allows (strata_jax/grammar.py; T=1 windows, no drafts), and
-        the request ends with an end-of-sequence token after the complete JSON (or at max_new_tokens, cut)."""
+        the request ends with an end-of-sequence token after the complete JSON (or at max_new_tokens, cut).
+        grammar: instead of json_schema, an llguidance grammar (grammar.tool_call_grammar, or llguidance's
+        grammar_from: lark, regex, GBNF)."""
         if unknown:
             known = [p for p in inspect.signature(Engine.generate).parameters if p not in ("self", "unknown")]
             raise StrataError(f"generate() got unknown option(s) {', '.join(sorted(unknown))} "
@@ -679,10 +682,13 @@ class Engine:
         eos = frozenset() if req.ignore_eos else self.end_of_turn_ids
         stops = set(eos if stop_token_ids is None else stop_token_ids)
         constraint = None
-        if json_schema is not None and json_schema is not False:
+        wants_json = json_schema is not None and json_schema is not False
+        if wants_json or grammar is not None:
             from strata_jax import grammar as grammar_mod
+            if wants_json and grammar is not None:
+                raise StrataError("json_schema and grammar: give one of them")
             constraint = grammar_mod.JsonConstraint(self.tokenizer, self.cfg.vocab_size,
-                                                    stops or self.end_of_turn_ids, json_schema)
+                                                    stops or self.end_of_turn_ids, json_schema, grammar=grammar)
             spec, drafter = 0, None  # a token's mask follows from the tokens before it: no drafts
         budget = min(req.max_new_tokens, self.context - ids.size)
         sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)

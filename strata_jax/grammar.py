@@ -70,12 +70,37 @@ def grammar_for(schema) -> str:
     return grammar
 
 
+def tool_call_grammar(tools: list[dict], name: str | None = None) -> str:
+    """The grammar of one call of `tools` (OpenAI's [{"type": "function", "function": {"name", "parameters"}}]) in
+    the form Qwen3's chat templates teach: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, the
+    arguments following the named function's parameters schema; `name`: only that function (tool_choice naming
+    one), else any of them (tool_choice required). An unknown name is one StrataError line."""
+    functions = [t.get("function", {}) for t in tools if isinstance(t, dict)]
+    names = [f.get("name") for f in functions]
+    if name is not None and name not in names:
+        raise StrataError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(map(str, names))})")
+    calls = [{"type": "object", "properties": {"name": {"const": f.get("name")},
+                                               "arguments": f.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for f in functions if name is None or f.get("name") == name]
+    if not calls:
+        raise StrataError("tool_choice: no function among the tools")
+    schema = {"x-guidance": JSON_STYLE, "anyOf": calls}
+    lark = 'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json ' + json.dumps(schema)
+    grammar = _llguidance().grammar_from("lark", lark)
+    error = _llguidance().LLMatcher.validate_grammar(grammar)
+    if error:
+        raise StrataError(f"tools: {error.splitlines()[0]}")
+    return grammar
+
+
 class JsonConstraint:
     """One request's parse state: `allowed()` the tokens that may come next ([V] bool), `advance(token)` after one
-    is chosen, `done()` once the JSON is complete (only end-of-sequence tokens may follow), `finished` once one of
-    those followed."""
+    is chosen, `done()` once the output is complete (only end-of-sequence tokens may follow), `finished` once one
+    of those followed. `schema`: True or a JSON schema (grammar_for), or `grammar`: a grammar already made
+    (tool_call_grammar, or llguidance's own grammar_from)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, schema):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, schema=None, grammar: str | None = None):
         if tokenizer is None:
             raise StrataError("json_schema needs the model's tokenizer (this engine has none)")
         ll = _llguidance()
@@ -84,7 +109,11 @@ class JsonConstraint:
             raise StrataError("json_schema needs an end-of-sequence token to end the output (the model has none)")
         self.vocab_size, self.eos = vocab_size, frozenset(eos)
         self.finished = False  # an end-of-sequence token taken after a complete output
-        self.matcher = ll.LLMatcher(_tokenizer(tokenizer, vocab_size, eos), grammar_for(schema))
+        if grammar is None:
+            grammar = grammar_for(schema)
+        elif ll.LLMatcher.validate_grammar(grammar):
+            raise StrataError(f"grammar: {ll.LLMatcher.validate_grammar(grammar).splitlines()[0]}")
+        self.matcher = ll.LLMatcher(_tokenizer(tokenizer, vocab_size, eos), grammar)
         if self.matcher.is_error():
             raise StrataError(f"json_schema: {self.matcher.get_error()}")
         self._bitmask = ll.numpy.allocate_token_bitmask(1, vocab_size)

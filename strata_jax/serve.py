@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt
 from sse_starlette.sse import EventSourceResponse
 
 from strata_jax import grammar
@@ -110,16 +110,30 @@ class ChatRequest(_Sampling):
     functions: list | None = None
     function_call: Any = None
     response_format: dict | None = None  # text, json_object (JSON mode) or json_schema: constrained decoding
+    _grammar: str | None = PrivateAttr(default=None)  # a forced tool call's grammar (chat() makes it)
 
     def json_schema(self):
         return _json_schema(self.response_format)
+
+    def forced_call(self) -> tuple[bool, str | None]:
+        """(whether tool_choice forces a call, the function it names or None): required, or
+        {"type": "function", "function": {"name": ...}}; served by constrained decoding (grammar.tool_call_grammar)."""
+        choice = self.tool_choice
+        if choice == "required":
+            return True, None
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+                (choice.get("function") or {}).get("name"), str):
+            return True, choice["function"]["name"]
+        return False, None
 
     def unserved(self) -> str | None:
         """The first field this server cannot honour, or None. Tools are served with tool_choice auto or none: a
         required or named call would need constrained decoding."""
         if self.functions or self.function_call not in (None, "none"):
             return "functions"
-        if self.tool_choice not in (None, "auto", "none") or (self.tool_choice == "auto" and not self.tools):
+        forced = self.forced_call()[0]
+        if (self.tool_choice not in (None, "auto", "none") and not forced) or (
+                self.tool_choice not in (None, "none") and not self.tools) or (forced and self.json_schema() is not None):
             return "tool_choice"
         if self.response_format is not None and self.json_schema() is None and (
                 self.response_format.get("type", "text") != "text"):
@@ -224,6 +238,8 @@ class Server:
         kw: dict[str, Any] = dict(max_new_tokens=budget, ignore_eos=req.ignore_eos)
         if isinstance(req, ChatRequest) and (schema := req.json_schema()) is not None:
             kw["json_schema"] = schema
+        if isinstance(req, ChatRequest) and req._grammar is not None:  # tool_choice required / named
+            kw["grammar"] = req._grammar
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(req, name) is not None:
                 kw[name] = getattr(req, name)
@@ -415,8 +431,8 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
         if (bad := check_model(req)) is not None:
             return bad
         if (field := req.unserved()) is not None:  # never a 200 that ignored what was asked
-            what = {"tool_choice": f"tool_choice {req.tool_choice!r} (a call forced by constrained decoding; auto "
-                                   f"and none are served)",
+            what = {"tool_choice": f"tool_choice {req.tool_choice!r} (auto, none, required and a named function "
+                                   f"are served, with tools, and without a JSON response_format)",
                     "functions": "function calls (functions, function_call; use tools)",
                     "response_format": f"response_format {req.response_format.get('type')!r} (text, json_object "
                                        f"and json_schema with a schema object are served)" if req.response_format
@@ -429,6 +445,12 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                 grammar.grammar_for(schema)
             except StrataError as e:
                 return error_response(400, str(e), param="response_format")
+        forced, name = req.forced_call()
+        if forced:  # one call of the tools, the arguments following its schema (constrained decoding)
+            try:
+                req._grammar = grammar.tool_call_grammar(req.tools, name)
+            except StrataError as e:
+                return error_response(400, str(e), param="tool_choice")
         messages = [template_message(m) for m in req.messages]
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         ids = engine.chat_ids(messages)

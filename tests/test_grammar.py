@@ -88,3 +88,17 @@ def test_a_schema_it_cannot_take_is_one_line(engine, prompt):
         engine.generate(prompt, 4, json_schema=[1, 2])
     # the engine is fine afterwards, and json_schema=False / None are plain requests
     assert engine.generate(prompt, 4, json_schema=False) == engine.generate(prompt, 4)
+
+
+def test_a_grammar_of_ones_own(engine, prompt):
+    """grammar=: any llguidance grammar (here a regular expression), drawn greedy and sampled; json_schema and
+    grammar together are one line."""
+    import llguidance
+    g = llguidance.grammar_from("regex", "(yes|no|maybe)!")
+    for temperature in (0.0, 1.0):
+        out = engine.generate(prompt, 12, temperature=temperature, seed=4, grammar=g)
+        assert text_of(engine, out) in ("yes!", "no!", "maybe!") and out[-1] in engine.end_of_turn_ids
+    assert "give one" in one_line_refusal(engine.generate, prompt, 4, grammar=g, json_schema=True)
+    from strata_jax.grammar import tool_call_grammar
+    assert "not among the tools" in one_line_refusal(
+        tool_call_grammar, [{"type": "function", "function": {"name": "f"}}], "g")

@@ -115,9 +115,10 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
     # What the server cannot honour yet is refused, never a 200 that ignored it
     hi = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    for extra, field in ((dict(tools=[tool], tool_choice="required"), "tool_choice"),
-                         (dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}),
-                          "tool_choice"),
+    for extra, field in ((dict(tool_choice="required"), "tool_choice"),  # a call forced without tools
+                         (dict(tools=[tool], tool_choice="required", response_format={"type": "json_object"}),
+                          "tool_choice"),  # two constraints at once
+                         (dict(tools=[tool], tool_choice="any"), "tool_choice"),
                          (dict(response_format={"type": "xml"}), "response_format"),
                          (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
                           "response_format"), (dict(top_logprobs=2), "top_logprobs"),
@@ -128,6 +129,10 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
     with pytest.raises(openai.BadRequestError, match="does not render tools") as e:  # the code model's template
         client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, tools=[tool])
     assert e.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match="not among the tools") as e:
+        client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, tools=[tool],
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
+    assert e.value.body["param"] == "tool_choice"
     plain = client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, response_format={"type": "text"},
                                            tool_choice="none")
     assert plain.usage.completion_tokens == 2
@@ -416,6 +421,45 @@ def test_tools_go_through_the_template_and_calls_come_back_parsed(engine_factory
     plain = client.chat.completions.create(model="tiny", messages=ask, tools=[tool], tool_choice="none")
     assert "<tools>" not in prompts[-1] and plain.choices[0].finish_reason == "stop"
     assert "<tool_call>" in plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+
+
+def test_tool_choice_required_and_named_force_one_call(engine_factory, monkeypatch):
+    """tool_choice required / a named function: the reply is one call of the tools, its arguments following the
+    function's parameters schema (constrained decoding: grammar.tool_call_grammar), parsed into tool_calls with
+    finish_reason tool_calls, streamed too. The model's own tokens (random weights) within what the grammar allows."""
+    import json
+
+    from starlette.testclient import TestClient
+
+    from strata_jax.chat import ChatTemplate
+    from strata_jax.serve import create_app
+    engine = engine_factory(None, dtype="float32", window=1, context=1024, expert_cache_slots="all")
+    monkeypatch.setattr(engine, "chat_template", ChatTemplate(TOOLS_TEMPLATE, engine.chat_template.special_tokens))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                           http_client=TestClient(create_app(engine, "tiny", log=lambda line: None)))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                  "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+                  "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                  "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+                  "additionalProperties": False}}}]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        for temperature in (0, 1.0):
+            got = client.chat.completions.create(model="tiny", messages=ask, tools=tools, tool_choice=choice,
+                                                 max_tokens=80, temperature=temperature, seed=1)
+            assert got.choices[0].finish_reason == "tool_calls", got.choices[0]
+            (call,) = got.choices[0].message.tool_calls
+            args = json.loads(call.function.arguments)
+            assert call.function.name in names
+            assert args in ({"city": "Paris"}, {"city": "Rome"}) if call.function.name == "get_weather" else (
+                set(args) == {"utc"} and isinstance(args["utc"], bool)), (call.function.name, args)
+    chunks = list(client.chat.completions.create(model="tiny", messages=ask, tools=tools, tool_choice="required",
+                                                 max_tokens=80, temperature=0, stream=True))
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(streamed) == 1 and streamed[0].function.name in {"get_weather", "get_time"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_logprobs_are_the_models_own(engine, client):
