@@ -28,7 +28,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt
 from sse_starlette.sse import EventSourceResponse
 
@@ -39,6 +39,7 @@ from strata_jax.errors import StrataError
 from strata_jax.tokenizer import TextStream, token_bytes
 
 PAGE = Path(__file__).resolve().parent / "chat_page.html"
+STATIC = Path(__file__).resolve().parent / "static"  # the page's vendored scripts (static/README.md)
 
 
 # ---- requests ------------------------------------------------------------------------------------------------------
@@ -313,7 +314,7 @@ class AccessLog:
 
 class BearerKey:
     """ASGI middleware: with an API key set, every /v1 request must carry `Authorization: Bearer <key>` (as OpenAI's
-    API and its clients do); else a 401 in OpenAI's error object. /health, /metrics and the page stay open."""
+    API and its clients do); else a 401 in OpenAI's error object. /health, /metrics, the page and its /static files stay open."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
@@ -405,6 +406,16 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
     @app.get("/")
     async def page():
         return HTMLResponse(PAGE.read_text().replace("{{MODEL}}", model_name))
+
+    @app.get("/static/{name}")
+    async def static(name: str):
+        """The page's vendored scripts and style (strata_jax/static: marked, highlight.js), no network needed."""
+        kinds = {".js": "text/javascript", ".css": "text/css"}
+        path = STATIC / name
+        if "/" in name or path.suffix not in kinds or not path.is_file():
+            return error_response(404, f"no static file {name!r}", kind="not_found_error")
+        return Response(path.read_bytes(), media_type=kinds[path.suffix],
+                        headers={"cache-control": "public, max-age=86400"})
 
     def check_model(req: _Sampling):
         if req.model not in (None, "") and req.model not in names:

@@ -4,6 +4,7 @@ disconnects mid-stream, two clients at once; the chat page."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -21,9 +22,8 @@ def engine(embedded_engine):
     return embedded_engine
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    """The app on a free loopback port, in a thread: (base url, the Server object)."""
+def serving(engine):
+    """The app over `engine` on a free loopback port, in a thread: yields (base url, the Server object)."""
     from strata_jax.serve import create_app
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,6 +41,11 @@ def server(engine):
     yield f"http://127.0.0.1:{port}", app.state.server
     srv.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    yield from serving(engine)
 
 
 @pytest.fixture(scope="module")
@@ -241,22 +246,71 @@ def test_metrics_and_the_chat_page(server):
     assert page.status_code == 200 and "/v1/chat/completions" in page.text and "tiny" in page.text
 
 
-def test_the_chat_page_in_a_headless_browser(server):
-    """Type a message, see a streamed reply. Needs playwright with a browser; skipped with the reason elsewhere."""
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (no headless "
-                                     "browser here): the page is checked without one in test_metrics_and_the_chat_page")
+def chromium_path() -> str | None:
+    """Debian's chromium (apt-get install chromium; .ci/run installs it), or playwright's own download."""
+    import shutil
+    return os.environ.get("TESTS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def roomy_server(engine_factory):
+    """The server over the embedded model with a 1024-token context (a conversation of several turns, and a reply
+    long enough to stop), T=1 windows."""
+    yield from serving(engine_factory(None, dtype="float32", window=1, context=1024, expert_cache_slots="all"))
+
+
+def test_the_chat_page_in_a_headless_browser(roomy_server, tmp_path):
+    """The page in a real headless Chromium (playwright): labelled input, settings (system prompt, max tokens), a
+    streamed reply with its tok/s, markdown rendered with highlighted code (the vendored marked and highlight.js, no
+    network), Stop ends a long reply and the next message still works, New chat clears the conversation. A
+    screenshot lands in the test's tmp_path (TESTS_SCREENSHOT=FILE copies it there)."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements.txt "
+                                     "has it): the page is checked without a browser in test_metrics_and_the_chat_page")
+    executable = chromium_path()
     with playwright.sync_playwright() as p:
         try:
-            browser = p.chromium.launch()
+            browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         except Exception as e:  # noqa: BLE001
-            pytest.skip(f"no headless chromium: {e}")
-        page = browser.new_page()
-        page.goto(server[0] + "/")
+            pytest.skip(f"no headless chromium ({executable or 'none on PATH'}): {str(e).splitlines()[0]}")
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(roomy_server[0] + "/")
+        assert page.get_attribute("label[for=text]", "for") == "text" and "Message" in page.inner_text("label[for=text]")
+        assert page.evaluate("typeof marked.parse === 'function' && typeof hljs.highlightElement === 'function'")
+        html = page.evaluate("render('# Title\\n\\n```python\\ndef f(x):\\n    return x\\n```\\n<b>raw</b>')")
+        assert "<h1" in html and "hljs" in html and "&lt;b&gt;raw" in html, html
+        page.click("#settings-toggle")
+        page.fill("#system", "You are terse.")
+        page.fill("#max", "6")
         page.fill("#text", "reverse a list")
         page.press("#text", "Enter")
-        page.wait_for_function("document.querySelector('.assistant') && "
-                               "document.getElementById('counters').textContent.includes('last turn')")
-        assert page.inner_text("#counters").startswith("last turn")
+        page.wait_for_function("document.querySelectorAll('.meta').length === 1 && "
+                               "document.querySelector('.meta').textContent.includes('tok/s')")
+        meta = page.inner_text(".meta")
+        assert "finish: length" in meta and "6 generated" in meta, meta
+        assert page.inner_text(".user") == "reverse a list" and page.is_enabled("#send") and not page.is_enabled("#stop")
+        # Stop: a long reply cut by the button; the conversation goes on
+        page.fill("#max", "2000")
+        page.fill("#text", "tell me everything")
+        page.press("#text", "Enter")
+        page.wait_for_function("document.querySelectorAll('.assistant')[1].textContent.length > 0")
+        page.click("#stop")
+        page.wait_for_function("document.querySelectorAll('.meta')[1].textContent.startsWith('stopped')")
+        page.fill("#max", "4")
+        page.fill("#text", "again")
+        page.press("#text", "Enter")
+        page.wait_for_function("document.querySelectorAll('.meta').length === 3 && "
+                               "document.querySelectorAll('.meta')[2].textContent.includes('generated')")
+        assert page.inner_text("#counters").startswith("strata_requests_total")
+        shot = tmp_path / "chat_page.png"
+        page.screenshot(path=str(shot), full_page=True)
+        if os.environ.get("TESTS_SCREENSHOT"):
+            import shutil
+            shutil.copy(shot, os.environ["TESTS_SCREENSHOT"])
+        page.click("#new-chat")
+        assert page.evaluate("document.getElementById('log').children.length") == 0
+        assert not errors, errors
         browser.close()
 
 
