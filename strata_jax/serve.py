@@ -141,8 +141,6 @@ class ChatRequest(_Sampling):
             return "response_format"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs"
-        if self.logprobs and self.stream:
-            return "logprobs"
         return None
 
 
@@ -429,8 +427,6 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
             return bad
         if req.echo:
             return error_response(400, "echo is not supported", param="echo")
-        if req.logprobs is not None and req.stream:
-            return error_response(400, "logprobs with stream: true are not supported", param="logprobs")
         if isinstance(req.prompt, str):
             ids = engine.encode(req.prompt)
         else:
@@ -448,8 +444,7 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                     "response_format": f"response_format {req.response_format.get('type')!r} (text, json_object "
                                        f"and json_schema with a schema object are served)" if req.response_format
                                        else "",
-                    "top_logprobs": "top_logprobs without logprobs: true",
-                    "logprobs": "logprobs with stream: true"}[field]
+                    "top_logprobs": "top_logprobs without logprobs: true"}[field]
             return error_response(400, f"{what} are not supported by this server", param=field)
         if (schema := req.json_schema()) is not None:  # a schema the grammar engine refuses: 400 before queueing
             try:
@@ -610,7 +605,8 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
 
         def work():
             try:
-                outcome = server.run(ids, kw, stops, emit=put, cancelled=cancelled, drop_eos=drop_eos)
+                outcome = server.run(ids, kw, stops, emit=put, cancelled=cancelled, drop_eos=drop_eos,
+                                     top_logprobs=wanted_logprobs(req))
                 loop.call_soon_threadsafe(pieces.put_nowait, (done, outcome))
             except BaseException as e:  # noqa: BLE001 (sent to the client as an error event)
                 loop.call_soon_threadsafe(pieces.put_nowait, (done, e))
@@ -646,6 +642,11 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                                                    "logprobs": None}]})
                 elif (held := hold.rest()):
                     yield json.dumps(chunk(kind, rid, created, held, None))
+            if result.logprobs is not None:  # every token's, in one chunk after the text (one teacher-forced
+                # pass after the request, as without stream)
+                last = chunk(kind, rid, created, None, None)
+                last["choices"][0]["logprobs"] = logprobs_of(kind, result)
+                yield json.dumps(last)
             yield json.dumps(chunk(kind, rid, created, None, result.finish_reason))
             if (req.stream_options or {}).get("include_usage"):
                 yield json.dumps({"id": rid, "object": chunk(kind, rid, created, None, None)["object"],

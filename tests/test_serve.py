@@ -126,8 +126,7 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
                          (dict(tools=[tool], tool_choice="any"), "tool_choice"),
                          (dict(response_format={"type": "xml"}), "response_format"),
                          (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-                          "response_format"), (dict(top_logprobs=2), "top_logprobs"),
-                         (dict(logprobs=True, stream=True), "logprobs")):
+                          "response_format"), (dict(top_logprobs=2), "top_logprobs")):
         with pytest.raises(openai.BadRequestError, match="not supported") as e:
             client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, **extra)
         assert e.value.body["param"] == field, extra
@@ -146,8 +145,7 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server, client):
     # Nothing converted silently: bools and floats are not token ids, "7" is not a seed, logprobs=0 is not served.
     for field, body in (("prompt", {"prompt": [True, False]}), ("prompt", {"prompt": [1.0, 2.0]}),
                         ("seed", {"prompt": "x", "seed": "7"}), ("max_tokens", {"prompt": "x", "max_tokens": 2.0}),
-                        ("logprobs", {"prompt": "x", "logprobs": 21}),
-                        ("logprobs", {"prompt": "x", "logprobs": 1, "stream": True})):
+                        ("logprobs", {"prompt": "x", "logprobs": 21})):
         r = httpx.post(server[0] + "/v1/completions", json={"model": "tiny", **body})
         assert r.status_code == 400 and field in r.text and "error" in r.json(), (body, r.text)
     # Bodies FastAPI cannot parse, and unknown paths: OpenAI's error object, never {"detail": ...}
@@ -542,3 +540,14 @@ def test_logprobs_are_the_models_own(engine, client):
     assert bytes(b for c in content for b in c.bytes).decode(errors="replace") == chat.choices[0].message.content
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
                and abs(c.top_logprobs[0].logprob - c.logprob) < 1e-9 for c in content)
+    # streamed: the text as it comes, then every token's logprobs in one chunk before the finish; the same values
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat.choices[0].message.content
+    text_chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0,
+                                                 logprobs=3, stream=True, extra_body={"ignore_eos": True}))
+    lp_stream = next(ch.choices[0].logprobs for ch in text_chunks if ch.choices and ch.choices[0].logprobs)
+    assert lp_stream.token_logprobs == lp.token_logprobs and lp_stream.tokens == lp.tokens
