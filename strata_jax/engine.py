@@ -623,14 +623,15 @@ class Engine:
 
     @_serialized
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None, seed: int = 0, draft: str = "ngram",
+                 top_p: float | None = None, top_k: int | None = None, seed: int = 0, draft: str = "auto",
                  spec: int = -1,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                  on_token: Callable[[int], None] | None = None, json_schema=None, grammar: str | None = None,
                  **unknown) -> list[int]:
         """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
 
-        Verify windows: up to `spec` drafts (default W-1) from `draft` ('ngram', 'none', 'device', 'mtp' (Qwen3-Next's
+        Verify windows: up to `spec` drafts (default W-1) from `draft` ('auto': 'device' for a greedy request when every
+        expert is on one device and there is no MTP module, else 'ngram'; 'ngram', 'none', 'device', 'mtp' (Qwen3-Next's
         multi-token-prediction module, strata_jax/mtp.py; ngram without one), or a drafts.Drafter object) run with
         the last accepted token; greedy output is the same with or without them,
         sampled output follows the same distribution. 'device': the n-gram drafts and their acceptance run on the
@@ -653,7 +654,7 @@ class Engine:
         top_k = sampling_defaults["top_k"] if top_k is None else top_k
         if not isinstance(draft, str) and not (callable(getattr(draft, "propose", None))
                                                 and callable(getattr(draft, "observe", None))):
-            raise StrataError(f"draft must be 'ngram', 'none', 'device' or an object with propose() and observe() "
+            raise StrataError(f"draft must be 'auto', 'ngram', 'none', 'device', 'mtp' or an object with propose() and observe() "
                               f"(drafts.Drafter), not {type(draft).__name__}")
         if stop_token_ids is not None:
             stop_token_ids = check_token_ids(stop_token_ids, self.cfg.vocab_size, "stop_token_ids").tolist()
@@ -661,6 +662,10 @@ class Engine:
         req = build(RequestOptions, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                          top_k=top_k, seed=seed, draft=draft if drafter is None else "ngram",
                                          spec=spec, ignore_eos=ignore_eos))
+        if req.draft == "auto":  # device drafts where they never cost a sync: greedy, every expert on one device
+            # (sampled requests accept few drafts, and a device window is spec+1 tokens whatever it accepts)
+            device = req.temperature == 0 and self.placement is None and not self.parallel and self.mtp is None
+            req = dataclasses.replace(req, draft="device" if device else "ngram")
         spec = self.options.window - 1 if req.spec < 0 else req.spec
         if spec > self.options.window - 1:
             raise StrataError(f"spec {spec} needs window >= {spec + 1} (this engine compiled T=1..{self.options.window})")

@@ -196,11 +196,13 @@ class RequestOptions:
     top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1]; 1 = off.", _float_range(0.0, 1.0, lo_open=True))
     top_k: int = opt(0, "Sample among the k most likely tokens; 0 = off.", _int_range(0, INT32_MAX))
     seed: int = opt(0, "Sampling seed (same seed, same output).", _int_range(0, 2**32 - 1))
-    draft: str = opt("ngram", "Draft proposer for verify windows: ngram (prompt lookup, on the host), none, or "
-                     "device (the same n-gram rule and the acceptance run on the device: windows of spec+1 tokens "
-                     "go back to back, read one window late, so the device never waits for the host), or mtp "
-                     "(Qwen3-Next's multi-token-prediction module, where the checkpoint has one; else ngram).",
-                     _choice("ngram", "none", "device", "mtp"))
+    draft: str = opt("auto", "Draft proposer for verify windows: auto (device for a greedy request when every "
+                     "expert is on one device and the checkpoint has no MTP module, else ngram), ngram (prompt "
+                     "lookup, on the host), none, or device (the same n-gram rule and the acceptance run on the "
+                     "device: windows of spec+1 tokens go back to back, read one window late, so the device never "
+                     "waits for the host), or mtp (Qwen3-Next's multi-token-prediction module, where the "
+                     "checkpoint has one; else ngram).",
+                     _choice("auto", "ngram", "none", "device", "mtp"))
     logpos: str = opt("", "STRATA_LOGPOS=path: first write the prompt's teacher-forced top-20 log-probs of every "
                       "position to this file (strata_jax.logpos; compare runs with benchmarks/kl_report.py).")
     logpos_read: str = opt("windows", "How --logpos reads the prompt: windows (every position takes the decode "

@@ -171,7 +171,7 @@ def test_two_arms_end_to_end(tmp_path, cache_dir):
     for r in runs:
         assert r["workload_sha256"] == saved["workload"]["sha256"]
         assert r["env"] == ({} if r["arm"] == "base" else {"STRATA_ROUTE_TAIL_SKIP": "2"})
-        assert r["draft"] == ("ngram" if r["arm"] == "base" else "device")
+        assert r["draft"] == ("auto" if r["arm"] == "base" else "device")  # base: the default
         assert [t["prompt_tokens"] for t in r["turns"]] == lengths
         assert [t["prompt_sha256"] for t in r["turns"]] == [t["prompt_sha256"] for t in runs[0]["turns"]]
         for t in r["turns"]:

@@ -195,7 +195,7 @@ def test_cli_prints_the_draft_counters(cache_dir):
 
 def test_host_time_between_verify_windows_is_measured(engine_factory, prompt):
     eng = resident(engine_factory)
-    eng.generate(prompt, 10, stop_token_ids=[])  # verify windows (drafts on)
+    eng.generate(prompt, 10, stop_token_ids=[], draft="ngram")  # the host loop's verify windows (drafts on)
     r = eng.stats.last
     # gaps are counted between verify windows; windows without drafts run queued ahead (no gap)
     assert r.windows >= 2 and 1 <= r.host_gaps <= r.windows - 1 and r.host_gap_s > 0
