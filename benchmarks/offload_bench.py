@@ -188,12 +188,12 @@ def top_share(engine, slots: int) -> float:
     (warm-up and timed requests) that went to each MoE layer's `slots` most used experts, averaged over layers;
     what a cache holding exactly those experts would hit. Uniform routing: slots / E."""
     import numpy as np
+    from strata_jax.experts.slots import layer_states
     shares = []
-    for state in engine.cache.experts:
-        if state is not None:
-            usage = np.sort(np.asarray(state.usage))[::-1]
-            if usage.sum():
-                shares.append(float(usage[:slots].sum() / usage.sum()))
+    for state in layer_states(engine.cache.experts):
+        usage = np.sort(np.asarray(state.usage))[::-1]
+        if usage.sum():
+            shares.append(float(usage[:slots].sum() / usage.sum()))
     return float(np.mean(shares)) if shares else 0.0
 
 

@@ -138,9 +138,14 @@ class Engine:
         self.expert_kernel, self.attention_kernel, self.dense_kernel = resolve_kernels(options, cfg)
         self._check_attention_kernel()
         self.delta_kernel = resolve_delta_kernel(options, cfg)
-        # All experts resident and one kind of layer: the layers run as one scanned body over stacked weights.
-        self.scanned = placement is None and scans(cfg, options)
-        if self.scanned and parallel_mod.layer_device(cfg, options) is None:  # parallel=layers stacks per device
+        # One kind of layer: the layers run as one scanned body over stacked weights, with every expert resident, or
+        # with offload where the native offload calls take the decode windows (scans_offload).
+        self.scanned_offload = placement is not None and scans_offload(cfg, options, placement, self.defer,
+                                                                      self.expert_kernel)
+        self.scanned = (placement is None and scans(cfg, options)) or self.scanned_offload
+        if self.scanned_offload:  # the host experts stay per layer (tuples), the rest is stacked
+            self.weights = weights = model.stack_layers(model.unstack_layers(weights), keep_experts=True)
+        elif self.scanned and parallel_mod.layer_device(cfg, options) is None:  # parallel=layers stacks per device
             self.weights = weights = model.stack_layers(weights)
         elif weights.stacked:
             self.weights = weights = model.unstack_layers(weights)
@@ -160,7 +165,8 @@ class Engine:
                 + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel, options.dense_kernel,
                                            options.delta_kernel)
                    else "")
-                + f"; layers {'scanned (one body over stacked weights)' if self.scanned else 'unrolled'}")
+                + f"; layers {'scanned (one body over stacked weights)' if self.scanned else 'unrolled'}"
+                + (" (decode windows; prefill chunks unroll)" if self.scanned_offload else ""))
             log(self.kv_cache_line())
         self._compile()
 
@@ -199,7 +205,11 @@ class Engine:
             raise StrataError(f"the KV cache for context {self.context} needs {need / 2**30:.1f} GiB "
                               f"({per_token / 2**10:.1f} KiB a position) and cannot be allocated{fits}: "
                               "lower --context") from None
-        experts = self.placement.init_state(self.cfg, self.expert_storage) if self.placement else None
+        experts = None
+        if self.scanned_offload:
+            experts = self.placement.init_stacked_state(self.cfg, self.expert_storage)
+        elif self.placement:
+            experts = self.placement.init_state(self.cfg, self.expert_storage)
         self.cache = kv.replace(experts=experts)
         if self.parallel:
             self.cache = self.parallel.place_cache(self.cache)
@@ -410,6 +420,7 @@ class Engine:
         self._prefill_logits = {}  # chunk size -> graph, compiled on first use (teacher-forced prompt scoring)
         self._device_verify = {}  # (T, filter form or None: greedy) -> graph; compiled on first use (generate(draft="device") only)
         self._fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
+        self._fill_layer = jax.jit(slots_mod.fill_layer_slots, donate_argnums=(0,))
         self.stats.compile_s = time.perf_counter() - t0
         if self.verbose:
             when = (f"compiled in {self.stats.compile_s:.1f} s" if ahead else
@@ -490,6 +501,9 @@ class Engine:
         if isinstance(self.parallel, parallel_mod.ExpertSplit) and (float(opts.pcie_frac) < 1
                                                                      or opts.cache_policy == "static"):
             raise StrataError("parallel=experts with offload runs pcie_frac=1 and cache_policy=lru")
+        if self.scanned_offload and defer_cpu(self.options, placement_mod.needs_cpu_path(float(opts.pcie_frac)))[0].active:
+            raise StrataError("the deferral (STRATA_VERIFY_DEFER_CPU) runs in the unrolled graph: start the engine "
+                              "with layer_loop=unrolled to reconfigure it to pcie_frac < 1")
         rebuild = self.placement.reconfigure(float(opts.pcie_frac), opts.cache_policy)
         self._reset_state()
         if rebuild:
@@ -504,7 +518,8 @@ class Engine:
         start of a request also zero the routing usage (the static policy fills from this request's prefill)."""
         if not self.placement:
             return ExpertStats()
-        states = [s for s in self.cache.experts if s is not None]
+        stacked = isinstance(self.cache.experts, slots_mod.SlotCache)  # scans_offload: every layer's in one
+        states = [self.cache.experts] if stacked else [s for s in self.cache.experts if s is not None]
         # parallel=experts: [D, C] counters, one row per device's slot cache
         total = np.sum([np.asarray(s.counters).reshape(-1, len(slots_mod.COUNTERS)) for s in states], axis=(0, 1))
         out = ExpertStats(**{name: int(v) for name, v in zip(slots_mod.COUNTERS, total)})
@@ -516,12 +531,16 @@ class Engine:
             zero = lambda a: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding)
             s = s.replace(counters=zero(s.counters))
             return s.replace(usage=zero(s.usage)) if new_request else s
-        self.cache = self.cache.replace(experts=[None if s is None else zeroed(s) for s in self.cache.experts])
+        self.cache = self.cache.replace(experts=zeroed(self.cache.experts) if stacked else
+                                        [None if s is None else zeroed(s) for s in self.cache.experts])
         return out
 
     def _fill_static_slots(self) -> None:
         """Static policy: after the prompt's prefill, the slots take each layer's most used experts, then freeze."""
-        new = slots_mod.fill_static_slots(self.cache.experts, self.weights.layers, self._fill)
+        if isinstance(self.cache.experts, slots_mod.SlotCache):
+            new = slots_mod.fill_static_stacked(self.cache.experts, self.weights.layers, self._fill_layer)
+        else:
+            new = slots_mod.fill_static_slots(self.cache.experts, self.weights.layers, self._fill)
         self.cache = self.cache.replace(experts=new)
 
     def _guarded(self, fn, *args):
@@ -1051,6 +1070,16 @@ def scans(cfg: ModelConfig, opts: EngineOptions) -> bool:
     """Whether the layers run as one scanned body over stacked weights when every expert is resident: layer_loop
     scan and one kind of layer (quantized experts' scales are stacked and read by layer like their q)."""
     return opts.layer_loop == "scan" and model.can_stack(cfg)
+
+
+def scans_offload(cfg: ModelConfig, opts: EngineOptions, placement, defer, expert_kernel: str) -> bool:
+    """Whether an offloaded model runs its decode windows as one scanned body (model.offload_layers): layer_loop
+    scan and one kind of layer, one device, the native offload calls (their plan names the layer, so a traced layer
+    index serves), no deferral (its rows cross layers), and no quantized experts under the Pallas kernel (it reads
+    their scales by slot row, which a stacked cache does not keep)."""
+    return (scans(cfg, opts) and placement.native and not defer.active
+            and parallel_mod.devices_for(opts) is None
+            and not (placement_mod.expert_format(opts) and expert_kernel == "pallas"))
 
 
 SMALL_CHUNK, LARGE_CHUNK = 64, 1024  # prefill_chunk=auto: the tail's chunk, and the largest on a GPU

@@ -167,13 +167,22 @@ def can_stack(cfg: ModelConfig) -> bool:
     return len(set(cfg.sparse_layers)) <= 1 and not cfg.next
 
 
-def stack_layers(weights: Weights, consume: bool = False) -> Weights:
+def stack_layers(weights: Weights, consume: bool = False, keep_experts: bool = False) -> Weights:
     """The per-layer list -> one LayerWeights with a leading layer axis on every leaf. consume: each layer's array
     is deleted as soon as it is copied into its stack (the peak is the model plus one layer-stacked leaf, not two
-    copies of the model); only for weights nobody else holds."""
+    copies of the model); only for weights nobody else holds. keep_experts: the routed experts (offload's host
+    arrays) are not stacked: each of ffn.gate / up / down becomes a tuple of the layers' arrays (their scales, on
+    the device, are stacked)."""
     if weights.stacked:
         return weights
     layers = weights.layers
+    if keep_experts:
+        hosts = {k: tuple(getattr(layer.ffn, k) for layer in layers) for k in ("gate", "up", "down")}
+        dense = weights.replace(layers=[layer.replace(ffn=layer.ffn.replace(gate=None, up=None, down=None))
+                                        for layer in layers])
+        del layers
+        stacked = stack_layers(dense, consume=consume)
+        return stacked.replace(layers=stacked.layers.replace(ffn=stacked.layers.ffn.replace(**hosts)))
     treedef = jax.tree.structure(layers[0])
     if any(jax.tree.structure(layer) != treedef for layer in layers):
         raise ValueError("stack_layers: the layers differ in kind (dense and MoE): they cannot share one body")
@@ -211,8 +220,17 @@ def unstack_layers(weights: Weights) -> Weights:
     """Stacked -> the per-layer list (slices: a copy of the layer weights)."""
     if not weights.stacked:
         return weights
-    n = jax.tree.leaves(weights.layers)[0].shape[0]
-    return weights.replace(layers=[jax.tree.map(lambda a, i=i: a[i], weights.layers) for i in range(n)])
+    stack = weights.layers
+    hosts = None
+    if isinstance(stack.ffn, moe.MoEWeights) and isinstance(stack.ffn.gate, tuple):  # stack_layers(keep_experts)
+        hosts = {k: getattr(stack.ffn, k) for k in ("gate", "up", "down")}
+        stack = stack.replace(ffn=stack.ffn.replace(gate=None, up=None, down=None))
+    n = jax.tree.leaves(stack)[0].shape[0]
+    layers = [jax.tree.map(lambda a, i=i: a[i], stack) for i in range(n)]
+    if hosts:
+        layers = [layer.replace(ffn=layer.ffn.replace(**{k: v[i] for k, v in hosts.items()}))
+                  for i, layer in enumerate(layers)]
+    return weights.replace(layers=layers)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -451,10 +469,55 @@ def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: ja
     no layer's experts are sliced out whole. The stacked KV cache rides in the carry and is updated in place.
     dense_kernel: the attention products read the stacks in place too (pallas_kernels/stacked_linear.py), where
     XLA would copy layer i's q/k/v/o matrices out of the stacks first.
-    All-resident experts only (`experts` None or moe.ResidentExperts): offload keeps the unrolled graph."""
+    With offload (cache.experts: one stacked SlotCache): offload_layers."""
     h = weights.embed[tokens]  # [T, H]
-    h, cache = scan_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel, dense_kernel)
+    run = offload_layers if cache.experts is not None else scan_layers
+    h, cache = run(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel, dense_kernel)
     return head_logits(weights, h, cfg), cache
+
+
+def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.Array, n_valid: jax.Array,
+                   cfg: ModelConfig, experts, attention_kernel: bool = False,
+                   dense_kernel: bool = False) -> tuple[jax.Array, KVCache]:
+    """scan_layers with offloaded experts: the routed experts of `stack` are tuples of the layers' host arrays
+    (stack_layers(keep_experts=True)), cache.experts every layer's slot cache in one (experts/slots.py
+    init_stacked_slot_cache), `experts` the offloaded expert path (it gives layer l's view of that cache).
+
+    A window the native offload calls take whole (experts.native_fits: a decode window) runs one layer body in a
+    `lax.scan`, the layer index traced: the calls name the layer in their plan and address the stacked slot arrays
+    by absolute rows, so nothing in the body depends on the layer statically. A prefill chunk's misses go through
+    the graph's own copy loops, which read layer l's host arrays: the same body unrolls, l a Python int."""
+    t = h.shape[0]
+    valid = jnp.arange(t) < n_valid  # [T]
+    f = stack.ffn
+    hosts = list(zip(f.gate, f.up, f.down))
+    dense_part = stack.replace(ffn=f.replace(gate=None, up=None, down=None))
+
+    def body(carry, i, host=None):
+        h, k_all, v_all, state = carry
+        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), dense_part)
+        with jax.named_scope("attention"):
+            a, k_all, v_all = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn, k_all, v_all,
+                                        pos, cfg, kernel=attention_kernel, layer=jnp.asarray(i, jnp.int32),
+                                        w_stack=stack.attn if dense_kernel else None)
+        h = h + a
+        x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
+        w = layer.ffn if host is None else layer.ffn.replace(gate=host[0], up=host[1], down=host[2])
+        out = experts(i, x, w, valid, experts.layer_state(state, i))
+        assert out.pending is None, "the deferral runs in the unrolled graph (engine.scans_offload)"
+        return (h + out.y, k_all, v_all, experts.put_state(state, i, out.state)), None
+
+    carry = (h, cache.k, cache.v, cache.experts)
+    n_distinct = min(cfg.num_experts, t * cfg.num_experts_per_tok)
+    if experts.native_fits(n_distinct):
+        with jax.named_scope("layer"):
+            carry, _ = jax.lax.scan(body, carry, jnp.arange(len(hosts), dtype=jnp.int32))
+    else:
+        for i, host in enumerate(hosts):
+            with jax.named_scope(f"layer{i}"):
+                carry, _ = body(carry, i, host)
+    h, k_all, v_all, state = carry
+    return h, cache.replace(k=k_all, v=v_all, experts=state)
 
 
 def scan_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.Array, n_valid: jax.Array,

@@ -179,10 +179,7 @@ def test_a_window_without_cpu_entries_makes_no_callback(engine_factory, tokens):
                          cpu_threads=2, callback_timeout_s=2.0, verify_defer_cpu="1")
     eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
     every = jnp.arange(16, dtype=jnp.int32)
-    eng.cache = eng.cache.replace(experts=[
-        None if s is None else slots_mod.fill_slots(s, *(getattr(eng.weights.layers[i].ffn, n) for n in
-                                                        ("gate", "up", "down")), every)
-        for i, s in enumerate(eng.cache.experts)])
+    eng.cache = eng.cache.replace(experts=slots_mod.fill_every_layer(eng.cache.experts, eng.weights.layers, every))
     eng.placement.pool.stats.reset()
     eng.score(tokens, window=4)
     assert eng.stats.last.decode_experts.distinct_resident > 0

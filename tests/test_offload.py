@@ -12,6 +12,7 @@ import pytest
 from helpers import one_line_refusal, rel_fro
 from strata_jax import Engine, StrataError
 from strata_jax.config import preset
+from strata_jax.experts.slots import layer_states
 from conftest import run_cli
 
 REL_TOL = 1e-5
@@ -71,6 +72,50 @@ def test_logits_and_greedy_do_not_depend_on_placement(engine_factory, reference,
     calls, experts, nbytes = (b - a for a, b in zip(before, pool.fetch_counters()))
     if native:  # the decode windows fetched through the native calls; bytes are whole experts
         assert calls > 0 and experts > 0 and nbytes == experts * preset("tiny").expert_bytes(4)
+
+
+def test_offloaded_decode_windows_run_one_scanned_body(engine_factory, reference, tokens):
+    """With the native offload calls (the default where their handler builds, as here) the decode windows run one
+    scanned layer body (model.offload_layers): their graph holds one begin call, not one a layer, and the start-up
+    line says so; layer_loop=unrolled keeps a call a layer. Both give all resident's logits and tokens."""
+    ref_scores, ref_greedy = reference
+    scanned = offload_engine(engine_factory, 5)
+    unrolled = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, pcie_frac=1.0,
+                              cpu_threads=2, layer_loop="unrolled")
+    assert scanned.placement.native and scanned.scanned_offload and scanned.scanned
+    assert not unrolled.scanned_offload and not unrolled.scanned
+
+    def begins(eng, t):  # the offload begin calls in the compiled window graph
+        return eng._decode[t].as_text().count('custom_call_target="strata_offload_begin')
+    assert (begins(scanned, 2), begins(unrolled, 2)) == (1, preset("tiny").num_layers)
+    for eng in (scanned, unrolled):
+        eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
+        assert rel_fro(eng.score(tokens, window=3), ref_scores[3]) <= REL_TOL
+        assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
+        d = eng.stats.last.decode_experts
+        assert d.distinct_fetched > 0 and d.distinct_cpu > 0  # both halves of the split ran
+
+
+def test_scanned_offload_unrolls_prefill_chunks_over_the_stacked_cache(engine_factory):
+    """The reference model (64 experts top-8): a prefill chunk's 64 distinct experts are more than the native calls'
+    32, so its layers unroll over the same stacked slot cache and KV cache (the graph's fetch loops, the pool by
+    its FFI call) while the decode windows scan. Prompt logits and greedy tokens are all resident's under lru and
+    static (which fills the stacked cache from the prefill's usage)."""
+    rng = np.random.default_rng(20261204)
+    prompt = rng.integers(0, 256, size=80).tolist()
+    kw = dict(dtype="float32", window=4, context=256, prefill_chunk=64)
+    ref = engine_factory("reference", expert_cache_slots="all", **kw)
+    want_logits, want_tokens = ref.prefill_logits(prompt), ref.generate(prompt[:70], 8, stop_token_ids=[])
+    eng = engine_factory("reference", expert_cache_slots=12, pcie_frac=0.5, cpu_threads=2, **kw)
+    assert eng.scanned_offload
+    for policy in ("lru", "static"):
+        eng.reconfigure(pcie_frac=0.5, cache_policy=policy)
+        assert rel_fro(eng.prefill_logits(prompt), want_logits) <= REL_TOL, policy
+        assert eng.generate(prompt[:70], 8, stop_token_ids=[]) == want_tokens, policy
+        p, d = eng.stats.last.prefill_experts, eng.stats.last.decode_experts
+        assert p.distinct_fetched > 0 and p.distinct_cpu > 0 and d.distinct_fetched > 0 and d.distinct_cpu > 0
+        if policy == "static":
+            assert all((np.asarray(s.table) >= 0).sum() == 12 for s in layer_states(eng.cache.experts))
 
 
 @pytest.mark.parametrize("pool_calls", ["layer", "callback"])
@@ -147,11 +192,11 @@ def test_lru_keeps_experts_and_static_freezes(engine_factory, tokens):
     small = offload_engine(engine_factory, 5)
     small.reconfigure(pcie_frac=1.0, cache_policy="static")
     small.generate(tokens[:20], 1)  # prefill, then the fill from its usage
-    tables = [np.asarray(s.table) for s in small.cache.experts if s is not None]
+    tables = [np.asarray(s.table) for s in layer_states(small.cache.experts)]
     for t in tables:
         assert (t >= 0).sum() == 5  # the 5 slots hold 5 distinct experts
     small.generate(tokens[:20], 10)
-    after = [np.asarray(s.table) for s in small.cache.experts if s is not None]
+    after = [np.asarray(s.table) for s in layer_states(small.cache.experts)]
     for t0, t1 in zip(tables, after):
         np.testing.assert_array_equal(t0, t1)  # decode never changes a static cache
 
@@ -160,10 +205,10 @@ def test_static_policy_fills_the_prefills_most_used_experts(engine_factory, toke
     eng = offload_engine(engine_factory, 5)
     eng.reconfigure(pcie_frac=1.0, cache_policy="lru")
     eng.generate(tokens[:20], 1)  # the prefill only: usage holds the prompt's routing
-    usage = [np.asarray(s.usage) for s in eng.cache.experts if s is not None]
+    usage = [np.asarray(s.usage) for s in layer_states(eng.cache.experts)]
     eng.reconfigure(cache_policy="static")
     eng.generate(tokens[:20], 1)  # the same prefill, then the fill
-    for u, s in zip(usage, [s for s in eng.cache.experts if s is not None]):
+    for u, s in zip(usage, layer_states(eng.cache.experts)):
         chosen = np.asarray(s.table) >= 0
         assert chosen.sum() == 5
         assert u[chosen].min() >= u[~chosen].max()  # no expert left out was used more than one kept

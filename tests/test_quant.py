@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from strata_jax.experts.slots import layer_states
+
 from helpers import rel_fro
 from strata_jax import quant
 
@@ -160,7 +162,7 @@ def test_quantized_engine_is_placement_independent(engine_factory, cache_dir, ca
     for slots, frac in ((4, "0.5"), (0, "0")):  # fetches and the pool in one engine; then the pool alone
         eng = engine_factory(None, dtype="float32", expert_cache_slots=str(slots), pcie_frac=frac,
                              expert_dtype=fmt)
-        assert eng.cache.experts[0].gate.dtype == stored  # the slots hold q
+        assert layer_states(eng.cache.experts)[0].gate.dtype == stored  # the slots hold q
         assert eng.placement.pool.store.dtype == stored
         assert rel_fro(eng.prefill_logits(ids), ref) < 1e-5, (slots, frac)
         assert rel_fro(eng.score(ids), ref) < 1e-5, (slots, frac)

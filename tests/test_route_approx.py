@@ -292,11 +292,8 @@ def full_cache_scores(engine_factory, tokens, **switches):
                          cpu_threads=2, **switches)
     eng.reconfigure(pcie_frac=1.0, cache_policy="lru")
     every = jnp.arange(E, dtype=jnp.int32)
-    eng.cache = eng.cache.replace(experts=[
-        None if s is None else slots_mod.fill_slots(s, eng.weights.layers[i].ffn.gate, eng.weights.layers[i].ffn.up,
-                                                  eng.weights.layers[i].ffn.down, every)
-        for i, s in enumerate(eng.cache.experts)])
-    assert all((np.asarray(s.table) >= 0).all() for s in eng.cache.experts if s is not None)
+    eng.cache = eng.cache.replace(experts=slots_mod.fill_every_layer(eng.cache.experts, eng.weights.layers, every))
+    assert all((np.asarray(s.table) >= 0).all() for s in slots_mod.layer_states(eng.cache.experts))
     return eng, eng.score(tokens, window=4)
 
 

@@ -55,6 +55,11 @@ class Placement:
                 for sparse in cfg.sparse_layers]
 
 
+    def init_stacked_state(self, cfg: ModelConfig, dtype) -> slots_mod.SlotCache:
+        """Every layer's slot cache in one (the scanned offload graph; every layer sparse)."""
+        return slots_mod.init_stacked_slot_cache(cfg, cfg.num_layers, self.slots, dtype, self.policy, self.pcie_frac)
+
+
 def needs_cpu_path(pcie_frac: float) -> bool:
     """Whether graphs for this split include the host pool: pcie_frac < 1 sends some misses to the pool (an
     io_callback under lax.cond, and the deferral when it is on); pcie_frac == 1 builds them without the pool, so

@@ -17,6 +17,7 @@ float summation order.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
@@ -59,10 +60,13 @@ class SlotCache:
     # The route prior's range mode: running sum and count of decode tokens' logit ranges (max - min).
     range_sum: jax.Array  # [] float32
     range_count: jax.Array  # [] int32
+    # Row of this layer's slot 0 in gate / up / down: 0 for a layer's own cache; l * (S+1) for layer l's view of a
+    # stacked cache (init_stacked_slot_cache), whose weight arrays hold every layer's slots, flat [L*(S+1), ...].
+    base: jax.Array | int = 0  # [] int32
 
     @property
     def slots(self) -> int:
-        return self.gate.shape[0] - 1
+        return self.expert_of.shape[-1] - 1
 
 
 def device_sharding(memory_kind: str = "device") -> SingleDeviceSharding:
@@ -87,7 +91,51 @@ def init_slot_cache(cfg: ModelConfig, slots: int, dtype, policy: str = "lru", pc
         last_use=jnp.full((slots + 1,), -1, jnp.int32), clock=jnp.int32(0),
         usage=jnp.zeros((e,), jnp.int32), counters=jnp.zeros((len(COUNTERS),), jnp.int32),
         pcie_frac=jnp.float32(pcie_frac), lru=jnp.bool_(policy == "lru"),
-        range_sum=jnp.float32(0), range_count=jnp.int32(0))
+        range_sum=jnp.float32(0), range_count=jnp.int32(0), base=jnp.int32(0))
+
+
+# ---- every layer's slot cache in one (the scanned offload graph) --------------------------------------------------
+
+WEIGHTS = ("gate", "up", "down")
+
+
+def init_stacked_slot_cache(cfg: ModelConfig, layers: int, slots: int, dtype, policy: str = "lru",
+                            pcie_frac: float = 1.0) -> SlotCache:
+    """`layers` layers' slot caches in one SlotCache for the scanned graph: the weights flat [L*(S+1), ...] (layer
+    l's slots and trash row at rows l*(S+1)..: the native offload calls and the Pallas kernel address one array
+    with absolute rows, and nothing is sliced out), every other leaf with a leading layer axis [L, ...]."""
+    one = init_slot_cache(cfg, slots, dtype, policy, pcie_frac)
+    weights = {k: jnp.zeros((layers * (slots + 1), *getattr(one, k).shape[1:]), getattr(one, k).dtype)
+               for k in WEIGHTS}
+    rest = {f.name: jnp.broadcast_to(getattr(one, f.name), (layers, *jnp.shape(getattr(one, f.name))))
+            for f in dataclasses.fields(one) if f.name not in WEIGHTS and f.name != "base"}
+    return SlotCache(**weights, **{k: jnp.array(v) for k, v in rest.items()},
+                     base=jnp.arange(layers, dtype=jnp.int32) * (slots + 1))
+
+
+def layer_view(stack: SlotCache, layer) -> SlotCache:
+    """Layer `layer` (a Python int or a traced int32) of a stacked cache: its small leaves sliced out, the weight
+    arrays whole (the view's `base` says where its rows are)."""
+    pick = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+    return stack.replace(**{f.name: pick(getattr(stack, f.name)) for f in dataclasses.fields(stack)
+                            if f.name not in WEIGHTS})
+
+
+def layer_states(experts) -> list[SlotCache]:
+    """The sparse layers' slot caches of a KVCache's `experts`, in layer order, whichever form it holds: the
+    per-layer list (None for dense layers: left out), or one stacked cache (each layer's view: its own table,
+    usage, counters; the weight arrays shared)."""
+    if isinstance(experts, SlotCache):
+        return [layer_view(experts, i) for i in range(experts.expert_of.shape[0])]
+    return [s for s in experts if s is not None]
+
+
+def put_layer(stack: SlotCache, layer, view: SlotCache) -> SlotCache:
+    """layer_view's inverse: the view's small leaves written back at `layer`, its weight arrays taken whole."""
+    put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), layer, 0)
+    return stack.replace(**{f.name: (getattr(view, f.name) if f.name in WEIGHTS
+                                     else put(getattr(stack, f.name), getattr(view, f.name)))
+                            for f in dataclasses.fields(stack)})
 
 
 def to_device(x: jax.Array) -> jax.Array:
@@ -198,6 +246,18 @@ class OffloadedExperts:
         # check mode: the layer's late rows join right after its own combine (model.forward asks).
         self.join_now = self.defer.mode == "check"
 
+    def layer_state(self, stack: SlotCache, layer) -> SlotCache:
+        """Layer `layer`'s view of a stacked slot cache (model.offload_layers: the scanned graph)."""
+        return layer_view(stack, layer)
+
+    def put_state(self, stack: SlotCache, layer, view: SlotCache) -> SlotCache:
+        return put_layer(stack, layer, view)
+
+    def native_fits(self, n: int) -> bool:
+        """Whether a window of n distinct experts runs through the native offload calls (the only path of the
+        scanned graph, whose layer index is traced): decode windows, without the deferral."""
+        return self.native is not None and not self.defer.active and n <= self.native.max_experts
+
     def join(self, h: jax.Array, pending: defer.Pending) -> jax.Array:
         """Add a deferred layer's rows still owed to the residual h (model.forward: pre(l+1), or post(l) in check
         mode)."""
@@ -244,9 +304,9 @@ class OffloadedExperts:
             r, extra, state = self.route(x, w, valid, state)
         with jax.named_scope("moe_plan"):
             p = self.plan_window(r, state)
-        if (self.native is not None and not self.defer.active and isinstance(layer, int)
-                and r.expert_ids.shape[0] <= self.native.max_experts):
+        if self.native_fits(r.expert_ids.shape[0]):
             return self.native_window(layer, x, w, r, p, state, extra)
+        assert isinstance(layer, int), "a traced layer (the scanned graph) takes the native offload calls only"
         pending = None
         if self.defer.active and layer not in self.no_defer:  # the model's (or a device block's) last layer
             with jax.named_scope("moe_cpu_submit"):
@@ -272,22 +332,24 @@ class OffloadedExperts:
         with jax.named_scope("moe_offload_begin"):
             slots, stage, token = offload_begin(
                 self.native.pool, layer, x, jnp.where(cpu, ids, -1), r.combine * cpu[None, :],
-                jnp.where(p.fetch, ids, -1), jnp.where(p.insert, p.dest, -1), (state.gate, state.up, state.down),
-                cpu=self.pool is not None)
+                jnp.where(p.fetch, ids, -1), jnp.where(p.insert, p.dest + state.base, -1),
+                (state.gate, state.up, state.down), cpu=self.pool is not None)
         slot_ids = jnp.where(p.kind == RESIDENT, p.slot, jnp.where(p.insert, p.dest, -1)).astype(jnp.int32)  # [N]
+        slot_ids = jnp.where(slot_ids >= 0, slot_ids + state.base, -1)  # rows of the (maybe stacked) slot arrays
         stage_ids = jnp.where(staged, jnp.arange(n, dtype=jnp.int32), -1)  # [N]
         scales = tuple(sc[jnp.maximum(ids, 0)] for sc in w.scales)  # int8/int4: [N, ...] each, by window position
         with jax.named_scope("moe_experts"):
             if self.kernel:
                 slot_scales = ()
-                if w.scales:  # int8: the kernel reads scales by slot; the slots' experts after the fetch
+                if w.scales:  # int8: the kernel reads scales by slot; the slots' experts after the fetch (a layer's
+                    # own cache only: base 0; the engine keeps quantized experts with the kernel out of the scan)
                     expert_of = state.expert_of.at[jnp.where(p.insert, p.dest, s + 1)].set(ids, mode="drop")
                     slot_scales = tuple(sc[jnp.maximum(expert_of, 0)] for sc in w.scales)  # [S+1, O]
                 interpret = jax.default_backend() != "gpu"
                 y = expert_ffn_kernel(x, *slots, slot_ids, r.combine, *slot_scales, interpret=interpret)
                 y = y + expert_ffn_kernel(x, *stage, stage_ids, r.combine, *scales, interpret=interpret)
             else:  # every gpu expert of the window gathered at once (slot or staging row), the rest weighted 0
-                rows = jnp.where(slot_ids >= 0, slot_ids, s)
+                rows = jnp.where(slot_ids >= 0, slot_ids, state.base + s)
                 block = tuple(jnp.where(staged.reshape(-1, *([1] * (a.ndim - 1))), b, a[rows])
                               for a, b in zip(slots, stage))
                 gpu = (slot_ids >= 0) | staged
@@ -338,11 +400,12 @@ class OffloadedExperts:
             with jax.named_scope("moe_fetch"):  # straight into their victim slots
                 into = p.fetch & p.insert
                 order = jnp.argsort(~into, stable=True)
-                (slots,) = copy_experts([(slots, p.dest[order])], hosts, ids[order], jnp.sum(into))
+                (slots,) = copy_experts([(slots, p.dest[order] + state.base)], hosts, ids[order], jnp.sum(into))
             with jax.named_scope("moe_experts_pallas"):
                 slot_ids = jnp.where(p.kind == RESIDENT, p.slot, jnp.where(p.fetch & p.insert, p.dest, -1))
+                slot_ids = jnp.where(slot_ids >= 0, slot_ids + state.base, -1)
                 slot_scales = ()
-                if w.scales:  # int8: the kernel reads scales by slot too; the slots' experts after the fetch
+                if w.scales:  # int8: the kernel reads scales by slot too (base 0, as in native_window)
                     expert_of = state.expert_of.at[jnp.where(p.insert, p.dest, s + 1)].set(ids, mode="drop")
                     slot_scales = tuple(sc[jnp.maximum(expert_of, 0)] for sc in w.scales)  # [S+1, O]
                 y = expert_ffn_kernel(x, *slots, slot_ids.astype(jnp.int32), r.combine, *slot_scales,
@@ -354,13 +417,13 @@ class OffloadedExperts:
                 sel = p.gpu_order[start:start + b]  # [B] positions in the window's expert list
                 in_block = (start + jnp.arange(sel.shape[0])) < p.n_gpu
                 k_sel = jnp.where(in_block, p.block_kind[sel], NONE)
-                rows = jnp.where(k_sel == RESIDENT, p.slot[sel], s)
+                rows = jnp.where(k_sel == RESIDENT, p.slot[sel], s) + state.base
                 block = tuple(a[rows] for a in slots)  # gather resident experts [B, ...]
                 is_fetch = k_sel == FETCH
                 fetch_order = jnp.argsort(~is_fetch, stable=True)  # block positions j, the fetched first
                 with jax.named_scope("moe_fetch"):  # each into the block at j and its victim slot (or the trash row)
                     fetched = sel[fetch_order]
-                    block, slots = copy_experts([(block, fetch_order), (slots, p.dest[fetched])], hosts,
+                    block, slots = copy_experts([(block, fetch_order), (slots, p.dest[fetched] + state.base)], hosts,
                                                 ids[fetched], jnp.sum(is_fetch))
                 combine = r.combine[:, sel] * (k_sel != NONE)[None, :]
                 block_scales = tuple(sc[jnp.maximum(ids[sel], 0)] for sc in w.scales)  # int8: [B, O] each
@@ -415,7 +478,7 @@ def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Arr
     s = state.slots
     if s == 0:
         return state
-    (gate, up, down), = copy_experts([((state.gate, state.up, state.down), jnp.arange(s, dtype=jnp.int32))],
+    (gate, up, down), = copy_experts([((state.gate, state.up, state.down), state.base + jnp.arange(s, dtype=jnp.int32))],
                                      (host_gate, host_up, host_down), jnp.maximum(experts, 0), s)
     valid = experts >= 0
     e = state.table.shape[0]
@@ -424,6 +487,38 @@ def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Arr
     expert_of = jnp.concatenate([jnp.where(valid, experts, -1), jnp.full((1,), -1, jnp.int32)]).astype(jnp.int32)
     return state.replace(gate=gate, up=up, down=down, table=table, expert_of=expert_of,
                          last_use=jnp.full_like(state.last_use, -1))
+
+
+def fill_static_stacked(stack: SlotCache, layers, fill) -> SlotCache:
+    """fill_static_slots for a stacked cache (init_stacked_slot_cache) and stacked weights whose experts stay a
+    tuple of per-layer host arrays (model.stack_layers(keep_experts=True)); `fill`: fill_layer_slots, jitted with
+    donation of the stack."""
+    usage = np.asarray(stack.usage)  # [L, E]
+    s = stack.expert_of.shape[-1] - 1
+    stack = stack.replace(usage=jnp.zeros_like(stack.usage))
+    f = layers.ffn
+    for i in range(usage.shape[0]):
+        top = np.argsort(-usage[i], kind="stable")[:s]
+        top = np.where(usage[i][top] > 0, top, -1).astype(np.int32)
+        stack = fill(stack, jnp.int32(i), f.gate[i], f.up[i], f.down[i], jnp.asarray(top))
+    return stack
+
+
+def fill_layer_slots(stack: SlotCache, layer, host_gate, host_up, host_down, experts: jax.Array) -> SlotCache:
+    """fill_slots on layer `layer` of a stacked cache."""
+    return put_layer(stack, layer, fill_slots(layer_view(stack, layer), host_gate, host_up, host_down, experts))
+
+
+def fill_every_layer(experts, layers, ids: jax.Array):
+    """A KVCache's `experts` (either form, as layer_states) with each sparse layer's slots loaded with `ids` [S]
+    from its host experts (`layers`: the Weights' layers, a list or stacked with per-layer host tuples)."""
+    if isinstance(experts, SlotCache):
+        f = layers.ffn
+        for i in range(experts.expert_of.shape[0]):
+            experts = fill_layer_slots(experts, i, f.gate[i], f.up[i], f.down[i], ids)
+        return experts
+    return [None if s is None else fill_slots(s, layers[i].ffn.gate, layers[i].ffn.up, layers[i].ffn.down, ids)
+            for i, s in enumerate(experts)]
 
 
 def fill_static_slots(states: list, layers: list, fill) -> list:
