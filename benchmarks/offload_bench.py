@@ -78,6 +78,10 @@ flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FF
 flags.DEFINE_string("pool_calls", "auto", "The engine option pool_calls for the offload arms, comma-separated "
                     "(each value runs every slot and pcie_frac arm): auto (the native offload calls), layer (one "
                     "FFI pool call per layer, misses fetched by the graph's loops), callback.", flag_values=FLAGS)
+flags.DEFINE_string("layer_loops", "scan", "The engine option layer_loop for the offload arms, comma-separated (each "
+                    "value runs every slot and pcie_frac arm): scan (the decode windows as one scanned layer body "
+                    "where the native offload calls serve, the default) or unrolled (a copy of the layer per layer).",
+                    flag_values=FLAGS)
 flags.DEFINE_string("switch_arms", "", "Approximation arms run beside each (slots, pcie_frac) arm, ';'-separated, each "
                     "name:STRATA_VAR=value,STRATA_VAR=value (e.g. 'skip:STRATA_ROUTE_TAIL_SKIP=5;prior:"
                     "STRATA_ROUTE_PRIOR=0.5'). Each gets its own engine over the same weights and placement; the "
@@ -437,10 +441,12 @@ def run(s) -> dict:
 
     # ---- offload arms: one engine per S; pcie_frac changed in place when the engine can (no recompile) ----
     calls_arms = [c.strip() for c in s.pool_calls.split(",") if c.strip()]
-    for calls, (slot_frac, slots) in [(c, a) for c in calls_arms for a in slot_arms]:
+    loop_arms = [c.strip() for c in s.layer_loops.split(",") if c.strip()]
+    for calls, loop, (slot_frac, slots) in [(c, lp, a) for c in calls_arms for lp in loop_arms for a in slot_arms]:
         engine = None
         for frac in pcie_fracs:
-            name = f"S={slots} pcie={frac if frac == 'auto' else f'{frac:g}'}" + (f" {calls}" if len(calls_arms) > 1 else "")
+            name = (f"S={slots} pcie={frac if frac == 'auto' else f'{frac:g}'}" + (f" {calls}" if len(calls_arms) > 1 else "")
+                    + (f" {loop}" if len(loop_arms) > 1 else ""))
             t0 = time.perf_counter()
             source = "engine"
             if engine is not None and hasattr(engine, "reconfigure"):
@@ -462,7 +468,7 @@ def run(s) -> dict:
                     engine = None
                 common.progress(f"arm {name}: building the engine ({slots} slots per MoE layer)")
                 opts = build(EngineOptions, dict(opts_common, expert_cache_slots=str(slots), pool_calls=calls,
-                                                 pcie_frac=frac if frac == "auto" else str(frac)))
+                                                 layer_loop=loop, pcie_frac=frac if frac == "auto" else str(frac)))
                 restore_host_numpy()
                 placement = placement_mod.build(cfg, opts, weights, host, slots, f"expert_cache_slots={slots}")
                 for line in placement.lines:
@@ -470,6 +476,7 @@ def run(s) -> dict:
                 engine = Engine(cfg, weights, opts, placement=placement, verbose=False)
                 chosen = placement.pcie_frac
             arm = dict(arm=name, slots=slots, slot_frac=slot_frac, pcie_frac=frac, pcie_frac_chosen=chosen, pool_calls=calls,
+                       layer_loop=loop, scanned=bool(getattr(engine, "scanned_offload", False)),
                        pcie_frac_source=source if frac == "auto" else "set",
                        expected_hit_rate=slots / e, build_s=time.perf_counter() - t0,
                        compile_s=engine.stats.compile_s if source == "engine" else 0.0,
