@@ -81,7 +81,20 @@ def cpu_expert_rows(pool: HostPool, layer, x, ids, w):
         ordered=False)
 
 
-def offload_begin(pool: HostPool, layer: int, x, cpu_ids, cpu_w, fetch_src, fetch_dst, slots: tuple, cpu: bool):
+def _layer_attr(layer):
+    """(the FFI attribute `layer`, the int32 [1] to append to the plan or None): a Python int is the attribute
+    itself; a traced (or any jax / numpy array) scalar travels as data, the attribute -1 ("read it from the
+    plan", native_ffi.cc), so one call serves every iteration of a lax.scan over layers."""
+    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+        return int(layer), None
+    layer = jnp.asarray(layer)
+    if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise TypeError(f"offload calls: layer must be a Python int or an integer scalar, not {layer.dtype}"
+                        f"{list(layer.shape)}")
+    return -1, layer.astype(jnp.int32).reshape(1)
+
+
+def offload_begin(pool: HostPool, layer, x, cpu_ids, cpu_w, fetch_src, fetch_dst, slots: tuple, cpu: bool):
     """One offloaded layer's start, one FFI call (native_ffi.cc strata_offload_begin): the fetched experts copied
     from pinned host memory, and the cpu experts handed to the pool, which computes them while the graph goes on.
     x [T, H]; cpu_ids [N] (-1: not a cpu expert) and cpu_w [T, N] as `cpu_expert_rows` takes them; fetch_src [N]
@@ -89,11 +102,17 @@ def offload_begin(pool: HostPool, layer: int, x, cpu_ids, cpu_w, fetch_src, fetc
     slots (gate, up, down) [S+1, ...]. Returns (the slots after the fetch: the same buffers, aliased; the staging
     rows (gate, up, down) [N, ...], valid where fetched with fetch_dst -1; a token for `offload_collect`).
     cpu: whether this graph has a cpu part (static). The layer's pinned experts are registered
-    (HostPool.register_fetch)."""
+    (HostPool.register_fetch).
+    layer: a Python int, or a traced integer scalar (a lax.scan over layers). Traced, the index rides at the end of
+    the plan and the handler reads it (attribute layer=-1); fetch_dst rows are rows of the arrays given, so the
+    caller passes flat stacks [L*(S+1), ...] and absolute rows l*(S+1)+slot; every layer's experts must be
+    registered and share H. Each traced begin with cpu wants its traced collect before the next traced begin."""
     T, H = x.shape
     N, M = cpu_ids.shape[0], fetch_src.shape[0]
     assert M == N, "fetch_src is by window position"  # also: the capture path's collect finds its staging by N
-    ints = jnp.concatenate([cpu_ids.astype(jnp.int32), fetch_src.astype(jnp.int32), fetch_dst.astype(jnp.int32)])
+    layer, traced = _layer_attr(layer)
+    ints = jnp.concatenate([cpu_ids.astype(jnp.int32), fetch_src.astype(jnp.int32), fetch_dst.astype(jnp.int32)]
+                           + ([] if traced is None else [traced]))  # traced: the layer last (native_ffi.cc)
     packed = jnp.concatenate([x.astype(jnp.float32).reshape(-1), cpu_w.astype(jnp.float32).reshape(-1),
                               jax.lax.bitcast_convert_type(ints, jnp.float32)])
     out = jax.ffi.ffi_call(
@@ -107,13 +126,16 @@ def offload_begin(pool: HostPool, layer: int, x, cpu_ids, cpu_w, fetch_src, fetc
     return tuple(out[:3]), tuple(out[3:6]), out[6]
 
 
-def offload_collect(pool: HostPool, layer: int, token, after):
+def offload_collect(pool: HostPool, layer, token, after):
     """The cpu experts' rows [T, H] float32 of the layer's last `offload_begin` (one with cpu=True; each such begin
     wants exactly one collect before the layer's next begin); `after` [T, H] float32 (the GPU experts' rows) only
     orders it: the stream waits for the pool after the GPU's own experts.
     The capture path (native.offload_capture(), the default) takes the window's N from the token's shape: its
     handler finds the begin's staging from (layer, T, N) itself, so the call is the same at every execution and
-    XLA records it into its command buffers."""
+    XLA records it into its command buffers.
+    layer: as offload_begin's; traced, this collects the last traced begin (attribute layer=-1: the traced slot),
+    whichever index it carried, so the value itself is not used here."""
+    layer, _ = _layer_attr(layer)
     result = jax.ShapeDtypeStruct(after.shape, jnp.float32)
     if native.offload_capture():
         return jax.ffi.ffi_call(native.OFFLOAD_COLLECT_CAPTURE, result)(

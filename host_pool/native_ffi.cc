@@ -242,6 +242,14 @@ Staging *staging_for(Pool *pool, int64_t layer, int64_t T, int64_t N, std::strin
 // (layer, shape, buffers, context) made when the handler runs, which is once at recording (and again when XLA
 // records the graph anew for other buffers). Its worker polls every layer's POSTED flag (Offload::poll says why
 // that is race-free). STRATA_OFFLOAD_CAPTURE=0, or no stream memory operations: the sequence path.
+//
+// Traced layer (attribute layer == -1; the layer loop is a lax.scan, so the index is data): the layer index rides
+// at the end of the packed plan (one int32), and the worker (both paths) reads it from the staged plan after POSTED
+// (the plan's copy precedes the post in stream order); a bad index is printed and answered without work. Such calls
+// use a slot of their own, as if they were one more layer: staging and descriptors keyed with layer -1, on the
+// capture path the flag triple at index `layers` (the "traced slot"). A scan's iterations then follow one another
+// on that slot exactly as one layer's windows do. Fetch destinations are absolute rows of whatever slot arrays the
+// call got (the caller passes flat [L*(S+1), ...] stacks). The CPU handlers read the index in place.
 
 struct alignas(64) Flag {
   uint32_t value;
@@ -315,7 +323,7 @@ constexpr uint32_t kMaxDescriptors = 1u << 16;
 struct Offload {
   Pool *pool = nullptr;
   void *flag_memory = nullptr;
-  Flag *flags = nullptr;  // sequence path: POSTED, FETCHED, DONE; capture path: those three per layer
+  Flag *flags = nullptr;  // sequence path: POSTED, FETCHED, DONE; capture path: those three per layer + traced
   CUdeviceptr flag_dev[3] = {0, 0, 0}, flag_base_dev = 0;
   bool mem_ops = true;
   // The capture path (strata_offload_begin_v2 / _collect_v2): flags of constant values per layer, jobs named by
@@ -323,8 +331,8 @@ struct Offload {
   bool capture = false;
   int64_t layers = 0;
   uint32_t next_seq = 0;
-  std::vector<uint32_t> last_seq;                 // per layer: the job of its last begin (collect waits for it)
-  std::vector<OffloadStaging *> last_staging;     // per layer: where that job's y lands
+  std::vector<uint32_t> last_seq;                 // per layer (+ traced slot): the job of its last begin
+  std::vector<OffloadStaging *> last_staging;     // per layer (+ traced slot): where that job's y lands
   std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<OffloadStaging>> staging;
   // Capture path: the job descriptors, append-only (the worker reads one without the lock: a slot, once set,
   // never changes) and found by content, so a graph recorded again with the same buffers posts the same id.
@@ -349,22 +357,32 @@ struct Offload {
       for (auto &entry : staging) entry.second.release();
   }
 
-  Flag *flag(int64_t layer, int which) { return &flags[3 * layer + which]; }
+  // A call's slot: its layer, or `layers` for the traced slot (layer -1).
+  int64_t slot_of(int64_t layer) const { return layer < 0 ? layers : layer; }
+  Flag *flag(int64_t layer, int which) { return &flags[3 * slot_of(layer) + which]; }
   CUdeviceptr flag_device(int64_t layer, int which) {
-    return flag_base_dev + (CUdeviceptr)(sizeof(Flag) * (3 * layer + which));
+    return flag_base_dev + (CUdeviceptr)(sizeof(Flag) * (3 * slot_of(layer) + which));
   }
 
   // One job's fetches and cpu experts, its plan read from its staging's `in`: the fetched experts' copies on the
   // copy stream, then `fetched` (set to `value` behind the copies, or here when nothing is copied), then the cpu
-  // experts into the staging's y; `done` is the caller's to store.
+  // experts into the staging's y; `done` is the caller's to store. A traced job's layer is read from the plan.
   void process(const OffloadJob &job, Flag *fetched, CUdeviceptr fetched_dev, uint32_t value) {
     const Driver &d = driver();
     OffloadStaging *s = job.staging;
-    const Layer &layer = pool->layers[job.layer];
-    const int64_t H = layer.hidden;
+    const int64_t H = pool->layers[job.layer >= 0 ? job.layer : 0].hidden;  // traced: all layers' (check_begin)
     const float *x = s->in, *w = s->in + job.T * H;
     const int32_t *ids = reinterpret_cast<const int32_t *>(w + job.T * job.N);
     const int32_t *src = ids + job.N, *dst = src + job.M;
+    const int64_t l = job.layer >= 0 ? job.layer : dst[job.M];
+    if (l < 0 || l >= layers) {
+      // a bad index from the graph: answer so the stream does not hang, compute nothing (y zeros)
+      std::fprintf(stderr, "[offload] worker: the plan names layer %ld, outside the pool's %ld; answered without "
+                   "work\n", (long)l, (long)layers);
+      if (job.cpu) std::memset(s->y, 0, sizeof(float) * job.T * H);
+      if (job.fetch) store_flag(fetched, value);
+      return;
+    }
     int64_t to_fetch = 0;
     for (int64_t m = 0; job.fetch && m < job.M; m++) to_fetch += src[m] >= 0;
     if (job.fetch && to_fetch == 0) {
@@ -379,7 +397,7 @@ struct Offload {
       }
       CUstream &copy = copy_streams[job.ctx];
       if (!copy) d.stream_create(&copy, 1 /* CU_STREAM_NON_BLOCKING */);
-      const auto &host = pool->fetch_host[job.layer];
+      const auto &host = pool->fetch_host[l];
       int64_t count = 0;
       for (int64_t m = 0; m < job.M; m++) {
         if (src[m] < 0) continue;
@@ -403,7 +421,7 @@ struct Offload {
         store_flag(fetched, value);
       }
     }
-    if (job.cpu) run_job(pool, job.layer, x, ids, w, s->y, job.T, job.N, s->scratch);
+    if (job.cpu) run_job(pool, l, x, ids, w, s->y, job.T, job.N, s->scratch);
   }
 
   // The sequence path: jobs queued by each begin, awaited by sequence number.
@@ -446,15 +464,18 @@ struct Offload {
   // value is lost or seen twice. The plan and y are safe the same way: the next begin's copy into `in` follows the
   // DONE / FETCHED wait, after which the worker no longer reads it; the worker writes y only after a post, which
   // follows the previous collect's copy of y. Needs: a begin with cpu is followed by one collect of its layer
-  // before the layer's next begin (bridge.py and its callers keep that), on one stream.
+  // before the layer's next begin (bridge.py and its callers keep that), on one stream. The traced slot (index
+  // `layers`, calls with layer -1) is one more "layer" here: a traced begin with cpu is collected (layer -1) before
+  // the next traced begin, whichever layers the plans name.
   void poll() {
     const auto spin_for = std::chrono::microseconds(spin_us());
     auto last = std::chrono::steady_clock::now();
     int64_t next = 0;
+    const int64_t slots = layers + 1;  // the layers' flags and the traced slot's
     while (!stop.load(std::memory_order_relaxed)) {
       int64_t found = -1;
       uint32_t id = 0;
-      for (int64_t i = 0, l = next; i < layers; i++, l = l + 1 == layers ? 0 : l + 1)
+      for (int64_t i = 0, l = next; i < slots; i++, l = l + 1 == slots ? 0 : l + 1)
         if ((id = load_flag(flag(l, POSTED))) != 0) {
           found = l;
           break;
@@ -466,7 +487,7 @@ struct Offload {
       }
       store_flag(flag(found, POSTED), 0);  // before any answer: see above
       const OffloadJob *job = id <= kMaxDescriptors ? descriptors[id - 1].load(std::memory_order_acquire) : nullptr;
-      if (!job || job->layer != found) {
+      if (!job || slot_of(job->layer) != found) {
         // cannot happen unless the flags were overwritten; answer both so the stream does not hang
         std::fprintf(stderr, "[offload] worker: layer %ld posted unknown job %u; answered without work\n",
                      (long)found, id);
@@ -479,7 +500,7 @@ struct Offload {
       process(*job, flag(found, FETCHED), flag_device(found, FETCHED), 1);
       if (job->cpu) store_flag(flag(found, DONE), 1);  // no cpu part: no collect waits for it
       OFFLOAD_TRACE("worker: layer %ld job %u done\n", (long)found, id);
-      next = found + 1 == layers ? 0 : found + 1;  // the next layer's post is the likely next one
+      next = found + 1 == slots ? 0 : found + 1;  // the next layer's post is the likely next one
       last = std::chrono::steady_clock::now();
     }
   }
@@ -529,8 +550,9 @@ CUresult off_thread(CUcontext ctx, F fn) {
 }
 
 // The pool's offload part, made on its first begin (CUDA: mapped flags; STRATA_POOL_MEMOPS=0 forces host functions).
-// capture: the capture path's flags (three per layer) and polling worker; ctx: the stream's context (capture path:
-// the allocations are made off this thread in it). A pool's offload calls keep the path of the first one.
+// capture: the capture path's flags (three per layer, three for the traced slot) and polling worker; ctx: the
+// stream's context (capture path: the allocations are made off this thread in it). A pool's offload calls keep the
+// path of the first one.
 Offload *offload_for(Pool *pool, bool cuda, bool capture, CUcontext ctx, std::string &error) {
   std::lock_guard<std::mutex> lock(pool->offload_mutex);
   if (pool->offload) {
@@ -544,8 +566,8 @@ Offload *offload_for(Pool *pool, bool cuda, bool capture, CUcontext ctx, std::st
   auto o = std::make_unique<Offload>();
   o->pool = pool;
   o->layers = (int64_t)pool->layers.size();
-  o->last_seq.assign(pool->layers.size(), 0);
-  o->last_staging.assign(pool->layers.size(), nullptr);
+  o->last_seq.assign(pool->layers.size() + 1, 0);  // + the traced slot
+  o->last_staging.assign(pool->layers.size() + 1, nullptr);
   if (cuda) {
     const Driver &d = driver();
     if (!d.offload_error.empty()) {
@@ -559,7 +581,7 @@ Offload *offload_for(Pool *pool, bool cuda, bool capture, CUcontext ctx, std::st
       return nullptr;
     }
     o->capture = capture;
-    const size_t count = capture ? 3 * pool->layers.size() : 3;
+    const size_t count = capture ? 3 * (pool->layers.size() + 1) : 3;  // capture: + the traced slot's
     auto alloc = [&] {
       CUresult r = d.host_alloc(&o->flag_memory, count * sizeof(Flag), 0x01 | 0x02 /* PORTABLE | DEVICEMAP */);
       return r ? r : d.host_device_pointer(&o->flag_base_dev, o->flag_memory, 0);
@@ -583,16 +605,22 @@ Offload *offload_for(Pool *pool, bool cuda, bool capture, CUcontext ctx, std::st
   return pool->offload.get();
 }
 
-size_t packed_floats(int64_t T, int64_t H, int64_t N, int64_t M) { return T * H + T * N + N + 2 * M; }
+// x [T, H], w [T, N], ids [N], src [M], dst [M], and for a traced layer (attribute -1) the layer index last.
+size_t packed_floats(int64_t T, int64_t H, int64_t N, int64_t M, bool traced) {
+  return T * H + T * N + N + 2 * M + (traced ? 1 : 0);
+}
+// The hidden size of a call's plan: its layer's, or (traced) layer 0's, which check_begin saw all layers share.
+int64_t plan_hidden(const Pool *pool, int64_t layer) { return pool->layers[layer >= 0 ? layer : 0].hidden; }
 
-// alloc_ctx (capture path): allocate off this thread, in that context.
+// layer -1: the traced slot's staging. alloc_ctx (capture path): allocate off this thread, in that context.
 OffloadStaging *offload_staging(Offload *o, int64_t layer, int64_t T, int64_t N, int64_t M, bool cuda,
                                 std::string &error, CUcontext alloc_ctx = nullptr) {
   auto &slot = o->staging[{layer, T, N, M}];
   if (slot) return slot.get();
   auto s = std::make_unique<OffloadStaging>();
-  const int64_t H = o->pool->layers[layer].hidden;
-  const size_t inb = padded(sizeof(float) * packed_floats(T, H, N, M)), yb = padded(sizeof(float) * T * H);
+  const int64_t H = plan_hidden(o->pool, layer);
+  const size_t inb = padded(sizeof(float) * packed_floats(T, H, N, M, layer < 0));
+  const size_t yb = padded(sizeof(float) * T * H);
   if (cuda) {
     auto alloc = [&] { return driver().host_alloc(&s->memory, inb + yb, 0); };
     if ((alloc_ctx ? off_thread(alloc_ctx, alloc) : alloc()) != 0) {
@@ -634,16 +662,22 @@ uint32_t descriptor_for(Offload *o, const OffloadJob &job) {
 ffi::Error check_begin(Pool *pool, int64_t layer, int64_t T, int64_t N, int64_t M, bool fetch,
                        ffi::Buffer<ffi::F32> &packed, ffi::AnyBuffer *slots[3]) {
   if (!pool) return ffi::Error::InvalidArgument("strata_offload_begin: unknown or released host pool");
-  if (layer < 0 || layer >= (int64_t)pool->layers.size())
+  const int64_t L = (int64_t)pool->layers.size();
+  if (layer < -1 || layer >= L || L == 0)
     return ffi::Error::InvalidArgument("strata_offload_begin: layer outside the host pool's store");
-  if (packed.element_count() != packed_floats(T, pool->layers[layer].hidden, N, M))
+  // layer -1 (traced: the plan names it): one staging serves every layer, so they must share the hidden size
+  for (int64_t l = 0; layer < 0 && l < L; l++)
+    if (pool->layers[l].hidden != pool->layers[0].hidden)
+      return ffi::Error::InvalidArgument("strata_offload_begin: a traced layer needs one hidden size for all layers");
+  if (packed.element_count() != packed_floats(T, plan_hidden(pool, layer), N, M, layer < 0))
     return ffi::Error::InvalidArgument("strata_offload_begin: the packed plan has the wrong size");
   for (int k = 0; k < 3; k++)
     if (slots[k]->dimensions().size() < 1 || slots[k]->dimensions()[0] < 1)
       return ffi::Error::InvalidArgument("strata_offload_begin: want slot arrays [S+1, ...]");
-  if (fetch && ((int64_t)pool->fetch_host.size() <= layer || !pool->fetch_host[layer][0]))
-    return ffi::Error::InvalidArgument("strata_offload_begin: no host experts registered for this layer "
-                                       "(HostPool.register_fetch)");
+  for (int64_t l = layer < 0 ? 0 : layer; fetch && l <= (layer < 0 ? L - 1 : layer); l++)
+    if ((int64_t)pool->fetch_host.size() <= l || !pool->fetch_host[l][0])
+      return ffi::Error::InvalidArgument("strata_offload_begin: no host experts registered for this layer "
+                                         "(HostPool.register_fetch; a traced layer needs every layer's)");
   return ffi::Error::Success();
 }
 
@@ -685,8 +719,8 @@ ffi::Error OffloadBeginCuda(void *stream, int64_t pool_id, int64_t layer, int64_
   }
   if (job.fetch && d.stream_ctx(stream, &job.ctx) != 0)
     return ffi::Error::Internal("strata_offload_begin: cuStreamGetCtx failed");
-  o->last_seq[layer] = job.seq;
-  o->last_staging[layer] = job.staging;
+  o->last_seq[o->slot_of(layer)] = job.seq;
+  o->last_staging[o->slot_of(layer)] = job.staging;
   {
     std::lock_guard<std::mutex> lock(o->mutex);
     o->queue.push_back(job);
@@ -694,9 +728,7 @@ ffi::Error OffloadBeginCuda(void *stream, int64_t pool_id, int64_t layer, int64_
   o->wake.notify_one();
   OFFLOAD_TRACE("begin: job %u layer %ld T %ld N %ld M %ld cpu %d fetch %d\n", job.seq, (long)layer, (long)T,
                 (long)N, (long)M, (int)job.cpu, (int)job.fetch);
-  const int64_t H = pool->layers[layer].hidden;
-  if (d.memcpy_dtoh(job.staging->in, (CUdeviceptr)(uintptr_t)packed.untyped_data(),
-                    sizeof(float) * packed_floats(T, H, N, M), stream) ||
+  if (d.memcpy_dtoh(job.staging->in, (CUdeviceptr)(uintptr_t)packed.untyped_data(), packed.size_bytes(), stream) ||
       stream_write(o, stream, POSTED, job.seq) || (job.fetch && stream_wait(o, stream, FETCHED, job.seq)))
     return ffi::Error::Internal("strata_offload_begin: a CUDA copy or stream flag operation failed");
   return ffi::Error::Success();
@@ -706,13 +738,14 @@ ffi::Error OffloadCollectCuda(void *stream, int64_t pool_id, int64_t layer, ffi:
                               ffi::Buffer<ffi::F32> after, ffi::ResultBuffer<ffi::F32> y) {
   const Driver &d = driver();
   Pool *pool = find_pool(pool_id);
-  if (!pool || !pool->offload || layer < 0 || layer >= (int64_t)pool->layers.size() ||
-      !pool->offload->last_staging[layer])
+  if (!pool || !pool->offload || layer < -1 || layer >= (int64_t)pool->layers.size() ||
+      !pool->offload->last_staging[pool->offload->slot_of(layer)])
     return ffi::Error::InvalidArgument("strata_offload_collect: no begin of this layer before it");
   Offload *o = pool->offload.get();
-  OFFLOAD_TRACE("collect: layer %ld waits for job %u\n", (long)layer, o->last_seq[layer]);
-  if (stream_wait(o, stream, DONE, o->last_seq[layer]) ||
-      d.memcpy_htod((CUdeviceptr)(uintptr_t)y->untyped_data(), o->last_staging[layer]->y,
+  const int64_t slot = o->slot_of(layer);  // -1: the last traced begin's
+  OFFLOAD_TRACE("collect: layer %ld waits for job %u\n", (long)layer, o->last_seq[slot]);
+  if (stream_wait(o, stream, DONE, o->last_seq[slot]) ||
+      d.memcpy_htod((CUdeviceptr)(uintptr_t)y->untyped_data(), o->last_staging[slot]->y,
                     sizeof(float) * after.element_count(), stream))
     return ffi::Error::Internal("strata_offload_collect: a CUDA copy or stream flag operation failed");
   return ffi::Error::Success();
@@ -763,9 +796,8 @@ ffi::Error OffloadBeginCaptureCuda(void *stream, int64_t pool_id, int64_t layer,
     return ffi::Error::Internal("strata_offload_begin_v2: too many distinct offload calls recorded for this pool");
   OFFLOAD_TRACE("begin_v2: layer %ld job %u T %ld N %ld M %ld cpu %d fetch %d (recorded or run)\n", (long)layer, id,
                 (long)T, (long)N, (long)M, (int)job.cpu, (int)job.fetch);
-  const int64_t H = pool->layers[layer].hidden;
   CUresult failed = d.memcpy_dtoh(job.staging->in, (CUdeviceptr)(uintptr_t)packed.untyped_data(),
-                                  sizeof(float) * packed_floats(T, H, N, M), stream);
+                                  packed.size_bytes(), stream);
   // nothing to fetch or compute: nothing to post (and no collect follows)
   if (!failed && (job.cpu || job.fetch)) failed = d.write_value(stream, o->flag_device(layer, POSTED), id, 0);
   if (!failed && job.fetch)
@@ -779,14 +811,15 @@ ffi::Error OffloadBeginCaptureCuda(void *stream, int64_t pool_id, int64_t layer,
 
 // The staging whose y the collect of (layer, T from `after` [T, H], n) reads: the begin of the same layer and
 // shape made it (bridge.py keeps M == N). Found from the collect's own attributes, whichever begin ran last.
+// layer -1: the traced slot's, {-1, T, n, n}.
 OffloadStaging *collect_staging(Pool *pool, int64_t layer, int64_t n, ffi::Buffer<ffi::F32> &after,
                                 std::string &error) {
-  if (!pool || layer < 0 || layer >= (int64_t)pool->layers.size()) {
+  if (!pool || layer < -1 || layer >= (int64_t)pool->layers.size() || pool->layers.empty()) {
     error = "unknown or released host pool, or a layer outside its store";
     return nullptr;
   }
   auto dims = after.dimensions();
-  if (dims.size() != 2 || dims[1] != pool->layers[layer].hidden) {
+  if (dims.size() != 2 || dims[1] != plan_hidden(pool, layer)) {
     error = "want `after` [T, H]";
     return nullptr;
   }
@@ -838,23 +871,27 @@ ffi::Error OffloadBeginCpu(int64_t pool_id, int64_t layer, int64_t T, int64_t N,
   std::lock_guard<std::mutex> lock(o->mutex);
   OffloadStaging *s = offload_staging(o, layer, T, N, M, false, why);
   if (!s) return ffi::Error::Internal("strata_offload_begin: " + why);
-  const int64_t H = pool->layers[layer].hidden;
+  const int64_t H = plan_hidden(pool, layer);
   const float *in = packed.typed_data();
   const float *x = in, *w = in + T * H;
   const int32_t *ids = reinterpret_cast<const int32_t *>(w + T * N);
   const int32_t *src = ids + N, *dst = src + M;
+  const int64_t l = layer >= 0 ? layer : dst[M];  // traced: the plan's last int32 names it
+  if (l < 0 || l >= (int64_t)pool->layers.size())
+    return ffi::Error::InvalidArgument("strata_offload_begin: the plan names layer " + std::to_string(l) +
+                                       ", outside the host pool's store");
   ffi::AnyBuffer *outs[3] = {&*gate_out, &*up_out, &*down_out}, *stages[3] = {&*gate_stage, &*up_stage, &*down_stage};
   for (int k = 0; k < 3; k++)
     if (outs[k]->untyped_data() != slots[k]->untyped_data())
       std::memcpy(outs[k]->untyped_data(), slots[k]->untyped_data(), slots[k]->size_bytes());
   if (fetch) {
     int64_t count = 0;
-    const auto &host = pool->fetch_host[layer];
+    const auto &host = pool->fetch_host[l];
     for (int64_t m = 0; m < M; m++) {
       if (src[m] < 0) continue;
       for (int k = 0; k < 3; k++) {  // into its victim slot, or (dst -1) into staging row m
         const int64_t rb = row_bytes(*slots[k]);
-        if (dst[m] >= (int64_t)slots[k]->dimensions()[0] || src[m] >= pool->layers[layer].experts)
+        if (dst[m] >= (int64_t)slots[k]->dimensions()[0] || src[m] >= pool->layers[l].experts)
           return ffi::Error::InvalidArgument("strata_offload_begin: a fetch outside the store or the cache");
         char *to = dst[m] >= 0 ? static_cast<char *>(outs[k]->untyped_data()) + dst[m] * rb
                                : static_cast<char *>(stages[k]->untyped_data()) + m * rb;
@@ -866,9 +903,9 @@ ffi::Error OffloadBeginCpu(int64_t pool_id, int64_t layer, int64_t T, int64_t N,
     pool->fetched += count;
     pool->fetch_bytes += count * (row_bytes(gate) + row_bytes(up) + row_bytes(down));
   }
-  if (cpu) run_job(pool, layer, x, ids, w, s->y, T, N, s->scratch);
+  if (cpu) run_job(pool, l, x, ids, w, s->y, T, N, s->scratch);
   else std::memset(s->y, 0, sizeof(float) * T * H);
-  o->last_staging[layer] = s;
+  o->last_staging[o->slot_of(layer)] = s;
   std::memset(token->untyped_data(), 0, token->size_bytes());
   return ffi::Error::Success();
 }
@@ -876,10 +913,11 @@ ffi::Error OffloadBeginCpu(int64_t pool_id, int64_t layer, int64_t T, int64_t N,
 ffi::Error OffloadCollectCpu(int64_t pool_id, int64_t layer, ffi::Buffer<ffi::S32> token,
                              ffi::Buffer<ffi::F32> after, ffi::ResultBuffer<ffi::F32> y) {
   Pool *pool = find_pool(pool_id);
-  if (!pool || !pool->offload || layer < 0 || layer >= (int64_t)pool->layers.size() ||
-      !pool->offload->last_staging[layer])
+  if (!pool || !pool->offload || layer < -1 || layer >= (int64_t)pool->layers.size() ||
+      !pool->offload->last_staging[pool->offload->slot_of(layer)])
     return ffi::Error::InvalidArgument("strata_offload_collect: no begin of this layer before it");
-  std::memcpy(y->typed_data(), pool->offload->last_staging[layer]->y, sizeof(float) * after.element_count());
+  std::memcpy(y->typed_data(), pool->offload->last_staging[pool->offload->slot_of(layer)]->y,
+              sizeof(float) * after.element_count());
   return ffi::Error::Success();
 }
 
