@@ -149,7 +149,7 @@ def test_defer_matches_the_rule(engine_factory, tokens, below):
 def test_split_rows_exist_on_both_sides_of_the_threshold(engine_factory, tokens):
     """The 0.3 case above is a real split: the tiny model's top-4 weights fall on both sides of 0.3."""
     eng = all_cpu_engine(engine_factory)
-    cfg, w = eng.cfg, eng.weights
+    cfg, w = eng.cfg, model.unstack_layers(eng.weights)  # the base engine (no deferral) scans: stacked weights
     x = w.embed[jnp.asarray(tokens)]
     r = moe.route(model.rms_norm(x, w.layers[0].ffn_norm, cfg.rms_norm_eps), w.layers[0].ffn.router, cfg,
                   jnp.ones((len(tokens),), bool))
