@@ -36,6 +36,7 @@ def test_offload_is_exact_on_gpu(engine_factory, tokens, frac, pool_calls):
     eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, pcie_frac=1.0,
                          pool_calls=pool_calls)
     assert eng.placement.native == (pool_calls == "auto")
+    assert eng.scanned_offload == (pool_calls == "auto")  # the native calls: decode windows in one scanned body
     for policy in ("lru", "static"):
         eng.reconfigure(pcie_frac=frac, cache_policy=policy)
         for w in (1, 4):
