@@ -194,7 +194,7 @@ def run(s) -> dict:
 
     windows = sorted(common.int_list(s.windows, "windows"))
     if s.attention_splits:
-        from pallas_kernels import decode_attention as decode_attention_mod
+        from strata_jax.pallas_kernels import decode_attention as decode_attention_mod
         decode_attention_mod.FORCE_SPLITS = s.attention_splits
     cfg = preset(s.model, layers=s.layers or None)
     if s.layers and len(cfg.sparse_layers) < s.layers:

@@ -46,7 +46,7 @@ flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth read in MiB (0 = 
                      lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each T).", flag_values=FLAGS)
 runner.define_output_flag(FLAGS)
-# Kernel tuning (see pallas_kernels.gated_delta.gated_delta_step).
+# Kernel tuning (see strata_jax.pallas_kernels.gated_delta.gated_delta_step).
 flags.DEFINE_integer("block_dv", 32, "Columns of the state per program (a power of 2).", lower_bound=1,
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Triton warps per program.", lower_bound=1, flag_values=FLAGS)
@@ -70,7 +70,7 @@ def run(s) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from pallas_kernels import gated_delta
+    from strata_jax.pallas_kernels import gated_delta
 
     hk, hv, dk, dv = (1, 2, 16, 16) if s.tiny else (s.heads_k, s.heads_v, s.dk, s.dv)
     if hv % hk:

@@ -40,7 +40,7 @@ flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth read in MiB (0 = 
                      lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each T).", flag_values=FLAGS)
 runner.define_output_flag(FLAGS)
-# Kernel tuning (see pallas_kernels.expert_ffn.expert_ffn).
+# Kernel tuning (see strata_jax.pallas_kernels.expert_ffn.expert_ffn).
 flags.DEFINE_integer("block_i", 32, "Gate/up kernel: rows of I per program.", lower_bound=16, flag_values=FLAGS)
 flags.DEFINE_integer("block_k", 256, "Gate/up kernel: H chunk of its loop.", lower_bound=16, flag_values=FLAGS)
 flags.DEFINE_integer("block_h", 32, "Down kernel: output columns per program.", lower_bound=16, flag_values=FLAGS)
@@ -60,7 +60,7 @@ def run(s) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from pallas_kernels import expert_ffn as kernel
+    from strata_jax.pallas_kernels import expert_ffn as kernel
     from strata_jax import moe
 
     windows = common.int_list(s.t, "t")

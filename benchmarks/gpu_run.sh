@@ -205,7 +205,7 @@ step quant_gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests
 step quant_kernels "${KERNEL_LIMIT_S:-180}" "$PY" -m benchmarks.expert_ffn_bench --t=${KERNEL_T:-1,2,4,8} \
   --formats=${KERNEL_FORMATS:-int8,int4,int4-g128} \
   --json="$OUT/quant_kernels.json"
-step pool_formats "${POOL_LIMIT_S:-120}" "$PY" -m host_pool.measure --formats bf16,int8,int4,int4-numpy
+step pool_formats "${POOL_LIMIT_S:-120}" "$PY" -m strata_jax.host_pool.measure --formats bf16,int8,int4,int4-numpy
 
 echo
 echo "=== steps"

@@ -30,8 +30,8 @@ import time
 from absl import flags
 
 from benchmarks import common, runner
-from host_pool import native
-from host_pool.pool import usable_cores
+from strata_jax.host_pool import native
+from strata_jax.host_pool.pool import usable_cores
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside the others
 flags.DEFINE_string("model", "tiny", "Model preset from configs/ (tiny, qwen3-30b-a3b).", flag_values=FLAGS)
@@ -149,15 +149,15 @@ def measure_device_put(nbytes: int, host_kind: str, reps: int = 5) -> dict:
 
 
 def measure_memcpy(nbytes: int, reps: int = 5) -> dict:
-    from host_pool.measure import copy_gbps  # the host pool's own yardstick: np.copyto, bytes copied / s
+    from strata_jax.host_pool.measure import copy_gbps  # the host pool's own yardstick: np.copyto, bytes copied / s
     return dict(method=f"np.copyto of a float32 array, {reps} copies (GB/s of bytes copied; DRAM traffic ~2x)",
                 array_bytes=nbytes // 4 * 4, GBps=copy_gbps(nbytes, reps))
 
 
 def measure_read(nbytes: int, threads: int) -> dict:
     """What the host's cores read together: `threads` threads summing one large array in native code (the
-    pool's yardstick; host_pool.measure.read_gbps), best of 5."""
-    from host_pool.measure import read_gbps
+    pool's yardstick; strata_jax.host_pool.measure.read_gbps), best of 5."""
+    from strata_jax.host_pool.measure import read_gbps
     return dict(method=f"{threads} threads reading a {nbytes >> 20} MiB array (native_experts.c read_words), best of 5",
                 array_bytes=nbytes, threads=threads, GBps=read_gbps(nbytes, threads))
 
@@ -218,7 +218,7 @@ def run(s) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from host_pool import HostPool
+    from strata_jax.host_pool import HostPool
     from strata_jax import model
     from strata_jax.experts import slots as slots_mod
     from strata_jax.experts import placement as placement_mod

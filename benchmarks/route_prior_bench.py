@@ -6,7 +6,7 @@ beside the plain router's top-K (XLA), for the Pallas kernel and for the same ru
 
 For each shape E x K (experts, experts per token) and window size T, three paths on the same random inputs:
 - XLA top-k: `jax.lax.top_k(jax.nn.softmax(logits), K)` and the renormalisation, what the exact router does;
-- Pallas prior: `pallas_kernels.route_prior.route_prior` (interpret mode off the GPU);
+- Pallas prior: `strata_jax.pallas_kernels.route_prior.route_prior` (interpret mode off the GPU);
 - jnp prior: `route_prior_reference`, the same rule in jnp (XLA's top_k and sort).
 Inputs: logits [T, E] ~ N(0, 1) float32, a resident mask with round(--resident_frac * E) random experts resident,
 lam [T] = --lam for every token, keep = --keep.
@@ -71,7 +71,7 @@ def run(s) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from pallas_kernels.route_prior import route_prior, route_prior_reference
+    from strata_jax.pallas_kernels.route_prior import route_prior, route_prior_reference
 
     shapes = parse_shapes(s.shapes)
     windows = common.int_list(s.tokens, "tokens")

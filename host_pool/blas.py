@@ -1,7 +1,7 @@
 """The thread count of numpy's BLAS, through threadpoolctl (OpenBLAS, MKL, BLIS alike).
 
 Pool threads each run small matmuls; if the BLAS also spreads every call over all cores, the cores are
-oversubscribed (measured on a 2-core machine: 1.5 to 6x slower; see host_pool.measure).
+oversubscribed (measured on a 2-core machine: 1.5 to 6x slower; see strata_jax.host_pool.measure).
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from host_pool import native
-from host_pool.pool import HostPool, HostPoolError
+from . import native
+from .pool import HostPool, HostPoolError
 
 # Our messages are one line: "host pool: layer <n> <what happened>".
 _POOL_MESSAGE = re.compile(r"host pool: layer (\d+) [^\n]*")

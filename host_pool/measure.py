@@ -1,6 +1,6 @@
 """Pool throughput for a Qwen3-30B-A3B-sized layer job, per store format and path, beside what the cores can read.
 
-    python -m host_pool.measure [--threads N] [--experts 8] [--formats bf16,int8,int4] [--paths C,numpy]
+    python -m strata_jax.host_pool.measure [--threads N] [--experts 8] [--formats bf16,int8,int4] [--paths C,numpy]
                                 [--read_mb 2048] [--variants "default PREFETCH_BYTES=0 ROWS_UP=64,ROWS_DOWN=32"]
 
 One row per format, path and window size T: ms per layer job, ms per expert (the job's wall time / its experts),
@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 
-from host_pool import native
-from host_pool import pool as pool_module
-from host_pool import store as store_module
-from host_pool.pool import HostPool
-from host_pool.store import BF16, HostExpertStore
+from . import native
+from . import pool as pool_module
+from . import store as store_module
+from .pool import HostPool
+from .store import BF16, HostExpertStore
 
 FORMATS = ("float32", "bf16", "bf16-f32-once", "int8", "int4")
 PATHS = ("C", "numpy")

@@ -36,10 +36,10 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
-from host_pool import native
-from host_pool.blas import set_blas_threads
-from host_pool.store import BF16
-from host_pool.store import HostExpertStore, row_chunks_f32
+from . import native
+from .blas import set_blas_threads
+from .store import BF16
+from .store import HostExpertStore, row_chunks_f32
 
 # Thread jobs per thread and phase: >1 evens out uneven job times, more costs
 # submit overhead (~10 us per job).

@@ -7,7 +7,7 @@ Format choice: weights stay in the dtype they are given, without a copy.
     cache) right before the matmul. Converting the whole store once would
     double host memory (a Qwen3-30B-A3B has ~58 GB of bf16 experts -> ~116 GB,
     more than the 128 GB host can spare) for little speed: measured on a
-    2-core EPYC (`python -m host_pool.measure`, 8 experts H=2048 I=768), a
+    2-core EPYC (`python -m strata_jax.host_pool.measure`, 8 experts H=2048 I=768), a
     layer job takes 7.7 ms (T=1) / 8.2 ms (T=4) from bf16 converted per
     chunk vs 5.5 / 9.7 ms from bf16 converted once to float32. With more
     cores sharing DRAM, reading half the bytes should matter more.
@@ -32,7 +32,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from host_pool import native
+from . import native
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)

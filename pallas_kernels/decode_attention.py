@@ -74,7 +74,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.blocks import MIN_DOT, pow2_divisor
+from .blocks import MIN_DOT, pow2_divisor
 
 DEFAULT_SPLITS = 16  # the least splits; on a GPU, auto_splits asks for two waves of programs
 FORCE_SPLITS: int | None = None  # benchmarks only (decode_bench --attention_splits): k_splits=None uses this

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.blocks import MIN_DOT, block_or_error
+from .blocks import MIN_DOT, block_or_error
 
 GROUPS = (128, 64, 32)  # int4 inputs per scale (strata_jax/quant.py "int4-g128", "int4", "int4-g32"): from the scales' shape
 

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.blocks import MIN_DOT, block_or_error, pow2_divisor
+from .blocks import MIN_DOT, block_or_error, pow2_divisor
 
 
 def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, k_per_split: int,

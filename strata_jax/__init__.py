@@ -9,6 +9,16 @@ if _sys.argv[:1] == ["-m"] and {"strata_jax.decode", "strata_jax.serve"} & set(g
     if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
         _signal.signal(_signal.SIGINT, lambda signum, frame: _os._exit(130))
 
+# Installed, host_pool/ and pallas_kernels/ are strata_jax.host_pool and strata_jax.pallas_kernels (pyproject's
+# package-dir). Run from the repository (`make test`, `make run`: sys.path is its root), they are this folder's
+# siblings: the root joins the package's path, so the same names find them there (one copy of each module; the
+# code never imports a top-level `host_pool`).
+import os.path as _osp  # noqa: E402
+
+_root = _osp.dirname(_osp.dirname(_osp.abspath(__file__)))
+if not _osp.isdir(_osp.join(__path__[0], "host_pool")) and _osp.isfile(_osp.join(_root, "host_pool", "__init__.py")):
+    __path__.append(_root)
+
 from strata_jax.errors import StrataError  # noqa: E402
 
 __all__ = ["Engine", "ExpertStats", "RequestStats", "StopRequest", "Stats", "StrataError"]

@@ -20,7 +20,7 @@ from flax import struct
 
 from strata_jax.config import ModelConfig
 from strata_jax.linear import linear
-from pallas_kernels.gated_delta import gated_delta_step, gated_delta_step_reference
+from strata_jax.pallas_kernels.gated_delta import gated_delta_step, gated_delta_step_reference
 
 CHUNK = 64  # the chunked rule's block, as transformers' torch_chunk_gated_delta_rule
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_pool import unwrap_pool_error
+from strata_jax.host_pool import unwrap_pool_error
 from strata_jax import checkpoint, graphs, loops, model, moe, parallel as parallel_mod
 from strata_jax import mtp as mtp_mod
 from strata_jax.chat import ChatTemplate, GenerationDefaults, load_chat_template, load_generation_config

@@ -252,7 +252,7 @@ def compile_all(build, sizes) -> list:
     """[build(size) for size in sizes], the sizes in threads: tracing holds the GIL, XLA's compile does not, so the
     compiles of a window table run side by side on the host's cores (start-up: the slowest graph, not their sum)."""
     sizes = tuple(sizes)
-    from host_pool.pool import usable_cores
+    from strata_jax.host_pool.pool import usable_cores
     workers = min(len(sizes), usable_cores())
     if workers <= 1:
         return [build(size) for size in sizes]

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.stacked_linear import stacked_linear
+from strata_jax.pallas_kernels.decode_attention import decode_attention
+from strata_jax.pallas_kernels.stacked_linear import stacked_linear
 from strata_jax.config import ModelConfig
 from strata_jax import deltanet, moe
 from strata_jax.deltanet import DeltaNetWeights, DeltaState

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
+from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax.config import ModelConfig
 from strata_jax.linear import linear
 from strata_jax.quant import dequantize_engine_int4

@@ -50,7 +50,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
+from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax import graphs, model, moe
 from strata_jax.errors import StrataError
 from strata_jax.experts import slots as slots_mod

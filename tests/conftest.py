@@ -244,7 +244,7 @@ def embedded_engine(engine_factory):
 def pool_path(request, monkeypatch):
     """Each host-pool test that takes it runs twice: the C expert kernel (host_pool/native_experts.c; skipped, saying
     why, where no compiler builds it) and the numpy / BLAS jobs (STRATA_POOL_NATIVE=0)."""
-    from host_pool import native
+    from strata_jax.host_pool import native
     if request.param == "C":
         monkeypatch.delenv(native.ENV, raising=False)
         if native.experts_kernel() is None:
@@ -260,7 +260,7 @@ def make_pool():
     """`make_pool(layers, compute_dtype=None, **HostPool options)` -> a HostPool over HostExpertStore(layers) (the
     host-pool tests' one way to build one), closed after the test."""
     import numpy as np
-    from host_pool import HostExpertStore, HostPool
+    from strata_jax.host_pool import HostExpertStore, HostPool
     pools = []
 
     def make(layers, compute_dtype=None, **kwargs):

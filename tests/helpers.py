@@ -19,7 +19,7 @@ import pytest
 from conftest import HF_FIXTURES
 from strata_jax import StrataError
 
-BF16 = np.dtype(ml_dtypes.bfloat16)  # host_pool.store.BF16
+BF16 = np.dtype(ml_dtypes.bfloat16)  # strata_jax.host_pool.store.BF16
 
 
 # ---- errors ------------------------------------------------------------------------------------------------------

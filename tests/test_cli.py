@@ -217,14 +217,20 @@ def test_ctrl_c_while_the_host_pool_works_exits_130_quietly(cache_dir):
 INSTALLED_CHECK = """
 import sys
 from pathlib import Path
-import strata_jax, host_pool, pallas_kernels
-from host_pool import native
+import importlib.util
+import strata_jax, strata_jax.host_pool, strata_jax.pallas_kernels.expert_ffn
+from strata_jax.host_pool import native
 from strata_jax import Engine, serve
 from strata_jax.config import preset
 from strata_jax.embedded import REFERENCE_DIR
 here = Path.cwd()
-for module in (strata_jax, host_pool, pallas_kernels):  # the installed copies, not the repository's
+for module in (strata_jax, strata_jax.host_pool, strata_jax.pallas_kernels):  # installed, not the repository's
     assert "site-packages" in module.__file__, module.__file__
+package = Path(strata_jax.__file__).parent
+assert Path(strata_jax.host_pool.__file__).parent == package / "host_pool", strata_jax.host_pool.__file__
+assert strata_jax.__path__ == [str(package)], strata_jax.__path__  # the repository's mapping stays off
+for name in ("host_pool", "pallas_kernels"):  # no generic top-level packages
+    assert importlib.util.find_spec(name) is None and name not in sys.modules, name
 assert preset("tiny").num_experts > 0 and preset("qwen3-30b-a3b").num_layers == 48
 assert native.SOURCE.is_file() and native.EXPERTS_SOURCE.is_file() and native.FFI_SOURCE.is_file()
 assert serve.PAGE.is_file() and (REFERENCE_DIR / "config.json").is_file()
@@ -238,8 +244,9 @@ print("ok", engine.decode(out).encode("unicode_escape").decode())
 
 def test_the_wheel_installs_and_runs_outside_the_repository(tmp_path):
     """`pip install` of the built wheel (not -e) into a fresh environment, then, from another folder: the presets,
-    the C sources, the chat page and the reference models are in the package, the README's API example decodes, and
-    both console scripts answer --help. Offline: the wheel builds with the pinned setuptools (no build isolation),
+    the C sources, the chat page and the reference models are in the package, host_pool and pallas_kernels too (as
+    strata_jax.host_pool / strata_jax.pallas_kernels, no top-level folder of theirs), the README's API example
+    decodes, and both console scripts answer --help. Offline: the wheel builds with the pinned setuptools (no build isolation),
     installs with no dependencies into a venv that sees this one's packages (a .pth file)."""
     import sys
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
@@ -254,6 +261,11 @@ def test_the_wheel_installs_and_runs_outside_the_repository(tmp_path):
                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert build.returncode == 0, build.stderr[-3000:]
     wheel = next((tmp_path / "dist").glob("strata_jax-*.whl"))
+    import zipfile  # host_pool/ and pallas_kernels/ inside the package, under its name; no other top-level folder
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"strata_jax"}, names
+    for name in ("host_pool/native_ffi.cc", "host_pool/native_experts.c", "pallas_kernels/expert_ffn.py"):
+        assert "strata_jax/" + name in names, name
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     import site  # the new venv sees this one's packages (the dependencies) through a .pth file, after its own
@@ -262,6 +274,8 @@ def test_the_wheel_installs_and_runs_outside_the_repository(tmp_path):
     install = subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index",
                               str(wheel)], capture_output=True, text=True, timeout=300, env=env)
     assert install.returncode == 0, install.stderr[-3000:]
+    for name in ("host_pool", "pallas_kernels"):
+        assert not (inner / name).exists() and (inner / "strata_jax" / name / "__init__.py").is_file(), name
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     run = subprocess.run([str(venv / "bin" / "python"), "-c", INSTALLED_CHECK], capture_output=True, text=True,
@@ -271,3 +285,31 @@ def test_the_wheel_installs_and_runs_outside_the_repository(tmp_path):
         shown = subprocess.run([str(venv / "bin" / script), "--help"], capture_output=True, text=True, timeout=120,
                                cwd=elsewhere, env=env)
         assert shown.returncode == 0 and "--expert_cache_slots" in shown.stdout, (script, shown.stderr[-2000:])
+
+
+REPO_CHECK = """
+import sys
+from pathlib import Path
+import strata_jax.host_pool, strata_jax.pallas_kernels.expert_ffn
+from strata_jax.experts import placement
+repo = Path.cwd()
+assert Path(strata_jax.host_pool.__file__) == repo / "host_pool" / "__init__.py", strata_jax.host_pool.__file__
+assert Path(strata_jax.pallas_kernels.__file__) == repo / "pallas_kernels" / "__init__.py"
+assert placement.native is sys.modules["strata_jax.host_pool.native"]  # one copy of the pool's module state
+assert not {"host_pool", "pallas_kernels"} & set(sys.modules), sorted(sys.modules)
+print("ok")
+"""
+
+
+def test_from_the_repository_the_sibling_folders_are_the_packages_modules():
+    """Not installed (`make test`, `make run`: the repository root on sys.path): strata_jax.host_pool and
+    strata_jax.pallas_kernels are the root's host_pool/ and pallas_kernels/ (strata_jax/__init__.py), imported once,
+    never also as top-level modules; `python -m strata_jax.host_pool.measure` runs."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("STRATA_")}
+    run = subprocess.run([sys.executable, "-c", REPO_CHECK], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.stdout + run.stderr)[-3000:]
+    shown = subprocess.run([sys.executable, "-m", "strata_jax.host_pool.measure", "--help"], capture_output=True,
+                           text=True, timeout=120, cwd=REPO, env=env)
+    assert shown.returncode == 0 and "--formats" in shown.stdout, shown.stderr[-2000:]
+    assert not {"host_pool", "pallas_kernels"} & set(sys.modules)  # this test process too

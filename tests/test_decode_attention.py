@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro, with_garbage
-from pallas_kernels.cuda_lowering import lower_for_cuda
-from pallas_kernels.decode_attention import _block_k, decode_attention, decode_attention_reference
+from strata_jax.pallas_kernels.cuda_lowering import lower_for_cuda
+from strata_jax.pallas_kernels.decode_attention import _block_k, decode_attention, decode_attention_reference
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -331,7 +331,7 @@ def test_row_tiling_and_splits():
     """block_m=None keeps every decode window (next_pow2(T * r) <= 128) on one tile: the single-tile grid
     (Nkv, splits) and its numbers; prefill chunks get 64-row blocks. auto_splits off the GPU: 16 splits for one
     tile, 16 / row_blocks (at least 1) for several."""
-    from pallas_kernels.decode_attention import _row_tiling, auto_splits
+    from strata_jax.pallas_kernels.decode_attention import _row_tiling, auto_splits
     assert _row_tiling(1 * 8, None) == (16, 1) and _row_tiling(4 * 8, None) == (32, 1)
     assert _row_tiling(16 * 8, None) == (128, 1) and _row_tiling(3 * 4, None) == (16, 1)
     assert _row_tiling(64 * 8, None) == (64, 8) and _row_tiling(100 * 4, None) == (64, 7)

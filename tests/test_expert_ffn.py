@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from helpers import reference_ffn, rel_fro
-from pallas_kernels.cuda_lowering import lower_for_cuda
-from pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
+from strata_jax.pallas_kernels.cuda_lowering import lower_for_cuda
+from strata_jax.pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
 from strata_jax import moe
 
 REF_RTOL = 1e-2

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro, with_garbage
-from pallas_kernels.cuda_lowering import lower_for_cuda
-from pallas_kernels.gated_delta import gated_delta_step, gated_delta_step_reference
+from strata_jax.pallas_kernels.cuda_lowering import lower_for_cuda
+from strata_jax.pallas_kernels.gated_delta import gated_delta_step, gated_delta_step_reference
 
 RTOL = 1e-5
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro, with_garbage
-from pallas_kernels.copy_rows import (copy_rows_by_weight, copy_rows_by_weight_reference, copy_rows_from_mapped,
-                                      copy_rows_from_mapped_reference)
-from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
-from pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
-from pallas_kernels.route_prior import route_prior, route_prior_reference
+from strata_jax.pallas_kernels.copy_rows import (copy_rows_by_weight, copy_rows_by_weight_reference,
+                                                 copy_rows_from_mapped, copy_rows_from_mapped_reference)
+from strata_jax.pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+from strata_jax.pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
+from strata_jax.pallas_kernels.route_prior import route_prior, route_prior_reference
 from test_decode_attention import CASES as ATTN_CASES
 from test_decode_attention import PREFILL_CASES as ATTN_PREFILL_CASES
 from test_decode_attention import DTYPES as ATTN_DTYPES
@@ -185,7 +185,7 @@ def test_prefill_attention_matches_reference(name, dtype):
 def test_stacked_linear_compiled(t, dtype):
     """The q/k/v launch and the o launch at the Qwen3-30B-A3B shapes (8 stacked layers), compiled, against the
     sliced XLA product; the other layers are NaN so a wrong offset shows. bf16: f32 accumulation both sides."""
-    from pallas_kernels.stacked_linear import stacked_linear, stacked_linear_reference
+    from strata_jax.pallas_kernels.stacked_linear import stacked_linear, stacked_linear_reference
     rng = np.random.default_rng(t)
     n_layers, layer, h = 8, 5, 2048
     for k, ns in ((h, (4096, 512, 512)), (4096, (h,))):

@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 
 from helpers import random_layers, reference_ffn, rel_fro, rng_for
-from host_pool import (HostPoolError, cpu_expert_rows,
-                       unwrap_pool_error)
-from host_pool import pool as pool_module
-from host_pool import store as store_module
-from host_pool.store import BF16
+from strata_jax.host_pool import HostPoolError, cpu_expert_rows, unwrap_pool_error
+from strata_jax.host_pool import pool as pool_module
+from strata_jax.host_pool import store as store_module
+from strata_jax.host_pool.store import BF16
 
 # Ragged sizes so that job and chunk tails are exercised.
 LAYERS, E, H, I = 2, 6, 80, 72
@@ -168,7 +167,7 @@ def test_a_timeout_while_jobs_are_queued_leaves_no_thread_behind(make_pool, monk
     futures that a cancel never wakes, and the CLI then hung at exit joining it. The numpy / BLAS path, the one that
     queues a thread job per expert (the C kernel runs a layer job as one call, and finishes this one within the
     timeout on a fast machine)."""
-    from host_pool import native
+    from strata_jax.host_pool import native
     monkeypatch.setenv(native.ENV, "0")
     rng = rng_for("queued-timeout")
     big = [tuple((0.1 * rng.standard_normal(shape)).astype(np.float32)
@@ -197,12 +196,12 @@ def _drivers() -> int:
 def test_bridge_inside_jit_matches_pool(make_pool, native_calls):
     """The graph reaches the pool by the native FFI call where it builds (else, and with native_calls=False, by
     io_callback): the same rows as the pool's own call, and the pool's counters see the graph's job."""
-    from host_pool import bridge
+    from strata_jax.host_pool import bridge
     rng = rng_for("bridge")
     layers = make_layers(rng)
     pool = make_pool(layers, threads=3, native_calls=native_calls)
     if native_calls and pool.ffi_handle() is None:
-        from host_pool import native
+        from strata_jax.host_pool import native
         pytest.skip(native.describe_ffi())
     assert bridge.native_calls(pool) == native_calls
     x, ids, w = make_inputs(rng, 4, [0, -1, 5, 2])
@@ -224,12 +223,12 @@ def test_offload_calls_fetch_into_slots_and_staging_and_compute(make_pool, cpu):
     """The native offload calls (bridge.offload_begin / offload_collect): each fetched expert's three matrices land in
     its victim slot row (fetch_dst >= 0) or in staging row n (-1), other slot rows keep their values, the pool's rows
     are the cpu experts' product, and the fetch counters count what was copied."""
-    from host_pool import bridge
+    from strata_jax.host_pool import bridge
     rng = rng_for(f"offload-calls-{cpu}")
     layers = make_layers(rng)
     pool = make_pool(layers, threads=2, native_calls=True)
     if pool.ffi_handle() is None:
-        from host_pool import native
+        from strata_jax.host_pool import native
         pytest.skip(native.describe_ffi())
     host = [tuple(jnp.asarray(a) for a in layer) for layer in layers]  # the experts where the fetch reads them
     for i, arrays in enumerate(host):

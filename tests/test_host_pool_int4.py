@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from helpers import reference_ffn, reference_rows, rel_fro, rng_for, rounding
-from host_pool import HostExpertStore, HostPool, HostPoolError, native
-from host_pool import store as store_module
-from host_pool.store import BF16
+from strata_jax.host_pool import HostExpertStore, HostPool, HostPoolError, native
+from strata_jax.host_pool import store as store_module
+from strata_jax.host_pool.store import BF16
 from strata_jax import quant
 
 # H and I multiples of the group (64), I not a multiple of the job or chunk rows: tails are exercised.

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from helpers import reference_ffn, reference_rows, rel_fro, rng_for, rounding
-from host_pool import HostExpertStore, HostPool, native
-from host_pool import pool as pool_module
-from host_pool.store import BF16
+from strata_jax.host_pool import HostExpertStore, HostPool, native
+from strata_jax.host_pool import pool as pool_module
+from strata_jax.host_pool.store import BF16
 from strata_jax import quant
 
 LAYERS, E = 2, 7

@@ -58,7 +58,7 @@ def test_quantize_round_trips_within_half_a_step():
 def test_xla_attention_reads_int8_as_the_kernel_reference_does():
     """model._xla_attention on an int8 cache equals decode_attention_reference's int8 arithmetic, and both are the
     attention over the dequantized cache within f32 rounding (the scales applied to scores and probabilities)."""
-    from pallas_kernels.decode_attention import decode_attention_reference
+    from strata_jax.pallas_kernels.decode_attention import decode_attention_reference
     rng = np.random.default_rng(5)
     t, nq, nkv, d, s, pos = 3, 8, 2, 32, 64, 40
     q = jnp.asarray(rng.standard_normal((t, nq, d)), jnp.float32)

@@ -100,8 +100,8 @@ def test_int8_experts_same_rows_on_the_device_and_the_host_pool(dtype):
     Pallas kernel's reference is that XLA path."""
     import jax
     import jax.numpy as jnp
-    from host_pool import HostExpertStore, HostPool
-    from pallas_kernels.expert_ffn import expert_ffn_reference
+    from strata_jax.host_pool import HostExpertStore, HostPool
+    from strata_jax.pallas_kernels.expert_ffn import expert_ffn_reference
     from strata_jax import moe
     rng = np.random.default_rng()
     e, h, i, t = 6, 64, 32, 3
@@ -133,7 +133,7 @@ def test_int8_experts_same_rows_on_the_device_and_the_host_pool(dtype):
 
 
 def test_the_store_wants_scales_with_int8():
-    from host_pool import HostExpertStore
+    from strata_jax.host_pool import HostExpertStore
     q = np.zeros((2, 4, 8), np.int8)
     with pytest.raises(TypeError, match="three scale arrays"):
         HostExpertStore([(q, q, np.zeros((2, 8, 4), np.int8))])

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cuda_lowering import lower_for_cuda
-from pallas_kernels.route_prior import route_prior, route_prior_reference
+from strata_jax.pallas_kernels.cuda_lowering import lower_for_cuda
+from strata_jax.pallas_kernels.route_prior import route_prior, route_prior_reference
 
 # (T, E, K, keep, norm_topk_prob): E and K powers of 2 and not (K up to 10, padded to 16 in the kernel); every
 # (keep, norm) pair once among the first three shapes. Each row is one compile, so not the full product.

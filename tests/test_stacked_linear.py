@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro
-from pallas_kernels.cuda_lowering import lower_for_cuda
-from pallas_kernels.stacked_linear import stacked_linear, stacked_linear_reference
+from strata_jax.pallas_kernels.cuda_lowering import lower_for_cuda
+from strata_jax.pallas_kernels.stacked_linear import stacked_linear, stacked_linear_reference
 
 
 def make(seed, t, k, ns, n_layers, layer, dtype):

@@ -30,7 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.route_prior import route_prior
+from strata_jax.pallas_kernels.route_prior import route_prior
 from strata_jax.options import INT32_MAX, ROUTE_SWITCHES, EngineOptions, env_name, parse_number, switch_values
 
 

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from host_pool import collect_cpu_rows, submit_cpu_rows, wait_heavy_rows
-from pallas_kernels.copy_rows import copy_rows_by_weight, copy_rows_from_mapped
+from strata_jax.host_pool import collect_cpu_rows, submit_cpu_rows, wait_heavy_rows
+from strata_jax.pallas_kernels.copy_rows import copy_rows_by_weight, copy_rows_from_mapped
 from strata_jax.options import DEFER_SWITCHES, EngineOptions, env_name, parse_number, switch_values
 
 DEFAULT_BELOW = 0.1

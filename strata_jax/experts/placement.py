@@ -10,9 +10,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from host_pool import HostExpertStore, HostPool, HostPoolError, blas, cpu_expert_rows, native
-from host_pool.bridge import native_calls, offload_begin, offload_collect
-from host_pool.pool import usable_cores
+from strata_jax.host_pool import HostExpertStore, HostPool, HostPoolError, blas, cpu_expert_rows, native
+from strata_jax.host_pool.bridge import native_calls, offload_begin, offload_collect
+from strata_jax.host_pool.pool import usable_cores
 from strata_jax import model, moe, quant
 from strata_jax.config import ModelConfig
 from strata_jax.errors import StrataError
@@ -26,7 +26,7 @@ class Placement:
     slots: int
     policy: str
     pcie_frac: float
-    pool: object  # host_pool.HostPool
+    pool: object  # strata_jax.host_pool.HostPool
     host_kind: str  # memory kind of the host expert arrays (pinned_host on GPU)
     lines: list[str]  # start-up lines
     costs: dict | None = None  # the measured cost model, when pcie_frac=auto

@@ -26,9 +26,9 @@ import numpy as np
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from host_pool import cpu_expert_rows
-from host_pool.bridge import native_calls, offload_begin, offload_collect
-from pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
+from strata_jax.host_pool import cpu_expert_rows
+from strata_jax.host_pool.bridge import native_calls, offload_begin, offload_collect
+from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax import moe, quant
 from strata_jax.experts import approx, defer
 from strata_jax.config import ModelConfig
@@ -213,7 +213,7 @@ class NativeOffload(NamedTuple):
     own. Nothing depends on a count the host would read back. Windows of at most `max_experts` distinct experts
     (decode windows; the staging rows are a temporary of that many experts); larger ones (prefill chunks) take the
     blocks and loops of the graph path."""
-    pool: object  # host_pool.HostPool, with its layers' pinned experts registered
+    pool: object  # strata_jax.host_pool.HostPool, with its layers' pinned experts registered
     max_experts: int = 32
 
 

@@ -26,9 +26,9 @@ def child() -> None:
     import numpy as np
     from jax.experimental import io_callback
 
-    from host_pool import HostExpertStore, HostPool
-    from host_pool.measure import make_store
-    from host_pool.pool import usable_cores
+    from strata_jax.host_pool import HostExpertStore, HostPool
+    from strata_jax.host_pool.measure import make_store
+    from strata_jax.host_pool.pool import usable_cores
 
     if os.environ.get("CALLBACK_SWITCH"):
         sys.setswitchinterval(float(os.environ["CALLBACK_SWITCH"]))

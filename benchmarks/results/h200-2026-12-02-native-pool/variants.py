@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from host_pool import native
-from host_pool.measure import make_store, read_gbps
-from host_pool.pool import HostPool, usable_cores
+from strata_jax.host_pool import native
+from strata_jax.host_pool.measure import make_store, read_gbps
+from strata_jax.host_pool.pool import HostPool, usable_cores
 
 H, I, E = 2048, 768, 48
 cores = usable_cores()
