@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import random_layers, reference_ffn, rel_fro, rng_for
-from host_pool import bridge, native
+from strata_jax.host_pool import bridge, native
 
 L, E, H, I, S, T, N = 3, 6, 16, 8, 2, 3, 4
 REL_TOL = 1e-5
