@@ -202,6 +202,9 @@ class FfiLibrary:
         self.register_fetch = library.pool_register_fetch
         self.register_fetch.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
         self.register_fetch.restype = None
+        self.device_fetch = library.pool_device_fetch
+        self.device_fetch.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
+        self.device_fetch.restype = ctypes.c_int
         self._capture_supported = library.offload_capture_supported
         self._capture_supported.argtypes = []
         self._capture_supported.restype = ctypes.c_int

@@ -142,6 +142,11 @@ struct Driver {
   CUresult (*stream_create)(CUstream *, unsigned int) = nullptr;
   CUresult (*stream_ctx)(CUstream, CUcontext *) = nullptr;
   CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  // The device fetch kernel (PTX loaded by the driver): optional, the worker's copies serve without it.
+  CUresult (*module_load)(void **, const void *, unsigned int, int *, void **) = nullptr;
+  CUresult (*module_function)(void **, void *, const char *) = nullptr;
+  CUresult (*launch_kernel)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                            void **, void **) = nullptr;
   std::string error, offload_error;
 };
 
@@ -168,6 +173,9 @@ const Driver &driver() {
     d.stream_create = (decltype(d.stream_create))dlsym(lib, "cuStreamCreate");
     d.stream_ctx = (decltype(d.stream_ctx))dlsym(lib, "cuStreamGetCtx");
     d.ctx_set_current = (decltype(d.ctx_set_current))dlsym(lib, "cuCtxSetCurrent");
+    d.module_load = (decltype(d.module_load))dlsym(lib, "cuModuleLoadDataEx");
+    d.module_function = (decltype(d.module_function))dlsym(lib, "cuModuleGetFunction");
+    d.launch_kernel = (decltype(d.launch_kernel))dlsym(lib, "cuLaunchKernel");
     if (!d.host_device_pointer || !d.write_value || !d.wait_value || !d.stream_create || !d.stream_ctx ||
         !d.ctx_set_current)
       d.offload_error = "libcuda.so.1 lacks cuStreamWaitValue32 / cuStreamWriteValue32 / cuStreamGetCtx";
@@ -320,6 +328,115 @@ constexpr auto kIdleSleep = std::chrono::microseconds(50);
 // Descriptors a pool may hold: one per distinct (layer, shape, buffers, context) a graph was recorded with.
 constexpr uint32_t kMaxDescriptors = 1u << 16;
 
+// The device fetch (capture path, the default where it loads): the begin call's stream copies the fetched experts
+// itself, a kernel reading the layers' pinned host experts through their device-mapped addresses (zero-copy over
+// PCIe), with the plan's rows read on the device. No worker, no flag, no driver call outside the graph's own stream
+// takes part in a fetch: a worker that enqueued copies could deadlock against a host thread blocked in the driver
+// while it queues many launches (a scanned window is a launch per layer), and each handshake cost a round trip.
+// Block (x, m) of the grid copies window position m's expert (src[m] >= 0) from table[3 * layer + k] + src * rb_k
+// into its slot row dst[m] (or staging row m when dst[m] < 0), 16 bytes a thread and step, for k = gate, up, down.
+// The layer is p_layer_static, or (traced, -1) the int32 at p_layer. Written as PTX (sm_70 and up, JIT-compiled by
+// the driver for the GPU): no CUDA toolkit at run time.
+const char *kFetchPtx = R"PTX(
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry strata_fetch_experts(
+    .param .u64 p_src, .param .u64 p_dst, .param .u64 p_layer, .param .u32 p_layer_static,
+    .param .u32 p_layers, .param .u32 p_experts, .param .u64 p_table,
+    .param .u64 p_slot0, .param .u64 p_slot1, .param .u64 p_slot2,
+    .param .u64 p_stage0, .param .u64 p_stage1, .param .u64 p_stage2,
+    .param .u64 p_rb0, .param .u64 p_rb1, .param .u64 p_rb2)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<20>;
+    .reg .b64 %rd<32>;
+
+    mov.u32 %r1, %ctaid.y;
+    ld.param.u64 %rd1, [p_src];
+    mul.wide.u32 %rd2, %r1, 4;
+    add.s64 %rd3, %rd1, %rd2;
+    ld.s32 %r2, [%rd3];
+    setp.lt.s32 %p1, %r2, 0;
+    @%p1 bra $DONE;
+    ld.param.u32 %r3, [p_experts];
+    setp.ge.s32 %p1, %r2, %r3;
+    @%p1 bra $DONE;
+    ld.param.u64 %rd4, [p_dst];
+    add.s64 %rd5, %rd4, %rd2;
+    ld.s32 %r4, [%rd5];
+    ld.param.u32 %r5, [p_layer_static];
+    setp.ge.s32 %p2, %r5, 0;
+    @%p2 bra $LAYER;
+    ld.param.u64 %rd6, [p_layer];
+    ld.s32 %r5, [%rd6];
+$LAYER:
+    setp.lt.s32 %p1, %r5, 0;
+    @%p1 bra $DONE;
+    ld.param.u32 %r6, [p_layers];
+    setp.ge.s32 %p1, %r5, %r6;
+    @%p1 bra $DONE;
+    ld.param.u64 %rd7, [p_table];
+    mul.lo.s32 %r7, %r5, 24;
+    cvt.s64.s32 %rd8, %r7;
+    add.s64 %rd9, %rd7, %rd8;
+    mov.u32 %r8, %ctaid.x;
+    mov.u32 %r9, %ntid.x;
+    mov.u32 %r10, %tid.x;
+    mov.u32 %r11, %nctaid.x;
+    mad.lo.s32 %r12, %r8, %r9, %r10;
+    mul.lo.s32 %r13, %r11, %r9;
+    cvt.u64.u32 %rd10, %r12;
+    cvt.u64.u32 %rd11, %r13;
+    cvt.s64.s32 %rd12, %r2;
+    cvt.s64.s32 %rd13, %r4;
+    cvt.u64.u32 %rd14, %r1;
+    setp.ge.s32 %p3, %r4, 0;
+@COPIES@
+$DONE:
+    ret;
+}
+)PTX";
+
+// One matrix's copy in kFetchPtx (@K@: 0, 1, 2; @OFF@: its table offset).
+const char *kFetchCopyPtx = R"PTX(
+    ld.param.u64 %rd15, [p_rb@K@];
+    ld.u64 %rd16, [%rd9+@OFF@];
+    mad.lo.s64 %rd17, %rd12, %rd15, %rd16;
+    ld.param.u64 %rd18, [p_slot@K@];
+    mad.lo.s64 %rd19, %rd13, %rd15, %rd18;
+    ld.param.u64 %rd20, [p_stage@K@];
+    mad.lo.s64 %rd21, %rd14, %rd15, %rd20;
+    selp.b64 %rd22, %rd19, %rd21, %p3;
+    shr.u64 %rd23, %rd15, 4;
+    mov.u64 %rd24, %rd10;
+$LOOP@K@:
+    setp.ge.u64 %p1, %rd24, %rd23;
+    @%p1 bra $END@K@;
+    shl.b64 %rd25, %rd24, 4;
+    add.s64 %rd26, %rd17, %rd25;
+    add.s64 %rd27, %rd22, %rd25;
+    ld.v4.u32 {%r14, %r15, %r16, %r17}, [%rd26];
+    st.v4.u32 [%rd27], {%r14, %r15, %r16, %r17};
+    add.s64 %rd24, %rd24, %rd11;
+    bra.uni $LOOP@K@;
+$END@K@:
+)PTX";
+
+std::string replace_all(std::string text, const std::string &what, const std::string &with) {
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + with.size()))
+    text.replace(at, what.size(), with);
+  return text;
+}
+
+std::string fetch_ptx() {
+  std::string copies;
+  for (int k = 0; k < 3; k++)
+    copies += replace_all(replace_all(kFetchCopyPtx, "@K@", std::to_string(k)), "@OFF@", std::to_string(8 * k));
+  return replace_all(kFetchPtx, "@COPIES@", copies);
+}
+
 struct Offload {
   Pool *pool = nullptr;
   void *flag_memory = nullptr;
@@ -346,6 +463,14 @@ struct Offload {
   std::thread worker;
   std::map<CUcontext, CUstream> copy_streams;
   CUcontext current = nullptr;
+  // The device fetch (kFetchPtx), set up on the first capture-path begin that fetches: 0 not tried, 1 ready,
+  // -1 unavailable (`fetch_why`; the worker copies). table: [layers][3] device addresses of the pinned host experts,
+  // in mapped pinned memory the kernel reads.
+  int device_fetch = 0;
+  std::string fetch_why;
+  void *fetch_fn = nullptr;
+  uint64_t *fetch_table = nullptr;
+  CUdeviceptr fetch_table_dev = 0;
 
   ~Offload() {
     stop = true;
@@ -606,6 +731,80 @@ Offload *offload_for(Pool *pool, bool cuda, bool capture, CUcontext ctx, std::st
 }
 
 // x [T, H], w [T, N], ids [N], src [M], dst [M], and for a traced layer (attribute -1) the layer index last.
+// The device fetch of this pool's offload calls, set up once (under o->mutex; the module load and allocation off
+// this thread, which may be capturing): whether the kernel serves. STRATA_OFFLOAD_FETCH=worker keeps the worker's
+// copies (the A/B, and the way back should a driver refuse the kernel).
+bool device_fetch_ready(Offload *o, CUcontext ctx) {
+  if (o->device_fetch) return o->device_fetch > 0;
+  o->device_fetch = -1;
+  const Driver &d = driver();
+  const char *env = std::getenv("STRATA_OFFLOAD_FETCH");
+  Pool *pool = o->pool;
+  if (env && std::string(env) == "worker") {
+    o->fetch_why = "STRATA_OFFLOAD_FETCH=worker";
+  } else if (!d.module_load || !d.module_function || !d.launch_kernel) {
+    o->fetch_why = "libcuda.so.1 lacks cuModuleLoadDataEx / cuLaunchKernel";
+  } else if ((int64_t)pool->fetch_host.size() < o->layers) {
+    o->fetch_why = "the layers' host experts are not registered";
+  } else {
+    std::string why;
+    CUresult failed = off_thread(ctx, [&]() -> CUresult {
+      static char log[4096];
+      int options[2] = {5 /* CU_JIT_ERROR_LOG_BUFFER */, 6 /* CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES */};
+      void *values[2] = {log, (void *)(uintptr_t)sizeof(log)};
+      void *module = nullptr;
+      const std::string ptx = fetch_ptx();
+      CUresult r = d.module_load(&module, ptx.c_str(), 2, options, values);
+      if (r) {
+        why = std::string("the fetch kernel did not load: ") + log;
+        return r;
+      }
+      if ((r = d.module_function(&o->fetch_fn, module, "strata_fetch_experts"))) {
+        why = "cuModuleGetFunction failed";
+        return r;
+      }
+      void *table = nullptr;
+      if ((r = d.host_alloc(&table, sizeof(uint64_t) * 3 * o->layers, 0x01 | 0x02 /* PORTABLE | DEVICEMAP */)) ||
+          (r = d.host_device_pointer(&o->fetch_table_dev, table, 0))) {
+        why = "cuMemHostAlloc of the fetch table failed";
+        return r;
+      }
+      o->fetch_table = static_cast<uint64_t *>(table);
+      for (int64_t l = 0; l < o->layers; l++)
+        for (int k = 0; k < 3; k++) {
+          CUdeviceptr dev = 0;  // stays 0 for a layer with no experts registered (a dense layer fetches nothing)
+          const char *host = pool->fetch_host[l][k];
+          if (host && (r = d.host_device_pointer(&dev, (void *)host, 0))) {
+            why = "a layer's host experts have no device address (not mapped pinned memory)";
+            return r;
+          }
+          o->fetch_table[3 * l + k] = dev;
+        }
+      return 0;
+    });
+    if (failed) o->fetch_why = why.empty() ? "setup failed (error " + std::to_string(failed) + ")" : why;
+    else o->device_fetch = 1;
+  }
+  if (o->device_fetch < 0)
+    std::fprintf(stderr, "[offload] fetches by the worker's copies, not the device kernel: %s\n", o->fetch_why.c_str());
+  return o->device_fetch > 0;
+}
+
+// The fetch kernel on `stream` for a capture-path begin: src / dst (and, traced, the layer) read from the packed plan
+// on the device.
+CUresult launch_fetch(Offload *o, CUstream stream, const OffloadJob &job, const float *packed, int64_t H) {
+  const int32_t *ints = reinterpret_cast<const int32_t *>(packed + job.T * H + job.T * job.N);
+  CUdeviceptr src = (CUdeviceptr)(uintptr_t)(ints + job.N), dst = src + sizeof(int32_t) * job.M,
+              layer_at = dst + sizeof(int32_t) * job.M;
+  uint32_t layer_static = job.layer >= 0 ? (uint32_t)job.layer : 0xffffffffu;
+  uint32_t layers = (uint32_t)o->layers, experts = (uint32_t)o->pool->layers[job.layer >= 0 ? job.layer : 0].experts;
+  uint64_t rb[3] = {(uint64_t)job.slot_row_bytes[0], (uint64_t)job.slot_row_bytes[1], (uint64_t)job.slot_row_bytes[2]};
+  void *params[] = {&src, &dst, &layer_at, &layer_static, &layers, &experts, &o->fetch_table_dev,
+                    (void *)&job.slot[0], (void *)&job.slot[1], (void *)&job.slot[2],
+                    (void *)&job.stage[0], (void *)&job.stage[1], (void *)&job.stage[2], &rb[0], &rb[1], &rb[2]};
+  return driver().launch_kernel(o->fetch_fn, 128, (unsigned)job.M, 1, 256, 1, 1, 0, stream, params, nullptr);
+}
+
 size_t packed_floats(int64_t T, int64_t H, int64_t N, int64_t M, bool traced) {
   return T * H + T * N + N + 2 * M + (traced ? 1 : 0);
 }
@@ -786,19 +985,31 @@ ffi::Error OffloadBeginCaptureCuda(void *stream, int64_t pool_id, int64_t layer,
     job.slot_row_bytes[k] = row_bytes(*slots[k]);
   }
   uint32_t id = 0;
+  bool kernel_fetch = false;  // the fetch by the device kernel on this stream: the worker computes only
   {
     std::lock_guard<std::mutex> lock(o->mutex);
     job.staging = offload_staging(o, layer, T, N, M, true, why, job.ctx);
     if (!job.staging) return ffi::Error::Internal("strata_offload_begin_v2: " + why);
+    kernel_fetch = job.fetch && device_fetch_ready(o, job.ctx) && job.slot_row_bytes[0] % 16 == 0 &&
+                   job.slot_row_bytes[1] % 16 == 0 && job.slot_row_bytes[2] % 16 == 0;
+    if (kernel_fetch) job.fetch = false;
     id = descriptor_for(o, job);
   }
   if (!id)
     return ffi::Error::Internal("strata_offload_begin_v2: too many distinct offload calls recorded for this pool");
-  OFFLOAD_TRACE("begin_v2: layer %ld job %u T %ld N %ld M %ld cpu %d fetch %d (recorded or run)\n", (long)layer, id,
-                (long)T, (long)N, (long)M, (int)job.cpu, (int)job.fetch);
-  CUresult failed = d.memcpy_dtoh(job.staging->in, (CUdeviceptr)(uintptr_t)packed.untyped_data(),
-                                  packed.size_bytes(), stream);
-  // nothing to fetch or compute: nothing to post (and no collect follows)
+  OFFLOAD_TRACE("begin_v2: layer %ld job %u T %ld N %ld M %ld cpu %d fetch %s (recorded or run)\n", (long)layer, id,
+                (long)T, (long)N, (long)M, (int)job.cpu, kernel_fetch ? "kernel" : job.fetch ? "worker" : "none");
+  CUresult failed = 0;
+  if (kernel_fetch) {
+    OffloadJob fetch_job = job;
+    failed = launch_fetch(o, stream, fetch_job, static_cast<const float *>(packed.untyped_data()),
+                          plan_hidden(pool, layer));
+  }
+  // the worker reads the plan only for its own part (its cpu experts, or the copies without the kernel)
+  if (!failed && (job.cpu || job.fetch))
+    failed = d.memcpy_dtoh(job.staging->in, (CUdeviceptr)(uintptr_t)packed.untyped_data(), packed.size_bytes(),
+                           stream);
+  // nothing left to the worker: nothing to post (and no collect follows)
   if (!failed && (job.cpu || job.fetch)) failed = d.write_value(stream, o->flag_device(layer, POSTED), id, 0);
   if (!failed && job.fetch)
     failed = d.wait_value(stream, o->flag_device(layer, FETCHED), 1, 0x1 /* CU_STREAM_WAIT_VALUE_EQ */);
@@ -1117,6 +1328,19 @@ void pool_counters(int64_t id, int64_t *out) {
   out[4] = pool ? pool->fetch_calls.load() : 0;
   out[5] = pool ? pool->fetched.load() : 0;
   out[6] = pool ? pool->fetch_bytes.load() : 0;
+}
+
+// How this pool's capture-path offload calls fetch: 1 the device kernel, -1 the worker's copies (why: into
+// `why`, `size` bytes), 0 not decided yet (no fetching begin recorded, or no offload calls on a GPU).
+int pool_device_fetch(int64_t id, char *why, int64_t size) {
+  Pool *pool = find_pool(id);
+  if (!pool) return 0;
+  std::lock_guard<std::mutex> lock(pool->offload_mutex);
+  Offload *o = pool->offload.get();
+  if (!o) return 0;
+  std::lock_guard<std::mutex> inner(o->mutex);
+  if (why && size > 0) std::snprintf(why, (size_t)size, "%s", o->fetch_why.c_str());
+  return o->device_fetch;
 }
 
 // Layer `layer`'s experts in pinned host memory (what strata_offload_begin fetches from; rows laid out as the slot

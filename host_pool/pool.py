@@ -220,8 +220,20 @@ class HostPool:
         self._ffi[0].register_fetch(pool_id, int(layer), gate, up, down)
         return True
 
+    def fetch_mode(self) -> str:
+        """How the native offload calls fetch on a GPU: "kernel" (the begin call's stream copies with the device
+        fetch kernel), "worker: <why>" (the worker's copies), or "" (not decided: no fetch recorded yet, or no GPU)."""
+        if self._ffi is None:
+            return ""
+        library, pool_id, _ = self._ffi
+        why = ctypes.create_string_buffer(256)
+        mode = library.device_fetch(pool_id, why, len(why))
+        return {1: "kernel", -1: f"worker: {why.value.decode(errors='replace')}"}.get(mode, "")
+
     def fetch_counters(self) -> tuple[int, int, int]:
-        """(offload calls that fetched, experts fetched, bytes fetched) by the native offload calls so far."""
+        """(offload calls that fetched, experts fetched, bytes fetched) by the native offload calls' host copies so
+        far: the CPU handler's, and on a GPU the worker's (STRATA_OFFLOAD_FETCH=worker, or where the device fetch
+        kernel does not load). The kernel's fetches are counted by the graphs' own counters (ExpertStats)."""
         if self._ffi is None:
             return 0, 0, 0
         library, pool_id, _ = self._ffi

@@ -44,6 +44,21 @@ def test_offload_is_exact_on_gpu(engine_factory, tokens, frac, pool_calls):
         assert eng.generate(tokens[:9], 10, stop_token_ids=[]) == ref.generate(tokens[:9], 10, stop_token_ids=[])
         d = eng.stats.last.decode_experts
         assert d.entries == d.entries_resident + d.entries_fetched + d.entries_cpu > 0
+    if pool_calls == "auto" and frac > 0:  # the fetches ran as the device kernel on the graph's stream
+        assert eng.placement.pool.fetch_mode() == "kernel"
+
+
+def test_offload_fetch_by_the_worker_is_exact_on_gpu(engine_factory, tokens, monkeypatch):
+    """STRATA_OFFLOAD_FETCH=worker: the native calls' fetches by the worker's copies (the way before the device
+    kernel) give the same logits."""
+    monkeypatch.setenv("STRATA_OFFLOAD_FETCH", "worker")
+    ref = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all")
+    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, pcie_frac=0.5)
+    for policy in ("lru", "static"):
+        eng.reconfigure(pcie_frac=0.5, cache_policy=policy)
+        for w in (1, 4):
+            assert rel_fro(eng.score(tokens, window=w), ref.score(tokens, window=w)) <= 1e-5, policy
+    assert eng.placement.pool.fetch_mode() == "worker: STRATA_OFFLOAD_FETCH=worker"
 
 
 def test_pool_failure_on_gpu_is_one_line_and_recovers(engine_factory, tokens):
