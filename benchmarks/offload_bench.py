@@ -482,6 +482,7 @@ def run(s) -> dict:
                        compile_s=engine.stats.compile_s if source == "engine" else 0.0,
                        placement_costs=engine.placement.costs if source == "engine" else None)
             timed(engine, arm)
+            arm["pcie_frac_after"] = engine.placement.pcie_frac  # auto: re-chosen after each request (warm-up, timed)
             if switch_arms:
                 run_switch_arms(engine, arm, name, dict(opts_common, expert_cache_slots=str(slots),
                                                         pcie_frac=str(chosen)))
@@ -503,6 +504,8 @@ def run(s) -> dict:
             arm["share_of_bound"] = arm["bound_ms_per_token"] / arm["ms_per_token"] if arm["ms_per_token"] else None
             arm["tokens_match_baseline"] = arm["tokens"] == base["tokens"]
             result["arms"].append(arm)
+            common.progress(f"arm {name}: pcie_frac {arm['pcie_frac_chosen']:g} at start-up, "
+                            f"{arm['pcie_frac_after']:g} after the requests")
             common.progress(f"arm {name}: {arm['decode_tok_s']:,.1f} tok/s ({arm['x_vs_all_resident']:.2f}x), hit "
                             f"rate {arm['hit_rate']:.1%}, {arm['fetched_per_token']:.1f} fetched + "
                             f"{arm['cpu_per_token']:.1f} cpu experts/token")

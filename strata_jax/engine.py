@@ -505,6 +505,8 @@ class Engine:
             raise StrataError("the deferral (STRATA_VERIFY_DEFER_CPU) runs in the unrolled graph: start the engine "
                               "with layer_loop=unrolled to reconfigure it to pcie_frac < 1")
         rebuild = self.placement.reconfigure(float(opts.pcie_frac), opts.cache_policy)
+        if pcie_frac is not None:
+            self.placement.auto = False  # a split asked for by number stays
         self._reset_state()
         if rebuild:
             self.defer, _ = defer_cpu(self.options, self.placement.cpu_path)
@@ -534,6 +536,21 @@ class Engine:
         self.cache = self.cache.replace(experts=zeroed(self.cache.experts) if stacked else
                                         [None if s is None else zeroed(s) for s in self.cache.experts])
         return out
+
+    def _adapt_pcie_frac(self, stats: ExpertStats) -> None:
+        """pcie_frac=auto: the split re-chosen from a request's misses (placement_mod.adapt_pcie_frac) and set as
+        data in the slot caches (no recompile; the cached experts stay); one line when it moves."""
+        if not self.placement:
+            return
+        new = placement_mod.adapt_pcie_frac(self.cfg, self.placement, placement_mod.expert_itemsize(self.options),
+                                            stats)
+        if new is None:
+            return
+        (frac, misses), old = new, self.placement.pcie_frac
+        self.placement.pcie_frac = frac
+        self.cache = self.cache.replace(experts=slots_mod.with_pcie_frac(self.cache.experts, frac))
+        if self.verbose:
+            log(f"pcie_frac: {old:g} -> {frac:g} (auto: the last request met {misses:.2f} misses a layer a window)")
 
     def _fill_static_slots(self) -> None:
         """Static policy: after the prompt's prefill, the slots take each layer's most used experts, then freeze."""

@@ -95,6 +95,7 @@ def run(engine: Engine, r: Request) -> None:
     if first not in r.stops:
         decode(engine, r)
     r.stats.decode_experts = engine._take_expert_stats()
+    engine._adapt_pcie_frac(r.stats.decode_experts)  # pcie_frac=auto: from the misses this request met
 
 
 def prefill(engine: Engine, r: Request) -> int:

@@ -12,7 +12,10 @@ import pytest
 from helpers import one_line_refusal, rel_fro
 from strata_jax import Engine, StrataError
 from strata_jax.config import preset
+from strata_jax.experts import placement as placement_mod
+from strata_jax.experts.placement import Placement, adapt_pcie_frac, choose_pcie_frac
 from strata_jax.experts.slots import layer_states
+from strata_jax.stats import ExpertStats
 from conftest import run_cli
 
 REL_TOL = 1e-5
@@ -240,6 +243,46 @@ def test_auto_split_knows_lru_slots_fill_only_by_fetches():
     static, by_static = choose_pcie_frac(cfg, cfg.num_experts // 2, 2, **costs, policy="static")
     assert static == 0.0 and lru > 0.0
     assert by_lru[0.0] > by_static[0.0] and by_lru[0.5] == by_static[0.5]
+
+
+def test_auto_split_follows_the_misses_a_request_met():
+    """pcie_frac=auto after a request (placement.adapt_pcie_frac): few misses a layer fetch everything (the pool's
+    fixed cost a call outweighs its share of the bytes), many misses with a pool as fast as PCIe split them, unless
+    the host's memory, which both read, is too slow for the two together. A split asked for by number, graphs built
+    without the pool, or too short a request leave it."""
+    cfg = preset("tiny")  # 98 kB float32 experts, top-4
+    costs = dict(pcie_gbs=10.0, pcie_call_s=1e-5, pool_gbs=10.0, callback_s=5e-6, host_read_gbs=40.0)
+
+    def placement(frac=0.25, auto=True, **changes):
+        return Placement(slots=4, policy="lru", pcie_frac=frac, pool=None, host_kind="pinned_host", lines=[],
+                         costs=dict(costs, **changes), native=True, auto=auto)
+    few = ExpertStats(entries=400, distinct_fetched=20, distinct_cpu=5)  # 0.25 misses a layer
+    many = ExpertStats(entries=400, distinct_fetched=300, distinct_cpu=100)  # 4: every entry
+    assert adapt_pcie_frac(cfg, placement(), 4, few) == (1.0, 0.25)
+    assert adapt_pcie_frac(cfg, placement(), 4, many) == (0.5, 4.0)
+    # both paths read the host's memory: a split goes no faster than it lets the two together
+    split = lambda read: choose_pcie_frac(cfg, 4, 4, **dict(costs, host_read_gbs=read), overlap=True, misses=4.0)[1]
+    assert split(12.0)[0.5] > split(40.0)[0.5] == split(None)[0.5]
+    assert split(12.0)[1.0] == split(40.0)[1.0]
+    assert adapt_pcie_frac(cfg, placement(frac=0.5), 4, many) is None  # already there
+    assert adapt_pcie_frac(cfg, placement(auto=False), 4, few) is None
+    assert adapt_pcie_frac(cfg, placement(frac=1.0), 4, many) is None  # graphs without the pool
+    assert adapt_pcie_frac(cfg, placement(), 4, ExpertStats(entries=40, distinct_fetched=1)) is None
+
+
+def test_engine_applies_a_new_auto_split_as_data(engine_factory, reference, tokens, monkeypatch):
+    """When the rule moves the split, the engine sets it in every layer's slot cache without a recompile or a
+    reset, and stays exact."""
+    ref_scores, ref_greedy = reference
+    eng = offload_engine(engine_factory, 5)
+    eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
+    monkeypatch.setattr(placement_mod, "adapt_pcie_frac", lambda *a: (1.0, 0.5))
+    graphs = dict(eng._decode)
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
+    assert eng.placement.pcie_frac == 1.0
+    assert {float(np.asarray(s.pcie_frac)) for s in layer_states(eng.cache.experts)} == {1.0}
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
+    assert eng.stats.last.decode_experts.distinct_cpu == 0 and dict(eng._decode) == graphs
 
 
 def test_auto_slots_and_refusals(engine_factory, cache_dir):

@@ -33,6 +33,7 @@ class Placement:
     # The native offload calls (bridge.offload_begin / offload_collect: fetches and pool work enqueued on the
     # stream, no read-back) where the pool's FFI handler built and the layers' pinned experts are registered.
     native: bool = False
+    auto: bool = False  # pcie_frac=auto: re-chosen after each request from the misses it met (adapt_pcie_frac)
 
     @property
     def cpu_path(self) -> bool:
@@ -258,24 +259,54 @@ def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int =
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
     k = min(4, cfg.num_experts)
-    pool_ids = np.arange(k, dtype=np.int32)
     pw = rng.random((1, k)).astype(np.float32)
-    pool_gbs = k * ebytes / timed(pool.compute, layer, x, pool_ids, pw) / 1e9
-    pool.stats.reset()
+    e = cfg.num_experts
+    # Other experts each repeat (as a decode's misses are), so the timing does not read them from the CPU's caches.
+    turns = iter(range(1, 1 << 30))
+    pool_gbs = k * ebytes / timed(lambda: pool.compute(
+        layer, x, ((next(turns) * k + np.arange(k)) % e).astype(np.int32), pw)) / 1e9
 
-    # The cost of reaching the pool as the decode graphs do (FFI or io_callback), with no expert to compute.
-    none = jnp.full((k,), -1, jnp.int32)
-
+    # The cost of reaching the pool as the decode graphs do (FFI or io_callback) beyond its bytes: one expert's job
+    # (the threads woken, the job's phases) less that expert's bytes at pool_gbs, and at least an empty call's.
     @jax.jit
-    def one_call(v):
+    def pool_call(v, ids):  # ids [k]: the cpu experts (-1: none)
+        weights = jnp.where(ids >= 0, 1.0, 0.0)[None, :].astype(jnp.float32)
         if native:
             dest = tuple(jnp.zeros((1, *a.shape[1:]), a.dtype) for a in (w.gate, w.up, w.down))
-            _, _, token = offload_begin(pool, layer, v, none, jnp.zeros((1, k), jnp.float32), none,
-                                        jnp.full((k,), -1, jnp.int32), dest, cpu=True)
+            none = jnp.full((k,), -1, jnp.int32)
+            _, _, token = offload_begin(pool, layer, v, ids, weights, none, none, dest, cpu=True)
             return offload_collect(pool, layer, token, v)
-        return cpu_expert_rows(pool, layer, v, none, jnp.zeros((1, k), jnp.float32))
-    callback_s = timed(one_call, jnp.asarray(x))
-    return dict(pcie_gbs=pcie_gbs, pcie_call_s=pcie_call_s, pool_gbs=pool_gbs, callback_s=callback_s)
+        return cpu_expert_rows(pool, layer, v, ids, weights)
+
+    xv = jnp.asarray(x)
+    callback_empty = timed(pool_call, xv, jnp.full((k,), -1, jnp.int32))
+    one_ids = lambda: jnp.asarray(np.where(np.arange(k) == 0, next(turns) % e, -1).astype(np.int32))
+    one_s = timed(lambda: pool_call(xv, one_ids()))
+    callback_s = max(one_s - ebytes / (pool_gbs * 1e9), callback_empty)
+    pool.stats.reset()
+    host_read_gbs = None
+    if native:  # what the host's cores read together: the fetches and the pool share it
+        from strata_jax.host_pool.measure import read_gbps
+        host_read_gbs = read_gbps(256 << 20, pool.threads, repeats=2)
+    return dict(pcie_gbs=pcie_gbs, pcie_call_s=pcie_call_s, pool_gbs=pool_gbs, callback_s=callback_s,
+                host_read_gbs=host_read_gbs)
+
+
+def adapt_pcie_frac(cfg: ModelConfig, placement: Placement, itemsize: int, stats) -> tuple[float, float] | None:
+    """pcie_frac=auto after a request: (the share the cost model picks for the misses a layer its decode windows
+    met, those misses), or None when it stays. The start-up choice assumes near-uniform routing, which misses
+    more than real routing does (the spread 30B shape at half its experts in slots: 1.1 misses a layer, not 4).
+    Only while the graphs hold the pool (a start-up choice below 1): the split is data in them, a choice of 1 at
+    start-up built graphs without it. `stats`: the request's decode ExpertStats (T=1 windows: a window's layer
+    holds K entries)."""
+    if not placement.auto or not placement.cpu_path or not placement.costs or stats.entries < 64:
+        return None
+    misses = (stats.distinct_fetched + stats.distinct_cpu) * cfg.num_experts_per_tok / stats.entries
+    costs = {k: placement.costs[k] for k in ("pcie_gbs", "pcie_call_s", "pool_gbs", "callback_s", "host_read_gbs")
+             if k in placement.costs}
+    frac, _ = choose_pcie_frac(cfg, placement.slots, itemsize, **costs, overlap=placement.native,
+                               policy=placement.policy, misses=misses)
+    return None if frac == placement.pcie_frac else (frac, misses)
 
 
 def expected_misses(cfg: ModelConfig, slots: int) -> float:
@@ -284,23 +315,27 @@ def expected_misses(cfg: ModelConfig, slots: int) -> float:
 
 
 def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: float, pcie_call_s: float,
-                     pool_gbs: float, callback_s: float, overlap: bool = False,
-                     policy: str = "lru") -> tuple[float, dict]:
+                     pool_gbs: float, callback_s: float, overlap: bool = False, policy: str = "lru",
+                     host_read_gbs: float | None = None, misses: float | None = None) -> tuple[float, dict]:
     """The share of misses to fetch that minimises a T=1 window's miss time in the measured cost model.
 
     The graph path runs the fetch and the pool one after the other (the pool call stalls the stream):
       cost(F) = [F>0] * pcie_call + F*m*b/pcie + [F<1] * (callback + (1-F)*m*b/pool)
-    overlap (the native offload calls): the copy stream and the pool work at once, so the slower one counts:
-      cost(F) = [F>0] * pcie_call + [F<1] * callback + max(F*m*b/pcie, (1-F)*m*b/pool)
+    overlap (the native offload calls): the fetch and the pool work at once, so the slower one counts, and both
+    read the same host memory, so together they go no faster than its read bandwidth (host_read_gbs):
+      cost(F) = [F>0] * pcie_call + [F<1] * callback + max(F*m*b/pcie, (1-F)*m*b/pool, m*b/host_read)
+    m: misses a layer per window, `misses` where measured (adapt_pcie_frac), else near-uniform routing's
+    (expected_misses; lru fetching nothing keeps its slots empty: every entry a miss).
     """
     b = cfg.expert_bytes(itemsize)
     costs = {}
     for f in (0.0, 0.25, 0.5, 0.75, 1.0):
-        # lru fills its slots only with fetched experts: with nothing fetched they stay empty, every entry a miss
-        m = expected_misses(cfg, 0 if f == 0.0 and policy == "lru" else slots)
+        empty = f == 0.0 and policy == "lru"
+        m = expected_misses(cfg, 0) if empty else (misses if misses is not None else expected_misses(cfg, slots))
         fetch_s, pool_s = f * m * b / (pcie_gbs * 1e9), (1 - f) * m * b / (pool_gbs * 1e9)
         fixed = (pcie_call_s if f > 0 else 0.0) + (callback_s if f < 1 else 0.0)
-        costs[f] = fixed + (max(fetch_s, pool_s) if overlap else fetch_s + pool_s)
+        both = m * b / (host_read_gbs * 1e9) if host_read_gbs and 0 < f < 1 else 0.0
+        costs[f] = fixed + (max(fetch_s, pool_s, both) if overlap else fetch_s + pool_s)
     best = min(costs, key=lambda f: (costs[f], -f))
     return best, costs
 
@@ -340,7 +375,9 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
         lines.append(
             f"pcie_frac: {frac:g} (auto: PCIe {costs['pcie_gbs']:.1f} GB/s + {costs['pcie_call_s'] * 1e3:.2f} ms a "
             f"fetch {'call' if native_offload else 'loop'}, host pool {costs['pool_gbs']:.1f} GB/s, a pool call "
-            f"{costs['callback_s'] * 1e3:.2f} ms{', both at once' if native_offload else ''}; "
+            f"{costs['callback_s'] * 1e3:.2f} ms{', both at once' if native_offload else ''}"
+            + (f" within the host's {costs['host_read_gbs']:.1f} GB/s" if costs.get("host_read_gbs") else "")
+            + "; re-chosen after each request from its misses; "
             f"modelled ms per layer at T=1: " + ", ".join(f"{f:g}: {c * 1e3:.2f}" for f, c in by_frac.items()) + ")")
         costs["by_frac"] = by_frac
     else:
@@ -349,7 +386,7 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: H
     lines.append("offload calls: " + ("native (fetches and pool jobs enqueued on the stream; no read-back)"
                                       if native_offload else f"graph loops and lax.cond ({why_not})"))
     return Placement(slots=slots, policy=opts.cache_policy, pcie_frac=frac, pool=pool, host_kind=host.kind,
-                     lines=lines, costs=costs, native=native_offload)
+                     lines=lines, costs=costs, native=native_offload, auto=opts.pcie_frac == "auto")
 
 
 def plan_placement(cfg: ModelConfig, opts: EngineOptions, reserved_bytes: int, devices: int = 1,

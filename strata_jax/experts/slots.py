@@ -509,6 +509,17 @@ def fill_layer_slots(stack: SlotCache, layer, host_gate, host_up, host_down, exp
     return put_layer(stack, layer, fill_slots(layer_view(stack, layer), host_gate, host_up, host_down, experts))
 
 
+def with_pcie_frac(experts, frac: float):
+    """A KVCache's `experts` (either form) with the split set to `frac` in every layer's cache (it is data in the
+    graphs: nothing recompiles, the cached experts stay), each leaf on its own device."""
+    def one(s):
+        return s.replace(pcie_frac=jax.device_put(jnp.full(s.pcie_frac.shape, frac, s.pcie_frac.dtype),
+                                                  s.pcie_frac.sharding))
+    if isinstance(experts, SlotCache):
+        return one(experts)
+    return [None if s is None else one(s) for s in experts]
+
+
 def fill_every_layer(experts, layers, ids: jax.Array):
     """A KVCache's `experts` (either form, as layer_states) with each sparse layer's slots loaded with `ids` [S]
     from its host experts (`layers`: the Weights' layers, a list or stacked with per-layer host tuples)."""
