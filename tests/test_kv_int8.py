@@ -88,7 +88,7 @@ def test_logits_close_to_the_unquantized_cache(engine_factory, prompt):
 
 def test_placement_independence_with_int8_kv(engine_factory, prompt):
     """All resident (scanned, stacked QuantKV) against offloaded (unrolled, per-layer QuantKV; slots, PCIe fetches
-    and the host pool): the same logits, windows of 1 and 2; then the same greedy tokens, the second request reusing
+    and the host pool; and the default scanned offload graph over the stacked QuantKV): the same logits, windows of 1 and 2; then the same greedy tokens, the second request reusing
     the first one's int8 rows and scales (prefix reuse).
 
     Bound: on the CPU, slots and PCIe only (pcie_frac=1) give the resident logits bit for bit (measured 0.0),
@@ -98,12 +98,18 @@ def test_placement_independence_with_int8_kv(engine_factory, prompt):
     off the CPU the bound is 1e-4 (a wrong scale or row moves the logits by O(1))."""
     bound = 1e-5 if jax.default_backend() == "cpu" else 1e-4
     resident = engine_factory("reference", expert_cache_slots="all", kv_dtype="int8", **COMMON)
-    offloaded = engine_factory("reference", expert_cache_slots=16, pcie_frac=1.0, kv_dtype="int8", **COMMON)
+    offloaded = engine_factory("reference", expert_cache_slots=16, pcie_frac=1.0, kv_dtype="int8",
+                               layer_loop="unrolled", **COMMON)
     assert offloaded.placement is not None and isinstance(offloaded.cache.k[0], model.QuantKV)
+    # the default offload graph: decode windows scanned over the stacked QuantKV and slot caches
+    scanned = engine_factory("reference", expert_cache_slots=16, pcie_frac=1.0, kv_dtype="int8", **COMMON)
+    assert scanned.scanned_offload and isinstance(scanned.cache.k, model.QuantKV)
     for w in (1, 2):
         offloaded.reconfigure(pcie_frac=1.0)
-        err = rel_fro(offloaded.score(prompt, window=w), resident.score(prompt, window=w))
+        want = resident.score(prompt, window=w)
+        err = rel_fro(offloaded.score(prompt, window=w), want)
         assert err <= bound, (w, err)
+        assert rel_fro(scanned.score(prompt, window=w), want) <= bound, w
     first = resident.generate(prompt[:30], 8, stop_token_ids=[])
     assert offloaded.generate(prompt[:30], 8, stop_token_ids=[]) == first
     d = offloaded.stats.last.decode_experts
