@@ -165,8 +165,9 @@ class Engine:
                 + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel, options.dense_kernel,
                                            options.delta_kernel)
                    else "")
-                + f"; layers {'scanned (one body over stacked weights)' if self.scanned else 'unrolled'}"
-                + (" (decode windows; prefill chunks unroll)" if self.scanned_offload else ""))
+                + "; layers " + ("scanned (decode windows: one body over the stacked slot caches; prefill chunks "
+                                 "unrolled)" if self.scanned_offload else
+                                 "scanned (one body over stacked weights)" if self.scanned else "unrolled"))
             log(self.kv_cache_line())
         self._compile()
 
