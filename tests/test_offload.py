@@ -277,12 +277,13 @@ def test_engine_applies_a_new_auto_split_as_data(engine_factory, reference, toke
     eng = offload_engine(engine_factory, 5)
     eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
     monkeypatch.setattr(placement_mod, "adapt_pcie_frac", lambda *a: (1.0, 0.5))
-    graphs = dict(eng._decode)
     assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
-    assert eng.placement.pcie_frac == 1.0
+    graphs = dict(eng._decode)  # the graphs the request used (tests may compile them on first use)
+    assert graphs and eng.placement.pcie_frac == 1.0
     assert {float(np.asarray(s.pcie_frac)) for s in layer_states(eng.cache.experts)} == {1.0}
     assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
-    assert eng.stats.last.decode_experts.distinct_cpu == 0 and dict(eng._decode) == graphs
+    assert eng.stats.last.decode_experts.distinct_cpu == 0
+    assert all(eng._decode[t] is g for t, g in graphs.items())  # the same compiled graphs: nothing recompiled
 
 
 def test_auto_slots_and_refusals(engine_factory, cache_dir):
