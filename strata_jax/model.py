@@ -476,6 +476,18 @@ def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: ja
     return head_logits(weights, h, cfg), cache
 
 
+def _stacked_attention(h, layer: LayerWeights, stack: LayerWeights, k_all, v_all, i, pos, cfg: ModelConfig,
+                       attention_kernel: bool, dense_kernel: bool):
+    """The attention half of a stacked layer body (scan_layers, offload_layers): layer i's attention over the
+    stacked cache added to h, then the FFN's input. Returns (h, x, k_all, v_all)."""
+    with jax.named_scope("attention"):
+        a, k_all, v_all = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn, k_all, v_all, pos,
+                                    cfg, kernel=attention_kernel, layer=i,
+                                    w_stack=stack.attn if dense_kernel else None)
+    h = h + a
+    return h, rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps), k_all, v_all
+
+
 def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.Array, n_valid: jax.Array,
                    cfg: ModelConfig, experts, attention_kernel: bool = False,
                    dense_kernel: bool = False) -> tuple[jax.Array, KVCache]:
@@ -496,12 +508,8 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
     def body(carry, i, host=None):
         h, k_all, v_all, state = carry
         layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), dense_part)
-        with jax.named_scope("attention"):
-            a, k_all, v_all = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn, k_all, v_all,
-                                        pos, cfg, kernel=attention_kernel, layer=jnp.asarray(i, jnp.int32),
-                                        w_stack=stack.attn if dense_kernel else None)
-        h = h + a
-        x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
+        h, x, k_all, v_all = _stacked_attention(h, layer, stack, k_all, v_all, jnp.asarray(i, jnp.int32), pos, cfg,
+                                                attention_kernel, dense_kernel)
         w = layer.ffn if host is None else layer.ffn.replace(gate=host[0], up=host[1], down=host[2])
         out = experts(i, x, w, valid, experts.layer_state(state, i))
         assert out.pending is None, "the deferral runs in the unrolled graph (engine.scans_offload)"
@@ -543,12 +551,8 @@ def scan_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.Arra
         h, k_all, v_all = carry
         layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), dense_part)
         with jax.named_scope("layer"):
-            with jax.named_scope("attention"):
-                a, k_all, v_all = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn, k_all, v_all,
-                                            pos, cfg, kernel=attention_kernel, layer=i,
-                                            w_stack=stack.attn if dense_kernel else None)
-            h = h + a
-            x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
+            h, x, k_all, v_all = _stacked_attention(h, layer, stack, k_all, v_all, i, pos, cfg, attention_kernel,
+                                                    dense_kernel)
             if not sparse:
                 with jax.named_scope("mlp"):
                     h = h + dense_mlp(x, layer.ffn)
