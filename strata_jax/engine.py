@@ -139,7 +139,7 @@ class Engine:
         self._check_attention_kernel()
         self.delta_kernel = resolve_delta_kernel(options, cfg)
         # One kind of layer: the layers run as one scanned body over stacked weights, with every expert resident, or
-        # with offload where the native offload calls take the decode windows (scans_offload).
+        # with offload where the native offload calls take every window (scans_offload).
         self.scanned_offload = placement is not None and scans_offload(cfg, options, placement, self.defer,
                                                                       self.expert_kernel)
         self.scanned = (placement is None and scans(cfg, options)) or self.scanned_offload
@@ -165,8 +165,8 @@ class Engine:
                 + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel, options.dense_kernel,
                                            options.delta_kernel)
                    else "")
-                + "; layers " + ("scanned (decode windows: one body over the stacked slot caches; prefill chunks "
-                                 "unrolled)" if self.scanned_offload else
+                + "; layers " + ("scanned (one body over the stacked slot caches; prefill chunks in "
+                                 "blocks of 32 experts)" if self.scanned_offload else
                                  "scanned (one body over stacked weights)" if self.scanned else "unrolled"))
             log(self.kv_cache_line())
         self._compile()

@@ -495,10 +495,10 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
     (stack_layers(keep_experts=True)), cache.experts every layer's slot cache in one (experts/slots.py
     init_stacked_slot_cache), `experts` the offloaded expert path (it gives layer l's view of that cache).
 
-    A window the native offload calls take whole (experts.native_fits: a decode window) runs one layer body in a
-    `lax.scan`, the layer index traced: the calls name the layer in their plan and address the stacked slot arrays
-    by absolute rows, so nothing in the body depends on the layer statically. A prefill chunk's misses go through
-    the graph's own copy loops, which read layer l's host arrays: the same body unrolls, l a Python int."""
+    With the native offload calls (experts.runs_native: decode windows, and prefill chunks in blocks of experts) one
+    layer body runs in a `lax.scan`, the layer index traced: the calls name the layer in their plan and address the
+    stacked slot arrays by absolute rows, so nothing in the body depends on the layer statically. Without them (the
+    graph path's copy loops read layer l's host arrays) the same body unrolls, l a Python int."""
     t = h.shape[0]
     valid = jnp.arange(t) < n_valid  # [T]
     f = stack.ffn
@@ -516,8 +516,7 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
         return (h + out.y, k_all, v_all, experts.put_state(state, i, out.state)), None
 
     carry = (h, cache.k, cache.v, cache.experts)
-    n_distinct = min(cfg.num_experts, t * cfg.num_experts_per_tok)
-    if experts.native_fits(n_distinct):
+    if experts.runs_native():
         with jax.named_scope("layer"):
             carry, _ = jax.lax.scan(body, carry, jnp.arange(len(hosts), dtype=jnp.int32))
     else:

@@ -99,11 +99,11 @@ def test_offloaded_decode_windows_run_one_scanned_body(engine_factory, reference
         assert d.distinct_fetched > 0 and d.distinct_cpu > 0  # both halves of the split ran
 
 
-def test_scanned_offload_unrolls_prefill_chunks_over_the_stacked_cache(engine_factory):
-    """The reference model (64 experts top-8): a prefill chunk's 64 distinct experts are more than the native calls'
-    32, so its layers unroll over the same stacked slot cache and KV cache (the graph's fetch loops, the pool by
-    its FFI call) while the decode windows scan. Prompt logits and greedy tokens are all resident's under lru and
-    static (which fills the stacked cache from the prefill's usage)."""
+def test_scanned_offload_runs_prefill_chunks_in_blocks_of_experts(engine_factory):
+    """The reference model (64 experts top-8): a prefill chunk's 64 distinct experts are more than one pair of native
+    calls takes (32), so the scanned body runs them in two blocks, a begin and a collect each, over the same stacked
+    slot cache: the prefill graph holds two begin calls (not two a layer). Prompt logits and greedy tokens are all
+    resident's under lru and static (which fills the stacked cache from the prefill's usage)."""
     rng = np.random.default_rng(20261204)
     prompt = rng.integers(0, 256, size=80).tolist()
     kw = dict(dtype="float32", window=4, context=256, prefill_chunk=64)
@@ -111,6 +111,8 @@ def test_scanned_offload_unrolls_prefill_chunks_over_the_stacked_cache(engine_fa
     want_logits, want_tokens = ref.prefill_logits(prompt), ref.generate(prompt[:70], 8, stop_token_ids=[])
     eng = engine_factory("reference", expert_cache_slots=12, pcie_frac=0.5, cpu_threads=2, **kw)
     assert eng.scanned_offload
+    begins = eng._prefill[64].as_text().count('custom_call_target="strata_offload_begin')
+    assert begins == 2, begins
     for policy in ("lru", "static"):
         eng.reconfigure(pcie_frac=0.5, cache_policy=policy)
         assert rel_fro(eng.prefill_logits(prompt), want_logits) <= REL_TOL, policy

@@ -210,9 +210,9 @@ class NativeOffload(NamedTuple):
     """The native offload calls of a window (host_pool/native_ffi.cc): one FFI call per layer copies the window's
     fetched experts into their victim slots (or, without one: static policy, no victim left, into the window's
     staging rows) and hands its cpu experts to the pool; a second collects the pool's rows after the GPU has run its
-    own. Nothing depends on a count the host would read back. Windows of at most `max_experts` distinct experts
-    (decode windows; the staging rows are a temporary of that many experts); larger ones (prefill chunks) take the
-    blocks and loops of the graph path."""
+    own. Nothing depends on a count the host would read back. One pair of calls takes at most `max_experts`
+    distinct experts (the staging rows are a temporary of that many experts): a larger window (a prefill chunk) runs
+    in blocks of that many, a pair each (OffloadedExperts.native_window)."""
     pool: object  # strata_jax.host_pool.HostPool, with its layers' pinned experts registered
     max_experts: int = 32
 
@@ -253,10 +253,11 @@ class OffloadedExperts:
     def put_state(self, stack: SlotCache, layer, view: SlotCache) -> SlotCache:
         return put_layer(stack, layer, view)
 
-    def native_fits(self, n: int) -> bool:
-        """Whether a window of n distinct experts runs through the native offload calls (the only path of the
-        scanned graph, whose layer index is traced): decode windows, without the deferral."""
-        return self.native is not None and not self.defer.active and n <= self.native.max_experts
+    def runs_native(self) -> bool:
+        """Whether the windows run through the native offload calls (the only path of the scanned graph, whose
+        layer index is traced): every window, decode and prefill, without the deferral; one of more than
+        max_experts distinct experts (a prefill chunk) in blocks of that many (native_window)."""
+        return self.native is not None and not self.defer.active
 
     def join(self, h: jax.Array, pending: defer.Pending) -> jax.Array:
         """Add a deferred layer's rows still owed to the residual h (model.forward: pre(l+1), or post(l) in check
@@ -304,7 +305,7 @@ class OffloadedExperts:
             r, extra, state = self.route(x, w, valid, state)
         with jax.named_scope("moe_plan"):
             p = self.plan_window(r, state)
-        if self.native_fits(r.expert_ids.shape[0]):
+        if self.runs_native():
             return self.native_window(layer, x, w, r, p, state, extra)
         assert isinstance(layer, int), "a traced layer (the scanned graph) takes the native offload calls only"
         pending = None
@@ -325,43 +326,65 @@ class OffloadedExperts:
                       state: SlotCache, extra: dict) -> moe.ExpertsOut:
         """The window through the native offload calls (NativeOffload): begin (each fetched expert copied into its
         victim slot or its staging row, the pool starts on the cpu experts), the resident and fetched experts read
-        where they are, collect."""
-        ids, n, s = r.expert_ids, r.expert_ids.shape[0], state.slots
-        cpu = p.kind == CPU
-        staged = p.fetch & ~p.insert  # [N] fetched with no victim slot: into staging row n
-        with jax.named_scope("moe_offload_begin"):
-            slots, stage, token = offload_begin(
-                self.native.pool, layer, x, jnp.where(cpu, ids, -1), r.combine * cpu[None, :],
-                jnp.where(p.fetch, ids, -1), jnp.where(p.insert, p.dest + state.base, -1),
-                (state.gate, state.up, state.down), cpu=self.pool is not None)
-        slot_ids = jnp.where(p.kind == RESIDENT, p.slot, jnp.where(p.insert, p.dest, -1)).astype(jnp.int32)  # [N]
-        slot_ids = jnp.where(slot_ids >= 0, slot_ids + state.base, -1)  # rows of the (maybe stacked) slot arrays
-        stage_ids = jnp.where(staged, jnp.arange(n, dtype=jnp.int32), -1)  # [N]
-        scales = tuple(sc[jnp.maximum(ids, 0)] for sc in w.scales)  # int8/int4: [N, ...] each, by window position
-        with jax.named_scope("moe_experts"):
-            if self.kernel:
-                slot_scales = ()
-                if w.scales:  # int8: the kernel reads scales by slot; the slots' experts after the fetch (a layer's
-                    # own cache only: base 0; the engine keeps quantized experts with the kernel out of the scan)
-                    expert_of = state.expert_of.at[jnp.where(p.insert, p.dest, s + 1)].set(ids, mode="drop")
-                    slot_scales = tuple(sc[jnp.maximum(expert_of, 0)] for sc in w.scales)  # [S+1, O]
-                interpret = jax.default_backend() != "gpu"
-                y = expert_ffn_kernel(x, *slots, slot_ids, r.combine, *slot_scales, interpret=interpret)
-                y = y + expert_ffn_kernel(x, *stage, stage_ids, r.combine, *scales, interpret=interpret)
-            else:  # every gpu expert of the window gathered at once (slot or staging row), the rest weighted 0
-                rows = jnp.where(slot_ids >= 0, slot_ids, state.base + s)
-                block = tuple(jnp.where(staged.reshape(-1, *([1] * (a.ndim - 1))), b, a[rows])
-                              for a, b in zip(slots, stage))
-                gpu = (slot_ids >= 0) | staged
-                y = moe.expert_ffn(x, *block, r.combine * gpu[None, :], *scales)
-        if self.pool is not None:
-            with jax.named_scope("moe_offload_collect"):
-                y = y + offload_collect(self.native.pool, layer, token, y)
+        where they are, collect. A window of more distinct experts than one call takes (a prefill chunk) runs its
+        expert list in blocks of `max_experts`, one begin and collect each, in order: the staging is one call's,
+        and the plan (kinds, victim slots) is the window's, so no block's fetch overwrites a slot another reads."""
+        n, b = r.expert_ids.shape[0], self.native.max_experts
+        slots = (state.gate, state.up, state.down)
+        y = None
+        for start in range(0, n, b):
+            sel = slice(start, min(start + b, n))
+            if y is not None:  # this block's begin after the last one's collect (one staging, one pool job)
+                x_now, y = jax.lax.optimization_barrier((x, y))
+            else:
+                x_now = x
+            y_block, slots = self.native_block(layer, x_now, w, r, p, state, slots, sel)
+            y = y_block if y is None else y + y_block
         with jax.named_scope("moe_combine"):
             y = y.astype(x.dtype)
         with jax.named_scope("moe_slot_table"):
             state = update_slots(state, r, p, slots, extra)
         return moe.ExpertsOut(y, state, None)
+
+    def native_block(self, layer, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan, state: SlotCache,
+                     slots: tuple, sel: slice) -> tuple[jax.Array, tuple]:
+        """The rows [T, H] float32 of the window's experts at positions `sel` (at most max_experts), and the slot
+        arrays after their fetches."""
+        ids, kind, combine = r.expert_ids[sel], p.kind[sel], r.combine[:, sel]
+        fetch, insert, dest, slot = p.fetch[sel], p.insert[sel], p.dest[sel], p.slot[sel]
+        n, s = ids.shape[0], state.slots
+        cpu = kind == CPU
+        staged = fetch & ~insert  # [n] fetched with no victim slot: into staging row j
+        with jax.named_scope("moe_offload_begin"):
+            slots, stage, token = offload_begin(
+                self.native.pool, layer, x, jnp.where(cpu, ids, -1), combine * cpu[None, :],
+                jnp.where(fetch, ids, -1), jnp.where(insert, dest + state.base, -1), slots,
+                cpu=self.pool is not None)
+        slot_ids = jnp.where(kind == RESIDENT, slot, jnp.where(insert, dest, -1)).astype(jnp.int32)  # [n]
+        slot_ids = jnp.where(slot_ids >= 0, slot_ids + state.base, -1)  # rows of the (maybe stacked) slot arrays
+        stage_ids = jnp.where(staged, jnp.arange(n, dtype=jnp.int32), -1)  # [n]
+        scales = tuple(sc[jnp.maximum(ids, 0)] for sc in w.scales)  # int8/int4: [n, ...] each, by block position
+        with jax.named_scope("moe_experts"):
+            if self.kernel:
+                slot_scales = ()
+                if w.scales:  # int8: the kernel reads scales by slot; the slots' experts after the fetch (a layer's
+                    # own cache only: base 0; the engine keeps quantized experts with the kernel out of the scan)
+                    expert_of = state.expert_of.at[jnp.where(p.insert, p.dest, s + 1)].set(r.expert_ids,
+                                                                                             mode="drop")
+                    slot_scales = tuple(sc[jnp.maximum(expert_of, 0)] for sc in w.scales)  # [S+1, O]
+                interpret = jax.default_backend() != "gpu"
+                y = expert_ffn_kernel(x, *slots, slot_ids, combine, *slot_scales, interpret=interpret)
+                y = y + expert_ffn_kernel(x, *stage, stage_ids, combine, *scales, interpret=interpret)
+            else:  # every gpu expert of the block gathered at once (slot or staging row), the rest weighted 0
+                rows = jnp.where(slot_ids >= 0, slot_ids, state.base + s)
+                block = tuple(jnp.where(staged.reshape(-1, *([1] * (a.ndim - 1))), st, a[rows])
+                              for a, st in zip(slots, stage))
+                gpu = (slot_ids >= 0) | staged
+                y = moe.expert_ffn(x, *block, combine * gpu[None, :], *scales)
+        if self.pool is not None:
+            with jax.named_scope("moe_offload_collect"):
+                y = y + offload_collect(self.native.pool, layer, token, y)
+        return y, slots
 
     def plan_window(self, r: moe.Route, state: SlotCache) -> WindowPlan:
         """plan(), then where each fetched expert goes: a victim slot (lru) or the trash row."""
