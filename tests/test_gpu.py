@@ -48,6 +48,26 @@ def test_offload_is_exact_on_gpu(engine_factory, tokens, frac, pool_calls):
         assert eng.placement.pool.fetch_mode() == "kernel"
 
 
+def test_prefill_chunks_in_blocks_of_experts_are_exact_on_gpu(engine_factory):
+    """The reference model (64 experts top-8): a prefill chunk's 64 distinct experts run in two blocks of native
+    calls (a begin and a collect each, the fetch kernel on the stream) in the scanned body; the prompt's logits and
+    the greedy tokens are all resident's under lru and static, with both halves of the split."""
+    rng = np.random.default_rng(20261205)
+    prompt = rng.integers(0, 256, size=80).tolist()
+    kw = dict(dtype="float32", window=4, context=256, prefill_chunk=64)
+    ref = engine_factory("reference", expert_cache_slots="all", **kw)
+    want_logits, want_tokens = ref.prefill_logits(prompt), ref.generate(prompt[:70], 8, stop_token_ids=[])
+    eng = engine_factory("reference", expert_cache_slots=12, pcie_frac=0.5, **kw)
+    assert eng.scanned_offload
+    for policy in ("lru", "static"):
+        eng.reconfigure(pcie_frac=0.5, cache_policy=policy)
+        assert rel_fro(eng.prefill_logits(prompt), want_logits) <= 1e-5, policy
+        assert eng.generate(prompt[:70], 8, stop_token_ids=[]) == want_tokens, policy
+        p = eng.stats.last.prefill_experts
+        assert p.distinct_fetched > 0 and p.distinct_cpu > 0, policy
+    assert eng.placement.pool.fetch_mode() == "kernel"
+
+
 def test_offload_fetch_by_the_worker_is_exact_on_gpu(engine_factory, tokens, monkeypatch):
     """STRATA_OFFLOAD_FETCH=worker: the native calls' fetches by the worker's copies (the way before the device
     kernel) give the same logits."""
