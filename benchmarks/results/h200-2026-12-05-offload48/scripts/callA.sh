@@ -8,7 +8,7 @@ setsid nohup nice -n 19 bash benchmarks/peer/build_llama.sh "$PWD/.peer/llama.ta
 setsid nohup nice -n 19 bash -c "while [ ! -d $LLAMA/gguf-py ]; do sleep 2; done; python3 benchmarks/peer/write_gguf.py \
   --out=/tmp/gguf.part --model=qwen3-30b-a3b --layers=12 --gguf_py=$LLAMA/gguf-py > /tmp/gguf.log 2>&1 \
   && mv /tmp/gguf.part /tmp/qwen3-30b-a3b-12.gguf; echo rc=\$? > /tmp/gguf.done" > /dev/null 2>&1 < /dev/null &
-timeout 230 python3 -m pytest -q -p no:cacheprovider -k "offload or pallas_expert or pinned" tests/test_gpu.py \
+timeout 230 python3 -m pytest -q -p no:cacheprovider -k "offload or pallas_expert or pinned or blocks" tests/test_gpu.py \
   > $R/tests.log 2>&1; echo "tests rc=$? at $((SECONDS - T0)) s"; tail -4 $R/tests.log
 while { [ ! -f $LLAMA.done ] || [ ! -f /tmp/gguf.done ]; } && [ $((SECONDS - T0)) -lt 330 ]; do sleep 3; done
 echo "build: $(cat $LLAMA.done 2>/dev/null || echo not done: $(tail -1 $LLAMA.log | cut -c1-80)); gguf: $(cat /tmp/gguf.done 2>/dev/null) at $((SECONDS - T0)) s"
