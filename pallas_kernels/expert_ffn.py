@@ -16,7 +16,7 @@ Two Triton kernels (the down projection needs every I row of h, which a gate/up 
 Padding slots (-1) are skipped in both kernels: they read nothing and contribute nothing.
 
 int8 experts (issue 16: `strata_jax/quant.py`'s "int8", symmetric per output channel): gate/up/down hold int8
-q and gate_scale/up_scale [S, I], down_scale [S, H] their rows' scales. The kernels read q (a quarter of the
+q and gate_scale/up_scale [R, I], down_scale [R, H] their rows' scales. The kernels read q (a quarter of the
 float32 bytes, half of bf16's), widen each tile to bf16 in registers (exact: |q| <= 127), accumulate the dot in
 f32 and scale the result per output row before the bf16 rounding: g = bf16(scale_g * (x . q_g)), and so on. The
 reference states that order; the XLA path and the host pool follow it, so int8 experts too give the same rows
@@ -24,12 +24,20 @@ wherever they run.
 
 int4 experts ("int4" / "int4-g32": symmetric, one bf16 scale per g = 64 or 32 inputs, packed as GGUF's Q4_0: in
 each group byte j holds input j in its low nibble and input j + g/2 in its high one, q + 8): gate/up [S, I, H/2] and
-down [S, H, I/2] uint8 with group-major scales [S, H/g, I] and [S, I/g, H] (a group's scales for a block of rows are
+down [S, H, I/2] uint8 with group-major scales [R, H/g, I] and [R, I/g, H] (a group's scales for a block of rows are
 one contiguous load). The loops step one group at a time: the low nibbles
 widened to bf16 (q in -8..7, exact) are dotted with the group's first g/2 inputs, the high ones with its last g/2,
 and the group's f32
 partial sum is scaled by its scale before it joins the accumulator: sum_g s_g (x_g . q_g), the float32 dot with
 the exactly dequantized weights up to summation order (the reference's arithmetic).
+
+Where the scales are: program n (the window's expert n) reads its weights at row slot_ids[n] and its scales at row
+scale_ids[n] of the scale arrays ([R, ...], read in place like the weights). scale_ids defaults to slot_ids: the
+scales stored row for row beside the weights (the resident experts, [E, ...] or stacked [L*E, ...], R = S). The
+offloaded path's slots keep only q (the scales stay on the device by expert id), and the scanned offload graph's
+slot arrays are every layer's stacked [L*(S+1), ...] while a layer's scales are [E, ...]: it passes the scales of
+the window's experts gathered by window position ([N, ...], `sc[expert_ids]`) with scale_ids = arange(N), which
+serves resident, fetched and staged experts alike at any slot base. Padding slots (-1) read no scale either.
 
 Triton constraints: every block is a power of 2 and tl.dot needs dims >= 16, so T is padded to Tp = 16 (a power of
 2 >= T beyond that) and H and I must be multiples of 16 (each block is the largest power of 2 <= the requested size
@@ -63,8 +71,9 @@ def _int4_group(x_at, w_ref, slot, rows, k, group: int):
 
 def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None, group: int):
     """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8, or [S, I, H/2] int4 (whole arrays, indexed
-    by slot); quantized ("int8" / "int4"): then gate/up scales [S, I] / [S, H/g, I]; h block [Tp, BI]."""
-    gs_ref, us_ref, h_ref = refs if quantized else (None, None, refs[0])
+    by slot); quantized ("int8" / "int4"): then scale ids [Np] and gate/up scales [R, I] / [R, H/g, I] (indexed by
+    scale id); h block [Tp, BI]."""
+    sids_ref, gs_ref, us_ref, h_ref = refs if quantized else (None, None, None, refs[0])
     n, j = pl.program_id(0), pl.program_id(1)
     tp, bi = h_ref.shape
     hidden = x_ref.shape[1]
@@ -73,13 +82,17 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
 
     @pl.when(slot >= 0)  # padding: h is never read (the down kernel skips it too)
     def _():
+        srow = sids_ref[n] if quantized else None  # the expert's row of the scale arrays
+
         def body_int4(k, carry):  # block_k / 64 groups per step, each scaled as it is added
             g, u = carry
             for j in range(block_k // group):
                 grp = k * (block_k // group) + j
                 x_at = lambda c: x_ref[:, c]
-                g += _int4_group(x_at, gate_ref, slot, rows, grp, group) * gs_ref[slot, grp, rows].astype(jnp.float32)[None, :]
-                u += _int4_group(x_at, up_ref, slot, rows, grp, group) * us_ref[slot, grp, rows].astype(jnp.float32)[None, :]
+                g_scale = gs_ref[srow, grp, rows].astype(jnp.float32)[None, :]  # [1, BI]
+                u_scale = us_ref[srow, grp, rows].astype(jnp.float32)[None, :]
+                g += _int4_group(x_at, gate_ref, slot, rows, grp, group) * g_scale
+                u += _int4_group(x_at, up_ref, slot, rows, grp, group) * u_scale
             return g, u
 
         def body(k, carry):
@@ -96,8 +109,8 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
         zero = jnp.zeros((tp, bi), jnp.float32)
         g, u = jax.lax.fori_loop(0, hidden // block_k, body_int4 if quantized == "int4" else body, (zero, zero))
         if quantized == "int8":  # each output row's scale, before the rounding below
-            g = g * gs_ref[slot, rows].astype(jnp.float32)[None, :]
-            u = u * us_ref[slot, rows].astype(jnp.float32)[None, :]
+            g = g * gs_ref[srow, rows].astype(jnp.float32)[None, :]
+            u = u * us_ref[srow, rows].astype(jnp.float32)[None, :]
         # The XLA path's einsums return bf16 g and u; round them the same way before the SwiGLU.
         g = g.astype(jnp.bfloat16).astype(jnp.float32)
         u = u.astype(jnp.bfloat16).astype(jnp.float32)
@@ -106,8 +119,8 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
 
 def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: str | None, group: int):
     """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 or int8, or [S, H, I/2] int4 (whole); quantized: then
-    down scales [S, H] (int8) or [S, I/g, H] (int4); comb [Np, Tp] f32; out block [Tp, BH] f32."""
-    ds_ref, comb_ref, out_ref = refs if quantized else (None, *refs)
+    scale ids [Np] and down scales [R, H] (int8) or [R, I/g, H] (int4); comb [Np, Tp] f32; out block [Tp, BH] f32."""
+    sids_ref, ds_ref, comb_ref, out_ref = refs if quantized else (None, None, *refs)
     b, s = pl.program_id(0), pl.program_id(1)
     tp, bh = out_ref.shape
     inter = h_ref.shape[2]
@@ -118,11 +131,13 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
         slot = ids_ref[n]
 
         def contribute(acc):
+            srow = sids_ref[n] if quantized else None  # the expert's row of the scale arrays
+
             def body_int4(k, y):
                 for j in range(block_i // group):
                     grp = k * (block_i // group) + j
                     part = _int4_group(lambda c: h_ref[n, :, c], down_ref, slot, cols, grp, group)
-                    y += part * ds_ref[slot, grp, cols].astype(jnp.float32)[None, :]
+                    y += part * ds_ref[srow, grp, cols].astype(jnp.float32)[None, :]
                 return y
 
             def body(k, y):
@@ -136,7 +151,7 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
             y = jax.lax.fori_loop(0, inter // block_i, body_int4 if quantized == "int4" else body,
                                   jnp.zeros((tp, bh), jnp.float32))
             if quantized == "int8":
-                y = y * ds_ref[slot, cols].astype(jnp.float32)[None, :]
+                y = y * ds_ref[srow, cols].astype(jnp.float32)[None, :]
             y = y.astype(jnp.bfloat16).astype(jnp.float32)  # each expert's output rounded to bf16, as the XLA path
             return acc + comb_ref[n, :][:, None] * y  # [Tp, 1] * [Tp, BH]
 
@@ -158,14 +173,17 @@ def _padded_tokens(t: int) -> int:
                                              "n_split", "num_warps", "num_stages"))
 def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,
                combine: jax.Array, gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
-               down_scale: jax.Array | None = None, *, interpret: bool = False, block_i: int = 32,
-               block_k: int = 256, block_h: int = 32, block_i_down: int = 256, n_split: int = 4, num_warps: int = 4,
-               num_stages: int = 3) -> jax.Array:
+               down_scale: jax.Array | None = None, scale_ids: jax.Array | None = None, *, interpret: bool = False,
+               block_i: int = 32, block_k: int = 256, block_h: int = 32, block_i_down: int = 256, n_split: int = 4,
+               num_warps: int = 4, num_stages: int = 3) -> jax.Array:
     """x [T, H] bf16; gate, up [S, I, H]; down [S, H, I]; slot_ids [N] int32 (-1 = padding); combine [T, N] f32.
     Returns [T, H] float32. Slot ids must be < S (a device value: not checked). T <= 16 costs the same as T = 16.
-    int8 experts: gate/up/down int8 with gate_scale, up_scale [S, I] and down_scale [S, H] (float32 or bf16).
-    int4 experts: gate/up [S, I, H/2], down [S, H, I/2] uint8 with group-major gate_scale, up_scale [S, H/g, I] and
-    down_scale [S, I/g, H], g = 128, 64 or 32 inputs per scale.
+    int8 experts: gate/up/down int8 with gate_scale, up_scale [R, I] and down_scale [R, H] (float32 or bf16).
+    int4 experts: gate/up [S, I, H/2], down [S, H, I/2] uint8 with group-major gate_scale, up_scale [R, H/g, I] and
+    down_scale [R, I/g, H], g = 128, 64 or 32 inputs per scale.
+    scale_ids [N] int32: expert n's row of the scale arrays (< R, not checked), read where slot_ids[n] >= 0; None:
+    slot_ids (the scales row for row beside the weights, R = S). Scales gathered for the window ([N, ...]) take
+    scale_ids = arange(N).
 
     Tuning (static): block_i rows of I per gate/up program, block_k the H chunk of its loop; block_h output columns
     per down program, block_i_down its I chunk, n_split the programs sharing the experts of one column block;
@@ -185,6 +203,9 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     scales = (gate_scale, up_scale, down_scale)
     if bool(quantized) != all(sc is not None for sc in scales) or (not quantized and any(sc is not None for sc in scales)):
         raise ValueError("expert_ffn: int8 and int4 experts take gate_scale, up_scale and down_scale (bf16 ones none)")
+    if scale_ids is not None and (not quantized or scale_ids.shape != slot_ids.shape):
+        raise ValueError(f"expert_ffn: scale_ids {scale_ids.shape} go with quantized experts, one per slot id "
+                         f"{slot_ids.shape}")
     group = 0
     if quantized == "int4":  # the group: inputs per scale, from the scales' shape
         group = hidden // gate_scale.shape[1] if gate_scale.ndim == 3 and gate_scale.shape[1] else 0
@@ -192,8 +213,9 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
             raise ValueError(f"expert_ffn: int4 experts need groups of {' or '.join(map(str, GROUPS))} inputs "
                              f"dividing H and I (got H {hidden}, I {inter}, gate_scale {gate_scale.shape})")
     if quantized:
-        want = (((s, inter),) * 2 + ((s, hidden),) if quantized == "int8" else
-                ((s, hidden // group, inter),) * 2 + ((s, inter // group, hidden),))
+        r = gate_scale.shape[0] if scale_ids is not None else s  # scale rows: the weights' own unless scale_ids
+        want = (((r, inter),) * 2 + ((r, hidden),) if quantized == "int8" else
+                ((r, hidden // group, inter),) * 2 + ((r, inter // group, hidden),))
         if tuple(sc.shape for sc in scales) != want:
             raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not "
                              f"match gate/up {want[0]}, down {want[2]}")
@@ -210,13 +232,16 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
     ids = jnp.pad(slot_ids.astype(jnp.int32), (0, np_ - n), constant_values=-1)  # [Np]
+    sids = ()  # quantized: [Np] scale rows (padding's never read)
+    if quantized:
+        sids = (jnp.pad((slot_ids if scale_ids is None else scale_ids).astype(jnp.int32), (0, np_ - n)),)
     xp = jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, H]
     # Padding experts and padding tokens weigh 0; transposed so an expert's weights are one contiguous row.
     comb = jnp.where(slot_ids[None, :] >= 0, combine.astype(jnp.float32), 0.0)
     comb = jnp.pad(comb, ((0, tp - t), (0, np_ - n))).T  # [Np, Tp]
 
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # the full array, indexed in-kernel
-    gu_scales = (gate_scale, up_scale) if quantized else ()
+    gu_scales = (*sids, gate_scale, up_scale) if quantized else ()
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized, group=group),
         grid=(np_, inter // bi),
@@ -227,7 +252,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
         compiler_params=params, interpret=interpret, name="expert_ffn_gate_up" + (f"_{quantized}" if quantized else ""),
     )(ids, xp, gate, up, *gu_scales)
 
-    d_scales = (down_scale,) if quantized else ()
+    d_scales = (*sids, down_scale) if quantized else ()
     partials = pl.pallas_call(
         functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized, group=group),
         grid=(hidden // bh, splits),
@@ -242,10 +267,11 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
 
 def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,
                          combine: jax.Array, gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
-                         down_scale: jax.Array | None = None) -> jax.Array:
+                         down_scale: jax.Array | None = None, scale_ids: jax.Array | None = None) -> jax.Array:
     """The XLA path's arithmetic (`moe.expert_ffn` on gathered weights), padding slots zero-weighted. [T, H] f32.
     int8 experts: each product accumulated in f32 over the widened q, scaled per output row, then rounded; int4
-    experts: each product the f32 dot with the exactly dequantized weights, then rounded."""
+    experts: each product the f32 dot with the exactly dequantized weights, then rounded. Scales at rows scale_ids
+    (None: slot_ids), as the kernel."""
     ids = jnp.maximum(slot_ids, 0)  # [N]: padding reads slot 0 ...
     combine = jnp.where(slot_ids[None, :] >= 0, combine, 0.0)  # ... with weight 0
     if gate_scale is None:
@@ -255,5 +281,6 @@ def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax
         y = jnp.einsum("nti,nhi->nth", h, down[ids])  # [N, T, H] bf16
         return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
     from strata_jax.moe import expert_ffn as xla_expert_ffn  # here: strata_jax.moe imports this module at its top
-    return xla_expert_ffn(x, gate[ids], up[ids], down[ids], combine, gate_scale[ids], up_scale[ids],
-                          down_scale[ids])
+    rows = ids if scale_ids is None else jnp.maximum(scale_ids, 0)  # [N] scale rows
+    return xla_expert_ffn(x, gate[ids], up[ids], down[ids], combine, gate_scale[rows], up_scale[rows],
+                          down_scale[rows])

@@ -140,8 +140,7 @@ class Engine:
         self.delta_kernel = resolve_delta_kernel(options, cfg)
         # One kind of layer: the layers run as one scanned body over stacked weights, with every expert resident, or
         # with offload where the native offload calls take every window (scans_offload).
-        self.scanned_offload = placement is not None and scans_offload(cfg, options, placement, self.defer,
-                                                                      self.expert_kernel)
+        self.scanned_offload = placement is not None and scans_offload(cfg, options, placement, self.defer)
         self.scanned = (placement is None and scans(cfg, options)) or self.scanned_offload
         if self.scanned_offload:  # the host experts stay per layer (tuples), the rest is stacked
             self.weights = weights = model.stack_layers(model.unstack_layers(weights), keep_experts=True)
@@ -1090,14 +1089,13 @@ def scans(cfg: ModelConfig, opts: EngineOptions) -> bool:
     return opts.layer_loop == "scan" and model.can_stack(cfg)
 
 
-def scans_offload(cfg: ModelConfig, opts: EngineOptions, placement, defer, expert_kernel: str) -> bool:
+def scans_offload(cfg: ModelConfig, opts: EngineOptions, placement, defer) -> bool:
     """Whether an offloaded model runs its decode windows as one scanned body (model.offload_layers): layer_loop
     scan and one kind of layer, one device, the native offload calls (their plan names the layer, so a traced layer
-    index serves), no deferral (its rows cross layers), and no quantized experts under the Pallas kernel (it reads
-    their scales by slot row, which a stacked cache does not keep)."""
+    index serves), and no deferral (its rows cross layers). Quantized experts scan under either expert kernel: the
+    Pallas kernel takes their scales by window position (pallas_kernels/expert_ffn.py's scale_ids), not by slot."""
     return (scans(cfg, opts) and placement.native and not defer.active
-            and parallel_mod.devices_for(opts) is None
-            and not (placement_mod.expert_format(opts) and expert_kernel == "pallas"))
+            and parallel_mod.devices_for(opts) is None)
 
 
 SMALL_CHUNK, LARGE_CHUNK = 64, 1024  # prefill_chunk=auto: the tail's chunk, and the largest on a GPU

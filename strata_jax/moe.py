@@ -160,6 +160,7 @@ class ResidentExperts:
             r = route(x, w.router, self.cfg, valid)
         with jax.named_scope("moe_experts_pallas"):
             rows = jnp.where(r.expert_ids >= 0, r.expert_ids + offset, -1)  # stacked layers: row layer * E + expert
+            # quantized: the scales lie row for row beside q ([E, ...] / [L*E, ...]), read in place at the same rows
             y = expert_ffn_kernel(x, w.gate, w.up, w.down, rows, r.combine, *w.scales, interpret=self.interpret)
         with jax.named_scope("moe_combine"):
             return ExpertsOut(y.astype(x.dtype), state)

@@ -179,13 +179,16 @@ def test_the_model_with_the_kernel_matches_the_xla_path(fmt, stacked):
     assert (out["pallas"].argmax(-1) == out["xla"].argmax(-1)).mean() >= 2 / 3
 
 
-@pytest.mark.parametrize("slots,filled,fmt", [(0, 0, None), (6, 3, None), (16, 10, None), (6, 3, "int8"),
-                                               (16, 10, "int8"), (6, 3, "int4")])
-def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, fmt):
+@pytest.mark.parametrize("slots,filled,fmt,stacked", [(0, 0, None, False), (6, 3, None, False), (16, 10, None, False),
+                                                       (6, 3, "int8", False), (16, 10, "int8", False),
+                                                       (6, 3, "int4", False), (6, 3, "int8", True),
+                                                       (16, 10, "int4", True)])
+def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, fmt, stacked):
     """slots_mod.OffloadedExperts(kernel=True) (interpret mode): resident experts read in their slots, fetched ones
     copied into their victim slots first, the overflow (no slot left: S=0, S=6) through the XLA block: the layer's
     output within bf16 rounding of the XLA path, and the same slot table and slot contents after the window.
-    int8 / int4: the slots hold q and the kernel reads each slot's scales (of the expert in it after the fetch)."""
+    int8 / int4: the slots hold q and the kernel reads the scales by expert id, not by slot. stacked: the last
+    layer's view of a stacked cache (init_stacked_slot_cache), its slots at rows base.. of the flat arrays."""
     from strata_jax import moe, quant
     from strata_jax.experts import slots as slots_mod
     from strata_jax.config import preset
@@ -198,7 +201,11 @@ def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, 
         qs = {k: quant.quantize(np.asarray(getattr(w, k), np.float32), fmt) for k in ("gate", "up", "down")}
         w = w.replace(**{k: jnp.asarray(qa.q) for k, qa in qs.items()},
                       **{k + "_scale": jnp.asarray(quant.engine_scale(qa)) for k, qa in qs.items()})
-    state = slots_mod.init_slot_cache(cfg, slots, w.gate.dtype)
+    if stacked:  # layer 2 of 3: its slot 0 at row 2 * (S+1)
+        state = slots_mod.layer_view(slots_mod.init_stacked_slot_cache(cfg, 3, slots, w.gate.dtype), 2)
+    else:
+        state = slots_mod.init_slot_cache(cfg, slots, w.gate.dtype)
+    base = int(state.base)
     if filled:
         chosen = np.full(slots, -1, np.int32)
         chosen[:filled] = rng.permutation(e)[:filled]
@@ -215,8 +222,9 @@ def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, 
     np.testing.assert_array_equal(np.asarray(s_pallas.table), np.asarray(s_xla.table))
     np.testing.assert_array_equal(np.asarray(s_pallas.counters), np.asarray(s_xla.counters))
     if slots:
-        np.testing.assert_array_equal(np.asarray(s_pallas.gate[:slots]), np.asarray(s_xla.gate[:slots]))
-        np.testing.assert_array_equal(np.asarray(s_pallas.down[:slots]), np.asarray(s_xla.down[:slots]))
+        rows = slice(base, base + slots)
+        np.testing.assert_array_equal(np.asarray(s_pallas.gate[rows]), np.asarray(s_xla.gate[rows]))
+        np.testing.assert_array_equal(np.asarray(s_pallas.down[rows]), np.asarray(s_xla.down[rows]))
 
 
 def test_the_engine_refuses_the_kernel_where_it_cannot_run(engine_factory):
@@ -233,11 +241,11 @@ def test_the_engine_refuses_the_kernel_where_it_cannot_run(engine_factory):
 QUANT_CASES = {"t2_h256_i128": dict(seed=6, t=2, slot_ids=[1, 5, -1, 3], h=256, i=128)}  # whole groups of 128
 
 
-def make_quant_case(name: str, fmt: str = "int8"):
-    """CASES[name] with its experts quantized (quant.quantize): q and bf16 scales [S, O] (int8) or group-major
-    [S, I/g, O] (int4)."""
+def make_quant_case(name: str, fmt: str = "int8", **overrides):
+    """CASES[name] (with `overrides`, e.g. seed=None: fresh random inputs) with its experts quantized
+    (quant.quantize): q and bf16 scales [S, O] (int8) or group-major [S, I/g, O] (int4)."""
     from strata_jax import quant
-    x, gate, up, down, ids, combine = make_case(**QUANT_CASES.get(name) or CASES[name])
+    x, gate, up, down, ids, combine = make_case(**{**(QUANT_CASES.get(name) or CASES[name]), **overrides})
     out = [x]
     scales = []
     for w in (gate, up, down):
@@ -287,6 +295,51 @@ def test_quantized_kernel_matches_reference(fmt, name):
     assert rel_fro(out, f64_quant_model(*args)) < MODEL_RTOL
 
 
+# Window positions whose slots are a derangement of them (and one padding position): a kernel that read the scales
+# at the slot row instead of scale_ids[n] would take another expert's scales everywhere.
+BY_POSITION = dict(t=3, slot_ids=[3, 0, 6, -1, 1, 7, 2, 4])
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "int4", "int4-g32"])
+def test_scales_by_window_position(fmt):
+    """The offloaded path's contract (experts/slots.py): the window's scales gathered by position [N, ...] with
+    scale_ids = arange(N), the weights at slots in another order: the same output as the scales read beside the
+    weights by slot (the reference of either form, and the float64 model). Fresh random inputs each run. bf16
+    experts have no scales: the kernel as before."""
+    if fmt is None:
+        args = make_case(seed=None, **BY_POSITION)
+        out = expert_ffn(*args, interpret=True, **SMALL_BLOCKS)
+        assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
+        assert rel_fro(out, f64_model(*args)) < MODEL_RTOL
+        return
+    x, gate, up, down, ids, combine, *by_slot = make_quant_case("t1_eight_experts", fmt, seed=None, **BY_POSITION)
+    n = ids.shape[0]
+    window = [sc[jnp.maximum(ids, 0)] for sc in by_slot]  # [N, ...] each, by window position
+    positions = jnp.arange(n, dtype=jnp.int32)
+    for tuning in ({}, SMALL_BLOCKS):
+        out = expert_ffn(x, gate, up, down, ids, combine, *window, scale_ids=positions, interpret=True, **tuning)
+        assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine, *by_slot)) < REF_RTOL
+        assert rel_fro(out, f64_quant_model(x, gate, up, down, ids, combine, *by_slot)) < MODEL_RTOL
+    got = expert_ffn_reference(x, gate, up, down, ids, combine, *window, scale_ids=positions)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(expert_ffn_reference(x, gate, up, down, ids, combine, *by_slot)))
+    # the control: the window's scales read at the slot rows are another expert's, far off
+    wrong = expert_ffn_reference(x, gate, up, down, ids, combine, *window)
+    assert rel_fro(wrong, got) > 5 * REF_RTOL
+
+
+def test_scale_ids_checks():
+    x, gate, up, down, ids, combine, gs, us, ds = make_quant_case("t1_eight_experts", "int8")
+    n = ids.shape[0]
+    with pytest.raises(ValueError, match="scale_ids"):
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds, scale_ids=jnp.arange(n - 1), interpret=True)
+    with pytest.raises(ValueError, match="do not match"):  # scale rows of different counts
+        expert_ffn(x, gate, up, down, ids, combine, gs[:n], us, ds[:n], scale_ids=jnp.arange(n), interpret=True)
+    bf = make_case(**CASES["t1_eight_experts"])
+    with pytest.raises(ValueError, match="scale_ids"):
+        expert_ffn(*bf, scale_ids=jnp.arange(n), interpret=True)
+
+
 @pytest.mark.parametrize("fmt,bound", [("int8", 3e-2), ("int4", 0.25)])
 def test_quantized_is_close_to_the_bf16_experts(fmt, bound):
     """Quantization moves the experts' output by about its weight error (int8 ~0.5%, int4 g64 ~10%), not more."""
@@ -316,25 +369,33 @@ def test_int4_needs_whole_groups():
         expert_ffn(x, q(gate), q(up), q(down), ids, combine, sc(gate), sc(up), sc(down), interpret=True)
 
 
-@pytest.mark.parametrize("t,n", [(1, 8), (4, 32)])
-def test_int8_lowers_for_cuda(t, n):
-    """The int8 kernels at the Qwen3-30B-A3B shape compile for CUDA."""
+def _lower_quantized(t: int, n: int, weights: tuple, scale_tail: tuple, by_position: bool) -> str:
+    """Lower the quantized kernels for CUDA: scales [S, ...] by slot, or by_position [N, ...] with scale_ids [N]
+    (the offloaded path's form)."""
+    sd = jax.ShapeDtypeStruct
+    rows = n if by_position else 64
+    specs = (sd((t, 2048), jnp.bfloat16), *weights, sd((n,), jnp.int32), sd((t, n), jnp.float32),
+             *(sd((rows, *tail), jnp.bfloat16) for tail in scale_tail))
+    if by_position:
+        return lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
+    return lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
+
+
+@pytest.mark.parametrize("t,n,by_position", [(1, 8, False), (4, 32, False), (1, 8, True), (4, 32, True)])
+def test_int8_lowers_for_cuda(t, n, by_position):
+    """The int8 kernels at the Qwen3-30B-A3B shape compile for CUDA, scales by slot or by window position."""
     s, h, i = 64, 2048, 768
     sd = jax.ShapeDtypeStruct
-    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h), jnp.int8), sd((s, i, h), jnp.int8), sd((s, h, i), jnp.int8),
-             sd((n,), jnp.int32), sd((t, n), jnp.float32), sd((s, i), jnp.bfloat16), sd((s, i), jnp.bfloat16),
-             sd((s, h), jnp.bfloat16))
-    text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
+    weights = (sd((s, i, h), jnp.int8), sd((s, i, h), jnp.int8), sd((s, h, i), jnp.int8))
+    text = _lower_quantized(t, n, weights, ((i,), (i,), (h,)), by_position)
     assert text.count("__gpu$xla.gpu.triton") == 2
 
 
-@pytest.mark.parametrize("t,n", [(1, 8), (8, 64)])
-def test_int4_lowers_for_cuda(t, n):
-    """The int4 kernels at the Qwen3-30B-A3B shape compile for CUDA."""
+@pytest.mark.parametrize("t,n,by_position", [(1, 8, False), (8, 64, False), (1, 8, True), (8, 64, True)])
+def test_int4_lowers_for_cuda(t, n, by_position):
+    """The int4 kernels at the Qwen3-30B-A3B shape compile for CUDA, scales by slot or by window position."""
     s, h, i = 64, 2048, 768
     sd = jax.ShapeDtypeStruct
-    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // 2), jnp.uint8), sd((s, i, h // 2), jnp.uint8),
-             sd((s, h, i // 2), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
-             sd((s, h // 64, i), jnp.bfloat16), sd((s, h // 64, i), jnp.bfloat16), sd((s, i // 64, h), jnp.bfloat16))
-    text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
+    weights = (sd((s, i, h // 2), jnp.uint8), sd((s, i, h // 2), jnp.uint8), sd((s, h, i // 2), jnp.uint8))
+    text = _lower_quantized(t, n, weights, ((h // 64, i), (h // 64, i), (i // 64, h)), by_position)
     assert text.count("__gpu$xla.gpu.triton") == 2

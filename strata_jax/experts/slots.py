@@ -363,18 +363,18 @@ class OffloadedExperts:
         slot_ids = jnp.where(kind == RESIDENT, slot, jnp.where(insert, dest, -1)).astype(jnp.int32)  # [n]
         slot_ids = jnp.where(slot_ids >= 0, slot_ids + state.base, -1)  # rows of the (maybe stacked) slot arrays
         stage_ids = jnp.where(staged, jnp.arange(n, dtype=jnp.int32), -1)  # [n]
-        scales = tuple(sc[jnp.maximum(ids, 0)] for sc in w.scales)  # int8/int4: [n, ...] each, by block position
+        # int8/int4: the block's experts' scales [n, ...] each, by block position (gathered here: in the scanned graph
+        # w.scales is the layer's slice of a stack, which a kernel operand would copy whole)
+        scales = tuple(sc[jnp.maximum(ids, 0)] for sc in w.scales)
         with jax.named_scope("moe_experts"):
             if self.kernel:
-                slot_scales = ()
-                if w.scales:  # int8: the kernel reads scales by slot; the slots' experts after the fetch (a layer's
-                    # own cache only: base 0; the engine keeps quantized experts with the kernel out of the scan)
-                    expert_of = state.expert_of.at[jnp.where(p.insert, p.dest, s + 1)].set(r.expert_ids,
-                                                                                             mode="drop")
-                    slot_scales = tuple(sc[jnp.maximum(expert_of, 0)] for sc in w.scales)  # [S+1, O]
                 interpret = jax.default_backend() != "gpu"
-                y = expert_ffn_kernel(x, *slots, slot_ids, combine, *slot_scales, interpret=interpret)
-                y = y + expert_ffn_kernel(x, *stage, stage_ids, combine, *scales, interpret=interpret)
+                # the kernel reads expert n's scales at row n (scale_ids), whatever slot or staging row holds it
+                by_position = jnp.arange(n, dtype=jnp.int32) if w.scales else None
+                y = expert_ffn_kernel(x, *slots, slot_ids, combine, *scales, scale_ids=by_position,
+                                      interpret=interpret)
+                y = y + expert_ffn_kernel(x, *stage, stage_ids, combine, *scales, scale_ids=by_position,
+                                          interpret=interpret)
             else:  # every gpu expert of the block gathered at once (slot or staging row), the rest weighted 0
                 rows = jnp.where(slot_ids >= 0, slot_ids, state.base + s)
                 block = tuple(jnp.where(staged.reshape(-1, *([1] * (a.ndim - 1))), st, a[rows])
@@ -427,12 +427,10 @@ class OffloadedExperts:
             with jax.named_scope("moe_experts_pallas"):
                 slot_ids = jnp.where(p.kind == RESIDENT, p.slot, jnp.where(p.fetch & p.insert, p.dest, -1))
                 slot_ids = jnp.where(slot_ids >= 0, slot_ids + state.base, -1)
-                slot_scales = ()
-                if w.scales:  # int8: the kernel reads scales by slot too (base 0, as in native_window)
-                    expert_of = state.expert_of.at[jnp.where(p.insert, p.dest, s + 1)].set(ids, mode="drop")
-                    slot_scales = tuple(sc[jnp.maximum(expert_of, 0)] for sc in w.scales)  # [S+1, O]
-                y = expert_ffn_kernel(x, *slots, slot_ids.astype(jnp.int32), r.combine, *slot_scales,
-                                      interpret=jax.default_backend() != "gpu")
+                # int8/int4: the layer's own scales [E, ...] (unrolled graph: whole arrays), read in place by expert id
+                by_expert = jnp.maximum(ids, 0).astype(jnp.int32) if w.scales else None
+                y = expert_ffn_kernel(x, *slots, slot_ids.astype(jnp.int32), r.combine, *w.scales,
+                                      scale_ids=by_expert, interpret=jax.default_backend() != "gpu")
         b = min(self.block, n)
         for start in range(0, n, b):
             def run_block(carry, start=start):
