@@ -10,6 +10,8 @@ setsid nohup nice -n 19 bash -c "while [ ! -d $LLAMA/gguf-py ]; do sleep 2; done
   && mv /tmp/gguf.part /tmp/qwen3-30b-a3b-12.gguf; echo rc=\$? > /tmp/gguf.done" > /dev/null 2>&1 < /dev/null &
 timeout 230 python3 -m pytest -q -p no:cacheprovider -k "offload or pallas_expert or pinned or blocks" tests/test_gpu.py \
   > $R/tests.log 2>&1; echo "tests rc=$? at $((SECONDS - T0)) s"; tail -4 $R/tests.log
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant.py -k quantized_kernel_in_the_engine_on_the_gpu \
+  > $R/tests_quant.log 2>&1; echo "quant tests rc=$? at $((SECONDS - T0)) s"; tail -3 $R/tests_quant.log
 while { [ ! -f $LLAMA.done ] || [ ! -f /tmp/gguf.done ]; } && [ $((SECONDS - T0)) -lt 330 ]; do sleep 3; done
 echo "build: $(cat $LLAMA.done 2>/dev/null || echo not done: $(tail -1 $LLAMA.log | cut -c1-80)); gguf: $(cat /tmp/gguf.done 2>/dev/null) at $((SECONDS - T0)) s"
 timeout $((585 - (SECONDS - T0))) python3 -m benchmarks.peer_bench --layers=12 --llama_bench=$LLAMA/build/bin/llama-bench \
