@@ -327,8 +327,8 @@ def device_memory_in_use() -> int | None:
 
 def kernels(s, cfg) -> tuple[str, str, str]:
     """The (expert, attention, dense) kernels of a benchmark's --expert_kernel / --attention_kernel /
-    --dense_kernel / --dtype flags, 'auto' resolved as the engine resolves it (strata_jax.engine.resolve_kernels)."""
-    from strata_jax.engine import resolve_kernels
+    --dense_kernel / --dtype flags, 'auto' resolved as the engine resolves it (strata_jax.engine.plan.resolve_kernels)."""
+    from strata_jax.engine.plan import resolve_kernels
     from strata_jax.options import EngineOptions, build
     return resolve_kernels(build(EngineOptions, dict(dtype=s.dtype, expert_kernel=s.expert_kernel,
                                                      attention_kernel=s.attention_kernel,

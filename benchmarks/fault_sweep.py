@@ -204,7 +204,7 @@ def file_cases(cache_dir: Path, scratch: Path) -> list[Case]:
 def checkpoint_cases(cache_dir: Path, scratch: Path) -> list[Case]:
     """Broken copies of the embedded model's folder (config.json, model.safetensors, tokenizer.json)."""
     from safetensors.numpy import load_file, save_file
-    from strata_jax.embedded import embedded_model_dir
+    from strata_jax.io.embedded import embedded_model_dir
     src = embedded_model_dir(cache_dir)
     cases = []
 

@@ -15,7 +15,7 @@ Two Triton kernels (the down projection needs every I row of h, which a gate/up 
      by combine[:, n] and accumulates in f32. The n_split partial sums are added by XLA (n_split * Tp * H floats).
 Padding slots (-1) are skipped in both kernels: they read nothing and contribute nothing.
 
-int8 experts (issue 16: `strata_jax/quant.py`'s "int8", symmetric per output channel): gate/up/down hold int8
+int8 experts (issue 16: `strata_jax/model/quant.py`'s "int8", symmetric per output channel): gate/up/down hold int8
 q and gate_scale/up_scale [R, I], down_scale [R, H] their rows' scales. The kernels read q (a quarter of the
 float32 bytes, half of bf16's), widen each tile to bf16 in registers (exact: |q| <= 127), accumulate the dot in
 f32 and scale the result per output row before the bf16 rounding: g = bf16(scale_g * (x . q_g)), and so on. The
@@ -55,7 +55,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .blocks import MIN_DOT, block_or_error
 
-GROUPS = (128, 64, 32)  # int4 inputs per scale (strata_jax/quant.py "int4-g128", "int4", "int4-g32"): from the scales' shape
+GROUPS = (128, 64, 32)  # int4 inputs per scale (strata_jax/model/quant.py "int4-g128", "int4", "int4-g32"): from the scales' shape
 
 
 def _int4_group(x_at, w_ref, slot, rows, k, group: int):
@@ -280,7 +280,7 @@ def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)  # rounded once
         y = jnp.einsum("nti,nhi->nth", h, down[ids])  # [N, T, H] bf16
         return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
-    from strata_jax.moe import expert_ffn as xla_expert_ffn  # here: strata_jax.moe imports this module at its top
+    from strata_jax.model.moe import expert_ffn as xla_expert_ffn  # here: strata_jax.model.moe imports this module at its top
     rows = ids if scale_ids is None else jnp.maximum(scale_ids, 0)  # [N] scale rows
     return xla_expert_ffn(x, gate[ids], up[ids], down[ids], combine, gate_scale[rows], up_scale[rows],
                           down_scale[rows])

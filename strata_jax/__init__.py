@@ -25,8 +25,8 @@ __all__ = ["Engine", "ExpertStats", "RequestStats", "StopRequest", "Stats", "Str
 
 # The rest on first use (PEP 562): `python -m strata_jax.decode` and `strata-serve` set their Ctrl-C handling
 # and answer --help before JAX is imported.
-_LAZY = {"Engine": "strata_jax.engine", "StopRequest": "strata_jax.engine", "ExpertStats": "strata_jax.stats",
-         "RequestStats": "strata_jax.stats", "Stats": "strata_jax.stats"}
+_LAZY = {"Engine": "strata_jax.engine.api", "StopRequest": "strata_jax.engine.api", "ExpertStats": "strata_jax.engine.stats",
+         "RequestStats": "strata_jax.engine.stats", "Stats": "strata_jax.engine.stats"}
 
 
 def __getattr__(name: str):

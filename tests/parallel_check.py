@@ -22,8 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strata_jax.config import preset  # noqa: E402
-from strata_jax.engine import Engine  # noqa: E402
+from strata_jax.model.config import preset  # noqa: E402
+from strata_jax.engine.api import Engine  # noqa: E402
 from strata_jax.errors import StrataError  # noqa: E402
 
 OPTS = dict(dtype="float32", expert_cache_slots="all", window=4, context=64, prefill_chunk=16, verbose=False,

@@ -16,7 +16,7 @@ from conftest import REPO
 
 
 def byte_encode():
-    from strata_jax.tokenizer import byte_level_tokenizer
+    from strata_jax.io.tokenizer import byte_level_tokenizer
     tok = byte_level_tokenizer()
     return lambda text: tok.encode(text).ids
 
@@ -77,10 +77,10 @@ def test_workload_is_deterministic_grows_and_respects_the_cap(tmp_path):
             assert cur["text"].endswith(bench.ROLE_ASSISTANT)
     # A session planned with more turns reaches the longest prompt.
     assert max(t["prompt_tokens"] for t in turns) >= 900 - 40
-    # Every source file is in the repository's code folders, none from fixtures or models.
+    # Every source file is in the repository's code folders, none from fixtures or assets.
     files = bench.source_files()
-    assert files == sorted(files) and "strata_jax/engine.py" in files and "benchmarks/agent_turns_bench.py" in files
-    assert not [f for f in files if "/fixtures/" in f or "/models/" in f or not f.endswith((".py", ".md"))]
+    assert files == sorted(files) and "strata_jax/engine/api.py" in files and "benchmarks/agent_turns_bench.py" in files
+    assert not [f for f in files if "/fixtures/" in f or "/assets/" in f or not f.endswith((".py", ".md"))]
 
 
 def test_workload_sessions_end_at_the_context():
@@ -224,7 +224,7 @@ def test_bad_arms_is_one_line():
 
 
 def test_failing_worker_is_one_line(tmp_path, cache_dir):
-    from strata_jax.embedded import embedded_model_dir
+    from strata_jax.io.embedded import embedded_model_dir
     broken = tmp_path / "broken"
     broken.mkdir()
     src = embedded_model_dir(cache_dir)

@@ -109,7 +109,7 @@ def test_cache_dir_that_is_a_file_is_one_line(tmp_path):
 
 
 def test_a_huge_tail_skip_is_capped_to_int32():
-    from strata_jax.experts.approx import route_approx
+    from strata_jax.offload.approx import route_approx
     from strata_jax.options import EngineOptions, build
     approx, lines = route_approx(build(EngineOptions, dict(route_tail_skip=str(2**40))), 8, True, environ={})
     assert approx.tail_skip == 2**31 - 1 and "skips nothing" in lines[0]
@@ -143,7 +143,7 @@ def test_ctrl_c_inside_the_host_pool_is_a_keyboard_interrupt(engine_factory):
 def test_malformed_configs_are_one_line(raw, match):
     import json
     from conftest import HF_FIXTURES
-    from strata_jax.config import config_from_dict
+    from strata_jax.model.config import config_from_dict
     base = json.loads((HF_FIXTURES / "base" / "config.json").read_text())
     if raw == "zero_heads":
         raw = dict(base, num_attention_heads=0)
@@ -245,7 +245,7 @@ def test_request_options_and_drafters_that_would_fail_deep_are_one_line(engine):
 
 
 def test_a_chat_template_that_fails_while_rendering_is_one_line():
-    from strata_jax.chat import ChatTemplate
+    from strata_jax.io.chat import ChatTemplate
     for source, kind in (("{{ messages[0]['content'] + 1 }}", "TypeError"), ("{{ range(10**20) | list }}", "Overflow")):
         msg = one_line_refusal(ChatTemplate(source=source, special_tokens={}).render,
                                [{"role": "user", "content": "hi"}])

@@ -11,11 +11,11 @@ import pytest
 
 from conftest import REPO, tests_compile_graphs
 from strata_jax import StrataError
-from strata_jax.chat import load_chat_template, load_generation_config
-from strata_jax.tokenizer import load_tokenizer
+from strata_jax.io.chat import load_chat_template, load_generation_config
+from strata_jax.io.tokenizer import load_tokenizer
 
 CHAT = REPO / "tests" / "fixtures" / "chat"
-FOLDERS = {"reference": REPO / "strata_jax" / "models" / "moe-stdlib", "chatml": CHAT / "chatml",
+FOLDERS = {"reference": REPO / "strata_jax" / "assets" / "moe-stdlib", "chatml": CHAT / "chatml",
            "json_lines": CHAT / "json_lines"}
 REFERENCES = json.loads((CHAT / "cases.json").read_text())
 
@@ -133,7 +133,7 @@ def test_cli_chat_repl_streams_replies_and_reuses_the_conversation(cache_dir):
 
 
 def test_tool_calls_are_parsed_out_of_a_reply_and_held_back_while_streaming():
-    from strata_jax.chat import ToolCallHold, parse_tool_calls
+    from strata_jax.io.chat import ToolCallHold, parse_tool_calls
     text = ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1, "s": "é"}}\n</tool_call>\n'
             '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>')
     content, calls = parse_tool_calls(text)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import HF_FIXTURES, REPO, run_cli, stderr_until
-from strata_jax.embedded import embedded_model_dir
+from strata_jax.io.embedded import embedded_model_dir
 
 SUMMARY = re.compile(r"prompt tokens: (\d+), prefill: [\d.]+ tok/s, generated tokens: 8, decode: [\d.]+ tok/s")
 
@@ -138,7 +138,7 @@ def test_refusal_is_one_error_line(refusals, case):
 def test_switches_print_their_lines_and_logpos_writes_the_prompt(cache_dir, tmp_path):
     """STRATA_* switches: a start-up line each (a bad value is a line, not an error), the cumulative counter line
     after the request; --logpos writes every prompt position."""
-    from strata_jax.logpos import read_logpos
+    from strata_jax.io.logpos import read_logpos
     path = tmp_path / "run.jsonl"
     env = {"STRATA_ROUTE_TAIL_SKIP": "2", "STRATA_ROUTE_PRIOR": "much", "STRATA_VERIFY_DEFER_CPU_BELOW": "0.2"}
     result = cli(["--max_new_tokens=8", "--dtype=float32", "--context=64", "--expert_cache_slots=4",
@@ -221,8 +221,8 @@ import importlib.util
 import strata_jax, strata_jax.host_pool, strata_jax.pallas_kernels.expert_ffn
 from strata_jax.host_pool import native
 from strata_jax import Engine, serve
-from strata_jax.config import preset
-from strata_jax.embedded import REFERENCE_DIR
+from strata_jax.model.config import preset
+from strata_jax.io.embedded import REFERENCE_DIR
 here = Path.cwd()
 for module in (strata_jax, strata_jax.host_pool, strata_jax.pallas_kernels):  # installed, not the repository's
     assert "site-packages" in module.__file__, module.__file__
@@ -291,7 +291,7 @@ REPO_CHECK = """
 import sys
 from pathlib import Path
 import strata_jax.host_pool, strata_jax.pallas_kernels.expert_ffn
-from strata_jax.experts import placement
+from strata_jax.offload import placement
 repo = Path.cwd()
 assert Path(strata_jax.host_pool.__file__) == repo / "host_pool" / "__init__.py", strata_jax.host_pool.__file__
 assert Path(strata_jax.pallas_kernels.__file__) == repo / "pallas_kernels" / "__init__.py"

@@ -7,8 +7,9 @@ import pytest
 
 from conftest import HF_FIXTURES, REPO, hf_fixture_names
 from helpers import one_line_refusal
-from strata_jax import StrataError, config
-from strata_jax.config import config_from_dict, load_config
+from strata_jax import StrataError
+from strata_jax.model import config
+from strata_jax.model.config import config_from_dict, load_config
 
 
 def fixture_raw(name="base") -> dict:

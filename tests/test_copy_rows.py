@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro
-from strata_jax.pallas_kernels.copy_rows import (copy_rows_by_weight, copy_rows_by_weight_reference,
-                                                 copy_rows_from_mapped, copy_rows_from_mapped_reference)
+from strata_jax.pallas_kernels.copy_rows import copy_rows_by_weight, copy_rows_by_weight_reference, copy_rows_from_mapped, copy_rows_from_mapped_reference
 from strata_jax.pallas_kernels.cuda_lowering import lower_for_cuda
 
 SHAPES = [(1, 4, 128), (3, 8, 100), (4, 10, 2048)]  # (T, K, H): one block, H padded, several blocks

@@ -299,7 +299,7 @@ def test_text_round_trip_through_generate(engine):
 def test_text_stream_hands_out_whole_characters(engine):
     """Byte tokens pushed one at a time: the pieces join to the whole text, and none ends inside a character (a
     4-byte emoji is held back until its last byte)."""
-    from strata_jax.tokenizer import TextStream
+    from strata_jax.io.tokenizer import TextStream
     text = random_text(np.random.default_rng(17), 200)
     stream = TextStream(engine.decode)
     pieces = [stream.push(t) for t in engine.encode(text)]
@@ -410,7 +410,7 @@ def test_prefix_reuse_prefills_only_the_new_part_and_matches_a_cold_run(engine_f
 def test_plain_sampler_draws_the_filtered_samplers_tokens_when_top_k_and_top_p_are_off():
     """The sampler without a filter (requests with top_k 0 and top_p 1) draws exactly the tokens of the sorted
     one, in sampling and in speculative verification; with a filter on, the two differ."""
-    from strata_jax import graphs
+    from strata_jax.engine import graphs
     from strata_jax.sampling import verify
     jit_verify = jax.jit(verify, static_argnums=4)  # as the engine's graphs run it (op by op: ~80 compiles)
     rng = np.random.default_rng(13)
@@ -434,7 +434,7 @@ def test_samplers_compile_once_per_process_on_first_use_and_engines_share_them(e
     """graphs.window_samplers: one set per (form, W, V) in a process, each graph compiled on its first use (a
     greedy request never runs a sampler; a sampled one whose windows draw in their own graph needs only the first
     token's), the same tokens as the jitted function; the engine holds the shared set."""
-    from strata_jax import graphs
+    from strata_jax.engine import graphs
     from strata_jax.sampling import FORMS
     form = graphs.window_samplers("plain", 2, 37)  # a vocabulary no engine of the suite has: not compiled yet
     assert not form.compiled and dict(form.sample) == {} and dict(form.verify) == {}
@@ -455,8 +455,8 @@ def test_engines_of_the_same_shapes_share_executables_and_each_computes_its_own_
     compile (nor a read of the persistent cache), and its shared executables compute its own weights' logits, the
     same as the plain jitted graph over them; an engine of other shapes compiles its own."""
     from jax import monitoring
-    from strata_jax import graphs
-    from strata_jax.config import preset
+    from strata_jax.engine import graphs
+    from strata_jax.model.config import preset
     compiles = []
 
     def count(event, seconds, **kwargs):
@@ -489,7 +489,7 @@ def test_engines_of_the_same_shapes_share_executables_and_each_computes_its_own_
 def test_lazy_graphs_compile_on_first_use_and_give_what_ahead_gives(cache_dir, capfd):
     """compile_graphs=lazy: nothing compiled at start-up (its line says so), each window size and prefill chunk
     compiled by the first request that runs it, once; the logits and tokens are ahead's, bit for bit."""
-    from strata_jax.config import preset
+    from strata_jax.model.config import preset
     opts = dict(dtype="float32", window=3, context=48, expert_cache_slots="all", prefill_chunk=8,
                 cache_dir=str(cache_dir))
     ahead = Engine.from_random(preset("tiny"), seed=24, verbose=False, compile_graphs="ahead", **opts)

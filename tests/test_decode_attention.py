@@ -1,5 +1,5 @@
 """pallas_kernels.decode_attention: the kernel in interpret mode against its reference (with garbage past the window
-proving those rows are never read), the reference against model.attention, and the CUDA lowering at the Qwen3-30B-A3B
+proving those rows are never read), the reference against transformer.attention, and the CUDA lowering at the Qwen3-30B-A3B
 and tiny shapes; for decode windows (one tile per kv head) and prefill chunks (row blocks, each reading the cache
 only up to its own last token's position).
 
@@ -66,7 +66,7 @@ def test_kernel_matches_reference(name, dtype):
 def make_int8_case(seed: int, t: int, nq: int, nkv: int, d: int, s: int, pos: int, dtype):
     """Random q [T, Nq, D] (dtype) and int8 caches [S, Nkv, D] with their float32 scales [S, Nkv], quantized from
     fresh random rows (strata_jax.model.quantize_kv: kv_dtype=int8)."""
-    from strata_jax.model import quantize_kv
+    from strata_jax.model.kv_cache import quantize_kv
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((t, nq, d)), dtype)
     k = quantize_kv(jnp.asarray(rng.standard_normal((s, nkv, d)) * 2.0 * rng.uniform(0.2, 3, (s, nkv, 1)),
@@ -136,11 +136,13 @@ def test_block_choice_and_unsupported_shapes():
 
 @pytest.mark.parametrize("dtype", DTYPES.keys())
 def test_reference_is_model_attention(dtype):
-    """model.attention on the tiny config with wo = identity (Nq * D == H there) returns the attention output before
-    the projection: the reference, fed the q and the updated caches that model.attention builds, equals it exactly;
+    """transformer.attention on the tiny config with wo = identity (Nq * D == H there) returns the attention output before
+    the projection: the reference, fed the q and the updated caches that transformer.attention builds, equals it exactly;
     the kernel matches it within its bound."""
-    from strata_jax import model
-    from strata_jax.config import preset
+    from strata_jax.model import transformer
+    from strata_jax.model.kv_cache import init_cache
+    from strata_jax.model.weights import AttentionWeights, random_weights
+    from strata_jax.model.config import preset
     dtype = DTYPES[dtype]
     cfg = preset("tiny")
     t, s, pos = 4, 128, 37
@@ -148,19 +150,19 @@ def test_reference_is_model_attention(dtype):
     assert nq * d == h
     rng = np.random.default_rng(11)
     rnd = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.2, dtype)
-    w = model.AttentionWeights(wq=rnd(h, nq * d), wk=rnd(h, nkv * d), wv=rnd(h, nkv * d), wo=jnp.eye(h, dtype=dtype),
+    w = AttentionWeights(wq=rnd(h, nq * d), wk=rnd(h, nkv * d), wv=rnd(h, nkv * d), wo=jnp.eye(h, dtype=dtype),
                                q_norm=jnp.asarray(1 + rng.random(d) * 0.1, dtype),
                                k_norm=jnp.asarray(1 + rng.random(d) * 0.1, dtype))
     x = rnd(t, h)
     k_cache, v_cache = rnd(s, nkv, d), rnd(s, nkv, d)
     p = jnp.int32(pos)
 
-    def q_of(x):  # model.attention's q, step by step
-        q = model.rms_norm((x @ w.wq).reshape(t, nq, d), w.q_norm, cfg.rms_norm_eps)
-        return model.rope(q, p + jnp.arange(t, dtype=jnp.int32), cfg.rope_theta)
+    def q_of(x):  # transformer.attention's q, step by step
+        q = transformer.rms_norm((x @ w.wq).reshape(t, nq, d), w.q_norm, cfg.rms_norm_eps)
+        return transformer.rope(q, p + jnp.arange(t, dtype=jnp.int32), cfg.rope_theta)
 
     with jax.disable_jit():  # op by op, so no fusion decision can differ between the two programs
-        got, kc, vc = model.attention(x, w, k_cache, v_cache, p, cfg)
+        got, kc, vc = transformer.attention(x, w, k_cache, v_cache, p, cfg)
         q = q_of(x)
         ref = decode_attention_reference(q, kc, vc, p).reshape(t, nq * d)
     np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(got, np.float32))
@@ -382,15 +384,18 @@ def test_prefill_chunk_with_the_kernel_matches_the_xla_path(stacked):
     head, 4 row blocks), unrolled and scanned, float32: a full chunk at 0, then a chunk of 70 real tokens whose padding
     reaches the cache's last row. The real rows' logits and the written caches match the XLA path's (1e-5)."""
     import functools
-    from strata_jax import graphs, model
-    from strata_jax.config import preset
+    from strata_jax.engine import graphs
+    from strata_jax.model import transformer
+    from strata_jax.model.kv_cache import init_cache
+    from strata_jax.model.weights import AttentionWeights, random_weights
+    from strata_jax.model.config import preset
     cfg = preset("tiny")
-    weights = model.random_weights(cfg, 5, jnp.float32, scale=0.1, stacked=stacked)
+    weights = random_weights(cfg, 5, jnp.float32, scale=0.1, stacked=stacked)
     tokens = jnp.asarray(np.random.default_rng(43).integers(0, cfg.vocab_size, size=256), jnp.int32)
     runs = {}
     for kernel in (False, True):
         step = jax.jit(functools.partial(graphs.prefill_logits, cfg=cfg, attention_kernel=kernel))
-        cache = model.init_cache(cfg, 256, jnp.float32, stacked=stacked)
+        cache = init_cache(cfg, 256, jnp.float32, stacked=stacked)
         first, cache = step(weights, cache, tokens[:128], jnp.int32(0), jnp.int32(128))
         second, cache = step(weights, cache, tokens[128:], jnp.int32(128), jnp.int32(70))
         runs[kernel] = (np.asarray(first), np.asarray(second[:70]), cache)

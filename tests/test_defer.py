@@ -1,4 +1,4 @@
-"""Deferred CPU rows (strata_jax/experts/defer.py): the switches' values table, `check` against unset, `=1` against a
+"""Deferred CPU rows (strata_jax/offload/defer.py): the switches' values table, `check` against unset, `=1` against a
 plain-jnp model of "layer l's deferred CPU rows join before layer l+1's FFN half", and the timeout path.
 
 The engines here put every expert on the host pool (expert_cache_slots=0, pcie_frac=0): every entry is a CPU row.
@@ -13,10 +13,14 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro
-from strata_jax import StrataError, model, moe
-from strata_jax.experts import defer
-from strata_jax.experts import slots as slots_mod
-from strata_jax.experts.defer import defer_cpu
+from strata_jax import StrataError
+from strata_jax.model import transformer
+from strata_jax.model.kv_cache import init_cache
+from strata_jax.model.weights import unstack_layers
+from strata_jax.model import moe
+from strata_jax.offload import defer
+from strata_jax.offload import slots as slots_mod
+from strata_jax.offload.defer import defer_cpu
 from strata_jax.options import EngineOptions, build
 
 REL_TOL = 1e-5
@@ -80,7 +84,7 @@ def deferred_reference(eng, tokens, window: int, below: float) -> np.ndarray:
     the others (all of them when below >= 1) join after the next layer's mixer, before its FFN half; the last
     layer's all join in it."""
     cfg, w = eng.cfg, eng.weights
-    cache = model.init_cache(cfg, 64 + 8, jnp.float32)
+    cache = init_cache(cfg, 64 + 8, jnp.float32)
     k_cache, v_cache = list(cache.k), list(cache.v)
     last = cfg.num_layers - 1
     # the experts live in pinned host memory: device copies for the reference
@@ -91,12 +95,12 @@ def deferred_reference(eng, tokens, window: int, below: float) -> np.ndarray:
         h = w.embed[part]
         late = None
         for i, layer in enumerate(w.layers):
-            a, k_cache[i], v_cache[i] = model.attention(model.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps),
+            a, k_cache[i], v_cache[i] = transformer.attention(transformer.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps),
                                                         layer.attn, k_cache[i], v_cache[i], start, cfg)
             h = h + a
             if late is not None:
                 h, late = h + late, None
-            x = model.rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
+            x = transformer.rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
             r = moe.route(x, layer.ffn.router, cfg, valid)
             heavy = r.topk_weights >= below if below < 1 else jnp.zeros(r.topk_weights.shape, bool)
             rows = []
@@ -111,7 +115,7 @@ def deferred_reference(eng, tokens, window: int, below: float) -> np.ndarray:
                 h = h + (rows[0] + rows[1])
             else:
                 h, late = h + rows[0], rows[1]
-        h = model.rms_norm(h, w.final_norm, cfg.rms_norm_eps)
+        h = transformer.rms_norm(h, w.final_norm, cfg.rms_norm_eps)
         head = w.embed.T if w.lm_head is None else w.lm_head
         return h @ head, k_cache, v_cache
 
@@ -149,9 +153,9 @@ def test_defer_matches_the_rule(engine_factory, tokens, below):
 def test_split_rows_exist_on_both_sides_of_the_threshold(engine_factory, tokens):
     """The 0.3 case above is a real split: the tiny model's top-4 weights fall on both sides of 0.3."""
     eng = all_cpu_engine(engine_factory)
-    cfg, w = eng.cfg, model.unstack_layers(eng.weights)  # the base engine (no deferral) scans: stacked weights
+    cfg, w = eng.cfg, unstack_layers(eng.weights)  # the base engine (no deferral) scans: stacked weights
     x = w.embed[jnp.asarray(tokens)]
-    r = moe.route(model.rms_norm(x, w.layers[0].ffn_norm, cfg.rms_norm_eps), w.layers[0].ffn.router, cfg,
+    r = moe.route(transformer.rms_norm(x, w.layers[0].ffn_norm, cfg.rms_norm_eps), w.layers[0].ffn.router, cfg,
                   jnp.ones((len(tokens),), bool))
     weights = np.asarray(r.topk_weights)
     assert (weights >= 0.3).any() and (weights < 0.3).any()

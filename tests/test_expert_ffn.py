@@ -20,7 +20,7 @@ import pytest
 from helpers import reference_ffn, rel_fro
 from strata_jax.pallas_kernels.cuda_lowering import lower_for_cuda
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
-from strata_jax import moe
+from strata_jax.model import moe
 
 REF_RTOL = 1e-2
 MODEL_RTOL = 1e-3
@@ -162,16 +162,19 @@ def test_the_model_with_the_kernel_matches_the_xla_path(fmt, stacked):
     """moe.ResidentExperts (the kernel, interpret mode) in a whole decode window of the tiny model, bf16: the logits
     of the XLA path within bf16 rounding (the two round the experts' outputs at different points). int4, stacked:
     the scanned body reads the quantized experts and their scales by row layer * E + expert, in both paths."""
-    from strata_jax import graphs, model, moe
-    from strata_jax.config import preset
+    from strata_jax.engine import graphs
+    from strata_jax.model.kv_cache import init_cache
+    from strata_jax.model.weights import random_weights, stack_layers
+    from strata_jax.model import moe
+    from strata_jax.model.config import preset
     cfg = preset("tiny")
-    weights = model.random_weights(cfg, seed=3, dtype=jnp.bfloat16, scale=0.05, expert_format=fmt)
+    weights = random_weights(cfg, seed=3, dtype=jnp.bfloat16, scale=0.05, expert_format=fmt)
     if stacked:
-        weights = model.stack_layers(weights)
+        weights = stack_layers(weights)
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, size=3), jnp.int32)
     out = {}
     for name, experts in (("xla", None), ("pallas", moe.ResidentExperts(cfg, interpret=True))):
-        cache = model.init_cache(cfg, 16, jnp.bfloat16, stacked=stacked)
+        cache = init_cache(cfg, 16, jnp.bfloat16, stacked=stacked)
         _, logits, _ = graphs.jit_decode_window(cfg, experts)(weights, cache, tokens, jnp.int32(0))
         out[name] = np.asarray(logits)
     err = np.linalg.norm(out["pallas"] - out["xla"]) / np.linalg.norm(out["xla"])
@@ -189,9 +192,9 @@ def test_the_offload_path_with_the_kernel_matches_the_xla_blocks(slots, filled, 
     output within bf16 rounding of the XLA path, and the same slot table and slot contents after the window.
     int8 / int4: the slots hold q and the kernel reads the scales by expert id, not by slot. stacked: the last
     layer's view of a stacked cache (init_stacked_slot_cache), its slots at rows base.. of the flat arrays."""
-    from strata_jax import moe, quant
-    from strata_jax.experts import slots as slots_mod
-    from strata_jax.config import preset
+    from strata_jax.model import moe, quant
+    from strata_jax.offload import slots as slots_mod
+    from strata_jax.model.config import preset
     cfg = preset("tiny")
     rng = np.random.default_rng()
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -236,7 +239,7 @@ def test_the_engine_refuses_the_kernel_where_it_cannot_run(engine_factory):
         engine_factory(None, dtype="bfloat16", window=2, context=64, expert_cache_slots="all", expert_kernel="pallas")
 
 
-# ---- int8 and int4 experts (strata_jax/quant.py "int8": one scale per output row; "int4": one per 64 inputs) ------
+# ---- int8 and int4 experts (strata_jax/model/quant.py "int8": one scale per output row; "int4": one per 64 inputs) ------
 
 QUANT_CASES = {"t2_h256_i128": dict(seed=6, t=2, slot_ids=[1, 5, -1, 3], h=256, i=128)}  # whole groups of 128
 
@@ -244,7 +247,7 @@ QUANT_CASES = {"t2_h256_i128": dict(seed=6, t=2, slot_ids=[1, 5, -1, 3], h=256, 
 def make_quant_case(name: str, fmt: str = "int8", **overrides):
     """CASES[name] (with `overrides`, e.g. seed=None: fresh random inputs) with its experts quantized
     (quant.quantize): q and bf16 scales [S, O] (int8) or group-major [S, I/g, O] (int4)."""
-    from strata_jax import quant
+    from strata_jax.model import quant
     x, gate, up, down, ids, combine = make_case(**{**(QUANT_CASES.get(name) or CASES[name]), **overrides})
     out = [x]
     scales = []
@@ -258,7 +261,7 @@ def make_quant_case(name: str, fmt: str = "int8", **overrides):
 def f64_quant_model(x, gate, up, down, slot_ids, combine, gs, us, ds) -> np.ndarray:
     """The quantized kernels' arithmetic in float64: the exactly dequantized weights' products (int8: q products
     scaled per row, the same numbers), then the bf16 roundings."""
-    from strata_jax import quant
+    from strata_jax.model import quant
     x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
     if gate.dtype == jnp.uint8:  # int4: dequantize (exact), unit row scales
         mats = [np.asarray(quant.dequantize_engine_int4(q, sc, jnp.float32), np.float64)
@@ -287,7 +290,7 @@ def test_quantized_kernel_matches_reference(fmt, name):
     args = make_quant_case(name, fmt)
     assert args[1].dtype == (jnp.int8 if fmt == "int8" else jnp.uint8)
     if fmt != "int8":  # one scale per group of inputs
-        from strata_jax import quant
+        from strata_jax.model import quant
         assert args[-3].shape[1] == args[1].shape[-1] * 2 // quant.get_format(fmt).group
     out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if name == "t8_padded" else {}))
     assert out.shape == args[0].shape and out.dtype == jnp.float32

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro
-from strata_jax import StrataError, model
-from strata_jax.experts.slots import layer_states
+from strata_jax import StrataError
+from strata_jax.model.weights import unstack_layers
+from strata_jax.offload.slots import layer_states
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +22,7 @@ def tokens():
 def test_experts_live_in_pinned_host_memory(engine_factory):
     eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, pcie_frac=1.0)
     assert eng.placement.host_kind == "pinned_host"
-    layers = model.unstack_layers(eng.weights).layers
+    layers = unstack_layers(eng.weights).layers
     ffn = layers[0].ffn
     assert {a.sharding.memory_kind for a in (ffn.gate, ffn.up, ffn.down)} == {"pinned_host"}
     assert layer_states(eng.cache.experts)[0].gate.sharding.memory_kind == "device"

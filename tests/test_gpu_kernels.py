@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro, with_garbage
-from strata_jax.pallas_kernels.copy_rows import (copy_rows_by_weight, copy_rows_by_weight_reference,
-                                                 copy_rows_from_mapped, copy_rows_from_mapped_reference)
+from strata_jax.pallas_kernels.copy_rows import copy_rows_by_weight, copy_rows_by_weight_reference, copy_rows_from_mapped, copy_rows_from_mapped_reference
 from strata_jax.pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
 from strata_jax.pallas_kernels.route_prior import route_prior, route_prior_reference

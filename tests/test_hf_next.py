@@ -9,8 +9,9 @@ import pytest
 
 from conftest import HF_FIXTURES, hf_fixture_names
 from helpers import hf_reference, rel_fro
-from strata_jax import StrataError, config, deltanet
-from strata_jax.config import config_from_dict
+from strata_jax import StrataError
+from strata_jax.model import config, deltanet
+from strata_jax.model.config import config_from_dict
 
 NEXT = sorted(p.name for p in HF_FIXTURES.glob("next_*") if (p / "reference.npz").is_file())
 W = 4
@@ -235,7 +236,9 @@ def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder
     host loop's drafter (the first window) and inside the window graphs (the rest)."""
     import jax
     import jax.numpy as jnp
-    from strata_jax import model, mtp as mtp_mod
+    from strata_jax.model import transformer
+    from strata_jax.model.kv_cache import init_cache
+    from strata_jax.speculative import mtp as mtp_mod
     engine = engine_factory(mtp_folder, **EXACT, prefill_chunk=5)
     assert engine.mtp is not None
     firsts = []  # (the module's row that made a window's first draft, that draft)
@@ -273,8 +276,8 @@ def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder
     seq = np.asarray(prompt + plain, np.int32)
     cfg = engine.cfg
     with jax.default_matmul_precision("highest"):  # each pass one jitted graph (op by op: ~350 compiles)
-        cache = model.init_cache(cfg, seq.size + 8, jnp.float32, ring=W + 1)
-        forward = jax.jit(model.forward, static_argnums=5, static_argnames="return_hidden")
+        cache = init_cache(cfg, seq.size + 8, jnp.float32, ring=W + 1)
+        forward = jax.jit(transformer.forward, static_argnums=5, static_argnames="return_hidden")
         _, _, hidden = forward(engine.weights, cache, jnp.asarray(seq), jnp.int32(0), jnp.int32(seq.size), cfg,
                                return_hidden=True)
         n = seq.size - 1
@@ -422,7 +425,7 @@ def test_qwen35_layouts_load_alike(tmp_path):
     (model.*, experts per expert) load into the same weights; the MTP module's experts likewise."""
     import json
     from safetensors.numpy import save_file
-    from strata_jax import checkpoint
+    from strata_jax.io import checkpoint
     raw = _qwen35_raw()
     raw["text_config"]["mtp_num_hidden_layers"] = 1
     rng = np.random.default_rng(0)
@@ -475,7 +478,7 @@ def test_next_weights_in_the_qwen35_layout_load_unchanged(tmp_path):
     arithmetic), so its logits are next_base's, which test_hf_reference holds against transformers."""
     import json
     from safetensors.numpy import save_file
-    from strata_jax import checkpoint
+    from strata_jax.io import checkpoint
     name = NEXT[0]  # next_base: every layer MoE, norm_topk_prob, as Qwen3.5 requires
     src = json.loads((HF_FIXTURES / name / "config.json").read_text())
     assert src["norm_topk_prob"] and not src["mlp_only_layers"] and src["decoder_sparse_step"] == 1
@@ -497,7 +500,7 @@ def test_next_weights_in_the_qwen35_layout_load_unchanged(tmp_path):
 def test_qwen35_missing_tensor_is_one_line(tmp_path):
     import json
     from safetensors.numpy import save_file
-    from strata_jax import checkpoint
+    from strata_jax.io import checkpoint
     dst = tmp_path / "broken"
     dst.mkdir()
     tensors = _tensors(HF_FIXTURES / QWEN35)

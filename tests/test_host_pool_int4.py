@@ -1,4 +1,4 @@
-"""Host pool with int4 experts (strata_jax/quant.py "int4": packed two a byte, a bf16 scale per 64 inputs).
+"""Host pool with int4 experts (strata_jax/model/quant.py "int4": packed two a byte, a bf16 scale per 64 inputs).
 
 The pool dequantizes row chunks exactly ((nibble - 8) * scale fits float32) and runs the float32 products, rounding
 to the compute dtype where the bf16 / int8 paths round. The reference is float64 over quant.dequantize's weights
@@ -15,7 +15,7 @@ from helpers import reference_ffn, reference_rows, rel_fro, rng_for, rounding
 from strata_jax.host_pool import HostExpertStore, HostPool, HostPoolError, native
 from strata_jax.host_pool import store as store_module
 from strata_jax.host_pool.store import BF16
-from strata_jax import quant
+from strata_jax.model import quant
 
 # H and I multiples of the group (64), I not a multiple of the job or chunk rows: tails are exercised.
 LAYERS, E, H, I = 2, 6, 192, 128
@@ -121,7 +121,7 @@ def test_same_rows_as_the_device_xla_path(dtype):
     within a rounding flip's worth (float32 summation orders differ), as the int8 test in test_quant."""
     import jax
     import jax.numpy as jnp
-    from strata_jax import moe
+    from strata_jax.model import moe
     rng = rng_for(f"device-{dtype}")
     (_, stored), = make_layers(rng)[:1]
     q, scales = stored[:3], stored[3:]

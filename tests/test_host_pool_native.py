@@ -17,7 +17,7 @@ from helpers import reference_ffn, reference_rows, rel_fro, rng_for, rounding
 from strata_jax.host_pool import HostExpertStore, HostPool, native
 from strata_jax.host_pool import pool as pool_module
 from strata_jax.host_pool.store import BF16
-from strata_jax import quant
+from strata_jax.model import quant
 
 LAYERS, E = 2, 7
 # H a multiple of 64 (int4's groups) but not of the phase-2 block; I = 80: 16-lane loops with no tail, a ragged

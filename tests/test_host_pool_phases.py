@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from helpers import random_layers, reference_rows, rel_fro, rng_for
-from strata_jax.host_pool import (HostPoolError, collect_cpu_rows, submit_cpu_rows, unwrap_pool_error,
-                                  wait_heavy_rows)
+from strata_jax.host_pool import HostPoolError, collect_cpu_rows, submit_cpu_rows, unwrap_pool_error, wait_heavy_rows
 from strata_jax.host_pool.store import BF16
 
 LAYERS, E, H, I = 2, 8, 64, 32

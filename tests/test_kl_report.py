@@ -1,4 +1,4 @@
-"""The logpos file (strata_jax/logpos.py) and the KL report over it (benchmarks/kl_report.py): the file round-trips
+"""The logpos file (strata_jax/io/logpos.py) and the KL report over it (benchmarks/kl_report.py): the file round-trips
 exactly, the KL is 0 for a run against itself, matches a hand computation of the documented formula, equals the
 exact KL when nothing is truncated, and lands in the right position buckets; the CLI fails in one line."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks import kl_report
-from strata_jax.logpos import LogposWriter, read_logpos
+from strata_jax.io.logpos import LogposWriter, read_logpos
 from conftest import REPO
 
 

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro
-from strata_jax import StrataError, model
+from strata_jax import StrataError
+from strata_jax.model import transformer
+from strata_jax.model.kv_cache import QuantKV, _write_rows, dequantize_kv, kv_zeros, quantize_kv
 from conftest import run_cli
 
 COMMON = dict(dtype="float32", window=2, context=128, prefill_chunk=32)
@@ -30,7 +32,7 @@ COMMON = dict(dtype="float32", window=2, context=128, prefill_chunk=32)
 @pytest.fixture(scope="module")
 def prompt(engine_factory):
     eng = engine_factory("reference", expert_cache_slots="all", **COMMON)
-    text = Path(model.__file__).with_name("sampling.py").read_text()  # not in the reference's training data
+    text = Path(transformer.__file__).parent.parent.joinpath("sampling.py").read_text()  # not in the reference's training data
     return eng.encode(text[:2000])[:96]
 
 
@@ -39,36 +41,36 @@ def test_quantize_round_trips_within_half_a_step():
     x = rng.standard_normal((40, 4, 32)).astype(np.float32) * rng.uniform(1e-3, 30, (40, 4, 1)).astype(np.float32)
     x[5, 1] = 0.0  # an all-zero row: scale 0, values 0
     x[6, 2, 7] = -1e4  # one outlier: the row's other values get a coarse step, still within half of it
-    c = model.quantize_kv(jnp.asarray(x))
+    c = quantize_kv(jnp.asarray(x))
     assert c.q.dtype == jnp.int8 and c.scale.dtype == jnp.float32 and c.scale.shape == (40, 4)
     assert int(jnp.abs(c.q.astype(jnp.int32)).max()) <= 127
     scale = np.asarray(c.scale)
     np.testing.assert_allclose(scale, np.abs(x).max(-1) / 127, rtol=1e-6)
-    err = np.abs(np.asarray(model.dequantize_kv(c)) - x)
+    err = np.abs(np.asarray(dequantize_kv(c)) - x)
     assert (err <= scale[..., None] * (0.5 + 1e-5)).all()
     assert scale[5, 1] == 0 and (np.asarray(c.q)[5, 1] == 0).all()
-    # The write path: model.attention quantizes a window's rows into the cache at pos, rows and scales together.
-    cache = model.kv_zeros((16, 4, 32), jnp.float32, "int8")
-    written = model._write_rows(cache, jnp.asarray(x[:3]), (jnp.int32(5), 0, 0))
+    # The write path: transformer.attention quantizes a window's rows into the cache at pos, rows and scales together.
+    cache = kv_zeros((16, 4, 32), jnp.float32, "int8")
+    written = _write_rows(cache, jnp.asarray(x[:3]), (jnp.int32(5), 0, 0))
     np.testing.assert_array_equal(np.asarray(written.q[5:8]), np.asarray(c.q[:3]))
     np.testing.assert_array_equal(np.asarray(written.scale[5:8]), scale[:3])
     assert not np.asarray(written.q[:5]).any() and not np.asarray(written.scale[8:]).any()
 
 
 def test_xla_attention_reads_int8_as_the_kernel_reference_does():
-    """model._xla_attention on an int8 cache equals decode_attention_reference's int8 arithmetic, and both are the
+    """transformer._xla_attention on an int8 cache equals decode_attention_reference's int8 arithmetic, and both are the
     attention over the dequantized cache within f32 rounding (the scales applied to scores and probabilities)."""
     from strata_jax.pallas_kernels.decode_attention import decode_attention_reference
     rng = np.random.default_rng(5)
     t, nq, nkv, d, s, pos = 3, 8, 2, 32, 64, 40
     q = jnp.asarray(rng.standard_normal((t, nq, d)), jnp.float32)
-    kc = model.quantize_kv(jnp.asarray(rng.standard_normal((s, nkv, d)) * 2, jnp.float32))
-    vc = model.quantize_kv(jnp.asarray(rng.standard_normal((s, nkv, d)), jnp.float32))
+    kc = quantize_kv(jnp.asarray(rng.standard_normal((s, nkv, d)) * 2, jnp.float32))
+    vc = quantize_kv(jnp.asarray(rng.standard_normal((s, nkv, d)), jnp.float32))
     p = jnp.int32(pos)
     with jax.default_matmul_precision("highest"):
-        got = model._xla_attention(q, kc, vc, p + jnp.arange(t, dtype=jnp.int32))
+        got = transformer._xla_attention(q, kc, vc, p + jnp.arange(t, dtype=jnp.int32))
         ref = decode_attention_reference(q, kc.q, vc.q, p, kc.scale, vc.scale).reshape(t, nq * d)
-        deq = decode_attention_reference(q, model.dequantize_kv(kc), model.dequantize_kv(vc), p).reshape(t, nq * d)
+        deq = decode_attention_reference(q, dequantize_kv(kc), dequantize_kv(vc), p).reshape(t, nq * d)
     assert rel_fro(got, ref) < 1e-6
     assert rel_fro(got, deq) < 1e-5
 
@@ -76,7 +78,7 @@ def test_xla_attention_reads_int8_as_the_kernel_reference_does():
 def test_logits_close_to_the_unquantized_cache(engine_factory, prompt):
     auto = engine_factory("reference", expert_cache_slots="all", **COMMON)
     int8 = engine_factory("reference", expert_cache_slots="all", kv_dtype="int8", **COMMON)
-    assert isinstance(int8.cache.k, model.QuantKV) and int8.cache.k.q.dtype == jnp.int8  # scanned: stacked
+    assert isinstance(int8.cache.k, QuantKV) and int8.cache.k.q.dtype == jnp.int8  # scanned: stacked
     assert "int8" in int8.kv_cache_line() and "MiB" in int8.kv_cache_line()
     a, b = auto.score(prompt, window=2), int8.score(prompt, window=2)
     assert rel_fro(b, a) < 1.5e-2
@@ -100,10 +102,10 @@ def test_placement_independence_with_int8_kv(engine_factory, prompt):
     resident = engine_factory("reference", expert_cache_slots="all", kv_dtype="int8", **COMMON)
     offloaded = engine_factory("reference", expert_cache_slots=16, pcie_frac=1.0, kv_dtype="int8",
                                layer_loop="unrolled", **COMMON)
-    assert offloaded.placement is not None and isinstance(offloaded.cache.k[0], model.QuantKV)
+    assert offloaded.placement is not None and isinstance(offloaded.cache.k[0], QuantKV)
     # the default offload graph: decode windows scanned over the stacked QuantKV and slot caches
     scanned = engine_factory("reference", expert_cache_slots=16, pcie_frac=1.0, kv_dtype="int8", **COMMON)
-    assert scanned.scanned_offload and isinstance(scanned.cache.k, model.QuantKV)
+    assert scanned.scanned_offload and isinstance(scanned.cache.k, QuantKV)
     for w in (1, 2):
         offloaded.reconfigure(pcie_frac=1.0)
         want = resident.score(prompt, window=w)

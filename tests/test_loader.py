@@ -278,7 +278,7 @@ def test_save_state_keeps_the_model_files_refuses_a_full_folder_and_never_leaves
     or a state is refused in one line unless overwrite=True, which replaces it; a save that fails (a full disk)
     leaves the target as it was and no temporary folder beside it."""
     import json
-    from strata_jax import checkpoint
+    from strata_jax.io import checkpoint
     src = copy_fixture(tmp_path, "base")
     (src / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "eos_token_id": [3, 7]}))
@@ -325,7 +325,7 @@ def test_save_state_keeps_the_model_files_refuses_a_full_folder_and_never_leaves
 
 
 def test_logpos_on_a_full_disk_is_one_line_and_leaves_no_partial_file(engine_factory, tmp_path, monkeypatch):
-    from strata_jax import logpos
+    from strata_jax.io import logpos
     engine = engine_factory(HF_FIXTURES / "base", dtype="float32", window=W, **RESIDENT)
 
     def full_disk(self, start_pos, logits, targets=None):

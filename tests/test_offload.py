@@ -11,11 +11,11 @@ import pytest
 
 from helpers import one_line_refusal, rel_fro
 from strata_jax import Engine, StrataError
-from strata_jax.config import preset
-from strata_jax.experts import placement as placement_mod
-from strata_jax.experts.placement import Placement, adapt_pcie_frac, choose_pcie_frac
-from strata_jax.experts.slots import layer_states
-from strata_jax.stats import ExpertStats
+from strata_jax.model.config import preset
+from strata_jax.offload import placement as placement_mod
+from strata_jax.offload.placement import Placement, adapt_pcie_frac, choose_pcie_frac
+from strata_jax.offload.slots import layer_states
+from strata_jax.engine.stats import ExpertStats
 from conftest import run_cli
 
 REL_TOL = 1e-5
@@ -238,7 +238,7 @@ def test_auto_split_knows_lru_slots_fill_only_by_fetches():
     """pcie_frac=auto's cost model: under lru a split that fetches nothing leaves the slots empty (every entry a
     miss), under static the slots hold the prefill's experts whatever the split; so a fast pool wins the whole split
     only under static."""
-    from strata_jax.experts.placement import choose_pcie_frac
+    from strata_jax.offload.placement import choose_pcie_frac
     cfg = preset("qwen3-30b-a3b")
     costs = dict(pcie_gbs=50.0, pcie_call_s=2e-4, pool_gbs=100.0, callback_s=2e-5, overlap=True)
     lru, by_lru = choose_pcie_frac(cfg, cfg.num_experts // 2, 2, **costs, policy="lru")

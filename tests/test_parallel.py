@@ -1,4 +1,4 @@
-"""devices > 1 (strata_jax/parallel.py) on the CPU with fake devices: parallel=layers and parallel=experts give the
+"""devices > 1 (strata_jax/engine/parallel.py) on the CPU with fake devices: parallel=layers and parallel=experts give the
 single-device logits (float32, 1e-5 relative) through the prefill and decode windows of T=1 and T=4, and the same
 greedy tokens (and draft=device's, greedy and sampled), every expert resident and offloaded with
 each device's own slot caches (parallel=layers: PCIe and host pool, lru and static; parallel=experts: PCIe, lru); a
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from conftest import fake_devices_env
 from helpers import one_line_refusal
-from strata_jax.config import preset
-from strata_jax.engine import Engine
+from strata_jax.model.config import preset
+from strata_jax.engine.api import Engine
 from strata_jax.options import EngineOptions, build
 
 CHECK = Path(__file__).resolve().parent / "parallel_check.py"

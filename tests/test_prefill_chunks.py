@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 
 from strata_jax import Engine
-from strata_jax import engine as engine_mod
-from strata_jax.config import config_from_dict
-from strata_jax.embedded import CONFIGS_DIR
+from strata_jax.engine import plan as plan_mod
+from strata_jax.model.kv_cache import cache_bytes
+from strata_jax.model.config import config_from_dict
+from strata_jax.io.embedded import CONFIGS_DIR
 from strata_jax.options import EngineOptions, build
 
 
 def test_chunk_sizes_for_plan():
-    f = engine_mod.chunk_sizes_for
+    f = plan_mod.chunk_sizes_for
     assert f(0, (1024, 64)) == []
     assert f(100, (64,)) == [64, 64]
     assert f(3000, (1024, 64)) == [1024, 1024, 1024]  # 952 left >= 256: one padded large chunk
@@ -29,24 +30,24 @@ def test_chunk_sizes_for_plan():
 
 def test_auto_is_one_small_chunk_off_gpu_and_a_number_is_kept():
     cfg = config_from_dict(json.loads((CONFIGS_DIR / "tiny.json").read_text()))
-    ctx, chunks = engine_mod.context_and_chunks(cfg, build(EngineOptions, dict(context=512)))
-    assert (ctx, chunks) == (512, (engine_mod.SMALL_CHUNK,))
-    assert engine_mod.context_and_chunks(cfg, build(EngineOptions, dict(context=512, prefill_chunk=96)))[1] == (96,)
-    assert engine_mod.context_and_chunks(cfg, build(EngineOptions, dict(context=40, prefill_chunk=96)))[1] == (40,)
+    ctx, chunks = plan_mod.context_and_chunks(cfg, build(EngineOptions, dict(context=512)))
+    assert (ctx, chunks) == (512, (plan_mod.SMALL_CHUNK,))
+    assert plan_mod.context_and_chunks(cfg, build(EngineOptions, dict(context=512, prefill_chunk=96)))[1] == (96,)
+    assert plan_mod.context_and_chunks(cfg, build(EngineOptions, dict(context=40, prefill_chunk=96)))[1] == (40,)
 
 
 def test_gpu_auto_plan_is_large_then_small(monkeypatch):
     """On a GPU, auto gives (large, small), the large one bounded by the context and by the device memory."""
     cfg = config_from_dict(json.loads((CONFIGS_DIR / "tiny.json").read_text()))
-    monkeypatch.setattr(engine_mod.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(engine_mod, "_device_memory_bytes", lambda: 80 * 2**30)
+    monkeypatch.setattr(plan_mod.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(plan_mod, "_device_memory_bytes", lambda: 80 * 2**30)
     opts = lambda **o: build(EngineOptions, dict(context=4096, **o))  # noqa: E731
-    assert engine_mod.context_and_chunks(cfg, opts())[1] == (1024, 64)
-    assert engine_mod.context_and_chunks(cfg, build(EngineOptions, dict(context=300)))[1] == (256, 64)
+    assert plan_mod.context_and_chunks(cfg, opts())[1] == (1024, 64)
+    assert plan_mod.context_and_chunks(cfg, build(EngineOptions, dict(context=300)))[1] == (256, 64)
     # a device whose eighth cannot hold a 1024-row chunk's activations gets a smaller large chunk
-    need = engine_mod.prefill_activation_bytes(cfg, 1024, 4096 + 1024, kernel_attention=True)  # bf16 on a GPU
-    monkeypatch.setattr(engine_mod, "_device_memory_bytes", lambda: 8 * need - 1)
-    assert engine_mod.context_and_chunks(cfg, opts())[1] == (512, 64)
+    need = plan_mod.prefill_activation_bytes(cfg, 1024, 4096 + 1024, kernel_attention=True)  # bf16 on a GPU
+    monkeypatch.setattr(plan_mod, "_device_memory_bytes", lambda: 8 * need - 1)
+    assert plan_mod.context_and_chunks(cfg, opts())[1] == (512, 64)
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +57,12 @@ def prompt():
 
 def _engine(monkeypatch, chunks, **options):
     """An engine of the embedded model whose prefill runs `chunks` (the GPU plan's shape, forced on the CPU)."""
-    real = engine_mod.context_and_chunks
-    monkeypatch.setattr(engine_mod, "context_and_chunks", lambda cfg, opts: (real(cfg, opts)[0], chunks))
+    real = plan_mod.context_and_chunks
+    monkeypatch.setattr(plan_mod, "context_and_chunks", lambda cfg, opts: (real(cfg, opts)[0], chunks))
     try:
         return Engine.from_pretrained(None, verbose=False, dtype="float32", window=1, context=256, **options)
     finally:
-        monkeypatch.setattr(engine_mod, "context_and_chunks", real)
+        monkeypatch.setattr(plan_mod, "context_and_chunks", real)
 
 
 @pytest.mark.parametrize("slots", ["all", "3"])
@@ -71,7 +72,7 @@ def test_prefill_logits_do_not_depend_on_chunk_sizes(monkeypatch, cache_dir, pro
         opts["pcie_frac"] = "1"
     base = _engine(monkeypatch, (64,), **opts)
     mixed = _engine(monkeypatch, (32, 8), **opts)  # 135 tokens: 32 x 4, then 8 (7 left < 32 / 4)
-    assert engine_mod.chunk_sizes_for(len(prompt), mixed.chunks) == [32, 32, 32, 32, 8]
+    assert plan_mod.chunk_sizes_for(len(prompt), mixed.chunks) == [32, 32, 32, 32, 8]
     want = base.prefill_logits(prompt)
     got = mixed.prefill_logits(prompt)
     assert got.shape == want.shape == (len(prompt), base.cfg.vocab_size)
@@ -85,15 +86,15 @@ def test_auto_context_follows_the_model_where_attention_reads_up_to_position(mon
     raw = json.loads((CONFIGS_DIR / "tiny.json").read_text())
     cfg = config_from_dict({**raw, "max_position_embeddings": 32768})
     opts = lambda **o: build(EngineOptions, {"dtype": "bfloat16", **o})  # noqa: E731
-    assert engine_mod.resolve_context(cfg, opts())[0] == 4096  # this CPU: XLA attention
-    assert engine_mod.resolve_context(cfg, opts(context=777)) == (777, "--context")
-    monkeypatch.setattr(engine_mod.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(engine_mod, "_device_memory_bytes", lambda: 80 * 2**30)
-    ctx, why = engine_mod.resolve_context(cfg, opts())
+    assert plan_mod.resolve_context(cfg, opts())[0] == 4096  # this CPU: XLA attention
+    assert plan_mod.resolve_context(cfg, opts(context=777)) == (777, "--context")
+    monkeypatch.setattr(plan_mod.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(plan_mod, "_device_memory_bytes", lambda: 80 * 2**30)
+    ctx, why = plan_mod.resolve_context(cfg, opts())
     assert ctx == 32768 and "max_position_embeddings 32768" in why
-    assert engine_mod.resolve_context(cfg, opts(dtype="float32"))[0] == 4096  # float32: the XLA attention
-    kv = lambda c: engine_mod.model.cache_bytes(cfg, c + engine_mod.LARGE_CHUNK, 2, 5)  # noqa: E731
-    monkeypatch.setattr(engine_mod, "_device_memory_bytes", lambda: 8 * kv(8192))  # fits 8192, not 16384
-    ctx, why = engine_mod.resolve_context(cfg, opts())
+    assert plan_mod.resolve_context(cfg, opts(dtype="float32"))[0] == 4096  # float32: the XLA attention
+    kv = lambda c: cache_bytes(cfg, c + plan_mod.LARGE_CHUNK, 2, 5)  # noqa: E731
+    monkeypatch.setattr(plan_mod, "_device_memory_bytes", lambda: 8 * kv(8192))  # fits 8192, not 16384
+    ctx, why = plan_mod.resolve_context(cfg, opts())
     assert ctx == 8192 and "halved" in why
-    assert engine_mod.context_and_chunks(cfg, opts())[0] == 8192
+    assert plan_mod.context_and_chunks(cfg, opts())[0] == 8192

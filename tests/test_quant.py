@@ -1,4 +1,4 @@
-"""strata_jax/quant.py: the low-bit expert formats round-trip within half a step, pack int4 exactly, and order by
+"""strata_jax/model/quant.py: the low-bit expert formats round-trip within half a step, pack int4 exactly, and order by
 error as their bits and groups say."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from strata_jax.experts.slots import layer_states
+from strata_jax.offload.slots import layer_states
 
 from helpers import rel_fro
-from strata_jax import quant
+from strata_jax.model import quant
 
 
 @pytest.mark.parametrize("name", list(quant.FORMATS))
@@ -102,7 +102,7 @@ def test_int8_experts_same_rows_on_the_device_and_the_host_pool(dtype):
     import jax.numpy as jnp
     from strata_jax.host_pool import HostExpertStore, HostPool
     from strata_jax.pallas_kernels.expert_ffn import expert_ffn_reference
-    from strata_jax import moe
+    from strata_jax.model import moe
     rng = np.random.default_rng()
     e, h, i, t = 6, 64, 32, 3
     mats = [rng.standard_normal((e, i, h)) / 8, rng.standard_normal((e, i, h)) / 8, rng.standard_normal((e, h, i)) / 6]
@@ -189,8 +189,8 @@ def test_quantized_state_saves_and_restores(engine_factory, tmp_path):
 def test_a_vram_budget_holds_about_four_times_the_int4_slots(monkeypatch):
     """expert_cache_slots=auto at the Qwen3-30B-A3B shape with 16 GiB free: int4 experts (scales counted on the
     device) get about 4x the bf16 slots, int8 about 2x."""
-    from strata_jax.experts import placement
-    from strata_jax.config import preset
+    from strata_jax.offload import placement
+    from strata_jax.model.config import preset
     from strata_jax.options import EngineOptions, build
     monkeypatch.setattr(placement, "device_free_bytes", lambda: 16 * 2**30)
     cfg = preset("qwen3-30b-a3b")
@@ -204,7 +204,7 @@ def test_int4_takes_the_largest_group_that_divides():
     """expert_dtype=int4 is groups of 64 where both widths allow it, else of 32 (the reference model's I=96); a model
     whose experts are not a whole number of 32-input groups is refused with one line, before loading."""
     from strata_jax import Engine, StrataError
-    from strata_jax.config import preset
+    from strata_jax.model.config import preset
     assert quant.engine_format("int4", (2048, 768)) == "int4" and quant.engine_format("int4", (256, 96)) == "int4-g32"
     assert quant.engine_format("int8", (256, 48)) == "int8" and quant.engine_format("auto", (256, 48)) is None
     cfg = preset("tiny").replace(moe_intermediate_size=48)
@@ -237,7 +237,7 @@ def test_quantized_experts_under_the_kernel_scan_offloaded(engine_factory, cache
     row holds the expert. Its decode windows' logits are all resident's (the XLA path) within bf16 rounding, with
     fetches and the pool in the windows. On the CPU the kernel runs in interpret mode; the engine refuses
     expert_kernel=pallas off a GPU (for speed, not arithmetic), so that check is passed here for this engine."""
-    from strata_jax import engine as engine_mod
+    from strata_jax.engine import api as engine_mod
     ids = list(b"class Stack:\n    def __init__(self):\n        self.items = []\n")
     common = dict(dtype="bfloat16", window=4, context=64, expert_dtype=fmt)
     resident = engine_factory(None, expert_cache_slots="all", expert_kernel="xla", **common)
@@ -278,7 +278,7 @@ def test_int8_random_weights_for_benchmarks(cache_dir):
     """Engine.from_random(expert_dtype=int8) (what the benchmarks build): quantized as made, all resident in the
     scanned body, placement-independent."""
     from strata_jax import Engine
-    from strata_jax.config import preset
+    from strata_jax.model.config import preset
     cfg = preset("tiny")
     opts = dict(verbose=False, cache_dir=str(cache_dir), dtype="float32", expert_dtype="int8", window=2, context=64)
     resident = Engine.from_random(cfg, seed=3, expert_cache_slots="all", **opts)

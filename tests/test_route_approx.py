@@ -1,4 +1,4 @@
-"""The routing approximations (strata_jax/experts/approx.py): each rule against a plain-numpy implementation of its
+"""The routing approximations (strata_jax/offload/approx.py): each rule against a plain-numpy implementation of its
 text, the switches' values table, and the engine-level guarantees: off = the exact path; lambda = 0, R >= K and a full cache
 change nothing.
 """
@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from strata_jax import moe
-from strata_jax.experts import approx
-from strata_jax.experts import slots as slots_mod
-from strata_jax.config import preset
-from strata_jax.experts.approx import route_approx
+from strata_jax.model import moe
+from strata_jax.offload import approx
+from strata_jax.offload import slots as slots_mod
+from strata_jax.model.config import preset
+from strata_jax.offload.approx import route_approx
 from strata_jax.options import EngineOptions, build
 
 CFG = preset("tiny")  # 16 experts, top-4

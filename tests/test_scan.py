@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro
-from strata_jax import model
-from strata_jax.config import preset
-from strata_jax.engine import Engine
+from strata_jax.model.weights import can_stack, random_weights, stack_layers, unstack_layers
+from strata_jax.model.config import preset
+from strata_jax.engine.api import Engine
 from strata_jax.options import EngineOptions, build
 
 
@@ -63,17 +63,17 @@ def test_the_unrolled_graph_runs_the_same_product_kernel(engine_factory, tokens)
 
 def test_stack_and_unstack_round_trip():
     cfg = preset("tiny")
-    w = model.random_weights(cfg, 3, jnp.float32)
-    s = model.stack_layers(w)
+    w = random_weights(cfg, 3, jnp.float32)
+    s = stack_layers(w)
     assert s.stacked and jax.tree.leaves(s.layers)[0].shape[0] == cfg.num_layers
-    back = model.unstack_layers(s)
+    back = unstack_layers(s)
     for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_stacked_random_weights_are_random_and_stacked():
     cfg = preset("tiny")
-    w = model.random_weights(cfg, 0, jnp.float32, stacked=True)
+    w = random_weights(cfg, 0, jnp.float32, stacked=True)
     assert w.stacked
     gate = np.asarray(w.layers.ffn.gate)  # [L, E, I, H]
     assert gate.shape[0] == cfg.num_layers and np.std(gate) > 0.01
@@ -85,8 +85,8 @@ def test_mixed_layers_fall_back_to_unrolled(tokens):
     """mlp_only_layers: dense and MoE layers cannot share one body; the engine unrolls and still decodes."""
     cfg = preset("tiny")
     cfg = cfg.replace(sparse_layers=(False,) + tuple(cfg.sparse_layers[1:]))
-    assert not model.can_stack(cfg)
+    assert not can_stack(cfg)
     opts = build(EngineOptions, dict(dtype="float32", window=2, context=64, expert_cache_slots="all"))
-    eng = Engine(cfg, model.random_weights(cfg, 0, jnp.float32), opts, verbose=False)
+    eng = Engine(cfg, random_weights(cfg, 0, jnp.float32), opts, verbose=False)
     assert not eng.scanned
     assert len(eng.generate(tokens[:5], 4, stop_token_ids=[])) == 4

@@ -426,7 +426,7 @@ def test_tools_go_through_the_template_and_calls_come_back_parsed(engine_factory
 
     from starlette.testclient import TestClient
 
-    from strata_jax.chat import ChatTemplate
+    from strata_jax.io.chat import ChatTemplate
     from strata_jax.serve import create_app
     # a context that holds a tool's JSON schema in bytes; its graphs never run (the reply is scripted)
     engine = engine_factory(None, dtype="float32", window=1, context=1024, expert_cache_slots="all")
@@ -483,7 +483,7 @@ def test_tool_choice_required_and_named_force_one_call(engine_factory, monkeypat
 
     from starlette.testclient import TestClient
 
-    from strata_jax.chat import ChatTemplate
+    from strata_jax.io.chat import ChatTemplate
     from strata_jax.serve import create_app
     engine = engine_factory(None, dtype="float32", window=1, context=1024, expert_cache_slots="all")
     monkeypatch.setattr(engine, "chat_template", ChatTemplate(TOOLS_TEMPLATE, engine.chat_template.special_tokens))

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import run_cli
 from strata_jax import StrataError
-from strata_jax.drafts import DraftGate, NgramDrafter
+from strata_jax.speculative.drafters import DraftGate, NgramDrafter
 from strata_jax.sampling import SamplingParams, filtered_logits, verify
 
 W = 5
@@ -208,11 +208,11 @@ def test_host_time_between_verify_windows_is_measured(engine_factory, prompt):
 
 
 def test_device_ngram_proposes_what_the_host_drafter_proposes():
-    """strata_jax.device_drafts.ngram_propose against drafts.NgramDrafter on random histories (small vocabularies,
+    """strata_jax.speculative.device_drafts.ngram_propose against drafts.NgramDrafter on random histories (small vocabularies,
     so suffixes of 1..3 tokens recur), a short look-back window included. Jitted (as the engine runs it) on
     histories padded to one length with more tokens past the history: one compile per (k, window), not an eager
     op-by-op trace per history length (~1000 compiles)."""
-    from strata_jax.device_drafts import ngram_propose
+    from strata_jax.speculative.device_drafts import ngram_propose
     propose = jax.jit(ngram_propose, static_argnums=2, static_argnames="window")
     rng, pad_rng = np.random.default_rng(9), np.random.default_rng(10)
     padded = 64  # > the longest history array drawn below (39 + 5 + 7)
@@ -360,7 +360,7 @@ def test_sampled_windows_draw_in_the_window_graph_the_samplers_tokens(engine_fac
     """A sampled request's windows draw their tokens in the window's own graph (graphs.sampled_window: one
     dispatch and no host round trip a window), the same tokens as the window graph followed by the samplers alone,
     in every filter form, in queued T=1 stretches and in verify windows whose drafts are accepted and rejected."""
-    from strata_jax import graphs
+    from strata_jax.engine import graphs
     eng = resident(engine_factory) if placement == "resident" else offloaded(engine_factory)
     greedy = eng.generate(prompt, 32, stop_token_ids=[])
     settings = [dict(temperature=0.05, top_k=20, top_p=0.8)]  # offloaded: one form (its graphs compile slowly)

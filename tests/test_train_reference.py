@@ -1,4 +1,4 @@
-"""strata_jax.train_reference on a tiny model (CPU, seconds): the engine loads what it saves and gives the
+"""training.train_reference on a tiny model (CPU, seconds): the engine loads what it saves and gives the
 training forward's logits, the loss goes down, the load-balancing loss is transformers', the report is sane."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from helpers import rel_fro
-from strata_jax import model
-from strata_jax import train_reference as train
-from strata_jax.config import config_from_dict
+from strata_jax.model.weights import random_weights
+from training import train_reference as train
+from strata_jax.model.config import config_from_dict
 
 # 16 experts (not 8) so that the top-8 routing skew is not 1 by construction.
 TINY = ["--hidden=64", "--layers=2", "--experts=16", "--top_k=2", "--moe_intermediate=32", "--heads=2", "--kv_heads=1",
@@ -36,7 +36,8 @@ def tiny_run(tmp_path_factory):
 
 
 def test_engine_logits_equal_training_forward(tiny_run, cache_dir):
-    from strata_jax import Engine, checkpoint
+    from strata_jax import Engine
+    from strata_jax.io import checkpoint
     root, result = tiny_run
     ckpt = root / "ckpt"
     cfg = config_from_dict(json.loads((ckpt / "config.json").read_text()))
@@ -69,7 +70,7 @@ def test_loss_goes_down_on_a_repeated_batch():
     batch = jnp.asarray(data[:4 * 33].reshape(4, 33))
     optimizer, _ = train.make_optimizer(lr=3e-3, steps=30)
     update = jax.jit(train.make_update(cfg, optimizer, aux_loss_coef=0.001, compute_dtype=jnp.float32))
-    weights = model.random_weights(cfg, 0, jnp.float32)
+    weights = random_weights(cfg, 0, jnp.float32)
     state = optimizer.init(weights)
     losses = []
     for _ in range(30):
@@ -125,7 +126,7 @@ def test_report(tiny_run):
 
 
 def test_sharded_checkpoint_loads(tiny_run, tmp_path):
-    from strata_jax import checkpoint
+    from strata_jax.io import checkpoint
     root, result = tiny_run
     cfg = config_from_dict(json.loads((root / "ckpt" / "config.json").read_text()))
     raw = json.loads((root / "ckpt" / "config.json").read_text())
@@ -150,7 +151,7 @@ def test_default_shape_size():
     """The default model stays under ~40 MB as bf16 safetensors."""
     train.parse_flags(["train_reference"])
     cfg = config_from_dict(train.hf_config(train.FLAGS))
-    shapes = jax.eval_shape(lambda: model.random_weights(cfg, 0, jnp.float32))
+    shapes = jax.eval_shape(lambda: random_weights(cfg, 0, jnp.float32))
     assert 2 * sum(x.size for x in jax.tree.leaves(shapes)) <= 40e6
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.num_layers, cfg.hidden_size) == (64, 8, 4, 256)
 
@@ -182,7 +183,9 @@ def tiny_next(tmp_path_factory):
 def test_next_engine_and_mtp_equal_training_forward(tiny_next, cache_dir):
     """The engine loads the saved Qwen3-Next model and its MTP module exactly, and gives the training forward's
     logits (prefill and score) and the module's logits on the token after next."""
-    from strata_jax import Engine, checkpoint, mtp as mtp_mod
+    from strata_jax import Engine
+    from strata_jax.io import checkpoint
+    from strata_jax.speculative import mtp as mtp_mod
     root, result = tiny_next
     raw = json.loads((root / "config.json").read_text())
     cfg = config_from_dict(raw)
@@ -237,7 +240,7 @@ def test_next_mtp_loss_goes_down_on_a_repeated_batch():
     optimizer, _ = train.make_optimizer(lr=3e-3, steps=30)
     update = jax.jit(train.make_update(cfg, optimizer, aux_loss_coef=0.001, compute_dtype=jnp.float32,
                                        mtp_loss_coef=1.0))
-    master = (model.random_weights(cfg, 0, jnp.float32), train.random_mtp(cfg, 0, jnp.float32, 0.02))
+    master = (random_weights(cfg, 0, jnp.float32), train.random_mtp(cfg, 0, jnp.float32, 0.02))
     state = optimizer.init(master)
     ce, mtp_ce = [], []
     for _ in range(30):
@@ -254,7 +257,7 @@ def test_next_defaults_stay_small():
     train.parse_flags(["train_reference", "--arch=qwen3_next"])
     s = train.arch_defaults(train.FLAGS)
     cfg = config_from_dict(train.hf_config(s))
-    shapes = jax.eval_shape(lambda: (model.random_weights(cfg, 0, jnp.float32),
+    shapes = jax.eval_shape(lambda: (random_weights(cfg, 0, jnp.float32),
                                      train.random_mtp(cfg, 0, jnp.float32, 0.02)))
     assert 2 * sum(x.size for x in jax.tree.leaves(shapes)) <= 10e6
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size) == (64, 8, 128)

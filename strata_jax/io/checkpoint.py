@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from strata_jax.config import ModelConfig
+from strata_jax.model.config import ModelConfig
 from strata_jax.errors import StrataError, make_writable_folder, os_error_behind
-from strata_jax.model import Leaf, LayerWeights, Weights, build_layer, weight_specs
-from strata_jax import quant
-from strata_jax.mtp import MTPWeights, weight_specs as mtp_specs
+from strata_jax.model.weights import Leaf, LayerWeights, Weights, build_layer, weight_specs
+from strata_jax.model import quant
+from strata_jax.speculative.mtp import MTPWeights, weight_specs as mtp_specs
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -130,7 +130,7 @@ def has_mtp(folder: str | Path, cfg: ModelConfig) -> bool:
 
 
 def load_mtp(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Placer = default_place) -> MTPWeights:
-    """The `mtp.*` tensors as MTPWeights, on the device (see strata_jax/mtp.py)."""
+    """The `mtp.*` tensors as MTPWeights, on the device (see strata_jax/speculative/mtp.py)."""
     return load_weights(folder, cfg, dtype, place, mtp_only=True)
 
 
@@ -185,7 +185,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     per expert or fused as `experts.gate_up_proj` / `experts.down_proj`, either is read for any model).
 
     `place_experts` receives each sparse layer's stacked expert arrays (names `layers.{i}.experts.{gate,up,down}`);
-    by default they go where `place` puts everything else. expert_format "int8" or "int4" (strata_jax/quant.py): the
+    by default they go where `place` puts everything else. expert_format "int8" or "int4" (strata_jax/model/quant.py): the
     routed experts (not the MTP layer's) are quantized as they are read; `place_experts` then receives q (int8, or
     int4 packed in uint8) and `place_scales` (default `place`) the bf16 scales, [E, O] per row (int8) or [E, O, I/64]
     (int4) (names `layers.{i}.experts.{gate,up,down}_scale`).

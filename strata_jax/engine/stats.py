@@ -17,7 +17,7 @@ class ExpertStats:
     distinct_resident: int = 0
     distinct_fetched: int = 0
     distinct_cpu: int = 0
-    # The routing approximations (strata_jax/experts/approx.py)
+    # The routing approximations (strata_jax/offload/approx.py)
     distinct_skipped: int = 0  # tail skip: missed experts neither copied nor computed
     entries_skipped: int = 0
     prior_tokens: int = 0  # route prior: decode tokens routed with it

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from strata_jax import moe
-from strata_jax.config import ModelConfig
-from strata_jax.linear import linear
-from strata_jax.model import (Leaf, LayerWeights, QuantKV, Weights, attention, kv_zeros, layer_specs, lm_head, norm,
-                              shared_expert)
+from strata_jax.model import moe
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.linear import linear
+from strata_jax.model.weights import Leaf, LayerWeights, Weights, layer_specs
+from strata_jax.model.kv_cache import QuantKV, kv_zeros
+from strata_jax.model.transformer import attention, lm_head, norm, shared_expert
 
 
 @struct.dataclass

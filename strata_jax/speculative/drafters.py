@@ -16,7 +16,7 @@ import numpy as np
 
 NGRAM_MAX_N = 3  # longest suffix the n-gram drafter matches (device_drafts uses the same)
 NGRAM_WINDOW = 4096  # tokens it looks back over
-DRAFTERS = ("auto", "ngram", "none", "device", "mtp")  # auto: Engine.generate picks device or ngram; device: strata_jax.device_drafts; mtp: strata_jax.mtp
+DRAFTERS = ("auto", "ngram", "none", "device", "mtp")  # auto: Engine.generate picks device or ngram; device: strata_jax.speculative.device_drafts; mtp: strata_jax.speculative.mtp
 
 
 class Drafter(Protocol):

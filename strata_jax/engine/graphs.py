@@ -1,6 +1,6 @@
 """The pure functions a window runs, for researchers who hold their own weights and caches.
 
-    from strata_jax import graphs, model
+    from strata_jax.engine import graphs
     step = graphs.jit_decode_window(cfg)                  # one compiled graph per window size T (by shape)
     greedy_tokens, logits, cache = step(weights, cache, tokens_T, pos)
     tokens = graphs.jit_sample()(logits, positions, SamplingParams.make(temperature=0.7))   # when sampling
@@ -24,9 +24,11 @@ import weakref
 import jax
 import jax.numpy as jnp
 
-from strata_jax import device_drafts, mtp
-from strata_jax.config import ModelConfig
-from strata_jax.model import ExpertPath, KVCache, Weights, forward
+from strata_jax.speculative import device_drafts, mtp
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.transformer import ExpertPath, forward
+from strata_jax.model.kv_cache import KVCache
+from strata_jax.model.weights import Weights
 from strata_jax.sampling import SamplingParams, greedy, sample, verify
 
 
@@ -34,7 +36,7 @@ def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.
                   *, cfg: ModelConfig, experts: ExpertPath | None = None, attention_kernel: bool = False,
                   dense_kernel: bool = False, delta_kernel: bool = False, return_hidden: bool = False):
     """tokens [T] at positions pos.. -> (argmax tokens [T], logits [T, V] float32, cache[, the final hidden states
-    [T, H] with return_hidden: the MTP drafter's input, strata_jax/mtp.py]). attention_kernel: the
+    [T, H] with return_hidden: the MTP drafter's input, strata_jax/speculative/mtp.py]). attention_kernel: the
     Pallas decode-attention kernel instead of XLA's einsums; dense_kernel: the attention products through
     pallas_kernels/stacked_linear.py (stacked weights read in place); delta_kernel: Qwen3-Next's delta rule through
     pallas_kernels/gated_delta.py."""
@@ -46,7 +48,7 @@ def decode_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.
 
 def window_outputs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A window's logits [T, V] -> (argmax [T], logits): NON_FINITE (-1) for a row whose logits are not all
-    finite (also the last stage of strata_jax/parallel.py's split windows)."""
+    finite (also the last stage of strata_jax/engine/parallel.py's split windows)."""
     return greedy(logits), logits
 
 
@@ -102,7 +104,7 @@ def device_verify_window(weights: Weights, cache: KVCache, hist: jax.Array, leng
                          sampling: SamplingParams, *, cfg: ModelConfig, t: int, form: str | None,
                          experts: ExpertPath | None = None, attention_kernel: bool = False,
                          dense_kernel: bool = False, delta_kernel: bool = False):
-    """A verify window that needs nothing from the host (strata_jax.device_drafts): hist [C] int32 holds the tokens
+    """A verify window that needs nothing from the host (strata_jax.speculative.device_drafts): hist [C] int32 holds the tokens
     so far, the first `length` of them (the last not yet in the KV cache). Proposes up to t-1 n-gram drafts, runs
     the window at position length-1 (padding rows route nowhere), accepts as the host loop would, and appends the
     new tokens. -> (hist, length, new [t] (the first n_new real), n_new, drafts proposed m, cache)."""

@@ -1,6 +1,6 @@
 """One request's decode, as flat functions read top to bottom (gpt-fast's generate.py shape):
 
-    run(engine, request)        prefill, the first token, then the loop the request asks for
+    run(graphs, state, request) prefill, the first token, then the loop the request asks for
       prefill                   the prompt through the prefill chunks; the first new token
       decode                    picks and times one of the three loops:
         decode_pipelined        spec 0: one token a window, read one window late (the next window already queued)
@@ -9,10 +9,11 @@
         decode_device           draft="device": drafting and acceptance in the window graph, one window queued
                                 ahead of the one read; the host loop finishes near the context's end
 
-A `Request` holds the per-request things (the prompt, budget, stop ids, sampling, drafter, on_token, the stats and
-the tokens made so far); the engine holds the compiled graphs, the weights and the KV cache, which every window
-donates and returns (`engine.cache` is replaced at each call). `Engine.generate` builds the request and runs it
-through `run` under its failure recovery (`Engine._guarded`)."""
+The loops know three things, never the Engine: a `Request` (the prompt, budget, stop ids, sampling, drafter,
+on_token, the stats and the tokens made so far), the `Graphs` it may call (the compiled windows by size, the
+samplers of its filter form, the graphs compiled on first use, the steps between windows), and the `State` that
+every window donates and gets back (`state.cache` is replaced at each call). `Engine.generate` builds the three
+and runs `run` under its failure recovery (`Engine._guarded`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,15 +25,42 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import grammar as grammar_mod
-from strata_jax import mtp as mtp_mod
-from strata_jax.drafts import DraftGate, NgramDrafter
+from strata_jax.speculative import mtp as mtp_mod
+from strata_jax.speculative.drafters import DraftGate, NgramDrafter
 from strata_jax.sampling import SamplingParams, form_of
-from strata_jax.stats import RequestStats
+from strata_jax.engine.stats import RequestStats
 
 if TYPE_CHECKING:
-    from strata_jax.drafts import Drafter
+    from strata_jax.speculative.drafters import Drafter
     from strata_jax.grammar import JsonConstraint
-    from strata_jax.engine import Engine
+    from strata_jax.engine.stats import ExpertStats
+
+
+@dataclasses.dataclass
+class State:
+    """What every window donates and gets back: the weights, the KV cache (with the slot caches), the MTP module's
+    weights (or None). The engine holds one; the loops replace `cache` after each call."""
+    weights: object
+    cache: object
+    mtp: object = None
+
+
+@dataclasses.dataclass
+class Graphs:
+    """What a request's loops may call (Engine._graphs makes it per request: the samplers follow its filter form)."""
+    decode: Mapping[int, Callable]  # T -> (weights, cache, tokens [T], pos) -> (greedy [T], logits [T, V], cache)
+    sample: Mapping[int, Callable]  # T -> (logits [T, V], positions [T], sampling) -> tokens [T]
+    verify: Mapping[int, Callable]  # T -> (logits, drafts [T-1], positions, sampling) -> (ok [T-1], drawn [T])
+    device_verify: Callable[[int, str | None], Callable]  # draft=device's window of (T, filter form), on first use
+    mtp_fused: Callable[[int], Callable]  # greedy draft=mtp: the window that also drafts the next one
+    mtp_hidden: Callable[[int], Callable]  # sampled draft=mtp: the window that returns its hidden rows
+    prefill: Callable  # (ids, first, mtp) -> (first new token, its logits [1, V]): the prompt through the chunks
+    checked: Callable[[int, int], int]  # a token read back at a position: refused when its logits were not finite
+    take_expert_stats: Callable[[], ExpertStats]  # the windows' expert counters since the last call, zeroed
+    after_request: Callable[[ExpertStats], None]  # pcie_frac=auto: the split from the misses a request met
+    fill_static_slots: Callable[[], None] | None  # static cache policy: the slots take the prefill's experts
+    context: int
+    vocab_size: int
 
 
 @dataclasses.dataclass
@@ -87,80 +115,80 @@ class Request:
         return token in self.stops
 
 
-def run(engine: Engine, r: Request) -> None:
+def run(g: Graphs, s: State, r: Request) -> None:
     """The whole request: the prompt's prefill and first token, then the decode loop (unless it stopped)."""
-    first = prefill(engine, r)
+    first = prefill(g, s, r)
     if r.on_token:
         r.on_token(first)
     if first not in r.stops:
-        decode(engine, r)
-    r.stats.decode_experts = engine._take_expert_stats()
-    engine._adapt_pcie_frac(r.stats.decode_experts)  # pcie_frac=auto: from the misses this request met
+        decode(g, s, r)
+    r.stats.decode_experts = g.take_expert_stats()
+    g.after_request(r.stats.decode_experts)  # pcie_frac=auto: from the misses this request met
 
 
-def prefill(engine: Engine, r: Request) -> int:
+def prefill(g: Graphs, s: State, r: Request) -> int:
     """The prompt from position r.reuse through the prefill chunks; returns the first new token (in r.out, not yet
     shown to on_token). Static cache policy: the slots then take the prefill's most used experts."""
     t0 = time.perf_counter()
     mtp = r.mtp
-    token, last = engine._prefill_all(r.ids, first=r.reuse, mtp=mtp)
+    token, last = g.prefill(r.ids, first=r.reuse, mtp=mtp)
     if r.grammar is not None:
-        first = constrained_token(engine, r, last, r.ids.size)
+        first = constrained_token(g, s, r, last, r.ids.size)
     else:
         if r.sampled:
-            token = engine._sample[1](last, jnp.asarray([r.ids.size], jnp.int32), r.sampling)[0]
-        first = engine._checked(int(token), r.ids.size)
+            token = g.sample[1](last, jnp.asarray([r.ids.size], jnp.int32), r.sampling)[0]
+        first = g.checked(int(token), r.ids.size)
     r.out.append(first)
     if mtp is not None:
         mtp.observe([first])
     r.stats.prefill_s = time.perf_counter() - t0
-    r.stats.prefill_experts = engine._take_expert_stats()
-    if engine.placement and engine.placement.policy == "static" and not r.reuse:
+    r.stats.prefill_experts = g.take_expert_stats()
+    if g.fill_static_slots is not None and not r.reuse:
         # A reused prefix keeps the slots its first request chose (this prefill saw only the new tokens).
-        engine._fill_static_slots()
+        g.fill_static_slots()
     return first
 
 
-def decode(engine: Engine, r: Request) -> None:
+def decode(g: Graphs, s: State, r: Request) -> None:
     """The decode loop the request asks for, timed as stats.decode_s (a graph compiled on first use is not)."""
     on_device = r.spec > 0 and r.device_drafts
     if on_device:
-        engine._device_verify_graph(r.spec + 1, r.form)  # compiled on first use, outside the decode's time
+        g.device_verify(r.spec + 1, r.form)  # compiled on first use, outside the decode's time
     t0 = time.perf_counter()
     if r.grammar is not None:
-        decode_constrained(engine, r)
+        decode_constrained(g, s, r)
     elif on_device:
-        decode_device(engine, r)
+        decode_device(g, s, r)
     elif r.spec > 0:
-        decode_verify(engine, r)
+        decode_verify(g, s, r)
     else:
-        decode_pipelined(engine, r)
+        decode_pipelined(g, s, r)
     r.stats.decode_s = time.perf_counter() - t0
 
 
-def constrained_token(engine: Engine, r: Request, logits, position: int) -> int:
+def constrained_token(g: Graphs, s: State, r: Request, logits, position: int) -> int:
     """The token at `position` from one row of logits, among the tokens r.grammar allows: their logits kept, the
     others at -inf, then the request's sampler (greedy: the argmax); the grammar takes the token."""
     allowed = jnp.asarray(r.grammar.allowed())
     if r.sampled:
-        token = engine._sample[1](grammar_mod.masked_logits(logits, allowed), jnp.asarray([position], jnp.int32),
+        token = g.sample[1](grammar_mod.masked_logits(logits, allowed), jnp.asarray([position], jnp.int32),
                                   r.sampling)[0]
     else:
         token = grammar_mod.masked_argmax(logits, allowed)
-    token = engine._checked(int(token), position)
+    token = g.checked(int(token), position)
     r.grammar.advance(token)
     return token
 
 
-def decode_constrained(engine: Engine, r: Request) -> None:
+def decode_constrained(g: Graphs, s: State, r: Request) -> None:
     """A request held to a grammar: T=1 windows one at a time (a token's mask follows from the tokens before it, so
     nothing is queued ahead), until a stop token, the budget, or the end-of-sequence token that follows a complete
     output (with ignore_eos too: the grammar allows nothing after it)."""
     pos = r.ids.size + len(r.out) - 1  # position of out[-1], not yet in the KV cache
     while len(r.out) < r.budget and not r.grammar.finished:
-        _, logits, engine.cache = engine._decode[1](engine.weights, engine.cache, jnp.asarray(r.out[-1:], jnp.int32),
+        _, logits, s.cache = g.decode[1](s.weights, s.cache, jnp.asarray(r.out[-1:], jnp.int32),
                                                     jnp.int32(pos))
-        token = constrained_token(engine, r, logits, pos + 1)
+        token = constrained_token(g, s, r, logits, pos + 1)
         pos += 1
         r.stats.windows += 1
         r.stats.window_tokens += 1
@@ -168,12 +196,12 @@ def decode_constrained(engine: Engine, r: Request) -> None:
             return
 
 
-def decode_pipelined(engine: Engine, r: Request) -> None:
+def decode_pipelined(g: Graphs, s: State, r: Request) -> None:
     """spec 0: one token a window, every window queued one ahead (queued_windows with no drafter)."""
-    queued_windows(engine, r, None)
+    queued_windows(g, s, r, None)
 
 
-def decode_verify(engine: Engine, r: Request) -> None:
+def decode_verify(g: Graphs, s: State, r: Request) -> None:
     """Verify windows: the last accepted token + up to `spec` drafts, the graph of that size; accept the drafts
     the target agrees with, then one more token from the target. Rejected drafts leave K/V rows past the
     accepted position: the next window writes those positions before any query reads them, and the causal
@@ -190,17 +218,17 @@ def decode_verify(engine: Engine, r: Request) -> None:
             drafts = r.drafter.propose(context, k) if k > 0 and r.drafting() else []
         if not drafts and r.mtp is None:
             # Nothing to verify: T=1 windows queued ahead (as decode_pipelined) until the drafter proposes again
-            ready = queued_windows(engine, r, context)
+            ready = queued_windows(g, s, r, context)
             if ready is None:
                 return
             pos = r.ids.size + len(r.out) - 1
             continue
         if r.sampled_windows is not None:  # the window's graph draws the acceptance and the next token
-            drawn, n_new, engine.cache = r.sampled_windows[len(drafts) + 1](
-                engine.weights, engine.cache, np.asarray(r.out[-1:] + drafts, np.int32), jnp.int32(pos), r.sampling)
+            drawn, n_new, s.cache = r.sampled_windows[len(drafts) + 1](
+                s.weights, s.cache, np.asarray(r.out[-1:] + drafts, np.int32), jnp.int32(pos), r.sampling)
             made = None
         else:
-            greedy, logits, made = verify_window(engine, r, drafts, pos)
+            greedy, logits, made = verify_window(g, s, r, drafts, pos)
         if ready is not None:  # drafting, bookkeeping and this dispatch: host time between two windows
             r.stats.host_gap_s += time.perf_counter() - ready
             r.stats.host_gaps += 1
@@ -208,8 +236,8 @@ def decode_verify(engine: Engine, r: Request) -> None:
             n = int(n_new)
             accepted, new = n - 1, np.asarray(drawn)[:n].tolist()
         else:
-            accepted, new = accept(engine, r, drafts, greedy, logits, pos)
-        engine._checked(new[-1], pos + 1 + accepted)
+            accepted, new = accept(g, s, r, drafts, greedy, logits, pos)
+        g.checked(new[-1], pos + 1 + accepted)
         ready = time.perf_counter()
         r.stats.windows += 1
         r.stats.window_tokens += len(drafts) + 1
@@ -220,7 +248,7 @@ def decode_verify(engine: Engine, r: Request) -> None:
             r.gate.after_window(len(r.out) + len(new), len(drafts), accepted)
             r.stats.draft_pauses += r.gate.pauses - pauses
         if made is not None:
-            next_drafts = mtp_mod.draft_tokens(made, engine.cfg.vocab_size)
+            next_drafts = mtp_mod.draft_tokens(made, g.vocab_size)
         else:
             r.drafter.observe(new)
         pos += len(new)
@@ -230,7 +258,7 @@ def decode_verify(engine: Engine, r: Request) -> None:
                 return
 
 
-def queued_windows(engine: Engine, r: Request, context: list[int] | None) -> float | None:
+def queued_windows(g: Graphs, s: State, r: Request, context: list[int] | None) -> float | None:
     """One token a window. Each window's token feeds the next window on the device and Python reads it one window
     late: the next window is already queued when the host waits, so dispatch hides behind the device's work. After
     a stop token, the one window in flight is discarded.
@@ -246,12 +274,12 @@ def queued_windows(engine: Engine, r: Request, context: list[int] | None) -> flo
     while True:
         if not proposes and len(r.out) + len(in_flight) < r.budget:
             if r.sampled_windows is not None:  # the token at position pos + 1, drawn in the window's graph
-                cur, _, engine.cache = r.sampled_windows[1](engine.weights, engine.cache, cur, jnp.int32(pos),
+                cur, _, s.cache = r.sampled_windows[1](s.weights, s.cache, cur, jnp.int32(pos),
                                                             r.sampling)
             else:
-                cur, logits, engine.cache = engine._decode[1](engine.weights, engine.cache, cur, jnp.int32(pos))
+                cur, logits, s.cache = g.decode[1](s.weights, s.cache, cur, jnp.int32(pos))
                 if r.sampled:  # the token at position pos + 1
-                    cur = engine._sample[1](logits, jnp.asarray([pos + 1], jnp.int32), r.sampling)
+                    cur = g.sample[1](logits, jnp.asarray([pos + 1], jnp.int32), r.sampling)
             pos += 1
             r.stats.windows += 1
             r.stats.window_tokens += 1
@@ -260,7 +288,7 @@ def queued_windows(engine: Engine, r: Request, context: list[int] | None) -> flo
             return time.perf_counter()
         if len(in_flight) >= 2 or proposes or len(r.out) + len(in_flight) >= r.budget:
             # np.asarray(x)[0], not x[0]: indexing the device array dispatches a slice op, which serializes the loop
-            token = engine._checked(int(np.asarray(in_flight.pop(0))[0]), r.ids.size + len(r.out))
+            token = g.checked(int(np.asarray(in_flight.pop(0))[0]), r.ids.size + len(r.out))
             read = time.perf_counter()
             if context is not None:
                 context.append(token)
@@ -274,26 +302,26 @@ def queued_windows(engine: Engine, r: Request, context: list[int] | None) -> flo
                     return read
 
 
-def verify_window(engine: Engine, r: Request, drafts: list[int], pos: int):
+def verify_window(g: Graphs, s: State, r: Request, drafts: list[int], pos: int):
     """Dispatch one verify window, out[-1] and the drafts at positions pos..: (its greedy tokens [T], its logits
     [T, V], and for greedy draft=mtp the module's drafts for the next window, else None)."""
     t = len(drafts) + 1
     window = np.asarray(r.out[-1:] + drafts, np.int32)
     mtp = r.mtp
     if mtp is not None and not r.sampled:  # the window's graph drafts the next window too
-        greedy, logits, engine.cache, mtp.cache, made = engine._mtp_compiled[("fused", t)](
-            engine.weights, engine.cache, engine.mtp, mtp.cache, window, jnp.int32(pos))
+        greedy, logits, s.cache, mtp.cache, made = g.mtp_fused(t)(
+            s.weights, s.cache, s.mtp, mtp.cache, window, jnp.int32(pos))
         return greedy, logits, made
     if mtp is not None:  # the window's hidden rows feed the module's next drafts
-        greedy, logits, engine.cache, hidden = engine._mtp_hidden_window(t)(engine.weights, engine.cache, window,
+        greedy, logits, s.cache, hidden = g.mtp_hidden(t)(s.weights, s.cache, window,
                                                                            jnp.int32(pos))
         mtp.feed(hidden, pos)
         return greedy, logits, None
-    greedy, logits, engine.cache = engine._decode[t](engine.weights, engine.cache, window, jnp.int32(pos))
+    greedy, logits, s.cache = g.decode[t](s.weights, s.cache, window, jnp.int32(pos))
     return greedy, logits, None
 
 
-def accept(engine: Engine, r: Request, drafts: list[int], greedy, logits, pos: int) -> tuple[int, list[int]]:
+def accept(g: Graphs, s: State, r: Request, drafts: list[int], greedy, logits, pos: int) -> tuple[int, list[int]]:
     """A window's acceptance: (drafts accepted, the new tokens: those drafts and one token from the target).
     Greedy: the drafts equal to the target's argmax; sampled: speculative rejection sampling (sampling.verify)."""
     t = len(drafts) + 1
@@ -305,22 +333,22 @@ def accept(engine: Engine, r: Request, drafts: list[int], greedy, logits, pos: i
             accepted += 1
         return accepted, drafts[:accepted] + [int(target[accepted])]
     if drafts:
-        ok, drawn = engine._verify[t](logits, jnp.asarray(drafts, jnp.int32), positions, r.sampling)
+        ok, drawn = g.verify[t](logits, jnp.asarray(drafts, jnp.int32), positions, r.sampling)
         ok, drawn = np.asarray(ok), np.asarray(drawn)
         accepted = int(np.argmin(ok)) if not ok.all() else len(drafts)
         return accepted, drafts[:accepted] + [int(drawn[accepted])]
-    return 0, [int(engine._sample[1](logits, positions, r.sampling)[0])]
+    return 0, [int(g.sample[1](logits, positions, r.sampling)[0])]
 
 
-def decode_device(engine: Engine, r: Request) -> None:
+def decode_device(g: Graphs, s: State, r: Request) -> None:
     """Verify windows dispatched back to back: drafting and acceptance run on the device
-    (strata_jax.device_drafts, the host loop's rules), each window's tokens are read one window late, so the
+    (strata_jax.speculative.device_drafts, the host loop's rules), each window's tokens are read one window late, so the
     device never waits for the host. Windows of spec+1 tokens (padding rows route to no expert), one queued
     ahead of the one being read. A window that might pass the context is not dispatched: the last tokens go
     through the host loop (decode_verify)."""
     t = r.spec + 1
-    step = engine._device_verify_graph(t, r.form)
-    hist = np.zeros((engine.context + t,), np.int32)
+    step = g.device_verify(t, r.form)
+    hist = np.zeros((g.context + t,), np.int32)
     hist[:r.ids.size] = r.ids
     hist[r.ids.size:r.ids.size + len(r.out)] = r.out
     hist, length = jnp.asarray(hist), jnp.int32(r.ids.size + len(r.out))
@@ -328,8 +356,8 @@ def decode_device(engine: Engine, r: Request) -> None:
     in_flight: list[tuple[jax.Array, jax.Array, jax.Array]] = []
     while True:
         upper = exact + t * len(in_flight)  # the most tokens the history can hold once those windows end
-        if len(in_flight) < 2 and len(r.out) + len(in_flight) < r.budget and upper - 1 + t <= engine.context:
-            hist, length, new, n_new, m, engine.cache = step(engine.weights, engine.cache, hist, length, r.sampling)
+        if len(in_flight) < 2 and len(r.out) + len(in_flight) < r.budget and upper - 1 + t <= g.context:
+            hist, length, new, n_new, m, s.cache = step(s.weights, s.cache, hist, length, r.sampling)
             in_flight.append((new, n_new, m))
             continue
         if not in_flight:
@@ -344,10 +372,10 @@ def decode_device(engine: Engine, r: Request) -> None:
         r.stats.drafts_accepted += n - 1
         exact += n
         for token in np.asarray(new)[:n].tolist():
-            engine._checked(token, r.ids.size + len(r.out))
+            g.checked(token, r.ids.size + len(r.out))
             if len(r.out) >= r.budget:
                 return
             if r.emit(token):
                 return  # the windows still in flight are discarded (their K/V rows are never read)
     if len(r.out) < r.budget:  # the context's end is nearer than a whole window: the host loop finishes
-        decode_verify(engine, r)
+        decode_verify(g, s, r)

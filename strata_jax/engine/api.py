@@ -1,16 +1,14 @@
-"""The engine: a loaded model, its KV cache and one compiled graph per window size, behind generate() / score()."""
+"""The public face: `Engine`, a loaded model with its plan (plan.py), its compiled graph tables (graphs.py) and the
+loops' state (loops.State), behind generate() / stream() / chat() / score(); built by build.py."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import queue
-import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -18,22 +16,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax.engine import build as build_mod, graphs, loops, parallel as parallel_mod, plan as plan_mod
+from strata_jax.engine.build import log
+from strata_jax.engine.plan import make_plan
+from strata_jax.engine.stats import ExpertStats, RequestStats, Stats
+from strata_jax.errors import StrataError
 from strata_jax.host_pool import unwrap_pool_error
-from strata_jax import checkpoint, graphs, loops, model, moe, parallel as parallel_mod
-from strata_jax import mtp as mtp_mod
-from strata_jax.chat import ChatTemplate, GenerationDefaults, load_chat_template, load_generation_config
-from strata_jax.config import ModelConfig, check_eos_ids, config_from_dict
-from strata_jax.drafts import make_drafter
-from strata_jax.embedded import resolve_model
-from strata_jax.errors import StrataError, make_writable_folder, unreadable_folder
-from strata_jax.experts import placement as placement_mod
-from strata_jax.experts import slots as slots_mod
-from strata_jax.experts.approx import route_approx
-from strata_jax.experts.defer import defer_cpu
-from strata_jax.options import EngineOptions, RequestOptions, build, split_options, unknown_switches
+from strata_jax.io import checkpoint
+from strata_jax.io.chat import ChatTemplate, GenerationDefaults
+from strata_jax.model import moe
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.kv_cache import cache_bytes, init_cache
+from strata_jax.model.weights import Weights, stack_layers, unstack_layers
+from strata_jax.offload import placement as placement_mod
+from strata_jax.offload import slots as slots_mod
+from strata_jax.offload.approx import route_approx
+from strata_jax.offload.defer import defer_cpu
+from strata_jax.options import EngineOptions, RequestOptions, build, unknown_switches
 from strata_jax.sampling import FORMS, NON_FINITE, SamplingParams, form_of
-from strata_jax.stats import ExpertStats, RequestStats, Stats
-from strata_jax.tokenizer import load_tokenizer
+from strata_jax.speculative import mtp as mtp_mod
+from strata_jax.speculative.drafters import make_drafter
 
 
 def _serialized(method):
@@ -70,50 +72,13 @@ class _UserDrafter:
             return self._drafter.observe(tokens)
 
 
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-_CACHE_TROUBLE = {"said": False, "quiet": False}
-
-
-def _cache_warnings(show=warnings.showwarning):
-    """JAX warns once per entry of the persistent compilation cache that it cannot read or write (a corrupt or
-    truncated file), with the whole key: nine warnings for one damaged cache, even under --quiet. The graph is
-    compiled instead, so it is not an error: one line per process (none when quiet)."""
-    def showwarning(message, category, filename, lineno, file=None, line=None):
-        text = str(message)
-        if text.startswith(("Error reading persistent compilation cache", "Error writing persistent compilation "
-                                                                         "cache")):
-            if not _CACHE_TROUBLE["said"] and not _CACHE_TROUBLE["quiet"]:
-                log(f"note: the compilation cache ({jax.config.jax_compilation_cache_dir}) has entries it cannot "
-                    f"{'read' if 'reading' in text else 'write'} ({text.split(': ', 1)[-1][:120]}); those graphs "
-                    "are compiled instead")
-            _CACHE_TROUBLE["said"] = True
-            return
-        show(message, category, filename, lineno, file, line)
-    return showwarning
-
-
-warnings.showwarning = _cache_warnings()
-
-
-def enable_compilation_cache(cache_dir: Path, quiet: bool = False) -> Path:
-    _CACHE_TROUBLE["quiet"] = quiet
-    path = cache_dir / "jax"
-    make_writable_folder(path, f"cache_dir {cache_dir}: not a writable folder for the compilation cache")
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
-
-
 class Engine:
     """A model ready to decode. Build it with `Engine.from_pretrained(path, **options)`."""
 
-    def __init__(self, cfg: ModelConfig, weights: model.Weights, options: EngineOptions, tokenizer=None,
+    def __init__(self, cfg: ModelConfig, weights: Weights, options: EngineOptions, tokenizer=None,
                  model_dir: Path | None = None, raw_config: dict | None = None, verbose: bool = True,
                  placement: placement_mod.Placement | None = None, generation: GenerationDefaults | None = None):
+        self.state = loops.State(weights=None, cache=None)  # what every window donates and gets back
         self._lock = threading.RLock()  # requests of several threads run one after the other (_serialized)
         self._user_code_thread: int | None = None  # the thread running a request's on_token / Drafter, meanwhile
         self.cfg, self.weights, self.options, self.tokenizer = cfg, weights, options, tokenizer
@@ -122,34 +87,25 @@ class Engine:
         self.chat_template: ChatTemplate | None = None
         self.generation_defaults = generation or GenerationDefaults()
         self.placement = placement
-        self.mtp: mtp_mod.MTPWeights | None = None  # Qwen3-Next's MTP module (attach_mtp)
+        self.mtp = None  # Qwen3-Next's MTP module (mtp_mod.MTPWeights, attach_mtp)
         self._mtp_compiled = self._mtp_cache = None
         self._said_no_mtp = False
         self.dtype = jnp.dtype(options.dtype)
         self.expert_storage = placement_mod.expert_storage(options)  # the host copies' and the slots' dtype
-        self.context, self.chunks = context_and_chunks(cfg, options)  # prefill chunk sizes, largest first
-        self.chunk = self.chunks[0]
-        # DeltaNet layers keep the states of the last `ring` positions: more than a window, so a verify window's
-        # accepted position and the last request's end (prefix reuse) are still there.
-        self.ring = options.window + 1
         self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
         self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.cpu_path)
         approx_lines += defer_lines + unknown_switches()
-        self.expert_kernel, self.attention_kernel, self.dense_kernel = resolve_kernels(options, cfg)
+        # Context, chunks, kernels, the layer loop, the KV cache's length: decided once (engine/plan.py).
+        self.plan = make_plan(cfg, options, placement, self.defer)
         self._check_attention_kernel()
-        self.delta_kernel = resolve_delta_kernel(options, cfg)
-        # One kind of layer: the layers run as one scanned body over stacked weights, with every expert resident, or
-        # with offload where the native offload calls take every window (scans_offload).
-        self.scanned_offload = placement is not None and scans_offload(cfg, options, placement, self.defer)
-        self.scanned = (placement is None and scans(cfg, options)) or self.scanned_offload
         if self.scanned_offload:  # the host experts stay per layer (tuples), the rest is stacked
-            self.weights = weights = model.stack_layers(model.unstack_layers(weights), keep_experts=True)
+            self.weights = weights = stack_layers(unstack_layers(weights), keep_experts=True)
         elif self.scanned and parallel_mod.layer_device(cfg, options) is None:  # parallel=layers stacks per device
-            self.weights = weights = model.stack_layers(weights)
+            self.weights = weights = stack_layers(weights)
         elif weights.stacked:
-            self.weights = weights = model.unstack_layers(weights)
+            self.weights = weights = unstack_layers(weights)
         self.expert_path, self.decode_expert_path = self._expert_paths()
-        self.parallel = parallel_mod.attach(self)  # devices > 1: the weights split over them (strata_jax/parallel.py)
+        self.parallel = parallel_mod.attach(self)  # devices > 1: the weights split over them (strata_jax/engine/parallel.py)
         self.stats = Stats()
         self._reset_state()
         if placement and verbose:
@@ -170,6 +126,24 @@ class Engine:
             log(self.kv_cache_line())
         self._compile()
 
+    # The loops' state (loops.State), under the names the engine's users read: every graph call replaces cache.
+    weights = property(lambda self: self.state.weights, lambda self, v: setattr(self.state, "weights", v))
+    cache = property(lambda self: self.state.cache, lambda self, v: setattr(self.state, "cache", v))
+    mtp = property(lambda self: self.state.mtp, lambda self, v: setattr(self.state, "mtp", v))
+
+    # The plan's decisions, under the names the engine's users read.
+    context = property(lambda self: self.plan.context)
+    chunks = property(lambda self: self.plan.chunks)
+    chunk = property(lambda self: self.plan.chunk)
+    ring = property(lambda self: self.plan.ring)
+    kv_length = property(lambda self: self.plan.kv_length)
+    expert_kernel = property(lambda self: self.plan.expert_kernel)
+    attention_kernel = property(lambda self: self.plan.attention_kernel)
+    dense_kernel = property(lambda self: self.plan.dense_kernel)
+    delta_kernel = property(lambda self: self.plan.delta_kernel)
+    scanned = property(lambda self: self.plan.scanned)
+    scanned_offload = property(lambda self: self.plan.scanned_offload)
+
     def _check_attention_kernel(self) -> None:
         d = self.cfg.head_dim
         if self.attention_kernel == "pallas" and (d < 16 or d & (d - 1)):
@@ -187,17 +161,14 @@ class Engine:
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
-        # Slack past the context: a padded prefill chunk writes up to `chunk` positions beyond the last real one.
-        length = self.context + self.chunk
-        if self.attention_kernel == "pallas":
-            length = -(-length // 64) * 64  # the kernel's key blocks divide the cache length
+        length = self.plan.kv_length
         try:
-            kv = model.init_cache(self.cfg, length, self.dtype, stacked=self.scanned, ring=self.ring,
+            kv = init_cache(self.cfg, length, self.dtype, stacked=self.scanned, ring=self.ring,
                                   kv_dtype=self.options.kv_dtype)
         except (MemoryError, ValueError, RuntimeError) as e:  # jax's allocation failure is a RuntimeError
             if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError) and "memory" not in str(e).lower():
                 raise
-            need = model.cache_bytes(self.cfg, length, self.dtype.itemsize, self.ring, self.options.kv_dtype)
+            need = cache_bytes(self.cfg, length, self.dtype.itemsize, self.ring, self.options.kv_dtype)
             per_token = need / length
             stats = jax.devices()[0].memory_stats() or {}
             free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
@@ -214,11 +185,10 @@ class Engine:
         if self.parallel:
             self.cache = self.parallel.place_cache(self.cache)
         self._kv_tokens: list[int] = []  # the tokens whose KV rows 0.. the cache holds (prefix reuse)
-        self.kv_length = length
 
     def kv_cache_line(self) -> str:
         """The start-up line: how the KV cache is stored and its size."""
-        kv = model.cache_bytes(self.cfg, self.kv_length, self.dtype.itemsize, 0, self.options.kv_dtype)
+        kv = cache_bytes(self.cfg, self.kv_length, self.dtype.itemsize, 0, self.options.kv_dtype)
         how = ("int8, float32 scales per (position, kv head)" if self.options.kv_dtype == "int8"
                else f"{self.options.dtype}")
         return (f"KV cache: {how}, {kv / 2**20:.1f} MiB ({self.kv_length} positions x {self.cfg.num_full_layers} "
@@ -231,74 +201,7 @@ class Engine:
         """Load a Hugging Face Qwen3-MoE folder (config.json, *.safetensors, tokenizer.json), a folder saved by
         `save_state`, 'reference' (the committed trained model), or (path None / 'embedded') the embedded tiny
         random model. Options are the CLI flags' names."""
-        engine_opts, request_opts = split_options(options)
-        if request_opts:
-            raise StrataError(f"{sorted(request_opts)} are generate() options, not engine options")
-        opts = build(EngineOptions, engine_opts)
-        cache_dir = opts.resolved_cache_dir()
-        enable_compilation_cache(cache_dir, quiet=not verbose)
-        path = resolve_model(path, cache_dir)
-        try:  # a folder that cannot be searched: Path.is_file() and exists() raise PermissionError
-            path.is_file() or (path / "config.json").exists()
-        except OSError as e:
-            raise unreadable_folder(path, e) from None
-        if path.is_file():
-            raise StrataError(f"model {path} is a file, not a folder (a model folder holds config.json, "
-                              "*.safetensors and tokenizer.json)")
-        if not path.is_dir():
-            raise StrataError(f"model folder {path} does not exist")
-        cfg_path = path / "config.json"
-        if not cfg_path.is_file():
-            raise StrataError(f"no config.json in {path}")
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as e:
-            raise StrataError(f"{cfg_path}: malformed config.json: {e}") from None
-        cfg = config_from_dict(raw, where=str(cfg_path))
-        if not checkpoint.is_state_dir(path):
-            checkpoint.check_layer_count(path, cfg)
-        say = log if verbose else (lambda _: None)
-        dtype = jnp.dtype(opts.dtype)
-        slots, why, host = plan_placement(cfg, opts)
-        t0 = time.perf_counter()
-        fmt = placement_mod.expert_format(opts, cfg)
-        place = parallel_mod.weight_placer(cfg, opts) or checkpoint.default_place  # parallel=layers: per block
-        if checkpoint.is_state_dir(path):
-            saved = checkpoint.read_state_meta(path)
-            if saved["dtype"] != opts.dtype:
-                raise StrataError(f"the saved state at {path} holds {saved['dtype']} weights, but dtype={opts.dtype}")
-            if saved.get("expert_dtype", "auto") != opts.expert_dtype:  # states are saved in their experts' form
-                raise StrataError(f"the saved state at {path} holds expert_dtype={saved.get('expert_dtype', 'auto')} "
-                                  f"experts, but expert_dtype={opts.expert_dtype} (load it with that, or the checkpoint)")
-            weights = checkpoint.restore_state(path, abstract_weights(cfg, dtype, host, fmt))
-            if host is not None:
-                host.keep_restored(cfg, weights, quantized=bool(fmt))
-            if fmt:
-                say(placement_mod.quantized_line(cfg, weights, opts, host is not None).replace("quantized at load",
-                                                                                               "saved state"))
-        else:
-            weights = checkpoint.load_weights(path, cfg, dtype, place=place,
-                                              place_experts=host.place if host else None,
-                                              progress=_progress(say, cfg), expert_format=fmt,
-                                              place_scales=host.place_scale if host else None)
-            if fmt:
-                say(placement_mod.quantized_line(cfg, weights, opts, host is not None))
-        try:
-            tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
-            template, generation = load_chat_template(path), load_generation_config(path)
-        except OSError as e:  # an unreadable file (permissions)
-            raise unreadable_folder(path, e) from None
-        check_eos_ids(generation.eos_token_ids, cfg.vocab_size, str(path / "generation_config.json"))
-        say(f"model: {path} ({cfg.num_layers} layers, {cfg.num_sparse_layers} MoE, {cfg.num_experts} experts "
-            f"top-{cfg.num_experts_per_tok}, {model.param_bytes(weights) / 2**20:.1f} MiB of {opts.dtype} weights) "
-            f"loaded in {time.perf_counter() - t0:.1f} s")
-        engine = cls._assemble(cfg, weights, opts, host, slots, why, say, tokenizer=tok, model_dir=path,
-                               raw_config=raw, verbose=verbose, generation=generation)
-        if not checkpoint.is_state_dir(path) and checkpoint.has_mtp(path, cfg):
-            engine.attach_mtp(checkpoint.load_mtp(path, cfg, dtype))
-            say(f"MTP module: {model.param_bytes(engine.mtp) / 2**20:.1f} MiB on the device (draft=mtp drafts with it)")
-        engine.chat_template = template
-        return engine
+        return build_mod.load(cls, path, verbose, **options)
 
     @classmethod
     def from_random(cls, cfg: ModelConfig, seed: int = 0, verbose: bool = True, embed_scale: float = 1.0,
@@ -307,41 +210,7 @@ class Engine:
         experts made on the device layer by layer and moved to host memory when offload is on. embed_scale: the
         random embedding multiplied by it (random weights route most tokens to a few experts; 50 spreads the
         routing over ~80% of them, as a trained model's does: benchmarks/offload_bench.py --embed_scale)."""
-        opts = build(EngineOptions, options)
-        enable_compilation_cache(opts.resolved_cache_dir(), quiet=not verbose)
-        say = log if verbose else (lambda _: None)
-        dtype = jnp.dtype(opts.dtype)
-        slots, why, host = plan_placement(cfg, opts)
-        t0 = time.perf_counter()
-        # made stacked directly (quantized experts are made per layer, then stacked by _assemble)
-        stacked = slots is None and scans(cfg, opts) and not placement_mod.expert_format(opts)
-        weights = model.random_weights(cfg, seed, dtype, place_experts=host.place if host else None,
-                                       progress=say if stacked else _progress(say, cfg), stacked=stacked,
-                                       expert_format=placement_mod.expert_format(opts, cfg),
-                                       place_scales=host.place_scale if host else None,
-                                       layer_device=parallel_mod.layer_device(cfg, opts))
-        if embed_scale != 1.0:
-            weights = weights.replace(embed=(weights.embed * embed_scale).astype(weights.embed.dtype))
-        say(f"model: random {cfg.num_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
-            f"{model.param_bytes(weights) / 2**30:.2f} GiB of {opts.dtype} weights, made in "
-            f"{time.perf_counter() - t0:.1f} s")
-        return cls._assemble(cfg, weights, opts, host, slots, why, say, verbose=verbose)
-
-    @classmethod
-    def _assemble(cls, cfg, weights, opts, host, slots, why, say, **kwargs) -> "Engine":
-        if slots is None:
-            if any(cfg.sparse_layers):
-                say(f"expert cache: every expert on the device, offload off ({why})")
-            placement = None
-            if scans(cfg, opts) and parallel_mod.layer_device(cfg, opts) is None:  # parallel=layers: per device
-                # Stacked here, where nothing else holds the loaded arrays: one leaf at a time, the old freed.
-                weights = model.stack_layers(weights, consume=True)
-                say(f"layers: {cfg.num_layers} stacked, one scanned body per window graph (layer_loop=scan)")
-        else:
-            if parallel_mod.devices_for(opts) is not None and opts.parallel == "experts":
-                opts = dataclasses.replace(opts, pcie_frac="1")  # the experts split fetches every miss over PCIe
-            placement = placement_mod.build(cfg, opts, weights, host, slots, why)
-        return cls(cfg, weights, opts, placement=placement, **kwargs)
+        return build_mod.random_engine(cls, cfg, seed, verbose, embed_scale, **options)
 
     # The model folder's files that a restored state needs to behave as the model: its sampling defaults and extra
     # eos ids, its chat template and special tokens.
@@ -362,7 +231,7 @@ class Engine:
                 src = None if self.model_dir is None else Path(self.model_dir) / name
                 if src is not None and src.is_file():
                     (folder / name).write_bytes(src.read_bytes())
-        checkpoint.save_state(path, model.unstack_layers(weights), self.raw_config or {}, self.options.dtype,
+        checkpoint.save_state(path, unstack_layers(weights), self.raw_config or {}, self.options.dtype,
                               self.options.expert_dtype, write_files=write_files, overwrite=overwrite)
 
     @contextlib.contextmanager
@@ -427,7 +296,7 @@ class Engine:
                     "compiled each on its first use (compile_graphs=lazy)")
             log(f"graphs: window T=1..{self.options.window} and prefill {self._chunks_text()} {when} "
                 f"(persistent cache: {jax.config.jax_compilation_cache_dir}); "
-                f"context {self.context} tokens ({resolve_context(self.cfg, self.options)[1]})")
+                f"context {self.context} tokens ({self.plan.context_why})")
 
     def _pick_samplers(self, form: str, sampled: bool = True, every_size: bool = False) -> None:
         """This request's samplers and verifiers of its filter form (requests run one at a time). every_size: the
@@ -602,7 +471,7 @@ class Engine:
         chunks = []
         token = last = None
         start = first
-        for size in chunk_sizes_for(ids.size - first, self.chunks):
+        for size in plan_mod.chunk_sizes_for(ids.size - first, self.chunks):
             part = ids[start:start + size]
             tokens = np.zeros((size,), np.int32)
             tokens[:part.size] = part
@@ -633,9 +502,7 @@ class Engine:
             return graphs.compile_shared(fn.lower(*args), graphs.MODEL_COMPILER_OPTIONS)
 
     def _window_kernels(self) -> dict:
-        """The decode windows' kernel switches (keyword arguments of the graphs.jit_*_window builders)."""
-        return dict(attention_kernel=self.attention_kernel == "pallas", dense_kernel=self.dense_kernel == "pallas",
-                    delta_kernel=self.delta_kernel == "pallas")
+        return self.plan.window_kernels()
 
     def _prefill_logits_graph(self, size: int):
         if size in self._prefill_logits:
@@ -668,10 +535,10 @@ class Engine:
 
         Verify windows: up to `spec` drafts (default W-1) from `draft` ('auto': 'device' for a greedy request when every
         expert is on one device and there is no MTP module, else 'ngram'; 'ngram', 'none', 'device', 'mtp' (Qwen3-Next's
-        multi-token-prediction module, strata_jax/mtp.py; ngram without one), or a drafts.Drafter object) run with
+        multi-token-prediction module, strata_jax/speculative/mtp.py; ngram without one), or a drafts.Drafter object) run with
         the last accepted token; greedy output is the same with or without them,
         sampled output follows the same distribution. 'device': the n-gram drafts and their acceptance run on the
-        device and windows of spec+1 tokens go back to back, read one window late (strata_jax.device_drafts).
+        device and windows of spec+1 tokens go back to back, read one window late (strata_jax.speculative.device_drafts).
         temperature / top_p / top_k left None take the model's generation_config.json (greedy without one); the
         model's eos ids and generation_config's end a request unless stop_token_ids replace them. on_token sees
         each new token as it is accepted; raising StopRequest there ends the request at that token.
@@ -761,7 +628,7 @@ class Engine:
                                     reuse=reuse, out=out, grammar=constraint)
             self._kv_tokens = []  # until this request has finished
             try:
-                self._guarded(loops.run, self, request)
+                self._guarded(loops.run, self._graphs(), self.state, request)
             except StopRequest:  # on_token asked to stop (a stop string, a client gone): a clean end
                 pass
             finally:
@@ -873,6 +740,18 @@ class Engine:
                     f"states) compiled in {time.perf_counter() - t0:.1f} s")
         return self._mtp_compiled
 
+    def _graphs(self) -> loops.Graphs:
+        """What this request's loops may call: the window tables, the samplers _pick_samplers chose for it, the
+        graphs compiled on first use, and the engine's steps between windows."""
+        return loops.Graphs(
+            decode=self._decode, sample=self._sample, verify=self._verify, device_verify=self._device_verify_graph,
+            mtp_fused=lambda t: self._mtp_graphs()[("fused", t)], mtp_hidden=self._mtp_hidden_window,
+            prefill=self._prefill_all, checked=self._checked, take_expert_stats=self._take_expert_stats,
+            after_request=self._adapt_pcie_frac,
+            fill_static_slots=self._fill_static_slots if self.placement and self.placement.policy == "static"
+            else None,
+            context=self.context, vocab_size=self.cfg.vocab_size)
+
     def _mtp_hidden_window(self, t: int):
         """A window of T returning its hidden states (sampled draft=mtp requests: the host draws the acceptance)."""
         key = ("hidden", t)
@@ -928,11 +807,11 @@ class Engine:
     @_serialized
     def write_logpos(self, token_ids: Sequence[int], path: str | Path, read: str = "windows",
                      window: int | None = None, top: int = 20, meta: dict | None = None) -> int:
-        """Teacher-forced log-probs of a known text to a logpos file (strata_jax.logpos): for every position, the
+        """Teacher-forced log-probs of a known text to a logpos file (strata_jax.io.logpos): for every position, the
         top-`top` next-token log-probs and the known next token's. read='windows': every position takes the decode
         path (verify windows of `window` tokens, default W, with this engine's placement and approximations);
         'prefill': the prompt path. Returns the positions written."""
-        from strata_jax.logpos import LogposWriter
+        from strata_jax.io.logpos import LogposWriter
         if read not in ("windows", "prefill"):
             raise StrataError(f"logpos read must be windows or prefill, not {read!r}")
         ids = self._check_prompt(token_ids)
@@ -1036,163 +915,3 @@ def check_token_ids(ids, vocab_size: int, what: str = "token ids") -> np.ndarray
     return np.asarray(values, np.int32).reshape(-1)
 
 
-def resolve_kernels(opts: EngineOptions, cfg: ModelConfig) -> tuple[str, str, str]:
-    """(expert kernel, attention kernel, dense kernel): 'auto' is pallas on a GPU in bfloat16 (the attention kernel
-    also needs a power-of-2 head_dim >= 16), else xla. float32 keeps the XLA path: the exactness checks' dtype."""
-    fast = jax.default_backend() == "gpu" and opts.dtype == "bfloat16"
-    d = cfg.head_dim
-    expert = ("pallas" if fast else "xla") if opts.expert_kernel == "auto" else opts.expert_kernel
-    attention = opts.attention_kernel
-    if attention == "auto":
-        attention = "pallas" if fast and d >= 16 and not d & (d - 1) else "xla"
-    dense = ("pallas" if fast else "xla") if opts.dense_kernel == "auto" else opts.dense_kernel
-    return expert, attention, dense
-
-
-def resolve_delta_kernel(opts: EngineOptions, cfg: ModelConfig) -> str:
-    """The DeltaNet decode rule: 'auto' is pallas on a GPU in bfloat16 when both head dims are powers of 2, else xla
-    (the H200, 2026-11-30: 20 us against 30-35 us at T=1, 32-35 against 108-119 us at T=4, for the 80B shape's 36
-    layers; benchmarks/delta_bench.py)."""
-    dims = (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    pow2 = not any(d & (d - 1) for d in dims)
-    fast = jax.default_backend() == "gpu" and opts.dtype == "bfloat16" and pow2
-    kernel = ("pallas" if fast else "xla") if opts.delta_kernel == "auto" else opts.delta_kernel
-    if kernel == "pallas" and cfg.has_linear and not pow2:
-        raise StrataError(f"delta_kernel=pallas needs linear_key_head_dim and linear_value_head_dim powers of 2 "
-                          f"(this model: {dims[0]}, {dims[1]})")
-    return kernel
-
-
-def plan_placement(cfg: ModelConfig, opts: EngineOptions):
-    """Before the weights are read: the slot count (None: every expert on the device), why, and where the host
-    copies of the experts go (placement_mod.plan_placement); with several devices (`devices`) the slots count
-    their memory together."""
-    devices = parallel_mod.devices_for(opts)
-    return placement_mod.plan_placement(cfg, opts, device_reserve_bytes(cfg, opts), len(devices) if devices else 1,
-                                        parallel_mod.layer_device(cfg, opts))
-
-
-def device_reserve_bytes(cfg: ModelConfig, opts: EngineOptions) -> int:
-    """Device bytes kept beside the weights before the expert slots are counted (placement_mod.plan_placement):
-    the KV cache and the largest prefill chunk's transient activations."""
-    context, chunk = context_and_chunk(cfg, opts)
-    itemsize = jnp.dtype(opts.dtype).itemsize
-    kv_bytes = model.cache_bytes(cfg, context + chunk, itemsize, opts.window + 1, opts.kv_dtype)
-    # the largest prefill chunk's transient activations are reserved beside the KV cache
-    return kv_bytes + prefill_activation_bytes(cfg, chunk, context + chunk,
-                                               resolve_kernels(opts, cfg)[1] == "pallas")
-
-
-def scans(cfg: ModelConfig, opts: EngineOptions) -> bool:
-    """Whether the layers run as one scanned body over stacked weights when every expert is resident: layer_loop
-    scan and one kind of layer (quantized experts' scales are stacked and read by layer like their q)."""
-    return opts.layer_loop == "scan" and model.can_stack(cfg)
-
-
-def scans_offload(cfg: ModelConfig, opts: EngineOptions, placement, defer) -> bool:
-    """Whether an offloaded model runs its decode windows as one scanned body (model.offload_layers): layer_loop
-    scan and one kind of layer, one device, the native offload calls (their plan names the layer, so a traced layer
-    index serves), and no deferral (its rows cross layers). Quantized experts scan under either expert kernel: the
-    Pallas kernel takes their scales by window position (pallas_kernels/expert_ffn.py's scale_ids), not by slot."""
-    return (scans(cfg, opts) and placement.native and not defer.active
-            and parallel_mod.devices_for(opts) is None)
-
-
-SMALL_CHUNK, LARGE_CHUNK = 64, 1024  # prefill_chunk=auto: the tail's chunk, and the largest on a GPU
-
-
-def context_and_chunk(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, int]:
-    """The context and the largest prefill chunk (the KV cache's slack past the context)."""
-    context, chunks = context_and_chunks(cfg, opts)
-    return context, chunks[0]
-
-
-def context_and_chunks(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, tuple[int, ...]]:
-    """The context and the prefill chunk sizes, largest first (one graph each). prefill_chunk=N: (N,). auto: on a
-    GPU (LARGE, SMALL), LARGE halved until the chunk's transient activations fit an eighth of the device's memory
-    (a chunk of 1024 runs the 30B shape's prefill 3.7x faster than one of 64 on the H200); elsewhere (SMALL,)."""
-    context, _ = resolve_context(cfg, opts)
-    if opts.prefill_chunk:
-        return context, (min(opts.prefill_chunk, context),)
-    small = min(SMALL_CHUNK, context)
-    if jax.default_backend() != "gpu":
-        return context, (small,)
-    large = min(LARGE_CHUNK, 1 << (context.bit_length() - 1))  # a power of 2 <= context
-    budget = _device_memory_bytes() // 8
-    kernel = resolve_kernels(opts, cfg)[1] == "pallas"
-    while large > small and prefill_activation_bytes(cfg, large, context + large, kernel) > budget:
-        large //= 2
-    return context, ((large, small) if large > small else (small,))
-
-
-AUTO_CONTEXT_XLA = 4096  # context=0 where the attention reads the whole static cache every step (XLA's einsums)
-
-
-def resolve_context(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, str]:
-    """The KV cache's context in tokens, and why. context=0 (auto): where the attention is the Pallas kernel (a GPU
-    in bf16: prefill and decode read the cache only up to their position, so a long cache costs memory, not
-    time), the model's max_position_embeddings, halved while its KV cache would take more than an eighth of the
-    device's memory; elsewhere min(max_position_embeddings, 4096)."""
-    if opts.context:
-        return opts.context, "--context"
-    if jax.default_backend() != "gpu" or resolve_kernels(opts, cfg)[1] != "pallas":
-        context = min(cfg.max_position_embeddings, AUTO_CONTEXT_XLA)
-        return context, (f"auto: max_position_embeddings {cfg.max_position_embeddings}, at most {AUTO_CONTEXT_XLA} "
-                         f"where the attention reads the whole cache (XLA)")
-    itemsize = jnp.dtype(opts.dtype).itemsize
-    budget = _device_memory_bytes() // 8
-    context = cfg.max_position_embeddings
-    while context > AUTO_CONTEXT_XLA and model.cache_bytes(cfg, context + LARGE_CHUNK, itemsize, opts.window + 1,
-                                                           opts.kv_dtype) > budget:
-        context //= 2
-    kv = model.cache_bytes(cfg, context + LARGE_CHUNK, itemsize, opts.window + 1, opts.kv_dtype)
-    halved = "" if context == cfg.max_position_embeddings else ", halved to fit"
-    return context, (f"auto: max_position_embeddings {cfg.max_position_embeddings}{halved}; KV cache "
-                     f"{kv / 2**30:.1f} GiB, at most an eighth of the device's {_device_memory_bytes() / 2**30:.0f} GiB")
-
-
-def prefill_activation_bytes(cfg: ModelConfig, chunk: int, cache_len: int, kernel_attention: bool = False) -> int:
-    """The largest transient arrays of a prefill chunk, float32: the XLA attention's scores and probabilities over
-    the static cache [C, Nq, S] (the Pallas kernel keeps them in registers: its output [C, Nq, D] only), and the
-    MoE's per-expert rows [N, C, 2I + H] (N distinct experts)."""
-    attention = (chunk * cfg.num_heads * cfg.head_dim * 4 if kernel_attention
-                 else 2 * chunk * cfg.num_heads * cache_len * 4)
-    n = min(cfg.num_experts, chunk * cfg.num_experts_per_tok) if any(cfg.sparse_layers) else 0
-    experts = n * chunk * (2 * cfg.moe_intermediate_size + cfg.hidden_size) * 4
-    return attention + experts
-
-
-def _device_memory_bytes() -> int:
-    try:
-        return int(jax.devices()[0].memory_stats()["bytes_limit"])
-    except Exception:  # a backend without memory_stats: assume an H200's share is not known, stay modest
-        return 16 * 2**30
-
-
-def chunk_sizes_for(n: int, chunks: tuple[int, ...]) -> list[int]:
-    """The chunk size of each prefill step for n prompt tokens: the largest size while at least a quarter of it
-    remains (a padded large chunk is cheaper than many small ones), then the next size down; the smallest takes
-    the rest."""
-    sizes, left = [], n
-    while left > 0:
-        size = next((c for c in chunks if left >= c // 4), chunks[-1])
-        sizes.append(size)
-        left -= size
-    return sizes
-
-
-def abstract_weights(cfg: ModelConfig, dtype, host: "placement_mod.HostExperts | None", expert_format=None):
-    """Shapes and placements of the weights, for an orbax restore (experts into host memory with offload; their
-    scales, with quantized experts, on the device): model.abstract_weights."""
-    return model.abstract_weights(cfg, dtype, expert_format, sharding=slots_mod.device_sharding(),
-                                  expert_sharding=host.sharding if host is not None else None)
-
-
-def _progress(say, cfg: ModelConfig):
-    step = max(1, cfg.num_layers // 8)
-
-    def progress(line: str) -> None:
-        layer = int(line.split()[-1].split("/")[0])
-        if layer % step == 0 or layer == cfg.num_layers:
-            say(line)
-    return progress

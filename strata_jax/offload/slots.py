@@ -29,9 +29,9 @@ from jax.sharding import SingleDeviceSharding
 from strata_jax.host_pool import cpu_expert_rows
 from strata_jax.host_pool.bridge import native_calls, offload_begin, offload_collect
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
-from strata_jax import moe, quant
-from strata_jax.experts import approx, defer
-from strata_jax.config import ModelConfig
+from strata_jax.model import moe, quant
+from strata_jax.offload import approx, defer
+from strata_jax.model.config import ModelConfig
 
 NONE, RESIDENT, FETCH, CPU, SKIP = 0, 1, 2, 3, 4
 COUNTERS = ("entries", "entries_resident", "entries_fetched", "entries_cpu",

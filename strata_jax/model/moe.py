@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
-from strata_jax.config import ModelConfig
-from strata_jax.linear import linear
-from strata_jax.quant import dequantize_engine_int4
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.linear import linear
+from strata_jax.model.quant import dequantize_engine_int4
 
 
 @struct.dataclass
@@ -96,7 +96,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, co
     """SwiGLU experts on every row, weighted: x [T, H], gate/up [N, I, H], down [N, H, I], combine [T, N].
 
     Returns float32 [T, H] = sum_n combine[t, n] * down_n(silu(gate_n x_t) * up_n x_t).
-    int8 experts (strata_jax/quant.py "int8"): gate/up/down hold q, gate_scale/up_scale [N, I] and down_scale
+    int8 experts (strata_jax/model/quant.py "int8"): gate/up/down hold q, gate_scale/up_scale [N, I] and down_scale
     [N, H] their rows' scales; each product is accumulated in float32 over q widened to x's dtype (exact), scaled
     per output row, then rounded as the float path rounds (the Pallas kernel and the host pool do the same).
     int4 experts ("int4"): q packed in uint8 with scales [N, O, In/64]; each product is the float32 dot with the

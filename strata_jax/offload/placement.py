@@ -13,10 +13,11 @@ import numpy as np
 from strata_jax.host_pool import HostExpertStore, HostPool, HostPoolError, blas, cpu_expert_rows, native
 from strata_jax.host_pool.bridge import native_calls, offload_begin, offload_collect
 from strata_jax.host_pool.pool import usable_cores
-from strata_jax import model, moe, quant
-from strata_jax.config import ModelConfig
+from strata_jax.model.weights import Weights, random_weights
+from strata_jax.model import moe, quant
+from strata_jax.model.config import ModelConfig
 from strata_jax.errors import StrataError
-from strata_jax.experts import approx, defer, slots as slots_mod
+from strata_jax.offload import approx, defer, slots as slots_mod
 from strata_jax.options import EngineOptions
 
 
@@ -73,7 +74,7 @@ def needs_cpu_path(pcie_frac: float) -> bool:
 def non_expert_bytes(cfg: ModelConfig, itemsize: int, expert_format: str | None = None) -> int:
     """Device bytes of everything but the routed experts' weights; quantized experts' scales (always on the device,
     int4's a sixteenth of its q bytes) count here."""
-    shapes = jax.eval_shape(lambda: model.random_weights(cfg, 0, jnp.float32))
+    shapes = jax.eval_shape(lambda: random_weights(cfg, 0, jnp.float32))
     total = sum(x.size for x in jax.tree.leaves(shapes)) * itemsize
     rest = total - cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
     if expert_format:
@@ -85,7 +86,7 @@ def non_expert_bytes(cfg: ModelConfig, itemsize: int, expert_format: str | None 
 
 
 def expert_format(opts: EngineOptions, cfg: ModelConfig | None = None) -> str | None:
-    """The quantized format of the routed experts (strata_jax/quant.py), or None when they stay in `dtype`; with
+    """The quantized format of the routed experts (strata_jax/model/quant.py), or None when they stay in `dtype`; with
     cfg, int4's group (64, or 32 for experts whose widths are multiples of 32 only): one line if neither fits."""
     if opts.expert_dtype == "auto" or cfg is None:
         return None if opts.expert_dtype == "auto" else opts.expert_dtype
@@ -183,7 +184,7 @@ class HostExperts:
             return self.sharding
         return jax.sharding.SingleDeviceSharding(self.layer_device(layer), memory_kind=self.kind)
 
-    def keep_restored(self, cfg: ModelConfig, weights: model.Weights, quantized: bool) -> None:
+    def keep_restored(self, cfg: ModelConfig, weights: Weights, quantized: bool) -> None:
         """A saved state's experts, restored into host memory: the pool's numpy copies (quantized: and the
         scales)."""
         which_arrays = ("gate", "up", "down") + (("gate_scale", "up_scale", "down_scale") if quantized else ())
@@ -212,7 +213,7 @@ class HostExperts:
         return HostExpertStore(layers, compute_dtype=self.compute_dtype)
 
 
-def measure_costs(cfg: ModelConfig, weights: model.Weights, pool, repeats: int = 5, native: bool = False) -> dict:
+def measure_costs(cfg: ModelConfig, weights: Weights, pool, repeats: int = 5, native: bool = False) -> dict:
     """PCIe GB/s and fixed cost of an in-graph fetch, host pool GB/s, and the cost of one pool call from a graph (the
     FFI call or io_callback the decode graphs make, with no expert to compute). native: the fetch and the pool call
     as the native offload calls make them (bridge.offload_begin / offload_collect; the layers' pinned experts
@@ -340,7 +341,7 @@ def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: floa
     return best, costs
 
 
-def build(cfg: ModelConfig, opts: EngineOptions, weights: model.Weights, host: HostExperts, slots: int,
+def build(cfg: ModelConfig, opts: EngineOptions, weights: Weights, host: HostExperts, slots: int,
           why: str) -> Placement:
     # A failed pool job is reported as one line by the engine; JAX's own traceback log would repeat it.
     logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
@@ -400,7 +401,7 @@ def plan_placement(cfg: ModelConfig, opts: EngineOptions, reserved_bytes: int, d
     return slots, why, (HostExperts(cfg, jnp.dtype(opts.dtype), layer_device) if slots is not None else None)
 
 
-def quantized_line(cfg: ModelConfig, weights: model.Weights, opts: EngineOptions, on_host: bool) -> str:
+def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_host: bool) -> str:
     """The start-up line of quantized experts: their bytes where they live, beside the same experts in `dtype`."""
     moe_ffns = [layer.ffn for layer in weights.layers if isinstance(layer.ffn, moe.MoEWeights)]
     q_bytes = sum(a.nbytes for f in moe_ffns for a in (f.gate, f.up, f.down))
@@ -429,7 +430,7 @@ def expert_paths(cfg: ModelConfig, placement: Placement, route: approx.RouteAppr
                                              block_ends=block_ends, native=native)
 
 
-def register_native_fetch(cfg: ModelConfig, weights: model.Weights, pool) -> str | None:
+def register_native_fetch(cfg: ModelConfig, weights: Weights, pool) -> str | None:
     """Give the pool's native handler each sparse layer's pinned host experts (weights.layers[i].ffn.gate/up/down),
     for the native offload calls; None when done, else why not (one device, the FFI handler, host arrays whose
     address is known)."""

@@ -7,7 +7,7 @@ Two splits (`parallel=`):
   host pool is shared: the stages run one after the other, so each has all of it while it runs). The loaders make
   or read each layer on its device (`layer_device`, `weight_placer`): no device ever holds more than its block. A
   window runs stage by stage, one jitted graph per stage and window size: embed on the first stage, the block's
-  layers (every expert resident: `model.scan_layers` over the block's stacked weights; offload: `model.run_layers`
+  layers (every expert resident: `transformer.scan_layers` over the block's stacked weights; offload: `transformer.run_layers`
   over its per-layer list, the single-device graphs' own layer bodies), the activations [T, H] `device_put` to the
   next stage's device, final norm + lm_head on the last. A block's last layer is never deferred
   (OffloadedExperts.no_defer): its rows must be in the activations that leave the device. The stages do not
@@ -51,9 +51,13 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
-from strata_jax import graphs, model, moe
+from strata_jax.engine import graphs
+from strata_jax.model import transformer
+from strata_jax.model.kv_cache import KVCache
+from strata_jax.model.weights import LayerWeights, Weights, stack_layers
+from strata_jax.model import moe
 from strata_jax.errors import StrataError
-from strata_jax.experts import slots as slots_mod
+from strata_jax.offload import slots as slots_mod
 
 AXIS = "experts"
 
@@ -163,21 +167,21 @@ class Stages:
     state_pos = None  # (not a field) the engine's prefix reuse reads it: no DeltaNet ring here
 
 
-def _stage(weights: model.Weights, cache: model.KVCache, x: jax.Array, pos: jax.Array, n_valid: jax.Array, *,
+def _stage(weights: Weights, cache: KVCache, x: jax.Array, pos: jax.Array, n_valid: jax.Array, *,
            cfg, layer0: int, first: bool, last: bool, tail: str, experts, attention_kernel: bool, dense_kernel: bool):
     """One stage of a window: tokens (first) or hidden states [T, H] through the stage's layers (stacked: the
-    scanned body; a list: model.run_layers, the model's layers layer0..); the last stage ends as
+    scanned body; a list: transformer.run_layers, the model's layers layer0..); the last stage ends as
     graphs.decode_window ('window'), prefill_chunk ('prefill') or prefill_logits ('logits') do."""
     h = weights.embed[x] if first else x
     if weights.stacked:
-        h, cache = model.scan_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel,
+        h, cache = transformer.scan_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel,
                                      dense_kernel)
     else:
-        h, cache = model.run_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel,
+        h, cache = transformer.run_layers(weights.layers, cache, h, pos, n_valid, cfg, experts, attention_kernel,
                                     dense_kernel, layer0=layer0)
     if not last:
         return h, cache
-    logits = model.head_logits(weights, h, cfg)
+    logits = transformer.head_logits(weights, h, cfg)
     if tail == "window":
         return graphs.window_outputs(logits), cache
     if tail == "prefill":
@@ -189,7 +193,7 @@ class LayerSplit:
     """parallel=layers: contiguous blocks of layers, one device each (see the module docstring).
 
     Two forms of the model: stacked (every expert resident, the scanned body): `Stages` of per-device Weights and
-    KVCache; per-layer lists (offload, or layer_loop=unroll): the engine's own `model.Weights` / `KVCache` whose
+    KVCache; per-layer lists (offload, or layer_loop=unroll): the engine's own `Weights` / `KVCache` whose
     layer i (weights, KV rows, slot cache, host experts) lives on its block's device, so the engine's slot-cache
     code (counters, static fill) reads them as on one device; a stage's graph takes its slice of the lists."""
 
@@ -212,52 +216,52 @@ class LayerSplit:
     def device_of(self, layer: int):
         return next(d for (a, b), d in zip(self.blocks, self.devices) if a <= layer < b)
 
-    def place_weights(self, w: model.Weights) -> Stages | model.Weights:
+    def place_weights(self, w: Weights) -> Stages | Weights:
         """The stacked model sliced into blocks; the per-layer list with scanned: each block stacked on its device
         (the loaders put each layer there already: no device holds more than its block); else the list itself."""
         last = len(self.blocks) - 1
         if not w.stacked and self.scanned:
             stages = []
             for s, ((a, b), dev) in enumerate(zip(self.blocks, self.devices)):
-                block = model.Weights(embed=None, layers=[_put(layer, dev) for layer in w.layers[a:b]],
+                block = Weights(embed=None, layers=[_put(layer, dev) for layer in w.layers[a:b]],
                                       final_norm=None, lm_head=None)
-                stages.append(model.Weights(
+                stages.append(Weights(
                     embed=_put(w.embed, dev) if s == 0 or (s == last and w.lm_head is None) else None,
-                    layers=model.stack_layers(block).layers,  # the list is freed with its last holder
+                    layers=stack_layers(block).layers,  # the list is freed with its last holder
                     final_norm=_put(w.final_norm, dev) if s == last else None,
                     lm_head=_put(w.lm_head, dev) if s == last else None))
             return Stages(stages=tuple(stages))
         if not w.stacked:  # per-layer form: each layer onto its block's device, host experts stay in host memory
             if w.lm_head is None:
                 self.head_embed = _put(w.embed, self.devices[-1])
-            return model.Weights(embed=_put(w.embed, self.devices[0]),
+            return Weights(embed=_put(w.embed, self.devices[0]),
                                  layers=[_put(layer, self.device_of(i)) for i, layer in enumerate(w.layers)],
                                  final_norm=_put(w.final_norm, self.devices[-1]), lm_head=_put(w.lm_head, self.devices[-1]))
         stages = []
         for s, ((a, b), dev) in enumerate(zip(self.blocks, self.devices)):
-            stage = model.Weights(embed=w.embed if s == 0 or (s == last and w.lm_head is None) else None,
+            stage = Weights(embed=w.embed if s == 0 or (s == last and w.lm_head is None) else None,
                                   layers=jax.tree.map(lambda x, a=a, b=b: x[a:b], w.layers),
                                   final_norm=w.final_norm if s == last else None,
                                   lm_head=w.lm_head if s == last else None)
             stages.append(jax.device_put(stage, dev))
         return Stages(stages=tuple(stages))
 
-    def gathered(self, w: Stages | model.Weights) -> model.Weights:
+    def gathered(self, w: Stages | Weights) -> Weights:
         """The whole model on the first device again (save_state): the stages' layer blocks concatenated."""
         dev = self.devices[0]
-        if isinstance(w, model.Weights):
+        if isinstance(w, Weights):
             return _put(w, dev)
         first, last = w.stages[0], w.stages[-1]
         layers = jax.tree.map(lambda *xs: jnp.concatenate([jax.device_put(x, dev) for x in xs]),
                               *[s.layers for s in w.stages])
-        return jax.device_put(model.Weights(embed=first.embed, layers=layers, final_norm=last.final_norm,
+        return jax.device_put(Weights(embed=first.embed, layers=layers, final_norm=last.final_norm,
                                             lm_head=last.lm_head), dev)
 
-    def place_cache(self, cache: model.KVCache) -> Stages | model.KVCache:
+    def place_cache(self, cache: KVCache) -> Stages | KVCache:
         if isinstance(cache.k, list):
             per_layer = lambda xs: None if xs is None else [_put(x, self.device_of(i)) for i, x in enumerate(xs)]
             return cache.replace(k=per_layer(cache.k), v=per_layer(cache.v), experts=per_layer(cache.experts))
-        return Stages(stages=tuple(jax.device_put(model.KVCache(k=jax.tree.map(lambda x: x[a:b], cache.k),
+        return Stages(stages=tuple(jax.device_put(KVCache(k=jax.tree.map(lambda x: x[a:b], cache.k),
                                                                 v=jax.tree.map(lambda x: x[a:b], cache.v)), dev)
                                    for (a, b), dev in zip(self.blocks, self.devices)))
 
@@ -267,10 +271,10 @@ class LayerSplit:
             return weights.stages[s], cache.stages[s]
         (a, b), last = self.blocks[s], len(self.blocks) - 1
         embed = weights.embed if s == 0 else (self.head_embed if s == last else None)
-        w = model.Weights(embed=embed, layers=weights.layers[a:b], final_norm=weights.final_norm if s == last else None,
+        w = Weights(embed=embed, layers=weights.layers[a:b], final_norm=weights.final_norm if s == last else None,
                           lm_head=weights.lm_head if s == last else None)
         piece = lambda xs: None if xs is None else xs[a:b]
-        return w, model.KVCache(k=piece(cache.k), v=piece(cache.v), experts=piece(cache.experts))
+        return w, KVCache(k=piece(cache.k), v=piece(cache.v), experts=piece(cache.experts))
 
     def _joined(self, cache, parts: list):
         """The stages' updated caches as the engine holds them (Stages, or the per-layer lists joined)."""
@@ -452,12 +456,12 @@ def local_replica(x: jax.Array, device) -> jax.Array:
     return next(shard.data for shard in x.addressable_shards if shard.device == device)
 
 
-def expert_specs(weights: model.Weights):
+def expert_specs(weights: Weights):
     """The PartitionSpec tree of `weights`: the MoE layers' experts (and their scales) split on the expert axis
     (axis 1 of stacked [L, E, ...] leaves, else 0), everything else replicated."""
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)
 
-    def layer_spec(layer: model.LayerWeights, axis: int):
+    def layer_spec(layer: LayerWeights, axis: int):
         spec = rep(layer)
         if not isinstance(layer.ffn, moe.MoEWeights):
             return spec
@@ -502,18 +506,18 @@ class ExpertSplit:
                      f"device{' (in its host memory, with its own slot cache)' if self.offload else ''}, attention "
                      "and KV cache replicated")
 
-    def place_weights(self, w: model.Weights) -> model.Weights:
+    def place_weights(self, w: Weights) -> Weights:
         self.specs = expert_specs(w)  # host experts stay in host memory, split like the resident ones
         return jax.tree.map(lambda x, s: to_global(x, NamedSharding(self.mesh, s, memory_kind=x.sharding.memory_kind)),
                             w, self.specs)
 
-    def gathered(self, w: model.Weights) -> model.Weights:
+    def gathered(self, w: Weights) -> Weights:
         """The whole model on this process's first device again (save_state): the experts gathered, replicated."""
         kinds = jax.tree.map(lambda x: NamedSharding(self.mesh, P(), memory_kind=x.sharding.memory_kind), w)
         whole = jax.jit(lambda w: w, out_shardings=kinds)(w)  # host experts stay in host memory
         return jax.tree.map(lambda x: local_replica(x, self.first), whole)
 
-    def place_cache(self, cache: model.KVCache) -> model.KVCache:
+    def place_cache(self, cache: KVCache) -> KVCache:
         """The KV cache replicated; with offload each device's slot caches (S/D slots over its E/D experts), fresh,
         as [D, ...] leaves split on 'experts'."""
         experts, split = cache.experts, NamedSharding(self.mesh, P(AXIS))

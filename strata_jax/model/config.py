@@ -327,9 +327,9 @@ def load_config(path: str | Path) -> ModelConfig:
 
 # The presets: configs/ beside the package in the repository; installed (pip install .), the same files as
 # strata_jax/configs (pyproject.toml maps the folder into the package).
-CONFIGS_DIR = next((d for d in (Path(__file__).resolve().parent.parent / "configs",
-                                Path(__file__).resolve().parent / "configs") if (d / "tiny.json").is_file()),
-                   Path(__file__).resolve().parent.parent / "configs")
+_PACKAGE = Path(__file__).resolve().parent.parent  # strata_jax/
+CONFIGS_DIR = next((d for d in (_PACKAGE.parent / "configs", _PACKAGE / "configs") if (d / "tiny.json").is_file()),
+                   _PACKAGE.parent / "configs")
 
 
 def preset(name: str, layers: int | None = None) -> ModelConfig:

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from strata_jax.config import ModelConfig
-from strata_jax.linear import linear
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.linear import linear
 from strata_jax.pallas_kernels.gated_delta import gated_delta_step, gated_delta_step_reference
 
 CHUNK = 64  # the chunked rule's block, as transformers' torch_chunk_gated_delta_rule

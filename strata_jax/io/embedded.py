@@ -11,21 +11,21 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from strata_jax.chat import CODE_CHAT_TEMPLATE
-from strata_jax.config import CONFIGS_DIR, config_from_dict
+from strata_jax.io.chat import CODE_CHAT_TEMPLATE
+from strata_jax.model.config import CONFIGS_DIR, config_from_dict
 from strata_jax.errors import StrataError, make_writable_folder
-from strata_jax.tokenizer import EOS_TOKEN, byte_level_tokenizer
+from strata_jax.io.tokenizer import EOS_TOKEN, byte_level_tokenizer
 
 EMBEDDED_NAME = "embedded"
 FORMAT_VERSION = 2  # 2: tokenizer_config.json (chat template) and generation_config.json
 # The reference model: a small MoE (64 experts, top-8) trained on the Python standard library's sources by
-# strata_jax/train_reference.py, committed; the default model of the CLI (`make run`).
+# training/train_reference.py, committed; the default model of the CLI (`make run`).
 REFERENCE_NAME = "reference"
-REFERENCE_DIR = Path(__file__).resolve().parent / "models" / "moe-stdlib"
+REFERENCE_DIR = Path(__file__).resolve().parent.parent / "assets" / "moe-stdlib"
 # Its Qwen3-Next-shaped sibling (DeltaNet + gated attention, a shared expert, 64 experts top-8, an MTP module trained
 # on the token after next: draft=mtp), trained on the same bytes by the same program with --arch=qwen3_next.
 REFERENCE_NEXT_NAME = "reference-next"
-REFERENCE_NEXT_DIR = Path(__file__).resolve().parent / "models" / "next-stdlib"
+REFERENCE_NEXT_DIR = Path(__file__).resolve().parent.parent / "assets" / "next-stdlib"
 NAMED_MODELS = {REFERENCE_NAME: REFERENCE_DIR, REFERENCE_NEXT_NAME: REFERENCE_NEXT_DIR}
 
 
@@ -45,7 +45,7 @@ def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
 def random_checkpoint(raw_config: dict, seed: int) -> dict[str, np.ndarray]:
     """Hub-layout float32 tensors for a config (model.weight_specs), drawn from `seed` in the Hub files' order
     (numpy: the same on every machine)."""
-    from strata_jax.model import hub_walk, weight_specs
+    from strata_jax.model.weights import hub_walk, weight_specs
     cfg = config_from_dict(raw_config)
     rng = np.random.default_rng(seed)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from strata_jax.drafts import NGRAM_MAX_N, NGRAM_WINDOW
+from strata_jax.speculative.drafters import NGRAM_MAX_N, NGRAM_WINDOW
 from strata_jax.sampling import SamplingParams, filter_rows, greedy, sample_filtered, verify_filtered
 
 

@@ -9,7 +9,6 @@ device.
 - approx.py: the routing approximations (STRATA_ROUTE_*) and their switch parsing.
 - defer.py: the deferred CPU rows (STRATA_VERIFY_DEFER_CPU*) and their switch parsing.
 
-What it may touch: strata_jax's config, errors, options (the option tables and the env helpers), quant, moe and
-model, and host_pool and pallas_kernels. The engine imports this wing, never the reverse; nothing here imports
-strata_jax.engine or graphs.
+What it may touch: strata_jax.model, errors, options (the option tables and the env helpers), host_pool and
+pallas_kernels. The engine imports this wing, never the reverse; nothing here imports strata_jax.engine.
 """

@@ -1,0 +1,6 @@
+"""The engine: one request's resources decided once (plan.py), the compiled graphs (graphs.py), the request loops
+over those graphs (loops.py), the counters (stats.py), and the public face, `Engine` (api.py).
+
+`from strata_jax import Engine` is the public name; this package's modules import the rest of strata_jax, nothing
+below imports them.
+"""
