@@ -20,8 +20,8 @@ DECODE="python3 -m benchmarks.decode_bench --model=qwen3-next-80b-a3b --layers=$
   --hf=off --iters=20 --probe_windows=2 --context=4096 --pos=1024"
 for s in $STEPS; do case $s in
 tests)
-  step tests ${TESTS_LIMIT_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gated_delta.py \
-    tests/test_hf_next.py ${TESTS_SEL:--k "gpu or delta_kernel or placement or verify"} ;;
+  step tests ${TESTS_LIMIT_S:-240} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gated_delta.py \
+    tests/model/test_hf_next.py ${TESTS_SEL:--k "gpu or delta_kernel or placement or verify"} ;;
 delta)
   for arm in ${DELTA_ARMS:-16:4 32:4 64:4 32:8}; do bw=${arm%:*}; nw=${arm#*:}
     step delta_b${bw}_w${nw} 90 python3 -m benchmarks.delta_bench --block_dv=$bw --num_warps=$nw \

@@ -6,7 +6,7 @@ perplexity (benchmarks/kl_report.py), beside the hit rate and experts fetched pe
 
 Every arm is its own engine over the same checkpoint (the switches are read at start-up), at each cache size
 (--slot_fracs of the experts) and --pcie_frac; defer arms need CPU rows, so they run at --defer_pcie_frac. The
-exact engine's result does not depend on the placement (tests/test_offload.py), so one exact read at the first cache
+exact engine's result does not depend on the placement (tests/offload/test_offload.py), so one exact read at the first cache
 size is the base of every row; "exact again" (another placement: the other cache size, every expert resident) is the
 floor: what float summation order alone gives. The text (--text_file, default this repository's
 strata_jax/offload/slots.py) is not in the reference model's training data (the Python standard library).

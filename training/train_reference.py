@@ -19,7 +19,7 @@ Model: the engine's own pieces on a [B, L] batch without a KV cache: transformer
 the batch, over a zero cache of the sequence's length at position 0), moe.route and moe.expert_ffn. The experts run
 dense: every expert on every row, the combine matrix zero where a row did not pick it (E/K times the expert FLOPs of
 a sparse dispatch, but one plain matmul per projection, nothing to tune at this size, and exactly the engine's
-arithmetic: the engine loads the saved weights and gives the same logits, which tests/test_train_reference.py checks
+arithmetic: the engine loads the saved weights and gives the same logits, which tests/training/test_train_reference.py checks
 in float32). Master weights float32; the forward runs in --compute_dtype (the engine's semantics at that dtype).
 
 Loss: next-byte cross-entropy + --aux_loss_coef * the load-balancing loss as transformers' Qwen3-MoE computes it

@@ -96,7 +96,7 @@ def load(engine_cls, path: str | Path | None = None, verbose: bool = True, **opt
         checkpoint.check_layer_count(path, cfg)
     say = log if verbose else (lambda _: None)
     dtype = jnp.dtype(opts.dtype)
-    slots, why, host = plan_mod.plan_placement(cfg, opts)
+    slots, why, host = plan_mod.plan_slots(cfg, opts)
     t0 = time.perf_counter()
     fmt = placement_mod.expert_format(opts, cfg)
     place = parallel_mod.weight_placer(cfg, opts) or checkpoint.default_place  # parallel=layers: per block
@@ -144,7 +144,7 @@ def random_engine(engine_cls, cfg: ModelConfig, seed: int = 0, verbose: bool = T
     enable_compilation_cache(opts.resolved_cache_dir(), quiet=not verbose)
     say = log if verbose else (lambda _: None)
     dtype = jnp.dtype(opts.dtype)
-    slots, why, host = plan_mod.plan_placement(cfg, opts)
+    slots, why, host = plan_mod.plan_slots(cfg, opts)
     t0 = time.perf_counter()
     # made stacked directly (quantized experts are made per layer, then stacked by _assemble)
     stacked = slots is None and plan_mod.scans(cfg, opts) and not placement_mod.expert_format(opts)

@@ -2,7 +2,7 @@
 
     run(graphs, state, request) prefill, the first token, then the loop the request asks for
       prefill                   the prompt through the prefill chunks; the first new token
-      decode                    picks and times one of the three loops:
+      decode_tokens             picks and times one of the loops:
         decode_pipelined        spec 0: one token a window, read one window late (the next window already queued)
         decode_verify           verify windows: out[-1] + up to `spec` drafts, accept what the target agrees with;
           queued_windows        while the drafter proposes nothing: T=1 windows queued ahead, as decode_pipelined
@@ -95,7 +95,7 @@ class Request:
             self.form, self.sampled_windows = None, None
         elif self.form is None:
             self.form = form_of(int(self.sampling.top_k), float(self.sampling.top_p))
-        if self.mtp is not None:  # the module's drafts follow the window's hidden rows (verify_window)
+        if self.mtp is not None:  # the module's drafts follow the window's hidden rows (send_verify_window)
             self.sampled_windows = None
 
     def drafting(self) -> bool:
@@ -121,7 +121,7 @@ def run(g: Graphs, s: State, r: Request) -> None:
     if r.on_token:
         r.on_token(first)
     if first not in r.stops:
-        decode(g, s, r)
+        decode_tokens(g, s, r)
     r.stats.decode_experts = g.take_expert_stats()
     g.after_request(r.stats.decode_experts)  # pcie_frac=auto: from the misses this request met
 
@@ -149,7 +149,7 @@ def prefill(g: Graphs, s: State, r: Request) -> int:
     return first
 
 
-def decode(g: Graphs, s: State, r: Request) -> None:
+def decode_tokens(g: Graphs, s: State, r: Request) -> None:
     """The decode loop the request asks for, timed as stats.decode_s (a graph compiled on first use is not)."""
     on_device = r.spec > 0 and r.device_drafts
     if on_device:
@@ -228,7 +228,7 @@ def decode_verify(g: Graphs, s: State, r: Request) -> None:
                 s.weights, s.cache, np.asarray(r.out[-1:] + drafts, np.int32), jnp.int32(pos), r.sampling)
             made = None
         else:
-            greedy, logits, made = verify_window(g, s, r, drafts, pos)
+            greedy, logits, made = send_verify_window(g, s, r, drafts, pos)
         if ready is not None:  # drafting, bookkeeping and this dispatch: host time between two windows
             r.stats.host_gap_s += time.perf_counter() - ready
             r.stats.host_gaps += 1
@@ -236,7 +236,7 @@ def decode_verify(g: Graphs, s: State, r: Request) -> None:
             n = int(n_new)
             accepted, new = n - 1, np.asarray(drawn)[:n].tolist()
         else:
-            accepted, new = accept(g, s, r, drafts, greedy, logits, pos)
+            accepted, new = accept_drafts(g, s, r, drafts, greedy, logits, pos)
         g.checked(new[-1], pos + 1 + accepted)
         ready = time.perf_counter()
         r.stats.windows += 1
@@ -302,7 +302,7 @@ def queued_windows(g: Graphs, s: State, r: Request, context: list[int] | None) -
                     return read
 
 
-def verify_window(g: Graphs, s: State, r: Request, drafts: list[int], pos: int):
+def send_verify_window(g: Graphs, s: State, r: Request, drafts: list[int], pos: int):
     """Dispatch one verify window, out[-1] and the drafts at positions pos..: (its greedy tokens [T], its logits
     [T, V], and for greedy draft=mtp the module's drafts for the next window, else None)."""
     t = len(drafts) + 1
@@ -321,7 +321,7 @@ def verify_window(g: Graphs, s: State, r: Request, drafts: list[int], pos: int):
     return greedy, logits, None
 
 
-def accept(g: Graphs, s: State, r: Request, drafts: list[int], greedy, logits, pos: int) -> tuple[int, list[int]]:
+def accept_drafts(g: Graphs, s: State, r: Request, drafts: list[int], greedy, logits, pos: int) -> tuple[int, list[int]]:
     """A window's acceptance: (drafts accepted, the new tokens: those drafts and one token from the target).
     Greedy: the drafts equal to the target's argmax; sampled: speculative rejection sampling (sampling.verify)."""
     t = len(drafts) + 1

@@ -87,7 +87,7 @@ def resolve_delta_kernel(opts: EngineOptions, cfg: ModelConfig) -> str:
     return kernel
 
 
-def plan_placement(cfg: ModelConfig, opts: EngineOptions):
+def plan_slots(cfg: ModelConfig, opts: EngineOptions):
     """Before the weights are read: the slot count (None: every expert on the device), why, and where the host
     copies of the experts go (placement_mod.plan_placement); with several devices (`devices`) the slots count
     their memory together."""

@@ -1,7 +1,7 @@
 """The equality check of parallel=experts over several processes (jax.distributed), run as one of them:
 
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=N \\
-        python tests/distributed_check.py PROCESS_ID NUM_PROCESSES COORDINATOR_PORT
+        python tests/engine/distributed_check.py PROCESS_ID NUM_PROCESSES COORDINATOR_PORT
 
 Every process runs this same script: it joins the others (gloo collectives on the CPU), builds the tiny config's
 random float32 engine over every process's devices (devices=all, parallel=experts) and, beside it, the single-device
@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from strata_jax.model.config import preset  # noqa: E402
 from strata_jax.engine.api import Engine  # noqa: E402

@@ -5,7 +5,7 @@ each device's own slot caches (parallel=layers: PCIe and host pool, lru and stat
 split engine's save_state restores on one device; two processes through jax.distributed; the refusals are one line.
 
 The fake devices need XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts, so the equality checks
-run in a subprocess (tests/parallel_check.py)."""
+run in a subprocess (tests/engine/parallel_check.py)."""
 from __future__ import annotations
 
 import json

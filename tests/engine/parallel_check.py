@@ -1,7 +1,7 @@
-"""The equality checks of tests/test_parallel.py, run in a process of its own: XLA_FLAGS=
+"""The equality checks of tests/engine/test_parallel.py, run in a process of its own: XLA_FLAGS=
 --xla_force_host_platform_device_count=N must be set before JAX starts (the test sets it).
 
-    python tests/parallel_check.py [--cache_dir=DIR] layers:2 experts:2 experts:4 layers:2:4:0.5:lru
+    python tests/engine/parallel_check.py [--cache_dir=DIR] layers:2 experts:2 experts:4 layers:2:4:0.5:lru
 
 A split is mode:devices, or mode:devices:slots:pcie_frac:policy for offload (parallel=layers: each device keeps its
 layers' slot caches). For each split, an engine over the tiny config's random float32 weights beside the
@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from strata_jax.model.config import preset  # noqa: E402
 from strata_jax.engine.api import Engine  # noqa: E402

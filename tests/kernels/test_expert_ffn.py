@@ -104,6 +104,27 @@ def test_reference_is_the_xla_path(name):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-g32"])
+def test_quantized_reference_is_the_xla_path(fmt):
+    """The reference writes the quantized arithmetic out on its own (the kernel's file stands alone): it equals
+    moe.expert_ffn on the gathered q and scales bit for bit, scales read at rows scale_ids as the kernel does."""
+    from strata_jax.model import quant
+    x, gate, up, down, ids, combine = make_case(**CASES["t8_padded"])
+    qs = {k: quant.quantize(np.asarray(w, np.float32), fmt) for k, w in (("gate", gate), ("up", up), ("down", down))}
+    q = {k: jnp.asarray(qa.q) for k, qa in qs.items()}
+    sc = {k: jnp.asarray(quant.engine_scale(qa)) for k, qa in qs.items()}
+    scale_ids = jnp.asarray(np.random.default_rng().permutation(gate.shape[0])[:ids.shape[0]], jnp.int32)
+    rows = jnp.maximum(scale_ids, 0)
+    gathered = jnp.maximum(ids, 0)
+    zeroed = jnp.where(ids[None, :] >= 0, combine, 0.0)
+    want = jax.jit(moe.expert_ffn)(x, q["gate"][gathered], q["up"][gathered], q["down"][gathered], zeroed,
+                                   sc["gate"][rows], sc["up"][rows], sc["down"][rows])
+    got = jax.jit(expert_ffn_reference)(x, q["gate"], q["up"], q["down"], ids, combine, sc["gate"], sc["up"],
+                                        sc["down"], scale_ids=scale_ids)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.isfinite(np.asarray(got)).all() and np.abs(np.asarray(got)).max() > 0
+
+
 def test_rejects_unsupported_shapes():
     args = make_case(seed=6, t=2, slot_ids=[1, 2], h=96, i=40)
     with pytest.raises(ValueError, match="I=40 must be a multiple of 16"):
@@ -234,7 +255,7 @@ def test_the_engine_refuses_the_kernel_where_it_cannot_run(engine_factory):
     import jax
     from strata_jax import StrataError
     if jax.default_backend() == "gpu":
-        pytest.skip("on a GPU bf16 runs the kernel: tests/test_gpu.py covers it")
+        pytest.skip("on a GPU bf16 runs the kernel: tests/engine/test_gpu.py covers it")
     with pytest.raises(StrataError, match="needs a GPU and dtype=bfloat16"):
         engine_factory(None, dtype="bfloat16", window=2, context=64, expert_cache_slots="all", expert_kernel="pallas")
 

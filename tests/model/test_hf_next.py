@@ -1,5 +1,5 @@
 """Qwen3-Next: the hybrid model (Gated DeltaNet + gated attention, shared expert). Its logits and greedy output
-against transformers' Qwen3NextForCausalLM are in tests/test_hf_reference.py (the fixtures tests/fixtures/hf/next_*
+against transformers' Qwen3NextForCausalLM are in tests/model/test_hf_reference.py (the fixtures tests/fixtures/hf/next_*
 are among its folders); here: the config, the chunked delta rule, the recurrent state across verify windows and
 requests, chunked prefill, and placement independence."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from strata_jax.model.config import config_from_dict
 NEXT = sorted(p.name for p in HF_FIXTURES.glob("next_*") if (p / "reference.npz").is_file())
 W = 4
 EXACT = dict(dtype="float32", window=W, expert_cache_slots="all")
-TOL = 1e-4  # float32 against torch eager, as tests/test_hf_reference.py
+TOL = 1e-4  # float32 against torch eager, as tests/model/test_hf_reference.py
 
 
 def test_next_fixtures_found():

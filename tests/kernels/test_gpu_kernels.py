@@ -1,7 +1,7 @@
 """What only a GPU shows about the Pallas kernels: compiled (Triton, not interpret mode) against their jnp references
 on realistic shapes, with fresh random inputs for each compiled shape. Skipped without a GPU.
 
-Bounds, as the CPU tests of the same kernels (tests/test_route_prior.py, test_copy_rows.py, test_expert_ffn.py):
+Bounds, as the CPU tests of the same kernels (tests/kernels/test_route_prior.py, test_copy_rows.py, test_expert_ffn.py):
 - route_prior: ids and changed equal, weights within 1e-6;
 - copy_rows: within 1e-6 of the reference (relative), heavy + light within 1e-6 of the whole sum;
 - expert_ffn: ||kernel - reference||_F / ||reference||_F < 1e-2 (bf16 roundings differ by an ulp here and there);
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]
 
 DRAWS = 3  # fresh random inputs per compiled shape
-EXPERT_FFN_RTOL = 1e-2  # tests/test_expert_ffn.py's REF_RTOL
+EXPERT_FFN_RTOL = 1e-2  # tests/kernels/test_expert_ffn.py's REF_RTOL
 
 
 # ------------------------------------------------------------------------------------------------------- route_prior
@@ -141,7 +141,7 @@ def test_expert_ffn_matches_reference(qwen3_experts, t):
 
 # -------------------------------------------------------------------------------------------------- decode_attention
 
-# The CPU test's cases (tests/test_decode_attention.py), compiled: its bounds, and garbage past the window unread.
+# The CPU test's cases (tests/kernels/test_decode_attention.py), compiled: its bounds, and garbage past the window unread.
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("name", ["t1_pos77", "t4_pos60", "t3_r4_s192", "qwen3_t1_s2112", "t4_to_the_end"])
 def test_decode_attention_matches_reference(name, dtype):

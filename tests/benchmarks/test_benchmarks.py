@@ -304,7 +304,7 @@ def test_parallel_bench_tiny_on_two_fake_devices(tmp_path, cache_dir):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.parallel_bench", "--model=tiny", "--dtype=float32",
                            "--devices=1,2,3", "--modes=layers,experts", "--prompt=20", "--new_tokens=6",
                            "--vram_reserve_mib=0", "--offload_slots=4", f"--cache_dir={cache_dir}", f"--json={out}"],
-                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = [[c.strip() for c in ln.split("|")[1:-1]] for ln in proc.stdout.splitlines() if ln.startswith("|")]
