@@ -180,7 +180,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
                  mtp_only: bool = False, expert_format: str | None = None,
                  place_scales: Placer | None = None) -> Weights:
     """Read a Qwen3-MoE, Qwen3-Next or Qwen3.5-MoE checkpoint in the Hub layout into `Weights` (dense matrices
-    transposed to [in, out]): a walk over the declaration model.weight_specs (names, shapes, layouts). The `mtp.*` tensors (Next's and Qwen3.5's multi-token-prediction head) are read by
+    transposed to [in, out]): a walk over the declaration weights.weight_specs (names, shapes, layouts). The `mtp.*` tensors (Next's and Qwen3.5's multi-token-prediction head) are read by
     `load_mtp` (mtp_only). Qwen3.5-MoE's own names are mapped here (`text_prefix`, `grouped_deltanet_rows`; experts
     per expert or fused as `experts.gate_up_proj` / `experts.down_proj`, either is read for any model).
 

@@ -43,7 +43,7 @@ def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
 
 
 def random_checkpoint(raw_config: dict, seed: int) -> dict[str, np.ndarray]:
-    """Hub-layout float32 tensors for a config (model.weight_specs), drawn from `seed` in the Hub files' order
+    """Hub-layout float32 tensors for a config (weights.weight_specs), drawn from `seed` in the Hub files' order
     (numpy: the same on every machine)."""
     from strata_jax.model.weights import hub_walk, weight_specs
     cfg = config_from_dict(raw_config)

@@ -243,11 +243,11 @@ class OffloadedExperts:
         # slots (fetched ones are copied straight into their victim slots); bf16 on a GPU.
         self.kernel = kernel
         self.defer = defer_cpu if pool is not None else defer.OFF
-        # check mode: the layer's late rows join right after its own combine (model.forward asks).
+        # check mode: the layer's late rows join right after its own combine (transformer.forward asks).
         self.join_now = self.defer.mode == "check"
 
     def layer_state(self, stack: SlotCache, layer) -> SlotCache:
-        """Layer `layer`'s view of a stacked slot cache (model.offload_layers: the scanned graph)."""
+        """Layer `layer`'s view of a stacked slot cache (transformer.offload_layers: the scanned graph)."""
         return layer_view(stack, layer)
 
     def put_state(self, stack: SlotCache, layer, view: SlotCache) -> SlotCache:
@@ -260,7 +260,7 @@ class OffloadedExperts:
         return self.native is not None and not self.defer.active
 
     def join(self, h: jax.Array, pending: defer.Pending) -> jax.Array:
-        """Add a deferred layer's rows still owed to the residual h (model.forward: pre(l+1), or post(l) in check
+        """Add a deferred layer's rows still owed to the residual h (transformer.forward: pre(l+1), or post(l) in check
         mode)."""
         with jax.named_scope(f"moe_deferred_join_layer{pending.layer}"):
             return defer.join_light(self.pool, h, pending, self.defer.below)
@@ -407,7 +407,7 @@ class OffloadedExperts:
                           gpu_order=gpu_order, n_gpu=jnp.sum(gpu))
 
     def submit_cpu(self, layer: int, x: jax.Array, r: moe.Route, p: WindowPlan) -> defer.Pending:
-        """Deferral: hand the cpu entries to the pool now; their rows join later (model.forward)."""
+        """Deferral: hand the cpu entries to the pool now; their rows join later (transformer.forward)."""
         cpu_entries = defer.cpu_entries(r, p.kind, CPU)
         ticket = defer.submit(self.pool, layer, x, r, cpu_entries, self.defer.below)
         return defer.Pending(layer=layer, ticket=ticket, weights=r.topk_weights, cpu=cpu_entries)
@@ -512,7 +512,7 @@ def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Arr
 
 def fill_static_stacked(stack: SlotCache, layers, fill) -> SlotCache:
     """fill_static_slots for a stacked cache (init_stacked_slot_cache) and stacked weights whose experts stay a
-    tuple of per-layer host arrays (model.stack_layers(keep_experts=True)); `fill`: fill_layer_slots, jitted with
+    tuple of per-layer host arrays (weights.stack_layers(keep_experts=True)); `fill`: fill_layer_slots, jitted with
     donation of the stack."""
     usage = np.asarray(stack.usage)  # [L, E]
     s = stack.expert_of.shape[-1] - 1

@@ -40,7 +40,7 @@ class MTPWeights:
 
 
 def weight_specs(cfg: ModelConfig) -> MTPWeights:
-    """The module's declaration (the `mtp.*` tensors; see model.weight_specs): one full-attention MoE layer."""
+    """The module's declaration (the `mtp.*` tensors; see weights.weight_specs): one full-attention MoE layer."""
     h = cfg.hidden_size
     return MTPWeights(fc=Leaf((2 * h, h), "mtp.fc.weight", "T"),
                       norm_embedding=Leaf((h,), "mtp.pre_fc_norm_embedding.weight", init="norm"),

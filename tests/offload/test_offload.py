@@ -79,7 +79,7 @@ def test_logits_and_greedy_do_not_depend_on_placement(engine_factory, reference,
 
 def test_offloaded_decode_windows_run_one_scanned_body(engine_factory, reference, tokens):
     """With the native offload calls (the default where their handler builds, as here) the decode windows run one
-    scanned layer body (model.offload_layers): their graph holds one begin call, not one a layer, and the start-up
+    scanned layer body (transformer.offload_layers): their graph holds one begin call, not one a layer, and the start-up
     line says so; layer_loop=unrolled keeps a call a layer. Both give all resident's logits and tokens."""
     ref_scores, ref_greedy = reference
     scanned = offload_engine(engine_factory, 5)
