@@ -100,8 +100,7 @@ def make_probe(cfg, context: int, dtype):
     import jax.numpy as jnp
     from strata_jax.model import deltanet, moe
     from strata_jax.model import transformer
-    from strata_jax.model.kv_cache import init_cache
-    from strata_jax.model.weights import MLPWeights, can_stack, random_weights
+    from strata_jax.model.weights import MLPWeights
 
     @jax.jit
     def embed(table, tokens):
@@ -190,9 +189,8 @@ def run(s) -> dict:
     import jax.numpy as jnp
     import numpy as np
     from strata_jax.engine import graphs
-    from strata_jax.model import transformer
     from strata_jax.model.kv_cache import init_cache
-    from strata_jax.model.weights import MLPWeights, can_stack, random_weights
+    from strata_jax.model.weights import can_stack, random_weights
     from strata_jax.model import moe
     from strata_jax.model.config import preset
     from strata_jax.engine.plan import resolve_delta_kernel

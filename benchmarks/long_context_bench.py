@@ -181,8 +181,7 @@ def shape_costs(cfg, dtype) -> dict:
     """Weight bytes (decode_bench.weight_bytes) and the matmul parameters a token runs, from the weights' shapes."""
     import jax
     from benchmarks.decode_bench import weight_bytes
-    from strata_jax.model.kv_cache import cache_bytes
-    from strata_jax.model.weights import can_stack, random_weights, stack_layers
+    from strata_jax.model.weights import random_weights
     from strata_jax.model import moe
     abstract = jax.eval_shape(lambda: random_weights(cfg, 0, dtype))
     wb = weight_bytes(cfg, abstract, dtype.itemsize)
@@ -201,7 +200,6 @@ def decode_roofline(cfg, costs: dict, expert_itemsize: float, itemsize: int, kv_
                     bandwidth: float) -> dict:
     """Bytes one decode token reads at `depth` (one token a step) and the tok/s they allow at `bandwidth`."""
     from strata_jax.model.kv_cache import cache_bytes
-    from strata_jax.model.weights import can_stack, random_weights, stack_layers
     wb = costs["weight_bytes"]
     non_expert = wb["fixed_non_expert"] + (0 if wb["tied"] else wb["embed_row"])
     experts = cfg.num_sparse_layers * cfg.num_experts_per_tok * cfg.expert_bytes(expert_itemsize)
@@ -216,7 +214,6 @@ def prefill_floor(cfg, costs: dict, prompt: int, slots: int | None, expert_items
                   kv_dtype: str, bandwidth: float, flops_per_s: float, pcie_Bps: float | None) -> dict:
     """The least time a prompt of `prompt` tokens can take: max(compute, bytes read once, misses fetched once)."""
     from strata_jax.model.kv_cache import cache_bytes
-    from strata_jax.model.weights import can_stack, random_weights, stack_layers
     wb = costs["weight_bytes"]
     flops = (2.0 * prompt * (costs["layer_params"] + cfg.num_sparse_layers * cfg.num_experts_per_tok
                              * costs["expert_params"])
@@ -319,7 +316,6 @@ def build_engine(cfg, seed: int, slots: int | None, options: dict):
     (slots None) from the same list-form random_weights, stacked here (from_random's all-resident path draws its
     stacked weights directly, with other values)."""
     import jax.numpy as jnp
-    from strata_jax.model.kv_cache import cache_bytes
     from strata_jax.model.weights import can_stack, random_weights, stack_layers
     from strata_jax.offload import placement as placement_mod
     from strata_jax.engine.api import Engine

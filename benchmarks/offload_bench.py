@@ -204,7 +204,7 @@ def top_share(engine, slots: int) -> float:
 def device_experts(weights):
     """A copy of `weights` with every MoE layer's experts in device memory (the all-resident baseline)."""
     import jax
-    from strata_jax.model.weights import map_experts, param_bytes, random_weights
+    from strata_jax.model.weights import map_experts
     from strata_jax.offload import slots as slots_mod
     dev = slots_mod.device_sharding()
     out = map_experts(weights, lambda x: jax.device_put(x, dev))
@@ -219,7 +219,7 @@ def run(s) -> dict:
     import jax.numpy as jnp
     import numpy as np
     from strata_jax.host_pool import HostPool
-    from strata_jax.model.weights import map_experts, param_bytes, random_weights
+    from strata_jax.model.weights import param_bytes, random_weights
     from strata_jax.offload import slots as slots_mod
     from strata_jax.offload import placement as placement_mod
     from strata_jax.model.config import preset

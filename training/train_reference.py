@@ -45,18 +45,16 @@ deterministic ops (scatter-add in the embedding gradient, autotuning) before JAX
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
 import math
 import os
-import platform
 import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from absl import flags
 
@@ -160,92 +158,11 @@ SIZE_TARGET_BYTES = 40e6  # the reference model should stay at most ~40 MB as bf
 NEXT_DEFAULTS = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, moe_intermediate=32)
 
 
-# ---- output ----------------------------------------------------------------------------------------------------
+# ---- output: the benchmarks' (benchmarks/tables.py, benchmarks/common.py) --------------------------------------
 # The start-up block, the table and the summary go to stdout; progress lines to stderr, stamped with the seconds since
 # the program started. Every number printed is also in the report (training_report.json, --json).
-
-_T0 = time.perf_counter()
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
-
-
-def progress(line: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {line}", file=sys.stderr, flush=True)
-
-
-def fmt_bytes(nbytes: float) -> str:
-    """Decimal units: '39.5 MB', '9.44 MB', '49.2 kB'."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= scale:
-            v = nbytes / scale
-            return f"{v:.3g} {unit}" if v < 100 else f"{v:,.0f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, float) and math.isfinite(v) and v != 0:
-        a = abs(v)
-        return (f"{v:,.0f}" if a >= 1000 else f"{v:.1f}" if a >= 100 else f"{v:.2f}" if a >= 1 else
-                f"{v:.4f}" if a >= 0.001 else f"{v:.3g}")
-    return "0" if isinstance(v, float) and v == 0 else str(v)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A Markdown table: text left-aligned, numbers right-aligned."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    numeric = [bool(rows) and all(isinstance(row[i], (int, float)) and not isinstance(row[i], bool) for row in rows)
-               for i in range(len(headers))]
-    widths = [max([3, len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-
-    def line(vals):
-        return "| " + " | ".join(v.rjust(w) if numeric[i] else v.ljust(w)
-                                 for i, (v, w) in enumerate(zip(vals, widths))) + " |"
-    sep = "| " + " | ".join(("-" * (w - 1) + ":") if numeric[i] else "-" * w for i, w in enumerate(widths)) + " |"
-    return "\n".join([line(headers), sep] + [line(c) for c in cells])
-
-
-def _jsonable(x: Any) -> Any:
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return _jsonable(dataclasses.asdict(x))
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if hasattr(x, "item") and getattr(x, "ndim", None) == 0:  # numpy / jax scalars
-        return x.item()
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, Path):
-        return str(x)
-    return x
-
-
-def write_json(path: str | Path, obj: Any) -> Path:
-    """Write `obj` (dicts, lists, numpy/jax scalars and arrays) as indented JSON, atomically; makes parents."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_jsonable(obj), indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def device_info() -> dict:
-    import jax
-    import jaxlib
-    d = jax.devices()[0]
-    stats = {}
-    try:
-        stats = d.memory_stats() or {}
-    except Exception:  # some backends do not implement it
-        pass
-    return dict(platform=d.platform, device_kind=d.device_kind, device=str(d), device_count=jax.device_count(),
-                memory_limit_bytes=stats.get("bytes_limit"), jax=jax.__version__, jaxlib=jaxlib.__version__,
-                python=platform.python_version(), host=platform.node(), xla_flags=os.environ.get("XLA_FLAGS", ""))
+from benchmarks.common import device_info, fmt_bytes  # noqa: E402
+from benchmarks.tables import format_table, progress, say, write_json  # noqa: E402
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -352,7 +269,6 @@ def attention_batch(x, w, cfg):
     import jax
     import jax.numpy as jnp
     from strata_jax.model import transformer
-    from strata_jax.model.weights import Draw, MLPWeights, Weights, build_layer, hub_walk, random_weights, weight_specs
     zeros = jnp.zeros((x.shape[1], cfg.num_kv_heads, cfg.head_dim), x.dtype)
     return jax.vmap(lambda seq: transformer.attention(seq, w, zeros, zeros, jnp.int32(0), cfg)[0])(x)
 
@@ -387,7 +303,7 @@ def moe_all_experts(x, w, cfg):
 def decoder_layer(h, layer, cfg):
     """One decoder layer on h [B, L, H] -> (h, router logits [B*L, E] or None for a dense layer)."""
     from strata_jax.model import transformer
-    from strata_jax.model.weights import Draw, MLPWeights, Weights, build_layer, hub_walk, random_weights, weight_specs
+    from strata_jax.model.weights import MLPWeights
     from strata_jax.model.deltanet import DeltaNetWeights
     b, l, _ = h.shape
     mixer = deltanet_batch if isinstance(layer.attn, DeltaNetWeights) else attention_batch
@@ -410,7 +326,6 @@ def forward(weights, tokens, cfg, return_hidden: bool = False):
     and the final hidden states [B, L, H] after the final norm (what the MTP module reads)."""
     import jax.numpy as jnp
     from strata_jax.model import transformer
-    from strata_jax.model.weights import Draw, MLPWeights, Weights, build_layer, hub_walk, random_weights, weight_specs
     h = weights.embed[tokens]  # [B, L, H]
     router_logits = []
     for layer in weights.layers:
@@ -428,7 +343,6 @@ def mtp_forward(weights, mtp, hidden, next_tokens, cfg):
     after each row, next_tokens [B, L] -> (float32 logits [B, L, V] of the token after next, router logits)."""
     import jax.numpy as jnp
     from strata_jax.model import transformer
-    from strata_jax.model.weights import Draw, MLPWeights, Weights, build_layer, hub_walk, random_weights, weight_specs
     e = transformer.norm(weights.embed[next_tokens], mtp.norm_embedding, cfg)
     x = jnp.concatenate([e, transformer.norm(hidden, mtp.norm_hidden, cfg)], axis=-1) @ mtp.fc  # [B, L, H]
     x, router_logits = decoder_layer(x, mtp.layer, cfg)
@@ -442,8 +356,7 @@ def random_mtp(cfg, seed: int, dtype, scale: float):
     random_weights' first layer of seed + 1000, fc from seed + 1001."""
     import jax
     import jax.numpy as jnp
-    from strata_jax.model import transformer
-    from strata_jax.model.weights import Draw, MLPWeights, Weights, build_layer, hub_walk, random_weights, weight_specs
+    from strata_jax.model.weights import Draw, build_layer
     from strata_jax.speculative.mtp import weight_specs
     specs = weight_specs(cfg)
     draw = Draw(cfg, jax.random.PRNGKey(seed + 1000), dtype, scale)
@@ -634,8 +547,7 @@ def hf_tensors(weights, cfg, dtype: str, mtp=None) -> dict:
     checkpoint.load_weights and load_mtp: both walk weight_specs), numpy, in the Hub files' order."""
     import numpy as np
     import jax.numpy as jnp
-    from strata_jax.model import transformer
-    from strata_jax.model.weights import Draw, MLPWeights, Weights, build_layer, hub_walk, random_weights, weight_specs
+    from strata_jax.model.weights import hub_walk, weight_specs
     from strata_jax.speculative.mtp import weight_specs as mtp_specs
     np_dtype = jnp.dtype(dtype)
     out = {}
@@ -717,8 +629,7 @@ def run(s) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from strata_jax.model import transformer
-    from strata_jax.model.weights import Draw, MLPWeights, Weights, build_layer, hub_walk, random_weights, weight_specs
+    from strata_jax.model.weights import MLPWeights, random_weights
     from strata_jax.model.config import config_from_dict
 
     raw = hf_config(s)

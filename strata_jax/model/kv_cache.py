@@ -3,22 +3,13 @@ scales per (position, kv head) (`QuantKV`), and Qwen3-Next's DeltaNet state ring
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from strata_jax.pallas_kernels.decode_attention import decode_attention
-from strata_jax.pallas_kernels.stacked_linear import stacked_linear
 from strata_jax.model.config import ModelConfig
-from strata_jax.model import deltanet, moe
-from strata_jax.model.deltanet import DeltaNetWeights, DeltaState
-from strata_jax.model.linear import linear
-
+from strata_jax.model import deltanet
+from strata_jax.model.deltanet import DeltaState
 
 
 @struct.dataclass

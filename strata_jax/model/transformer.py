@@ -10,24 +10,19 @@ S cache length, V vocabulary.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import struct
 
 from strata_jax.pallas_kernels.decode_attention import decode_attention
 from strata_jax.pallas_kernels.stacked_linear import stacked_linear
 from strata_jax.model.config import ModelConfig
 from strata_jax.model import deltanet, moe
-from strata_jax.model.deltanet import DeltaNetWeights, DeltaState
+from strata_jax.model.deltanet import DeltaNetWeights
 from strata_jax.model.linear import linear
 from strata_jax.model.kv_cache import KVCache, QuantKV, _layer_of, _write_rows
 from strata_jax.model.weights import AttentionWeights, LayerWeights, MLPWeights, Weights
-
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -13,13 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from strata_jax.pallas_kernels.decode_attention import decode_attention
-from strata_jax.pallas_kernels.stacked_linear import stacked_linear
 from strata_jax.model.config import ModelConfig
-from strata_jax.model import deltanet, moe
-from strata_jax.model.deltanet import DeltaNetWeights, DeltaState
-from strata_jax.model.linear import linear
-
+from strata_jax.model import moe
+from strata_jax.model.deltanet import DeltaNetWeights
 
 
 @struct.dataclass
@@ -66,7 +62,6 @@ class Weights:
     @property
     def stacked(self) -> bool:
         return isinstance(self.layers, LayerWeights)
-
 
 
 def can_stack(cfg: ModelConfig) -> bool:

@@ -140,8 +140,7 @@ def test_reference_is_model_attention(dtype):
     the projection: the reference, fed the q and the updated caches that transformer.attention builds, equals it exactly;
     the kernel matches it within its bound."""
     from strata_jax.model import transformer
-    from strata_jax.model.kv_cache import init_cache
-    from strata_jax.model.weights import AttentionWeights, random_weights
+    from strata_jax.model.weights import AttentionWeights
     from strata_jax.model.config import preset
     dtype = DTYPES[dtype]
     cfg = preset("tiny")
@@ -385,9 +384,8 @@ def test_prefill_chunk_with_the_kernel_matches_the_xla_path(stacked):
     reaches the cache's last row. The real rows' logits and the written caches match the XLA path's (1e-5)."""
     import functools
     from strata_jax.engine import graphs
-    from strata_jax.model import transformer
     from strata_jax.model.kv_cache import init_cache
-    from strata_jax.model.weights import AttentionWeights, random_weights
+    from strata_jax.model.weights import random_weights
     from strata_jax.model.config import preset
     cfg = preset("tiny")
     weights = random_weights(cfg, 5, jnp.float32, scale=0.1, stacked=stacked)
