@@ -8,7 +8,7 @@ per-launch cost stays flat with depth; a per-layer one grows with it."""
 import statistics, sys, time
 sys.path.insert(0, ".")
 import jax, jax.numpy as jnp
-from strata_jax.config import preset
+from strata_jax.model.config import preset
 from strata_jax.engine import Engine
 
 
