@@ -64,7 +64,8 @@ def room(module: str) -> str:
 
 def test_the_walk_sees_the_house():
     assert "strata_jax.engine.api" in MODULES and "strata_jax.host_pool.pool" in MODULES
-    assert any(t == "strata_jax.engine.graphs" for t, _ in GRAPH["strata_jax.engine.api"])
+    assert any(t == "strata_jax.engine.graphs" for t, _ in GRAPH["strata_jax.engine.compiled"])
+    assert any(t == "strata_jax.engine.loops" for t, _ in GRAPH["strata_jax.engine.api"])
     assert room("strata_jax.offload.slots") == "offload" and room("strata_jax.errors") == "top"
 
 

@@ -240,7 +240,7 @@ def test_save_state_under_a_file_and_logpos_to_a_folder_are_one_line(engine_fact
         engine.write_logpos([1, 2, 3, 4], tmp_path)
 
 
-@pytest.mark.parametrize("name,value", [("transformer.norm.weight", np.nan),
+@pytest.mark.parametrize("name,value", [("model.norm.weight", np.nan),
                                         ("model.layers.0.mlp.gate.weight", np.inf),
                                         ("model.layers.1.mlp.experts.3.down_proj.weight", np.nan)])
 def test_non_finite_weights_refused(base_copy, cache_dir, name, value):
