@@ -123,6 +123,10 @@ def raw_config(files: GGUFFiles) -> dict:
     if a("rope.dimension_count", head_dim) != head_dim:
         raise StrataError(f"{files.path}: rope.dimension_count {a('rope.dimension_count')} is not the head "
                           f"dimension {head_dim}: partial RoPE is not a Qwen3-MoE shape")
+    blocks = {int(m.group(1)) for name in files.tensors if (m := re.match(r"blk\.(\d+)\.", name))}
+    if blocks != set(range(a("block_count"))):  # before anything is sized from block_count
+        raise StrataError(f"{files.path}: block_count is {a('block_count')}, but the GGUF holds tensors of "
+                          f"{len(blocks)} blocks" + (f" (blk.{min(blocks)}..blk.{max(blocks)})" if blocks else ""))
     embed = files.tensors.get("token_embd.weight")
     if embed is None:
         raise StrataError(f"{files.path}: GGUF tensor 'token_embd.weight' is missing")
@@ -273,7 +277,8 @@ def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
         else:
             to = held + (" (dequantized at load)" if quantized else "")
         parts.append(f"{family} {'+'.join(sorted(types))} ({bpw:.2f} bpw) -> {to}")
-    return (f"gguf: {source['files'][0]} ({source['arch']}, {len(source['files'])} file(s)): {', '.join(parts)}; "
+    count = len(source["files"])
+    return (f"gguf: {source['files'][0]} ({source['arch']}, {count} file{'s' if count > 1 else ''}): {', '.join(parts)}; "
             "packed formats on the device: not yet")
 
 

@@ -220,6 +220,24 @@ def test_k_and_iq_types_dequantize_at_load(tmp_path, cache_dir):
     assert set(t for family in source["types"].values() for t in family) == {"F32"} | {q.name for q in K_TYPES}
 
 
+def test_tied_embeddings_and_format_lines(tmp_path, base_hub, cache_dir):
+    """No `output` tensor: the lm_head is the embedding (tie_word_embeddings), as llama.cpp reads it. The start-up
+    line with expert_dtype=int4: the dequantized experts requantized in the engine's format."""
+    raw, hub = base_hub
+    path = tmp_path / "tied.gguf"
+    write_gguf(path, raw, hub, drop=("output.weight",))
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    cfg = load_config(folder)
+    assert cfg.tie_word_embeddings
+    weights = checkpoint.load_weights(folder, cfg, jnp.float32)
+    assert weights.lm_head is None and np.array_equal(weights.embed, hub["model.embed_tokens.weight"])
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    line = gguf_file.formats_line(dict(source, types=dict(source["types"], experts={"Q4_K": [256, 144]})),
+                                  "bfloat16", "int4")
+    assert "experts Q4_K (4.50 bpw) -> int4 (requantized at load from the dequantized values)" in line, line
+    assert "attention F32 (32.00 bpw) -> bf16," in line and "(qwen3moe, 1 file)" in line, line
+
+
 def test_split_gguf_reads_every_part(tmp_path, base_hub, cache_dir):
     raw, hub = base_hub
     path = tmp_path / "base.gguf"
@@ -359,6 +377,11 @@ def test_refusals(tmp_path, base_hub, cache_dir):
     msg = refused(path, cache_dir)
     assert "'blk.1.ffn_up_exps.weight'" in msg and "missing" in msg, msg
 
+    path = tmp_path / "blocks.gguf"
+    write_gguf(path, dict(raw, num_hidden_layers=3), hub)
+    msg = refused(path, cache_dir)
+    assert "block_count is 3, but the GGUF holds tensors of 2 blocks (blk.0..blk.1)" in msg, msg
+
     path = tmp_path / "int.gguf"
     q = hub["model.layers.0.self_attn.q_proj.weight"]
     write_gguf(path, raw, hub, replace={"blk.0.attn_q.weight": np.zeros(q.shape, np.int32)})
@@ -386,17 +409,24 @@ def byte_level_metadata(w: gguf.GGUFWriter) -> None:
     w.add_chat_template(CHAT_TEMPLATE)
 
 
-def test_cli_decodes_a_gguf(tmp_path, cache_dir):
-    """The embedded tiny model's shape (the CLI tests' compiled graphs) as a Q8_0 GGUF: the CLI says the types,
-    decodes text, and the greedy tokens are those of the checkpoint holding its dequantized values."""
+def test_cli_decodes_a_gguf(tmp_path, cache_dir, engine_factory):
+    """The embedded tiny model's shape (the CLI tests' compiled graphs) as a Q8_0 GGUF with a tokenizer: the CLI
+    says the types, decodes text and saves the state, which restores the same model."""
     raw = json.loads((CONFIGS_DIR / "tiny.json").read_text())
     hub = stacked(random_checkpoint(raw, seed=0), raw["num_hidden_layers"], raw["num_experts"])
     path = tmp_path / "tiny-q8.gguf"
     write_gguf(path, raw, hub, types=lambda g: Q.Q8_0, tokenizer=byte_level_metadata)
+    state = tmp_path / "state"
     out = run_cli([f"--model={path}", "--prompt=def fib(n):", "--max_new_tokens=6", "--dtype=float32",
-                   "--expert_cache_slots=all"], cache_dir)
+                   "--expert_cache_slots=all", f"--save_state={state}"], cache_dir)
     err = out.stderr.decode()
     assert out.returncode == 0, err
     assert "gguf: " in err and "experts Q8_0 (8.50 bpw) -> f32 (dequantized at load)" in err, err
     assert "loading: layer 3/3" in err, err
-    assert out.stdout, err
+    assert out.stdout.startswith(b"def fib(n):") and len(out.stdout) > len(b"def fib(n):"), out.stdout
+    # --save_state of a GGUF engine: the converted weights, the tokenizer and the chat template come back
+    restored = engine_factory(state, **EXACT)
+    engine = engine_factory(path, **EXACT)
+    assert restored.chat_template.source == CHAT_TEMPLATE and restored.encode("def") == list(b"def")
+    ids = restored.encode("def fib(n):\n    return")
+    assert np.array_equal(restored.prefill_logits(ids), engine.prefill_logits(ids))
