@@ -159,6 +159,11 @@ def test_quantized_weights_and_logits(tmp_path, base_hub, engine_factory, cache_
     for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
         assert a.dtype == jnp.float32 and np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(kp)
     assert not np.array_equal(np.asarray(got.layers[0].ffn.gate), hub["model.layers.0.mlp.experts.gate_proj.weight"])
+    # expert_dtype=int8: the dequantized experts requantized at load, as from the safetensors checkpoint
+    got8 = checkpoint.load_weights(folder, cfg, jnp.float32, expert_format="int8")
+    want8 = checkpoint.load_weights(dequantized, cfg, jnp.float32, expert_format="int8")
+    assert got8.layers[1].ffn.gate.dtype == jnp.int8
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got8), jax.tree.leaves(want8)))
 
     engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), **EXACT)
     line = next(l for l in capfd.readouterr().err.splitlines() if l.startswith("gguf:"))
@@ -376,6 +381,20 @@ def test_refusals(tmp_path, base_hub, cache_dir):
     write_gguf(path, raw, hub, drop=("blk.1.ffn_up_exps.weight",))
     msg = refused(path, cache_dir)
     assert "'blk.1.ffn_up_exps.weight'" in msg and "missing" in msg, msg
+
+    def extra(*pairs):
+        def add(w):
+            for key, value in pairs:
+                w.add_string(key, value)
+        return add
+    path = tmp_path / "yarn.gguf"
+    write_gguf(path, raw, hub, tokenizer=extra(("qwen3moe.rope.scaling.type", "yarn")))
+    msg = refused(path, cache_dir)
+    assert "rope scaling 'yarn' (rope.scaling.type) is not supported" in msg, msg
+    path = tmp_path / "spm.gguf"
+    write_gguf(path, raw, hub, tokenizer=extra(("tokenizer.ggml.model", "llama"), ("tokenizer.ggml.pre", "default")))
+    msg = refused(path, cache_dir)
+    assert "tokenizer 'llama' with pre-tokenizer 'default' is not supported" in msg, msg
 
     path = tmp_path / "blocks.gguf"
     write_gguf(path, dict(raw, num_hidden_layers=3), hub)
