@@ -206,9 +206,16 @@ def tokenizer_config(files: GGUFFiles) -> dict:
     return out
 
 
+END_TOKENS = ("<|im_end|>", "<|endoftext|>")  # Qwen's control tokens that llama.cpp's vocabulary ends generation on
+
+
 def generation_config(files: GGUFFiles) -> dict:
-    """generation_config.json: the ids that end a turn (eos, and end-of-turn / end-of-message where set); greedy."""
+    """generation_config.json: the ids that end a turn (eos, end-of-turn / end-of-message where set, and Qwen's
+    <|im_end|> / <|endoftext|> control tokens, as Qwen3's own generation_config lists both); greedy."""
     ids = [files.value(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    tokens = files.value("tokenizer.ggml.tokens") or []
+    types = files.value("tokenizer.ggml.token_type") or []
+    ids += [i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == TOKEN_CONTROL and tok in END_TOKENS]
     ids = list(dict.fromkeys(i for i in ids if i is not None))
     return {"eos_token_id": ids, "do_sample": False}
 
@@ -364,6 +371,11 @@ class GGUFTensors:
                 raise StrataError(f"{self.files.path}: no GGUF name for the Hub tensor {fused!r}")
             shape = leaf.shape if leaf.expert else leaf.hf_shape
             self.gguf_of[hub] = (mapped, j, tuple(shape))
+        read = {g for g, _, _ in self.gguf_of.values()}
+        unread = sorted(set(self.files.tensors) - read)
+        if unread:  # a weight the declaration does not know (a shared expert, a bias) would be dropped silently
+            raise StrataError(f"{self.files.path}: GGUF tensor {unread[0]!r} is not part of a {ARCH} model as this "
+                              f"engine reads it ({len(unread)} such tensor(s))")
         # What check_layer_count reads: the Hub names whose GGUF tensor is there.
         self.file_of = {hub: self.files.tensors[g][1] for hub, (g, _, _) in self.gguf_of.items()
                         if g in self.files.tensors}
@@ -395,9 +407,10 @@ def values(t, index: int | None = None) -> np.ndarray:
     import gguf
     qtype = gguf.GGMLQuantizationType(t.tensor_type)
     raw = t.data if index is None else t.data[index]
+    # A copy of the mapped bytes, so no array the engine keeps points into the file.
     if qtype.name in ("F32", "F16"):
-        return raw
+        return np.array(raw)
     if qtype.name == "BF16":
         import ml_dtypes
-        return raw.view(ml_dtypes.bfloat16)
+        return np.array(raw).view(ml_dtypes.bfloat16)
     return gguf.quants.dequantize(raw, qtype)

@@ -53,7 +53,8 @@ def encode(x: np.ndarray, qtype: Q) -> np.ndarray:
 def write_gguf(path: Path, raw: dict, hub: dict[str, np.ndarray], types=None, arch: str = "qwen3moe",
                tokenizer=None, drop=(), replace=None, split_max_tensors: int = 0) -> dict[str, np.ndarray]:
     """A GGUF of a Hub config + (stacked) tensors; types(gguf name) -> its GGUF type (default F32; 1-D tensors
-    stay F32, as llama.cpp keeps them); drop: GGUF names left out; replace: {GGUF name: array written instead}.
+    stay F32, as llama.cpp keeps them); drop: GGUF names left out; replace: {GGUF name: array written instead, or
+    added}.
     Returns the dequantized values written, by Hub name."""
     n_layers = raw["num_hidden_layers"]
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
@@ -79,12 +80,13 @@ def write_gguf(path: Path, raw: dict, hub: dict[str, np.ndarray], types=None, ar
         if g in drop:
             continue
         if g in (replace or {}):
-            w.add_tensor(g, replace[g])
             continue
         qtype = (types or (lambda _: Q.F32))(g) if x.ndim > 1 else Q.F32
         data = encode(x, qtype)
         w.add_tensor(g, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
         written[name] = gguf.quants.dequantize(data, qtype).reshape(x.shape)
+    for g, x in (replace or {}).items():  # in place of a tensor, or beside them
+        w.add_tensor(g, x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -354,7 +356,7 @@ def test_tokenizer_gives_the_hf_ids(tmp_path, base_hub, cache_dir):
             tok.decode(tok.encode(text).ids, skip_special_tokens=False)
     assert tok.encode(TEXTS[5]).ids.count(tok.token_to_id("<think>")) == 1  # user-defined tokens stay whole
     assert json.loads((folder / "config.json").read_text())["eos_token_id"] == im_end
-    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [im_end]
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [im_end, eot]
     from strata_jax.chat import load_chat_template
     template = load_chat_template(folder)
     assert template.source == CHAT_TEMPLATE
@@ -400,6 +402,11 @@ def test_refusals(tmp_path, base_hub, cache_dir):
     write_gguf(path, dict(raw, num_hidden_layers=3), hub)
     msg = refused(path, cache_dir)
     assert "block_count is 3, but the GGUF holds tensors of 2 blocks (blk.0..blk.1)" in msg, msg
+
+    path = tmp_path / "shexp.gguf"
+    write_gguf(path, raw, hub, replace={"blk.0.ffn_gate_shexp.weight": np.zeros((8, 64), np.float32)})
+    msg = refused(path, cache_dir)
+    assert "GGUF tensor 'blk.0.ffn_gate_shexp.weight' is not part of a qwen3moe model" in msg, msg
 
     path = tmp_path / "int.gguf"
     q = hub["model.layers.0.self_attn.q_proj.weight"]
