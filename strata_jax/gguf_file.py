@@ -41,10 +41,6 @@ PRE_TOKENIZERS = ("qwen2",)
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5  # gguf.TokenType
 
 
-def is_gguf(model) -> bool:
-    return model is not None and str(model).lower().endswith(".gguf")
-
-
 def split_parts(path: Path) -> list[Path]:
     """The file, or every part of a split GGUF given any of its parts (`name-0000k-of-0000N.gguf`)."""
     m = SPLIT_NAME.match(path.name)
@@ -242,7 +238,7 @@ def readable(qtype) -> bool:
     import gguf
     if qtype.name in EXACT_TYPES:
         return True
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
     try:
         gguf.quants.dequantize(np.zeros(size, np.uint8), qtype)
     except NotImplementedError:
@@ -284,8 +280,8 @@ def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
         else:
             to = held + (" (dequantized at load)" if quantized else "")
         parts.append(f"{family} {'+'.join(sorted(types))} ({bpw:.2f} bpw) -> {to}")
-    count = len(source["files"])
-    return (f"gguf: {source['files'][0]} ({source['arch']}, {count} file{'s' if count > 1 else ''}): {', '.join(parts)}; "
+    n = len(source["files"])
+    return (f"gguf: {source['files'][0]} ({source['arch']}, {n} file{'s' if n > 1 else ''}): {', '.join(parts)}; "
             "packed formats on the device: not yet")
 
 
@@ -402,8 +398,8 @@ class GGUFTensors:
 
 
 def values(t, index: int | None = None) -> np.ndarray:
-    """A tensor's values (or expert `index` of a stack): F32 / F16 / BF16 as stored (a view of the mapped file),
-    other types dequantized by gguf.quants to float32."""
+    """A tensor's values (or expert `index` of a stack): F32 / F16 / BF16 as stored, other types dequantized by
+    gguf.quants to float32."""
     import gguf
     qtype = gguf.GGMLQuantizationType(t.tensor_type)
     raw = t.data if index is None else t.data[index]

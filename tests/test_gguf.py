@@ -403,6 +403,11 @@ def test_refusals(tmp_path, base_hub, cache_dir):
     msg = refused(path, cache_dir)
     assert "block_count is 3, but the GGUF holds tensors of 2 blocks (blk.0..blk.1)" in msg, msg
 
+    path = tmp_path / "shape.gguf"
+    write_gguf(path, raw, hub, replace={"blk.1.attn_k.weight": np.zeros((65, 64), np.float32)})
+    msg = refused(path, cache_dir)
+    assert "GGUF tensor 'blk.1.attn_k.weight' has shape [65, 64] (numpy order), expected [64, 64]" in msg, msg
+
     path = tmp_path / "shexp.gguf"
     write_gguf(path, raw, hub, replace={"blk.0.ffn_gate_shexp.weight": np.zeros((8, 64), np.float32)})
     msg = refused(path, cache_dir)
