@@ -3,8 +3,9 @@ Qwen3-MoE model (arch `qwen3moe`), read through gguf's `GGUFReader` (memory-mapp
 
 resolve_model turns the file into a model folder under the cache (`gguf_model_folder`): config.json,
 tokenizer.json, tokenizer_config.json (chat template, special tokens) and generation_config.json made from the
-GGUF's metadata, and gguf.json naming the file(s) and the tensor types per family. From there the engine loads it
-as any folder: checkpoint.open_reader gives `GGUFTensors`, which serves the Hub tensor names that
+GGUF's metadata, and gguf.json naming the file(s), the tensor types per family and where each tensor lies (the
+metadata is parsed once: Qwen's 151k tokens and merges take GGUFReader seconds). From there the engine loads it
+as any folder: checkpoint.open_reader gives `GGUFTensors`, which maps the files and serves the Hub tensor names that
 model.weight_specs declares, each mapped to llama.cpp's name by gguf's own TensorNameMap (the table
 convert_hf_to_gguf writes with), so no second list of names or shapes lives here.
 
@@ -263,6 +264,15 @@ def type_table(files: GGUFFiles) -> dict:
     return table
 
 
+def tensor_table(files: GGUFFiles) -> dict:
+    """{name: [part, type, numpy shape, data offset, bytes]}, what GGUFReader found: the loads map the tensors from
+    it, since a parse of the metadata (Qwen's 151k tokens and merges) takes seconds."""
+    from gguf import GGMLQuantizationType
+    return {name: [files.parts.index(part), GGMLQuantizationType(t.tensor_type).name,
+                   [int(d) for d in reversed(t.shape.tolist())], int(t.data_offset), int(t.n_bytes)]
+            for name, (t, part) in files.tensors.items()}
+
+
 def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
     """One line: per family the GGUF types read (bits per weight) and what the engine holds."""
     short = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
@@ -297,8 +307,8 @@ def say_formats(folder: Path, opts, say) -> None:
 
 def gguf_model_folder(path: str | Path, cache_dir: Path) -> Path:
     """The model folder of a GGUF under cache_dir (written on first use, atomically): its metadata as config.json,
-    tokenizer.json, tokenizer_config.json and generation_config.json, and gguf.json naming the file(s). Its name
-    holds the files' paths, sizes and times, so a changed file gets a new folder."""
+    tokenizer.json, tokenizer_config.json and generation_config.json, and gguf.json (the files, the tensor types
+    and offsets). Its name holds the files' paths, sizes and times, so a changed file gets a new folder."""
     from strata_jax.config import config_from_dict
     path = Path(path).absolute()
     if not path.is_file():
@@ -312,7 +322,8 @@ def gguf_model_folder(path: str | Path, cache_dir: Path) -> Path:
     files = GGUFFiles(parts[0])
     raw = raw_config(files)
     config_from_dict(raw, where=str(files.path))  # a bad shape is refused here, naming the GGUF
-    source = {"files": [str(p) for p in files.parts], "arch": files.arch, "types": type_table(files)}
+    source = {"files": [str(p) for p in files.parts], "arch": files.arch, "types": type_table(files),
+              "tensors": tensor_table(files)}
     tok = tokenizer_json(files)
     make_writable_folder(folder.parent, f"cache_dir {cache_dir}: not a writable folder for the GGUF's model folder")
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
@@ -345,10 +356,11 @@ EXPERT_NAME = re.compile(r"\.experts\.\{j\}\.")
 
 
 class GGUFTensors:
-    """Hub tensor name -> array, as SafetensorsReader serves them, read from the GGUF: each name model.weight_specs
-    declares is mapped through gguf's TensorNameMap (an expert stack: its fused name, one expert a slice of
-    llama.cpp's [E, O, I] stack). GGUF lists dimensions fastest first; GGUFReader's arrays are already in numpy's
-    order, which is the Hub's ([out, in]), and convert_hf_to_gguf permutes nothing for qwen3moe."""
+    """Hub tensor name -> array, as SafetensorsReader serves them, read from the GGUF's memory-mapped files at the
+    offsets gguf.json keeps: each name model.weight_specs declares is mapped through gguf's TensorNameMap (an expert
+    stack: its fused name, one expert a slice of llama.cpp's [E, O, I] stack). GGUF lists dimensions fastest first;
+    in numpy's order (GGUFReader's, kept in gguf.json) a matrix is the Hub's [out, in]: convert_hf_to_gguf permutes
+    nothing for qwen3moe (Qwen2MoeModel only stacks the experts)."""
 
     def __init__(self, folder: str | Path):
         import gguf
@@ -356,7 +368,11 @@ class GGUFTensors:
         from strata_jax.model import hub_walk, weight_specs
         self.folder = Path(folder)
         source = json.loads((self.folder / SOURCE_FILE).read_text())
-        self.files = GGUFFiles(source["files"][0])
+        self.path, self.tensors = source["files"][0], source["tensors"]
+        try:
+            self.maps = [np.memmap(f, mode="r") for f in source["files"]]
+        except OSError as e:
+            raise StrataError(f"cannot read GGUF file {e.filename or source['files'][0]}: {e.strerror or e}") from None
         cfg = load_config(self.folder)
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg.num_layers)
         self.gguf_of: dict[str, tuple[str, int | None, tuple]] = {}  # Hub name -> (GGUF name, expert, GGUF shape)
@@ -364,17 +380,17 @@ class GGUFTensors:
             fused = EXPERT_NAME.sub(".experts.", leaf.hf)  # the converter's name for the stacked experts
             mapped = names.get_name(fused, try_suffixes=(".weight", ".bias"))
             if mapped is None:
-                raise StrataError(f"{self.files.path}: no GGUF name for the Hub tensor {fused!r}")
+                raise StrataError(f"{self.path}: no GGUF name for the Hub tensor {fused!r}")
             shape = leaf.shape if leaf.expert else leaf.hf_shape
             self.gguf_of[hub] = (mapped, j, tuple(shape))
         read = {g for g, _, _ in self.gguf_of.values()}
-        unread = sorted(set(self.files.tensors) - read)
+        unread = sorted(set(self.tensors) - read)
         if unread:  # a weight the declaration does not know (a shared expert, a bias) would be dropped silently
-            raise StrataError(f"{self.files.path}: GGUF tensor {unread[0]!r} is not part of a {ARCH} model as this "
+            raise StrataError(f"{self.path}: GGUF tensor {unread[0]!r} is not part of a {ARCH} model as this "
                               f"engine reads it ({len(unread)} such tensor(s))")
         # What check_layer_count reads: the Hub names whose GGUF tensor is there.
-        self.file_of = {hub: self.files.tensors[g][1] for hub, (g, _, _) in self.gguf_of.items()
-                        if g in self.files.tensors}
+        self.file_of = {hub: source["files"][self.tensors[g][0]] for hub, (g, _, _) in self.gguf_of.items()
+                        if g in self.tensors}
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
@@ -382,31 +398,29 @@ class GGUFTensors:
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         from strata_jax.checkpoint import check_weight
         if name not in self.gguf_of:
-            raise StrataError(f"checkpoint tensor {name!r} has no GGUF counterpart in {self.files.path}")
+            raise StrataError(f"checkpoint tensor {name!r} has no GGUF counterpart in {self.path}")
         gname, j, want = self.gguf_of[name]
-        if gname not in self.files.tensors:
-            raise StrataError(f"GGUF tensor {gname!r} (the Hub's {name!r}) is missing from {self.files.path}")
-        t, _ = self.files.tensors[gname]
-        got = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if got != want:
+        if gname not in self.tensors:
+            raise StrataError(f"GGUF tensor {gname!r} (the Hub's {name!r}) is missing from {self.path}")
+        part, qtype, got, offset, size = self.tensors[gname]
+        if tuple(got) != want:
             raise StrataError(f"GGUF tensor {gname!r} has shape {list(got)} (numpy order), expected {list(want)}")
-        x = values(t, j)
+        x = values(self.maps[part][offset:offset + size], qtype, tuple(got), j)
         if tuple(x.shape) != tuple(shape):
             raise StrataError(f"GGUF tensor {gname!r} gives shape {list(x.shape)}, expected {list(shape)}")
         check_weight(name if j is None else f"{gname}[{j}]", x)
         return x
 
 
-def values(t, index: int | None = None) -> np.ndarray:
-    """A tensor's values (or expert `index` of a stack): F32 / F16 / BF16 as stored, other types dequantized by
-    gguf.quants to float32."""
+def values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], index: int | None = None) -> np.ndarray:
+    """A tensor's values from its bytes (or expert `index` of a stack): F32 / F16 / BF16 as stored (a copy: no
+    array the engine keeps points into the file), other types dequantized by gguf.quants to float32."""
     import gguf
-    qtype = gguf.GGMLQuantizationType(t.tensor_type)
-    raw = t.data if index is None else t.data[index]
-    # A copy of the mapped bytes, so no array the engine keeps points into the file.
-    if qtype.name in ("F32", "F16"):
-        return np.array(raw)
-    if qtype.name == "BF16":
-        import ml_dtypes
-        return np.array(raw).view(ml_dtypes.bfloat16)
-    return gguf.quants.dequantize(raw, qtype)
+    import ml_dtypes
+    exact = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+    if qtype in exact:
+        x = raw.view(exact[qtype]).reshape(shape)
+        return np.array(x if index is None else x[index])
+    kind = gguf.GGMLQuantizationType[qtype]
+    x = raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, kind))
+    return gguf.quants.dequantize(x if index is None else x[index], kind)
