@@ -152,7 +152,10 @@ def raw_config(files: GGUFFiles) -> dict:
 def tokenizer_json(files: GGUFFiles) -> dict | None:
     """tokenizer.ggml.* as the Hugging Face tokenizer.json of a Qwen2-style byte-level BPE (what convert_hf_to_gguf
     read): NORMAL tokens in the BPE vocabulary, CONTROL (special) and USER_DEFINED (not special) tokens as added
-    tokens, UNUSED ones (the converter's [PAD{i}] fill up to vocab_size) left out. None without a tokenizer."""
+    tokens, UNUSED ones (the converter's [PAD{i}] fill up to vocab_size) left out. None without a tokenizer.
+    The ids are the Hugging Face tokenizer's (checked on Qwen3's own tokenizer.json); one difference stays: the
+    converter marks every <|...|> token CONTROL, so Qwen's non-special <|fim_*|> tokens are special here and a
+    decode that skips special tokens drops them."""
     model = files.value("tokenizer.ggml.model")
     if model is None:
         return None
