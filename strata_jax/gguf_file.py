@@ -70,7 +70,7 @@ class GGUFFiles:
             try:
                 self.readers.append(gguf.GGUFReader(p))
             except (ValueError, OSError, IndexError, KeyError) as e:  # bad magic, a cut file, an unknown type
-                raise StrataError(f"cannot read GGUF file {p}: {e}") from None
+                raise StrataError(f"cannot read GGUF file {p} (cut short, damaged or not a GGUF file): {e}") from None
         self.fields = self.readers[0].fields
         count = self.value("split.count", 1)
         if count != len(self.parts):

@@ -420,8 +420,10 @@ def test_refusals(tmp_path, base_hub, cache_dir):
     assert "'blk.0.attn_q.weight' has type I32, which this engine does not read" in msg, msg
 
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
-    msg = refused(tmp_path / "junk.gguf", cache_dir)
-    assert "cannot read GGUF file" in msg and "junk.gguf" in msg, msg
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    for name in ("junk.gguf", "cut.gguf"):
+        msg = refused(tmp_path / name, cache_dir)
+        assert f"cannot read GGUF file {tmp_path / name} (cut short, damaged or not a GGUF file)" in msg, msg
     msg = refused(tmp_path / "absent.gguf", cache_dir)
     assert "absent.gguf does not exist" in msg, msg
 
