@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.host_pool import unwrap_pool_error
-from strata_jax import checkpoint, graphs, gguf_file, loops, model, moe, parallel as parallel_mod
+from strata_jax import checkpoint, graphs, loops, model, moe, parallel as parallel_mod
 from strata_jax import mtp as mtp_mod
 from strata_jax.chat import ChatTemplate, GenerationDefaults, load_chat_template, load_generation_config
 from strata_jax.config import ModelConfig, check_eos_ids, config_from_dict
@@ -277,7 +277,8 @@ class Engine:
                 say(placement_mod.quantized_line(cfg, weights, opts, host is not None).replace("quantized at load",
                                                                                                "saved state"))
         else:
-            gguf_file.say_formats(path, opts, say)  # a GGUF's folder (resolve_model): the types read, the formats held
+            from strata_jax.gguf_file import say_formats  # a GGUF's folder (resolve_model): types read, formats held
+            say_formats(path, opts, say)
             weights = checkpoint.load_weights(path, cfg, dtype, place=place,
                                               place_experts=host.place if host else None,
                                               progress=_progress(say, cfg), expert_format=fmt,
