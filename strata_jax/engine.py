@@ -278,7 +278,7 @@ class Engine:
                                                                                                "saved state"))
         else:
             from strata_jax.gguf_file import say_formats  # a GGUF's folder (resolve_model): types read, formats held
-            say_formats(path, opts, say)
+            say_formats(path, opts.dtype, fmt, say)
             weights = checkpoint.load_weights(path, cfg, dtype, place=place,
                                               place_experts=host.place if host else None,
                                               progress=_progress(say, cfg), expert_format=fmt,

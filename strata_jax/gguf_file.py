@@ -298,12 +298,11 @@ def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
             "packed formats on the device: not yet")
 
 
-def say_formats(folder: Path, opts, say) -> None:
+def say_formats(folder: Path, dtype: str, expert_format: str | None, say) -> None:
     """The start-up line of a GGUF's model folder (nothing for any other folder)."""
     path = Path(folder) / SOURCE_FILE
     if path.is_file():
-        from strata_jax.experts.placement import expert_format
-        say(formats_line(json.loads(path.read_text()), opts.dtype, expert_format(opts)))
+        say(formats_line(json.loads(path.read_text()), dtype, expert_format))
 
 
 # ---- the model folder ---------------------------------------------------------------------------------------------
