@@ -9,7 +9,7 @@ decodes the same turns in its own process, and each turn's decode speed is compa
 
 Workload (built once, in this process, from --seed; every arm reads the same token ids). Sessions of a simulated
 coding agent working in this repository: the sources are the *.py and *.md files under strata_jax/, host_pool/,
-pallas_kernels/, benchmarks/ and tests/ (sorted; not tests/fixtures/, strata_jax/models/ nor benchmarks/results/).
+pallas_kernels/, benchmarks/ and tests/ (sorted; not tests/fixtures/, strata_jax/assets/ nor benchmarks/results/).
 A session's first turn is a fixed system prompt (an agent with the tools read_file, list_dir, grep and run_tests)
 and a user task; every later turn appends the assistant's reply of the turn before and a tool message:
 
@@ -133,12 +133,12 @@ MARGIN = 8  # tokens kept free past prompt + new_tokens
 
 
 def benchmark(s) -> dict:
-    from strata_jax.config import config_from_dict
-    from strata_jax.embedded import resolve_model
-    from strata_jax.engine import context_and_chunk
+    from strata_jax.model.config import config_from_dict
+    from strata_jax.io.embedded import resolve_model
+    from strata_jax.engine.plan import context_and_chunk
     from strata_jax.errors import StrataError
     from strata_jax.options import EngineOptions, build
-    from strata_jax.tokenizer import load_tokenizer
+    from strata_jax.io.tokenizer import load_tokenizer
 
     arms = parse_arms(s.arms, options=ARM_OPTIONS)
     if s.turns < s.sessions:

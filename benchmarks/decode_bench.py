@@ -77,7 +77,7 @@ def expected_distinct(e: int, k: int, t: int) -> float:
 def weight_bytes(cfg, abstract_weights, itemsize: int) -> dict:
     """Split the parameter bytes into what every step reads whatever the routing, and the experts."""
     import jax
-    from strata_jax import moe
+    from strata_jax.model import moe
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_weights))
     experts = 0
     for layer in abstract_weights.layers:
@@ -98,7 +98,9 @@ def make_probe(cfg, context: int, dtype):
     zero cache per layer gives the same hidden states, hence the same routing, as the timed graph."""
     import jax
     import jax.numpy as jnp
-    from strata_jax import deltanet, model, moe
+    from strata_jax.model import deltanet, moe
+    from strata_jax.model import transformer
+    from strata_jax.model.weights import MLPWeights
 
     @jax.jit
     def embed(table, tokens):
@@ -108,19 +110,19 @@ def make_probe(cfg, context: int, dtype):
     def layer_fn(layer, h, pos):
         t = h.shape[0]
         zeros = jnp.zeros((context, cfg.num_kv_heads, cfg.head_dim), dtype)
-        x = model.norm(h, layer.attn_norm, cfg)
+        x = transformer.norm(h, layer.attn_norm, cfg)
         if isinstance(layer.attn, deltanet.DeltaNetWeights):  # Qwen3-Next: a fresh state, as zeros for attention
             ring = t + 1
             a, _ = deltanet.deltanet(x, layer.attn, deltanet.init_state(cfg, ring, dtype),
                                      jnp.full((ring,), -1, jnp.int32), pos, jnp.int32(t), cfg)
         else:
-            a, _, _ = model.attention(x, layer.attn, zeros, zeros, pos, cfg)
+            a, _, _ = transformer.attention(x, layer.attn, zeros, zeros, pos, cfg)
         h = h + a
-        x = model.norm(h, layer.ffn_norm, cfg)
+        x = transformer.norm(h, layer.ffn_norm, cfg)
         if layer.shared is not None:
-            h = h + model.shared_expert(x, layer)
-        if isinstance(layer.ffn, model.MLPWeights):
-            return h + model.dense_mlp(x, layer.ffn), jnp.zeros((t, 0), jnp.int32)
+            h = h + transformer.shared_expert(x, layer)
+        if isinstance(layer.ffn, MLPWeights):
+            return h + transformer.dense_mlp(x, layer.ffn), jnp.zeros((t, 0), jnp.int32)
         valid = jnp.ones((t,), bool)
         ids = moe.route(x, layer.ffn.router, cfg, valid).topk_ids
         return h + moe.moe_block(x, layer.ffn, cfg, valid), ids
@@ -186,9 +188,12 @@ def run(s) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from strata_jax import graphs, model, moe
-    from strata_jax.config import preset
-    from strata_jax.engine import resolve_delta_kernel
+    from strata_jax.engine import graphs
+    from strata_jax.model.kv_cache import init_cache
+    from strata_jax.model.weights import can_stack, random_weights
+    from strata_jax.model import moe
+    from strata_jax.model.config import preset
+    from strata_jax.engine.plan import resolve_delta_kernel
     from strata_jax.options import EngineOptions, build
     from strata_jax.errors import StrataError
 
@@ -219,7 +224,7 @@ def run(s) -> dict:
     nominal = common.nominal_bandwidth(dev["device_kind"])
 
     # ---- sizes, before allocating ----
-    abstract = jax.eval_shape(lambda: model.random_weights(cfg, s.seed, dtype))
+    abstract = jax.eval_shape(lambda: random_weights(cfg, s.seed, dtype))
     wb = weight_bytes(cfg, abstract, itemsize)
     kv_bytes = 2 * cfg.num_full_layers * s.context * cfg.num_kv_heads * cfg.head_dim * itemsize
     # Qwen3-Next's DeltaNet layers: a window reads one position's state and writes one per row (the state ring)
@@ -271,13 +276,13 @@ def run(s) -> dict:
     # ---- weights, layer by layer as the device finishes them ----
     t0 = time.perf_counter()
     common.progress(f"making {common.fmt_bytes(wb['total'])} of random {s.dtype} weights on the device")
-    scanned = s.layer_loop == "scan" and model.can_stack(cfg)
-    weights = model.random_weights(cfg, s.seed, dtype, progress=common.progress, stacked=scanned)
+    scanned = s.layer_loop == "scan" and can_stack(cfg)
+    weights = random_weights(cfg, s.seed, dtype, progress=common.progress, stacked=scanned)
     jax.block_until_ready(weights)
     common.progress(f"  weights: embedding, final norm, lm_head done ({common.fmt_bytes(wb['total'])}, "
                     f"{time.perf_counter() - t0:.1f} s)")
     result["weights_made_s"] = time.perf_counter() - t0
-    cache = model.init_cache(cfg, s.context, dtype, stacked=scanned, ring=max(windows) + 1)  # the engine's ring
+    cache = init_cache(cfg, s.context, dtype, stacked=scanned, ring=max(windows) + 1)  # the engine's ring
     jax.block_until_ready(cache)
     result["device_bytes_in_use"] = common.device_memory_in_use()
 

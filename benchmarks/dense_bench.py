@@ -8,7 +8,7 @@ Formulations (each jitted as --layers chained layers of x -> q, k, v projections
 XLA can neither hoist nor drop a layer):
   matmul      `x @ w` in the weights' dtype (the model's code)
   einsum_f32  `einsum(x, w, preferred_element_type=float32)`, cast back
-  pad2        `strata_jax.linear.linear`, the model's own: at T = 1 the row padded to two (a zero row behind an
+  pad2        `strata_jax.model.linear.linear`, the model's own: at T = 1 the row padded to two (a zero row behind an
               optimization barrier), `x @ w`, the row sliced
   fused_qkv   one `x @ [wq | wk | wv]` (the three weights concatenated once, outside the timing), then `q @ wo`
 Bytes per layer = the four weight matrices (activations are kilobytes). Timing: one jitted call of all layers,
@@ -47,7 +47,7 @@ def project(kind: str, x, w):
     if kind == "einsum_f32":
         return jnp.einsum("th,hn->tn", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     if kind == "pad2":
-        from strata_jax.linear import linear
+        from strata_jax.model.linear import linear
         return linear(x, w)
     return x @ w
 

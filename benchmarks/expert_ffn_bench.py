@@ -48,7 +48,7 @@ flags.DEFINE_integer("block_i_down", 256, "Down kernel: I chunk of its loop.", l
 flags.DEFINE_integer("n_split", 4, "Down kernel: programs sharing one column block's experts.", lower_bound=1,
                      flag_values=FLAGS)
 flags.DEFINE_integer("num_warps", 4, "Triton warps per program (both kernels).", lower_bound=1, flag_values=FLAGS)
-flags.DEFINE_string("formats", "int8,int4", "Comma list: also time the kernel on quantized experts (strata_jax.quant 'int8': one "
+flags.DEFINE_string("formats", "int8,int4", "Comma list: also time the kernel on quantized experts (strata_jax.model.quant 'int8': one "
                   "scale per output row; 'int4': one per 64 inputs, two weights a byte), quantized from the same bf16 "
                   "experts, each beside its own roofline; empty: bf16 only.", flag_values=FLAGS)
 flags.DEFINE_integer("num_stages", 3, "Triton pipeline stages (both kernels).", lower_bound=1, flag_values=FLAGS)
@@ -61,7 +61,7 @@ def run(s) -> dict:
     import jax.numpy as jnp
     import numpy as np
     from strata_jax.pallas_kernels import expert_ffn as kernel
-    from strata_jax import moe
+    from strata_jax.model import moe
 
     windows = common.int_list(s.t, "t")
     k, slots, hidden, inter = s.n_experts_per_token, s.slots, s.hidden, s.inter
@@ -102,7 +102,7 @@ def run(s) -> dict:
     formats = (runner.parse_list(s.formats, str, "formats", empty_ok=True) if isinstance(s.formats, str)
                else list(s.formats))
     for fmt in formats:  # the same experts quantized, on the device
-        from strata_jax import quant
+        from strata_jax.model import quant
         if fmt not in (*quant.ENGINE_FORMATS, "int4-g128"):  # g128: the kernel runs it; the engine picks 64 or 32
             raise ValueError(f"--formats: {fmt!r} is not one of {', '.join(quant.ENGINE_FORMATS)}, int4-g128")
         qs = [quant.quantize(np.asarray(w, np.float32), fmt) for w in (gate, up, down)]

@@ -204,7 +204,7 @@ def file_cases(cache_dir: Path, scratch: Path) -> list[Case]:
 def checkpoint_cases(cache_dir: Path, scratch: Path) -> list[Case]:
     """Broken copies of the embedded model's folder (config.json, model.safetensors, tokenizer.json)."""
     from safetensors.numpy import load_file, save_file
-    from strata_jax.embedded import embedded_model_dir
+    from strata_jax.io.embedded import embedded_model_dir
     src = embedded_model_dir(cache_dir)
     cases = []
 
@@ -250,7 +250,7 @@ def checkpoint_cases(cache_dir: Path, scratch: Path) -> list[Case]:
            "post_attention_layernorm")
     broken("tensor of the wrong shape", tensors(lambda t: t.update(
         {"model.layers.0.self_attn.q_proj.weight": np.ones((3, 3), np.float32)})), "q_proj")
-    broken("NaN final norm", tensors(poison("model.norm.weight", np.nan)), "non-finite")
+    broken("NaN final norm", tensors(poison("transformer.norm.weight", np.nan)), "non-finite")
     broken("+inf router row", tensors(poison("model.layers.0.mlp.gate.weight", np.inf)), "non-finite")
     broken("NaN expert", tensors(poison("model.layers.2.mlp.experts.5.down_proj.weight", np.nan)), "non-finite")
     broken("int32 expert tensor", tensors(lambda t: t.update({"model.layers.0.mlp.experts.0.up_proj.weight": np.ones(

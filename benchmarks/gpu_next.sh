@@ -20,8 +20,8 @@ DECODE="python3 -m benchmarks.decode_bench --model=qwen3-next-80b-a3b --layers=$
   --hf=off --iters=20 --probe_windows=2 --context=4096 --pos=1024"
 for s in $STEPS; do case $s in
 tests)
-  step tests ${TESTS_LIMIT_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gated_delta.py \
-    tests/test_hf_next.py ${TESTS_SEL:--k "gpu or delta_kernel or placement or verify"} ;;
+  step tests ${TESTS_LIMIT_S:-240} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gated_delta.py \
+    tests/model/test_hf_next.py ${TESTS_SEL:--k "gpu or delta_kernel or placement or verify"} ;;
 delta)
   for arm in ${DELTA_ARMS:-16:4 32:4 64:4 32:8}; do bw=${arm%:*}; nw=${arm#*:}
     step delta_b${bw}_w${nw} 90 python3 -m benchmarks.delta_bench --block_dv=$bw --num_warps=$nw \
@@ -34,11 +34,11 @@ decode_pallas)
 offload)
   step offload ${OFFLOAD_LIMIT_S:-300} python3 -m benchmarks.offload_bench --model=qwen3-next-80b-a3b \
     --layers=${OFFLOAD_LAYERS:-12} --slot_fracs=1.0,0.25 --pcie_fracs=1,auto --new_tokens=64 --json=$R/offload.json ;;
-train_ref)  # the committed strata_jax/models/next-stdlib: copy $OUT/next-stdlib there
-  step train_ref ${TRAIN_LIMIT_S:-330} python3 -m strata_jax.train_reference --arch=qwen3_next \
+train_ref)  # the committed strata_jax/assets/next-stdlib: copy $OUT/next-stdlib there
+  step train_ref ${TRAIN_LIMIT_S:-330} python3 -m training.train_reference --arch=qwen3_next \
     --out=$OUT/next-stdlib --steps=${TRAIN_STEPS:-6000} --time_limit_s=${TRAIN_TIME_S:-200} --log_every=200
   grep -E "^(held-out|MTP module|trained|checkpoint|parameters)" "$R/train_ref.log"
-  cp strata_jax/models/moe-stdlib/tokenizer_config.json strata_jax/models/moe-stdlib/generation_config.json \
+  cp strata_jax/assets/moe-stdlib/tokenizer_config.json strata_jax/assets/moe-stdlib/generation_config.json \
     "$OUT/next-stdlib/" ;;
 mtp_turns)  # draft=mtp against draft=ngram on the reference-next model, one run of agent_turns_bench
   slots=${TURNS_SLOTS:-all}

@@ -109,7 +109,7 @@ step decode_deep_xla "${DEEP_LIMIT_S:-120}" "$PY" -m benchmarks.decode_bench "${
 # The GPU-only tests: compiled Pallas kernels against their references, pinned memory, exact offload, pool faults.
 # Kernel checks first, then the engine tests (each builds engines that compile every window graph: the first 6
 # took 140 s on the H200). The 27 items need most of a call: run this step alone with GPU_TESTS_LIMIT_S=560.
-step gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu --durations=8 tests/test_gpu_kernels.py tests/test_gpu.py
+step gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu --durations=8 tests/kernels/test_gpu_kernels.py tests/engine/test_gpu.py
 
 # Kernels beside their XLA paths, timed in one run with the copy bandwidth as roofline.
 step route_prior "${KERNEL_LIMIT_S:-120}" "$PY" -m benchmarks.route_prior_bench --json="$OUT/route_prior.json"
@@ -200,7 +200,7 @@ for ed in auto int8 int4; do
     --dtype=bfloat16 --expert_dtype=$ed --slot_fracs=${QUANT_FRACS:-0.5,0.25} --pcie_fracs=${QUANT_PCIE:-1} \
     --cache_dir="$JIT_CACHE" --json="$OUT/offload_experts_${ed}_cb.json" ${QUANT_ARGS:-}
 done
-step quant_gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests/test_quant.py tests/test_kv_int8.py
+step quant_gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests/model/test_quant.py tests/model/test_kv_int8.py
 # The expert FFN kernel on bf16 / int8 / int4 experts at the 30B shape, and the host pool per format on this host.
 step quant_kernels "${KERNEL_LIMIT_S:-180}" "$PY" -m benchmarks.expert_ffn_bench --t=${KERNEL_T:-1,2,4,8} \
   --formats=${KERNEL_FORMATS:-int8,int4,int4-g128} \

@@ -26,8 +26,8 @@ build)
     setsid nohup nice -n 19 bash benchmarks/peer/build_llama.sh "$PWD/.peer/llama.tar.xz" $LLAMA > /dev/null 2>&1 < /dev/null &
   fi ;;
 tests)
-  step tests ${TESTS_LIMIT_S:-420} python3 -m pytest -q -p no:cacheprovider -x ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu.py \
-    tests/test_gpu_kernels.py
+  step tests ${TESTS_LIMIT_S:-420} python3 -m pytest -q -p no:cacheprovider -x ${TESTS_K:+-k "$TESTS_K"} tests/engine/test_gpu.py \
+    tests/kernels/test_gpu_kernels.py
   echo "[build] $(cat $LLAMA.done 2>/dev/null || echo running: $(tail -1 $LLAMA.log 2>/dev/null | cut -c1-60))" ;;
 decode)
   IFS=';' read -ra arms <<< "${DECODE_ARMS:-"scan_xla:;scan_pallas:--expert_kernel=pallas --attention_kernel=pallas"}"

@@ -6,10 +6,10 @@ perplexity (benchmarks/kl_report.py), beside the hit rate and experts fetched pe
 
 Every arm is its own engine over the same checkpoint (the switches are read at start-up), at each cache size
 (--slot_fracs of the experts) and --pcie_frac; defer arms need CPU rows, so they run at --defer_pcie_frac. The
-exact engine's result does not depend on the placement (tests/test_offload.py), so one exact read at the first cache
+exact engine's result does not depend on the placement (tests/offload/test_offload.py), so one exact read at the first cache
 size is the base of every row; "exact again" (another placement: the other cache size, every expert resident) is the
 floor: what float summation order alone gives. The text (--text_file, default this repository's
-strata_jax/experts/slots.py) is not in the reference model's training data (the Python standard library).
+strata_jax/offload/slots.py) is not in the reference model's training data (the Python standard library).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ DEFAULT_ARMS = ("skip:STRATA_ROUTE_TAIL_SKIP=5;prior:STRATA_ROUTE_PRIOR=0.5;both
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("model", "reference", "Model: reference, reference-next, embedded or a folder.", flag_values=FLAGS)
-flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "experts" / "slots.py"), "The known text.",
+flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "offload" / "slots.py"), "The known text.",
                     flag_values=FLAGS)
 flags.DEFINE_integer("positions", 1200, "Positions scored (bytes of the text for the byte-level models).",
                      lower_bound=2, flag_values=FLAGS)
@@ -55,7 +55,7 @@ flags.DEFINE_string("cache_dir", "", "Engine cache_dir ('' = ~/.cache/strata_jax
 def run(s) -> dict:
     from benchmarks.kl_report import HEADERS, _table_row, report
     from benchmarks.offload_bench import frac_list, parse_switch_arms
-    from strata_jax.engine import Engine
+    from strata_jax.engine.api import Engine
     from strata_jax.errors import StrataError
 
     arms = parse_switch_arms(s.arms)
@@ -90,8 +90,8 @@ def run(s) -> dict:
             eng.placement.pool.close()
         return path, info
 
-    from strata_jax.config import load_config
-    from strata_jax.embedded import resolve_model
+    from strata_jax.model.config import load_config
+    from strata_jax.io.embedded import resolve_model
     from strata_jax.options import EngineOptions, build
     cfg = load_config(resolve_model(s.model, build(EngineOptions, dict(cache_dir=s.cache_dir)).resolved_cache_dir()))
     e = cfg.num_experts

@@ -1,5 +1,5 @@
 """How far approximate runs drift from the exact engine: KL, top-1 agreement and perplexity from logpos files
-(strata_jax/logpos.py), all teacher-forced over the same text.
+(strata_jax/io/logpos.py), all teacher-forced over the same text.
 
     python -m benchmarks.kl_report --base=out/exact.logpos --runs=w4:out/w4.logpos,spec:out/spec.logpos \\
         --base_again=out/exact_2.logpos --json=out/kl.json --markdown=out/kl.md
@@ -39,7 +39,7 @@ import numpy as np
 from absl import flags
 
 from benchmarks import common, runner
-from strata_jax.logpos import read_logpos
+from strata_jax.io.logpos import read_logpos
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside the others
 flags.DEFINE_string("base", "", "logpos file of the exact engine (required).", flag_values=FLAGS)

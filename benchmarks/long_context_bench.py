@@ -181,8 +181,9 @@ def shape_costs(cfg, dtype) -> dict:
     """Weight bytes (decode_bench.weight_bytes) and the matmul parameters a token runs, from the weights' shapes."""
     import jax
     from benchmarks.decode_bench import weight_bytes
-    from strata_jax import model, moe
-    abstract = jax.eval_shape(lambda: model.random_weights(cfg, 0, dtype))
+    from strata_jax.model.weights import random_weights
+    from strata_jax.model import moe
+    abstract = jax.eval_shape(lambda: random_weights(cfg, 0, dtype))
     wb = weight_bytes(cfg, abstract, dtype.itemsize)
     layer_params = 0  # every layer's weights but the routed experts (norms are a rounding error)
     for layer in abstract.layers:
@@ -198,11 +199,11 @@ def shape_costs(cfg, dtype) -> dict:
 def decode_roofline(cfg, costs: dict, expert_itemsize: float, itemsize: int, kv_dtype: str, depth: float,
                     bandwidth: float) -> dict:
     """Bytes one decode token reads at `depth` (one token a step) and the tok/s they allow at `bandwidth`."""
-    from strata_jax import model
+    from strata_jax.model.kv_cache import cache_bytes
     wb = costs["weight_bytes"]
     non_expert = wb["fixed_non_expert"] + (0 if wb["tied"] else wb["embed_row"])
     experts = cfg.num_sparse_layers * cfg.num_experts_per_tok * cfg.expert_bytes(expert_itemsize)
-    kv = model.cache_bytes(cfg, int(round(depth)), itemsize, 0, kv_dtype)
+    kv = cache_bytes(cfg, int(round(depth)), itemsize, 0, kv_dtype)
     state = 2 * cfg.state_bytes(itemsize) if cfg.has_linear else 0
     total = non_expert + experts + kv + state
     return dict(depth=depth, non_expert=non_expert, experts=experts, kv=kv, state=state, bytes=total,
@@ -212,7 +213,7 @@ def decode_roofline(cfg, costs: dict, expert_itemsize: float, itemsize: int, kv_
 def prefill_floor(cfg, costs: dict, prompt: int, slots: int | None, expert_itemsize: float, itemsize: int,
                   kv_dtype: str, bandwidth: float, flops_per_s: float, pcie_Bps: float | None) -> dict:
     """The least time a prompt of `prompt` tokens can take: max(compute, bytes read once, misses fetched once)."""
-    from strata_jax import model
+    from strata_jax.model.kv_cache import cache_bytes
     wb = costs["weight_bytes"]
     flops = (2.0 * prompt * (costs["layer_params"] + cfg.num_sparse_layers * cfg.num_experts_per_tok
                              * costs["expert_params"])
@@ -221,7 +222,7 @@ def prefill_floor(cfg, costs: dict, prompt: int, slots: int | None, expert_items
     distinct = expected_distinct(cfg.num_experts, cfg.num_experts_per_tok, prompt)
     ebytes = cfg.expert_bytes(expert_itemsize)
     read = (wb["fixed_non_expert"] + cfg.num_sparse_layers * distinct * ebytes
-            + model.cache_bytes(cfg, prompt, itemsize, 0, kv_dtype))
+            + cache_bytes(cfg, prompt, itemsize, 0, kv_dtype))
     fetched = cfg.num_sparse_layers * max(0.0, distinct - slots) * ebytes if slots is not None else 0.0
     parts = dict(compute_s=flops / flops_per_s, read_s=read / bandwidth,
                  pcie_s=fetched / pcie_Bps if slots is not None and pcie_Bps else 0.0)
@@ -315,19 +316,20 @@ def build_engine(cfg, seed: int, slots: int | None, options: dict):
     (slots None) from the same list-form random_weights, stacked here (from_random's all-resident path draws its
     stacked weights directly, with other values)."""
     import jax.numpy as jnp
-    from strata_jax import model
-    from strata_jax.experts import placement as placement_mod
-    from strata_jax.engine import Engine, enable_compilation_cache
+    from strata_jax.model.weights import can_stack, random_weights, stack_layers
+    from strata_jax.offload import placement as placement_mod
+    from strata_jax.engine.api import Engine
+    from strata_jax.engine.build import enable_compilation_cache
     from strata_jax.options import EngineOptions, build
     if slots is not None:
         return Engine.from_random(cfg, seed=seed, verbose=False, expert_cache_slots=str(slots), pcie_frac="1",
                                   **options)
     opts = build(EngineOptions, dict(options, expert_cache_slots="all"))
     enable_compilation_cache(opts.resolved_cache_dir())
-    weights = model.random_weights(cfg, seed, jnp.dtype(opts.dtype),
+    weights = random_weights(cfg, seed, jnp.dtype(opts.dtype),
                                    expert_format=placement_mod.expert_format(opts, cfg))
-    if opts.layer_loop == "scan" and model.can_stack(cfg):
-        weights = model.stack_layers(weights, consume=True)  # one copy of the model at a time
+    if opts.layer_loop == "scan" and can_stack(cfg):
+        weights = stack_layers(weights, consume=True)  # one copy of the model at a time
     return Engine(cfg, weights, opts, verbose=False)
 
 
@@ -420,7 +422,7 @@ def table_cells(result: dict) -> list[list]:
 def run(s) -> dict:
     """The benchmark with settings `s` (the parsed FLAGS or any object with the same attributes); returns all
     numbers (also written to s.json when set)."""
-    from strata_jax.config import preset
+    from strata_jax.model.config import preset
     from strata_jax.errors import StrataError
 
     prompts = common.int_list(s.prompts, "prompts")
@@ -469,8 +471,8 @@ def _measure(s, cfg, prompts, slot_arms, arms, context, offloaded, result, save)
     import jax
     import jax.numpy as jnp
     from benchmarks.offload_bench import host_ram_bytes, measure_device_put
-    from strata_jax.experts import slots as slots_mod
-    from strata_jax.experts import placement as placement_mod
+    from strata_jax.offload import slots as slots_mod
+    from strata_jax.offload import placement as placement_mod
     from strata_jax.errors import StrataError
     from strata_jax.options import EngineOptions, build
 

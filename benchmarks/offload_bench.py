@@ -136,7 +136,7 @@ def measure_device_put(nbytes: int, host_kind: str, reps: int = 5) -> dict:
     """Host (memory kind `host_kind`) -> device with jax.device_put of one float32 array: bytes / median seconds."""
     import jax
     import numpy as np
-    from strata_jax.experts import slots as slots_mod
+    from strata_jax.offload import slots as slots_mod
     n = max(nbytes // 4, 1)
     src = jax.device_put(np.ones((n,), np.float32), slots_mod.device_sharding(host_kind))
     jax.block_until_ready(src)
@@ -192,7 +192,7 @@ def top_share(engine, slots: int) -> float:
     (warm-up and timed requests) that went to each MoE layer's `slots` most used experts, averaged over layers;
     what a cache holding exactly those experts would hit. Uniform routing: slots / E."""
     import numpy as np
-    from strata_jax.experts.slots import layer_states
+    from strata_jax.offload.slots import layer_states
     shares = []
     for state in layer_states(engine.cache.experts):
         usage = np.sort(np.asarray(state.usage))[::-1]
@@ -204,10 +204,10 @@ def top_share(engine, slots: int) -> float:
 def device_experts(weights):
     """A copy of `weights` with every MoE layer's experts in device memory (the all-resident baseline)."""
     import jax
-    from strata_jax import model
-    from strata_jax.experts import slots as slots_mod
+    from strata_jax.model.weights import map_experts
+    from strata_jax.offload import slots as slots_mod
     dev = slots_mod.device_sharding()
-    out = model.map_experts(weights, lambda x: jax.device_put(x, dev))
+    out = map_experts(weights, lambda x: jax.device_put(x, dev))
     jax.block_until_ready(out)
     return out
 
@@ -219,11 +219,12 @@ def run(s) -> dict:
     import jax.numpy as jnp
     import numpy as np
     from strata_jax.host_pool import HostPool
-    from strata_jax import model
-    from strata_jax.experts import slots as slots_mod
-    from strata_jax.experts import placement as placement_mod
-    from strata_jax.config import preset
-    from strata_jax.engine import Engine, enable_compilation_cache
+    from strata_jax.model.weights import param_bytes, random_weights
+    from strata_jax.offload import slots as slots_mod
+    from strata_jax.offload import placement as placement_mod
+    from strata_jax.model.config import preset
+    from strata_jax.engine.api import Engine
+    from strata_jax.engine.build import enable_compilation_cache
     from strata_jax.errors import StrataError
     from strata_jax.options import EngineOptions, build
 
@@ -321,14 +322,14 @@ def run(s) -> dict:
             common.progress(f"  {line} ({time.perf_counter() - t0:.1f} s)")
 
     common.progress(f"making random {s.dtype} weights (seed {s.seed}); experts to {host_kind} memory + a numpy copy")
-    weights = model.random_weights(cfg, s.seed, dtype, place_experts=host.place, progress=weights_progress,
+    weights = random_weights(cfg, s.seed, dtype, place_experts=host.place, progress=weights_progress,
                                    expert_format=expert_format, place_scales=host.place_scale)
     if s.embed_scale != 1.0:  # spread the routing (see the flag)
         weights = weights.replace(embed=(weights.embed * s.embed_scale).astype(weights.embed.dtype))
         common.progress(f"embedding scaled by {s.embed_scale:g} (--embed_scale)")
     jax.block_until_ready(weights)
     result["weights_made_s"] = time.perf_counter() - t0
-    result["weight_bytes"] = model.param_bytes(weights)
+    result["weight_bytes"] = param_bytes(weights)
     # placement.build hands host.numpy to the pool and clears it: keep the references to rebuild per arm.
     host_numpy = {i: dict(d) for i, d in host.numpy.items()}
 

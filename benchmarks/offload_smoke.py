@@ -18,7 +18,7 @@ flags.DEFINE_integer("new_tokens", 24, "Tokens to generate per request.")
 def main(argv):
     import numpy as np
     from strata_jax import Engine
-    from strata_jax.config import preset
+    from strata_jax.model.config import preset
     cfg = preset(FLAGS.model, layers=FLAGS.layers)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 40).tolist()
     outputs = {}

@@ -7,7 +7,7 @@
 One table, a row per engine:
 - 1 device, every expert resident: the baseline ('x 1 GPU' and 'same tokens' compare with it);
 - N devices (--devices) x each split (--modes: parallel=layers, parallel=experts), every expert resident
-  (strata_jax/parallel.py): what the split costs against one device when the model fits one;
+  (strata_jax/engine/parallel.py): what the split costs against one device when the model fits one;
 - with --half_budget, 1 device with offload: expert_cache_slots=--offload_slots (auto: what fits) with
   vram_reserve_mib = the device's memory (memory_stats()['bytes_limit']) less half the model's weights (or
   --vram_reserve_mib): a device with room for half the model, which the all-resident model does not fit and two of
@@ -99,7 +99,7 @@ def half_model_reserve_mib(cfg, dtype: str) -> int | None:
     backend does not say: the CPU)."""
     import jax
     import jax.numpy as jnp
-    from strata_jax.experts.placement import non_expert_bytes
+    from strata_jax.offload.placement import non_expert_bytes
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     if not limit:
         return None
@@ -123,7 +123,7 @@ def measure_row(s, cfg, plan: dict, reserve_mib: int | None, prompts: tuple[list
     """One engine: build it, a warm-up request, the timed request; the engine is freed on return."""
     import jax
     from benchmarks.long_context_bench import free_engine
-    from strata_jax.engine import Engine
+    from strata_jax.engine.api import Engine
 
     options = dict(dtype=s.dtype, context=s.context or s.prompt + s.new_tokens, cache_dir=s.cache_dir,
                    devices=plan["devices"], expert_cache_slots=s.offload_slots if plan["offload"] else "all")
@@ -203,7 +203,7 @@ def run(s) -> dict:
     """The benchmark with settings `s` (the parsed FLAGS); returns all numbers (also written to s.json when set)."""
     import jax
     from benchmarks.long_context_bench import make_prompts
-    from strata_jax.config import preset
+    from strata_jax.model.config import preset
     from strata_jax.errors import StrataError
 
     say = common.say

@@ -177,7 +177,7 @@ def run_peer_sampled(s, gguf: Path) -> list[dict]:
 def run_ours(s, cfg) -> list[dict]:
     import jax
     import numpy as np
-    from strata_jax.engine import Engine
+    from strata_jax.engine.api import Engine
     from strata_jax.options import RequestOptions, from_text, split_options
     import dataclasses
     request_names = {f.name for f in dataclasses.fields(RequestOptions)}
@@ -221,7 +221,7 @@ def run_ours(s, cfg) -> list[dict]:
 
 
 def run(s) -> dict:
-    from strata_jax.config import preset
+    from strata_jax.model.config import preset
     cfg = preset(s.model, layers=s.layers or None)
     result = dict(benchmark="peer_bench", settings={n: getattr(s, n) for n in FLAGS}, peer=[], ours=[])
     peer_ok = bool(s.llama_bench) and Path(s.llama_bench).is_file()

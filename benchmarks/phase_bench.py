@@ -36,20 +36,24 @@ def main(argv) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from strata_jax import graphs, model, moe
-    from strata_jax.config import preset
+    from strata_jax.engine import graphs
+    from strata_jax.model import transformer
+    from strata_jax.model.kv_cache import init_cache
+    from strata_jax.model.weights import random_weights
+    from strata_jax.model import moe
+    from strata_jax.model.config import preset
     from strata_jax.sampling import SamplingParams
 
     cfg = preset(FLAGS.model, layers=FLAGS.layers)
     common.progress(f"{FLAGS.model} x {cfg.num_layers} layers on {jax.devices()[0].device_kind}")
-    w = model.random_weights(cfg, 0, jnp.bfloat16)
-    cache = model.init_cache(cfg, FLAGS.context, jnp.bfloat16)
+    w = random_weights(cfg, 0, jnp.bfloat16)
+    cache = init_cache(cfg, FLAGS.context, jnp.bfloat16)
     pos = jnp.int32(FLAGS.context // 2)
     rng = np.random.default_rng(0)
 
     def attention_all(w, cache, h, pos):
         for i, layer in enumerate(w.layers):
-            a, _, _ = model.attention(model.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn,
+            a, _, _ = transformer.attention(transformer.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn,
                                       cache.k[i], cache.v[i], pos, cfg)
             h = h + a
         return h
@@ -57,11 +61,11 @@ def main(argv) -> dict:
     def moe_all(w, h):
         valid = jnp.ones((h.shape[0],), bool)
         for layer in w.layers:
-            h = h + moe.moe_block(model.rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps), layer.ffn, cfg, valid)
+            h = h + moe.moe_block(transformer.rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps), layer.ffn, cfg, valid)
         return h
 
     def head(w, h):
-        h = model.rms_norm(h, w.final_norm, cfg.rms_norm_eps)
+        h = transformer.rms_norm(h, w.final_norm, cfg.rms_norm_eps)
         return jnp.argmax(jnp.einsum("th,hv->tv", h, w.lm_head, preferred_element_type=jnp.float32), -1)
 
 

@@ -137,8 +137,11 @@ def run(s) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from strata_jax import graphs, model, moe
-    from strata_jax.config import preset
+    from strata_jax.engine import graphs
+    from strata_jax.model.kv_cache import init_cache
+    from strata_jax.model.weights import can_stack, random_weights
+    from strata_jax.model import moe
+    from strata_jax.model.config import preset
     from strata_jax.errors import StrataError
 
     windows = common.int_list(s.windows, "windows")
@@ -150,8 +153,8 @@ def run(s) -> dict:
     interpret = dev["platform"] != "gpu"
     common.progress(f"profile_window: {s.model} x {cfg.num_layers} layers, {s.dtype}, on {dev['device_kind']}; "
                     f"kernels (expert, attention, dense) {common.kernels(s, cfg)}")
-    scanned = s.layer_loop == "scan" and model.can_stack(cfg)
-    weights = model.random_weights(cfg, 0, dtype, stacked=scanned)
+    scanned = s.layer_loop == "scan" and can_stack(cfg)
+    weights = random_weights(cfg, 0, dtype, stacked=scanned)
     expert_kernel, attention_kernel, dense_kernel = common.kernels(s, cfg)
     experts = moe.ResidentExperts(cfg, interpret=interpret) if expert_kernel == "pallas" else None
     step = graphs.jit_decode_window(cfg, experts, attention_kernel=attention_kernel == "pallas",
@@ -160,7 +163,7 @@ def run(s) -> dict:
     result = dict(benchmark="profile_window", settings={n: getattr(s, n) for n in FLAGS}, device=dev, windows=[])
     bench_rows: list = []
     for t in windows:
-        cache = model.init_cache(cfg, s.context, dtype, stacked=scanned)
+        cache = init_cache(cfg, s.context, dtype, stacked=scanned)
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=t), jnp.int32)
         pos = jnp.int32(s.pos)
         compiled = step.lower(weights, cache, tokens, pos).compile()

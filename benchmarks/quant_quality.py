@@ -1,4 +1,4 @@
-"""How far each low-bit expert format (strata_jax/quant.py) moves the output: every routed expert's gate, up and
+"""How far each low-bit expert format (strata_jax/model/quant.py) moves the output: every routed expert's gate, up and
 down matrices quantized and dequantized, then teacher-forced logits of one known text against the checkpoint's own
 weights: KL(base || format), top-1 agreement, perplexity, beside the stored bits per weight and what the experts of
 the Qwen3-30B-A3B shape would take in host RAM.
@@ -9,7 +9,7 @@ the Qwen3-30B-A3B shape would take in host RAM.
 A quality study ahead of the engine's `expert_dtype` (issue 16): the weights here are dequantized to float32 before
 the forward, so it measures what the formats lose, not their speed or memory. The forward is the engine's prefill
 path in float32 with every expert resident; the text (--text_file, default this repository's
-strata_jax/experts/slots.py) is not in the reference models' training data. A format whose group does not divide a
+strata_jax/offload/slots.py) is not in the reference models' training data. A format whose group does not divide a
 matrix's input dimension (the reference's experts are 96 wide) is shown as n/a.
 """
 from __future__ import annotations
@@ -28,10 +28,10 @@ FLAGS = flags.FlagValues()
 flags.DEFINE_string("models", "reference,reference-next", "Models, comma-separated: reference, reference-next or "
                     "folders.", flag_values=FLAGS)
 flags.DEFINE_string("formats", "int8,int4-g32,int4,int4-g128,int4-asym,int3,int2", "Formats, comma-separated "
-                    "(strata_jax.quant.FORMATS).", flag_values=FLAGS)
+                    "(strata_jax.model.quant.FORMATS).", flag_values=FLAGS)
 flags.DEFINE_string("kv_dtype", "", "Also a row for the engine's KV cache stored this way (int8: kv_dtype=int8, "
                     "the experts unquantized), against the unquantized cache; '' = none.", flag_values=FLAGS)
-flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "experts" / "slots.py"), "The known text.",
+flags.DEFINE_string("text_file", str(REPO / "strata_jax" / "offload" / "slots.py"), "The known text.",
                     flag_values=FLAGS)
 flags.DEFINE_integer("positions", 1200, "Positions scored.", lower_bound=2, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
@@ -44,7 +44,7 @@ SHAPE_30B = dict(layers=48, experts=128, hidden=2048, inter=768)
 
 def expert_leaves(weights):
     """[(layer position, MoEWeights)] of the sparse layers (list or stacked form)."""
-    from strata_jax import moe
+    from strata_jax.model import moe
     layers = [weights.layers] if weights.stacked else weights.layers
     return [(i, layer.ffn) for i, layer in enumerate(layers) if isinstance(layer.ffn, moe.MoEWeights)]
 
@@ -81,8 +81,8 @@ def compare(base, logits, targets) -> dict:
 def run(s) -> dict:
     import jax.numpy as jnp
     import numpy as np
-    from strata_jax import quant
-    from strata_jax.engine import Engine
+    from strata_jax.model import quant
+    from strata_jax.engine.api import Engine
     from strata_jax.errors import StrataError
 
     from benchmarks.runner import parse_list

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from absl import flags
 
+from benchmarks.tables import _jsonable, format_table
+
 OUTPUTS = ("md", "json", "csv")
 
 
@@ -184,7 +186,6 @@ def define_output_flag(flag_values: flags.FlagValues) -> None:
 def render(rows: Sequence[Row], fmt: str = "md", table: str | None = None) -> str:
     """The rows as md (`table` when the benchmark made its own, else one column per flat key), json or csv."""
     if fmt == "json":
-        from benchmarks.common import _jsonable
         return json.dumps(_jsonable([r.to_dict() for r in rows]), indent=2)
     flat = [r.flat() for r in rows]
     keys: list[str] = []
@@ -202,7 +203,6 @@ def render(rows: Sequence[Row], fmt: str = "md", table: str | None = None) -> st
         raise ValueError(f"--output={fmt}: must be one of {', '.join(OUTPUTS)}")
     if table is not None:
         return table
-    from benchmarks.common import format_table
     return format_table(keys, [["-" if f.get(k) is None else f.get(k) for k in keys] for f in flat])
 
 
@@ -220,7 +220,6 @@ def table(s: Any, benchmark: str, headers: Sequence[str], table_rows: Sequence[S
           units: Mapping[str, str] | None = None, result: dict | None = None) -> str:
     """A benchmark's table, printed in `s.output`'s format (md when `s` has no --output): its Markdown text (the md
     output, returned), its rows in this schema (rows_from_table) in result['bench_rows']."""
-    from benchmarks.common import format_table
     md = format_table(headers, table_rows)
     rows = rows_from_table(benchmark, headers, table_rows, params, timing=timing, units=units, fixed=fixed)
     emit(rows, getattr(s, "output", "md"), table=md, result=result)

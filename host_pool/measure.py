@@ -31,7 +31,7 @@ from .store import BF16, HostExpertStore
 
 FORMATS = ("float32", "bf16", "bf16-f32-once", "int8", "int4")
 PATHS = ("C", "numpy")
-INT4_GROUP = 64  # strata_jax/quant.py "int4"
+INT4_GROUP = 64  # strata_jax/model/quant.py "int4"
 
 
 def copy_gbps(nbytes: int, repeats: int) -> float:

@@ -1,6 +1,6 @@
 /* int4 row chunks -> float32 for host_pool/store.py's `row_chunks_f32`; host_pool/native.py compiles and loads it.
 
-   packed [rows, in_dim/2] uint8 in GGUF Q4_0's order (strata_jax/quant.py "int4"): in each group of `group` inputs,
+   packed [rows, in_dim/2] uint8 in GGUF Q4_0's order (strata_jax/model/quant.py "int4"): in each group of `group` inputs,
    byte j holds input j in its low nibble and input j + group/2 in its high one, both stored q + 8.
    scales [rows, in_dim/group] float32; out [rows, in_dim] float32 = (nibble - 8) * scale. One float32 product of
    exact operands, as the numpy path computes it: the two paths agree bit for bit.

@@ -11,7 +11,7 @@ Format choice: weights stay in the dtype they are given, without a copy.
     layer job takes 7.7 ms (T=1) / 8.2 ms (T=4) from bf16 converted per
     chunk vs 5.5 / 9.7 ms from bf16 converted once to float32. With more
     cores sharing DRAM, reading half the bytes should matter more.
-  * int8 (one scale per output row) and int4 (strata_jax/quant.py "int4": two
+  * int8 (one scale per output row) and int4 (strata_jax/model/quant.py "int4": two
     to a byte, a scale per group of inputs) stay packed; jobs widen the same
     row chunks to float32 (int4: dequantized exactly, nibble - 8 times its
     group's scale) and BLAS reads them. int4 chunks go through a small C
@@ -52,7 +52,7 @@ class HostExpertStore:
     `bf16_as_f32=True` converts bf16 weights to float32 once (doubles memory;
     kept only to measure against the default).
 
-    Quantized experts (strata_jax/quant.py) come as (gate, up, down,
+    Quantized experts (strata_jax/model/quant.py) come as (gate, up, down,
     gate_scale, up_scale, down_scale), the scales float32 or bfloat16 (kept
     as float32 here):
       * int8: int8 q as above, one scale per output row: [E, I], [E, I], [E, H].

@@ -1,7 +1,7 @@
 """Window decode and prefill attention over the engine's KV cache, read in place and only up to the last filled
 position.
 
-Semantics (`decode_attention` and `decode_attention_reference`; the reference is `model.attention`'s arithmetic from
+Semantics (`decode_attention` and `decode_attention_reference`; the reference is `transformer.attention`'s arithmetic from
 the GQA reshape to the output einsum, without the wo projection):
 
 - q [T, Nq, D]: the window's (or prefill chunk's) T tokens (already RMS-normed and RoPE'd) at positions
@@ -295,7 +295,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
 @jax.jit
 def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
                                k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
-    """model.attention's arithmetic from the GQA reshape to the output einsum (no wo): [T, Nq, D] in q.dtype.
+    """transformer.attention's arithmetic from the GQA reshape to the output einsum (no wo): [T, Nq, D] in q.dtype.
     k_scale / v_scale [S, Nkv]: int8 caches, scaled as model._xla_attention does."""
     t, nq, d = q.shape
     nkv = k_cache.shape[1]

@@ -15,7 +15,7 @@ Two Triton kernels (the down projection needs every I row of h, which a gate/up 
      by combine[:, n] and accumulates in f32. The n_split partial sums are added by XLA (n_split * Tp * H floats).
 Padding slots (-1) are skipped in both kernels: they read nothing and contribute nothing.
 
-int8 experts (issue 16: `strata_jax/quant.py`'s "int8", symmetric per output channel): gate/up/down hold int8
+int8 experts (issue 16: `strata_jax/model/quant.py`'s "int8", symmetric per output channel): gate/up/down hold int8
 q and gate_scale/up_scale [R, I], down_scale [R, H] their rows' scales. The kernels read q (a quarter of the
 float32 bytes, half of bf16's), widen each tile to bf16 in registers (exact: |q| <= 127), accumulate the dot in
 f32 and scale the result per output row before the bf16 rounding: g = bf16(scale_g * (x . q_g)), and so on. The
@@ -55,7 +55,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .blocks import MIN_DOT, block_or_error
 
-GROUPS = (128, 64, 32)  # int4 inputs per scale (strata_jax/quant.py "int4-g128", "int4", "int4-g32"): from the scales' shape
+GROUPS = (128, 64, 32)  # int4 inputs per scale (strata_jax/model/quant.py "int4-g128", "int4", "int4-g32"): from the scales' shape
 
 
 def _int4_group(x_at, w_ref, slot, rows, k, group: int):
@@ -268,7 +268,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
 def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,
                          combine: jax.Array, gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
                          down_scale: jax.Array | None = None, scale_ids: jax.Array | None = None) -> jax.Array:
-    """The XLA path's arithmetic (`moe.expert_ffn` on gathered weights), padding slots zero-weighted. [T, H] f32.
+    """The XLA path's arithmetic (`moe.expert_ffn` on gathered weights, written out here so that the kernel's file
+    stands alone), padding slots zero-weighted. [T, H] f32.
     int8 experts: each product accumulated in f32 over the widened q, scaled per output row, then rounded; int4
     experts: each product the f32 dot with the exactly dequantized weights, then rounded. Scales at rows scale_ids
     (None: slot_ids), as the kernel."""
@@ -280,7 +281,25 @@ def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)  # rounded once
         y = jnp.einsum("nti,nhi->nth", h, down[ids])  # [N, T, H] bf16
         return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
-    from strata_jax.moe import expert_ffn as xla_expert_ffn  # here: strata_jax.moe imports this module at its top
     rows = ids if scale_ids is None else jnp.maximum(scale_ids, 0)  # [N] scale rows
-    return xla_expert_ffn(x, gate[ids], up[ids], down[ids], combine, gate_scale[rows], up_scale[rows],
-                          down_scale[rows])
+    g = _scaled_product_reference("th,nih->nti", x, gate[ids], gate_scale[rows])
+    u = _scaled_product_reference("th,nih->nti", x, up[ids], up_scale[rows])
+    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)  # rounded once
+    y = _scaled_product_reference("nti,nhi->nth", h, down[ids], down_scale[rows])
+    return jnp.einsum("tn,nth->th", combine, y.astype(jnp.float32))
+
+
+def _scaled_product_reference(spec: str, a: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """einsum(spec, a, w) for quantized w, in float32, rounded to a's dtype: int8 q [N, O, In] with row scales
+    [N, O] (the product over q widened, times the scale); int4 packed q [N, O, In/2] (byte j of a group: inputs j
+    and j + g/2, as GGUF's Q4_0) with group-major scales [N, In/g, O], dequantized exactly in float32."""
+    if q.dtype == jnp.uint8:
+        n, o, half = q.shape
+        groups = scale.shape[1]
+        p = q.reshape(n, o, groups, -1).astype(jnp.int32)  # [N, O, G, g/2]
+        w = (jnp.concatenate([p & 0xF, p >> 4], axis=-1) - 8).astype(jnp.float32)  # [N, O, G, g]
+        w = (w * jnp.swapaxes(scale, 1, 2).astype(jnp.float32)[..., None]).reshape(n, o, 2 * half)
+        acc = jnp.einsum(spec, a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+        return acc.astype(a.dtype)
+    acc = jnp.einsum(spec, a, q.astype(a.dtype), preferred_element_type=jnp.float32)  # [N, T, O]
+    return (acc * scale.astype(jnp.float32)[:, None, :]).astype(a.dtype)

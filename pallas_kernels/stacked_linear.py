@@ -1,7 +1,7 @@
 """A window's dense products against weights stacked on a layer axis, read in place (no per-layer copy).
 
 y = x @ concat_j(w_j[layer], axis=1):  x [T, K], w_j [L, K, N_j] (the model's [in, out] layout, stacked by
-`model.stack_layers`), layer an int32 scalar (traced inside the scanned layer body). Returns float32 [T, sum N_j]
+`weights.stack_layers`), layer an int32 scalar (traced inside the scanned layer body). Returns float32 [T, sum N_j]
 (f32 accumulation; the caller rounds to the compute dtype where the XLA path's product does).
 
 Why: in the scanned graph, XLA slices layer l's q/k/v/o matrices out of the stacks before each product, a copy of

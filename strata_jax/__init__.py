@@ -25,8 +25,9 @@ __all__ = ["Engine", "ExpertStats", "RequestStats", "StopRequest", "Stats", "Str
 
 # The rest on first use (PEP 562): `python -m strata_jax.decode` and `strata-serve` set their Ctrl-C handling
 # and answer --help before JAX is imported.
-_LAZY = {"Engine": "strata_jax.engine", "StopRequest": "strata_jax.engine", "ExpertStats": "strata_jax.stats",
-         "RequestStats": "strata_jax.stats", "Stats": "strata_jax.stats"}
+_LAZY = {"Engine": "strata_jax.engine.api", "StopRequest": "strata_jax.engine.api",
+         "ExpertStats": "strata_jax.engine.stats", "RequestStats": "strata_jax.engine.stats",
+         "Stats": "strata_jax.engine.stats"}
 
 
 def __getattr__(name: str):
@@ -34,3 +35,44 @@ def __getattr__(name: str):
         import importlib
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'strata_jax' has no attribute {name!r}")
+
+
+# Modules that moved when the package took its rooms (2026-12-05). The old names still import, as the same module
+# object, with one DeprecationWarning naming the new place; `strata_jax.model` (now a package: weights, kv_cache,
+# transformer) and `strata_jax.engine` (now a package: Engine is in engine.api) are not aliased.
+MOVED = {
+    "strata_jax.config": "strata_jax.model.config", "strata_jax.linear": "strata_jax.model.linear",
+    "strata_jax.moe": "strata_jax.model.moe", "strata_jax.deltanet": "strata_jax.model.deltanet",
+    "strata_jax.quant": "strata_jax.model.quant", "strata_jax.experts": "strata_jax.offload",
+    "strata_jax.experts.slots": "strata_jax.offload.slots", "strata_jax.experts.placement": "strata_jax.offload.placement",
+    "strata_jax.experts.approx": "strata_jax.offload.approx", "strata_jax.experts.defer": "strata_jax.offload.defer",
+    "strata_jax.drafts": "strata_jax.speculative.drafters", "strata_jax.device_drafts": "strata_jax.speculative.device_drafts",
+    "strata_jax.mtp": "strata_jax.speculative.mtp", "strata_jax.graphs": "strata_jax.engine.graphs",
+    "strata_jax.loops": "strata_jax.engine.loops", "strata_jax.stats": "strata_jax.engine.stats",
+    "strata_jax.parallel": "strata_jax.engine.parallel", "strata_jax.checkpoint": "strata_jax.io.checkpoint",
+    "strata_jax.embedded": "strata_jax.io.embedded", "strata_jax.tokenizer": "strata_jax.io.tokenizer",
+    "strata_jax.chat": "strata_jax.io.chat", "strata_jax.logpos": "strata_jax.io.logpos",
+}
+
+
+class _MovedModules:
+    """A meta path finder for MOVED: the old name gets the new module, and a DeprecationWarning."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in MOVED:
+            return None
+        import importlib.util
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        import importlib
+        import warnings
+        warnings.warn(f"{spec.name} is now {MOVED[spec.name]} (the package took its rooms on 2026-12-05); "
+                      "import the new name", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(MOVED[spec.name])
+
+    def exec_module(self, module):
+        pass  # the new module is imported already
+
+
+_sys.meta_path.insert(0, _MovedModules())  # before the path finders: an old name never loads a second copy

@@ -66,7 +66,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from strata_jax import options  # noqa: E402
 from strata_jax.errors import StrataError, unreadable_folder  # noqa: E402
-from strata_jax.tokenizer import TextStream  # noqa: E402
+from strata_jax.io.tokenizer import TextStream  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "reference", "Model folder (config.json, *.safetensors, tokenizer.json), a .gguf file "
@@ -96,7 +96,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run() -> None:
-    from strata_jax.engine import Engine  # imported here so `--help` and flag errors stay fast
+    from strata_jax.engine.api import Engine  # imported here so `--help` and flag errors stay fast
 
     engine_opts = options.from_flags(options.EngineOptions, FLAGS)
     request = options.from_flags(options.RequestOptions, FLAGS)
@@ -104,7 +104,7 @@ def run() -> None:
     if FLAGS.prompt_file:
         prompt = read_prompt_file(FLAGS.prompt_file)
     if FLAGS.save_state:  # refused before a minute of loading, not after
-        from strata_jax.checkpoint import check_state_target
+        from strata_jax.io.checkpoint import check_state_target
         check_state_target(FLAGS.save_state, FLAGS.overwrite)
     repl = FLAGS.chat and not (FLAGS["prompt"].present or FLAGS.prompt_file)
     if not repl:
@@ -228,7 +228,7 @@ def chat(engine, prompts: list[str], kwargs: dict) -> None:
 
 def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:
     """Refuse a prompt longer than the context before loading or compiling anything."""
-    from strata_jax.embedded import resolve_model
+    from strata_jax.io.embedded import resolve_model
     if not prompt:
         raise StrataError("the prompt is empty: pass --prompt=... or --prompt_file=...")
     try:
@@ -243,9 +243,9 @@ def check_prompt_fits(model: str, engine_opts, prompt: str) -> None:
 
 
 def _check_prompt_fits(folder, model: str, engine_opts, prompt: str) -> None:
-    from strata_jax.config import load_config
-    from strata_jax.engine import context_and_chunk
-    from strata_jax.tokenizer import load_tokenizer
+    from strata_jax.model.config import load_config
+    from strata_jax.engine.plan import context_and_chunk
+    from strata_jax.io.tokenizer import load_tokenizer
     if folder.is_file():
         raise StrataError(f"--model={model} is a file, not a folder (a model folder holds config.json, "
                           "*.safetensors and tokenizer.json)")

@@ -4,7 +4,7 @@ llguidance (a well-kept grammar engine, the one llama.cpp and vLLM use) holds th
 the tokens that keep the output on the grammar as a bitmask over the vocabulary, the decode loop sets every other
 token's logit to -1e30 before the request's own sampler draws (greedy: the argmax of what is left), and the chosen
 token advances the state. The grammar ends the request: once the JSON is complete only the end-of-sequence tokens
-are allowed (strata_jax/loops.py decode_constrained).
+are allowed (strata_jax/engine/loops.py decode_constrained).
 """
 from __future__ import annotations
 

@@ -128,12 +128,12 @@ class EngineOptions:
                             "(quantized at load: symmetric, one bf16 scale per output row: a byte a weight) or int4 "
                             "(symmetric, one bf16 scale per 64 inputs, two weights a byte). Host RAM, slots, PCIe "
                             "fetches and the host pool hold the quantized form; the expert FFNs dequantize in their "
-                            "products (strata_jax/quant.py).",
+                            "products (strata_jax/model/quant.py).",
                             _choice("auto", "int8", "int4"))
     kv_dtype: str = opt("auto", "How the KV cache is stored: auto (in `dtype`) or int8 (symmetric, one float32 scale "
                         "per (position, kv head) for K and one for V, absmax/127; quantized as rows are written, read "
                         "in place by the XLA attention and the Pallas decode-attention kernel; about half the bf16 "
-                        "cache's bytes: strata_jax/model.py QuantKV). Qwen3-Next's DeltaNet states stay in `dtype`.",
+                        "cache's bytes: strata_jax/model/ QuantKV). Qwen3-Next's DeltaNet states stay in `dtype`.",
                         _choice("auto", "int8"))
     layer_loop: str = opt("scan", "How a window's graph runs the layers: scan (weights stacked on a layer axis, one "
                           "layer body in a loop: a few hundred kernel launches less per layer count, a fraction of "
@@ -153,14 +153,14 @@ class EngineOptions:
                              "prefills only the new part (exact: the same logits as a cold run).", _bool)
     devices: str = opt("1", "Devices the model runs on: a number >= 1 or 'all' (every device JAX sees). Above 1 "
                        "every expert is resident (offload with several devices is not implemented) and --parallel "
-                       "says how the model is split (strata_jax/parallel.py).", _devices)
+                       "says how the model is split (strata_jax/engine/parallel.py).", _devices)
     parallel: str = opt("layers", "How the model is split over --devices > 1: layers (each device holds a contiguous "
                         "block of layers and their KV cache; a window runs stage by stage, the [T, H] activations "
                         "copied to the next device) or experts (each MoE layer's experts split over the devices, "
                         "everything else replicated; each device runs its experts for every token, summed across "
                         "the devices).", _choice("layers", "experts"))
 
-    # The routing approximations (strata_jax/experts/approx.py): '' = read the STRATA_* environment variable of the
+    # The routing approximations (strata_jax/offload/approx.py): '' = read the STRATA_* environment variable of the
     # same name.
     # A bad value is one line and the switch stays off (as the original engine does), not an error.
     route_tail_skip: str = opt("", "STRATA_ROUTE_TAIL_SKIP=R: skip a missed expert that every token of a decode "
@@ -204,7 +204,7 @@ class RequestOptions:
                      "checkpoint has one; else ngram).",
                      _choice("auto", "ngram", "none", "device", "mtp"))
     logpos: str = opt("", "STRATA_LOGPOS=path: first write the prompt's teacher-forced top-20 log-probs of every "
-                      "position to this file (strata_jax.logpos; compare runs with benchmarks/kl_report.py).")
+                      "position to this file (strata_jax.io.logpos; compare runs with benchmarks/kl_report.py).")
     logpos_read: str = opt("windows", "How --logpos reads the prompt: windows (every position takes the decode "
                            "path, verify windows of --window tokens) or prefill.", _choice("windows", "prefill"))
     ignore_eos: bool = opt(False, "Keep generating past the model's end-of-sequence tokens, up to "
@@ -294,7 +294,7 @@ def from_flags(cls, flag_values):
     return build(cls, {f.name: getattr(flag_values, f.name) for f in dataclasses.fields(cls)})
 
 
-# ---- the STRATA_* switches (the expert wing parses them: strata_jax/experts/approx.py and defer.py) -------------
+# ---- the STRATA_* switches (the expert wing parses them: strata_jax/offload/approx.py and defer.py) -------------
 
 ROUTE_SWITCHES = ("route_tail_skip", "route_prior", "route_prior_mode", "route_prior_keep", "route_resident",
                   "route_resident_rank", "route_resident_margin")

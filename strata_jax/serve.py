@@ -33,10 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Stri
 from sse_starlette.sse import EventSourceResponse
 
 from strata_jax import grammar
-from strata_jax.chat import ToolCallHold, parse_tool_calls
-from strata_jax.engine import Engine, StopRequest
+from strata_jax.io.chat import ToolCallHold, parse_tool_calls
+from strata_jax.engine.api import Engine, StopRequest
 from strata_jax.errors import StrataError
-from strata_jax.tokenizer import TextStream, token_bytes
+from strata_jax.io.tokenizer import TextStream, token_bytes
 
 PAGE = Path(__file__).resolve().parent / "chat_page.html"
 STATIC = Path(__file__).resolve().parent / "static"  # the page's vendored scripts (static/README.md)

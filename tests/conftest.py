@@ -112,7 +112,7 @@ def _lazy_graphs_by_default() -> None:
     suite's time. The graphs, and so every assertion, are the same (test_decode checks lazy against ahead); the
     CLI subprocesses of run_cli pass --compile_graphs the same way. TESTS_COMPILE_GRAPHS=ahead runs the suite with
     the default (the default where nvidia-smi is found)."""
-    from strata_jax.engine import Engine
+    from strata_jax.engine.api import Engine
     for name in ("from_pretrained", "from_random"):
         original = getattr(Engine, name).__func__
 

@@ -33,7 +33,7 @@ def logpos_target(path: str, run_index: int) -> str:
 
 def worker(s) -> dict:
     """Build the engine once, run every turn of the workload, write the per-turn rows to --worker_out."""
-    from strata_jax.engine import Engine
+    from strata_jax.engine.api import Engine
     from strata_jax.errors import StrataError
     from strata_jax.options import RequestOptions, logpos_path
 

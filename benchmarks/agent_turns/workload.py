@@ -11,7 +11,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent.parent
 
 SOURCE_DIRS = ("strata_jax", "host_pool", "pallas_kernels", "benchmarks", "tests")
-SKIP_PARTS = {"fixtures", "models", "results", "__pycache__"}
+SKIP_PARTS = {"fixtures", "assets", "results", "__pycache__"}
 SYSTEM = "You are a coding agent. Tools: read_file, list_dir, grep, run_tests."
 ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL = "<|system|>\n", "<|user|>\n", "<|assistant|>\n", "<|tool|>\n"
 TRUNCATED = "\n[... truncated]\n"

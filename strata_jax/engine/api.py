@@ -1,0 +1,917 @@
+"""The public face: `Engine`, a loaded model with its plan (plan.py), its compiled graph tables (graphs.py) and the
+loops' state (loops.State), behind generate() / stream() / chat() / score(); built by build.py."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.engine import build as build_mod, graphs, loops, parallel as parallel_mod, plan as plan_mod
+from strata_jax.engine.build import log
+from strata_jax.engine.plan import make_plan
+from strata_jax.engine.stats import ExpertStats, RequestStats, Stats
+from strata_jax.errors import StrataError
+from strata_jax.host_pool import unwrap_pool_error
+from strata_jax.io import checkpoint
+from strata_jax.io.chat import ChatTemplate, GenerationDefaults
+from strata_jax.model import moe
+from strata_jax.model.config import ModelConfig
+from strata_jax.model.kv_cache import cache_bytes, init_cache
+from strata_jax.model.weights import Weights, stack_layers, unstack_layers
+from strata_jax.offload import placement as placement_mod
+from strata_jax.offload import slots as slots_mod
+from strata_jax.offload.approx import route_approx
+from strata_jax.offload.defer import defer_cpu
+from strata_jax.options import EngineOptions, RequestOptions, build, unknown_switches
+from strata_jax.sampling import FORMS, NON_FINITE, SamplingParams, form_of
+from strata_jax.speculative import mtp as mtp_mod
+from strata_jax.speculative.drafters import make_drafter
+
+
+def _serialized(method):
+    """One request at a time per engine: the requests of several threads queue on the engine's lock (the KV cache
+    is donated to every graph and the expert counters are per engine, so interleaved requests would corrupt both).
+    A call from the user code a running request calls (its on_token, its Drafter) is refused: it would run inside
+    that request, on its KV cache (the lock is re-entrant, for the engine's own nested calls)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        self._refuse_reentry(method.__name__)
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
+class _UserDrafter:
+    """A Drafter object given to generate(), its calls marked as the request's user code (Engine._refuse_reentry)."""
+
+    def __init__(self, drafter, engine: "Engine"):
+        self._drafter, self._engine = drafter, engine
+
+    def propose(self, context, k):
+        with self._engine._user_code():
+            drafts = self._drafter.propose(context, k)
+        # What the windows get must be at most k token ids: a string, a dict, too many or out of the vocabulary
+        # would be a wrong window (or a crash deep in the loop), so one line here.
+        drafts = check_token_ids(drafts, self._engine.cfg.vocab_size, "the drafter's propose()").tolist()
+        if len(drafts) > k:
+            raise StrataError(f"the drafter's propose() returned {len(drafts)} drafts; it may return at most k={k}")
+        return drafts
+
+    def observe(self, tokens):
+        with self._engine._user_code():
+            return self._drafter.observe(tokens)
+
+
+class Engine:
+    """A model ready to decode. Build it with `Engine.from_pretrained(path, **options)`."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, options: EngineOptions, tokenizer=None,
+                 model_dir: Path | None = None, raw_config: dict | None = None, verbose: bool = True,
+                 placement: placement_mod.Placement | None = None, generation: GenerationDefaults | None = None):
+        self.state = loops.State(weights=None, cache=None)  # what every window donates and gets back
+        self._lock = threading.RLock()  # requests of several threads run one after the other (_serialized)
+        self._user_code_thread: int | None = None  # the thread running a request's on_token / Drafter, meanwhile
+        self.cfg, self.weights, self.options, self.tokenizer = cfg, weights, options, tokenizer
+        self.model_dir, self.raw_config, self.verbose = model_dir, raw_config, verbose
+        # From the model folder (from_pretrained): its chat template and generation_config.json's defaults.
+        self.chat_template: ChatTemplate | None = None
+        self.generation_defaults = generation or GenerationDefaults()
+        self.placement = placement
+        self.mtp = None  # Qwen3-Next's MTP module (mtp_mod.MTPWeights, attach_mtp)
+        self._mtp_compiled = self._mtp_cache = None
+        self._said_no_mtp = False
+        self.dtype = jnp.dtype(options.dtype)
+        self.expert_storage = placement_mod.expert_storage(options)  # the host copies' and the slots' dtype
+        self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
+        self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.cpu_path)
+        approx_lines += defer_lines + unknown_switches()
+        # Context, chunks, kernels, the layer loop, the KV cache's length: decided once (engine/plan.py).
+        self.plan = make_plan(cfg, options, placement, self.defer)
+        self._check_attention_kernel()
+        if self.scanned_offload:  # the host experts stay per layer (tuples), the rest is stacked
+            self.weights = weights = stack_layers(unstack_layers(weights), keep_experts=True)
+        elif self.scanned and parallel_mod.layer_device(cfg, options) is None:  # parallel=layers stacks per device
+            self.weights = weights = stack_layers(weights)
+        elif weights.stacked:
+            self.weights = weights = unstack_layers(weights)
+        self.expert_path, self.decode_expert_path = self._expert_paths()
+        self.parallel = parallel_mod.attach(self)  # devices > 1: the weights split over them (strata_jax/engine/parallel.py)
+        self.stats = Stats()
+        self._reset_state()
+        if placement and verbose:
+            for line in placement.lines:
+                log(line)
+        if verbose:
+            for line in approx_lines + ([self.parallel.line] if self.parallel else []):
+                log(line)
+            log(f"kernels: expert FFN {self.expert_kernel}, attention {self.attention_kernel}"
+                + f", attention products {self.dense_kernel}"
+                + (f", DeltaNet rule {self.delta_kernel}" if cfg.has_linear else "")
+                + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel, options.dense_kernel,
+                                           options.delta_kernel)
+                   else "")
+                + "; layers " + ("scanned (one body over the stacked slot caches; prefill chunks in "
+                                 "blocks of 32 experts)" if self.scanned_offload else
+                                 "scanned (one body over stacked weights)" if self.scanned else "unrolled"))
+            log(self.kv_cache_line())
+        self._compile()
+
+    # The loops' state (loops.State), under the names the engine's users read: every graph call replaces cache.
+    weights = property(lambda self: self.state.weights, lambda self, v: setattr(self.state, "weights", v))
+    cache = property(lambda self: self.state.cache, lambda self, v: setattr(self.state, "cache", v))
+    mtp = property(lambda self: self.state.mtp, lambda self, v: setattr(self.state, "mtp", v))
+
+    # The plan's decisions, under the names the engine's users read.
+    context = property(lambda self: self.plan.context)
+    chunks = property(lambda self: self.plan.chunks)
+    chunk = property(lambda self: self.plan.chunk)
+    ring = property(lambda self: self.plan.ring)
+    kv_length = property(lambda self: self.plan.kv_length)
+    expert_kernel = property(lambda self: self.plan.expert_kernel)
+    attention_kernel = property(lambda self: self.plan.attention_kernel)
+    dense_kernel = property(lambda self: self.plan.dense_kernel)
+    delta_kernel = property(lambda self: self.plan.delta_kernel)
+    scanned = property(lambda self: self.plan.scanned)
+    scanned_offload = property(lambda self: self.plan.scanned_offload)
+
+    def _check_attention_kernel(self) -> None:
+        d = self.cfg.head_dim
+        if self.attention_kernel == "pallas" and (d < 16 or d & (d - 1)):
+            raise StrataError(f"attention_kernel=pallas needs head_dim a power of 2 >= 16 (this model: {d})")
+
+    def _expert_paths(self):
+        """The expert paths of the prefill and of the decode graphs (with offload: placement_mod.expert_paths)."""
+        kernel = self.expert_kernel == "pallas"
+        if kernel and (jax.default_backend() != "gpu" or self.dtype != jnp.bfloat16):
+            raise StrataError("expert_kernel=pallas needs a GPU and dtype=bfloat16")
+        if not self.placement:
+            return None, (moe.ResidentExperts(self.cfg) if kernel else None)
+        return placement_mod.expert_paths(self.cfg, self.placement, self.approx, self.defer, kernel,
+                                          block_ends=parallel_mod.block_ends(self.cfg, self.options))
+
+    def _reset_state(self) -> None:
+        """Fresh caches (also after a failed request, whose donated buffers are gone)."""
+        length = self.plan.kv_length
+        try:
+            kv = init_cache(self.cfg, length, self.dtype, stacked=self.scanned, ring=self.ring,
+                                  kv_dtype=self.options.kv_dtype)
+        except (MemoryError, ValueError, RuntimeError) as e:  # jax's allocation failure is a RuntimeError
+            if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError) and "memory" not in str(e).lower():
+                raise
+            need = cache_bytes(self.cfg, length, self.dtype.itemsize, self.ring, self.options.kv_dtype)
+            per_token = need / length
+            stats = jax.devices()[0].memory_stats() or {}
+            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+            fits = f"; about {int(free // per_token):,} positions fit in the {free / 2**30:.1f} GiB free" if free > 0 else ""
+            raise StrataError(f"the KV cache for context {self.context} needs {need / 2**30:.1f} GiB "
+                              f"({per_token / 2**10:.1f} KiB a position) and cannot be allocated{fits}: "
+                              "lower --context") from None
+        experts = None
+        if self.scanned_offload:
+            experts = self.placement.init_stacked_state(self.cfg, self.expert_storage)
+        elif self.placement:
+            experts = self.placement.init_state(self.cfg, self.expert_storage)
+        self.cache = kv.replace(experts=experts)
+        if self.parallel:
+            self.cache = self.parallel.place_cache(self.cache)
+        self._kv_tokens: list[int] = []  # the tokens whose KV rows 0.. the cache holds (prefix reuse)
+
+    def kv_cache_line(self) -> str:
+        """The start-up line: how the KV cache is stored and its size."""
+        kv = cache_bytes(self.cfg, self.kv_length, self.dtype.itemsize, 0, self.options.kv_dtype)
+        how = ("int8, float32 scales per (position, kv head)" if self.options.kv_dtype == "int8"
+               else f"{self.options.dtype}")
+        return (f"KV cache: {how}, {kv / 2**20:.1f} MiB ({self.kv_length} positions x {self.cfg.num_full_layers} "
+                f"attention layers, kv_dtype={self.options.kv_dtype})")
+
+    # ---- construction ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, verbose: bool = True, **options) -> "Engine":
+        """Load a Hugging Face Qwen3-MoE folder (config.json, *.safetensors, tokenizer.json), a folder saved by
+        `save_state`, 'reference' (the committed trained model), or (path None / 'embedded') the embedded tiny
+        random model. Options are the CLI flags' names."""
+        return build_mod.load(cls, path, verbose, **options)
+
+    @classmethod
+    def from_random(cls, cfg: ModelConfig, seed: int = 0, verbose: bool = True, embed_scale: float = 1.0,
+                    **options) -> "Engine":
+        """An engine over random weights of a model shape (benchmarks): non-expert weights made on the device,
+        experts made on the device layer by layer and moved to host memory when offload is on. embed_scale: the
+        random embedding multiplied by it (random weights route most tokens to a few experts; 50 spreads the
+        routing over ~80% of them, as a trained model's does: benchmarks/offload_bench.py --embed_scale)."""
+        return build_mod.random_engine(cls, cfg, seed, verbose, embed_scale, **options)
+
+    # The model folder's files that a restored state needs to behave as the model: its sampling defaults and extra
+    # eos ids, its chat template and special tokens.
+    STATE_MODEL_FILES = ("generation_config.json", "tokenizer_config.json", "chat_template.jinja",
+                         "special_tokens_map.json")
+
+    @_serialized
+    def save_state(self, path: str | Path, overwrite: bool = False) -> None:
+        """Save the converted weights with orbax, with the tokenizer and the model folder's generation and chat
+        files; `from_pretrained(path)` restores them without conversion. A folder that is not empty (a model,
+        another state) is refused unless `overwrite`; the state appears there only once complete."""
+        weights = self.parallel.gathered(self.weights) if self.parallel is not None else self.weights
+
+        def write_files(folder: Path) -> None:
+            if self.tokenizer is not None:
+                self.tokenizer.save(str(folder / "tokenizer.json"))
+            for name in self.STATE_MODEL_FILES:
+                src = None if self.model_dir is None else Path(self.model_dir) / name
+                if src is not None and src.is_file():
+                    (folder / name).write_bytes(src.read_bytes())
+        checkpoint.save_state(path, unstack_layers(weights), self.raw_config or {}, self.options.dtype,
+                              self.options.expert_dtype, write_files=write_files, overwrite=overwrite)
+
+    @contextlib.contextmanager
+    def _user_code(self):
+        """Mark the caller's code a running request calls (on_token, a Drafter): engine calls from it are refused."""
+        outer, self._user_code_thread = self._user_code_thread, threading.get_ident()
+        try:
+            yield
+        finally:
+            self._user_code_thread = outer
+
+    def _refuse_reentry(self, name: str) -> None:
+        if self._user_code_thread == threading.get_ident():
+            raise StrataError(f"engine.{name}() called from inside a running request (its on_token or drafter): "
+                              f"the engine runs one request at a time; call it after generate() returns")
+
+    def _compile(self) -> None:
+        """Every window size 1..W and the prefill chunks: ahead of time, or (compile_graphs=lazy) each on its first
+        use (the samplers: on the first sampled request, _pick_samplers)."""
+        t0 = time.perf_counter()
+        ahead = self.options.compile_graphs == "ahead"
+        self._mtp_compiled = None  # built with the old expert path: recompiled on the next draft="mtp" request
+        if self.verbose and ahead:
+            log(f"compiling: window T=1..{self.options.window}, prefill {self._chunks_text()} ...")
+        pos = jnp.int32(0)
+        decode = self._jit_decode_window()
+        prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel)
+
+        def window(t: int):
+            with self._full_f32():
+                if self.parallel:
+                    return self.parallel.window(t, self.weights, self.cache)
+                return graphs.compile_shared(decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos),
+                                             graphs.MODEL_COMPILER_OPTIONS)
+
+        def chunk(c: int):
+            with self._full_f32():
+                if self.parallel:
+                    return self.parallel.prefill(c, self.weights, self.cache)
+                return graphs.compile_shared(prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32), pos,
+                                                           jnp.int32(1)), graphs.MODEL_COMPILER_OPTIONS)
+        # Several devices: their stages' graphs compile one after the other (parallel.py keeps per-stage state).
+        self._decode = graphs.GraphTable(range(1, self.options.window + 1), window, ahead, threads=not self.parallel)
+        self._prefill = graphs.GraphTable(self.chunks, chunk, ahead, threads=not self.parallel)
+        # Sampled requests: window graphs that draw their tokens (graphs.sampled_window), one table per filter form
+        # (sampling.FORMS), compiled for the first request of that form (_sampled_windows_for); and the samplers
+        # alone per window size and form, for what those graphs do not draw (the prompt's first token, draft=mtp,
+        # several devices), compiled once per process (graphs.window_samplers: engines share them).
+        self._samplers = {f: graphs.window_samplers(f, self.options.window, self.cfg.vocab_size) for f in FORMS}
+        self._pick_samplers("sorted", sampled=False)
+        self._sampled_windows: dict[str, graphs.GraphTable] = {}
+        defaults = self.generation_defaults.request_defaults()
+        if ahead and defaults["temperature"] > 0 and not self.parallel:  # the model samples by default
+            self._sampled_windows_for(form_of(defaults["top_k"], defaults["top_p"]))
+        self._prefill_logits = {}  # chunk size -> graph, compiled on first use (teacher-forced prompt scoring)
+        self._device_verify = {}  # (T, filter form or None: greedy) -> graph; compiled on first use (generate(draft="device") only)
+        self._fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
+        self._fill_layer = jax.jit(slots_mod.fill_layer_slots, donate_argnums=(0,))
+        self.stats.compile_s = time.perf_counter() - t0
+        if self.verbose:
+            when = (f"compiled in {self.stats.compile_s:.1f} s" if ahead else
+                    "compiled each on its first use (compile_graphs=lazy)")
+            log(f"graphs: window T=1..{self.options.window} and prefill {self._chunks_text()} {when} "
+                f"(persistent cache: {jax.config.jax_compilation_cache_dir}); "
+                f"context {self.context} tokens ({self.plan.context_why})")
+
+    def _pick_samplers(self, form: str, sampled: bool = True, every_size: bool = False) -> None:
+        """This request's samplers and verifiers of its filter form (requests run one at a time). every_size: the
+        request draws its windows' tokens through them (draft=mtp, several devices): every size compiled here,
+        before the request's timed part, the first time a request needs them; else only the first token's."""
+        samplers = self._samplers[form]
+        if sampled and every_size and not samplers.compiled:
+            seconds = samplers.compile()
+            if self.verbose:
+                log(f"samplers: window T=1..{self.options.window} ({form}) compiled in {seconds:.1f} s (first "
+                    f"request that draws through them; shared by this process's engines)")
+        elif sampled:
+            samplers.sample[1]  # the prompt's first token
+        self._sample, self._verify = samplers.sample, samplers.verify
+
+    def _sampled_windows_for(self, form: str) -> graphs.GraphTable | None:
+        """The window graphs of T=1..W that draw a sampled request's tokens in filter form `form`
+        (graphs.sampled_window): compiled (ahead: every size now, in threads) by the first request of that form;
+        None with several devices (their windows are chained or sharded graphs: the samplers draw apart)."""
+        if self.parallel:
+            return None
+        if form not in self._sampled_windows:
+            t0 = time.perf_counter()
+            fn = graphs.jit_sampled_window(self.cfg, form, self.decode_expert_path, **self._window_kernels())
+
+            def window(t: int):
+                return self._aot(fn, self.weights, self.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0),
+                                 SamplingParams.make())
+            ahead = self.options.compile_graphs == "ahead"
+            self._sampled_windows[form] = graphs.GraphTable(range(1, self.options.window + 1), window, ahead)
+            if self.verbose and ahead:
+                log(f"graphs: sampled windows T=1..{self.options.window} ({form}) compiled in "
+                    f"{time.perf_counter() - t0:.1f} s (the first request of that filter form)")
+        return self._sampled_windows[form]
+
+    @property
+    def _prefill_kernel(self) -> bool:
+        """The prefill chunks' attention: the Pallas kernel (row blocks, each reading the cache only up to its
+        own position) wherever the decode windows use it."""
+        return self.attention_kernel == "pallas"
+
+    def _chunks_text(self) -> str:
+        auto = " (auto)" if not self.options.prefill_chunk else ""
+        if len(self.chunks) == 1:
+            return f"chunk {self.chunk}{auto}"
+        return (f"chunks {' and '.join(map(str, self.chunks))}{auto}: {self.chunks[0]} while "
+                f"{self.chunks[0] // 4}+ prompt tokens remain")
+
+    def _full_f32(self):
+        """float32 means float32 matmuls (not TF32 on a GPU): the exactness checks and the host pool rely on it."""
+        return jax.default_matmul_precision("highest") if self.dtype == jnp.float32 else contextlib.nullcontext()
+
+    def _jit_decode_window(self, return_hidden: bool = False):
+        """The window graph with this engine's expert path and kernels (return_hidden: for the MTP drafter)."""
+        return graphs.jit_decode_window(self.cfg, self.decode_expert_path,
+                                        attention_kernel=self.attention_kernel == "pallas",
+                                        dense_kernel=self.dense_kernel == "pallas",
+                                        delta_kernel=self.delta_kernel == "pallas", return_hidden=return_hidden)
+
+    @_serialized
+    def reconfigure(self, pcie_frac: float | None = None, cache_policy: str | None = None) -> None:
+        """Change the PCIe/CPU split or the cache policy; the expert cache starts empty. Both are data in the graphs:
+        the graphs are recompiled only when the split moves to or from 1 (placement_mod.needs_cpu_path: the host
+        pool's callback comes or goes)."""
+        if not self.placement:
+            raise StrataError("offload is off (expert_cache_slots=all): nothing to reconfigure")
+        opts = build(EngineOptions, dict(pcie_frac=self.placement.pcie_frac if pcie_frac is None else pcie_frac,
+                                         cache_policy=self.placement.policy if cache_policy is None else cache_policy))
+        if opts.pcie_frac == "auto":
+            raise StrataError("reconfigure takes a number for pcie_frac")
+        if isinstance(self.parallel, parallel_mod.ExpertSplit) and (float(opts.pcie_frac) < 1
+                                                                     or opts.cache_policy == "static"):
+            raise StrataError("parallel=experts with offload runs pcie_frac=1 and cache_policy=lru")
+        if self.scanned_offload and defer_cpu(self.options, placement_mod.needs_cpu_path(float(opts.pcie_frac)))[0].active:
+            raise StrataError("the deferral (STRATA_VERIFY_DEFER_CPU) runs in the unrolled graph: start the engine "
+                              "with layer_loop=unrolled to reconfigure it to pcie_frac < 1")
+        rebuild = self.placement.reconfigure(float(opts.pcie_frac), opts.cache_policy)
+        if pcie_frac is not None:
+            self.placement.auto = False  # a split asked for by number stays
+        self._reset_state()
+        if rebuild:
+            self.defer, _ = defer_cpu(self.options, self.placement.cpu_path)
+            self.expert_path, self.decode_expert_path = self._expert_paths()
+            self._compile()
+
+    # ---- expert counters -------------------------------------------------------------------------------------
+
+    def _take_expert_stats(self, new_request: bool = False) -> ExpertStats:
+        """Read and zero the in-graph counters (and the pool's time) of the windows run since the last call; at the
+        start of a request also zero the routing usage (the static policy fills from this request's prefill)."""
+        if not self.placement:
+            return ExpertStats()
+        stacked = isinstance(self.cache.experts, slots_mod.SlotCache)  # scans_offload: every layer's in one
+        states = [self.cache.experts] if stacked else [s for s in self.cache.experts if s is not None]
+        # parallel=experts: [D, C] counters, one row per device's slot cache
+        total = np.sum([np.asarray(s.counters).reshape(-1, len(slots_mod.COUNTERS)) for s in states], axis=(0, 1))
+        out = ExpertStats(**{name: int(v) for name, v in zip(slots_mod.COUNTERS, total)})
+        out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(placement_mod.expert_itemsize(self.options))
+        out.pool_s = self.placement.pool.stats.wall_seconds
+        self.placement.pool.stats.reset()
+        # A buffer per layer: the graphs donate the cache, and one buffer must not be donated twice.
+        def zeroed(s):  # on the slot cache's own device (parallel=layers: its layer's)
+            zero = lambda a: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding)
+            s = s.replace(counters=zero(s.counters))
+            return s.replace(usage=zero(s.usage)) if new_request else s
+        self.cache = self.cache.replace(experts=zeroed(self.cache.experts) if stacked else
+                                        [None if s is None else zeroed(s) for s in self.cache.experts])
+        return out
+
+    def _adapt_pcie_frac(self, stats: ExpertStats) -> None:
+        """pcie_frac=auto: the split re-chosen from a request's misses (placement_mod.adapt_pcie_frac) and set as
+        data in the slot caches (no recompile; the cached experts stay); one line when it moves."""
+        if not self.placement:
+            return
+        new = placement_mod.adapt_pcie_frac(self.cfg, self.placement, placement_mod.expert_itemsize(self.options),
+                                            stats)
+        if new is None:
+            return
+        (frac, misses), old = new, self.placement.pcie_frac
+        self.placement.pcie_frac = frac
+        self.cache = self.cache.replace(experts=slots_mod.with_pcie_frac(self.cache.experts, frac))
+        if self.verbose:
+            log(f"pcie_frac: {old:g} -> {frac:g} (auto: the last request met {misses:.2f} misses a layer a window)")
+
+    def _fill_static_slots(self) -> None:
+        """Static policy: after the prompt's prefill, the slots take each layer's most used experts, then freeze."""
+        if isinstance(self.cache.experts, slots_mod.SlotCache):
+            new = slots_mod.fill_static_stacked(self.cache.experts, self.weights.layers, self._fill_layer)
+        else:
+            new = slots_mod.fill_static_slots(self.cache.experts, self.weights.layers, self._fill)
+        self.cache = self.cache.replace(experts=new)
+
+    def _guarded(self, fn, *args):
+        """Run a request step; a host pool failure becomes one StrataError and fresh caches (the engine stays
+        usable for the next request)."""
+        try:
+            return fn(*args)
+        except (StrataError, StopRequest):
+            raise
+        except KeyboardInterrupt:
+            self._reset_state()  # the donated caches of the interrupted window may be gone
+            raise
+        except Exception as e:
+            if _interrupted(e):  # Ctrl-C landed inside an io_callback: JAX hands it back wrapped in its error
+                self._reset_state()
+                raise KeyboardInterrupt from None
+            pool_error = unwrap_pool_error(e) if self.placement else None
+            self._reset_state()
+            if self.placement:
+                self.placement.pool.stats.reset()
+                self.placement.pool.drop_split_jobs()  # a failed window leaves its deferred jobs uncollected
+            if pool_error is not None:
+                raise StrataError(str(pool_error)) from None
+            raise
+
+    # ---- requests --------------------------------------------------------------------------------------------
+
+    def _check_prompt(self, ids: Sequence[int]) -> np.ndarray:
+        arr = check_token_ids(ids, self.cfg.vocab_size, "the prompt")
+        if arr.size == 0:
+            raise StrataError("the prompt is empty")
+        if arr.size >= self.context:
+            raise StrataError(f"the prompt has {arr.size} tokens but the context holds {self.context} "
+                              f"(at least one must be left to generate; see --context)")
+        return arr.astype(np.int32)
+
+    def _prefill_all(self, ids: np.ndarray, want_logits: bool = False, first: int = 0, mtp=None):
+        """The prompt through the prefill graph chunk by chunk, from position `first` (the rows before it are in
+        the cache already). Returns (argmax token after the prompt, its logits [1, V]) as device arrays, or with
+        want_logits the logits [P, V] of every prompt position (numpy). mtp: an MTPDrafter, fed every chunk's
+        hidden rows (the last chunk's wait for the first new token: `observe`)."""
+        chunks = []
+        token = last = None
+        start = first
+        for size in plan_mod.chunk_sizes_for(ids.size - first, self.chunks):
+            part = ids[start:start + size]
+            tokens = np.zeros((size,), np.int32)
+            tokens[:part.size] = part
+            if want_logits:
+                logits, self.cache = self._prefill_logits_graph(size)(self.weights, self.cache, tokens,
+                                                                      jnp.int32(start), jnp.int32(part.size))
+                chunks.append(logits[:part.size])
+            elif mtp is not None:
+                token, last, self.cache, hidden = self._mtp_graphs()[("prefill", size)](
+                    self.weights, self.cache, tokens, jnp.int32(start), jnp.int32(part.size))
+                known = ids[start + 1:start + part.size + 1].tolist()
+                if start + part.size < ids.size:
+                    mtp.catch_up(hidden, known, start)
+                else:
+                    mtp.feed(hidden, start, known)
+            else:
+                token, last, self.cache = self._prefill[size](self.weights, self.cache, tokens, jnp.int32(start),
+                                                              jnp.int32(part.size))
+            start += size
+        if want_logits:
+            return np.concatenate([np.asarray(c) for c in chunks]).astype(np.float32)
+        return token, last
+
+    def _aot(self, fn, *args):
+        """A graph compiled on first use: `fn` (jitted) lowered for `args` and compiled at the engine's matmul
+        precision (_full_f32), as _compile does for the graphs compiled at start-up."""
+        with self._full_f32():
+            return graphs.compile_shared(fn.lower(*args), graphs.MODEL_COMPILER_OPTIONS)
+
+    def _window_kernels(self) -> dict:
+        return self.plan.window_kernels()
+
+    def _prefill_logits_graph(self, size: int):
+        if size in self._prefill_logits:
+            pass
+        elif self.parallel:
+            with self._full_f32():
+                self._prefill_logits[size] = self.parallel.prefill_logits(size, self.weights, self.cache)
+        else:
+            self._prefill_logits[size] = self._aot(
+                graphs.jit_prefill_logits(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel),
+                self.weights, self.cache, jnp.zeros((size,), jnp.int32), jnp.int32(0), jnp.int32(1))
+        return self._prefill_logits[size]
+
+    @_serialized
+    def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits [P, V] float32 of every prompt position through the prefill path (chunked)."""
+        ids = self._check_prompt(token_ids)
+        self._take_expert_stats()
+        self._kv_tokens = []  # these rows will hold other tokens
+        return self._guarded(lambda: self._prefill_all(ids, want_logits=True))
+
+    @_serialized
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, seed: int = 0, draft: str = "auto",
+                 spec: int = -1,
+                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                 on_token: Callable[[int], None] | None = None, json_schema=None, grammar: str | None = None,
+                 **unknown) -> list[int]:
+        """Continue `token_ids`; returns the new tokens (a stop token, if met, is the last). Seeded: reproducible.
+
+        Verify windows: up to `spec` drafts (default W-1) from `draft` ('auto': 'device' for a greedy request when every
+        expert is on one device and there is no MTP module, else 'ngram'; 'ngram', 'none', 'device', 'mtp' (Qwen3-Next's
+        multi-token-prediction module, strata_jax/speculative/mtp.py; ngram without one), or a drafts.Drafter object) run with
+        the last accepted token; greedy output is the same with or without them,
+        sampled output follows the same distribution. 'device': the n-gram drafts and their acceptance run on the
+        device and windows of spec+1 tokens go back to back, read one window late (strata_jax.speculative.device_drafts).
+        temperature / top_p / top_k left None take the model's generation_config.json (greedy without one); the
+        model's eos ids and generation_config's end a request unless stop_token_ids replace them. on_token sees
+        each new token as it is accepted; raising StopRequest there ends the request at that token.
+        json_schema: True (the output is a JSON object) or a JSON schema (a dict or its text) the output follows:
+        each token is drawn among those the grammar allows (strata_jax/grammar.py; T=1 windows, no drafts), and
+        the request ends with an end-of-sequence token after the complete JSON (or at max_new_tokens, cut).
+        grammar: instead of json_schema, an llguidance grammar (grammar.tool_call_grammar, or llguidance's
+        grammar_from: lark, regex, GBNF)."""
+        if unknown:
+            known = [p for p in inspect.signature(Engine.generate).parameters if p not in ("self", "unknown")]
+            raise StrataError(f"generate() got unknown option(s) {', '.join(sorted(unknown))} "
+                              f"(its options: {', '.join(known[1:])})")
+        sampling_defaults = self.generation_defaults.request_defaults()
+        temperature = sampling_defaults["temperature"] if temperature is None else temperature
+        top_p = sampling_defaults["top_p"] if top_p is None else top_p
+        top_k = sampling_defaults["top_k"] if top_k is None else top_k
+        if not isinstance(draft, str) and not (callable(getattr(draft, "propose", None))
+                                                and callable(getattr(draft, "observe", None))):
+            raise StrataError(f"draft must be 'auto', 'ngram', 'none', 'device', 'mtp' or an object with propose() and observe() "
+                              f"(drafts.Drafter), not {type(draft).__name__}")
+        if stop_token_ids is not None:
+            stop_token_ids = check_token_ids(stop_token_ids, self.cfg.vocab_size, "stop_token_ids").tolist()
+        drafter = None if isinstance(draft, str) else _UserDrafter(draft, self)  # a Drafter object (API)
+        req = build(RequestOptions, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                         top_k=top_k, seed=seed, draft=draft if drafter is None else "ngram",
+                                         spec=spec, ignore_eos=ignore_eos))
+        if req.draft == "auto":  # device drafts where they never cost a sync: greedy, every expert on one device
+            # (sampled requests accept few drafts, and a device window is spec+1 tokens whatever it accepts)
+            device = req.temperature == 0 and self.placement is None and not self.parallel and self.mtp is None
+            req = dataclasses.replace(req, draft="device" if device else "ngram")
+        spec = self.options.window - 1 if req.spec < 0 else req.spec
+        if spec > self.options.window - 1:
+            raise StrataError(f"spec {spec} needs window >= {spec + 1} (this engine compiled T=1..{self.options.window})")
+        if req.draft == "none":
+            spec = 0
+        if self.parallel and spec > 0:
+            if req.draft == "mtp" and self.mtp is not None:
+                raise StrataError("draft=mtp is not wired for devices > 1 yet: use draft=ngram, device or none")
+        if req.draft == "mtp" and drafter is None:
+            if self.mtp is None:
+                if not self._said_no_mtp:
+                    log("draft=mtp: this checkpoint has no MTP module (mtp.* tensors); drafting with ngram")
+                    self._said_no_mtp = True
+            elif spec > 0:
+                self._mtp_graphs()
+                drafter = mtp_mod.MTPDrafter(self.weights, self.mtp, self._mtp_cache, self.cfg, self.options.window - 1)
+        ids = self._check_prompt(token_ids)
+        # stop_token_ids replace the model's eos ids; ignore_eos drops those (given stop ids still stop).
+        eos = frozenset() if req.ignore_eos else self.end_of_turn_ids
+        stops = set(eos if stop_token_ids is None else stop_token_ids)
+        constraint = None
+        wants_json = json_schema is not None and json_schema is not False
+        if wants_json or grammar is not None:
+            from strata_jax import grammar as grammar_mod
+            if wants_json and grammar is not None:
+                raise StrataError("json_schema and grammar: give one of them")
+            constraint = grammar_mod.JsonConstraint(self.tokenizer, self.cfg.vocab_size,
+                                                    stops or self.end_of_turn_ids, json_schema, grammar=grammar)
+            spec, drafter = 0, None  # a token's mask follows from the tokens before it: no drafts
+        budget = min(req.max_new_tokens, self.context - ids.size)
+        sampling = SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed)
+        form = form_of(req.top_k, req.top_p) if req.temperature > 0 else None
+        # A sampled request's tokens follow its drafts (the accept / resample draws), and the MTP module's drafts
+        # follow its KV rows: reused rows (written by another request's windows) round differently from a fresh
+        # prefill's, so the same seed would give other tokens. Such a request prefills its whole prompt.
+        mtp_sampled = req.draft == "mtp" and self.mtp is not None and spec > 0 and req.temperature > 0
+        reuse = self._reusable(ids) if budget > 0 and not mtp_sampled else 0
+        stats = RequestStats(prompt_tokens=int(ids.size), cached_tokens=reuse)
+        out: list[int] = []
+        self._take_expert_stats(new_request=True)
+        if budget > 0:
+            def on_token_guarded(token: int) -> None:
+                with self._user_code():
+                    on_token(token)
+            # draw in the window graphs, except where the device verify graph draws (draft=device) or the MTP
+            # module's drafts need the window's hidden rows
+            in_graph = form is not None and constraint is None and not isinstance(drafter, mtp_mod.MTPDrafter) and not (
+                drafter is None and req.draft == "device" and spec > 0)
+            windows = self._sampled_windows_for(form) if in_graph else None
+            self._pick_samplers(form or "sorted", sampled=form is not None, every_size=windows is None)
+            request = loops.Request(ids=ids, budget=budget, stops=stops, sampling=sampling, form=form,
+                                    sampled_windows=windows,
+                                    spec=spec,
+                                    drafter=drafter or make_drafter(req.draft), stats=stats,
+                                    on_token=None if on_token is None else on_token_guarded,
+                                    device_drafts=drafter is None and req.draft == "device" and constraint is None,
+                                    reuse=reuse, out=out, grammar=constraint)
+            self._kv_tokens = []  # until this request has finished
+            try:
+                self._guarded(loops.run, self._graphs(), self.state, request)
+            except StopRequest:  # on_token asked to stop (a stop string, a client gone): a clean end
+                pass
+            finally:
+                if isinstance(drafter, mtp_mod.MTPDrafter):
+                    self._mtp_cache = drafter.cache  # donated along the request: keep the live one
+            # Rows 0.. now hold the prompt and every generated token but the last (never fed back); rejected
+            # drafts wrote only rows past those. With an approximation on, the generated tokens' rows came from
+            # approximate decode windows: only the prompt's (prefilled exactly) are reused.
+            approximate = self.approx.active or self.defer.active
+            self._kv_tokens = ids.tolist() + ([] if approximate else out[:-1])
+        stats.generated_tokens = len(out)
+        self.stats.add(stats)
+        return out
+
+    def stream(self, token_ids: Sequence[int], **request) -> Iterator[int]:
+        """`generate` as a generator: each new token id as soon as it is accepted (same options, same tokens).
+        Closing the generator early (break, or a client gone) stops the request at its next token."""
+        self._refuse_reentry("stream")  # its worker thread would wait for the running request for good
+        tokens: queue.Queue = queue.Queue()
+        closed = threading.Event()
+        done = object()
+
+        def on_token(token: int) -> None:
+            if closed.is_set():
+                raise StopRequest
+            tokens.put(token)
+
+        def run() -> None:
+            try:
+                self.generate(token_ids, on_token=on_token, **request)
+                tokens.put(done)
+            except BaseException as e:  # noqa: BLE001 (handed to the consumer)
+                tokens.put(e)
+
+        worker = threading.Thread(target=run, name="strata-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = tokens.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            closed.set()
+            worker.join()
+
+    def _reusable(self, ids: np.ndarray) -> int:
+        """How many leading prompt tokens already have their KV rows in the cache (the last request's prompt and
+        output): the common prefix, less one (the last prompt token is always run, for its logits)."""
+        if not self.options.prefix_reuse or not self._kv_tokens:
+            return 0
+        cached = np.asarray(self._kv_tokens[:ids.size - 1], np.int32)
+        differ = np.flatnonzero(cached != ids[:cached.size])
+        common = int(differ[0]) if differ.size else int(cached.size)
+        if self.cache.state_pos is not None:
+            # DeltaNet layers: the run may start at `first` only where the state after first-1 is kept.
+            kept = [int(p) + 1 for p in np.asarray(self.cache.state_pos) if 0 <= p < common]
+            common = max(kept, default=0)
+        return common
+
+    def _checked(self, token: int, position: int) -> int:
+        """A token read from a graph; NON_FINITE (the graph saw NaN or inf in the logits) ends the request."""
+        if token == NON_FINITE:
+            hint = ("; bfloat16 may overflow where float32 does not: try --dtype=float32"
+                    if self.dtype != jnp.float32 else "")
+            raise StrataError(f"non-finite logits (NaN or inf) for the token at position {position}: the request "
+                              f"ends{hint}")
+        return token
+
+    def attach_mtp(self, weights) -> None:
+        """Qwen3-Next's MTP module (checkpoint.load_mtp): `generate(draft="mtp")` drafts with it."""
+        self.mtp = weights
+
+    def _mtp_graphs(self) -> dict:
+        """The MTP drafter's graphs, compiled on the first draft="mtp" request: the prefill chunk that also returns
+        the final hidden states (the module's input), and the greedy windows T=1..W that draft the next window in
+        the same graph (graphs.mtp_window); and the module's KV cache. Sampled requests' windows ("hidden", T ->
+        a window returning its hidden states for the host loop's drafter) compile on the first such request."""
+        if self._mtp_compiled is None:
+            t0 = time.perf_counter()
+            prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, return_hidden=True,
+                                               attention_kernel=self._prefill_kernel)
+            fused = graphs.jit_mtp_window(self.cfg, self.options.window - 1, self.decode_expert_path,
+                                          **self._window_kernels())
+            pos = jnp.int32(0)
+            # rows up to the context's end, plus a padded chunk or window and the chained drafts past it
+            new_cache = lambda: mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
+                                                   self.dtype, self.options.kv_dtype)
+            self._mtp_cache = new_cache()
+            compiled = {("fused", t): self._aot(fused, self.weights, self.cache, self.mtp, self._mtp_cache,
+                                                jnp.zeros((t,), jnp.int32), pos)
+                        for t in range(1, self.options.window + 1)}
+            for c in self.chunks:
+                compiled[("prefill", c)] = self._aot(prefill, self.weights, self.cache, jnp.zeros((c,), jnp.int32),
+                                                     pos, jnp.int32(1))
+            self._mtp_compiled = compiled
+            # The drafter's graphs, one per row count (a window's T rows or a prefill chunk's), shared by every
+            # request's drafter: compiled here by a call on zeros, so that no request compiles (a new drafter's own
+            # graphs cost a compile per request: 60 against 820 tok/s on the H200). Then a clean cache.
+            drafter = mtp_mod.MTPDrafter(self.weights, self.mtp, self._mtp_cache, self.cfg, self.options.window - 1)
+            for t in sorted({*range(1, self.options.window + 1), *self.chunks}):
+                drafter.catch_up(jnp.zeros((t, self.cfg.hidden_size), self.dtype), [], 0, self.options.window - 1)
+            del drafter
+            self._mtp_cache = new_cache()
+            if self.verbose:
+                log(f"graphs: MTP drafting (windows that draft the next one, the prefill chunk returning hidden "
+                    f"states) compiled in {time.perf_counter() - t0:.1f} s")
+        return self._mtp_compiled
+
+    def _graphs(self) -> loops.Graphs:
+        """What this request's loops may call: the window tables, the samplers _pick_samplers chose for it, the
+        graphs compiled on first use, and the engine's steps between windows."""
+        return loops.Graphs(
+            decode=self._decode, sample=self._sample, verify=self._verify, device_verify=self._device_verify_graph,
+            mtp_fused=lambda t: self._mtp_graphs()[("fused", t)], mtp_hidden=self._mtp_hidden_window,
+            prefill=self._prefill_all, checked=self._checked, take_expert_stats=self._take_expert_stats,
+            after_request=self._adapt_pcie_frac,
+            fill_static_slots=self._fill_static_slots if self.placement and self.placement.policy == "static"
+            else None,
+            context=self.context, vocab_size=self.cfg.vocab_size)
+
+    def _mtp_hidden_window(self, t: int):
+        """A window of T returning its hidden states (sampled draft=mtp requests: the host draws the acceptance)."""
+        key = ("hidden", t)
+        if key not in self._mtp_compiled:
+            self._mtp_compiled[key] = self._aot(self._jit_decode_window(return_hidden=True), self.weights,
+                                                self.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0))
+        return self._mtp_compiled[key]
+
+    def _device_verify_graph(self, t: int, form: str | None):
+        """draft="device"'s window of T (loops.decode_device), compiled on first use."""
+        key = (t, form)
+        if key not in self._device_verify:
+            t0 = time.perf_counter()
+            if self.parallel:  # the window in shard_map (experts), or chained over the stages (layers)
+                with self._full_f32():
+                    self._device_verify[key] = self.parallel.device_verify(t, form, self.weights, self.cache,
+                                                                           self.context, SamplingParams.make())
+            else:
+                fn = graphs.jit_device_verify_window(self.cfg, t, form, self.decode_expert_path,
+                                                     **self._window_kernels())
+                hist = jnp.zeros((self.context + t,), jnp.int32)
+                self._device_verify[key] = self._aot(fn, self.weights, self.cache, hist, jnp.int32(1),
+                                                     SamplingParams.make())
+            if self.verbose:
+                log(f"graphs: device verify window T={t} ({'greedy' if form is None else 'sampled, ' + form}) compiled in "
+                    f"{time.perf_counter() - t0:.1f} s")
+        return self._device_verify[key]
+
+    @_serialized
+    def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:
+        """Teacher-forced logits [N, V] float32 of every position, through the decode-window graphs of size
+        `window` (default: the engine's W); row i is the distribution of token i+1."""
+        ids = self._check_prompt(token_ids)
+        w = self.options.window if window is None else window
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
+            raise StrataError(f"window must be an integer (1..{self.options.window}), not {w!r}")
+        if not 1 <= w <= self.options.window:
+            raise StrataError(f"window {w} is not compiled (1..{self.options.window})")
+        self._take_expert_stats()
+        self._kv_tokens = []
+
+        def run():
+            rows = []
+            for start in range(0, ids.size, w):
+                part = ids[start:start + w]
+                _, logits, self.cache = self._decode[part.size](self.weights, self.cache, part, jnp.int32(start))
+                rows.append(logits)  # read after the loop, so windows queue back to back
+            return np.concatenate([np.asarray(r) for r in rows]).astype(np.float32)
+        logits = self._guarded(run)
+        self.stats.last = RequestStats(prompt_tokens=int(ids.size), decode_experts=self._take_expert_stats())
+        return logits
+
+    @_serialized
+    def write_logpos(self, token_ids: Sequence[int], path: str | Path, read: str = "windows",
+                     window: int | None = None, top: int = 20, meta: dict | None = None) -> int:
+        """Teacher-forced log-probs of a known text to a logpos file (strata_jax.io.logpos): for every position, the
+        top-`top` next-token log-probs and the known next token's. read='windows': every position takes the decode
+        path (verify windows of `window` tokens, default W, with this engine's placement and approximations);
+        'prefill': the prompt path. Returns the positions written."""
+        from strata_jax.io.logpos import LogposWriter
+        if read not in ("windows", "prefill"):
+            raise StrataError(f"logpos read must be windows or prefill, not {read!r}")
+        ids = self._check_prompt(token_ids)
+        w = self.options.window if window is None else window
+        logits = self.score(ids, window=w) if read == "windows" else self.prefill_logits(ids)
+        info = dict(model=str(self.model_dir or "random"), vocab=self.cfg.vocab_size, read=read,
+                    window=w if read == "windows" else None, dtype=self.options.dtype,
+                    expert_cache_slots=self.placement.slots if self.placement else "all",
+                    pcie_frac=self.placement.pcie_frac if self.placement else None,
+                    route=dataclasses.asdict(self.approx), defer_cpu=dataclasses.asdict(self.defer), **(meta or {}))
+        try:
+            with LogposWriter(path, top=top, meta=info) as writer:
+                writer.write_many(0, logits[:-1], ids[1:])
+        except OSError as e:  # a full disk: no truncated file left to be read as a whole one
+            Path(path).unlink(missing_ok=True)
+            raise StrataError(f"cannot write the logpos file {path}: {e.strerror or e} (nothing was kept)") from None
+        return int(ids.size - 1)
+
+    # ---- text helpers ----------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise StrataError(f"no tokenizer.json in {self.model_dir}: give token ids instead of text")
+        if not isinstance(text, str):
+            raise StrataError(f"encode: expected text (str), got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # e.g. invalid UTF-8 bytes on the command line, kept as surrogates
+            raise StrataError("the text is not valid UTF-8") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def end_of_turn_ids(self) -> frozenset[int]:
+        """The ids that end a request by default: config.json's eos ids and generation_config.json's."""
+        return frozenset(self.cfg.eos_token_ids + self.generation_defaults.eos_token_ids)
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """The conversation through the model's chat template, tokenized as transformers' apply_chat_template
+        does (no special tokens added: the template writes them)."""
+        if self.chat_template is None:
+            raise StrataError(f"{self.model_dir} has no chat template (chat_template in tokenizer_config.json, or "
+                              "chat_template.jinja): give a prompt instead")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: list[dict], **request) -> str:
+        """The assistant's reply to `messages` ([{'role': 'user', 'content': ...}, ...]) as text (its end-of-turn
+        token left out); request options as generate's."""
+        out = self.generate(self.chat_ids(messages), **request)
+        stops = set(request.get("stop_token_ids") or ()) or self.end_of_turn_ids
+        return self.decode(out[:-1] if out and out[-1] in stops else out)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise StrataError(f"no tokenizer.json in {self.model_dir}")
+        return self.tokenizer.decode(check_token_ids(ids, self.cfg.vocab_size, "decode").tolist())
+
+
+class StopRequest(Exception):
+    """Raise it in generate's on_token to end the request there, cleanly: the tokens so far are returned and
+    counted, and their KV rows stay for prefix reuse (a stop string met, a consumer gone)."""
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """A KeyboardInterrupt behind `exc`: chained, or named in the text of the JAX runtime error that wraps a
+    callback's exception."""
+    seen = []
+    while exc is not None and all(exc is not s for s in seen):
+        if isinstance(exc, KeyboardInterrupt) or "KeyboardInterrupt" in str(exc):
+            return True
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def check_token_ids(ids, vocab_size: int, what: str = "token ids") -> np.ndarray:
+    """A 1-D sequence of integer token ids in 0..vocab_size-1 -> int32 array, or one StrataError line. Nothing is
+    converted silently: floats (1.7), bools, strings, None, nested lists and 2-D arrays are refused, not truncated
+    or flattened."""
+    # A dict (its keys), a set (no order), bytes-like (its bytes) iterate as ints: not token ids either.
+    if ids is None or isinstance(ids, (str, bytes, bytearray, memoryview, dict, set, frozenset)) or \
+            not hasattr(ids, "__len__"):
+        raise StrataError(f"{what}: expected a list of integer token ids, got {type(ids).__name__}"
+                          + (" (encode text first: engine.encode(text))" if isinstance(ids, (str, bytes, bytearray))
+                             else ""))
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise StrataError(f"{what}: expected a 1-D sequence of token ids, got an array of shape {ids.shape}")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise StrataError(f"{what}: expected integer token ids, got an array of {ids.dtype}")
+        values = [int(v) for v in ids.tolist()]
+    else:
+        values = []
+        for v in ids:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise StrataError(f"{what}: expected integer token ids, got {v!r} ({type(v).__name__})")
+            values.append(int(v))
+    bad = [v for v in values if not 0 <= v < vocab_size]
+    if bad:
+        raise StrataError(f"{what}: token ids must be in 0..{vocab_size - 1} (got {bad[0]})")
+    return np.asarray(values, np.int32).reshape(-1)
+
+

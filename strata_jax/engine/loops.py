@@ -1,0 +1,381 @@
+"""One request's decode, as flat functions read top to bottom (gpt-fast's generate.py shape):
+
+    run(graphs, state, request) prefill, the first token, then the loop the request asks for
+      prefill                   the prompt through the prefill chunks; the first new token
+      decode_tokens             picks and times one of the loops:
+        decode_pipelined        spec 0: one token a window, read one window late (the next window already queued)
+        decode_verify           verify windows: out[-1] + up to `spec` drafts, accept what the target agrees with;
+          queued_windows        while the drafter proposes nothing: T=1 windows queued ahead, as decode_pipelined
+        decode_device           draft="device": drafting and acceptance in the window graph, one window queued
+                                ahead of the one read; the host loop finishes near the context's end
+
+The loops know three things, never the Engine: a `Request` (the prompt, budget, stop ids, sampling, drafter,
+on_token, the stats and the tokens made so far), the `Graphs` it may call (the compiled windows by size, the
+samplers of its filter form, the graphs compiled on first use, the steps between windows), and the `State` that
+every window donates and gets back (`state.cache` is replaced at each call). `Engine.generate` builds the three
+and runs `run` under its failure recovery (`Engine._guarded`)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax import grammar as grammar_mod
+from strata_jax.speculative import mtp as mtp_mod
+from strata_jax.speculative.drafters import DraftGate, NgramDrafter
+from strata_jax.sampling import SamplingParams, form_of
+from strata_jax.engine.stats import RequestStats
+
+if TYPE_CHECKING:
+    from strata_jax.speculative.drafters import Drafter
+    from strata_jax.grammar import JsonConstraint
+    from strata_jax.engine.stats import ExpertStats
+
+
+@dataclasses.dataclass
+class State:
+    """What every window donates and gets back: the weights, the KV cache (with the slot caches), the MTP module's
+    weights (or None). The engine holds one; the loops replace `cache` after each call."""
+    weights: object
+    cache: object
+    mtp: object = None
+
+
+@dataclasses.dataclass
+class Graphs:
+    """What a request's loops may call (Engine._graphs makes it per request: the samplers follow its filter form)."""
+    decode: Mapping[int, Callable]  # T -> (weights, cache, tokens [T], pos) -> (greedy [T], logits [T, V], cache)
+    sample: Mapping[int, Callable]  # T -> (logits [T, V], positions [T], sampling) -> tokens [T]
+    verify: Mapping[int, Callable]  # T -> (logits, drafts [T-1], positions, sampling) -> (ok [T-1], drawn [T])
+    device_verify: Callable[[int, str | None], Callable]  # draft=device's window of (T, filter form), on first use
+    mtp_fused: Callable[[int], Callable]  # greedy draft=mtp: the window that also drafts the next one
+    mtp_hidden: Callable[[int], Callable]  # sampled draft=mtp: the window that returns its hidden rows
+    prefill: Callable  # (ids, first, mtp) -> (first new token, its logits [1, V]): the prompt through the chunks
+    checked: Callable[[int, int], int]  # a token read back at a position: refused when its logits were not finite
+    take_expert_stats: Callable[[], ExpertStats]  # the windows' expert counters since the last call, zeroed
+    after_request: Callable[[ExpertStats], None]  # pcie_frac=auto: the split from the misses a request met
+    fill_static_slots: Callable[[], None] | None  # static cache policy: the slots take the prefill's experts
+    context: int
+    vocab_size: int
+
+
+@dataclasses.dataclass
+class Request:
+    """One generate() call: what it asks for, and what it has made so far (`out`, `stats`)."""
+    ids: np.ndarray  # the prompt, int32
+    budget: int  # the most new tokens (max_new_tokens, within the context)
+    stops: set[int]  # a token in these ends the request (it is the last one out)
+    sampling: SamplingParams
+    spec: int  # the most drafts a verify window (0: the pipelined T=1 loop)
+    drafter: Drafter  # the host loop's drafts (ngram, none, an MTPDrafter or the API's object)
+    stats: RequestStats
+    on_token: Callable[[int], None] | None = None  # sees each accepted token; StopRequest from it ends the request
+    device_drafts: bool = False  # draft="device": drafts and acceptance on the device (decode_device)
+    reuse: int = 0  # leading prompt tokens whose KV rows the cache holds (prefix reuse): not prefilled
+    out: list[int] = dataclasses.field(default_factory=list)  # the accepted new tokens
+    form: str | None = None  # a sampled request's filter form (sampling.FORMS; from its settings when None)
+    # The window graphs that draw this request's tokens (graphs.sampled_window, by T), or None: the window graphs
+    # give logits and the samplers alone draw (several devices, draft=mtp)
+    sampled_windows: Mapping[int, Callable] | None = None
+    sampled: bool = dataclasses.field(init=False)  # temperature > 0
+    # The built-in n-gram drafter's pauses after rejected windows (drafts.DraftGate); None for other drafters (an
+    # API Drafter object is asked at every window, as its author expects; MTP drafts come from the window graph)
+    gate: DraftGate | None = dataclasses.field(init=False)
+    # The output's grammar (strata_jax/grammar.py: JSON, a schema), or None: each token drawn among the ones it allows
+    grammar: JsonConstraint | None = None
+
+    def __post_init__(self) -> None:
+        self.sampled = float(self.sampling.temperature) > 0
+        self.gate = DraftGate() if isinstance(self.drafter, NgramDrafter) else None
+        if not self.sampled:
+            self.form, self.sampled_windows = None, None
+        elif self.form is None:
+            self.form = form_of(int(self.sampling.top_k), float(self.sampling.top_p))
+        if self.mtp is not None:  # the module's drafts follow the window's hidden rows (send_verify_window)
+            self.sampled_windows = None
+
+    def drafting(self) -> bool:
+        """Whether the drafter is asked now (not within a pause of the gate)."""
+        return self.gate is None or self.gate.open(len(self.out))
+
+    @property
+    def mtp(self) -> mtp_mod.MTPDrafter | None:
+        """The MTP drafter (draft="mtp" with the module), else None."""
+        return self.drafter if isinstance(self.drafter, mtp_mod.MTPDrafter) else None
+
+    def emit(self, token: int) -> bool:
+        """An accepted token: into `out`, then to on_token. True when it is a stop token."""
+        self.out.append(token)
+        if self.on_token:
+            self.on_token(token)
+        return token in self.stops
+
+
+def run(g: Graphs, s: State, r: Request) -> None:
+    """The whole request: the prompt's prefill and first token, then the decode loop (unless it stopped)."""
+    first = prefill(g, s, r)
+    if r.on_token:
+        r.on_token(first)
+    if first not in r.stops:
+        decode_tokens(g, s, r)
+    r.stats.decode_experts = g.take_expert_stats()
+    g.after_request(r.stats.decode_experts)  # pcie_frac=auto: from the misses this request met
+
+
+def prefill(g: Graphs, s: State, r: Request) -> int:
+    """The prompt from position r.reuse through the prefill chunks; returns the first new token (in r.out, not yet
+    shown to on_token). Static cache policy: the slots then take the prefill's most used experts."""
+    t0 = time.perf_counter()
+    mtp = r.mtp
+    token, last = g.prefill(r.ids, first=r.reuse, mtp=mtp)
+    if r.grammar is not None:
+        first = constrained_token(g, s, r, last, r.ids.size)
+    else:
+        if r.sampled:
+            token = g.sample[1](last, jnp.asarray([r.ids.size], jnp.int32), r.sampling)[0]
+        first = g.checked(int(token), r.ids.size)
+    r.out.append(first)
+    if mtp is not None:
+        mtp.observe([first])
+    r.stats.prefill_s = time.perf_counter() - t0
+    r.stats.prefill_experts = g.take_expert_stats()
+    if g.fill_static_slots is not None and not r.reuse:
+        # A reused prefix keeps the slots its first request chose (this prefill saw only the new tokens).
+        g.fill_static_slots()
+    return first
+
+
+def decode_tokens(g: Graphs, s: State, r: Request) -> None:
+    """The decode loop the request asks for, timed as stats.decode_s (a graph compiled on first use is not)."""
+    on_device = r.spec > 0 and r.device_drafts
+    if on_device:
+        g.device_verify(r.spec + 1, r.form)  # compiled on first use, outside the decode's time
+    t0 = time.perf_counter()
+    if r.grammar is not None:
+        decode_constrained(g, s, r)
+    elif on_device:
+        decode_device(g, s, r)
+    elif r.spec > 0:
+        decode_verify(g, s, r)
+    else:
+        decode_pipelined(g, s, r)
+    r.stats.decode_s = time.perf_counter() - t0
+
+
+def constrained_token(g: Graphs, s: State, r: Request, logits, position: int) -> int:
+    """The token at `position` from one row of logits, among the tokens r.grammar allows: their logits kept, the
+    others at -inf, then the request's sampler (greedy: the argmax); the grammar takes the token."""
+    allowed = jnp.asarray(r.grammar.allowed())
+    if r.sampled:
+        token = g.sample[1](grammar_mod.masked_logits(logits, allowed), jnp.asarray([position], jnp.int32),
+                                  r.sampling)[0]
+    else:
+        token = grammar_mod.masked_argmax(logits, allowed)
+    token = g.checked(int(token), position)
+    r.grammar.advance(token)
+    return token
+
+
+def decode_constrained(g: Graphs, s: State, r: Request) -> None:
+    """A request held to a grammar: T=1 windows one at a time (a token's mask follows from the tokens before it, so
+    nothing is queued ahead), until a stop token, the budget, or the end-of-sequence token that follows a complete
+    output (with ignore_eos too: the grammar allows nothing after it)."""
+    pos = r.ids.size + len(r.out) - 1  # position of out[-1], not yet in the KV cache
+    while len(r.out) < r.budget and not r.grammar.finished:
+        _, logits, s.cache = g.decode[1](s.weights, s.cache, jnp.asarray(r.out[-1:], jnp.int32),
+                                                    jnp.int32(pos))
+        token = constrained_token(g, s, r, logits, pos + 1)
+        pos += 1
+        r.stats.windows += 1
+        r.stats.window_tokens += 1
+        if r.emit(token):
+            return
+
+
+def decode_pipelined(g: Graphs, s: State, r: Request) -> None:
+    """spec 0: one token a window, every window queued one ahead (queued_windows with no drafter)."""
+    queued_windows(g, s, r, None)
+
+
+def decode_verify(g: Graphs, s: State, r: Request) -> None:
+    """Verify windows: the last accepted token + up to `spec` drafts, the graph of that size; accept the drafts
+    the target agrees with, then one more token from the target. Rejected drafts leave K/V rows past the
+    accepted position: the next window writes those positions before any query reads them, and the causal
+    mask hides the rest, so no stale entry is read (the expert slots keep what they fetched: placement only)."""
+    context = list(r.ids) + r.out  # what the drafter drafts from
+    pos = r.ids.size + len(r.out) - 1  # position of out[-1], the last accepted token, not yet in the KV cache
+    ready = None  # when the host had the last window's result: the device waits from then to the next dispatch
+    next_drafts = None  # greedy draft=mtp: the drafts the last window's graph made for this one
+    while len(r.out) < r.budget:
+        k = min(r.spec, r.budget - len(r.out) - 1)
+        if next_drafts is not None:
+            drafts = next_drafts[:k]
+        else:  # the first window after the prefill (or any window of another drafter)
+            drafts = r.drafter.propose(context, k) if k > 0 and r.drafting() else []
+        if not drafts and r.mtp is None:
+            # Nothing to verify: T=1 windows queued ahead (as decode_pipelined) until the drafter proposes again
+            ready = queued_windows(g, s, r, context)
+            if ready is None:
+                return
+            pos = r.ids.size + len(r.out) - 1
+            continue
+        if r.sampled_windows is not None:  # the window's graph draws the acceptance and the next token
+            drawn, n_new, s.cache = r.sampled_windows[len(drafts) + 1](
+                s.weights, s.cache, np.asarray(r.out[-1:] + drafts, np.int32), jnp.int32(pos), r.sampling)
+            made = None
+        else:
+            greedy, logits, made = send_verify_window(g, s, r, drafts, pos)
+        if ready is not None:  # drafting, bookkeeping and this dispatch: host time between two windows
+            r.stats.host_gap_s += time.perf_counter() - ready
+            r.stats.host_gaps += 1
+        if r.sampled_windows is not None:
+            n = int(n_new)
+            accepted, new = n - 1, np.asarray(drawn)[:n].tolist()
+        else:
+            accepted, new = accept_drafts(g, s, r, drafts, greedy, logits, pos)
+        g.checked(new[-1], pos + 1 + accepted)
+        ready = time.perf_counter()
+        r.stats.windows += 1
+        r.stats.window_tokens += len(drafts) + 1
+        r.stats.drafts_proposed += len(drafts)
+        r.stats.drafts_accepted += accepted
+        if r.gate is not None:
+            pauses = r.gate.pauses
+            r.gate.after_window(len(r.out) + len(new), len(drafts), accepted)
+            r.stats.draft_pauses += r.gate.pauses - pauses
+        if made is not None:
+            next_drafts = mtp_mod.draft_tokens(made, g.vocab_size)
+        else:
+            r.drafter.observe(new)
+        pos += len(new)
+        for token in new:
+            context.append(token)
+            if r.emit(token):
+                return
+
+
+def queued_windows(g: Graphs, s: State, r: Request, context: list[int] | None) -> float | None:
+    """One token a window. Each window's token feeds the next window on the device and Python reads it one window
+    late: the next window is already queued when the host waits, so dispatch hides behind the device's work. After
+    a stop token, the one window in flight is discarded.
+
+    With a `context` (decode_verify's stretches without drafts), the drafter looks at each token read; once it
+    proposes, no new window is queued: the one in flight is read and the verify windows go on from it. A synced
+    T=1 window makes the same token (the same graph; sampled: the same key per position). Returns when its last
+    token was read (the verify windows' host gap starts there), or None when a stop token ended the request."""
+    cur = jnp.asarray(r.out[-1:], jnp.int32)
+    pos = r.ids.size + len(r.out) - 1  # position of out[-1], not yet in the KV cache
+    in_flight: list[jax.Array] = []
+    proposes = False
+    while True:
+        if not proposes and len(r.out) + len(in_flight) < r.budget:
+            if r.sampled_windows is not None:  # the token at position pos + 1, drawn in the window's graph
+                cur, _, s.cache = r.sampled_windows[1](s.weights, s.cache, cur, jnp.int32(pos),
+                                                            r.sampling)
+            else:
+                cur, logits, s.cache = g.decode[1](s.weights, s.cache, cur, jnp.int32(pos))
+                if r.sampled:  # the token at position pos + 1
+                    cur = g.sample[1](logits, jnp.asarray([pos + 1], jnp.int32), r.sampling)
+            pos += 1
+            r.stats.windows += 1
+            r.stats.window_tokens += 1
+            in_flight.append(cur)
+        if not in_flight:
+            return time.perf_counter()
+        if len(in_flight) >= 2 or proposes or len(r.out) + len(in_flight) >= r.budget:
+            # np.asarray(x)[0], not x[0]: indexing the device array dispatches a slice op, which serializes the loop
+            token = g.checked(int(np.asarray(in_flight.pop(0))[0]), r.ids.size + len(r.out))
+            read = time.perf_counter()
+            if context is not None:
+                context.append(token)
+                r.drafter.observe([token])
+            if r.emit(token):
+                return None
+            if context is not None:
+                k = min(r.spec, r.budget - len(r.out) - len(in_flight) - 1)
+                proposes = proposes or (k > 0 and r.drafting() and bool(r.drafter.propose(context, k)))
+                if proposes and not in_flight:
+                    return read
+
+
+def send_verify_window(g: Graphs, s: State, r: Request, drafts: list[int], pos: int):
+    """Dispatch one verify window, out[-1] and the drafts at positions pos..: (its greedy tokens [T], its logits
+    [T, V], and for greedy draft=mtp the module's drafts for the next window, else None)."""
+    t = len(drafts) + 1
+    window = np.asarray(r.out[-1:] + drafts, np.int32)
+    mtp = r.mtp
+    if mtp is not None and not r.sampled:  # the window's graph drafts the next window too
+        greedy, logits, s.cache, mtp.cache, made = g.mtp_fused(t)(
+            s.weights, s.cache, s.mtp, mtp.cache, window, jnp.int32(pos))
+        return greedy, logits, made
+    if mtp is not None:  # the window's hidden rows feed the module's next drafts
+        greedy, logits, s.cache, hidden = g.mtp_hidden(t)(s.weights, s.cache, window,
+                                                                           jnp.int32(pos))
+        mtp.feed(hidden, pos)
+        return greedy, logits, None
+    greedy, logits, s.cache = g.decode[t](s.weights, s.cache, window, jnp.int32(pos))
+    return greedy, logits, None
+
+
+def accept_drafts(g: Graphs, s: State, r: Request, drafts: list[int], greedy, logits, pos: int) -> tuple[int, list[int]]:
+    """A window's acceptance: (drafts accepted, the new tokens: those drafts and one token from the target).
+    Greedy: the drafts equal to the target's argmax; sampled: speculative rejection sampling (sampling.verify)."""
+    t = len(drafts) + 1
+    positions = jnp.asarray(np.arange(pos + 1, pos + 1 + t), jnp.int32)
+    if not r.sampled:
+        target = np.asarray(greedy)
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+            accepted += 1
+        return accepted, drafts[:accepted] + [int(target[accepted])]
+    if drafts:
+        ok, drawn = g.verify[t](logits, jnp.asarray(drafts, jnp.int32), positions, r.sampling)
+        ok, drawn = np.asarray(ok), np.asarray(drawn)
+        accepted = int(np.argmin(ok)) if not ok.all() else len(drafts)
+        return accepted, drafts[:accepted] + [int(drawn[accepted])]
+    return 0, [int(g.sample[1](logits, positions, r.sampling)[0])]
+
+
+def decode_device(g: Graphs, s: State, r: Request) -> None:
+    """Verify windows dispatched back to back: drafting and acceptance run on the device
+    (strata_jax.speculative.device_drafts, the host loop's rules), each window's tokens are read one window late, so the
+    device never waits for the host. Windows of spec+1 tokens (padding rows route to no expert), one queued
+    ahead of the one being read. A window that might pass the context is not dispatched: the last tokens go
+    through the host loop (decode_verify)."""
+    t = r.spec + 1
+    step = g.device_verify(t, r.form)
+    hist = np.zeros((g.context + t,), np.int32)
+    hist[:r.ids.size] = r.ids
+    hist[r.ids.size:r.ids.size + len(r.out)] = r.out
+    hist, length = jnp.asarray(hist), jnp.int32(r.ids.size + len(r.out))
+    exact = r.ids.size + len(r.out)  # tokens in the history as the host knows it
+    in_flight: list[tuple[jax.Array, jax.Array, jax.Array]] = []
+    while True:
+        upper = exact + t * len(in_flight)  # the most tokens the history can hold once those windows end
+        if len(in_flight) < 2 and len(r.out) + len(in_flight) < r.budget and upper - 1 + t <= g.context:
+            hist, length, new, n_new, m, s.cache = step(s.weights, s.cache, hist, length, r.sampling)
+            in_flight.append((new, n_new, m))
+            continue
+        if not in_flight:
+            break
+        new, n_new, m = in_flight.pop(0)
+        n, m = int(n_new), int(m)
+        if len(r.out) >= r.budget:
+            return  # a window dispatched ahead whose tokens are not needed
+        r.stats.windows += 1
+        r.stats.window_tokens += 1 + m
+        r.stats.drafts_proposed += m
+        r.stats.drafts_accepted += n - 1
+        exact += n
+        for token in np.asarray(new)[:n].tolist():
+            g.checked(token, r.ids.size + len(r.out))
+            if len(r.out) >= r.budget:
+                return
+            if r.emit(token):
+                return  # the windows still in flight are discarded (their K/V rows are never read)
+    if len(r.out) < r.budget:  # the context's end is nearer than a whole window: the host loop finishes
+        decode_verify(g, s, r)

@@ -1,0 +1,101 @@
+"""The KV cache: [S, Nkv, D] rows per layer (or stacked [L, S, Nkv, D]), bf16 / float32 or int8 rows with float32
+scales per (position, kv head) (`QuantKV`), and Qwen3-Next's DeltaNet state ring beside it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from strata_jax.model.config import ModelConfig
+from strata_jax.model import deltanet
+from strata_jax.model.deltanet import DeltaState
+
+
+@struct.dataclass
+class QuantKV:
+    """An int8 K or V cache (kv_dtype=int8): one scale per (position, kv head), symmetric, value = q * scale.
+    float32 scales: 4 bytes beside D int8 values (3% at D = 128) and no second rounding on top of int8's."""
+    q: jax.Array  # [S, Nkv, D] int8, or stacked [L, S, Nkv, D]
+    scale: jax.Array  # [S, Nkv] float32 (absmax / 127 over D), or stacked [L, S, Nkv]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+
+def quantize_kv(x: jax.Array) -> QuantKV:
+    """x [..., D] -> int8 rows and their float32 scales [...] (absmax / 127; an all-zero row gets scale 0)."""
+    x32 = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x32), axis=-1) / 127.0
+    q = jnp.round(x32 / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return QuantKV(q=jnp.clip(q, -127, 127).astype(jnp.int8), scale=scale)
+
+
+def dequantize_kv(c: QuantKV) -> jax.Array:
+    """The float32 values of an int8 cache (tests and references: attention scales in place instead)."""
+    return c.q.astype(jnp.float32) * c.scale[..., None]
+
+
+def _write_rows(cache, rows: jax.Array, start: tuple):
+    """rows [T, Nkv, D] (or [1, T, Nkv, D] stacked) into cache at start: a plain array in its dtype, or an int8
+    QuantKV quantized as written (rows and scales together, so a rewritten position never keeps a stale scale)."""
+    if isinstance(cache, QuantKV):
+        new = quantize_kv(rows)
+        return QuantKV(q=jax.lax.dynamic_update_slice(cache.q, new.q, start),
+                       scale=jax.lax.dynamic_update_slice(cache.scale, new.scale, start[:-1]))
+    return jax.lax.dynamic_update_slice(cache, rows.astype(cache.dtype), start)
+
+
+def _layer_of(cache, layer: jax.Array):
+    """Layer `layer` of a stacked cache (plain or QuantKV)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), cache)
+
+
+@struct.dataclass
+class KVCache:
+    """What a window updates: the static-size key/value cache (one array per layer, or one [L, S, Nkv, D] array for
+    stacked weights; a donated step updates it in place) and, when experts are offloaded, each sparse layer's device
+    expert cache (experts/slots.py's SlotCache)."""
+    k: list[jax.Array | QuantKV | None] | jax.Array | QuantKV  # per layer [S, Nkv, D] (None: a DeltaNet layer),
+    v: list[jax.Array | QuantKV | None] | jax.Array | QuantKV  # or stacked [L, S, Nkv, D]; QuantKV: kv_dtype=int8
+    experts: list | None = None  # per layer SlotCache (None for dense layers), or None when all experts resident
+    delta: list[DeltaState | None] | None = None  # per layer: a DeltaNet layer's recurrent state ring
+    state_pos: jax.Array | None = None  # [R] int32: the position each ring slot holds (-1: none)
+
+    @property
+    def length(self) -> int:
+        if not isinstance(self.k, list):
+            return self.k.shape[1]
+        return next(k for k in self.k if k is not None).shape[0]
+
+
+def kv_zeros(shape: tuple[int, ...], dtype, kv_dtype: str = "auto"):
+    """An empty K or V cache of shape [..., S, Nkv, D]: in `dtype`, or int8 with float32 scales [..., S, Nkv]."""
+    if kv_dtype == "int8":
+        return QuantKV(q=jnp.zeros(shape, jnp.int8), scale=jnp.zeros(shape[:-1], jnp.float32))
+    return jnp.zeros(shape, dtype)
+
+
+def init_cache(cfg: ModelConfig, length: int, dtype=jnp.float32, stacked: bool = False, ring: int = 8,
+               kv_dtype: str = "auto") -> KVCache:
+    """ring: how many positions' recurrent states a DeltaNet layer keeps (more than the largest window).
+    kv_dtype: auto (K/V in `dtype`) or int8 (QuantKV; the DeltaNet states stay in `dtype`)."""
+    shape = (length, cfg.num_kv_heads, cfg.head_dim)
+    if stacked:
+        return KVCache(k=kv_zeros((cfg.num_layers, *shape), dtype, kv_dtype),
+                       v=kv_zeros((cfg.num_layers, *shape), dtype, kv_dtype))
+    full = [not cfg.is_linear(i) for i in range(cfg.num_layers)]
+    cache = KVCache(k=[kv_zeros(shape, dtype, kv_dtype) if f else None for f in full],
+                    v=[kv_zeros(shape, dtype, kv_dtype) if f else None for f in full])
+    if cfg.has_linear:
+        cache = cache.replace(delta=[None if f else deltanet.init_state(cfg, ring, dtype) for f in full],
+                              state_pos=jnp.full((ring,), -1, jnp.int32))
+    return cache
+
+
+def cache_bytes(cfg: ModelConfig, length: int, itemsize: int, ring: int = 8, kv_dtype: str = "auto") -> int:
+    """Bytes of init_cache: K and V rows of the full-attention layers, the DeltaNet layers' state rings."""
+    row = cfg.head_dim * itemsize if kv_dtype == "auto" else cfg.head_dim + 4  # int8: D bytes + a float32 scale
+    kv = 2 * cfg.num_full_layers * length * cfg.num_kv_heads * row
+    return kv + (ring * cfg.state_bytes(itemsize) if cfg.has_linear else 0)

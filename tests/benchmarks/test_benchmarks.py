@@ -1,0 +1,356 @@
+"""The benchmarks run end to end on the tiny preset (CPU, seconds): one row per window size, positive numbers."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import common, decode_bench, runner
+
+
+def test_decode_bench_tiny(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    result = decode_bench.main(["decode_bench", "--model=tiny", "--windows=1,2", "--iters=2", "--warmup=1",
+                                "--context=64", "--pos=8", "--bw_mib=8", "--probe_windows=2", f"--json={out}"])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and result["complete"]
+    assert [r["T"] for r in saved["rows"]] == [1, 2]
+    for r in saved["rows"]:
+        for key in ("ms_per_step", "ms_per_step_mean", "ms_per_step_pipelined", "ms_per_token", "tok_s",
+                    "roofline_ms", "roofline_fraction", "distinct_experts_per_layer"):
+            assert r[key] > 0 and math.isfinite(r[key]), key
+        assert r["bytes"]["total"] == pytest.approx(r["bytes"]["non_expert"] + r["bytes"]["experts"]
+                                                    + r["bytes"]["kv_cache"])
+        assert r["distinct_source"] == "measured"
+        assert r["roofline_fraction_pipelined"] == pytest.approx(r["roofline_ms"] / r["ms_per_step_pipelined"])
+    assert saved["rows"][0]["distinct_experts_per_layer"] == 4  # T=1: exactly top-K
+    assert saved["bandwidth"]["bandwidth_Bps"] > 0
+    # The table: a header, a separator and one line per window size.
+    table_lines = [ln for ln in printed.splitlines() if ln.startswith("|")]
+    assert len(table_lines) == 2 + 2
+    assert "% of roofline" in table_lines[0] and "% of roofline (pipelined)" in table_lines[0]
+
+
+def test_expected_distinct():
+    assert decode_bench.expected_distinct(128, 8, 1) == pytest.approx(8)
+    assert decode_bench.expected_distinct(128, 8, 4) == pytest.approx(128 * (1 - (120 / 128) ** 4))
+    assert decode_bench.expected_distinct(16, 4, 1000) == pytest.approx(16)
+
+
+def test_bad_flags_exit(capsys):
+    with pytest.raises(SystemExit) as e:
+        decode_bench.main(["decode_bench", "--windows=1,x"])
+    assert e.value.code == 1
+    assert "error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        decode_bench.main(["decode_bench", "--model=tiny", "--context=16", "--pos=15", "--windows=4"])
+    assert e.value.code == 1
+
+
+def test_format_table():
+    table = common.format_table(["T", "name"], [[1, "a"], [16, "bb"]])
+    lines = table.splitlines()
+    assert len(lines) == 4 and lines[1].startswith("| --:")
+
+
+def test_parse_list_one_parser_for_every_list_flag():
+    assert runner.parse_list("1, 2,4,2,") == [1, 2, 4]  # blanks skipped, deduplicated, in order
+    assert runner.parse_list("all,0.5,0.25", float, "slot_fracs", words=("all",), lo=0, hi=1, lo_open=True) == \
+        ["all", 0.5, 0.25]
+    assert runner.parse_list("a,b,a", str, unique=False) == ["a", "b", "a"]
+    assert runner.parse_list("", str, "only", empty_ok=True) == []
+    for text, kind, kw, phrase in (("1,x", int, {}, "'x' is not an integer"), ("0", int, dict(lo=1), "positive"),
+                                   ("1.5", float, dict(lo=0, hi=1), "must be in [0, 1]"),
+                                   ("0", float, dict(lo=0, hi=1, lo_open=True), "must be in (0, 1]"),
+                                   ("nan", float, {}, "finite"), ("gpu", str, dict(choices=("xla", "pallas")), "one of"),
+                                   (" , ", int, {}, "is empty")):
+        with pytest.raises(ValueError, match="--w") as e:
+            runner.parse_list(text, kind, "w", **kw)
+        assert phrase in str(e.value) and "\n" not in str(e.value)
+    assert common.int_list("4,1", "windows") == [4, 1]
+
+
+def test_runner_grid_rows_and_outputs():
+    points = list(runner.grid({"T": [1, 2], "dtype": ["bf16", "f32"]}))
+    assert points[:2] == [{"T": 1, "dtype": "bf16"}, {"T": 1, "dtype": "f32"}] and len(points) == 4
+    seen = []
+    rows = runner.sweep({"T": [1, 2]}, lambda T: runner.Row("b", {"T": T}, {"ms/step": 2.0 * T}, timing="synced"),
+                        on_row=seen.append)
+    assert [r.values["ms/step"] for r in rows] == [2.0, 4.0] and seen == rows
+    table_rows = runner.rows_from_table("b", ["T", "ms/step", "tok/s", "x vs HF", "% of roofline", "hit rate"],
+                                        [[1, 2.0, 500.0, 1.5, 40.0, 0.9]], params=["T"], fixed={"model": "tiny"})
+    r = table_rows[0].to_dict()
+    assert r["params"] == {"model": "tiny", "T": 1} and r["values"]["tok/s"] == 500.0
+    assert r["units"] == {"ms/step": "ms", "tok/s": "tok/s", "x vs HF": "x", "% of roofline": "%", "hit rate": ""}
+    assert json.loads(runner.render(table_rows, "json"))[0]["benchmark"] == "b"
+    csv_lines = runner.render(table_rows, "csv").splitlines()
+    assert csv_lines[0].split(",")[:3] == ["benchmark", "model", "T"] and len(csv_lines) == 2
+    assert runner.render(table_rows, "md", table="given") == "given"
+    assert runner.render(table_rows, "md").splitlines()[0].startswith("| benchmark")
+
+
+def test_output_json_puts_only_the_rows_on_stdout(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    decode_bench.main(["decode_bench", "--model=tiny", "--windows=1", "--iters=1", "--warmup=1", "--context=64",
+                       "--pos=8", "--bw_mib=8", "--probe_windows=0", "--hf=off", "--output=json", f"--json={out}"])
+    printed = capsys.readouterr()
+    rows = json.loads(printed.out)  # stdout: the rows alone; the start-up block and notes went to stderr
+    assert [r["params"]["T"] for r in rows] == [1] and rows[0]["units"]["ms/step"] == "ms"
+    assert rows[0]["values"]["tok/s"] > 0 and "decode_window" in rows[0]["timing"]
+    assert "roofline" in printed.err
+    saved = json.loads(out.read_text())  # the --json file: its own keys, and the rows in the shared schema
+    assert saved["rows"][0]["T"] == 1 and saved["bench_rows"] == rows
+    common.set_output("md")
+
+
+def test_offload_bench_tiny(tmp_path, capsys, cache_dir):
+    from benchmarks import offload_bench
+    out = tmp_path / "offload.json"
+    new_tokens = 6
+    result = offload_bench.main(["offload_bench", "--model=tiny", "--dtype=float32", "--slot_fracs=0.25",
+                                 "--pcie_fracs=0.5,auto", f"--new_tokens={new_tokens}", "--prompt_len=5",
+                                 "--context=32", "--copy_mib=4", "--cpu_threads=2", f"--cache_dir={cache_dir}",
+                                 f"--json={out}"])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and result["complete"]
+    arms = saved["arms"]
+    assert [a["arm"] for a in arms] == ["all-resident", "S=4 pcie=0.5", "S=4 pcie=auto"]
+    base = arms[0]
+    expert_bytes = saved["model"]["expert_bytes"]
+    for a in arms:
+        assert a["generated_tokens"] == new_tokens and a["decode_windows"] == new_tokens - 1
+        for key in ("decode_tok_s", "ms_per_token", "x_vs_all_resident"):
+            assert a[key] > 0 and math.isfinite(a[key]), (a["arm"], key)
+        assert a["x_vs_all_resident"] == pytest.approx(a["decode_tok_s"] / base["decode_tok_s"])
+        assert 0.0 <= a["hit_rate"] <= 1.0
+    assert base["hit_rate"] == 1.0 and base["fetched_per_token"] == base["cpu_per_token"] == 0
+    for a in arms[1:]:
+        d = a["decode_experts"]
+        assert d["distinct"] == d["distinct_resident"] + d["distinct_fetched"] + d["distinct_cpu"] > 0
+        assert d["pcie_bytes"] == d["distinct_fetched"] * expert_bytes
+        assert a["pcie_bytes_per_token"] * a["decode_windows"] == pytest.approx(d["pcie_bytes"])
+        assert a["fetched_per_token"] + a["cpu_per_token"] > 0  # 4 of 16 slots: misses every window
+        assert a["expected_hit_rate"] == 0.25 and 0.25 <= a["top_slots_entry_share"] <= 1.0
+        # The bound: all-resident time + this arm's fetched bytes at device_put + its CPU bytes at the pool's rate.
+        bw = saved["bandwidth"]
+        want = base["ms_per_token"] + 1e3 * (a["pcie_bytes_per_token"] / (bw["device_put"]["GBps"] * 1e9)
+                                             + a["cpu_per_token"] * expert_bytes / (bw["pool"]["GBps"] * 1e9))
+        assert a["bound_ms_per_token"] == pytest.approx(want) and a["bound_ms_per_token"] > base["ms_per_token"]
+        assert a["share_of_bound"] == pytest.approx(a["bound_ms_per_token"] / a["ms_per_token"])
+    half = arms[1]
+    assert half["pcie_frac_chosen"] == 0.5
+    assert half["fetched_per_token"] > 0 and half["cpu_per_token"] > 0 and half["pool_ms_per_token"] > 0
+    assert arms[2]["pcie_frac_chosen"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    for name in ("device_put", "in_graph_fetch", "pool", "memcpy", "read"):
+        assert saved["bandwidth"][name]["GBps"] > 0, name
+    # Two tables: the arms (header, separator, one line per arm) and the bandwidths (five copies + the engine's).
+    table_lines = [ln for ln in printed.splitlines() if ln.startswith("|")]
+    assert len(table_lines) == (2 + 3) + (2 + 6)
+    assert "of the read bandwidth" in printed and "threads reading a" in printed
+    assert "PCIe MB/token" in table_lines[0] and "% of bound" in table_lines[0] and "auto -> " in printed
+    assert saved["table"] in printed and saved["bandwidth_table"] in printed
+
+
+def test_offload_bench_bad_flags(capsys):
+    from benchmarks import offload_bench
+    for bad in ("--slot_fracs=0", "--pcie_fracs=1.5", "--pcie_fracs=x", "--new_tokens=40"):
+        with pytest.raises(SystemExit) as e:
+            offload_bench.main(["offload_bench", "--model=tiny", "--context=32", bad])
+        assert e.value.code == 1, bad
+        assert "error:" in capsys.readouterr().err
+    assert offload_bench.frac_list("1,0.5,auto,1", "x", allow_auto=True, lo_open=False) == [1.0, 0.5, "auto"]
+
+
+def test_decode_bench_puts_the_hf_baseline_beside_each_window(tmp_path, capsys, monkeypatch):
+    """benchmarks/hf_decode.py needs torch (not in this venv): its JSON, as it writes it, stands in for the
+    subprocess; the table gets HF's fastest implementation per T and our speed-up over it."""
+    hf = {"transformers": "5.x", "torch": "2.x", "device_name": "cpu", "impls": {"eager": {"1": 3.0, "2": 5.0},
+          "grouped_mm": {"1": 2.5, "2": 6.0}}, "best": {"1": {"impl": "grouped_mm", "ms": 2.5},
+                                                         "2": {"impl": "eager", "ms": 5.0}}, "line": "HF: stand-in"}
+    monkeypatch.setattr(decode_bench, "run_hf", lambda s, windows: hf)
+    result = decode_bench.main(["decode_bench", "--model=tiny", "--windows=1,2", "--iters=2", "--warmup=1",
+                                "--context=64", "--pos=8", "--bw_mib=8", "--probe_windows=0",
+                                f"--json={tmp_path / 'd.json'}"])
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
+    assert "x vs HF" in table[0]
+    for line, row, best in zip(table[2:], result["rows"], ("2.50 (grouped_mm)", "5.00 (eager)")):
+        assert best in line
+        speedup = float(line.rstrip(" |").split("|")[-1])
+        assert speedup == pytest.approx(float(best.split()[0]) / row["ms_per_step"], rel=0.01)
+
+
+def test_decode_bench_says_when_hf_cannot_run(capsys):
+    import importlib.util
+    if importlib.util.find_spec("torch"):
+        pytest.skip("torch is importable here: the comparison runs instead")
+    decode_bench.main(["decode_bench", "--model=tiny", "--windows=1", "--iters=1", "--warmup=0", "--context=32",
+                       "--pos=4", "--bw_mib=8", "--probe_windows=0"])
+    assert "HF transformers: torch or transformers is not importable here" in capsys.readouterr().out
+
+
+def test_soak_mixed_requests_reproducible_and_flat(cache_dir, tmp_path):
+    """benchmarks/soak.py, shortened: 40 mixed requests on one engine (greedy / sampled, host / device / no drafts,
+    the pool's share changed between requests), every answer equal to its kind's first, RSS flat."""
+    import json
+    from benchmarks import soak
+    result = soak.main(["soak", "--requests=40", "--new_tokens=8", f"--cache_dir={cache_dir}",
+                        f"--json={tmp_path / 'soak.json'}"])
+    assert result["ok"] and not result["mismatches"] and result["rss_growth_mib"] <= 64
+    assert json.loads((tmp_path / "soak.json").read_text())["ok"]
+
+
+FAKE_LLAMA_BENCH = '''#!{python}
+"""Stands in for llama-bench -o json: a record per pp<N> (-p) and per tg<n> @ d<N> (-d), as the real one writes."""
+import json, sys
+a = sys.argv[1:]
+arg = lambda flag, default: a[a.index(flag) + 1] if flag in a else default
+prompts = [int(x) for x in arg("-p", "512").split(",")]
+depths = [int(x) for x in arg("-d", "0").split(",")]
+n_gen = int(arg("-n", "128"))
+cpu = 10.0 if "-ncmoe" in a else 1.0  # experts on the CPU: ten times slower
+out = [dict(n_prompt=p, n_gen=0, n_depth=0, avg_ts=(1000.0 + p) / cpu, stddev_ts=1.0, avg_ns=1, build_commit="fake",
+            gpu_info="none") for p in prompts if p > 0]
+out += [dict(n_prompt=0, n_gen=n_gen, n_depth=d, avg_ts=50.0 - d / 100, stddev_ts=0.5, avg_ns=1, build_commit="fake",
+             gpu_info="none") for d in depths] if n_gen > 0 else []
+print(json.dumps(out))
+'''
+
+
+def test_long_context_bench_tiny(tmp_path, capsys, cache_dir):
+    """benchmarks/long_context_bench.py on the tiny preset, float32, greedy: a row per (prompt, slots), TTFT and decode
+    speed positive, the peer's columns from a stand-in llama-bench, and offload's tokens equal to all-resident's."""
+    import sys
+    from benchmarks import long_context_bench
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable))
+    fake.chmod(0o755)
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")  # present: nothing is written
+    out = tmp_path / "long.json"
+    new_tokens = 6
+    result = long_context_bench.main([
+        "long_context_bench", "--model=tiny", "--dtype=float32", "--prompts=40,100", "--slot_fracs=all,0.5",
+        f"--new_tokens={new_tokens}", "--arms=window=1", "--temperature=0", "--bw_mib=8", "--copy_mib=4",
+        "--matmul_n=128", f"--llama_bench={fake}", f"--gguf={gguf}", f"--cache_dir={cache_dir}", f"--json={out}"])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and result["complete"]
+    rows = {(r["prompt"], str(r["slot_frac"]), r["arm"]): r for r in saved["rows"]}
+    assert sorted(rows) == [(p, f, "window=1") for p in (40, 100) for f in ("0.5", "all")]
+    for (p, frac, _), r in rows.items():
+        assert r["prompt_tokens"] == p and r["cached_tokens"] == 0
+        assert r["generated_tokens"] == new_tokens and len(r["tokens"]) == new_tokens
+        for key in ("prefill_s", "prefill_tok_s", "decode_tok_s", "ttft_x_all_resident", "decode_x_all_resident"):
+            assert r[key] > 0 and math.isfinite(r[key]), (p, frac, key)
+        assert r["prefill_tok_s"] == pytest.approx(p / r["prefill_s"])
+        assert r["decode_roofline"]["tok_s"] > 0 and r["prefill_floor"]["floor_s"] > 0
+        base = rows[(p, "all", "window=1")]
+        assert r["ttft_x_all_resident"] == pytest.approx(r["prefill_s"] / base["prefill_s"])
+        # offload is exact: the same weights give the same greedy tokens wherever the experts sit
+        assert r["tokens"] == base["tokens"] and r["tokens_match_all_resident"]
+        if frac == "0.5":
+            assert r["slots"] == 8 and r["prefill_experts"]["distinct"] > 0
+            assert r["prefill_pcie_bytes"] == r["prefill_experts"]["distinct_fetched"] * 3 * 128 * 64 * 4
+        else:
+            assert r["prefill_pcie_bytes"] == 0 and r["ttft_x_all_resident"] == 1.0
+    # The peer's columns: TTFT = N / pp<N> tok/s, tg @ d<N>.
+    assert saved["peer"]["ran"] and saved["peer"]["pp"]["100"]["ttft_s"] == pytest.approx(100 / 1100)
+    assert saved["peer"]["tg"]["40"]["tok_s"] == pytest.approx(49.6)
+    # One table: a header, a separator and a line per (prompt, slots, arm).
+    table_lines = [ln for ln in printed.splitlines() if ln.startswith("|")]
+    assert len(table_lines) == 2 + 4 and saved["table"] in printed
+    # Beside half the experts in slots, the peer with half its layers' experts on the CPU (-ncmoe), shortest prompt.
+    half = saved["peer"]["ncmoe"]["0.5"]
+    assert half["ncmoe"] == round(0.5 * result["model"]["layers"]) and half["pp"]["40"]["tok_s"] == pytest.approx(104.0)
+    split = [[c.strip() for c in ln.split("|")] for ln in table_lines[2:]]
+    cells = {(c[1], c[2]): c[8] for c in split}
+    assert float(cells[("40", "8 (0.5)")]) == pytest.approx(40 / 104.0, rel=1e-2)
+    assert cells[("100", "8 (0.5)")] == "-" and float(cells[("100", "all")]) == pytest.approx(100 / 1100, rel=1e-2)
+    assert "TTFT s" in table_lines[0] and "llama.cpp TTFT s" in table_lines[0] and "% of roofline" in table_lines[0]
+    assert "tokens identical to all-resident's (same prompt, same arm) in 2 of 2 offloaded rows" in printed
+    assert "TTFT = stats.last.prefill_s" in printed and "roofline, prefill" in printed
+
+
+def test_long_context_bench_flags_and_missing_peer(capsys):
+    from benchmarks import long_context_bench as lcb
+    assert lcb.parse_slot_fracs("all,0.5,0.25,all") == ["all", 0.5, 0.25]
+    assert lcb.parse_arms("default;spec=0,window=1") == [("default", {}, {}), ("spec=0,window=1", {"window": 1},
+                                                                               {"spec": 0})]
+    for bad in ("--slot_fracs=0", "--slot_fracs=x", "--arms=pcie_frac=0.5", "--arms=windw=2", "--arms=window=x",
+                "--prompts=0"):
+        with pytest.raises(SystemExit) as e:
+            lcb.main(["long_context_bench", "--model=tiny", bad])
+        assert e.value.code == 1, bad
+        assert "error:" in capsys.readouterr().err
+    s = type("S", (), dict(llama_bench="/nonexistent/llama-bench", model="tiny"))()
+    peer = lcb.run_peer(s, None, [40])
+    assert not peer["ran"] and "not found" in peer["reason"]
+
+
+def test_parallel_bench_tiny_on_two_fake_devices(tmp_path, cache_dir):
+    """benchmarks/parallel_bench.py on two fake CPU devices (they need XLA_FLAGS before JAX starts: a subprocess):
+    the 1-device row, both splits over 2 devices with the 1-device row's greedy tokens (float32: the same), and the
+    1-device offload row (4 slots); a 3-device ask is one line, its rows skipped."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import fake_devices_env
+    out = tmp_path / "parallel.json"
+    env = fake_devices_env(2)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.parallel_bench", "--model=tiny", "--dtype=float32",
+                           "--devices=1,2,3", "--modes=layers,experts", "--prompt=20", "--new_tokens=6",
+                           "--vram_reserve_mib=0", "--offload_slots=4", f"--cache_dir={cache_dir}", f"--json={out}"],
+                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [[c.strip() for c in ln.split("|")[1:-1]] for ln in proc.stdout.splitlines() if ln.startswith("|")]
+    assert table[0][:7] == ["devices", "parallel", "slots", "decode tok/s", "ms/window", "x 1 GPU", "same tokens"]
+    rows = {(c[0], c[1], c[2]): c for c in table[2:]}
+    assert sorted(rows) == [("1", "-", "4"), ("1", "-", "all"), ("2", "experts", "all"), ("2", "layers", "all")]
+    for key, c in rows.items():
+        assert float(c[3]) > 0 and float(c[4]) > 0 and float(c[5]) > 0, key
+        assert c[6] == ("-" if key[2] == "4" else "yes"), key  # the offload row draws other random experts
+    assert "skipped: devices=3 (JAX sees 2 device(s))" in proc.stdout
+    assert "2 devices all resident (parallel=experts) vs 1 device with offload at half budget (4 slots)" in proc.stdout
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and len(saved["rows"]) == 4 and len(saved["bench_rows"]) == 4
+    assert all(r["generated_tokens"] == 6 and r["cached_tokens"] == 0 for r in saved["rows"])
+
+
+def test_the_peers_sampled_arm_takes_our_settings_and_reads_its_own_timings():
+    """peer_bench --peer_sampling: our request settings become llama-completion's flags (min-p off, as ours has
+    none), a name it does not know is refused; its perf lines give decode tok/s with the sampling time counted."""
+    from benchmarks.peer_bench import completion_tok_s, peer_sampling_args
+    assert peer_sampling_args("temperature=0.7,top_k=20,top_p=0.8") == [
+        "--min-p", "0", "--temp", "0.7", "--top-k", "20", "--top-p", "0.8"]
+    for bad in ("min_p=0.1", "temperature", "top_k=many"):
+        with pytest.raises(ValueError):
+            peer_sampling_args(bad)
+    err = ("common_perf_print:    sampling time =      25.00 ms\n"
+           "common_perf_print: prompt eval time =      10.00 ms /     5 tokens (    2.00 ms per token)\n"
+           "common_perf_print:        eval time =     225.00 ms /   125 runs   (    1.80 ms per token)\n")
+    assert completion_tok_s(err) == (500.0, 125 * 1e3 / 225.0, 125)
+    assert completion_tok_s("no perf lines") is None
+
+
+def test_options_written_as_text_convert_by_their_types():
+    """peer_bench --ours="temperature=1,top_p=0.9,..." and the like: text values take their option's type (a request
+    option as much as an engine option), bad values are one StrataError line."""
+    from benchmarks.peer_bench import parse_ours
+    from strata_jax import StrataError
+    from strata_jax.options import from_text, split_options
+    (name, opts), = parse_ours("temperature=1,top_p=0.9,top_k=20,spec=0,ignore_eos=true,window=2,"
+                               "expert_cache_slots=32,pcie_frac=auto")
+    engine, request = split_options(from_text(opts))
+    assert request == {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "spec": 0, "ignore_eos": True}
+    assert engine == {"window": 2, "expert_cache_slots": "32", "pcie_frac": "auto"}
+    assert isinstance(request["temperature"], float) and isinstance(engine["window"], int)
+    for bad, says in (({"temperature": "warm"}, "temperature"), ({"spec": "1.5"}, "integer"),
+                      ({"ignore_eos": "maybe"}, "bool")):
+        with pytest.raises(StrataError, match=says) as e:
+            from_text(bad)
+        assert "\n" not in str(e.value)

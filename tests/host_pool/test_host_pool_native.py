@@ -1,0 +1,194 @@
+"""The host pool's C expert kernel (host_pool/native_experts.c) against the numpy jobs and a float64 reference: every
+store format (float32, bf16, int8, int4), window sizes around its 4-token passes and NATIVE_MAX_TOKENS, ragged
+sizes (lane and block tails), thread counts, plain and split jobs; the build without -march / OpenMP; the switch; the
+read-bandwidth probe.
+
+Tolerance: float32 compute 1e-5 relative (only the float32 summation order differs); bf16 compute (bf16 weights, and
+int8 / int4 by default) rounds g, u, h and each expert's output to bf16, so a float32 sum next to a rounding boundary
+may round the other way than the other path's (one bf16 ulp in that element): 2^-8 relative per expert row.
+"""
+
+import platform
+
+import numpy as np
+import pytest
+
+from helpers import reference_ffn, reference_rows, rel_fro, rng_for, rounding
+from strata_jax.host_pool import HostExpertStore, HostPool, native
+from strata_jax.host_pool import pool as pool_module
+from strata_jax.host_pool.store import BF16
+from strata_jax.model import quant
+
+LAYERS, E = 2, 7
+# H a multiple of 64 (int4's groups) but not of the phase-2 block; I = 80: 16-lane loops with no tail, a ragged
+# phase-1 block; float formats also run H, I with lane tails.
+SHAPES = {"int4": (192, 128), "int8": (144, 80), "float32": (144, 77), "bfloat16": (144, 77)}
+TOL = {"float32": 1e-5, "bfloat16": 2.0**-8}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = native.experts_kernel() if native.mode() != "off" else None
+    if built is None:
+        pytest.skip(native.describe_experts())
+    return built
+
+
+def make_store(rng, fmt, compute_dtype=None):
+    """(float64 weights per layer as the pool must see them, a HostExpertStore in `fmt`)."""
+    H, I = SHAPES[fmt]
+    shapes = ((E, I, H), (E, I, H), (E, H, I))
+    reference, stored = [], []
+    for _ in range(LAYERS):
+        floats = [(rng.standard_normal(shape) * rng.uniform(0.05, 0.2, shape[:2] + (1,))).astype(np.float32)
+                  for shape in shapes]
+        if fmt in ("int8", "int4"):
+            qs = [quant.quantize(a, fmt) for a in floats]
+            reference.append([quant.dequantize(qa).astype(np.float64) for qa in qs])
+            # int8: one scale per output row, [E, O] in the store
+            stored.append((*(qa.q for qa in qs), *(qa.scale[..., 0] if fmt == "int8" else qa.scale for qa in qs)))
+        else:
+            dtype = BF16 if fmt == "bfloat16" else np.float32
+            stored.append(tuple(a.astype(dtype) for a in floats))
+            reference.append([a.astype(np.float64) for a in stored[-1]])
+    dtype = None if compute_dtype is None else np.dtype(compute_dtype)
+    return reference, HostExpertStore(stored, compute_dtype=dtype)
+
+
+def both_paths(monkeypatch, store, threads, run):
+    """run(pool) with the C kernel, then with the numpy jobs (STRATA_POOL_NATIVE=0)."""
+    out = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(native.ENV, switch)
+        with HostPool(store, threads=threads) as pool:
+            out.append(run(pool))
+            out.append(pool.stats.jobs)
+    return out
+
+
+CASES = [("float32", None), ("bfloat16", None), ("int8", "bfloat16"), ("int8", "float32"), ("int4", "bfloat16"),
+         ("int4", "float32")]
+
+
+@pytest.mark.parametrize("fmt,compute", CASES)
+@pytest.mark.parametrize("T", [1, 3, 5, pool_module.NATIVE_MAX_TOKENS])
+def test_plain_jobs_match_numpy_and_reference(kernel, monkeypatch, fmt, compute, T):
+    rng = rng_for(f"native-plain-{fmt}-{compute}-{T}")
+    reference, store = make_store(rng, fmt, compute)
+    H = store.hidden_size(0)
+    ids = np.array([6, -1, 0, 3, 2, -1], np.int32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
+    if T > 1:
+        w[0, 2] = 0.0  # token 0 does not use expert 0
+    y_c, jobs_c, y_np, jobs_np = both_paths(monkeypatch, store, 3, lambda pool: pool.compute(1, x, ids, w))
+    assert jobs_c == 1 and jobs_np > 1  # the C path ran as one call, the numpy path as thread jobs
+    compute_dtype = str(store.compute_dtype)
+    ref = reference_ffn(reference[1], x, ids, w, rounding(compute_dtype))
+    assert rel_fro(y_c, ref) < TOL[compute_dtype]
+    assert rel_fro(y_c, y_np) < TOL[compute_dtype]
+
+
+@pytest.mark.parametrize("fmt,compute", CASES)
+@pytest.mark.parametrize("T,K", [(1, 4), (6, 3)])
+def test_split_jobs_match_numpy_and_reference(kernel, monkeypatch, fmt, compute, T, K):
+    rng = rng_for(f"native-split-{fmt}-{compute}-{T}-{K}")
+    reference, store = make_store(rng, fmt, compute)
+    H = store.hidden_size(0)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)  # [T, K]
+    ids[0, -1] = -1
+    w = rng.uniform(0.05, 0.95, (T, K)).astype(np.float32)
+    w[0, 0] = 0.9
+
+    def run(pool):
+        ticket = pool.submit_split(0, x, ids, w, 0.5)
+        return pool.wait_heavy(ticket).copy(), pool.collect_split(ticket)
+
+    (heavy_c, rows_c), jobs_c, (_, rows_np), _ = both_paths(monkeypatch, store, 2, run)
+    heavy = (ids >= 0) & (w >= np.float32(0.5))
+    assert jobs_c == int(heavy.any()) + int((~heavy & (ids >= 0)).any())  # one call per phase with entries
+    compute_dtype = str(store.compute_dtype)
+    ref = reference_rows(reference[0], x, ids, rounding(compute_dtype))
+    for t, k in zip(*np.nonzero(ids >= 0)):
+        assert rel_fro(rows_c[t, k], ref[t, k]) < TOL[compute_dtype], (t, k)
+        assert rel_fro(rows_c[t, k], rows_np[t, k]) < TOL[compute_dtype], (t, k)
+    np.testing.assert_array_equal(rows_c[ids < 0], 0.0)
+    np.testing.assert_array_equal(heavy_c[heavy], rows_c[heavy])
+    np.testing.assert_array_equal(heavy_c[~heavy], 0.0)
+
+
+def test_threads_do_not_change_the_bits(kernel, monkeypatch):
+    """Each output element is summed by one thread in a fixed order: 1, 2 and 5 threads give the same bits."""
+    rng = rng_for("native-threads")
+    _, store = make_store(rng, "bfloat16")
+    x = rng.standard_normal((4, store.hidden_size(0))).astype(np.float32)
+    ids = np.array([1, 4, 5, 0], np.int32)
+    w = rng.random((4, 4)).astype(np.float32)
+    monkeypatch.setenv(native.ENV, "1")
+    outs = []
+    for threads in (1, 2, 5):
+        with HostPool(store, threads=threads) as pool:
+            outs.append(pool.compute(0, x, ids, w))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
+def test_windows_past_the_limit_run_the_blas_jobs(kernel, monkeypatch):
+    rng = rng_for("native-limit")
+    reference, store = make_store(rng, "float32")
+    T = pool_module.NATIVE_MAX_TOKENS + 1
+    x = rng.standard_normal((T, store.hidden_size(0))).astype(np.float32)
+    ids = np.array([2, 3], np.int32)
+    w = rng.random((T, 2)).astype(np.float32)
+    monkeypatch.setenv(native.ENV, "1")
+    with HostPool(store, threads=2) as pool:
+        y = pool.compute(0, x, ids, w)
+        assert pool.stats.jobs > 1  # thread jobs, not one C call
+    assert rel_fro(y, reference_ffn(reference[0], x, ids, w)) < TOL["float32"]
+
+
+def test_the_build_says_what_it_uses(kernel, monkeypatch):
+    monkeypatch.delenv(native.ENV, raising=False)
+    line = native.describe_experts()
+    assert line.startswith("expert jobs: C, ") and ("OpenMP" in line), line
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.experts_kernel() is None and native.describe_experts() == "expert jobs: numpy (STRATA_POOL_NATIVE=0)"
+
+
+AVX2 = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+@pytest.mark.parametrize("flags", [native.EXPERTS_FLAGS[-1], AVX2], ids=["no-march-no-openmp", "avx2"])
+def test_the_plain_build_matches(kernel, monkeypatch, tmp_path, flags):
+    """The last fallback build (no -march=native: GNU vectors for SSE2 or scalar code; no OpenMP: one thread) and the
+    AVX2 build (x86) run the same jobs: within the float32 tolerance of the default build (other lanes, other
+    order)."""
+    if flags == AVX2 and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX2 is x86's")
+    path = tmp_path / "plain.so"
+    native._compile(native._find_compiler(), flags, path, native.EXPERTS_SOURCE)
+    plain = native.ExpertsKernel(path)
+    assert ("no OpenMP" in plain.build) == (flags != AVX2)
+    assert flags != AVX2 or plain.build.startswith("AVX2")
+    rng = rng_for("native-plain-build")
+    for fmt in ("bfloat16", "int4"):
+        reference, store = make_store(rng, fmt, "float32")
+        x = rng.standard_normal((3, store.hidden_size(0))).astype(np.float32)
+        ids = np.array([0, 5, -1, 2], np.int32)
+        w = rng.random((3, 4)).astype(np.float32)
+        monkeypatch.setenv(native.ENV, "1")
+        with HostPool(store, threads=2) as pool:
+            y_default = pool.compute(1, x, ids, w)
+            monkeypatch.setattr(native, "experts_kernel", lambda: plain)
+            y_plain = pool.compute(1, x, ids, w)
+            monkeypatch.undo()
+        assert rel_fro(y_plain, y_default) < 1e-5
+        assert rel_fro(y_plain, reference_ffn(reference[1], x, ids, w, rounding("float32"))) < 1e-5
+
+
+def test_read_probe_reads_every_word(kernel):
+    rng = rng_for("native-read")
+    words = rng.integers(0, 2**40, 8 * 1000 + 8, dtype=np.uint64)
+    for threads in (1, 3):
+        assert kernel.read_words(words.ctypes.data, len(words), threads) == int(words.sum())

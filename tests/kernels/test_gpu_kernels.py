@@ -1,0 +1,198 @@
+"""What only a GPU shows about the Pallas kernels: compiled (Triton, not interpret mode) against their jnp references
+on realistic shapes, with fresh random inputs for each compiled shape. Skipped without a GPU.
+
+Bounds, as the CPU tests of the same kernels (tests/kernels/test_route_prior.py, test_copy_rows.py, test_expert_ffn.py):
+- route_prior: ids and changed equal, weights within 1e-6;
+- copy_rows: within 1e-6 of the reference (relative), heavy + light within 1e-6 of the whole sum;
+- expert_ffn: ||kernel - reference||_F / ||reference||_F < 1e-2 (bf16 roundings differ by an ulp here and there);
+- decode_attention: 1e-5 (f32) / 2e-2 (bf16) relative, and rows past the window (NaN, inf, 1e30) never read.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import rel_fro, with_garbage
+from strata_jax.pallas_kernels.copy_rows import copy_rows_by_weight, copy_rows_by_weight_reference, copy_rows_from_mapped, copy_rows_from_mapped_reference
+from strata_jax.pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+from strata_jax.pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
+from strata_jax.pallas_kernels.route_prior import route_prior, route_prior_reference
+from test_decode_attention import CASES as ATTN_CASES
+from test_decode_attention import PREFILL_CASES as ATTN_PREFILL_CASES
+from test_decode_attention import DTYPES as ATTN_DTYPES
+from test_decode_attention import RTOL as ATTN_RTOL
+from test_decode_attention import make_case
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]
+
+DRAWS = 3  # fresh random inputs per compiled shape
+EXPERT_FFN_RTOL = 1e-2  # tests/kernels/test_expert_ffn.py's REF_RTOL
+
+
+# ------------------------------------------------------------------------------------------------------- route_prior
+
+@pytest.mark.parametrize("keep", [0, 1])
+@pytest.mark.parametrize("t", [1, 4, 64])
+@pytest.mark.parametrize("e,k", [(128, 8), (512, 10)])
+def test_route_prior_matches_reference(e, k, t, keep):
+    rng = np.random.default_rng(1000 * e + 10 * t + keep)
+    kw = dict(k=k, keep=keep)
+    for _ in range(DRAWS):
+        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)  # [T, E]
+        resident = jnp.asarray(rng.random(e) < rng.uniform(0.1, 0.9))  # [E]: a random share resident
+        lam = jnp.asarray(rng.random(t) * 2.0, jnp.float32)  # [T]: large enough to change routes
+        ids, w, changed = route_prior(logits, resident, lam, interpret=False, **kw)
+        want_ids, want_w, want_changed = route_prior_reference(logits, resident, lam, **kw)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(changed), np.asarray(want_changed))
+
+
+# --------------------------------------------------------------------------------------------------------- copy_rows
+
+def copy_rows_inputs(rng, t: int, k: int, h: int, dtype):
+    """y [T, H] f32, mapped [T, K, H] dtype with NaN in the rows of non-CPU entries (undefined there), weights
+    [T, K] top-K-like (positive, rows sum to 1), cpu mask [T, K] with at least one CPU entry per token."""
+    y = rng.standard_normal((t, h)).astype(np.float32)
+    mapped = rng.standard_normal((t, k, h)).astype(np.float32)
+    w = rng.random((t, k)).astype(np.float32) + 0.01
+    w /= w.sum(axis=1, keepdims=True)
+    mask = rng.random((t, k)) < 0.5
+    mask[:, 0] = True
+    mapped[~mask] = np.nan
+    return jnp.asarray(y), jnp.asarray(mapped, dtype), jnp.asarray(w), jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_copy_rows_match_references(t, dtype):
+    k, h = 8, 2048
+    rng = np.random.default_rng(10 * t + (dtype == jnp.float32))
+    thr = jnp.float32(1.0 / k)  # about half the weights on each side
+    for _ in range(DRAWS):
+        y, mapped, w, mask = copy_rows_inputs(rng, t, k, h, dtype)
+        whole = copy_rows_from_mapped(y, mapped, w, mask, interpret=False)
+        want = copy_rows_from_mapped_reference(y, mapped, w, mask)
+        assert np.isfinite(np.asarray(whole)).all()  # the NaN rows were selected out, not multiplied by 0
+        assert rel_fro(whole, want) <= 1e-6
+        np.testing.assert_allclose(np.asarray(whole), np.asarray(want), rtol=1e-6, atol=1e-6)
+        for heavy in (True, False):
+            got = copy_rows_by_weight(y, mapped, w, mask, thr, heavy=heavy, interpret=False)
+            want = copy_rows_by_weight_reference(y, mapped, w, mask, thr, heavy=heavy)
+            assert rel_fro(got, want) <= 1e-6
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+        heavy = copy_rows_by_weight(y, mapped, w, mask, thr, heavy=True, interpret=False)
+        both = copy_rows_by_weight(heavy, mapped, w, mask, thr, heavy=False, interpret=False)
+        assert rel_fro(both, whole) <= 1e-6
+
+
+# -------------------------------------------------------------------------------------------------------- expert_ffn
+
+QWEN3 = dict(h=2048, i=768, s=64, k=8)  # Qwen3-30B-A3B: hidden, expert intermediate; a 64-slot cache, top-8
+
+
+@pytest.fixture(scope="module")
+def qwen3_experts():
+    """Random bf16 stacked experts gate, up [S, I, H], down [S, H, I] at the Qwen3 shape, made on the device."""
+    h, i, s = QWEN3["h"], QWEN3["i"], QWEN3["s"]
+    kg, ku, kd = jax.random.split(jax.random.key(0), 3)
+    gate = (jax.random.normal(kg, (s, i, h), jnp.float32) / np.sqrt(h)).astype(jnp.bfloat16)
+    up = (jax.random.normal(ku, (s, i, h), jnp.float32) / np.sqrt(h)).astype(jnp.bfloat16)
+    down = (jax.random.normal(kd, (s, h, i), jnp.float32) / np.sqrt(i)).astype(jnp.bfloat16)
+    return jax.block_until_ready((gate, up, down))
+
+
+def expert_ffn_inputs(rng, t: int):
+    """x [T, H] bf16, slot_ids [N] with N = min(T * K, S) (distinct slots but one repeated, the last one padding
+    -1), combine [T, N]: each token K random columns with positive weights summing to 1, plus a nonzero weight on the
+    padding column that the kernel must ignore."""
+    h, s, k = QWEN3["h"], QWEN3["s"], QWEN3["k"]
+    n = min(t * k, s)
+    ids = rng.permutation(s)[:n].astype(np.int32)
+    ids[-2] = ids[0]  # a repeated slot
+    ids[-1] = -1  # a padding slot
+    combine = np.zeros((t, n), np.float32)
+    for j in range(t):
+        cols = rng.choice(n, k, replace=False)
+        w = rng.random(k) + 0.1
+        combine[j, cols] = w / w.sum()
+    combine[0, [0, n - 2]] += 0.2  # both copies of the repeated slot used
+    combine[:, n - 1] = 0.3  # padding: ignored by kernel and reference alike
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    return x, jnp.asarray(ids), jnp.asarray(combine)
+
+
+@pytest.mark.parametrize("t", [1, 4, 8])
+def test_expert_ffn_matches_reference(qwen3_experts, t):
+    gate, up, down = qwen3_experts
+    rng = np.random.default_rng(100 + t)
+    for _ in range(DRAWS):
+        x, ids, combine = expert_ffn_inputs(rng, t)
+        out = expert_ffn(x, gate, up, down, ids, combine, interpret=False)
+        assert out.shape == x.shape and out.dtype == jnp.float32
+        assert np.isfinite(np.asarray(out)).all()
+        # The reference op by op, as the CPU test calls it (under one jit, XLA:CPU's fused bf16 einsums land ~2e-2
+        # from a float64 model; op by op ~5e-3).
+        assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < EXPERT_FFN_RTOL
+
+
+# -------------------------------------------------------------------------------------------------- decode_attention
+
+# The CPU test's cases (tests/kernels/test_decode_attention.py), compiled: its bounds, and garbage past the window unread.
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", ["t1_pos77", "t4_pos60", "t3_r4_s192", "qwen3_t1_s2112", "t4_to_the_end"])
+def test_decode_attention_matches_reference(name, dtype):
+    dtype = ATTN_DTYPES[dtype]
+    t, nq, nkv, d, s, pos = ATTN_CASES[name]
+    for draw in range(DRAWS):
+        q, k, v, p = make_case(100 * draw + len(name), *ATTN_CASES[name], dtype)
+        out = decode_attention(q, k, v, p, interpret=False)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        with jax.default_matmul_precision("highest"):  # the reference's f32 einsums, not TF32
+            ref = decode_attention_reference(q, k, v, p)
+        assert rel_fro(out, ref) < ATTN_RTOL[dtype]
+        if pos + t < s:
+            kg, vg = with_garbage(k, pos + t, seed=draw + 1), with_garbage(v, pos + t, seed=draw + 2)
+            np.testing.assert_array_equal(np.asarray(decode_attention(q, kg, vg, p, interpret=False)),
+                                          np.asarray(out))
+
+
+# Prefill chunks (row blocks, each reading up to its own last key), compiled, plus the Qwen3 shape at T=1024.
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", [*ATTN_PREFILL_CASES, "qwen3_t1024"])
+def test_prefill_attention_matches_reference(name, dtype):
+    dtype = ATTN_DTYPES[dtype]
+    shape = (1024, 32, 4, 128, 4096 + 1024, 2000) if name == "qwen3_t1024" else ATTN_PREFILL_CASES[name]
+    t, nq, nkv, d, s, pos = shape
+    q, k, v, p = make_case(7 + len(name), *shape, dtype)
+    out = decode_attention(q, k, v, p, interpret=False)
+    with jax.default_matmul_precision("highest"):
+        ref = decode_attention_reference(q, k, v, p)
+    assert rel_fro(out, ref) < ATTN_RTOL[dtype]
+    if pos + t < s:
+        kg, vg = with_garbage(k, pos + t, seed=1), with_garbage(v, pos + t, seed=2)
+        np.testing.assert_array_equal(np.asarray(decode_attention(q, kg, vg, p, interpret=False)), np.asarray(out))
+
+
+# ---------------------------------------------------------------------------------------------------- stacked_linear
+
+@pytest.mark.parametrize("t", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_stacked_linear_compiled(t, dtype):
+    """The q/k/v launch and the o launch at the Qwen3-30B-A3B shapes (8 stacked layers), compiled, against the
+    sliced XLA product; the other layers are NaN so a wrong offset shows. bf16: f32 accumulation both sides."""
+    from strata_jax.pallas_kernels.stacked_linear import stacked_linear, stacked_linear_reference
+    rng = np.random.default_rng(t)
+    n_layers, layer, h = 8, 5, 2048
+    for k, ns in ((h, (4096, 512, 512)), (4096, (h,))):
+        x = jnp.asarray(rng.standard_normal((t, k)), dtype)
+        ws = tuple(jnp.asarray(np.where(np.arange(n_layers)[:, None, None] == layer,
+                                        rng.standard_normal((n_layers, k, n)) / np.sqrt(k), np.nan), dtype)
+                   for n in ns)
+        got = stacked_linear(x, ws, jnp.int32(layer))
+        assert np.isfinite(np.asarray(got)).all()
+        want = stacked_linear_reference(x, ws, jnp.int32(layer))
+        assert rel_fro(got, want) < (1e-5 if dtype == jnp.float32 else 1e-3)
