@@ -52,11 +52,10 @@ def encode(x: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def write_gguf(path: Path, raw: dict, hub: dict[str, np.ndarray], types=None, arch: str = "qwen3moe",
-               tokenizer=None, drop=(), replace=None, split_max_tensors: int = 0) -> dict[str, np.ndarray]:
+               metadata=None, drop=(), replace=None, split_max_tensors: int = 0) -> dict[str, np.ndarray]:
     """A GGUF of a Hub config + (stacked) tensors; types(gguf name) -> its GGUF type (default F32; 1-D tensors
-    stay F32, as llama.cpp keeps them); drop: GGUF names left out; replace: {GGUF name: array written instead, or
-    added}.
-    Returns the dequantized values written, by Hub name."""
+    stay F32, as llama.cpp keeps them); metadata(writer): more keys (a tokenizer); drop: GGUF names left out;
+    replace: {GGUF name: array written instead, or added}. Returns the dequantized values written, by Hub name."""
     n_layers = raw["num_hidden_layers"]
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     w.add_block_count(n_layers)
@@ -72,15 +71,13 @@ def write_gguf(path: Path, raw: dict, hub: dict[str, np.ndarray], types=None, ar
     w.add_expert_count(raw.get("num_experts", raw.get("num_local_experts")))
     w.add_expert_used_count(raw["num_experts_per_tok"])
     w.add_expert_feed_forward_length(raw["moe_intermediate_size"])
-    if tokenizer is not None:
-        tokenizer(w)
+    if metadata is not None:
+        metadata(w)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, n_layers)
     written = {}
     for name, x in hub.items():
         g = names.get_name(name, try_suffixes=(".weight",))
-        if g in drop:
-            continue
-        if g in (replace or {}):
+        if g in drop or g in (replace or {}):
             continue
         qtype = (types or (lambda _: Q.F32))(g) if x.ndim > 1 else Q.F32
         data = encode(x, qtype)
@@ -348,7 +345,7 @@ def test_tokenizer_gives_the_hf_ids(tmp_path, base_hub, cache_dir):
     hub = dict(hub, **{k: np.resize(hub[k], (vocab, hub[k].shape[1]))
                        for k in ("model.embed_tokens.weight", "lm_head.weight")})
     path = tmp_path / "tok.gguf"
-    write_gguf(path, raw, hub, tokenizer=tokenizer_metadata(hf, vocab))
+    write_gguf(path, raw, hub, metadata=tokenizer_metadata(hf, vocab))
     folder = gguf_file.gguf_model_folder(path, cache_dir)
     ours = load_tokenizer(folder)
     for text in TEXTS:
@@ -391,11 +388,11 @@ def test_refusals(tmp_path, base_hub, cache_dir):
                 w.add_string(key, value)
         return add
     path = tmp_path / "yarn.gguf"
-    write_gguf(path, raw, hub, tokenizer=extra(("qwen3moe.rope.scaling.type", "yarn")))
+    write_gguf(path, raw, hub, metadata=extra(("qwen3moe.rope.scaling.type", "yarn")))
     msg = refused(path, cache_dir)
     assert "rope scaling 'yarn' (rope.scaling.type) is not supported" in msg, msg
     path = tmp_path / "spm.gguf"
-    write_gguf(path, raw, hub, tokenizer=extra(("tokenizer.ggml.model", "llama"), ("tokenizer.ggml.pre", "default")))
+    write_gguf(path, raw, hub, metadata=extra(("tokenizer.ggml.model", "llama"), ("tokenizer.ggml.pre", "default")))
     msg = refused(path, cache_dir)
     assert "tokenizer 'llama' with pre-tokenizer 'default' is not supported" in msg, msg
 
@@ -449,7 +446,7 @@ def test_cli_decodes_a_gguf(tmp_path, cache_dir, engine_factory):
     raw = json.loads((CONFIGS_DIR / "tiny.json").read_text())
     hub = stacked(random_checkpoint(raw, seed=0), raw["num_hidden_layers"], raw["num_experts"])
     path = tmp_path / "tiny-q8.gguf"
-    write_gguf(path, raw, hub, types=lambda g: Q.Q8_0, tokenizer=byte_level_metadata)
+    write_gguf(path, raw, hub, types=lambda g: Q.Q8_0, metadata=byte_level_metadata)
     state = tmp_path / "state"
     out = run_cli([f"--model={path}", "--prompt=def fib(n):", "--max_new_tokens=6", "--dtype=float32",
                    "--expert_cache_slots=all", f"--save_state={state}"], cache_dir)
