@@ -104,6 +104,13 @@ def unstacked(hub: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+def assert_same_weights(got, want) -> None:
+    """Two Weights trees leaf by leaf, exactly (dtype and values)."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(kp)
+
+
 BASE = HF_FIXTURES / "base"
 
 
@@ -155,15 +162,12 @@ def test_quantized_weights_and_logits(tmp_path, base_hub, engine_factory, cache_
     folder = gguf_file.gguf_model_folder(path, cache_dir)
     cfg = load_config(folder)
     got = checkpoint.load_weights(folder, cfg, jnp.float32)
-    want = checkpoint.load_weights(dequantized, cfg, jnp.float32)
-    for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        assert a.dtype == jnp.float32 and np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(kp)
-    assert not np.array_equal(np.asarray(got.layers[0].ffn.gate), hub["model.layers.0.mlp.experts.gate_proj.weight"])
+    assert_same_weights(got, checkpoint.load_weights(dequantized, cfg, jnp.float32))
+    assert got.embed.dtype == jnp.float32 and not np.array_equal(np.asarray(got.layers[0].ffn.gate), hub["model.layers.0.mlp.experts.gate_proj.weight"])
     # expert_dtype=int8: the dequantized experts requantized at load, as from the safetensors checkpoint
     got8 = checkpoint.load_weights(folder, cfg, jnp.float32, expert_format="int8")
-    want8 = checkpoint.load_weights(dequantized, cfg, jnp.float32, expert_format="int8")
     assert got8.layers[1].ffn.gate.dtype == jnp.int8
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got8), jax.tree.leaves(want8)))
+    assert_same_weights(got8, checkpoint.load_weights(dequantized, cfg, jnp.float32, expert_format="int8"))
 
     engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), **EXACT)
     line = next(l for l in capfd.readouterr().err.splitlines() if l.startswith("gguf:"))
@@ -217,10 +221,8 @@ def test_k_and_iq_types_dequantize_at_load(tmp_path, cache_dir):
     dequantized.mkdir()
     (dequantized / "config.json").write_text((folder / "config.json").read_text())
     save_file(unstacked(kinds), str(dequantized / "model.safetensors"))
-    got = checkpoint.load_weights(folder, cfg, jnp.float32)
-    want = checkpoint.load_weights(dequantized, cfg, jnp.float32)
-    for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(kp)
+    assert_same_weights(checkpoint.load_weights(folder, cfg, jnp.float32),
+                        checkpoint.load_weights(dequantized, cfg, jnp.float32))
     source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
     assert set(t for family in source["types"].values() for t in family) == {"F32"} | {q.name for q in K_TYPES}
 
@@ -255,9 +257,8 @@ def test_split_gguf_reads_every_part(tmp_path, base_hub, cache_dir):
     single.parent.mkdir()
     write_gguf(single, raw, hub, types=quantized_types)
     cfg = load_config(folder)
-    a = checkpoint.load_weights(folder, cfg, jnp.float32)
-    b = checkpoint.load_weights(gguf_file.gguf_model_folder(single, cache_dir), cfg, jnp.float32)
-    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert_same_weights(checkpoint.load_weights(folder, cfg, jnp.float32),
+                        checkpoint.load_weights(gguf_file.gguf_model_folder(single, cache_dir), cfg, jnp.float32))
     parts[-1].unlink()
     msg = one_line_refusal(gguf_file.gguf_model_folder, parts[0], cache_dir)
     assert parts[-1].name in msg and "missing" in msg, msg
