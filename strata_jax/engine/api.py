@@ -8,7 +8,6 @@ import functools
 import inspect
 import queue
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -16,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.engine import build as build_mod, graphs, loops, parallel as parallel_mod, plan as plan_mod
+from strata_jax.engine import build as build_mod, loops, parallel as parallel_mod, plan as plan_mod
+from strata_jax.engine.compiled import CompiledGraphs
 from strata_jax.engine.build import log
 from strata_jax.engine.plan import make_plan
 from strata_jax.engine.stats import ExpertStats, RequestStats, Stats
@@ -33,7 +33,7 @@ from strata_jax.offload import slots as slots_mod
 from strata_jax.offload.approx import route_approx
 from strata_jax.offload.defer import defer_cpu
 from strata_jax.options import EngineOptions, RequestOptions, build, unknown_switches
-from strata_jax.sampling import FORMS, NON_FINITE, SamplingParams, form_of
+from strata_jax.sampling import NON_FINITE, SamplingParams, form_of
 from strata_jax.speculative import mtp as mtp_mod
 from strata_jax.speculative.drafters import make_drafter
 
@@ -88,7 +88,6 @@ class Engine:
         self.generation_defaults = generation or GenerationDefaults()
         self.placement = placement
         self.mtp = None  # Qwen3-Next's MTP module (mtp_mod.MTPWeights, attach_mtp)
-        self._mtp_compiled = self._mtp_cache = None
         self._said_no_mtp = False
         self.dtype = jnp.dtype(options.dtype)
         self.expert_storage = placement_mod.expert_storage(options)  # the host copies' and the slots' dtype
@@ -106,6 +105,7 @@ class Engine:
             self.weights = weights = unstack_layers(weights)
         self.expert_path, self.decode_expert_path = self._expert_paths()
         self.parallel = parallel_mod.attach(self)  # devices > 1: the weights split over them (strata_jax/engine/parallel.py)
+        self.compiled = CompiledGraphs(cfg, options, self.plan, self.state, self.parallel, verbose)
         self.stats = Stats()
         self._reset_state()
         if placement and verbose:
@@ -124,7 +124,13 @@ class Engine:
                                  "blocks of 32 experts)" if self.scanned_offload else
                                  "scanned (one body over stacked weights)" if self.scanned else "unrolled"))
             log(self.kv_cache_line())
-        self._compile()
+        self._build_graphs()
+
+    def _build_graphs(self) -> None:
+        """The graph tables for the current expert paths (again after a reconfigure that changes them)."""
+        defaults = self.generation_defaults.request_defaults()
+        default_form = form_of(defaults["top_k"], defaults["top_p"]) if defaults["temperature"] > 0 else None
+        self.stats.compile_s = self.compiled.build(self.expert_path, self.decode_expert_path, default_form)
 
     # The loops' state (loops.State), under the names the engine's users read: every graph call replaces cache.
     weights = property(lambda self: self.state.weights, lambda self, v: setattr(self.state, "weights", v))
@@ -248,114 +254,6 @@ class Engine:
             raise StrataError(f"engine.{name}() called from inside a running request (its on_token or drafter): "
                               f"the engine runs one request at a time; call it after generate() returns")
 
-    def _compile(self) -> None:
-        """Every window size 1..W and the prefill chunks: ahead of time, or (compile_graphs=lazy) each on its first
-        use (the samplers: on the first sampled request, _pick_samplers)."""
-        t0 = time.perf_counter()
-        ahead = self.options.compile_graphs == "ahead"
-        self._mtp_compiled = None  # built with the old expert path: recompiled on the next draft="mtp" request
-        if self.verbose and ahead:
-            log(f"compiling: window T=1..{self.options.window}, prefill {self._chunks_text()} ...")
-        pos = jnp.int32(0)
-        decode = self._jit_decode_window()
-        prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel)
-
-        def window(t: int):
-            with self._full_f32():
-                if self.parallel:
-                    return self.parallel.window(t, self.weights, self.cache)
-                return graphs.compile_shared(decode.lower(self.weights, self.cache, jnp.zeros((t,), jnp.int32), pos),
-                                             graphs.MODEL_COMPILER_OPTIONS)
-
-        def chunk(c: int):
-            with self._full_f32():
-                if self.parallel:
-                    return self.parallel.prefill(c, self.weights, self.cache)
-                return graphs.compile_shared(prefill.lower(self.weights, self.cache, jnp.zeros((c,), jnp.int32), pos,
-                                                           jnp.int32(1)), graphs.MODEL_COMPILER_OPTIONS)
-        # Several devices: their stages' graphs compile one after the other (parallel.py keeps per-stage state).
-        self._decode = graphs.GraphTable(range(1, self.options.window + 1), window, ahead, threads=not self.parallel)
-        self._prefill = graphs.GraphTable(self.chunks, chunk, ahead, threads=not self.parallel)
-        # Sampled requests: window graphs that draw their tokens (graphs.sampled_window), one table per filter form
-        # (sampling.FORMS), compiled for the first request of that form (_sampled_windows_for); and the samplers
-        # alone per window size and form, for what those graphs do not draw (the prompt's first token, draft=mtp,
-        # several devices), compiled once per process (graphs.window_samplers: engines share them).
-        self._samplers = {f: graphs.window_samplers(f, self.options.window, self.cfg.vocab_size) for f in FORMS}
-        self._pick_samplers("sorted", sampled=False)
-        self._sampled_windows: dict[str, graphs.GraphTable] = {}
-        defaults = self.generation_defaults.request_defaults()
-        if ahead and defaults["temperature"] > 0 and not self.parallel:  # the model samples by default
-            self._sampled_windows_for(form_of(defaults["top_k"], defaults["top_p"]))
-        self._prefill_logits = {}  # chunk size -> graph, compiled on first use (teacher-forced prompt scoring)
-        self._device_verify = {}  # (T, filter form or None: greedy) -> graph; compiled on first use (generate(draft="device") only)
-        self._fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
-        self._fill_layer = jax.jit(slots_mod.fill_layer_slots, donate_argnums=(0,))
-        self.stats.compile_s = time.perf_counter() - t0
-        if self.verbose:
-            when = (f"compiled in {self.stats.compile_s:.1f} s" if ahead else
-                    "compiled each on its first use (compile_graphs=lazy)")
-            log(f"graphs: window T=1..{self.options.window} and prefill {self._chunks_text()} {when} "
-                f"(persistent cache: {jax.config.jax_compilation_cache_dir}); "
-                f"context {self.context} tokens ({self.plan.context_why})")
-
-    def _pick_samplers(self, form: str, sampled: bool = True, every_size: bool = False) -> None:
-        """This request's samplers and verifiers of its filter form (requests run one at a time). every_size: the
-        request draws its windows' tokens through them (draft=mtp, several devices): every size compiled here,
-        before the request's timed part, the first time a request needs them; else only the first token's."""
-        samplers = self._samplers[form]
-        if sampled and every_size and not samplers.compiled:
-            seconds = samplers.compile()
-            if self.verbose:
-                log(f"samplers: window T=1..{self.options.window} ({form}) compiled in {seconds:.1f} s (first "
-                    f"request that draws through them; shared by this process's engines)")
-        elif sampled:
-            samplers.sample[1]  # the prompt's first token
-        self._sample, self._verify = samplers.sample, samplers.verify
-
-    def _sampled_windows_for(self, form: str) -> graphs.GraphTable | None:
-        """The window graphs of T=1..W that draw a sampled request's tokens in filter form `form`
-        (graphs.sampled_window): compiled (ahead: every size now, in threads) by the first request of that form;
-        None with several devices (their windows are chained or sharded graphs: the samplers draw apart)."""
-        if self.parallel:
-            return None
-        if form not in self._sampled_windows:
-            t0 = time.perf_counter()
-            fn = graphs.jit_sampled_window(self.cfg, form, self.decode_expert_path, **self._window_kernels())
-
-            def window(t: int):
-                return self._aot(fn, self.weights, self.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0),
-                                 SamplingParams.make())
-            ahead = self.options.compile_graphs == "ahead"
-            self._sampled_windows[form] = graphs.GraphTable(range(1, self.options.window + 1), window, ahead)
-            if self.verbose and ahead:
-                log(f"graphs: sampled windows T=1..{self.options.window} ({form}) compiled in "
-                    f"{time.perf_counter() - t0:.1f} s (the first request of that filter form)")
-        return self._sampled_windows[form]
-
-    @property
-    def _prefill_kernel(self) -> bool:
-        """The prefill chunks' attention: the Pallas kernel (row blocks, each reading the cache only up to its
-        own position) wherever the decode windows use it."""
-        return self.attention_kernel == "pallas"
-
-    def _chunks_text(self) -> str:
-        auto = " (auto)" if not self.options.prefill_chunk else ""
-        if len(self.chunks) == 1:
-            return f"chunk {self.chunk}{auto}"
-        return (f"chunks {' and '.join(map(str, self.chunks))}{auto}: {self.chunks[0]} while "
-                f"{self.chunks[0] // 4}+ prompt tokens remain")
-
-    def _full_f32(self):
-        """float32 means float32 matmuls (not TF32 on a GPU): the exactness checks and the host pool rely on it."""
-        return jax.default_matmul_precision("highest") if self.dtype == jnp.float32 else contextlib.nullcontext()
-
-    def _jit_decode_window(self, return_hidden: bool = False):
-        """The window graph with this engine's expert path and kernels (return_hidden: for the MTP drafter)."""
-        return graphs.jit_decode_window(self.cfg, self.decode_expert_path,
-                                        attention_kernel=self.attention_kernel == "pallas",
-                                        dense_kernel=self.dense_kernel == "pallas",
-                                        delta_kernel=self.delta_kernel == "pallas", return_hidden=return_hidden)
-
     @_serialized
     def reconfigure(self, pcie_frac: float | None = None, cache_policy: str | None = None) -> None:
         """Change the PCIe/CPU split or the cache policy; the expert cache starts empty. Both are data in the graphs:
@@ -380,7 +278,7 @@ class Engine:
         if rebuild:
             self.defer, _ = defer_cpu(self.options, self.placement.cpu_path)
             self.expert_path, self.decode_expert_path = self._expert_paths()
-            self._compile()
+            self._build_graphs()
 
     # ---- expert counters -------------------------------------------------------------------------------------
 
@@ -424,9 +322,9 @@ class Engine:
     def _fill_static_slots(self) -> None:
         """Static policy: after the prompt's prefill, the slots take each layer's most used experts, then freeze."""
         if isinstance(self.cache.experts, slots_mod.SlotCache):
-            new = slots_mod.fill_static_stacked(self.cache.experts, self.weights.layers, self._fill_layer)
+            new = slots_mod.fill_static_stacked(self.cache.experts, self.weights.layers, self.compiled.fill_layer)
         else:
-            new = slots_mod.fill_static_slots(self.cache.experts, self.weights.layers, self._fill)
+            new = slots_mod.fill_static_slots(self.cache.experts, self.weights.layers, self.compiled.fill)
         self.cache = self.cache.replace(experts=new)
 
     def _guarded(self, fn, *args):
@@ -476,11 +374,11 @@ class Engine:
             tokens = np.zeros((size,), np.int32)
             tokens[:part.size] = part
             if want_logits:
-                logits, self.cache = self._prefill_logits_graph(size)(self.weights, self.cache, tokens,
+                logits, self.cache = self.compiled.prefill_logits_graph(size)(self.weights, self.cache, tokens,
                                                                       jnp.int32(start), jnp.int32(part.size))
                 chunks.append(logits[:part.size])
             elif mtp is not None:
-                token, last, self.cache, hidden = self._mtp_graphs()[("prefill", size)](
+                token, last, self.cache, hidden = self.compiled.mtp_graphs()[("prefill", size)](
                     self.weights, self.cache, tokens, jnp.int32(start), jnp.int32(part.size))
                 known = ids[start + 1:start + part.size + 1].tolist()
                 if start + part.size < ids.size:
@@ -488,33 +386,12 @@ class Engine:
                 else:
                     mtp.feed(hidden, start, known)
             else:
-                token, last, self.cache = self._prefill[size](self.weights, self.cache, tokens, jnp.int32(start),
+                token, last, self.cache = self.compiled.prefill[size](self.weights, self.cache, tokens, jnp.int32(start),
                                                               jnp.int32(part.size))
             start += size
         if want_logits:
             return np.concatenate([np.asarray(c) for c in chunks]).astype(np.float32)
         return token, last
-
-    def _aot(self, fn, *args):
-        """A graph compiled on first use: `fn` (jitted) lowered for `args` and compiled at the engine's matmul
-        precision (_full_f32), as _compile does for the graphs compiled at start-up."""
-        with self._full_f32():
-            return graphs.compile_shared(fn.lower(*args), graphs.MODEL_COMPILER_OPTIONS)
-
-    def _window_kernels(self) -> dict:
-        return self.plan.window_kernels()
-
-    def _prefill_logits_graph(self, size: int):
-        if size in self._prefill_logits:
-            pass
-        elif self.parallel:
-            with self._full_f32():
-                self._prefill_logits[size] = self.parallel.prefill_logits(size, self.weights, self.cache)
-        else:
-            self._prefill_logits[size] = self._aot(
-                graphs.jit_prefill_logits(self.cfg, self.expert_path, attention_kernel=self._prefill_kernel),
-                self.weights, self.cache, jnp.zeros((size,), jnp.int32), jnp.int32(0), jnp.int32(1))
-        return self._prefill_logits[size]
 
     @_serialized
     def prefill_logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -583,8 +460,8 @@ class Engine:
                     log("draft=mtp: this checkpoint has no MTP module (mtp.* tensors); drafting with ngram")
                     self._said_no_mtp = True
             elif spec > 0:
-                self._mtp_graphs()
-                drafter = mtp_mod.MTPDrafter(self.weights, self.mtp, self._mtp_cache, self.cfg, self.options.window - 1)
+                self.compiled.mtp_graphs()
+                drafter = mtp_mod.MTPDrafter(self.weights, self.mtp, self.compiled.mtp_cache, self.cfg, self.options.window - 1)
         ids = self._check_prompt(token_ids)
         # stop_token_ids replace the model's eos ids; ignore_eos drops those (given stop ids still stop).
         eos = frozenset() if req.ignore_eos else self.end_of_turn_ids
@@ -617,8 +494,8 @@ class Engine:
             # module's drafts need the window's hidden rows
             in_graph = form is not None and constraint is None and not isinstance(drafter, mtp_mod.MTPDrafter) and not (
                 drafter is None and req.draft == "device" and spec > 0)
-            windows = self._sampled_windows_for(form) if in_graph else None
-            self._pick_samplers(form or "sorted", sampled=form is not None, every_size=windows is None)
+            windows = self.compiled.sampled_windows_for(form) if in_graph else None
+            self.compiled.pick_samplers(form or "sorted", sampled=form is not None, every_size=windows is None)
             request = loops.Request(ids=ids, budget=budget, stops=stops, sampling=sampling, form=form,
                                     sampled_windows=windows,
                                     spec=spec,
@@ -633,7 +510,7 @@ class Engine:
                 pass
             finally:
                 if isinstance(drafter, mtp_mod.MTPDrafter):
-                    self._mtp_cache = drafter.cache  # donated along the request: keep the live one
+                    self.compiled.mtp_cache = drafter.cache  # donated along the request: keep the live one
             # Rows 0.. now hold the prompt and every generated token but the last (never fed back); rejected
             # drafts wrote only rows past those. With an approximation on, the generated tokens' rows came from
             # approximate decode windows: only the prompt's (prefilled exactly) are reused.
@@ -704,81 +581,17 @@ class Engine:
         """Qwen3-Next's MTP module (checkpoint.load_mtp): `generate(draft="mtp")` drafts with it."""
         self.mtp = weights
 
-    def _mtp_graphs(self) -> dict:
-        """The MTP drafter's graphs, compiled on the first draft="mtp" request: the prefill chunk that also returns
-        the final hidden states (the module's input), and the greedy windows T=1..W that draft the next window in
-        the same graph (graphs.mtp_window); and the module's KV cache. Sampled requests' windows ("hidden", T ->
-        a window returning its hidden states for the host loop's drafter) compile on the first such request."""
-        if self._mtp_compiled is None:
-            t0 = time.perf_counter()
-            prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, return_hidden=True,
-                                               attention_kernel=self._prefill_kernel)
-            fused = graphs.jit_mtp_window(self.cfg, self.options.window - 1, self.decode_expert_path,
-                                          **self._window_kernels())
-            pos = jnp.int32(0)
-            # rows up to the context's end, plus a padded chunk or window and the chained drafts past it
-            new_cache = lambda: mtp_mod.init_cache(self.cfg, self.context + self.chunk + self.options.window,
-                                                   self.dtype, self.options.kv_dtype)
-            self._mtp_cache = new_cache()
-            compiled = {("fused", t): self._aot(fused, self.weights, self.cache, self.mtp, self._mtp_cache,
-                                                jnp.zeros((t,), jnp.int32), pos)
-                        for t in range(1, self.options.window + 1)}
-            for c in self.chunks:
-                compiled[("prefill", c)] = self._aot(prefill, self.weights, self.cache, jnp.zeros((c,), jnp.int32),
-                                                     pos, jnp.int32(1))
-            self._mtp_compiled = compiled
-            # The drafter's graphs, one per row count (a window's T rows or a prefill chunk's), shared by every
-            # request's drafter: compiled here by a call on zeros, so that no request compiles (a new drafter's own
-            # graphs cost a compile per request: 60 against 820 tok/s on the H200). Then a clean cache.
-            drafter = mtp_mod.MTPDrafter(self.weights, self.mtp, self._mtp_cache, self.cfg, self.options.window - 1)
-            for t in sorted({*range(1, self.options.window + 1), *self.chunks}):
-                drafter.catch_up(jnp.zeros((t, self.cfg.hidden_size), self.dtype), [], 0, self.options.window - 1)
-            del drafter
-            self._mtp_cache = new_cache()
-            if self.verbose:
-                log(f"graphs: MTP drafting (windows that draft the next one, the prefill chunk returning hidden "
-                    f"states) compiled in {time.perf_counter() - t0:.1f} s")
-        return self._mtp_compiled
-
     def _graphs(self) -> loops.Graphs:
         """What this request's loops may call: the window tables, the samplers _pick_samplers chose for it, the
         graphs compiled on first use, and the engine's steps between windows."""
         return loops.Graphs(
-            decode=self._decode, sample=self._sample, verify=self._verify, device_verify=self._device_verify_graph,
-            mtp_fused=lambda t: self._mtp_graphs()[("fused", t)], mtp_hidden=self._mtp_hidden_window,
+            decode=self.compiled.decode, sample=self.compiled.sample, verify=self.compiled.verify, device_verify=self.compiled.device_verify_graph,
+            mtp_fused=lambda t: self.compiled.mtp_graphs()[("fused", t)], mtp_hidden=self.compiled.mtp_hidden_window,
             prefill=self._prefill_all, checked=self._checked, take_expert_stats=self._take_expert_stats,
             after_request=self._adapt_pcie_frac,
             fill_static_slots=self._fill_static_slots if self.placement and self.placement.policy == "static"
             else None,
             context=self.context, vocab_size=self.cfg.vocab_size)
-
-    def _mtp_hidden_window(self, t: int):
-        """A window of T returning its hidden states (sampled draft=mtp requests: the host draws the acceptance)."""
-        key = ("hidden", t)
-        if key not in self._mtp_compiled:
-            self._mtp_compiled[key] = self._aot(self._jit_decode_window(return_hidden=True), self.weights,
-                                                self.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0))
-        return self._mtp_compiled[key]
-
-    def _device_verify_graph(self, t: int, form: str | None):
-        """draft="device"'s window of T (loops.decode_device), compiled on first use."""
-        key = (t, form)
-        if key not in self._device_verify:
-            t0 = time.perf_counter()
-            if self.parallel:  # the window in shard_map (experts), or chained over the stages (layers)
-                with self._full_f32():
-                    self._device_verify[key] = self.parallel.device_verify(t, form, self.weights, self.cache,
-                                                                           self.context, SamplingParams.make())
-            else:
-                fn = graphs.jit_device_verify_window(self.cfg, t, form, self.decode_expert_path,
-                                                     **self._window_kernels())
-                hist = jnp.zeros((self.context + t,), jnp.int32)
-                self._device_verify[key] = self._aot(fn, self.weights, self.cache, hist, jnp.int32(1),
-                                                     SamplingParams.make())
-            if self.verbose:
-                log(f"graphs: device verify window T={t} ({'greedy' if form is None else 'sampled, ' + form}) compiled in "
-                    f"{time.perf_counter() - t0:.1f} s")
-        return self._device_verify[key]
 
     @_serialized
     def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:
@@ -797,7 +610,7 @@ class Engine:
             rows = []
             for start in range(0, ids.size, w):
                 part = ids[start:start + w]
-                _, logits, self.cache = self._decode[part.size](self.weights, self.cache, part, jnp.int32(start))
+                _, logits, self.cache = self.compiled.decode[part.size](self.weights, self.cache, part, jnp.int32(start))
                 rows.append(logits)  # read after the loop, so windows queue back to back
             return np.concatenate([np.asarray(r) for r in rows]).astype(np.float32)
         logits = self._guarded(run)

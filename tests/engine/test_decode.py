@@ -445,9 +445,9 @@ def test_samplers_compile_once_per_process_on_first_use_and_engines_share_them(e
     assert np.array_equal(form.sample[2](logits, positions, params),
                           graphs.jit_sample("plain")(logits, positions, params))
     for f in FORMS:
-        assert engine._samplers[f] is graphs.window_samplers(f, W, engine.cfg.vocab_size)
+        assert engine.compiled.samplers[f] is graphs.window_samplers(f, W, engine.cfg.vocab_size)
     engine.generate(random_ids(engine, 5, seed=15), 3, temperature=1.0, top_k=3, seed=2, stop_token_ids=[])
-    assert 1 in engine._samplers["top_k"].sample
+    assert 1 in engine.compiled.samplers["top_k"].sample
 
 
 def test_engines_of_the_same_shapes_share_executables_and_each_computes_its_own_weights(cache_dir):
@@ -475,7 +475,7 @@ def test_engines_of_the_same_shapes_share_executables_and_each_computes_its_own_
         got, other = second.score(ids, window=2), first.score(ids, window=2)
         assert rel_fro(got, other) > 0.1  # other weights, other logits
         step, cache, want = graphs.jit_decode_window(second.cfg), jax.tree.map(jnp.copy, second.cache), []
-        with second._full_f32():  # the precision the engine compiles at
+        with second.compiled.full_f32():  # the precision the engine compiles at
             for i in range(0, 6, 2):
                 _, logits, cache = step(second.weights, cache, jnp.asarray(ids[i:i + 2], jnp.int32), jnp.int32(i))
                 want.append(np.asarray(logits))
@@ -512,8 +512,8 @@ def test_lazy_graphs_compile_on_first_use_and_give_what_ahead_gives(cache_dir, c
 def test_requests_pick_the_plain_sampler_only_without_top_k_and_top_p(engine):
     prompt = random_ids(engine, 5, seed=14)
     engine.generate(prompt, 3, temperature=1.0, seed=1, stop_token_ids=[])
-    assert engine._sample is engine._samplers["plain"].sample
+    assert engine.compiled.sample is engine.compiled.samplers["plain"].sample
     engine.generate(prompt, 3, temperature=1.0, top_k=4, seed=1, stop_token_ids=[])
-    assert engine._sample is engine._samplers["top_k"].sample
+    assert engine.compiled.sample is engine.compiled.samplers["top_k"].sample
     engine.generate(prompt, 3, temperature=1.0, top_p=0.9, seed=1, stop_token_ids=[])
-    assert engine._sample is engine._samplers["sorted"].sample
+    assert engine.compiled.sample is engine.compiled.samplers["sorted"].sample

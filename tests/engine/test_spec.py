@@ -372,7 +372,7 @@ def test_sampled_windows_draw_in_the_window_graph_the_samplers_tokens(engine_fac
         runs = {}
         for in_graph in (True, False):
             if not in_graph:
-                eng._sampled_windows_for = lambda form: None  # the window graph's logits, then the samplers
+                eng.compiled.sampled_windows_for = lambda form: None  # the window graph's logits, then the samplers
             try:
                 for spec in (0, 2):  # windows of 1..3
                     # drafts: the same seed's plain samples (near the argmax at this temperature: accepted), every
@@ -384,8 +384,8 @@ def test_sampled_windows_draw_in_the_window_graph_the_samplers_tokens(engine_fac
                         last = eng.stats.last
                         assert 0 < last.drafts_accepted < last.drafts_proposed, (sampling, last)
             finally:
-                eng.__dict__.pop("_sampled_windows_for", None)
-        assert isinstance(eng._sampled_windows[form], graphs.GraphTable)
+                eng.compiled.__dict__.pop("sampled_windows_for", None)
+        assert isinstance(eng.compiled.sampled_windows[form], graphs.GraphTable)
         assert runs[True, 0] == runs[False, 0], sampling
         assert runs[True, 2] == runs[False, 2], sampling
         assert runs[True, 0] != greedy[:30]  # sampled, not the argmax

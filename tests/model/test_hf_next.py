@@ -250,7 +250,7 @@ def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder
                 firsts.append((int(pos) - 1, int(window_np[1])))
             return graph(weights, cache, mtp, mtp_cache, window, pos)
         return run
-    compiled = engine._mtp_graphs()
+    compiled = engine.compiled.mtp_graphs()
     for key in [key for key in compiled if key[0] == "fused"]:
         compiled[key] = spy(compiled[key])
     prompt = hf_reference(NEXT[0])["prompt_ids"].tolist()

@@ -257,7 +257,7 @@ def test_quantized_experts_under_the_kernel_scan_offloaded(engine_factory, cache
     assert rel_fro(eng.score(ids), want) < 2e-2
     d = eng.stats.last.decode_experts
     assert d.distinct_fetched > 0 and d.distinct_cpu > 0 and d.distinct_resident > 0
-    begins = eng._decode[4].as_text().count('custom_call_target="strata_offload_begin')
+    begins = eng.compiled.decode[4].as_text().count('custom_call_target="strata_offload_begin')
     assert begins == 1, begins  # one scanned body, not a call a layer
     assert len(eng.generate(ids[:20], 8, stop_token_ids=[])) == 8
 

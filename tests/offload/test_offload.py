@@ -89,7 +89,7 @@ def test_offloaded_decode_windows_run_one_scanned_body(engine_factory, reference
     assert not unrolled.scanned_offload and not unrolled.scanned
 
     def begins(eng, t):  # the offload begin calls in the compiled window graph
-        return eng._decode[t].as_text().count('custom_call_target="strata_offload_begin')
+        return eng.compiled.decode[t].as_text().count('custom_call_target="strata_offload_begin')
     assert (begins(scanned, 2), begins(unrolled, 2)) == (1, preset("tiny").num_layers)
     for eng in (scanned, unrolled):
         eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
@@ -111,7 +111,7 @@ def test_scanned_offload_runs_prefill_chunks_in_blocks_of_experts(engine_factory
     want_logits, want_tokens = ref.prefill_logits(prompt), ref.generate(prompt[:70], 8, stop_token_ids=[])
     eng = engine_factory("reference", expert_cache_slots=12, pcie_frac=0.5, cpu_threads=2, **kw)
     assert eng.scanned_offload
-    begins = eng._prefill[64].as_text().count('custom_call_target="strata_offload_begin')
+    begins = eng.compiled.prefill[64].as_text().count('custom_call_target="strata_offload_begin')
     assert begins == 2, begins
     for policy in ("lru", "static"):
         eng.reconfigure(pcie_frac=0.5, cache_policy=policy)
@@ -280,12 +280,12 @@ def test_engine_applies_a_new_auto_split_as_data(engine_factory, reference, toke
     eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
     monkeypatch.setattr(placement_mod, "adapt_pcie_frac", lambda *a: (1.0, 0.5))
     assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
-    graphs = dict(eng._decode)  # the graphs the request used (tests may compile them on first use)
+    graphs = dict(eng.compiled.decode)  # the graphs the request used (tests may compile them on first use)
     assert graphs and eng.placement.pcie_frac == 1.0
     assert {float(np.asarray(s.pcie_frac)) for s in layer_states(eng.cache.experts)} == {1.0}
     assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
     assert eng.stats.last.decode_experts.distinct_cpu == 0
-    assert all(eng._decode[t] is g for t, g in graphs.items())  # the same compiled graphs: nothing recompiled
+    assert all(eng.compiled.decode[t] is g for t, g in graphs.items())  # the same compiled graphs: nothing recompiled
 
 
 def test_auto_slots_and_refusals(engine_factory, cache_dir):

@@ -8,7 +8,7 @@ per-launch cost stays flat with depth; a per-layer one grows with it."""
 import statistics, sys, time
 sys.path.insert(0, ".")
 import jax, jax.numpy as jnp
-from strata_jax.config import preset
+from strata_jax.model.config import preset
 from strata_jax.engine import Engine
 
 
@@ -31,7 +31,7 @@ for arm in sys.argv[1:]:
     e = Engine.from_random(cfg, seed=0, verbose=False, embed_scale=50.0, window=1, context=512,
                            compile_graphs="ahead", **opts)
     e.generate(list(range(1, 33)), 16, stop_token_ids=[], draft="none")
-    step = e._decode[1]
+    step = e.compiled.decode[1]
     cur = jnp.asarray([5], jnp.int32)
     for i in range(10):
         cur, logits, e.cache = step(e.weights, e.cache, cur, jnp.int32(40 + i))
