@@ -69,7 +69,8 @@ from strata_jax.errors import StrataError, unreadable_folder  # noqa: E402
 from strata_jax.io.tokenizer import TextStream  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "reference", "Model folder (config.json, *.safetensors, tokenizer.json), a folder "
+flags.DEFINE_string("model", "reference", "Model folder (config.json, *.safetensors, tokenizer.json), a .gguf file "
+                    "(qwen3moe; the first part of a split one), a folder "
                     "written by --save_state, 'reference' (the committed MoE trained on Python code: 64 experts "
                     "top-8), 'reference-next' (its Qwen3-Next-shaped sibling, with an MTP module for --draft=mtp) or 'embedded' (a "
                     "tiny random MoE, for tests).", flag_values=FLAGS)

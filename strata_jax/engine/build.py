@@ -114,6 +114,8 @@ def load(engine_cls, path: str | Path | None = None, verbose: bool = True, **opt
             say(placement_mod.quantized_line(cfg, weights, opts, host is not None).replace("quantized at load",
                                                                                            "saved state"))
     else:
+        from strata_jax.io.gguf_file import say_formats  # a GGUF's folder (resolve_model): types read, formats held
+        say_formats(path, opts.dtype, fmt, say)
         weights = checkpoint.load_weights(path, cfg, dtype, place=place,
                                           place_experts=host.place if host else None,
                                           progress=_progress(say, cfg), expert_format=fmt,

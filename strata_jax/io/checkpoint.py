@@ -160,13 +160,20 @@ def grouped_deltanet_rows(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.n
     return qkvz, ba
 
 
+def open_reader(folder: str | Path):
+    """A model folder's tensors by Hub name: its safetensors files, or the GGUF file(s) a GGUF's folder stands for
+    (strata_jax/io/gguf_file.py)."""
+    from strata_jax.io.gguf_file import reader_for
+    return reader_for(folder, check_weight) or SafetensorsReader(folder)
+
+
 def check_layer_count(folder: str | Path, cfg: ModelConfig) -> None:
     """config.json's num_hidden_layers against the layers the checkpoint's tensors hold (`...layers.{i}.` names),
     before anything is sized from the config: a wrong count would size weights, slots and caches for layers that
     are not there (a count of 10^6 ran for minutes) or silently leave layers out."""
     import re
     found = set()
-    for name in SafetensorsReader(folder).file_of:
+    for name in open_reader(folder).file_of:
         m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
         if m and not name.startswith("mtp."):
             found.add(int(m.group(1)))
@@ -190,7 +197,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     int4 packed in uint8) and `place_scales` (default `place`) the bf16 scales, [E, O] per row (int8) or [E, O, I/64]
     (int4) (names `layers.{i}.experts.{gate,up,down}_scale`).
     """
-    reader = SafetensorsReader(folder)
+    reader = open_reader(folder)
     place_experts = place_experts or place
     place_scales = place_scales or place
     base = text_prefix(reader, cfg)

@@ -39,6 +39,9 @@ def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
         return embedded_model_dir(cache_dir)
     if str(model) in NAMED_MODELS:
         return NAMED_MODELS[str(model)]
+    if str(model).lower().endswith(".gguf"):  # its metadata as a folder under the cache, its tensors read from it
+        from strata_jax.io.gguf_file import gguf_model_folder
+        return gguf_model_folder(Path(model), cache_dir)
     return Path(model)
 
 

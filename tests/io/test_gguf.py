@@ -1,0 +1,464 @@
+"""`--model=file.gguf`: tiny Qwen3-MoE GGUFs written here with gguf's own writer and quantizers (as llama.cpp's
+convert_hf_to_gguf lays them out: its metadata keys, TensorNameMap's names, experts stacked [E, O, I]) load into
+the same weights and logits as the safetensors checkpoint they came from (or one holding their dequantized
+values); the tokenizer built from tokenizer.ggml.* gives the Hugging Face tokenizer's ids; bad files are refused
+in one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import load_file, save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from conftest import HF_FIXTURES, run_cli
+from helpers import one_line_refusal, rel_fro
+from strata_jax import Engine
+from strata_jax.io import checkpoint, gguf_file
+from strata_jax.io.embedded import random_checkpoint
+from strata_jax.io.tokenizer import load_tokenizer
+from strata_jax.model.config import CONFIGS_DIR, load_config
+
+EXACT = dict(dtype="float32", expert_cache_slots="all")  # every expert on the device, float32: the exact engine
+IDS = [3, 17, 200, 45, 9, 128, 77, 1, 250, 30, 64, 99]
+
+
+# ---- writing GGUFs as convert_hf_to_gguf does -----------------------------------------------------------------------
+
+def stacked(tensors: dict[str, np.ndarray], layers: int, experts: int) -> dict[str, np.ndarray]:
+    """Hub tensors with each layer's experts stacked under the converter's merged name
+    (model.layers.{i}.mlp.experts.{gate,up,down}_proj.weight: [E, O, I])."""
+    out = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for i in range(layers):
+        for w in ("gate_proj", "up_proj", "down_proj"):
+            p = f"model.layers.{i}.mlp.experts."
+            out[f"{p}{w}.weight"] = np.stack([tensors[f"{p}{j}.{w}.weight"] for j in range(experts)])
+    return out
+
+
+def encode(x: np.ndarray, qtype: Q) -> np.ndarray:
+    """x in a GGUF type: F32 / F16 as numpy arrays, the rest as gguf.quants' bytes."""
+    if qtype == Q.F32:
+        return x.astype(np.float32)
+    if qtype == Q.F16:
+        return x.astype(np.float16)
+    return gguf.quants.quantize(x.astype(np.float32), qtype)
+
+
+def write_gguf(path: Path, raw: dict, hub: dict[str, np.ndarray], types=None, arch: str = "qwen3moe",
+               metadata=None, drop=(), replace=None, split_max_tensors: int = 0) -> dict[str, np.ndarray]:
+    """A GGUF of a Hub config + (stacked) tensors; types(gguf name) -> its GGUF type (default F32; 1-D tensors
+    stay F32, as llama.cpp keeps them); metadata(writer): more keys (a tokenizer); drop: GGUF names left out;
+    replace: {GGUF name: array written instead, or added}. Returns the dequantized values written, by Hub name."""
+    n_layers = raw["num_hidden_layers"]
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
+    w.add_block_count(n_layers)
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(raw["hidden_size"])
+    w.add_feed_forward_length(raw.get("intermediate_size", 0))
+    w.add_head_count(raw["num_attention_heads"])
+    w.add_head_count_kv(raw["num_key_value_heads"])
+    w.add_key_length(raw["head_dim"])
+    w.add_value_length(raw["head_dim"])
+    w.add_rope_freq_base((raw.get("rope_parameters") or raw)["rope_theta"])
+    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    w.add_expert_count(raw.get("num_experts", raw.get("num_local_experts")))
+    w.add_expert_used_count(raw["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(raw["moe_intermediate_size"])
+    if metadata is not None:
+        metadata(w)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, n_layers)
+    written = {}
+    for name, x in hub.items():
+        g = names.get_name(name, try_suffixes=(".weight",))
+        if g in drop or g in (replace or {}):
+            continue
+        qtype = (types or (lambda _: Q.F32))(g) if x.ndim > 1 else Q.F32
+        data = encode(x, qtype)
+        w.add_tensor(g, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+        written[name] = gguf.quants.dequantize(data, qtype).reshape(x.shape)
+    for g, x in (replace or {}).items():  # in place of a tensor, or beside them
+        w.add_tensor(g, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
+
+
+def unstacked(hub: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The Hub's per-expert layout of stacked tensors (a safetensors checkpoint of the same values)."""
+    out = {}
+    for name, x in hub.items():
+        if ".mlp.experts." in name:
+            p, w = name.split(".mlp.experts.")
+            out.update({f"{p}.mlp.experts.{j}.{w}": np.ascontiguousarray(x[j]) for j in range(x.shape[0])})
+        else:
+            out[name] = np.ascontiguousarray(x)
+    return out
+
+
+def assert_same_weights(got, want) -> None:
+    """Two Weights trees leaf by leaf, exactly (dtype and values)."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(kp)
+
+
+BASE = HF_FIXTURES / "base"
+
+
+@pytest.fixture(scope="module")
+def base_hub():
+    cfg = load_config(BASE)
+    return (json.loads((BASE / "config.json").read_text()),
+            stacked(load_file(BASE / "model.safetensors"), cfg.num_layers, cfg.num_experts))
+
+
+# ---- weights and logits -------------------------------------------------------------------------------------------
+
+def test_f32_logits_equal_the_safetensors_checkpoint(tmp_path, base_hub, engine_factory, cache_dir):
+    raw, hub = base_hub
+    path = tmp_path / "base-f32.gguf"
+    write_gguf(path, raw, hub)
+    ref = engine_factory(BASE, **EXACT).prefill_logits(IDS)
+    engine = engine_factory(path, **EXACT)
+    assert engine.cfg == load_config(BASE).replace(eos_token_ids=()), "the config read from the metadata"
+    got = engine.prefill_logits(IDS)
+    assert rel_fro(got, ref) < 1e-5
+
+
+def quantized_types(g: str) -> Q:
+    """A mix as llama.cpp's quantize makes them: experts Q4_0 (down Q8_0), attention Q8_0, router F16, embeddings
+    BF16, the output Q4_1."""
+    if "_exps" in g:
+        return Q.Q8_0 if "down" in g else Q.Q4_0
+    if "gate_inp" in g:
+        return Q.F16
+    if g.startswith("token_embd"):
+        return Q.BF16
+    if g.startswith("output"):
+        return Q.Q4_1
+    return Q.Q8_0
+
+
+def test_quantized_weights_and_logits(tmp_path, base_hub, engine_factory, cache_dir, capfd):
+    """Every engine weight equals gguf.quants.dequantize of its tensor (float32, exactly), and the logits equal
+    those of a safetensors checkpoint holding the dequantized values."""
+    raw, hub = base_hub
+    path = tmp_path / "base-q.gguf"
+    written = write_gguf(path, raw, hub, types=quantized_types)
+    dequantized = tmp_path / "dequantized"
+    dequantized.mkdir()
+    (dequantized / "config.json").write_text(json.dumps(raw))
+    save_file(unstacked(written), str(dequantized / "model.safetensors"))
+
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    cfg = load_config(folder)
+    got = checkpoint.load_weights(folder, cfg, jnp.float32)
+    assert_same_weights(got, checkpoint.load_weights(dequantized, cfg, jnp.float32))
+    assert got.embed.dtype == jnp.float32 and not np.array_equal(np.asarray(got.layers[0].ffn.gate), hub["model.layers.0.mlp.experts.gate_proj.weight"])
+    # expert_dtype=int8: the dequantized experts requantized at load, as from the safetensors checkpoint
+    got8 = checkpoint.load_weights(folder, cfg, jnp.float32, expert_format="int8")
+    assert got8.layers[1].ffn.gate.dtype == jnp.int8
+    assert_same_weights(got8, checkpoint.load_weights(dequantized, cfg, jnp.float32, expert_format="int8"))
+
+    engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), **EXACT)
+    line = next(l for l in capfd.readouterr().err.splitlines() if l.startswith("gguf:"))
+    assert "experts Q4_0+Q8_0 (" in line and "-> f32 (dequantized at load)" in line, line
+    assert "router F16 (16.00 bpw) -> f32," in line and "embeddings BF16+Q4_1" in line, line
+    assert "packed formats on the device: not yet" in line, line
+    ref = engine_factory(dequantized, **EXACT).prefill_logits(IDS)
+    assert rel_fro(engine.prefill_logits(IDS), ref) < 1e-5
+
+
+K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS)
+
+
+def test_k_and_iq_types_dequantize_at_load(tmp_path, cache_dir):
+    """The K and IQ types (no quantizer in gguf-py: random blocks whose half-precision scales stay finite, bytes
+    below 0x40) load as gguf.quants.dequantize gives them; 256-wide rows, as those types need."""
+    raw = dict(json.loads((BASE / "config.json").read_text()), hidden_size=256, head_dim=128, num_attention_heads=2,
+               num_key_value_heads=1, moe_intermediate_size=256, num_local_experts=2, num_experts_per_tok=1,
+               num_hidden_layers=1)
+    hub = stacked(random_checkpoint(raw, seed=3), 1, 2)
+    rng = np.random.default_rng(5)
+    kinds = {}
+    path = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    for key, value in (("block_count", 1), ("context_length", 512), ("embedding_length", 256),
+                       ("attention.head_count", 2), ("attention.head_count_kv", 1), ("attention.key_length", 128),
+                       ("attention.layer_norm_rms_epsilon", 1e-6), ("expert_count", 2), ("expert_used_count", 1),
+                       ("expert_feed_forward_length", 256)):
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"qwen3moe.{key}", value)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, 1)
+    matrices = 0
+    for name, x in hub.items():
+        g = names.get_name(name, try_suffixes=(".weight",))
+        if x.ndim == 1:
+            w.add_tensor(g, x)
+            kinds[name] = x
+            continue
+        qtype = K_TYPES[matrices % len(K_TYPES)]  # every type at least once
+        matrices += 1
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 0x40, (*x.shape[:-1], x.shape[-1] // block * size), dtype=np.uint8)
+        w.add_tensor(g, data, raw_dtype=qtype)
+        kinds[name] = gguf.quants.dequantize(data, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    cfg = load_config(folder)
+    dequantized = tmp_path / "dequantized"
+    dequantized.mkdir()
+    (dequantized / "config.json").write_text((folder / "config.json").read_text())
+    save_file(unstacked(kinds), str(dequantized / "model.safetensors"))
+    assert_same_weights(checkpoint.load_weights(folder, cfg, jnp.float32),
+                        checkpoint.load_weights(dequantized, cfg, jnp.float32))
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    assert set(t for family in source["types"].values() for t in family) == {"F32"} | {q.name for q in K_TYPES}
+
+
+def test_tied_embeddings_and_format_lines(tmp_path, base_hub, cache_dir):
+    """No `output` tensor: the lm_head is the embedding (tie_word_embeddings), as llama.cpp reads it. The start-up
+    line with expert_dtype=int4: the dequantized experts requantized in the engine's format."""
+    raw, hub = base_hub
+    path = tmp_path / "tied.gguf"
+    write_gguf(path, raw, hub, drop=("output.weight",))
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    cfg = load_config(folder)
+    assert cfg.tie_word_embeddings
+    weights = checkpoint.load_weights(folder, cfg, jnp.float32)
+    assert weights.lm_head is None and np.array_equal(weights.embed, hub["model.embed_tokens.weight"])
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    line = gguf_file.formats_line(dict(source, types=dict(source["types"], experts={"Q4_K": [256, 144]})),
+                                  "bfloat16", "int4")
+    assert "experts Q4_K (4.50 bpw) -> int4 (requantized at load from the dequantized values)" in line, line
+    assert "attention F32 (32.00 bpw) -> bf16," in line and "(qwen3moe, 1 file)" in line, line
+
+
+def test_split_gguf_reads_every_part(tmp_path, base_hub, cache_dir):
+    raw, hub = base_hub
+    path = tmp_path / "base.gguf"
+    write_gguf(path, raw, hub, types=quantized_types, split_max_tensors=8)
+    parts = sorted(tmp_path.glob("base-*-of-*.gguf"))
+    assert len(parts) > 2, parts
+    folder = gguf_file.gguf_model_folder(parts[0], cache_dir)
+    assert json.loads((folder / gguf_file.SOURCE_FILE).read_text())["files"] == [str(p) for p in parts]
+    single = tmp_path / "single" / "base.gguf"
+    single.parent.mkdir()
+    write_gguf(single, raw, hub, types=quantized_types)
+    cfg = load_config(folder)
+    assert_same_weights(checkpoint.load_weights(folder, cfg, jnp.float32),
+                        checkpoint.load_weights(gguf_file.gguf_model_folder(single, cache_dir), cfg, jnp.float32))
+    parts[-1].unlink()
+    msg = one_line_refusal(gguf_file.gguf_model_folder, parts[0], cache_dir)
+    assert parts[-1].name in msg and "missing" in msg, msg
+
+
+# ---- the tokenizer ------------------------------------------------------------------------------------------------
+
+QWEN2_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN2_USER = ["<think>", "</think>"]  # Qwen3's added tokens that are not special
+TEXTS = [
+    "Hello, world! It's a test: don't we'll I'd they're.",
+    "我想在apple工作1314151天～ 你好，世界。中文分词测试",
+    "emoji 🚀🦙 😶‍🌫️ ✅ and flags 🇫🇷",
+    "def f(x):\n    return x ** 2  # square\n\n\nclass A:\n\tpass\n",
+    "   leading and    runs   of   spaces\t\t\ttabs\n\n\n\n  \n",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nok<|endoftext|>",
+    "Ünïcödé café naïve Å (NFC: e\u0301 vs é) 3.14159 1234567 ---====",
+]
+
+
+def qwen2_style_tokenizer() -> Tokenizer:
+    """A small BPE with Qwen2's tokenizer.json pipeline (NFC, its split regex, byte level), trained here."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(gguf_file.QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([t for t in TEXTS for _ in range(3)] + [Path(gguf_file.__file__).read_text()],
+                            trainer)
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN2_SPECIAL])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in QWEN2_USER])
+    return tok
+
+
+def tokenizer_metadata(hf_folder: Path, vocab_size: int):
+    """convert_hf_to_gguf's _set_vocab_gpt2 over a tokenizer.json folder: tokens and types as get_vocab_base makes
+    them (added tokens CONTROL when special or <|...|>, else USER_DEFINED; [PAD{i}] up to vocab_size), merges,
+    special ids and the chat template through gguf's own SpecialVocab."""
+    tok = Tokenizer.from_file(str(hf_folder / "tokenizer.json"))
+    reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    added = tok.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            t = reverse[i]
+            tokens.append(t)
+            types.append(gguf.TokenType.CONTROL if added[i].special or (t.startswith("<|") and t.endswith("|>"))
+                         else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.NORMAL)
+
+    def add(w: gguf.GGUFWriter):
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        gguf.SpecialVocab(hf_folder, load_merges=True).add_to_gguf(w, quiet=True)
+    return add
+
+
+CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                 "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_tokenizer_gives_the_hf_ids(tmp_path, base_hub, cache_dir):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tok = qwen2_style_tokenizer()
+    tok.save(str(hf / "tokenizer.json"))
+    im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    (hf / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT_TEMPLATE,
+         "add_bos_token": False}))
+    (hf / "config.json").write_text(json.dumps({"bos_token_id": eot, "eos_token_id": im_end}))
+    raw, hub = base_hub
+    vocab = tok.get_vocab_size() + 5  # the model's vocabulary is larger than the tokenizer's, as Qwen's is
+    raw = dict(raw, vocab_size=vocab)
+    hub = dict(hub, **{k: np.resize(hub[k], (vocab, hub[k].shape[1]))
+                       for k in ("model.embed_tokens.weight", "lm_head.weight")})
+    path = tmp_path / "tok.gguf"
+    write_gguf(path, raw, hub, metadata=tokenizer_metadata(hf, vocab))
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    ours = load_tokenizer(folder)
+    for text in TEXTS:
+        assert ours.encode(text).ids == tok.encode(text).ids, text
+        assert ours.decode(tok.encode(text).ids, skip_special_tokens=False) == \
+            tok.decode(tok.encode(text).ids, skip_special_tokens=False)
+    assert tok.encode(TEXTS[5]).ids.count(tok.token_to_id("<think>")) == 1  # user-defined tokens stay whole
+    assert json.loads((folder / "config.json").read_text())["eos_token_id"] == im_end
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [im_end, eot]
+    from strata_jax.io.chat import load_chat_template
+    template = load_chat_template(folder)
+    assert template.source == CHAT_TEMPLATE
+    assert template.special_tokens["eos_token"] == "<|im_end|>" and template.special_tokens["pad_token"] == \
+        "<|endoftext|>"
+
+
+# ---- refusals -----------------------------------------------------------------------------------------------------
+
+def refused(path, cache_dir) -> str:
+    return one_line_refusal(Engine.from_pretrained, path, verbose=False, cache_dir=str(cache_dir), **EXACT)
+
+
+def test_refusals(tmp_path, base_hub, cache_dir):
+    raw, hub = base_hub
+    for arch in ("llama", "qwen3next"):
+        path = tmp_path / f"{arch}.gguf"
+        write_gguf(path, raw, {"model.norm.weight": hub["model.norm.weight"]}, arch=arch)
+        msg = refused(path, cache_dir)
+        assert f"GGUF architecture {arch!r} is not supported (supported: 'qwen3moe')" in msg, msg
+    assert "regroups its DeltaNet projections" in msg, msg
+
+    path = tmp_path / "missing.gguf"
+    write_gguf(path, raw, hub, drop=("blk.1.ffn_up_exps.weight",))
+    msg = refused(path, cache_dir)
+    assert "'blk.1.ffn_up_exps.weight'" in msg and "missing" in msg, msg
+
+    def extra(*pairs):
+        def add(w):
+            for key, value in pairs:
+                w.add_string(key, value)
+        return add
+    path = tmp_path / "yarn.gguf"
+    write_gguf(path, raw, hub, metadata=extra(("qwen3moe.rope.scaling.type", "yarn")))
+    msg = refused(path, cache_dir)
+    assert "rope scaling 'yarn' (rope.scaling.type) is not supported" in msg, msg
+    path = tmp_path / "spm.gguf"
+    write_gguf(path, raw, hub, metadata=extra(("tokenizer.ggml.model", "llama"), ("tokenizer.ggml.pre", "default")))
+    msg = refused(path, cache_dir)
+    assert "tokenizer 'llama' with pre-tokenizer 'default' is not supported" in msg, msg
+
+    path = tmp_path / "blocks.gguf"
+    write_gguf(path, dict(raw, num_hidden_layers=3), hub)
+    msg = refused(path, cache_dir)
+    assert "block_count is 3, but the GGUF holds tensors of 2 blocks (blk.0..blk.1)" in msg, msg
+
+    path = tmp_path / "shape.gguf"
+    write_gguf(path, raw, hub, replace={"blk.1.attn_k.weight": np.zeros((65, 64), np.float32)})
+    msg = refused(path, cache_dir)
+    assert "GGUF tensor 'blk.1.attn_k.weight' has shape [65, 64] (numpy order), expected [64, 64]" in msg, msg
+
+    path = tmp_path / "shexp.gguf"
+    write_gguf(path, raw, hub, replace={"blk.0.ffn_gate_shexp.weight": np.zeros((8, 64), np.float32)})
+    msg = refused(path, cache_dir)
+    assert "GGUF tensor 'blk.0.ffn_gate_shexp.weight' is not part of a qwen3moe model" in msg, msg
+
+    path = tmp_path / "int.gguf"
+    q = hub["model.layers.0.self_attn.q_proj.weight"]
+    write_gguf(path, raw, hub, replace={"blk.0.attn_q.weight": np.zeros(q.shape, np.int32)})
+    msg = refused(path, cache_dir)
+    assert "'blk.0.attn_q.weight' has type I32, which this engine does not read" in msg, msg
+
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    for name in ("junk.gguf", "cut.gguf"):
+        msg = refused(tmp_path / name, cache_dir)
+        assert f"cannot read GGUF file {tmp_path / name} (cut short, damaged or not a GGUF file)" in msg, msg
+    msg = refused(tmp_path / "absent.gguf", cache_dir)
+    assert "absent.gguf does not exist" in msg, msg
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+
+def byte_level_metadata(w: gguf.GGUFWriter) -> None:
+    """The embedded model's tokenizer (byte value = id, <|endoftext|> 256) as Qwen2-style GGUF metadata."""
+    from strata_jax.io.tokenizer import bytes_to_unicode
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([bytes_to_unicode()[b] for b in range(256)] + ["<|endoftext|>"])
+    w.add_token_types([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL])
+    w.add_token_merges([])
+    w.add_eos_token_id(256)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def test_cli_decodes_a_gguf(tmp_path, cache_dir, engine_factory):
+    """The embedded tiny model's shape (the CLI tests' compiled graphs) as a Q8_0 GGUF with a tokenizer: the CLI
+    says the types, decodes text and saves the state, which restores the same model."""
+    raw = json.loads((CONFIGS_DIR / "tiny.json").read_text())
+    hub = stacked(random_checkpoint(raw, seed=0), raw["num_hidden_layers"], raw["num_experts"])
+    path = tmp_path / "tiny-q8.gguf"
+    write_gguf(path, raw, hub, types=lambda g: Q.Q8_0, metadata=byte_level_metadata)
+    state = tmp_path / "state"
+    out = run_cli([f"--model={path}", "--prompt=def fib(n):", "--max_new_tokens=6", "--dtype=float32",
+                   "--expert_cache_slots=all", f"--save_state={state}"], cache_dir)
+    err = out.stderr.decode()
+    assert out.returncode == 0, err
+    assert "gguf: " in err and "experts Q8_0 (8.50 bpw) -> f32 (dequantized at load)" in err, err
+    assert "loading: layer 3/3" in err, err
+    assert out.stdout.startswith(b"def fib(n):") and len(out.stdout) > len(b"def fib(n):"), out.stdout
+    # --save_state of a GGUF engine: the converted weights, the tokenizer and the chat template come back
+    restored = engine_factory(state, **EXACT)
+    engine = engine_factory(path, **EXACT)
+    assert restored.chat_template.source == CHAT_TEMPLATE and restored.encode("def") == list(b"def")
+    ids = restored.encode("def fib(n):\n    return")
+    assert np.array_equal(restored.prefill_logits(ids), engine.prefill_logits(ids))
