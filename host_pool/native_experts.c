@@ -562,19 +562,30 @@ static inline int dot16_pays(int fmt, int nt) { return !(fmt == FMT_INT8 && nt =
 /* Rows per dot16 call: 4 for up to 2 tokens, else 2 (the accumulators and a row's weights stay in registers) */
 static inline int dot16_rows_for(int nt, long rows_left) { return nt <= 2 && rows_left >= 4 ? 4 : rows_left >= 2 ? 2 : 1; }
 
-/* rows [count, n] float32 -> bf16 [count, padded(n)] at `position`, zero padding; 0 if a value is not exactly
-   bf16 (then `out` is partly written). */
+/* rows [count, n] float32 -> bf16 [count, padded(n)] at `position` (NULL: in order), zero padding; 0 if a value is
+   not exactly bf16 (then `out` is partly written). 16 values a step (T = 16, H = 2048: 18 us one value a step). */
 static int bf16_copy(const float *rows, long count, long n, const int32_t *position, uint16_t *out)
 {
     const long width = padded(n);
     memset(out, 0, (size_t)(count * width) * sizeof *out);
-    for (long r = 0; r < count; r++)
-        for (long k = 0; k < n; k++) {
-            uint32_t bits;
-            memcpy(&bits, rows + r * n + k, sizeof bits);
-            if (bits & 0xffffu) return 0;
-            out[r * width + position[k]] = (uint16_t)(bits >> 16);
+    const __m512i low_bits = _mm512_set1_epi32(0xffff);
+    for (long r = 0; r < count; r++) {
+        const float *row = rows + r * n;
+        uint16_t *to = out + r * width;
+        for (long k = 0; k < n; k += 16) {
+            const __mmask16 live = n - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - k)) - 1);
+            const __m512i bits = _mm512_maskz_loadu_epi32(live, row + k);
+            if (_mm512_test_epi32_mask(bits, low_bits)) return 0;
+            const __m256i high = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+            if (!position) {
+                _mm256_mask_storeu_epi16(to + k, live, high);
+            } else {
+                uint16_t values[16];
+                _mm256_storeu_si256((__m256i *)values, high);
+                for (long j = 0; j < 16 && k + j < n; j++) to[position[k + j]] = values[j];
+            }
         }
+    }
     return 1;
 }
 #endif
@@ -604,7 +615,7 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
         x16 = malloc((size_t)(tokens * padded(H)) * sizeof *x16);
         if (x_position && x16) {
             dot16_positions(fmt, H, group / 2, x_position);
-            if (!bf16_copy(x, tokens, H, x_position, x16)) { free(x16); x16 = NULL; }
+            if (!bf16_copy(x, tokens, H, fmt == FMT_INT4 ? x_position : NULL, x16)) { free(x16); x16 = NULL; }
         } else {
             free(x16);
             x16 = NULL;
