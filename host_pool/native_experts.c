@@ -23,7 +23,16 @@
    Measured (benchmarks/results/cpu-2026-12-04-pool-kernel.md, a 2-core AVX-512 VM): per 16 weights and token every
    format costs about 3 vector ops (widen, convert or look up, FMA), so int8 and int4 gain by reading fewer bytes
    only while their arithmetic stays under the memory's time; the int4 loop before the table had a 64-bit division
-   per group and its accumulators in memory, and took 1.6x its present time on weights in cache. */
+   per group and its accumulators in memory, and took 1.6x its present time on weights in cache.
+
+   The bf16 path (AVX-512 BF16 builds; see dot16_rows_nt, dot16_int4_nt): where x's values are all exactly bf16 (a
+   bf16 model's device sends them so) phase 1, and where h is rounded to bf16 phase 2, multiply bf16 pairs with
+   vdpbf16ps instead: 32 products an instruction, each exact as the float path's (the weights are exact in bf16 too),
+   summed in float32 in another order. int4 then decodes 128 weights per 64-byte load (3 shifts, 4 permutes) and
+   scales per block; 2 to 4 rows share each read of x. Measured on the 2-core EPYC (Zen 4), one thread, weights in
+   cache, per core cycle: int4 T=1 ~9-11 weights (float path ~5.5-7), T=4 ~3-4 (~2-2.6); bf16 T=1 ~9-13 (~6-7),
+   T=4 ~5.5 (~2.2); int8 T=4 ~3-3.8 (~2.2-2.5), while int8 T=1 keeps the float path (dot16_pays).
+   benchmarks/results/cpu-2026-12-05-pool-kernels.md has the figures. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -649,7 +658,7 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
             for (long j0 = unit_start[u]; j0 < unit_start[u + 1]; j0 += TOKENS) {
                 const int nt = unit_start[u + 1] - j0 < TOKENS ? (int)(unit_start[u + 1] - j0) : TOKENS;
                 const float *xs[TOKENS];
-                const uint16_t *x16s[TOKENS];
+                const uint16_t *x16s[TOKENS];  /* NULL without BF16_DOT */
                 for (int t = 0; t < nt; t++) {
                     xs[t] = x + entry_token[j0 + t] * H;
                     x16s[t] = x16 ? x16 + entry_token[j0 + t] * padded(H) : NULL;
