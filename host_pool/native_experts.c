@@ -188,6 +188,17 @@ static inline float scalar_weight(int fmt, const void *row, long k)
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 3
 #endif
+/* The bf16 path's: `bytes` at `at` + `distance` * PREFETCH_CALLS (its rows are read side by side, so
+   PREFETCH_BYTES ahead of one lies in another being read; the caller passes the distance to the same place a call
+   ahead). */
+#ifndef PREFETCH_CALLS
+#define PREFETCH_CALLS 2
+#endif
+static inline __attribute__((always_inline)) void prefetch_at(const char *at, const long distance, const long bytes)
+{
+    if (PREFETCH_BYTES > 0)
+        for (long b = 0; b < bytes; b += 64) __builtin_prefetch(at + distance * PREFETCH_CALLS + b, 0, PREFETCH_LOCALITY);
+}
 static inline __attribute__((always_inline)) void prefetch_ahead(const char *at, const long bytes)
 {
     if (PREFETCH_BYTES > 0)
@@ -415,7 +426,7 @@ static inline __attribute__((always_inline)) __m512bh dot16_weights(int fmt, con
 /* out[r * TOKENS + t] = rows[r] . xs[t] for R rows of n (bf16 x, natural order, padded): bf16 or int8 weights
    (int8 unscaled). R rows at once share each load of x and the loop's overhead. */
 #define UNROLL16(NT) ((NT) == 1 ? 2 : 1)
-static inline __attribute__((always_inline)) void dot16_rows_nt(int fmt, const void *const *rows, long n,
+static inline __attribute__((always_inline)) void dot16_rows_nt(int fmt, const void *const *rows, long n, long ahead,
                                                                 const uint16_t *const *xs, float *out, const int NT,
                                                                 const int R)
 {
@@ -427,7 +438,7 @@ static inline __attribute__((always_inline)) void dot16_rows_nt(int fmt, const v
     long k = 0;
     for (; k + U * 32 <= n; k += U * 32) {
         _Pragma("GCC unroll 16")
-        for (int r = 0; r < R; r++) prefetch_ahead((const char *)rows[r] + k * itemsize, U * 32 * itemsize);
+        for (int r = 0; r < R; r++) prefetch_at((const char *)rows[r] + k * itemsize, ahead, U * 32 * itemsize);
         _Pragma("GCC unroll 16")
         for (int u = 0; u < U; u++) {
             __m512bh w[MAX_ROWS];
@@ -466,7 +477,8 @@ static inline __attribute__((always_inline)) void dot16_rows_nt(int fmt, const v
    scales [n/(2 half)] per row. Per block and token the four products go in two chains (vdpbf16ps waits 8 cycles on
    its accumulator here), added, then scaled into the row's sum. */
 static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *const *packed,
-                                                                const float *const *scales, long n, long half,
+                                                                const float *const *scales, long n, long ahead,
+                                                                long half,
                                                                 const uint16_t *const *xs, float *out, const int NT,
                                                                 const int R)
 {
@@ -486,7 +498,7 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
         _Pragma("GCC unroll 16")
         for (int r = 0; r < R; r++) {  /* row by row: its four weight registers are used up before the next row's */
             __m512 scale;
-            prefetch_ahead((const char *)packed[r] + at, 64);
+            prefetch_at((const char *)packed[r] + at, ahead, 64);
             const __m512i w = bytes - at >= 64 ? _mm512_loadu_si512(packed[r] + at)
                                                : _mm512_maskz_loadu_epi8(((__mmask64)1 << (bytes - at)) - 1,
                                                                          packed[r] + at);
@@ -533,9 +545,10 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
     case 3: CALL(3, R); break;                                                                                    \
     default: CALL(4, R); break;                                                                                   \
     }
-/* out[r * TOKENS + t] = row r of (matrix ms[r], expert es[r], row rs[r]) . xs[t] for R = 1, 2 or 4 rows, scaled */
-static void dot16_matrix_rows(int fmt, long group, int R, const matrix *const *ms, const long *es, const long *rs,
-                              const uint16_t *const *xs, int nt, float *out)
+/* out[r * TOKENS + t] = row r of (matrix ms[r], expert es[r], row rs[r]) . xs[t] for R = 1, 2 or 4 rows, scaled.
+   `ahead`: how many rows of its matrix the next call starts ahead of each row (the rows prefetched meanwhile). */
+static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matrix *const *ms, const long *es,
+                              const long *rs, const uint16_t *const *xs, int nt, float *out)
 {
     long row[MAX_ROWS];
     const long n = ms[0]->n;
@@ -547,14 +560,14 @@ static void dot16_matrix_rows(int fmt, long group, int R, const matrix *const *m
             packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
             scales[r] = ms[r]->scales + row[r] * (n / group);
         }
-#define INT4_CALL(NT, R) dot16_int4_nt(packed, scales, n, group / 2, xs, out, NT, R)
+#define INT4_CALL(NT, R) dot16_int4_nt(packed, scales, n, ahead * (n / 2), group / 2, xs, out, NT, R)
         DOT16_ROWS(INT4_CALL)
         return;
     }
     const void *weights[MAX_ROWS];
     for (int r = 0; r < R; r++) weights[r] = (const char *)ms[r]->weights + row[r] * n * (fmt == FMT_BF16 ? 2 : 1);
-#define BF16_CALL(NT, R) dot16_rows_nt(FMT_BF16, weights, n, xs, out, NT, R)
-#define INT8_CALL(NT, R) dot16_rows_nt(FMT_INT8, weights, n, xs, out, NT, R)
+#define BF16_CALL(NT, R) dot16_rows_nt(FMT_BF16, weights, n, ahead * n * 2, xs, out, NT, R)
+#define INT8_CALL(NT, R) dot16_rows_nt(FMT_INT8, weights, n, ahead * n, xs, out, NT, R)
     if (fmt == FMT_BF16) {
         DOT16_ROWS(BF16_CALL)
     } else {
@@ -569,7 +582,14 @@ static void dot16_matrix_rows(int fmt, long group, int R, const matrix *const *m
 static inline int dot16_pays(int fmt, int nt) { return !(fmt == FMT_INT8 && nt == 1); }
 
 /* Rows per dot16 call: 4 for up to 2 tokens, else 2 (the accumulators and a row's weights stay in registers) */
-static inline int dot16_rows_for(int nt, long rows_left) { return nt <= 2 && rows_left >= 4 ? 4 : rows_left >= 2 ? 2 : 1; }
+#ifndef BF16_ROWS
+#define BF16_ROWS 1
+#endif
+static inline int dot16_rows_for(int fmt, int nt, long rows_left)
+{
+    const int most = fmt == FMT_BF16 ? BF16_ROWS : 4;
+    return nt <= 2 && rows_left >= 4 && most >= 4 ? 4 : rows_left >= 2 && most >= 2 ? 2 : 1;
+}
 
 /* rows [count, n] float32 -> bf16 [count, padded(n)] at `position` (NULL: in order), zero padding; 0 if a value is
    not exactly bf16 (then `out` is partly written). 16 values a step (T = 16, H = 2048: 18 us one value a step). */
@@ -669,10 +689,10 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
                     long count = 1;
 #ifdef BF16_DOT
                     if (x16 && dot16_pays(fmt, nt)) {  /* gate and up rows together: one read of x for all */
-                        count = dot16_rows_for(nt, 2 * (i1 - i)) / 2;
+                        count = dot16_rows_for(fmt, nt, 2 * (i1 - i)) >= 4 ? 2 : 1;
                         const matrix *const ms[MAX_ROWS] = {&mg, &mu, &mg, &mu};
                         const long es[MAX_ROWS] = {e, e, e, e}, rs[MAX_ROWS] = {i, i, i + 1, i + 1};
-                        dot16_matrix_rows(fmt, group, (int)(2 * count), ms, es, rs, x16s, nt, gu);
+                        dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, x16s, nt, gu);
                     } else
 #endif
                     {
@@ -717,11 +737,11 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
                         int R = 1;
 #ifdef BF16_DOT
                         if (h16 && dot16_pays(fmt, nt)) {  /* several rows at once: one read of h for all */
-                            R = dot16_rows_for(nt, r1 - r);
+                            R = dot16_rows_for(fmt, nt, r1 - r);
                             const matrix *const ms[MAX_ROWS] = {&md, &md, &md, &md};
                             const long e = unit_expert[u], es[MAX_ROWS] = {e, e, e, e};
                             const long rs[MAX_ROWS] = {r, r + 1, r + 2, r + 3};
-                            dot16_matrix_rows(fmt, group, R, ms, es, rs, h16s, nt, y);
+                            dot16_matrix_rows(fmt, group, R, R, ms, es, rs, h16s, nt, y);
                         } else
 #endif
                             dot_matrix_row(fmt, group, &md, unit_expert[u], r, hs, nt, y);
