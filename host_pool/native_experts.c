@@ -29,10 +29,11 @@
    bf16 model's device sends them so) phase 1, and where h is rounded to bf16 phase 2, multiply bf16 pairs with
    vdpbf16ps instead: 32 products an instruction, each exact as the float path's (the weights are exact in bf16 too),
    summed in float32 in another order. int4 then decodes 128 weights per 64-byte load (3 shifts, 4 permutes) and
-   scales per block; 2 to 4 rows share each read of x. Measured on the 2-core EPYC (Zen 4), one thread, weights in
-   cache, per core cycle: int4 T=1 ~9-11 weights (float path ~5.5-7), T=4 ~3-4 (~2-2.6); bf16 T=1 ~9-13 (~6-7),
-   T=4 ~5.5 (~2.2); int8 T=4 ~3-3.8 (~2.2-2.5), while int8 T=1 keeps the float path (dot16_pays).
-   benchmarks/results/cpu-2026-12-05-pool-kernels.md has the figures. */
+   scales per block; 2 to 4 rows share each read of x (bf16's phase 2: one row a call, BF16_ROWS, as a single
+   stream read fastest from DRAM), prefetched a call ahead (PREFETCH_CALLS). int8 with one token keeps the float path
+   (dot16_pays): widening int8 to bf16 costs what the bf16 products save. Measured on the 2-core EPYC (Zen 4), one
+   thread, one expert (H 2048, I 768) recomputed from cache: int4 T=1 31-32 G weights/s (float path ~21), T=4 12-13
+   (6.5-7.8); bf16 T=4 12-13 (6-7); int8 T=4 11.4 (7-8). benchmarks/results/cpu-2026-12-05-pool-kernels.md. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -683,6 +684,7 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
                     xs[t] = x + entry_token[j0 + t] * H;
                     x16s[t] = x16 ? x16 + entry_token[j0 + t] * padded(H) : NULL;
                 }
+                (void)x16s;  /* unused without BF16_DOT */
                 for (long i = i0; i < i1;) {
                     /* gate and up of `count` rows: gu[(2 c) * TOKENS + t] gate, gu[(2 c + 1) * TOKENS + t] up */
                     float gu[MAX_ROWS * TOKENS];
@@ -732,6 +734,7 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
                         hs[t] = h + (j0 + t) * I;
                         h16s[t] = h16 ? h16 + (j0 + t) * padded(I) : NULL;
                     }
+                    (void)h16s;
                     for (long r = r0; r < r1; r++) {
                         float y[MAX_ROWS * TOKENS];
                         int R = 1;
