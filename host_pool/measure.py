@@ -2,6 +2,7 @@
 
     python -m strata_jax.host_pool.measure [--threads N] [--experts 8] [--formats bf16,int8,int4] [--paths C,numpy]
                                 [--read_mb 2048] [--variants "default PREFETCH_BYTES=0 ROWS_UP=64,ROWS_DOWN=32"]
+                                [--x bf16|float32] [--hot-intermediate -1]
 
 One row per format, path and window size T: ms per layer job, ms per expert (the job's wall time / its experts),
 GB/s = expert weight bytes read (q and scales for int8 / int4) / wall time, that GB/s as a share of the machine's
@@ -12,6 +13,12 @@ of 5; the one-thread `np.copyto` rate is printed beside it. Path "C" is the expe
 a larger store (--store-experts) so weights come from DRAM, not cache. int8 and int4 weights are random q and scales
 (the arithmetic's speed does not depend on their values). --variants: path "C" once per build of the kernel, each
 with its -D macros (comma-separated; "default": none), side by side; "vs bf16" compares with bf16 of the same build.
+x: rounded to bf16 by default, as a bf16 model's device sends it (the C kernel takes bf16 dot products where x is
+exactly bf16, else float32 ones; --x float32 measures the latter).
+
+Then the compute ceiling of path C ("hot cache"): one thread, one expert (H x --hot-intermediate, default
+the layer's I) computed 8 times per call (so its weights stay in the core's L2 / L3: 2.4 MB int4, 9.4 MB bf16), G weights/s per core = 3 * H * I * 8 / the call's time, best
+of 5, and weights per cycle at the clock /proc/cpuinfo reports (nominal: a boosting core runs faster).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from .store import BF16, HostExpertStore
 FORMATS = ("float32", "bf16", "bf16-f32-once", "int8", "int4")
 PATHS = ("C", "numpy")
 INT4_GROUP = 64  # strata_jax/model/quant.py "int4"
+X_DTYPE = BF16  # x's values (--x)
 
 
 def copy_gbps(nbytes: int, repeats: int) -> float:
@@ -64,7 +72,7 @@ def read_gbps(nbytes: int, threads: int, repeats: int = 5) -> float | None:
 def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int, rounds: int = 3):
     """Best round of `repeats` layer jobs: (ms per job, GB/s, thread jobs per layer job)."""
     store_experts = pool.store.num_experts(0)
-    x = rng.standard_normal((T, H), dtype=np.float32)  # [T, H]
+    x = rng.standard_normal((T, H), dtype=np.float32).astype(X_DTYPE).astype(np.float32)  # [T, H]
     pool.compute(0, x, np.arange(n_experts), np.ones((T, n_experts), np.float32))  # warm up
     best = None
     for _ in range(rounds):  # best of rounds: this shared VM is noisy
@@ -78,6 +86,45 @@ def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int, 
             best = stats
     return (best.wall_seconds / best.calls * 1e3, best.bytes_read / best.wall_seconds / 1e9,
             best.jobs // best.calls)
+
+
+def hot_rate(kernel, store: HostExpertStore, T: int, x_dtype, rng, units: int = 8, seconds: float = 0.2) -> float:
+    """G weights/s of one thread computing `units` times the store's expert 0 (weights hot after the first) for T
+    tokens in one kernel call (pool.py's _run_native arguments), best of 5 timings of >= `seconds` each."""
+    H, I = store.hidden_size(0), store.intermediate_size(0)
+    x = rng.standard_normal((T, H), dtype=np.float32).astype(x_dtype).astype(np.float32)  # [T, H]
+    experts = np.zeros(units, np.int64)
+    unit_start = np.arange(units + 1, dtype=np.int64) * T
+    entry_token = np.tile(np.arange(T, dtype=np.int64), units)
+    entry_weight = np.full(units * T, 1.0 / units, np.float32)
+    h = np.empty((units * T, I), np.float32)
+    out = np.zeros((T, H), np.float32)
+    scales = [getattr(store, name)[0] for name in ("gate_scale", "up_scale", "down_scale")]
+    group = 0 if store.format != "int4" else H // scales[0].shape[2]
+    ptr = lambda a: 0 if a is None else a.ctypes.data
+    args = (pool_module._FORMAT_CODES[store.format], int(store.compute_dtype == BF16), H, I, group,
+            *map(ptr, (store.gate[0], store.up[0], store.down[0], *scales, x)), units, *map(ptr, (
+                experts, unit_start, entry_token, entry_token, entry_weight, h, out)), 1)
+    kernel.job(*args)  # warm up: weights into cache
+    best = float("inf")
+    for _ in range(5):
+        calls, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < seconds or calls == 0:
+            kernel.job(*args)
+            calls += 1
+        best = min(best, elapsed / calls)
+    return 3 * H * I * units / best / 1e9
+
+
+def cpu_ghz() -> float | None:
+    """The clock /proc/cpuinfo reports for the first core (GHz), or None."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("cpu MHz"):
+                return float(line.split(":")[1]) / 1e3
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def make_store(fmt: str, rng, E: int, H: int, I: int) -> tuple[str, HostExpertStore]:
@@ -117,11 +164,17 @@ def main() -> None:
     parser.add_argument("--formats", default="bf16,int8,int4", help=f"comma-separated, of {', '.join(FORMATS)}")
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of C (the expert kernel), numpy")
     parser.add_argument("--read_mb", type=int, default=2048, help="array size of the read-bandwidth probe")
+    parser.add_argument("--x", default="bf16", choices=("bf16", "float32"),
+                        help="x's values: rounded to bf16 (as a bf16 model's device sends them) or float32")
+    parser.add_argument("--hot-intermediate", type=int, default=-1,
+                        help="I of the hot-cache expert (H is --hidden); -1: --intermediate; 0: no hot-cache rows")
     parser.add_argument("--variants", default="default",
                         help='space-separated builds of path C: "default" or comma-separated -D macros of '
                              'native_experts.c, e.g. "default PREFETCH_BYTES=0 ROWS_UP=64,ROWS_DOWN=32"')
     args = parser.parse_args()
     pool_module.JOBS_PER_THREAD = args.jobs_per_thread
+    global X_DTYPE
+    X_DTYPE = BF16 if args.x == "bf16" else np.float32
     store_module.CHUNK_FLOATS = args.chunk_kb * 1024 // 4
 
     formats, paths = args.formats.split(","), args.paths.split(",")
@@ -184,6 +237,26 @@ def main() -> None:
             native.experts_kernel = default_kernel
         del store
     os.environ[native.ENV] = switch
+    if "C" in args.paths.split(",") and args.hot_intermediate != 0:
+        hot_rows(args, kernels, formats, windows, rng)
+
+
+def hot_rows(args, kernels: dict, formats: list, windows: list, rng) -> None:
+    """The hot-cache compute ceiling of each path-C build and format (see the module's doc)."""
+    H, ghz = args.hidden, cpu_ghz()
+    I = args.intermediate if args.hot_intermediate < 0 else args.hot_intermediate
+    print(f"hot cache: 1 thread, one expert of H={H} I={I} computed 8 times per call; G weights/s per core "
+          f"(weights/cycle at {ghz or 0:.2f} GHz nominal)")
+    print(f"{'store format':20s} {'path':20s} {'KB':>6s} " + " ".join(f"{'T=' + str(T):>16s}" for T in windows))
+    for fmt in formats:
+        name, store = make_store(fmt, rng, 1, H, I)
+        for path, kernel in kernels.items():
+            kernel = kernel or native.experts_kernel()
+            if kernel is None:
+                continue
+            rates = [hot_rate(kernel, store, T, X_DTYPE, rng) for T in windows]
+            cells = " ".join(f"{r:7.2f} ({r / ghz:5.2f}/c)" if ghz else f"{r:16.2f}" for r in rates)
+            print(f"{name:20s} {path:20s} {store.nbytes(0, 0) / 1e3:6.0f} {cells}", flush=True)
 
 
 if __name__ == "__main__":

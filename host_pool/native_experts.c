@@ -23,9 +23,20 @@
    Measured (benchmarks/results/cpu-2026-12-04-pool-kernel.md, a 2-core AVX-512 VM): per 16 weights and token every
    format costs about 3 vector ops (widen, convert or look up, FMA), so int8 and int4 gain by reading fewer bytes
    only while their arithmetic stays under the memory's time; the int4 loop before the table had a 64-bit division
-   per group and its accumulators in memory, and took 1.6x its present time on weights in cache. */
+   per group and its accumulators in memory, and took 1.6x its present time on weights in cache.
+
+   The bf16 path (AVX-512 BF16 builds; see dot16_rows_nt, dot16_int4_nt): where x's values are all exactly bf16 (a
+   bf16 model's device sends them so) phase 1, and where h is rounded to bf16 phase 2, multiply bf16 pairs with
+   vdpbf16ps instead: 32 products an instruction, each exact as the float path's (the weights are exact in bf16 too),
+   summed in float32 in another order. int4 then decodes 128 weights per 64-byte load (3 shifts, 4 permutes) and
+   scales per block; 2 to 4 rows share each read of x (bf16's phase 2: one row a call, BF16_ROWS, as a single
+   stream read fastest from DRAM), prefetched a call ahead (PREFETCH_CALLS). int8 with one token keeps the float path
+   (dot16_pays): widening int8 to bf16 costs what the bf16 products save. Measured on the 2-core EPYC (Zen 4), one
+   thread, one expert (H 2048, I 768) recomputed from cache: int4 T=1 31-32 G weights/s (float path ~21), T=4 12-13
+   (6.5-7.8); bf16 T=4 12-13 (6-7); int8 T=4 11.4 (7-8). benchmarks/results/cpu-2026-12-05-pool-kernels.md. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -178,6 +189,17 @@ static inline float scalar_weight(int fmt, const void *row, long k)
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 3
 #endif
+/* The bf16 path's: `bytes` at `at` + `distance` * PREFETCH_CALLS (its rows are read side by side, so
+   PREFETCH_BYTES ahead of one lies in another being read; the caller passes the distance to the same place a call
+   ahead). */
+#ifndef PREFETCH_CALLS
+#define PREFETCH_CALLS 2
+#endif
+static inline __attribute__((always_inline)) void prefetch_at(const char *at, const long distance, const long bytes)
+{
+    if (PREFETCH_BYTES > 0)
+        for (long b = 0; b < bytes; b += 64) __builtin_prefetch(at + distance * PREFETCH_CALLS + b, 0, PREFETCH_LOCALITY);
+}
 static inline __attribute__((always_inline)) void prefetch_ahead(const char *at, const long bytes)
 {
     if (PREFETCH_BYTES > 0)
@@ -193,14 +215,17 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const char *at,
 #define DOT_LOOP(WIDEN, ITEMSIZE)                                                                                 \
     for (; k + U * VL <= n; k += U * VL) {                                                                      \
         prefetch_ahead((const char *)row + k * (ITEMSIZE), U * VL * (ITEMSIZE));                               \
+        _Pragma("GCC unroll 16")                                                                                \
         for (int u = 0; u < U; u++) {                                                                           \
             const long at = k + u * VL;                                                                         \
             const vf w = WIDEN(at);                                                                             \
+            _Pragma("GCC unroll 16")                                                                            \
             for (int t = 0; t < NT; t++) acc[u * NT + t] = v_fma(w, v_load(xs[t] + at), acc[u * NT + t]);       \
         }                                                                                                       \
     }                                                                                                           \
     for (; k + VL <= n; k += VL) {                                                                              \
         const vf w = WIDEN(k);                                                                                  \
+        _Pragma("GCC unroll 16")                                                                                \
         for (int t = 0; t < NT; t++) acc[t] = v_fma(w, v_load(xs[t] + k), acc[t]);                              \
     }
 #define W_F32(at) v_load((const float *)row + (at))
@@ -211,6 +236,7 @@ static inline __attribute__((always_inline)) void dot_rows_nt(int fmt, const voi
 {
     const int U = UNROLL(NT);
     vf acc[4 * TOKENS];
+    _Pragma("GCC unroll 16")
     for (int a = 0; a < U * NT; a++) acc[a] = v_zero();
     long k = 0;
     if (fmt == FMT_F32) {
@@ -220,8 +246,10 @@ static inline __attribute__((always_inline)) void dot_rows_nt(int fmt, const voi
     } else {
         DOT_LOOP(W_INT8, 1)
     }
+    _Pragma("GCC unroll 16")
     for (int t = 0; t < NT; t++) {
         vf total = acc[t];
+        _Pragma("GCC unroll 16")
         for (int u = 1; u < U; u++) total += acc[u * NT + t];
         float s = v_sum(total);
         for (long m = k; m < n; m++) s += scalar_weight(fmt, row, m) * xs[t][m];
@@ -239,6 +267,7 @@ static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t
                                                                    float *out, const int NT)
 {
     vf acc[4 * TOKENS];
+    _Pragma("GCC unroll 16")
     for (int a = 0; a < 4 * NT; a++) acc[a] = v_zero();
     float tail[TOKENS] = {0};
     for (long g0 = 0; g0 < n; g0 += 2 * HALF, packed += HALF, scales++) {
@@ -249,6 +278,7 @@ static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t
                 const int chain = (int)(b / VL % 2) * 2;
                 vf low, high;
                 v_int4(packed + b, table, &low, &high);  /* inputs g0 + b + lane and g0 + HALF + b + lane */
+                _Pragma("GCC unroll 16")
                 for (int t = 0; t < NT; t++) {
                     acc[chain * NT + t] = v_fma(low, v_load(xs[t] + g0 + b), acc[chain * NT + t]);
                     acc[(chain + 1) * NT + t] = v_fma(high, v_load(xs[t] + g0 + HALF + b), acc[(chain + 1) * NT + t]);
@@ -256,11 +286,13 @@ static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t
             }
         } else {
             for (long b = 0; b < HALF; b++)
+                _Pragma("GCC unroll 16")
                 for (int t = 0; t < NT; t++)
                     tail[t] += (float)((packed[b] & 15) - 8) * *scales * xs[t][g0 + b]
                              + (float)((packed[b] >> 4) - 8) * *scales * xs[t][g0 + HALF + b];
         }
     }
+    _Pragma("GCC unroll 16")
     for (int t = 0; t < NT; t++)
         out[t] = v_sum((acc[t] + acc[NT + t]) + (acc[2 * NT + t] + acc[3 * NT + t])) + tail[t];
 }
@@ -333,6 +365,261 @@ static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, lo
     }
 }
 
+/* bf16 dot products (AVX-512 BF16's vdpbf16ps: 32 products of bf16 pairs, exact in float32, added into 16 float32
+   lanes), where x (phase 1) or h (phase 2) is exactly bf16: a bf16 model's device sends x as bf16 values, and bf16
+   compute rounds h to bf16. The products are then those of the float path (the weights are exact in bf16 too: bf16
+   itself, int8 q, int4 q - 8), only the float32 summation order differs; per 16 weights and token one instruction
+   does what took two FMAs, and the weights need fewer widening steps:
+     bf16: none (the stored pairs are the operand);
+     int8: sign extension and conversion as before, then two float32 vectors to one bf16 one (exact: |q| <= 128 has
+           8 significant bits), the row scale after the row as before;
+     int4: 64 packed bytes (128 weights) are one load; word w of it holds bytes 2w, 2w + 1, and its four nibbles are
+           shifted down (0, 4, 8, 12 bits) and looked up (vpermw reads the low 5 bits of each word: a 32-entry table
+           of bf16(k % 16 - 8), so no mask) to four registers of 32 bf16 weights. x is stored in the same order once
+           per job (dot16_positions), so each register meets its 32 inputs in one load. Each dword (2 words) holds
+           4 bytes of one group (groups are multiples of 16 inputs), so the block's products per token go into one
+           vector and are scaled once per block by a vector of the groups' scales (lanes of a group share it).
+   Rows are padded to a multiple of 128 inputs (zero x, masked weight loads), so a row needs no scalar tail. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) \
+    && !defined(NO_BF16_DOT)
+#define BF16_DOT 1
+#endif
+/* the width of a row's bf16 copy */
+/* MAX_ROWS rows per call (dot16_rows_for); at most ACCUMULATORS sums of (row, token, chain) per call: an array
+   of 8 vectors stays in registers, a larger one (gcc 12) was stored to the stack on every iteration */
+enum { PAD = 128, MAX_ROWS = 4, ACCUMULATORS = 8 };
+static inline long padded(long n) { return (n + PAD - 1) / PAD * PAD; }
+#ifdef BF16_DOT
+
+/* position[k]: where input k of a row of n lies in a bf16 copy. int4: the order its weights come out of
+   dot16_int4_nt's registers (64-byte block of byte c, then the register: which nibble of which byte of the word,
+   then the word); other formats: k. */
+static void dot16_positions(int fmt, long n, long half, int32_t *position)
+{
+    if (fmt != FMT_INT4) {
+        for (long k = 0; k < n; k++) position[k] = (int32_t)k;
+        return;
+    }
+    for (long g0 = 0, c = 0; g0 < n; g0 += 2 * half)
+        for (long b = 0; b < half; b++, c++) {
+            const long low = (c >> 6) * 128 + (c & 1) * 64 + ((c & 63) >> 1);
+            position[g0 + b] = (int32_t)low;             /* the byte's low nibble: input b of its group */
+            position[g0 + half + b] = (int32_t)(low + 32); /* the high one: input b + half */
+        }
+}
+
+/* int4 groups the bf16 path takes: a 64-byte block holds whole groups or lies in one (half 8, 16, 32, 64k). */
+static inline int int4_dot16_ok(long half) { return half > 0 && (64 % half == 0 || half % 64 == 0); }
+
+static inline __m512bh as_bh(__m512i a) { return (__m512bh)a; }
+static inline __m512bh load_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+/* 32 weights of a bf16 or int8 row from input k, those outside `live` zero */
+static inline __attribute__((always_inline)) __m512bh dot16_weights(int fmt, const void *row, long k, __mmask32 live)
+{
+    if (fmt == FMT_BF16) return as_bh(_mm512_maskz_loadu_epi16(live, (const uint16_t *)row + k));
+    const __m256i bytes = _mm256_maskz_loadu_epi8(live, (const int8_t *)row + k);
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+    return _mm512_cvtne2ps_pbh(high, low);  /* words 0-15 from low, 16-31 from high */
+}
+
+/* out[r * TOKENS + t] = rows[r] . xs[t] for R rows of n (bf16 x, natural order, padded): bf16 or int8 weights
+   (int8 unscaled). R rows at once share each load of x and the loop's overhead. */
+#define UNROLL16(NT) ((NT) == 1 ? 2 : 1)
+static inline __attribute__((always_inline)) void dot16_rows_nt(int fmt, const void *const *rows, long n, long ahead,
+                                                                const uint16_t *const *xs, float *out, const int NT,
+                                                                const int R)
+{
+    const int U = UNROLL16(NT);
+    __m512 acc[ACCUMULATORS];  /* [u][r][t] */
+    _Pragma("GCC unroll 16")
+    for (int a = 0; a < U * R * NT; a++) acc[a] = _mm512_setzero_ps();
+    const long itemsize = fmt == FMT_BF16 ? 2 : 1;
+    long k = 0;
+    for (; k + U * 32 <= n; k += U * 32) {
+        _Pragma("GCC unroll 16")
+        for (int r = 0; r < R; r++) prefetch_at((const char *)rows[r] + k * itemsize, ahead, U * 32 * itemsize);
+        _Pragma("GCC unroll 16")
+        for (int u = 0; u < U; u++) {
+            __m512bh w[MAX_ROWS];
+            _Pragma("GCC unroll 16")
+            for (int r = 0; r < R; r++) w[r] = dot16_weights(fmt, rows[r], k + u * 32, ~(__mmask32)0);
+            _Pragma("GCC unroll 16")
+            for (int t = 0; t < NT; t++) {
+                const __m512bh xv = load_bh(xs[t] + k + u * 32);
+                _Pragma("GCC unroll 16")
+                for (int r = 0; r < R; r++)
+                    acc[(u * R + r) * NT + t] = _mm512_dpbf16_ps(acc[(u * R + r) * NT + t], w[r], xv);
+            }
+        }
+    }
+    for (; k < n; k += 32) {  /* lanes past n: zero weights (and zero x, the padding) */
+        const __mmask32 live = n - k >= 32 ? ~(__mmask32)0 : ((__mmask32)1 << (n - k)) - 1;
+        _Pragma("GCC unroll 16")
+        for (int r = 0; r < R; r++) {
+            const __m512bh w = dot16_weights(fmt, rows[r], k, live);
+            _Pragma("GCC unroll 16")
+            for (int t = 0; t < NT; t++) acc[r * NT + t] = _mm512_dpbf16_ps(acc[r * NT + t], w, load_bh(xs[t] + k));
+        }
+    }
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 16")
+        for (int t = 0; t < NT; t++) {
+            __m512 total = acc[r * NT + t];
+            _Pragma("GCC unroll 16")
+            for (int u = 1; u < U; u++) total = _mm512_add_ps(total, acc[(u * R + r) * NT + t]);
+            out[r * TOKENS + t] = _mm512_reduce_add_ps(total);
+        }
+}
+
+/* out[r * TOKENS + t] = dequantized int4 rows[r] . xs[t] (xs in dot16_positions order, padded); packed [n/2] bytes,
+   scales [n/(2 half)] per row. Per block and token the four products go in two chains (vdpbf16ps waits 8 cycles on
+   its accumulator here), added, then scaled into the row's sum. */
+static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *const *packed,
+                                                                const float *const *scales, long n, long ahead,
+                                                                long half,
+                                                                const uint16_t *const *xs, float *out, const int NT,
+                                                                const int R)
+{
+    /* bf16(k % 16 - 8) for k < 32 */
+    const __m512i table = _mm512_setr_epi32(
+        0xC0E0C100, 0xC0A0C0C0, 0xC040C080, 0xBF80C000, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0,
+        0xC0E0C100, 0xC0A0C0C0, 0xC040C080, 0xBF80C000, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0);
+    /* the group of each dword of a block (half <= 64: 64 / half groups a block; else one) */
+    const __m512i group_of_dword = half < 64 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32,
+        36, 40, 44, 48, 52, 56, 60), __builtin_ctzl(half)) : _mm512_setzero_si512();
+    const long bytes = n / 2, groups = n / (2 * half);
+    __m512 tot[ACCUMULATORS];  /* [r][t] */
+    _Pragma("GCC unroll 16")
+    for (int a = 0; a < R * NT; a++) tot[a] = _mm512_setzero_ps();
+    for (long at = 0, blk = 0; at < bytes; at += 64, blk++) {
+        const long first_group = at / half;
+        _Pragma("GCC unroll 16")
+        for (int r = 0; r < R; r++) {  /* row by row: its four weight registers are used up before the next row's */
+            __m512 scale;
+            prefetch_at((const char *)packed[r] + at, ahead, 64);
+            const __m512i w = bytes - at >= 64 ? _mm512_loadu_si512(packed[r] + at)
+                                               : _mm512_maskz_loadu_epi8(((__mmask64)1 << (bytes - at)) - 1,
+                                                                         packed[r] + at);
+            if (half < 64) {
+                const long left = groups - first_group;
+                const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+                scale = _mm512_permutexvar_ps(group_of_dword, _mm512_maskz_loadu_ps(live, scales[r] + first_group));
+            } else {
+                scale = _mm512_set1_ps(scales[r][first_group]);
+            }
+            const __m512bh q0 = as_bh(_mm512_permutexvar_epi16(w, table));
+            const __m512bh q1 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+            const __m512bh q2 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 8), table));
+            const __m512bh q3 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 12), table));
+            _Pragma("GCC unroll 16")
+            for (int t = 0; t < NT; t++) {
+                const uint16_t *x = xs[t] + blk * 128;
+                const __m512 a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, load_bh(x)), q1,
+                                                  load_bh(x + 32));
+                const __m512 b = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q2, load_bh(x + 64)), q3,
+                                                  load_bh(x + 96));
+                tot[r * NT + t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scale, tot[r * NT + t]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 16")
+        for (int t = 0; t < NT; t++) out[r * TOKENS + t] = _mm512_reduce_add_ps(tot[r * NT + t]);
+}
+
+#define DOT16_ROWS(CALL)                                                                                          \
+    if (R == 4) { /* only for nt <= 2 */                                                                          \
+        if (nt == 1) CALL(1, 4); else CALL(2, 4);                                                                 \
+    } else if (R == 2) {                                                                                          \
+        DOT16_TOKENS(CALL, 2)                                                                                     \
+    } else {                                                                                                      \
+        DOT16_TOKENS(CALL, 1)                                                                                     \
+    }
+#define DOT16_TOKENS(CALL, R)                                                                                     \
+    switch (nt) {                                                                                                 \
+    case 1: CALL(1, R); break;                                                                                    \
+    case 2: CALL(2, R); break;                                                                                    \
+    case 3: CALL(3, R); break;                                                                                    \
+    default: CALL(4, R); break;                                                                                   \
+    }
+/* out[r * TOKENS + t] = row r of (matrix ms[r], expert es[r], row rs[r]) . xs[t] for R = 1, 2 or 4 rows, scaled.
+   `ahead`: how many rows of its matrix the next call starts ahead of each row (the rows prefetched meanwhile). */
+static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matrix *const *ms, const long *es,
+                              const long *rs, const uint16_t *const *xs, int nt, float *out)
+{
+    long row[MAX_ROWS];
+    const long n = ms[0]->n;
+    for (int r = 0; r < R; r++) row[r] = es[r] * ms[r]->rows + rs[r];
+    if (fmt == FMT_INT4) {
+        const uint8_t *packed[MAX_ROWS];
+        const float *scales[MAX_ROWS];
+        for (int r = 0; r < R; r++) {
+            packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
+            scales[r] = ms[r]->scales + row[r] * (n / group);
+        }
+#define INT4_CALL(NT, R) dot16_int4_nt(packed, scales, n, ahead * (n / 2), group / 2, xs, out, NT, R)
+        DOT16_ROWS(INT4_CALL)
+        return;
+    }
+    const void *weights[MAX_ROWS];
+    for (int r = 0; r < R; r++) weights[r] = (const char *)ms[r]->weights + row[r] * n * (fmt == FMT_BF16 ? 2 : 1);
+#define BF16_CALL(NT, R) dot16_rows_nt(FMT_BF16, weights, n, ahead * n * 2, xs, out, NT, R)
+#define INT8_CALL(NT, R) dot16_rows_nt(FMT_INT8, weights, n, ahead * n, xs, out, NT, R)
+    if (fmt == FMT_BF16) {
+        DOT16_ROWS(BF16_CALL)
+    } else {
+        DOT16_ROWS(INT8_CALL)
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < nt; t++) out[r * TOKENS + t] *= ms[r]->scales[row[r]];
+    }
+}
+
+/* Whether the bf16 path is the faster one: not for int8 and one token, where the widening (sign extension, two
+   conversions) costs as much as the float path's FMAs (2-core EPYC: 4.5-6 weights a cycle against 6-7) */
+static inline int dot16_pays(int fmt, int nt) { return !(fmt == FMT_INT8 && nt == 1); }
+
+/* Rows per dot16 call: 4 for up to 2 tokens, else 2 (the accumulators and a row's weights stay in registers) */
+#ifndef BF16_ROWS
+#define BF16_ROWS 1
+#endif
+static inline int dot16_rows_for(int fmt, int nt, long rows_left)
+{
+    const int most = fmt == FMT_BF16 ? BF16_ROWS : 4;
+    return nt <= 2 && rows_left >= 4 && most >= 4 ? 4 : rows_left >= 2 && most >= 2 ? 2 : 1;
+}
+
+/* rows [count, n] float32 -> bf16 [count, padded(n)] at `position` (NULL: in order), zero padding; 0 if a value is
+   not exactly bf16 (then `out` is partly written). 16 values a step (T = 16, H = 2048: 18 us one value a step). */
+static int bf16_copy(const float *rows, long count, long n, const int32_t *position, uint16_t *out)
+{
+    const long width = padded(n);
+    memset(out, 0, (size_t)(count * width) * sizeof *out);
+    const __m512i low_bits = _mm512_set1_epi32(0xffff);
+    for (long r = 0; r < count; r++) {
+        const float *row = rows + r * n;
+        uint16_t *to = out + r * width;
+        for (long k = 0; k < n; k += 16) {
+            const __mmask16 live = n - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - k)) - 1);
+            const __m512i bits = _mm512_maskz_loadu_epi32(live, row + k);
+            if (_mm512_test_epi32_mask(bits, low_bits)) return 0;
+            const __m256i high = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+            if (!position) {
+                _mm256_mask_storeu_epi16(to + k, live, high);
+            } else {
+                uint16_t values[16];
+                _mm256_storeu_si256((__m256i *)values, high);
+                for (long j = 0; j < 16 && k + j < n; j++) to[position[k + j]] = values[j];
+            }
+        }
+    }
+    return 1;
+}
+#endif
+
 /* See the comment at the top. gate, up: [E, I, H] (int4 [E, I, H/2]); down: [E, H, I] (int4 [E, H, I/2]);
    x [T, H]; h scratch [J, I]; out [*, H], added to. Returns the threads that ran (1 without OpenMP). */
 int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
@@ -345,6 +632,38 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
     const matrix mg = {gate, gate_scale, I, H}, mu = {up, up_scale, I, H}, md = {down, down_scale, H, I};
     const long blocks_up = (I + ROWS_UP - 1) / ROWS_UP, blocks_down = (H + ROWS_DOWN - 1) / ROWS_DOWN;
     int ran = 1;
+    /* the bf16 path (see dot16_rows_nt): bf16 copies of x (phase 1) if its values are all bf16, and of h (phase 2)
+       if h is rounded to bf16; NULL: the float path */
+    uint16_t *x16 = NULL, *h16 = NULL;
+    int32_t *h_position = NULL;
+#ifdef BF16_DOT
+    const long entries = unit_start[units];
+    if ((fmt == FMT_BF16 || fmt == FMT_INT8 || (fmt == FMT_INT4 && int4_dot16_ok(group / 2))) && entries > 0) {
+        long tokens = 0;
+        for (long j = 0; j < entries; j++) tokens = entry_token[j] + 1 > tokens ? entry_token[j] + 1 : tokens;
+        int32_t *x_position = malloc((size_t)H * sizeof *x_position);
+        x16 = malloc((size_t)(tokens * padded(H)) * sizeof *x16);
+        if (x_position && x16) {
+            dot16_positions(fmt, H, group / 2, x_position);
+            if (!bf16_copy(x, tokens, H, fmt == FMT_INT4 ? x_position : NULL, x16)) { free(x16); x16 = NULL; }
+        } else {
+            free(x16);
+            x16 = NULL;
+        }
+        free(x_position);
+        if (round_bf16_out) {
+            h_position = malloc((size_t)I * sizeof *h_position);
+            h16 = calloc((size_t)(entries * padded(I)), sizeof *h16);  /* the padding stays zero */
+            if (h_position && h16) {
+                dot16_positions(fmt, I, group / 2, h_position);
+            } else {
+                free(h_position);
+                free(h16);
+                h_position = NULL, h16 = NULL;
+            }
+        }
+    }
+#endif
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
@@ -360,18 +679,41 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
             for (long j0 = unit_start[u]; j0 < unit_start[u + 1]; j0 += TOKENS) {
                 const int nt = unit_start[u + 1] - j0 < TOKENS ? (int)(unit_start[u + 1] - j0) : TOKENS;
                 const float *xs[TOKENS];
-                for (int t = 0; t < nt; t++) xs[t] = x + entry_token[j0 + t] * H;
-                for (long i = i0; i < i1; i++) {
-                    float g[TOKENS], v[TOKENS];
-                    dot_matrix_row(fmt, group, &mg, e, i, xs, nt, g);
-                    dot_matrix_row(fmt, group, &mu, e, i, xs, nt, v);
-                    for (int t = 0; t < nt; t++) {
-                        float gt = g[t], ut = v[t];
-                        if (round_bf16_out) { gt = round_bf16(gt); ut = round_bf16(ut); }
-                        /* silu(g) = g * sigmoid(g) in the tanh form, as pool.py: it does not overflow */
-                        float ht = gt * (0.5f + 0.5f * tanhf(0.5f * gt)) * ut;
-                        h[(j0 + t) * I + i] = round_bf16_out ? round_bf16(ht) : ht;
+                const uint16_t *x16s[TOKENS];  /* NULL without BF16_DOT */
+                for (int t = 0; t < nt; t++) {
+                    xs[t] = x + entry_token[j0 + t] * H;
+                    x16s[t] = x16 ? x16 + entry_token[j0 + t] * padded(H) : NULL;
+                }
+                (void)x16s;  /* unused without BF16_DOT */
+                for (long i = i0; i < i1;) {
+                    /* gate and up of `count` rows: gu[(2 c) * TOKENS + t] gate, gu[(2 c + 1) * TOKENS + t] up */
+                    float gu[MAX_ROWS * TOKENS];
+                    long count = 1;
+#ifdef BF16_DOT
+                    if (x16 && dot16_pays(fmt, nt)) {  /* gate and up rows together: one read of x for all */
+                        count = dot16_rows_for(fmt, nt, 2 * (i1 - i)) >= 4 ? 2 : 1;
+                        const matrix *const ms[MAX_ROWS] = {&mg, &mu, &mg, &mu};
+                        const long es[MAX_ROWS] = {e, e, e, e}, rs[MAX_ROWS] = {i, i, i + 1, i + 1};
+                        dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, x16s, nt, gu);
+                    } else
+#endif
+                    {
+                        dot_matrix_row(fmt, group, &mg, e, i, xs, nt, gu);
+                        dot_matrix_row(fmt, group, &mu, e, i, xs, nt, gu + TOKENS);
                     }
+                    for (long c = 0; c < count; c++, i++)
+                        for (int t = 0; t < nt; t++) {
+                            float gt = gu[2 * c * TOKENS + t], ut = gu[(2 * c + 1) * TOKENS + t];
+                            if (round_bf16_out) { gt = round_bf16(gt); ut = round_bf16(ut); }
+                            /* silu(g) = g * sigmoid(g) in the tanh form, as pool.py: it does not overflow */
+                            float ht = gt * (0.5f + 0.5f * tanhf(0.5f * gt)) * ut;
+                            h[(j0 + t) * I + i] = round_bf16_out ? round_bf16(ht) : ht;
+                            if (h16) {  /* exact: ht is rounded to bf16 */
+                                uint32_t bits;
+                                memcpy(&bits, &h[(j0 + t) * I + i], sizeof bits);
+                                h16[(j0 + t) * padded(I) + h_position[i]] = (uint16_t)(bits >> 16);
+                            }
+                        }
                 }
             }
         }
@@ -387,18 +729,38 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
                 for (long j0 = unit_start[u]; j0 < unit_start[u + 1]; j0 += TOKENS) {
                     const int nt = unit_start[u + 1] - j0 < TOKENS ? (int)(unit_start[u + 1] - j0) : TOKENS;
                     const float *hs[TOKENS];
-                    for (int t = 0; t < nt; t++) hs[t] = h + (j0 + t) * I;
+                    const uint16_t *h16s[TOKENS];
+                    for (int t = 0; t < nt; t++) {
+                        hs[t] = h + (j0 + t) * I;
+                        h16s[t] = h16 ? h16 + (j0 + t) * padded(I) : NULL;
+                    }
+                    (void)h16s;
                     for (long r = r0; r < r1; r++) {
-                        float y[TOKENS];
-                        dot_matrix_row(fmt, group, &md, unit_expert[u], r, hs, nt, y);
-                        for (int t = 0; t < nt; t++) {
-                            const float yt = round_bf16_out ? round_bf16(y[t]) : y[t];
-                            out[entry_out[j0 + t] * H + r] += entry_weight[j0 + t] * yt;
-                        }
+                        float y[MAX_ROWS * TOKENS];
+                        int R = 1;
+#ifdef BF16_DOT
+                        if (h16 && dot16_pays(fmt, nt)) {  /* several rows at once: one read of h for all */
+                            R = dot16_rows_for(fmt, nt, r1 - r);
+                            const matrix *const ms[MAX_ROWS] = {&md, &md, &md, &md};
+                            const long e = unit_expert[u], es[MAX_ROWS] = {e, e, e, e};
+                            const long rs[MAX_ROWS] = {r, r + 1, r + 2, r + 3};
+                            dot16_matrix_rows(fmt, group, R, R, ms, es, rs, h16s, nt, y);
+                        } else
+#endif
+                            dot_matrix_row(fmt, group, &md, unit_expert[u], r, hs, nt, y);
+                        for (int k = 0; k < R; k++)
+                            for (int t = 0; t < nt; t++) {
+                                const float yt = round_bf16_out ? round_bf16(y[k * TOKENS + t]) : y[k * TOKENS + t];
+                                out[entry_out[j0 + t] * H + r + k] += entry_weight[j0 + t] * yt;
+                            }
+                        r += R - 1;
                     }
                 }
         }
     }
+    free(x16);
+    free(h16);
+    free(h_position);
     return ran;
 }
 
@@ -430,11 +792,16 @@ uint64_t read_words(const uint64_t *buf, long words, int threads)
 }
 
 /* Which registers the vector types map to in this build, and whether it has OpenMP threads. */
+#ifdef BF16_DOT
+#define DOTS ISA " + BF16 dot products"
+#else
+#define DOTS ISA
+#endif
 const char *experts_build(void)
 {
 #ifdef _OPENMP
-    return ISA ", OpenMP";
+    return DOTS ", OpenMP";
 #else
-    return ISA ", one thread (no OpenMP)";
+    return DOTS ", one thread (no OpenMP)";
 #endif
 }

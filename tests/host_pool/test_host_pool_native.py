@@ -34,16 +34,17 @@ def kernel():
     return built
 
 
-def make_store(rng, fmt, compute_dtype=None):
-    """(float64 weights per layer as the pool must see them, a HostExpertStore in `fmt`)."""
-    H, I = SHAPES[fmt]
+def make_store(rng, fmt, compute_dtype=None, shape=None, quant_format=None):
+    """(float64 weights per layer as the pool must see them, a HostExpertStore in `fmt`); `shape` (H, I) and
+    `quant_format` (quant.py's name, e.g. "int4-g32") replace SHAPES[fmt] and `fmt` for quantizing."""
+    H, I = shape or SHAPES[fmt]
     shapes = ((E, I, H), (E, I, H), (E, H, I))
     reference, stored = [], []
     for _ in range(LAYERS):
         floats = [(rng.standard_normal(shape) * rng.uniform(0.05, 0.2, shape[:2] + (1,))).astype(np.float32)
                   for shape in shapes]
         if fmt in ("int8", "int4"):
-            qs = [quant.quantize(a, fmt) for a in floats]
+            qs = [quant.quantize(a, quant_format or fmt) for a in floats]
             reference.append([quant.dequantize(qa).astype(np.float64) for qa in qs])
             # int8: one scale per output row, [E, O] in the store
             stored.append((*(qa.q for qa in qs), *(qa.scale[..., 0] if fmt == "int8" else qa.scale for qa in qs)))
@@ -192,3 +193,57 @@ def test_read_probe_reads_every_word(kernel):
     words = rng.integers(0, 2**40, 8 * 1000 + 8, dtype=np.uint64)
     for threads in (1, 3):
         assert kernel.read_words(words.ctypes.data, len(words), threads) == int(words.sum())
+
+
+# The bf16 dot-product path (AVX-512 BF16 builds): phase 1 takes it when every x value is exactly bf16 (as a bf16
+# model's device sends x), phase 2 when h is rounded to bf16. The products are the float path's (exact operands), so
+# the tolerances are the same. Shapes: rows of a multiple of 128 inputs and not (masked last block), int4 groups of
+# 32, 64 and 128 (several groups a 64-byte block, one, or a block in half a group).
+BF16_X_CASES = [("bfloat16", None, (144, 77), None), ("int8", "bfloat16", (144, 80), None),
+                ("int8", "float32", (256, 128), None), ("int4", "bfloat16", (192, 128), None),
+                ("int4", "float32", (256, 384), None), ("int4", "bfloat16", (160, 96), "int4-g32"),
+                ("int4", "bfloat16", (256, 128), "int4-g128")]
+
+
+@pytest.mark.parametrize("fmt,compute,shape,quant_format", BF16_X_CASES)
+@pytest.mark.parametrize("T", [1, 2, 3, 6, pool_module.NATIVE_MAX_TOKENS])
+def test_bf16_x_matches_numpy_and_reference(kernel, monkeypatch, fmt, compute, shape, quant_format, T):
+    rng = rng_for(f"native-bf16x-{fmt}-{compute}-{shape}-{quant_format}-{T}")
+    reference, store = make_store(rng, fmt, compute, shape, quant_format)
+    H = store.hidden_size(0)
+    ids = np.array([6, -1, 0, 3, 2, 5], np.int32)
+    x = rng.standard_normal((T, H)).astype(BF16).astype(np.float32)  # exactly bf16
+    w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
+    y_c, _, y_np, _ = both_paths(monkeypatch, store, 2, lambda pool: pool.compute(1, x, ids, w))
+    compute_dtype = str(store.compute_dtype)
+    ref = reference_ffn(reference[1], x, ids, w, rounding(compute_dtype))
+    assert rel_fro(y_c, ref) < TOL[compute_dtype]
+    assert rel_fro(y_c, y_np) < TOL[compute_dtype]
+
+
+@pytest.mark.parametrize("fmt,compute,quant_format", [("bfloat16", None, None), ("int8", "bfloat16", None),
+                                                      ("int4", "bfloat16", None), ("int4", "float32", "int4-g32")])
+def test_the_float_path_build_matches(kernel, monkeypatch, tmp_path, fmt, compute, quant_format):
+    """The build without the bf16 dot products (-DNO_BF16_DOT: the float path, as on AVX-512 CPUs without BF16)
+    runs the same jobs within the tolerance of the default build; with float32 compute and bf16 x only phase 1
+    differs (the products are exact either way: float32 summation order only)."""
+    if "BF16 dot" not in kernel.build:
+        pytest.skip(f"no bf16 dot products in this build ({kernel.build})")
+    path = tmp_path / "float_path.so"
+    native._compile(native._find_compiler(), (*native.EXPERTS_FLAGS[0], "-DNO_BF16_DOT"), path, native.EXPERTS_SOURCE)
+    float_path = native.ExpertsKernel(path)
+    assert "BF16 dot" not in float_path.build
+    rng = rng_for(f"native-float-path-{fmt}-{compute}-{quant_format}")
+    _, store = make_store(rng, fmt, compute, (256, 128), quant_format)
+    compute_dtype = str(store.compute_dtype)
+    for T in (1, 4, 7):
+        x = rng.standard_normal((T, store.hidden_size(0))).astype(BF16).astype(np.float32)
+        ids = np.array([0, 5, -1, 2], np.int32)
+        w = rng.random((T, 4)).astype(np.float32)
+        monkeypatch.setenv(native.ENV, "1")
+        with HostPool(store, threads=2) as pool:
+            y_default = pool.compute(1, x, ids, w)
+            monkeypatch.setattr(native, "experts_kernel", lambda: float_path)
+            y_float = pool.compute(1, x, ids, w)
+            monkeypatch.undo()
+        assert rel_fro(y_default, y_float) < (1e-5 if compute_dtype == "float32" else TOL[compute_dtype])
