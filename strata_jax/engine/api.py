@@ -582,7 +582,7 @@ class Engine:
         self.mtp = weights
 
     def _graphs(self) -> loops.Graphs:
-        """What this request's loops may call: the window tables, the samplers _pick_samplers chose for it, the
+        """What this request's loops may call: the window tables, the samplers compiled.pick_samplers chose for it, the
         graphs compiled on first use, and the engine's steps between windows."""
         return loops.Graphs(
             decode=self.compiled.decode, sample=self.compiled.sample, verify=self.compiled.verify, device_verify=self.compiled.device_verify_graph,

@@ -210,8 +210,8 @@ def test_prompt_not_shorter_than_context_refused_before_any_work(engine, monkeyp
 
     def no_work(*args, **kwargs):
         raise AssertionError("a graph ran for a refused request")
-    monkeypatch.setattr(engine, "_prefill", {c: no_work for c in engine.chunks})
-    monkeypatch.setattr(engine, "_decode", {t: no_work for t in range(1, W + 1)})
+    monkeypatch.setattr(engine.compiled, "prefill", {c: no_work for c in engine.chunks})
+    monkeypatch.setattr(engine.compiled, "decode", {t: no_work for t in range(1, W + 1)})
     for n in (engine.context, engine.context + 9):
         ids = random_ids(engine, n, seed=11)
         for call in (lambda: engine.generate(ids, 4), lambda: engine.score(ids), lambda: engine.prefill_logits(ids)):
@@ -470,7 +470,7 @@ def test_engines_of_the_same_shapes_share_executables_and_each_computes_its_own_
     try:
         second = Engine.from_random(cfg, seed=22, **opts)
         assert compiles == []
-        assert second._decode[2] is first._decode[2] and second._prefill[8] is first._prefill[8]
+        assert second.compiled.decode[2] is first.compiled.decode[2] and second.compiled.prefill[8] is first.compiled.prefill[8]
         ids = random_ids(second, 6, seed=23)
         got, other = second.score(ids, window=2), first.score(ids, window=2)
         assert rel_fro(got, other) > 0.1  # other weights, other logits
@@ -481,7 +481,7 @@ def test_engines_of_the_same_shapes_share_executables_and_each_computes_its_own_
                 want.append(np.asarray(logits))
         assert rel_fro(got, np.concatenate(want)) <= 1e-5
         wider = Engine.from_random(cfg, seed=22, **{**opts, "context": 48})
-        assert compiles and wider._decode[2] is not second._decode[2]
+        assert compiles and wider.compiled.decode[2] is not second.compiled.decode[2]
     finally:
         monitoring.unregister_event_duration_listener(count)
 
@@ -493,20 +493,20 @@ def test_lazy_graphs_compile_on_first_use_and_give_what_ahead_gives(cache_dir, c
     opts = dict(dtype="float32", window=3, context=48, expert_cache_slots="all", prefill_chunk=8,
                 cache_dir=str(cache_dir))
     ahead = Engine.from_random(preset("tiny"), seed=24, verbose=False, compile_graphs="ahead", **opts)
-    assert sorted(ahead._decode) == [1, 2, 3] and sorted(ahead._prefill) == [8]
+    assert sorted(ahead.compiled.decode) == [1, 2, 3] and sorted(ahead.compiled.prefill) == [8]
     capfd.readouterr()
     lazy = Engine.from_random(preset("tiny"), seed=24, verbose=True, compile_graphs="lazy", **opts)
     assert "compiled each on its first use (compile_graphs=lazy)" in capfd.readouterr().err
-    assert dict(lazy._decode) == {} and dict(lazy._prefill) == {}
+    assert dict(lazy.compiled.decode) == {} and dict(lazy.compiled.prefill) == {}
     ids = random_ids(lazy, 7, seed=25)
     assert np.array_equal(lazy.score(ids, window=2), ahead.score(ids, window=2))
-    assert sorted(lazy._decode) == [1, 2] and dict(lazy._prefill) == {}  # 7 = 2+2+2+1: sizes 2 and 1 only
-    graph = lazy._decode[2]
-    assert lazy._decode[2] is graph  # compiled once
+    assert sorted(lazy.compiled.decode) == [1, 2] and dict(lazy.compiled.prefill) == {}  # 7 = 2+2+2+1: sizes 2 and 1 only
+    graph = lazy.compiled.decode[2]
+    assert lazy.compiled.decode[2] is graph  # compiled once
     assert lazy.generate(ids, 6, stop_token_ids=[]) == ahead.generate(ids, 6, stop_token_ids=[])
-    assert 8 in lazy._prefill
+    assert 8 in lazy.compiled.prefill
     with pytest.raises(KeyError):
-        lazy._decode[4]  # beyond W: no graph of that size
+        lazy.compiled.decode[4]  # beyond W: no graph of that size
 
 
 def test_requests_pick_the_plain_sampler_only_without_top_k_and_top_p(engine):
