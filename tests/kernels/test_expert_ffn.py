@@ -24,6 +24,11 @@ from strata_jax.model import moe
 
 REF_RTOL = 1e-2
 MODEL_RTOL = 1e-3
+# Fresh random inputs each run: the kernel and the float64 model round h to bf16 at the same point, but an f32 sum
+# that lands on a rounding boundary may round the other way (one bf16 ulp, 2^-8, of that element). Usually 5e-8;
+# over 3000 fresh draws of BY_POSITION the worst was 6e-4, and one CI run met 1.04e-3: one ulp is the bound, still
+# far below what wrong scales give (the control below: > 5e-2).
+MODEL_RTOL_FRESH = 2.0 ** -8
 SMALL_BLOCKS = dict(block_i=16, block_k=32, block_h=16, block_i_down=16, n_split=3)  # several loop steps, uneven split
 
 
@@ -334,7 +339,7 @@ def test_scales_by_window_position(fmt):
         args = make_case(seed=None, **BY_POSITION)
         out = expert_ffn(*args, interpret=True, **SMALL_BLOCKS)
         assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
-        assert rel_fro(out, f64_model(*args)) < MODEL_RTOL
+        assert rel_fro(out, f64_model(*args)) < MODEL_RTOL_FRESH
         return
     x, gate, up, down, ids, combine, *by_slot = make_quant_case("t1_eight_experts", fmt, seed=None, **BY_POSITION)
     n = ids.shape[0]
@@ -343,7 +348,7 @@ def test_scales_by_window_position(fmt):
     for tuning in ({}, SMALL_BLOCKS):
         out = expert_ffn(x, gate, up, down, ids, combine, *window, scale_ids=positions, interpret=True, **tuning)
         assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine, *by_slot)) < REF_RTOL
-        assert rel_fro(out, f64_quant_model(x, gate, up, down, ids, combine, *by_slot)) < MODEL_RTOL
+        assert rel_fro(out, f64_quant_model(x, gate, up, down, ids, combine, *by_slot)) < MODEL_RTOL_FRESH
     got = expert_ffn_reference(x, gate, up, down, ids, combine, *window, scale_ids=positions)
     np.testing.assert_array_equal(np.asarray(got),
                                   np.asarray(expert_ffn_reference(x, gate, up, down, ids, combine, *by_slot)))
