@@ -26,8 +26,11 @@ def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str], prog: str = 
     main() twice). `--help` prints the flags and exits 0; a bad flag is one line and exit status 2."""
     argv = list(argv)
     if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
-        print(f"usage: python -m {prog or Path(argv[0]).stem} [--flag=value ...]\n")
-        print(flag_values.get_help())
+        try:
+            print(f"usage: python -m {prog or Path(argv[0]).stem} [--flag=value ...]\n")
+            print(flag_values.get_help(), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader stopped early
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     flag_values.unparse_flags()
     try:

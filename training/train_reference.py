@@ -161,7 +161,7 @@ NEXT_DEFAULTS = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, moe_intermedi
 # ---- output: the benchmarks' (benchmarks/tables.py, benchmarks/common.py) --------------------------------------
 # The start-up block, the table and the summary go to stdout; progress lines to stderr, stamped with the seconds since
 # the program started. Every number printed is also in the report (training_report.json, --json).
-from benchmarks.common import device_info, fmt_bytes  # noqa: E402
+from benchmarks.common import device_info, fmt_bytes, parse_flags as common_parse_flags  # noqa: E402
 from benchmarks.tables import format_table, progress, say, write_json  # noqa: E402
 
 
@@ -799,25 +799,9 @@ def arch_defaults(values: flags.FlagValues) -> flags.FlagValues:
 
 
 def parse_flags(argv: Sequence[str]) -> flags.FlagValues:
-    """Parse argv (argv[0] is the program) into FLAGS, from the defaults every time (so a test can call main() twice).
-    `--help` prints the flags and exits 0; a bad flag is one line and exit status 2."""
-    argv = list(argv)
-    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
-        try:
-            print("usage: python -m training.train_reference [--flag=value ...]\n")
-            print(FLAGS.get_help(), flush=True)
-        except BrokenPipeError:  # `--help | head`: the reader stopped early
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
-    FLAGS.unparse_flags()
-    try:
-        rest = FLAGS(argv)
-    except flags.Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if len(rest) > 1:
-        print(f"error: unexpected arguments {rest[1:]} (flags look like --name=value)", file=sys.stderr)
-        sys.exit(2)
+    """Parse argv (argv[0] is the program) into FLAGS, from the defaults every time (so a test can call main() twice):
+    the benchmarks' parser (`--help` prints the flags and exits 0; a bad flag is one line and exit status 2)."""
+    common_parse_flags(FLAGS, argv, "training.train_reference")
     return FLAGS
 
 
