@@ -304,7 +304,7 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
                                                 attention_kernel, dense_kernel)
         w = layer.ffn if host is None else layer.ffn.replace(gate=host[0], up=host[1], down=host[2])
         out = experts(i, x, w, valid, experts.layer_state(state, i))
-        assert out.pending is None, "the deferral runs in the unrolled graph (engine.scans_offload)"
+        assert out.pending is None, "the deferral runs in the unrolled graph (engine/plan.py scans_offload)"
         return (h + out.y, k_all, v_all, experts.put_state(state, i, out.state)), None
 
     carry = (h, cache.k, cache.v, cache.experts)
