@@ -124,7 +124,8 @@ def test_filtered_logits_matches_numpy(v, seed, temperature, top_k, top_p):
 def test_every_filter_form_keeps_what_the_sort_keeps(scale):
     """filter_rows in the form a request's settings get (sampling.form_of) keeps the same tokens with the same
     values as a sort of the whole vocabulary, and the seeded draws are the same tokens: "top_k" (1 <= top_k <= 64:
-    among the TOP_CANDIDATES most likely tokens, no sort), "plain" (top-k and top-p off: nothing filtered)."""
+    among the TOP_CANDIDATES most likely tokens, no sort), "top_p" (top-k off: a threshold by bisection, no sort;
+    tests/engine/test_sampling.py checks it on ties), "plain" (top-k and top-p off: nothing filtered)."""
     from strata_jax import sampling
     v, t = 3000, 3
     logits = jnp.asarray(np.random.default_rng(int(scale * 10)).standard_normal((t, v)).astype(np.float32) * scale)
@@ -137,7 +138,8 @@ def test_every_filter_form_keeps_what_the_sort_keeps(scale):
         params = SamplingParams.make(temperature, top_p, top_k, seed=3)
         form = sampling.form_of(top_k, top_p)
         forms.add(form)
-        assert form == ("plain" if (top_k, top_p) == (0, 1.0) else "top_k" if 0 < top_k <= 64 else "sorted")
+        assert form == ("plain" if (top_k, top_p) == (0, 1.0) else "top_p" if top_k == 0 else
+                        "top_k" if 0 < top_k <= 64 else "sorted")
         got, want = np.asarray(filt[form](logits, params)), np.asarray(ref(logits / temperature, params))
         assert np.array_equal(np.isfinite(got), np.isfinite(want)), (temperature, top_k, top_p)
         np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
