@@ -512,10 +512,14 @@ def test_lazy_graphs_compile_on_first_use_and_give_what_ahead_gives(cache_dir, c
 
 
 def test_requests_pick_the_plain_sampler_only_without_top_k_and_top_p(engine):
+    """Each request's samplers are those of its filter form (sampling.form_of): top_p alone the sort-free "top_p",
+    a top_k beyond the candidates "sorted"."""
     prompt = random_ids(engine, 5, seed=14)
     engine.generate(prompt, 3, temperature=1.0, seed=1, stop_token_ids=[])
     assert engine.compiled.sample is engine.compiled.samplers["plain"].sample
     engine.generate(prompt, 3, temperature=1.0, top_k=4, seed=1, stop_token_ids=[])
     assert engine.compiled.sample is engine.compiled.samplers["top_k"].sample
     engine.generate(prompt, 3, temperature=1.0, top_p=0.9, seed=1, stop_token_ids=[])
+    assert engine.compiled.sample is engine.compiled.samplers["top_p"].sample
+    engine.generate(prompt, 3, temperature=1.0, top_k=100, top_p=0.9, seed=1, stop_token_ids=[])
     assert engine.compiled.sample is engine.compiled.samplers["sorted"].sample
