@@ -81,7 +81,7 @@ def test_threshold_filter_keeps_what_the_sort_keeps(t, v, scale):
 def test_threshold_filter_keeps_rank_zero_and_the_lower_ids_of_a_tie():
     """Rank 0 is kept whatever top_p; among equal logits at the boundary, the lower ids first."""
     flat = jnp.zeros((1, 10), jnp.float32)  # ten ties: each 0.1 of the mass
-    for top_p, kept in ((1e-9, 1), (0.1, 1), (0.15, 2), (0.35, 4), (0.999, 10)):
+    for top_p, kept in ((0.0, 1), (1e-9, 1), (0.1, 1), (0.15, 2), (0.35, 4), (0.999, 10)):
         got = np.asarray(threshold_rows(flat, SamplingParams.make(1.0, top_p)))[0]
         assert np.isfinite(got).tolist() == [True] * kept + [False] * (10 - kept), top_p
 
