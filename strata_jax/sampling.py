@@ -87,8 +87,9 @@ def _threshold_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     mass above t plus its lower-id ties (a cumsum over the ties, in id order) is below top_p: the same kept set
     and the same values as _sorted_filter, ties included. The one difference is float32 rounding of the masses
     (a masked sum and a cumsum of the ties, against the sorted filter's cumsum in rank order): where the exact mass
-    before a token lies within that rounding of top_p (~1e-7 apart over 40,000 tokens; the test allows 1e-5) the
-    two may decide that token differently, one token more or less at the boundary."""
+    before a token lies within that rounding of top_p (1e-7 to 1e-6 over 40,000 tokens; the test allows 1e-5) the
+    two may decide that token differently: one token more or less at the boundary. No device loop: the
+    THRESHOLD_STEPS steps are unrolled (the compiled graph holds no while)."""
     probs = jax.nn.softmax(scaled)  # [V], as the sorted filter normalises with top-k off
     key = _order_key(scaled)  # [V]
 
@@ -104,7 +105,7 @@ def _threshold_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
 
     hi = jnp.max(key)  # nothing above the largest logit: rank 0 is always kept
     lo = jnp.min(key) - 1  # below every logit: (all the mass) >= top_p, or else everything is kept anyway
-    # unrolled: a device loop would read its predicate back on the host every step
+    # unrolled: a device while loop would read its predicate back on the host every step
     _, threshold = jax.lax.fori_loop(0, THRESHOLD_STEPS, halve, (lo, hi), unroll=True)
     tied = key == threshold  # [V]
     tied_probs = jnp.where(tied, probs, 0.0)
@@ -133,8 +134,7 @@ def filter_rows(logits: jax.Array, params: SamplingParams, form: str = "sorted")
     """Temperature, then top-k, then top-p, for every row: [T, V] -> [T, V], in the given form (FORMS; form_of
     picks it from the settings; "sorted" is right for any). "top_k": among the TOP_CANDIDATES most likely tokens
     (lax.top_k), exact only for 1 <= top_k <= TOP_CANDIDATES; "top_p": a threshold by bisection, exact only with
-    top-k off; "plain": the scaled logits (exact only with top-k and
-    top-p off)."""
+    top-k off; "plain": the scaled logits (exact only with top-k and top-p off)."""
     if form not in FORMS:
         raise ValueError(f"filter form {form!r} is not one of {FORMS}")
     scaled = logits / jnp.maximum(params.temperature, 1e-6)
