@@ -124,7 +124,8 @@ def test_filtered_logits_matches_numpy(v, seed, temperature, top_k, top_p):
 def test_every_filter_form_keeps_what_the_sort_keeps(scale):
     """filter_rows in the form a request's settings get (sampling.form_of) keeps the same tokens with the same
     values as a sort of the whole vocabulary, and the seeded draws are the same tokens: "top_k" (1 <= top_k <= 64:
-    among the TOP_CANDIDATES most likely tokens, no sort), "plain" (top-k and top-p off: nothing filtered)."""
+    among the TOP_CANDIDATES most likely tokens, no sort), "top_p" (top-k off: a threshold by bisection, no sort;
+    tests/engine/test_sampling.py checks it on ties), "plain" (top-k and top-p off: nothing filtered)."""
     from strata_jax import sampling
     v, t = 3000, 3
     logits = jnp.asarray(np.random.default_rng(int(scale * 10)).standard_normal((t, v)).astype(np.float32) * scale)
@@ -137,7 +138,8 @@ def test_every_filter_form_keeps_what_the_sort_keeps(scale):
         params = SamplingParams.make(temperature, top_p, top_k, seed=3)
         form = sampling.form_of(top_k, top_p)
         forms.add(form)
-        assert form == ("plain" if (top_k, top_p) == (0, 1.0) else "top_k" if 0 < top_k <= 64 else "sorted")
+        assert form == ("plain" if (top_k, top_p) == (0, 1.0) else "top_p" if top_k == 0 else
+                        "top_k" if 0 < top_k <= 64 else "sorted")
         got, want = np.asarray(filt[form](logits, params)), np.asarray(ref(logits / temperature, params))
         assert np.array_equal(np.isfinite(got), np.isfinite(want)), (temperature, top_k, top_p)
         np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
@@ -510,10 +512,14 @@ def test_lazy_graphs_compile_on_first_use_and_give_what_ahead_gives(cache_dir, c
 
 
 def test_requests_pick_the_plain_sampler_only_without_top_k_and_top_p(engine):
+    """Each request's samplers are those of its filter form (sampling.form_of): top_p alone the sort-free "top_p",
+    a top_k beyond the candidates "sorted"."""
     prompt = random_ids(engine, 5, seed=14)
     engine.generate(prompt, 3, temperature=1.0, seed=1, stop_token_ids=[])
     assert engine.compiled.sample is engine.compiled.samplers["plain"].sample
     engine.generate(prompt, 3, temperature=1.0, top_k=4, seed=1, stop_token_ids=[])
     assert engine.compiled.sample is engine.compiled.samplers["top_k"].sample
     engine.generate(prompt, 3, temperature=1.0, top_p=0.9, seed=1, stop_token_ids=[])
+    assert engine.compiled.sample is engine.compiled.samplers["top_p"].sample
+    engine.generate(prompt, 3, temperature=1.0, top_k=100, top_p=0.9, seed=1, stop_token_ids=[])
     assert engine.compiled.sample is engine.compiled.samplers["sorted"].sample

@@ -107,7 +107,8 @@ def emitted_distribution(logits, drafts, params, n, form="sorted"):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,form", [(1.0, 0, 1.0, "plain"), (0.7, 5, 1.0, "top_k"),
-                                                          (0.7, 5, 0.7, "top_k"), (1.3, 0, 0.8, "sorted")])
+                                                          (0.7, 5, 0.7, "top_k"), (1.3, 0, 0.8, "top_p"),
+                                                          (1.3, 80, 0.8, "sorted")])
 def test_speculative_sampling_draws_from_the_target_distribution(temperature, top_k, top_p, form):
     """Each filter form a request can get (sampling.form_of) draws from the exact distribution of its settings."""
     from strata_jax.sampling import form_of
