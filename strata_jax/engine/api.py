@@ -582,11 +582,12 @@ class Engine:
         self.mtp = weights
 
     def _graphs(self) -> loops.Graphs:
-        """What this request's loops may call: the window tables, the samplers compiled.pick_samplers chose for it, the
-        graphs compiled on first use, and the engine's steps between windows."""
+        """What this request's loops may call: the window tables, the samplers compiled.pick_samplers chose for it,
+        the graphs compiled on first use, and the engine's steps between windows."""
+        c = self.compiled
         return loops.Graphs(
-            decode=self.compiled.decode, sample=self.compiled.sample, verify=self.compiled.verify, device_verify=self.compiled.device_verify_graph,
-            mtp_fused=lambda t: self.compiled.mtp_graphs()[("fused", t)], mtp_hidden=self.compiled.mtp_hidden_window,
+            decode=c.decode, sample=c.sample, verify=c.verify, device_verify=c.device_verify_graph,
+            mtp_fused=lambda t: c.mtp_graphs()[("fused", t)], mtp_hidden=c.mtp_hidden_window,
             prefill=self._prefill_all, checked=self._checked, take_expert_stats=self._take_expert_stats,
             after_request=self._adapt_pcie_frac,
             fill_static_slots=self._fill_static_slots if self.placement and self.placement.policy == "static"

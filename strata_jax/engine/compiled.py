@@ -50,24 +50,24 @@ class CompiledGraphs:
         decode = self.jit_decode_window()
         prefill = graphs.jit_prefill_chunk(self.cfg, self.expert_path, attention_kernel=self.prefill_kernel)
 
+        weights, cache = self.state.weights, self.state.cache  # their shapes: what the graphs are lowered for
+
         def window(t: int):
-            with self.full_f32():
-                if self.parallel:
-                    return self.parallel.window(t, self.state.weights, self.state.cache)
-                return graphs.compile_shared(decode.lower(self.state.weights, self.state.cache, jnp.zeros((t,), jnp.int32), pos),
-                                             graphs.MODEL_COMPILER_OPTIONS)
+            if self.parallel:
+                with self.full_f32():
+                    return self.parallel.window(t, weights, cache)
+            return self.aot(decode, weights, cache, jnp.zeros((t,), jnp.int32), pos)
 
         def chunk(c: int):
-            with self.full_f32():
-                if self.parallel:
-                    return self.parallel.prefill(c, self.state.weights, self.state.cache)
-                return graphs.compile_shared(prefill.lower(self.state.weights, self.state.cache, jnp.zeros((c,), jnp.int32), pos,
-                                                           jnp.int32(1)), graphs.MODEL_COMPILER_OPTIONS)
+            if self.parallel:
+                with self.full_f32():
+                    return self.parallel.prefill(c, weights, cache)
+            return self.aot(prefill, weights, cache, jnp.zeros((c,), jnp.int32), pos, jnp.int32(1))
         # Several devices: their stages' graphs compile one after the other (parallel.py keeps per-stage state).
         self.decode = graphs.GraphTable(range(1, self.options.window + 1), window, ahead, threads=not self.parallel)
         self.prefill = graphs.GraphTable(self.plan.chunks, chunk, ahead, threads=not self.parallel)
         # Sampled requests: window graphs that draw their tokens (graphs.sampled_window), one table per filter form
-        # (sampling.FORMS), compiled for the first request of that form (_sampled_windows_for); and the samplers
+        # (sampling.FORMS), compiled for the first request of that form (sampled_windows_for); and the samplers
         # alone per window size and form, for what those graphs do not draw (the prompt's first token, draft=mtp,
         # several devices), compiled once per process (graphs.window_samplers: engines share them).
         self.samplers = {f: graphs.window_samplers(f, self.options.window, self.cfg.vocab_size) for f in FORMS}
@@ -76,7 +76,7 @@ class CompiledGraphs:
         if ahead and default_form is not None and not self.parallel:  # the model samples by default
             self.sampled_windows_for(default_form)
         self.prefill_logits = {}  # chunk size -> graph, compiled on first use (teacher-forced prompt scoring)
-        self.device_verify = {}  # (T, filter form or None: greedy) -> graph; compiled on first use (generate(draft="device") only)
+        self.device_verify = {}  # (T, filter form or None: greedy) -> graph, on first use (draft="device" only)
         self.fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
         self.fill_layer = jax.jit(slots_mod.fill_layer_slots, donate_argnums=(0,))
         seconds = time.perf_counter() - t0
@@ -114,7 +114,7 @@ class CompiledGraphs:
 
             def window(t: int):
                 return self.aot(fn, self.state.weights, self.state.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0),
-                                 SamplingParams.make())
+                                SamplingParams.make())
             ahead = self.options.compile_graphs == "ahead"
             self.sampled_windows[form] = graphs.GraphTable(range(1, self.options.window + 1), window, ahead)
             if self.verbose and ahead:
@@ -141,14 +141,12 @@ class CompiledGraphs:
 
     def jit_decode_window(self, return_hidden: bool = False):
         """The window graph with this engine's expert path and kernels (return_hidden: for the MTP drafter)."""
-        return graphs.jit_decode_window(self.cfg, self.decode_expert_path,
-                                        attention_kernel=self.plan.attention_kernel == "pallas",
-                                        dense_kernel=self.plan.dense_kernel == "pallas",
-                                        delta_kernel=self.plan.delta_kernel == "pallas", return_hidden=return_hidden)
+        return graphs.jit_decode_window(self.cfg, self.decode_expert_path, return_hidden=return_hidden,
+                                        **self.plan.window_kernels())
 
     def aot(self, fn, *args):
         """A graph compiled on first use: `fn` (jitted) lowered for `args` and compiled at the engine's matmul
-        precision (_full_f32), as _compile does for the graphs compiled at start-up."""
+        precision (full_f32), as build does for the graphs compiled at start-up."""
         with self.full_f32():
             return graphs.compile_shared(fn.lower(*args), graphs.MODEL_COMPILER_OPTIONS)
 
@@ -177,20 +175,21 @@ class CompiledGraphs:
                                           **self.plan.window_kernels())
             pos = jnp.int32(0)
             # rows up to the context's end, plus a padded chunk or window and the chained drafts past it
-            new_cache = lambda: mtp_mod.init_cache(self.cfg, self.plan.context + self.plan.chunk + self.options.window,
-                                                   self.dtype, self.options.kv_dtype)
+            rows = self.plan.context + self.plan.chunk + self.options.window
+            new_cache = lambda: mtp_mod.init_cache(self.cfg, rows, self.dtype, self.options.kv_dtype)
             self.mtp_cache = new_cache()
-            compiled = {("fused", t): self.aot(fused, self.state.weights, self.state.cache, self.state.mtp, self.mtp_cache,
-                                                jnp.zeros((t,), jnp.int32), pos)
+            weights, cache = self.state.weights, self.state.cache
+            compiled = {("fused", t): self.aot(fused, weights, cache, self.state.mtp, self.mtp_cache,
+                                               jnp.zeros((t,), jnp.int32), pos)
                         for t in range(1, self.options.window + 1)}
             for c in self.plan.chunks:
-                compiled[("prefill", c)] = self.aot(prefill, self.state.weights, self.state.cache, jnp.zeros((c,), jnp.int32),
-                                                     pos, jnp.int32(1))
+                compiled[("prefill", c)] = self.aot(prefill, weights, cache, jnp.zeros((c,), jnp.int32), pos,
+                                                    jnp.int32(1))
             self.mtp_compiled = compiled
             # The drafter's graphs, one per row count (a window's T rows or a prefill chunk's), shared by every
             # request's drafter: compiled here by a call on zeros, so that no request compiles (a new drafter's own
             # graphs cost a compile per request: 60 against 820 tok/s on the H200). Then a clean cache.
-            drafter = mtp_mod.MTPDrafter(self.state.weights, self.state.mtp, self.mtp_cache, self.cfg, self.options.window - 1)
+            drafter = mtp_mod.MTPDrafter(weights, self.state.mtp, self.mtp_cache, self.cfg, self.options.window - 1)
             for t in sorted({*range(1, self.options.window + 1), *self.plan.chunks}):
                 drafter.catch_up(jnp.zeros((t, self.cfg.hidden_size), self.dtype), [], 0, self.options.window - 1)
             del drafter
@@ -205,7 +204,7 @@ class CompiledGraphs:
         key = ("hidden", t)
         if key not in self.mtp_compiled:
             self.mtp_compiled[key] = self.aot(self.jit_decode_window(return_hidden=True), self.state.weights,
-                                                self.state.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0))
+                                              self.state.cache, jnp.zeros((t,), jnp.int32), jnp.int32(0))
         return self.mtp_compiled[key]
 
     def device_verify_graph(self, t: int, form: str | None):
@@ -215,14 +214,14 @@ class CompiledGraphs:
             t0 = time.perf_counter()
             if self.parallel:  # the window in shard_map (experts), or chained over the stages (layers)
                 with self.full_f32():
-                    self.device_verify[key] = self.parallel.device_verify(t, form, self.state.weights, self.state.cache,
-                                                                           self.plan.context, SamplingParams.make())
+                    self.device_verify[key] = self.parallel.device_verify(
+                        t, form, self.state.weights, self.state.cache, self.plan.context, SamplingParams.make())
             else:
                 fn = graphs.jit_device_verify_window(self.cfg, t, form, self.decode_expert_path,
                                                      **self.plan.window_kernels())
                 hist = jnp.zeros((self.plan.context + t,), jnp.int32)
                 self.device_verify[key] = self.aot(fn, self.state.weights, self.state.cache, hist, jnp.int32(1),
-                                                     SamplingParams.make())
+                                                   SamplingParams.make())
             if self.verbose:
                 log(f"graphs: device verify window T={t} ({'greedy' if form is None else 'sampled, ' + form}) compiled in "
                     f"{time.perf_counter() - t0:.1f} s")
