@@ -500,6 +500,8 @@ def test_qwen3next_mtp_layer(tmp_path, cache_dir, capfd):
     assert_next_weights(checkpoint.load_mtp(folder, cfg), checkpoint.load_mtp(hf, cfg))
     source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
     assert source["mtp_block"] == 4 and source["types"]["mtp"]["F32"][0] > 0
+    engine = Engine.from_pretrained(path, verbose=False, cache_dir=str(cache_dir), **EXACT)
+    assert engine.mtp is not None  # draft=mtp drafts with it (tests/model/test_hf_next.py runs the drafter)
 
     cut = tmp_path / "next-no-mtp.gguf"
     qwen3next_gguf(cut, raw, hub, mtp_declared=1)
