@@ -125,8 +125,9 @@ def default_place(name: str, x: np.ndarray):
 
 
 def has_mtp(folder: str | Path, cfg: ModelConfig) -> bool:
-    """Whether the checkpoint holds Qwen3-Next's (or Qwen3.5's) multi-token-prediction module (`mtp.*`)."""
-    return cfg.next and cfg.mtp_layers > 0 and "mtp.fc.weight" in SafetensorsReader(folder)
+    """Whether the checkpoint (or a GGUF's folder) holds Qwen3-Next's (or Qwen3.5's) multi-token-prediction module
+    (`mtp.*`)."""
+    return cfg.next and cfg.mtp_layers > 0 and "mtp.fc.weight" in open_reader(folder)
 
 
 def load_mtp(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place: Placer = default_place) -> MTPWeights:

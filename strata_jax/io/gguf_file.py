@@ -1,5 +1,6 @@
 """`--model=file.gguf`: a llama.cpp GGUF file (or the parts `name-00001-of-0000N.gguf` of a split one) of a
-Qwen3-MoE model (arch `qwen3moe`), read through gguf's `GGUFReader` (memory-mapped).
+Qwen3-MoE model (arch `qwen3moe`) or a Qwen3-Next model (arch `qwen3next`), read through gguf's `GGUFReader`
+(memory-mapped).
 
 resolve_model turns the file into a model folder under the cache (`gguf_model_folder`): config.json,
 tokenizer.json, tokenizer_config.json (chat template, special tokens) and generation_config.json made from the
@@ -9,14 +10,29 @@ as any folder: checkpoint.open_reader gives `GGUFTensors`, which maps the files 
 model.weight_specs declares, each mapped to llama.cpp's name by gguf's own TensorNameMap (the table
 convert_hf_to_gguf writes with), so no second list of names or shapes lives here.
 
+qwen3next: convert_hf_to_gguf's Qwen3NextModel (llama.cpp conversion/qwen.py) changes some tensors on the way, and
+each tensor's `recipe` undoes it (`undo`): in_proj_qkvz is regrouped into attn_qkv ([q of every key head | k | v])
+and attn_gate (z) (older files: ssm_in, the Hub's rows as they are), A_log is stored as ssm_a = -exp(A_log) (read
+back as log(-ssm_a) in float64: within a float32 rounding of the Hub's value, and the engine's -exp of it is
+ssm_a to that rounding), the zero-centred RMSNorm weights (every `*norm.weight` but the DeltaNet's gated norm) are
+stored + 1 (read back - 1 in float32: for a stored value in [0.5, 2] exact, so the engine's 1 + w is the stored
+value), conv1d is squeezed to [C, K], dt_bias is named ssm_dt.bias; in_proj_ba, the gated norm and every other
+matrix are the Hub's. The converter's options
+--fuse-qkv (the full-attention layers' attn_qkv) and --fuse-gate-up-exps (ffn_gate_up_exps) are split back. The
+multi-token-prediction layer (the converter's block L = num_hidden_layers, `nextn.*`) is read as the `mtp.*`
+tensors when the file holds it; a file that declares it (nextn_predict_layers) without its tensors (--no-mtp
+leaves both out) runs without MTP, said in one start-up line. The layer types come from
+`attention.recurrent_layers` or else `full_attention_interval` (llama.cpp's default 4).
+
 Tensors: F32, F16 and BF16 are read as they are; every type `gguf.quants.dequantize` reads (Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, the K types Q2_K..Q6_K, the IQ types, ...) is dequantized to float32 at load and cast to the engine's
-dtype (keeping them packed on the device is a later step). Other architectures (qwen3next included: llama.cpp's
-converter regroups its DeltaNet projections and rewrites A_log and the norms), other tokenizers and other tensor
-types are refused with one line.
+dtype (keeping them packed on the device is a later step). Other architectures, other tokenizers, other tensor
+types and tensors no recipe reads (a dense MLP layer in a qwen3next file, the MTP layer's own embeddings or head)
+are refused with one line.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,8 +46,8 @@ from strata_jax.errors import StrataError, make_writable_folder
 
 # gguf (its import takes ~0.2 s) is imported where a GGUF is read, so the engine's import does not pay for it.
 
-ARCH = "qwen3moe"  # the one GGUF architecture read here
-FOLDER_VERSION = 1  # of what gguf_model_folder writes: a change makes new folders
+ARCHS = ("qwen3moe", "qwen3next")  # the GGUF architectures read here
+FOLDER_VERSION = 2  # of what gguf_model_folder writes: a change makes new folders
 SOURCE_FILE = "gguf.json"  # in a GGUF's model folder: the files and their tensor types
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 EXACT_TYPES = ("F32", "F16", "BF16")  # read as they are
@@ -81,11 +97,9 @@ class GGUFFiles:
             for t in r.tensors:
                 self.tensors[t.name] = (t, p)
         self.arch = self.value("general.architecture")
-        if self.arch != ARCH:
-            why = (" (llama.cpp's converter regroups its DeltaNet projections and rewrites A_log and the norms: "
-                   "load the Hugging Face safetensors checkpoint instead)" if self.arch == "qwen3next" else "")
+        if self.arch not in ARCHS:
             raise StrataError(f"{self.path}: GGUF architecture {self.arch!r} is not supported (supported: "
-                              f"{ARCH!r}){why}")
+                              f"{', '.join(map(repr, ARCHS))})")
 
     def value(self, key: str, default=None, required: bool = False):
         field = self.fields.get(key)
@@ -98,6 +112,17 @@ class GGUFFiles:
     def arch_value(self, key: str, default=None, required: bool = True):
         return self.value(f"{self.arch}.{key}", default, required and default is None)
 
+    def one_value(self, key: str, default=None, required: bool = True):
+        """An `{arch}.` key that llama.cpp reads as one value or one per layer (get_key_or_arr): a list of equal
+        values is that value; different values per layer are refused (the engine's layers share one shape)."""
+        x = self.arch_value(key, default, required)
+        if isinstance(x, list):
+            if len(set(x)) != 1:
+                raise StrataError(f"{self.path}: {self.arch}.{key} differs between layers ({sorted(set(x))}): "
+                                  "this engine's layers share one shape")
+            x = x[0]
+        return x
+
 
 def decimal(x: float) -> float:
     """A float32 metadata value as the shortest decimal that reads back as it (1e-06, not 9.99999997e-07): the
@@ -105,10 +130,37 @@ def decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def raw_config(files: GGUFFiles) -> dict:
-    """The GGUF's hyperparameters as a Hugging Face config.json of Qwen3MoeForCausalLM (config_from_dict reads it).
-    llama.cpp's qwen3moe makes every layer MoE and always renormalises the top-K weights."""
+def block_layout(files: GGUFFiles) -> dict:
+    """The GGUF's blocks: {"layers": the model's decoder layers, "mtp_declared": nextn_predict_layers, "mtp_block":
+    the block index of the MTP layer when the file holds its tensors, else None}. convert_hf_to_gguf counts the MTP
+    layers into block_count and writes them as the blocks after the model's (_QwenMtpMixin)."""
     a = files.arch_value
+    count = a("block_count")
+    declared = a("nextn_predict_layers", 0) if files.arch == "qwen3next" else 0
+    layers = count - declared
+    if declared < 0 or layers <= 0:
+        raise StrataError(f"{files.path}: block_count {count} with nextn_predict_layers {declared} leaves no "
+                          "decoder layer")
+    blocks = {int(m.group(1)) for name in files.tensors if (m := re.match(r"blk\.(\d+)\.", name))}
+    trunk, mtp = set(range(layers)), set(range(layers, count))
+    if mtp and blocks and blocks <= mtp:
+        raise StrataError(f"{files.path}: the GGUF holds only the MTP layer (blk.{min(blocks)}; a file of "
+                          "convert_hf_to_gguf --mtp): give the model's GGUF")
+    if blocks not in (trunk, trunk | mtp):  # before anything is sized from block_count
+        raise StrataError(f"{files.path}: block_count is {count}, but the GGUF holds tensors of {len(blocks)} "
+                          f"blocks" + (f" (blk.{min(blocks)}..blk.{max(blocks)})" if blocks else ""))
+    present = bool(mtp) and blocks == trunk | mtp
+    if present and declared > 1:
+        raise StrataError(f"{files.path}: nextn_predict_layers is {declared}: this engine's MTP drafter reads one "
+                          "MTP layer (Qwen3-Next has one)")
+    return {"layers": layers, "mtp_declared": declared, "mtp_block": layers if present else None}
+
+
+def raw_config(files: GGUFFiles, layout: dict | None = None) -> dict:
+    """The GGUF's hyperparameters as a Hugging Face config.json (config_from_dict reads it): Qwen3MoeForCausalLM
+    from qwen3moe, Qwen3NextForCausalLM from qwen3next (`next_config`). llama.cpp makes every layer of both MoE."""
+    a = files.arch_value
+    layout = layout or block_layout(files)
     scaling = a("rope.scaling.type", "none", required=False)
     if scaling not in ("none", None):
         raise StrataError(f"{files.path}: rope scaling {scaling!r} (rope.scaling.type) is not supported (only the "
@@ -116,35 +168,80 @@ def raw_config(files: GGUFFiles) -> dict:
     head_dim = a("attention.key_length", a("embedding_length") // a("attention.head_count"))
     if a("attention.value_length", head_dim) != head_dim:
         raise StrataError(f"{files.path}: attention.value_length {a('attention.value_length')} differs from "
-                          f"key_length {head_dim}: not a Qwen3-MoE shape")
-    if a("rope.dimension_count", head_dim) != head_dim:
-        raise StrataError(f"{files.path}: rope.dimension_count {a('rope.dimension_count')} is not the head "
-                          f"dimension {head_dim}: partial RoPE is not a Qwen3-MoE shape")
-    blocks = {int(m.group(1)) for name in files.tensors if (m := re.match(r"blk\.(\d+)\.", name))}
-    if blocks != set(range(a("block_count"))):  # before anything is sized from block_count
-        raise StrataError(f"{files.path}: block_count is {a('block_count')}, but the GGUF holds tensors of "
-                          f"{len(blocks)} blocks" + (f" (blk.{min(blocks)}..blk.{max(blocks)})" if blocks else ""))
+                          f"key_length {head_dim}: not a Qwen3-MoE / Qwen3-Next shape")
     embed = files.tensors.get("token_embd.weight")
     if embed is None:
         raise StrataError(f"{files.path}: GGUF tensor 'token_embd.weight' is missing")
     tokens = files.value("tokenizer.ggml.tokens")
     vocab = a("vocab_size", len(tokens) if tokens else int(embed[0].shape[1]))
     eos = files.value("tokenizer.ggml.eos_token_id")
-    return {
+    raw = {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "num_hidden_layers": a("block_count"), "hidden_size": a("embedding_length"),
-        "num_attention_heads": a("attention.head_count"),
-        "num_key_value_heads": a("attention.head_count_kv", a("attention.head_count")), "head_dim": head_dim,
+        "num_hidden_layers": layout["layers"], "hidden_size": a("embedding_length"),
+        "num_attention_heads": files.one_value("attention.head_count"),
+        "num_key_value_heads": files.one_value("attention.head_count_kv", a("attention.head_count")),
+        "head_dim": head_dim,
         "num_experts": a("expert_count"), "num_experts_per_tok": a("expert_used_count"),
-        "moe_intermediate_size": a("expert_feed_forward_length"),
-        "intermediate_size": a("feed_forward_length", 0), "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "norm_topk_prob": bool(a("expert_weights_norm", True)),
+        "moe_intermediate_size": files.one_value("expert_feed_forward_length"),
+        "intermediate_size": files.one_value("feed_forward_length", 0), "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "norm_topk_prob": bool(a("expert_weights_norm", True)),
         "rms_norm_eps": decimal(a("attention.layer_norm_rms_epsilon")),
         "rope_theta": decimal(a("rope.freq_base", 10000.0)),
         "max_position_embeddings": a("context_length"), "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in files.tensors,  # llama.cpp then reads token_embd
         "eos_token_id": eos, "hidden_act": "silu",
     }
+    if files.arch == "qwen3next":
+        return next_config(files, raw, layout)
+    if a("rope.dimension_count", head_dim) != head_dim:
+        raise StrataError(f"{files.path}: rope.dimension_count {a('rope.dimension_count')} is not the head "
+                          f"dimension {head_dim}: partial RoPE is not a Qwen3-MoE shape")
+    return raw
+
+
+def next_config(files: GGUFFiles, raw: dict, layout: dict) -> dict:
+    """qwen3next's keys as Qwen3NextConfig's (what Qwen3NextModel.set_gguf_parameters wrote from them): the layer
+    types, the DeltaNet's shape (ssm.*: conv_kernel, state_size = linear_key_head_dim, group_count =
+    linear_num_key_heads, time_step_rank = linear_num_value_heads, inner_size = their product with
+    linear_value_head_dim), partial RoPE (rope.dimension_count of the head), the shared expert, the MTP layers."""
+    a = files.arch_value
+    n, count = layout["layers"], files.arch_value("block_count")
+    recurrent = files.value("qwen3next.attention.recurrent_layers")
+    if recurrent is not None:  # an array over every block (the MTP layer's False), or one value for all
+        flags = [bool(x) for x in recurrent] if isinstance(recurrent, list) else [bool(recurrent)] * count
+        if len(flags) != count:
+            raise StrataError(f"{files.path}: qwen3next.attention.recurrent_layers has {len(flags)} entries for "
+                              f"{count} blocks")
+        if any(flags[n:]):
+            raise StrataError(f"{files.path}: qwen3next.attention.recurrent_layers marks the MTP layer recurrent "
+                              "(it is a full-attention layer)")
+    else:  # llama.cpp's rule: every interval-th layer full attention, the default interval 4
+        interval = a("full_attention_interval", 4)
+        if interval <= 0:
+            raise StrataError(f"{files.path}: qwen3next.full_attention_interval must be positive (got {interval})")
+        flags = [(i + 1) % interval != 0 for i in range(n)]
+    types = ["linear_attention" if r else "full_attention" for r in flags[:n]]
+    head_dim = raw["head_dim"]
+    rotary = a("rope.dimension_count", head_dim)
+    factor = rotary / head_dim
+    if not 0 < rotary <= head_dim or int(head_dim * factor) != rotary:
+        raise StrataError(f"{files.path}: rope.dimension_count {rotary} is not a rotary part of the head dimension "
+                          f"{head_dim}")
+    shared = a("expert_shared_feed_forward_length", 0)
+    if not shared and any(name.endswith(".ffn_up_shexp.weight") for name in files.tensors):
+        shared = raw["intermediate_size"]  # llama.cpp's fallback: n_ff
+    out = dict(raw, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", layer_types=types,
+               partial_rotary_factor=factor, shared_expert_intermediate_size=shared,
+               mtp_num_hidden_layers=layout["mtp_declared"] if layout["mtp_block"] is not None else 0)
+    if "linear_attention" in types:
+        value_heads, inner = a("ssm.time_step_rank"), a("ssm.inner_size")
+        if value_heads <= 0 or inner % value_heads:
+            raise StrataError(f"{files.path}: qwen3next.ssm.inner_size {inner} is not a multiple of "
+                              f"ssm.time_step_rank {value_heads} (the value heads)")
+        out.update(linear_conv_kernel_dim=a("ssm.conv_kernel"), linear_key_head_dim=a("ssm.state_size"),
+                   linear_num_key_heads=a("ssm.group_count"), linear_num_value_heads=value_heads,
+                   linear_value_head_dim=inner // value_heads)
+    return out
 
 
 # ---- the tokenizer ------------------------------------------------------------------------------------------------
@@ -222,8 +319,10 @@ def generation_config(files: GGUFFiles) -> dict:
 
 # ---- tensor types per family --------------------------------------------------------------------------------------
 
-def family_of(name: str) -> str:
-    """A llama.cpp tensor's family for the start-up line."""
+def family_of(name: str, mtp_block: int | None = None) -> str:
+    """A llama.cpp tensor's family for the start-up line (the MTP layer's block: "mtp")."""
+    if mtp_block is not None and name.startswith(f"blk.{mtp_block}."):
+        return "mtp"
     if "_exps." in name:
         return "experts"
     if ".ffn_gate_inp." in name:
@@ -232,7 +331,7 @@ def family_of(name: str) -> str:
         return "embeddings"
     if name.endswith("_norm.weight"):
         return "norms"
-    if ".attn_" in name:
+    if ".attn_" in name or ".ssm_" in name:  # a DeltaNet layer's tensors: its attention
         return "attention"
     return "dense"
 
@@ -250,7 +349,7 @@ def readable(qtype) -> bool:
     return True
 
 
-def type_table(files: GGUFFiles) -> dict:
+def type_table(files: GGUFFiles, mtp_block: int | None = None) -> dict:
     """{family: {type name: [weights, bytes]}}; one line for a tensor of a type that cannot be read."""
     from gguf import GGMLQuantizationType
     table: dict = {}
@@ -262,8 +361,9 @@ def type_table(files: GGUFFiles) -> dict:
         if not told[qtype]:
             raise StrataError(f"{files.path}: GGUF tensor {name!r} has type {qtype.name}, which this engine does "
                               f"not read (F32, F16, BF16 and the types gguf.quants dequantizes)")
-        n, b = table.setdefault(family_of(name), {}).setdefault(qtype.name, [0, 0])
-        table[family_of(name)][qtype.name] = [n + int(t.n_elements), b + int(t.n_bytes)]
+        family = family_of(name, mtp_block)
+        n, b = table.setdefault(family, {}).setdefault(qtype.name, [0, 0])
+        table[family][qtype.name] = [n + int(t.n_elements), b + int(t.n_bytes)]
     return table
 
 
@@ -281,7 +381,7 @@ def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
     short = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
     held = short.get(dtype, dtype)
     parts = []
-    for family in ("attention", "dense", "router", "experts", "embeddings", "norms"):
+    for family in ("attention", "dense", "router", "experts", "embeddings", "norms", "mtp"):
         types = source["types"].get(family)
         if not types:
             continue
@@ -298,11 +398,23 @@ def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
             "packed formats on the device: not yet")
 
 
+def mtp_line(source: dict) -> str | None:
+    """One line when the GGUF declares MTP layers (nextn_predict_layers) but holds none of their tensors."""
+    declared, block = source.get("mtp_declared", 0), source.get("mtp_block")
+    if not declared or block is not None:
+        return None
+    return (f"gguf: {source['files'][0]} declares {declared} MTP layer(s) (nextn_predict_layers) but holds none of "
+            "their tensors: the engine runs without MTP (draft=mtp drafts with ngram)")
+
+
 def say_formats(folder: Path, dtype: str, expert_format: str | None, say) -> None:
-    """The start-up line of a GGUF's model folder (nothing for any other folder)."""
+    """The start-up line(s) of a GGUF's model folder (nothing for any other folder)."""
     path = Path(folder) / SOURCE_FILE
     if path.is_file():
-        say(formats_line(json.loads(path.read_text()), dtype, expert_format))
+        source = json.loads(path.read_text())
+        say(formats_line(source, dtype, expert_format))
+        if line := mtp_line(source):
+            say(line)
 
 
 # ---- the model folder ---------------------------------------------------------------------------------------------
@@ -322,10 +434,12 @@ def gguf_model_folder(path: str | Path, cache_dir: Path) -> Path:
     if (folder / SOURCE_FILE).is_file():
         return folder
     files = GGUFFiles(parts[0])
-    raw = raw_config(files)
+    layout = block_layout(files)
+    raw = raw_config(files, layout)
     config_from_dict(raw, where=str(files.path))  # a bad shape is refused here, naming the GGUF
-    source = {"files": [str(p) for p in files.parts], "arch": files.arch, "types": type_table(files),
-              "tensors": tensor_table(files)}
+    source = {"files": [str(p) for p in files.parts], "arch": files.arch,
+              "types": type_table(files, layout["mtp_block"]), "tensors": tensor_table(files),
+              "mtp_declared": layout["mtp_declared"], "mtp_block": layout["mtp_block"]}
     tok = tokenizer_json(files)
     make_writable_folder(folder.parent, f"cache_dir {cache_dir}: not a writable folder for the GGUF's model folder")
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
@@ -356,22 +470,126 @@ def reader_for(folder: str | Path, check) -> "GGUFTensors | None":
 
 
 EXPERT_NAME = re.compile(r"\.experts\.\{j\}\.")
+# The MTP module's own tensors: the names _QwenMtpMixin.filter_tensors gives them (model.layers.{L}.eh_proj, ...)
+# as llama.cpp names them (gguf's MODEL_TENSOR.NEXTN_*; gguf 0.19's TensorNameMap has no NEXTN for qwen3next).
+NEXTN = {"mtp.fc.weight": "NEXTN_EH_PROJ", "mtp.pre_fc_norm_embedding.weight": "NEXTN_ENORM",
+         "mtp.pre_fc_norm_hidden.weight": "NEXTN_HNORM", "mtp.norm.weight": "NEXTN_SHARED_HEAD_NORM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How one Hub tensor comes from the GGUF: `undo(op, ...)` over the tensors `names` (numpy shapes `shapes`;
+    `expert`: the index in their [E, ...] stack)."""
+    op: str  # plain, norm, a_log, conv, reshape, qkvz, rows
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    expert: int | None = None
+    arg: tuple = ()  # rows: (start, stop); qkvz: (Nk, Dk, Nv/Nk * Dv)
+
+
+def gguf_name(kind: str, block: int | None = None, suffix: str = ".weight") -> str:
+    """llama.cpp's name of a MODEL_TENSOR kind ("ATTN_QKV", block 3 -> blk.3.attn_qkv.weight)."""
+    import gguf
+    return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[kind]].format(bid=block) + suffix
+
+
+def recipe(hub: str, leaf, j: int | None, cfg, names, tensors: dict, mtp_block: int | None) -> Recipe:
+    """The recipe of Hub tensor `hub` (its declaration `leaf`; expert j of a stack): the name convert_hf_to_gguf
+    gave it, and for qwen3next (`cfg.next`) the inverse of what Qwen3NextModel.modify_tensors did to it. Where the
+    converter has two forms (the options --fuse-qkv and --fuse-gate-up-exps; ssm_in before attn_qkv/attn_gate),
+    the form the file holds is read."""
+    fused = EXPERT_NAME.sub(".experts.", leaf.hf)  # the converter's name for the stacked experts
+    shape = tuple(leaf.shape if leaf.expert else leaf.hf_shape)
+    if fused in NEXTN:  # the converter's names enorm / hnorm / shared_head.norm end in norm.weight: + 1
+        return Recipe("plain" if fused == "mtp.fc.weight" else "norm", (gguf_name(NEXTN[fused], mtp_block),),
+                      (shape,))
+    name = fused
+    if name.startswith("mtp.layers.0."):  # _QwenMtpMixin: the MTP layer is the block after the model's
+        name = f"model.layers.{mtp_block}." + name[len("mtp.layers.0."):]
+    if name.endswith(".dt_bias"):  # Qwen3NextModel renames it before the table
+        name = name[:-len(".dt_bias")] + ".dt_proj.bias"
+    mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    if mapped is None:
+        raise StrataError(f"no GGUF name for the Hub tensor {fused!r}")
+    m = re.match(r"blk\.(\d+)\.", mapped)
+    block = int(m.group(1)) if m else None
+    plain = Recipe("plain", (mapped,), (shape,), j)
+    if leaf.expert:
+        gate_up = gguf_name("FFN_GATE_UP_EXP", block)
+        if mapped in tensors or gate_up not in tensors or leaf.expert == "down":
+            return plain
+        e, f, h = leaf.shape  # --fuse-gate-up-exps: [E, 2F, H] = gate | up
+        return Recipe("rows", (gate_up,), ((e, 2 * f, h),), j, (0, f) if leaf.expert == "gate" else (f, 2 * f))
+    if re.search(r"\.self_attn\.[qkv]_proj\.weight$", leaf.hf):
+        qkv = gguf_name("ATTN_QKV", block)
+        if mapped in tensors or qkv not in tensors:
+            return plain
+        q, kv = cfg.num_heads * cfg.head_dim * (2 if cfg.next else 1), cfg.num_kv_heads * cfg.head_dim
+        start = {"q": 0, "k": q, "v": q + kv}[leaf.hf.split(".self_attn.")[1][0]]  # --fuse-qkv: q | k | v rows
+        return Recipe("rows", (qkv,), ((q + 2 * kv, shape[1]),), None, (start, start + shape[0]))
+    if not cfg.next:
+        return plain
+    if fused.endswith(".A_log"):
+        return Recipe("a_log", (mapped,), (shape,))
+    if fused.endswith(".conv1d.weight"):  # [C, 1, K] squeezed
+        return Recipe("conv", (mapped,), ((shape[0], shape[2]),))
+    if fused.endswith("norm.weight") and not fused.endswith("linear_attn.norm.weight"):
+        return Recipe("norm", (mapped,), (shape,))
+    if fused.endswith(".in_proj_qkvz.weight"):
+        qkv, z = gguf_name("ATTN_QKV", block), gguf_name("ATTN_GATE", block)
+        if mapped in tensors and qkv not in tensors:  # the older files' ssm_in: the Hub's rows
+            return plain
+        nk, dk, nv, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, \
+            cfg.linear_value_head_dim
+        return Recipe("qkvz", (qkv, z), ((2 * nk * dk + nv * dv, shape[1]), (nv * dv, shape[1])), None,
+                      (nk, dk, nv // nk * dv))
+    if fused.endswith(".shared_expert_gate.weight"):  # [1, H]; llama.cpp reads it as [H]: either is taken
+        got = tensors.get(mapped)
+        return Recipe("reshape", (mapped,), (shape[1:] if got and len(got[2]) == 1 else shape,))
+    return plain
+
+
+def undo(r: Recipe, xs: list[np.ndarray], shape: tuple[int, ...], path: str) -> np.ndarray:
+    """The Hub tensor from the GGUF tensors of its recipe (the inverse of convert_hf_to_gguf's change)."""
+    x = xs[0]
+    if r.op == "norm":  # stored 1 + w
+        return np.subtract(x, 1, dtype=np.float32)
+    if r.op == "a_log":  # stored -exp(A_log)
+        if not np.all(x < 0):
+            raise StrataError(f"GGUF tensor {r.names[0]!r} in {path} holds values >= 0: convert_hf_to_gguf stores "
+                              "-exp(A_log) there, which is negative")
+        return np.log(-x.astype(np.float64)).astype(np.float32)
+    if r.op == "conv":
+        return x[:, None, :]
+    if r.op == "reshape":
+        return x.reshape(shape)
+    if r.op == "rows":
+        return np.ascontiguousarray(x[r.arg[0]:r.arg[1]])
+    if r.op == "qkvz":  # attn_qkv [q of every key head | k | v] + attn_gate z -> per key head [q_i, k_i, v_i, z_i]
+        nk, dk, vz = r.arg
+        h = x.shape[-1]
+        q, k = x[:nk * dk].reshape(nk, dk, h), x[nk * dk:2 * nk * dk].reshape(nk, dk, h)
+        v, z = x[2 * nk * dk:].reshape(nk, vz, h), xs[1].reshape(nk, vz, h)
+        return np.concatenate([q, k, v, z], axis=1).reshape(-1, h)
+    return x
 
 
 class GGUFTensors:
     """Hub tensor name -> array, as SafetensorsReader serves them, read from the GGUF's memory-mapped files at the
-    offsets gguf.json keeps: each name model.weight_specs declares is mapped through gguf's TensorNameMap (an expert
-    stack: its fused name, one expert a slice of llama.cpp's [E, O, I] stack). GGUF lists dimensions fastest first;
-    in numpy's order (GGUFReader's, kept in gguf.json) a matrix is the Hub's [out, in]: convert_hf_to_gguf permutes
-    nothing for qwen3moe (Qwen2MoeModel only stacks the experts)."""
+    offsets gguf.json keeps: each name model.weight_specs (and, where the file holds the MTP layer,
+    mtp.weight_specs) declares has a `recipe`: its GGUF name(s) by gguf's TensorNameMap (an expert stack: its
+    fused name, one expert a slice of llama.cpp's [E, O, I] stack) and, for qwen3next, the inverse of the
+    converter's change. GGUF lists dimensions fastest first; in numpy's order (GGUFReader's, kept in gguf.json) a
+    matrix is the Hub's [out, in]: convert_hf_to_gguf transposes nothing (Qwen2MoeModel only stacks the experts)."""
 
     def __init__(self, folder: str | Path, check):
         import gguf
         from strata_jax.model.config import load_config
         from strata_jax.model.weights import hub_walk, weight_specs
+        from strata_jax.speculative.mtp import weight_specs as mtp_specs
         self.folder, self.check = Path(folder), check
         source = json.loads((self.folder / SOURCE_FILE).read_text())
-        self.path, self.tensors = source["files"][0], source["tensors"]
+        self.path, self.tensors, self.arch = source["files"][0], source["tensors"], source["arch"]
         try:
             # plain ndarray views of the maps: gguf.quants slices a tensor in many row groups, and every slice of an
             # np.memmap pays its subclass's bookkeeping (a fifth of a load's time)
@@ -379,40 +597,52 @@ class GGUFTensors:
         except OSError as e:
             raise StrataError(f"cannot read GGUF file {e.filename or source['files'][0]}: {e.strerror or e}") from None
         cfg = load_config(self.folder)
-        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg.num_layers)
-        self.gguf_of: dict[str, tuple[str, int | None, tuple]] = {}  # Hub name -> (GGUF name, expert, GGUF shape)
-        for hub, leaf, j, _ in hub_walk(weight_specs(cfg)):
-            fused = EXPERT_NAME.sub(".experts.", leaf.hf)  # the converter's name for the stacked experts
-            mapped = names.get_name(fused, try_suffixes=(".weight", ".bias"))
-            if mapped is None:
-                raise StrataError(f"{self.path}: no GGUF name for the Hub tensor {fused!r}")
-            shape = leaf.shape if leaf.expert else leaf.hf_shape
-            self.gguf_of[hub] = (mapped, j, tuple(shape))
-        read = {g for g, _, _ in self.gguf_of.values()}
+        mtp_block = source.get("mtp_block")
+        blocks = cfg.num_layers + (source.get("mtp_declared", 0) if mtp_block is not None else 0)
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[self.arch.upper()], blocks)
+        walk = list(hub_walk(weight_specs(cfg)))
+        if mtp_block is not None:
+            walk += list(hub_walk(mtp_specs(cfg)))
+        self.recipes: dict[str, Recipe] = {}
+        for hub, leaf, j, _ in walk:
+            try:
+                self.recipes[hub] = recipe(hub, leaf, j, cfg, names, self.tensors, mtp_block)
+            except StrataError as e:
+                raise StrataError(f"{self.path}: {e}") from None
+        read = {g for r in self.recipes.values() for g in r.names}
         unread = sorted(set(self.tensors) - read)
-        if unread:  # a weight the declaration does not know (a shared expert, a bias) would be dropped silently
-            raise StrataError(f"{self.path}: GGUF tensor {unread[0]!r} is not part of a {ARCH} model as this "
+        if unread:  # a weight the declaration does not know (a dense MLP, a bias) would be dropped silently
+            raise StrataError(f"{self.path}: GGUF tensor {unread[0]!r} is not part of a {self.arch} model as this "
                               f"engine reads it ({len(unread)} such tensor(s))")
-        # What check_layer_count reads: the Hub names whose GGUF tensor is there.
-        self.file_of = {hub: source["files"][self.tensors[g][0]] for hub, (g, _, _) in self.gguf_of.items()
-                        if g in self.tensors}
+        # What check_layer_count reads: the Hub names whose GGUF tensors are there.
+        self.file_of = {hub: source["files"][self.tensors[r.names[0]][0]] for hub, r in self.recipes.items()
+                        if all(g in self.tensors for g in r.names)}
+        self._kept = (None, None)  # the last tensor a "rows" recipe read (q, k, v of one attn_qkv; gate, up)
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.gguf_of:
-            raise StrataError(f"checkpoint tensor {name!r} has no GGUF counterpart in {self.path}")
-        gname, j, want = self.gguf_of[name]
+    def read(self, gname: str, want: tuple, j: int | None, hub: str, keep: bool) -> np.ndarray:
         if gname not in self.tensors:
-            raise StrataError(f"GGUF tensor {gname!r} (the Hub's {name!r}) is missing from {self.path}")
+            raise StrataError(f"GGUF tensor {gname!r} (the Hub's {hub!r}) is missing from {self.path}")
+        if keep and self._kept[0] == (gname, j):
+            return self._kept[1]
         part, qtype, got, offset, size = self.tensors[gname]
         if tuple(got) != want:
             raise StrataError(f"GGUF tensor {gname!r} has shape {list(got)} (numpy order), expected {list(want)}")
         x = values(self.maps[part][offset:offset + size], qtype, tuple(got), j)
+        self.check(gname if j is None else f"{gname}[{j}]", x)
+        self._kept = ((gname, j), x) if keep else (None, None)
+        return x
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.recipes:
+            raise StrataError(f"checkpoint tensor {name!r} has no GGUF counterpart in {self.path}")
+        r = self.recipes[name]
+        xs = [self.read(g, want, r.expert, name, r.op == "rows") for g, want in zip(r.names, r.shapes)]
+        x = undo(r, xs, tuple(shape), self.path)
         if tuple(x.shape) != tuple(shape):
-            raise StrataError(f"GGUF tensor {gname!r} gives shape {list(x.shape)}, expected {list(shape)}")
-        self.check(name if j is None else f"{gname}[{j}]", x)
+            raise StrataError(f"GGUF tensor {r.names[0]!r} gives shape {list(x.shape)}, expected {list(shape)}")
         return x
 
 

@@ -1,11 +1,13 @@
 """`--model=file.gguf`: tiny Qwen3-MoE GGUFs written here with gguf's own writer and quantizers (as llama.cpp's
 convert_hf_to_gguf lays them out: its metadata keys, TensorNameMap's names, experts stacked [E, O, I]) load into
 the same weights and logits as the safetensors checkpoint they came from (or one holding their dequantized
-values); the tokenizer built from tokenizer.ggml.* gives the Hugging Face tokenizer's ids; bad files are refused
-in one line."""
+values); Qwen3-Next GGUFs written as convert_hf_to_gguf's Qwen3NextModel writes them (`qwen3next_gguf`) load into
+the Hub checkpoint's weights, logits and MTP module; the tokenizer built from tokenizer.ggml.* gives the Hugging
+Face tokenizer's ids; bad files are refused in one line."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -264,6 +266,289 @@ def test_split_gguf_reads_every_part(tmp_path, base_hub, cache_dir):
     assert parts[-1].name in msg and "missing" in msg, msg
 
 
+# ---- qwen3next: Qwen3-Next GGUFs as llama.cpp's converter writes them ----------------------------------------------
+
+NEXT_BASE, NEXT_MIXED = HF_FIXTURES / "next_base", HF_FIXTURES / "next_mixed"
+
+
+def tensor_name(kind: str, block: int, suffix: str = ".weight") -> str:
+    return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[kind]].format(bid=block) + suffix
+
+
+def qwen3next_gguf(path: Path, raw: dict, hub: dict[str, np.ndarray], *, legacy_ssm_in=False, fuse_qkv=False,
+                   fuse_gate_up_exps=False, recurrent_layers=True, shexp_gate_1d=False, mtp_declared=None,
+                   drop=(), replace=None) -> None:
+    """A Hub checkpoint (per-expert tensors, `mtp.*` when it has the MTP module) written as llama.cpp's
+    convert_hf_to_gguf writes a Qwen3NextForCausalLM (llama.cpp conversion/qwen.py: Qwen3NextModel, its
+    _QwenMtpMixin and Qwen2MoeModel; conversion/base.py: TextModel.set_gguf_parameters, modify_tensors'
+    --fuse-gate-up-exps / --fuse-qkv), in numpy:
+    - metadata: TextModel's keys, expert_(shared_)feed_forward_length, ssm.conv_kernel / state_size (Dk) /
+      group_count (Nk) / time_step_rank (Nv) / inner_size (Nv*Dv), attention.recurrent_layers (from layer_types,
+      False for the MTP block; recurrent_layers=False: only full_attention_interval, as files without it),
+      full_attention_interval (config's or 4), rope.dimension_count (head_dim * partial_rotary_factor),
+      nextn_predict_layers and block_count = layers + MTP layers;
+    - tensors (modify_tensors): A_log -> -exp(A_log), dt_bias renamed dt_proj.bias, conv1d squeezed, every
+      `norm.weight` but linear_attn.norm's + 1, in_proj_qkvz regrouped into attn_qkv [q*Nk | k*Nk | v*Nk] and
+      attn_gate [z*Nk] (legacy_ssm_in: the older converter's ssm_in, the Hub's rows), experts stacked [E, O, I];
+      mtp.* renamed to the block after the model's (fc -> eh_proj, pre_fc_norm_* -> enorm / hnorm, norm ->
+      shared_head.norm); names by gguf's TensorNameMap (the nextn.* names by TENSOR_NAMES: gguf 0.19's table for
+      qwen3next lacks them, llama.cpp's newer gguf-py has them).
+    shexp_gate_1d: the shared expert gate stored [H] (as llama.cpp reads it) instead of the converter's [1, H].
+    mtp_declared: nextn_predict_layers when the file holds no MTP tensors (a file cut of them). drop: GGUF names (or
+    their prefixes) left out; replace: {GGUF name: array written instead, or added}. F32 throughout."""
+    n = raw["num_hidden_layers"]
+    h, nk, nv = raw["hidden_size"], raw["linear_num_key_heads"], raw["linear_num_value_heads"]
+    dk, dv = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
+    rope = raw.get("rope_parameters") or raw
+    n_mtp = 1 if "mtp.fc.weight" in hub else 0
+    blocks = n + n_mtp
+    declared = n_mtp or mtp_declared or 0  # nextn_predict_layers, counted into block_count
+
+    # _QwenMtpMixin.filter_tensors: mtp.* -> the blocks after the model's
+    renamed = {}
+    for name, x in hub.items():
+        if name.startswith("mtp."):
+            parts = name.split(".", 3)
+            if len(parts) == 4 and parts[1] == "layers":
+                name = f"model.layers.{n + int(parts[2])}.{parts[3]}"
+            else:
+                short = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+                         "norm": "shared_head.norm"}[parts[1]]
+                name = f"model.layers.{n}.{short}.{parts[2]}"
+        renamed[name] = x
+
+    # Qwen3NextModel.modify_tensors
+    out = {}
+    for name, x in renamed.items():
+        if name.endswith(".A_log"):
+            x = -np.exp(x)
+        elif name.endswith(".dt_bias"):
+            name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+        elif "conv1d" in name:
+            x = x.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            x = x + 1
+        if "in_proj_qkvz.weight" in name and not legacy_ssm_in:
+            split = [dk, dk, nv // nk * dv, nv // nk * dv]
+            t = x.T.reshape(-1, nk, sum(split))  # permute(1, 0).view(-1, num_k_heads, sum(split))
+            q, k, v, z = np.split(t, np.cumsum(split)[:-1], axis=-1)
+            q, k, v, z = (a.reshape(h, -1) for a in (q, k, v, z))
+            bid = int(name.split(".")[2])
+            out[tensor_name("ATTN_QKV", bid)] = np.concatenate([q, k, v], axis=-1).T
+            out[tensor_name("ATTN_GATE", bid)] = z.T
+        else:
+            out[name] = x
+
+    # Qwen2MoeModel.modify_tensors: each layer's experts stacked [E, O, I]; then the names (TextModel.modify_tensors)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, blocks)
+    nextn = {"eh_proj": "NEXTN_EH_PROJ", "enorm": "NEXTN_ENORM", "hnorm": "NEXTN_HNORM",
+             "shared_head.norm": "NEXTN_SHARED_HEAD_NORM"}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    tensors = {}
+    for name, x in out.items():
+        m = re.match(r"(model\.layers\.(\d+)\.mlp\.experts\.)(\d+)\.(\w+\.weight)$", name)
+        if m:
+            experts.setdefault(m.group(1) + m.group(4), {})[int(m.group(3))] = x
+            continue
+        m = re.match(r"model\.layers\.(\d+)\.(eh_proj|enorm|hnorm|shared_head\.norm)\.weight$", name)
+        g = tensor_name(nextn[m.group(2)], int(m.group(1))) if m else \
+            name if name.startswith("blk.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert g is not None, name
+        tensors[g] = x
+    for name, per in experts.items():
+        tensors[names.get_name(name, try_suffixes=(".weight",))] = np.stack([per[j] for j in sorted(per)])
+    for i in range(blocks):
+        if fuse_gate_up_exps:  # TextModel.modify_tensors: cat([gate, up], dim=1)
+            tensors[tensor_name("FFN_GATE_UP_EXP", i)] = np.concatenate(
+                [tensors.pop(tensor_name("FFN_GATE_EXP", i)), tensors.pop(tensor_name("FFN_UP_EXP", i))], axis=1)
+        if fuse_qkv and tensor_name("ATTN_Q", i) in tensors:  # the full-attention layers: cat([q, k, v], dim=0)
+            tensors[tensor_name("ATTN_QKV", i)] = np.concatenate(
+                [tensors.pop(tensor_name(k, i)) for k in ("ATTN_Q", "ATTN_K", "ATTN_V")])
+        if shexp_gate_1d:
+            g = tensor_name("FFN_GATE_INP_SHEXP", i)
+            tensors[g] = tensors[g].reshape(-1)
+
+    w = gguf.GGUFWriter(path, "qwen3next")
+    w.add_block_count(n + declared)
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(raw["intermediate_size"])
+    w.add_head_count(raw["num_attention_heads"])
+    w.add_head_count_kv(raw["num_key_value_heads"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    w.add_expert_count(raw["num_experts"])
+    w.add_expert_used_count(raw["num_experts_per_tok"])
+    w.add_key_length(raw["head_dim"])
+    w.add_value_length(raw["head_dim"])
+    w.add_expert_feed_forward_length(raw["moe_intermediate_size"])
+    w.add_expert_shared_feed_forward_length(raw["shared_expert_intermediate_size"])
+    w.add_ssm_conv_kernel(raw["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(nk)
+    w.add_ssm_time_step_rank(nv)
+    w.add_ssm_inner_size(dv * nv)
+    if recurrent_layers:  # add_recurrent_layers (llama.cpp's newer gguf-py)
+        w.add_array("qwen3next.attention.recurrent_layers",
+                    [t == "linear_attention" for t in raw["layer_types"]] + [False] * declared)
+        w.add_full_attention_interval(raw.get("full_attention_interval", 4))
+    else:
+        w.add_full_attention_interval(next(i + 1 for i, t in enumerate(raw["layer_types"]) if t == "full_attention"))
+    w.add_rope_dimension_count(int(raw["head_dim"] * rope.get("partial_rotary_factor", 0.25)))
+    if declared:
+        w.add_nextn_predict_layers(declared)
+    for g, x in tensors.items():
+        if not g.startswith(tuple(drop)) and g not in (replace or {}):
+            w.add_tensor(g, np.ascontiguousarray(x, np.float32))
+    for g, x in (replace or {}).items():
+        w.add_tensor(g, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def assert_next_weights(got, want) -> None:
+    """Two Weights (or MTPWeights) trees leaf by leaf: the matrices exactly, the norms (stored + 1) and A_log
+    (stored -exp(A_log)) within their float32 round trip."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, jax.tree_util.keystr(kp)
+        if a.ndim > 1:
+            assert np.array_equal(a, b), jax.tree_util.keystr(kp)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=jax.tree_util.keystr(kp))
+
+
+def next_hub(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    return json.loads((folder / "config.json").read_text()), load_file(folder / "model.safetensors")
+
+
+def test_qwen3next_logits_equal_the_safetensors_checkpoint(tmp_path, engine_factory, cache_dir):
+    """next_base as convert_hf_to_gguf writes it (F32): through --model=file.gguf the config, every weight and the
+    logits of random tokens are the safetensors checkpoint's."""
+    raw, hub = next_hub(NEXT_BASE)
+    path = tmp_path / "next-f32.gguf"
+    qwen3next_gguf(path, raw, hub)
+    ids = np.random.default_rng().integers(0, raw["vocab_size"], 12).tolist()
+    ref = engine_factory(NEXT_BASE, **EXACT)
+    engine = engine_factory(path, **EXACT)
+    assert engine.cfg == ref.cfg, "the config read from the metadata"
+    assert engine.cfg.next and engine.cfg.linear_num_value_heads > engine.cfg.linear_num_key_heads
+    assert_next_weights(engine.weights, ref.weights)
+    assert engine.mtp is None
+    assert rel_fro(engine.prefill_logits(ids), ref.prefill_logits(ids)) <= 1e-5
+
+
+def test_qwen3next_converter_variants(tmp_path, cache_dir):
+    """The converter's other forms read back to the same weights: the older files' ssm_in, --fuse-qkv (the
+    full-attention layers' attn_qkv), --fuse-gate-up-exps, the layer types from full_attention_interval alone, the
+    shared expert gate as [H]; next_mixed (one key head, two value heads each, conv kernel 3)."""
+    raw, hub = next_hub(NEXT_MIXED)
+    path = tmp_path / "next-variants.gguf"
+    qwen3next_gguf(path, raw, hub, legacy_ssm_in=True, fuse_qkv=True, fuse_gate_up_exps=True,
+                   recurrent_layers=False, shexp_gate_1d=True)
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    cfg = load_config(folder)
+    assert cfg == load_config(NEXT_MIXED)
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    assert "blk.1.attn_qkv.weight" in source["tensors"] and "blk.0.ssm_in.weight" in source["tensors"]
+    assert_next_weights(checkpoint.load_weights(folder, cfg, jnp.float32),
+                        checkpoint.load_weights(NEXT_MIXED, cfg, jnp.float32))
+
+
+def random_mtp(raw: dict, rng) -> dict[str, np.ndarray]:
+    """A random MTP module (`mtp.*`, per-expert tensors as Qwen3-Next's Hub files hold it)."""
+    h, nq, nkv, d = raw["hidden_size"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
+    e, f, fs = raw["num_experts"], raw["moe_intermediate_size"], raw["shared_expert_intermediate_size"]
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
+    p = "mtp.layers.0."
+    out = {"mtp.fc.weight": w(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": w(h),
+           "mtp.pre_fc_norm_hidden.weight": w(h), "mtp.norm.weight": w(h),
+           p + "input_layernorm.weight": w(h), p + "post_attention_layernorm.weight": w(h),
+           p + "self_attn.q_proj.weight": w(2 * nq * d, h), p + "self_attn.k_proj.weight": w(nkv * d, h),
+           p + "self_attn.v_proj.weight": w(nkv * d, h), p + "self_attn.o_proj.weight": w(h, nq * d),
+           p + "self_attn.q_norm.weight": w(d), p + "self_attn.k_norm.weight": w(d),
+           p + "mlp.gate.weight": w(e, h), p + "mlp.shared_expert_gate.weight": w(1, h),
+           p + "mlp.shared_expert.gate_proj.weight": w(fs, h), p + "mlp.shared_expert.up_proj.weight": w(fs, h),
+           p + "mlp.shared_expert.down_proj.weight": w(h, fs)}
+    for j in range(e):
+        out.update({f"{p}mlp.experts.{j}.gate_proj.weight": w(f, h), f"{p}mlp.experts.{j}.up_proj.weight": w(f, h),
+                    f"{p}mlp.experts.{j}.down_proj.weight": w(h, f)})
+    return out
+
+
+def test_qwen3next_mtp_layer(tmp_path, cache_dir, capfd):
+    """The converter's MTP block (blk.{L}: nextn.* and a full-attention MoE layer) loads as the engine's MTP module,
+    equal to the safetensors checkpoint's; a file that declares it without its tensors runs without MTP and says
+    so in one start-up line."""
+    import shutil
+    from strata_jax import Engine
+    raw, hub = next_hub(NEXT_BASE)
+    raw = dict(raw, mtp_num_hidden_layers=1)
+    mtp = random_mtp(raw, np.random.default_rng())
+    hf = tmp_path / "hf"
+    shutil.copytree(NEXT_BASE, hf)
+    (hf / "config.json").write_text(json.dumps(raw))
+    save_file(mtp, str(hf / "mtp.safetensors"))
+    path = tmp_path / "next-mtp.gguf"
+    qwen3next_gguf(path, raw, dict(hub, **mtp))
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    cfg = load_config(folder)
+    assert cfg == load_config(hf) and cfg.mtp_layers == 1 and checkpoint.has_mtp(folder, cfg)
+    assert_next_weights(checkpoint.load_mtp(folder, cfg), checkpoint.load_mtp(hf, cfg))
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    assert source["mtp_block"] == 4 and source["types"]["mtp"]["F32"][0] > 0
+    engine = Engine.from_pretrained(path, verbose=False, cache_dir=str(cache_dir), **EXACT)
+    assert engine.mtp is not None  # draft=mtp drafts with it (tests/model/test_hf_next.py runs the drafter)
+
+    cut = tmp_path / "next-no-mtp.gguf"
+    qwen3next_gguf(cut, raw, hub, mtp_declared=1)
+    capfd.readouterr()
+    engine = Engine.from_pretrained(cut, verbose=True, cache_dir=str(cache_dir), **EXACT)
+    assert engine.mtp is None and engine.cfg.mtp_layers == 0
+    lines = [l for l in capfd.readouterr().err.splitlines() if "MTP" in l]
+    assert len(lines) == 1 and "declares 1 MTP layer(s) (nextn_predict_layers) but holds none of their tensors: " \
+        "the engine runs without MTP" in lines[0], lines
+
+
+def test_qwen3next_refusals(tmp_path, cache_dir):
+    raw, hub = next_hub(NEXT_BASE)
+    path = tmp_path / "dense.gguf"  # llama.cpp's qwen3next has no dense MLP layer (the converter cannot write one)
+    qwen3next_gguf(path, raw, hub, replace={"blk.1.ffn_up.weight": np.zeros((64, 32), np.float32)})
+    msg = refused(path, cache_dir)
+    assert "GGUF tensor 'blk.1.ffn_up.weight' is not part of a qwen3next model as this engine reads it" in msg, msg
+
+    path = tmp_path / "a.gguf"  # ssm_a is -exp(A_log): a value >= 0 is no such thing
+    qwen3next_gguf(path, raw, hub, replace={"blk.2.ssm_a": np.array([-1.0, 0.5, -2.0, -1.0], np.float32)})
+    msg = refused(path, cache_dir)
+    assert "GGUF tensor 'blk.2.ssm_a'" in msg and "holds values >= 0" in msg, msg
+
+    mtp = random_mtp(raw, np.random.default_rng(1))
+    path = tmp_path / "own-embeddings.gguf"  # an MTP layer with its own embeddings: the engine reads the model's
+    qwen3next_gguf(path, raw, dict(hub, **mtp), replace={"blk.4.nextn.embed_tokens.weight": np.zeros((128, 32),
+                                                                                                     np.float32)})
+    msg = refused(path, cache_dir)
+    assert "GGUF tensor 'blk.4.nextn.embed_tokens.weight' is not part of a qwen3next model" in msg, msg
+
+    path = tmp_path / "mtp-only.gguf"  # convert_hf_to_gguf --mtp: the MTP layer with the embeddings and head only
+    qwen3next_gguf(path, raw, dict(hub, **mtp), drop=[f"blk.{i}." for i in range(4)])
+    msg = refused(path, cache_dir)
+    assert "the GGUF holds only the MTP layer (blk.4" in msg, msg
+
+    path = tmp_path / "inner.gguf"
+    qwen3next_gguf(path, raw, hub)
+    bad = tmp_path / "inner-bad.gguf"
+    data = path.read_bytes()
+    # ssm.inner_size 64 -> 66: not a multiple of the 4 value heads
+    key = b"qwen3next.ssm.inner_size"
+    at = data.index(key) + len(key) + 4  # the key, its value type (uint32)
+    bad.write_bytes(data[:at] + np.uint32(66).tobytes() + data[at + 4:])
+    msg = refused(bad, cache_dir)
+    assert "qwen3next.ssm.inner_size 66 is not a multiple of ssm.time_step_rank 4" in msg, msg
+
+
 # ---- the tokenizer ------------------------------------------------------------------------------------------------
 
 QWEN2_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -371,12 +656,10 @@ def refused(path, cache_dir) -> str:
 
 def test_refusals(tmp_path, base_hub, cache_dir):
     raw, hub = base_hub
-    for arch in ("llama", "qwen3next"):
-        path = tmp_path / f"{arch}.gguf"
-        write_gguf(path, raw, {"model.norm.weight": hub["model.norm.weight"]}, arch=arch)
-        msg = refused(path, cache_dir)
-        assert f"GGUF architecture {arch!r} is not supported (supported: 'qwen3moe')" in msg, msg
-    assert "regroups its DeltaNet projections" in msg, msg
+    path = tmp_path / "llama.gguf"
+    write_gguf(path, raw, {"model.norm.weight": hub["model.norm.weight"]}, arch="llama")
+    msg = refused(path, cache_dir)
+    assert "GGUF architecture 'llama' is not supported (supported: 'qwen3moe', 'qwen3next')" in msg, msg
 
     path = tmp_path / "missing.gguf"
     write_gguf(path, raw, hub, drop=("blk.1.ffn_up_exps.weight",))
