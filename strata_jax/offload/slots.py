@@ -160,6 +160,31 @@ def copy_experts(dests: Sequence[tuple[tuple, jax.Array]], hosts: tuple, expert_
     return jax.lax.fori_loop(0, count, one, tuple(tuple(a) for a, _ in dests))
 
 
+def stable_ranks(key: jax.Array) -> jax.Array:
+    """Each element's position [M] int32 in a stable ascending sort of key [M] (the inverse of jnp.argsort's
+    permutation), from an [M, M] comparison: one fused elementwise + reduce on a GPU, where a sort and the scatter
+    that inverts it are kernels of their own (a window's plan runs per layer, M <= E + 1)."""
+    m = key.shape[0]
+    idx = jnp.arange(m, dtype=jnp.int32)
+    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (idx[None, :] < idx[:, None]))
+    return jnp.sum(before, axis=1, dtype=jnp.int32)
+
+
+def prefix_counts(flags: jax.Array) -> jax.Array:
+    """cumsum(flags) [N] int32 as a triangular masked sum (fuses with its neighbours; N is a window's experts)."""
+    n = flags.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    return jnp.sum((idx[None, :] <= idx[:, None]) & flags[None, :], axis=1, dtype=jnp.int32)
+
+
+def set_at(base: jax.Array, where: jax.Array, index: jax.Array, value) -> jax.Array:
+    """base.at[index[where]].set(value[where]) for distinct indices, as a dense [len(base), N] match (no scatter
+    kernel: the slot table's updates fuse into a few loop fusions per layer). value: [N] or a scalar."""
+    hit = where[None, :] & (index[None, :] == jnp.arange(base.shape[0], dtype=index.dtype)[:, None])  # [B, N]
+    value = jnp.broadcast_to(jnp.asarray(value, base.dtype), index.shape)
+    return jnp.where(jnp.any(hit, axis=1), jnp.sum(jnp.where(hit, value[None, :], 0), axis=1, dtype=base.dtype), base)
+
+
 def plan(r: moe.Route, state: SlotCache, cpu: bool = True, tail_skip: int = 0) -> tuple[jax.Array, jax.Array]:
     """Kinds [N] (NONE / RESIDENT / FETCH / CPU / SKIP) and slots [N] of the window's distinct experts. cpu=False
     (a graph built without the host pool): every miss is fetched, whatever state.pcie_frac says. tail_skip=R > 0:
@@ -176,8 +201,7 @@ def plan(r: moe.Route, state: SlotCache, cpu: bool = True, tail_skip: int = 0) -
     frac = state.pcie_frac if cpu else 1.0
     n_fetch = jnp.floor(frac * jnp.sum(miss) + 0.5).astype(jnp.int32)
     mass = jnp.sum(r.combine, axis=0)  # [N]
-    order = jnp.argsort(jnp.where(miss, -mass, jnp.inf))  # misses, heaviest first
-    miss_rank = jnp.zeros_like(ids).at[order].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+    miss_rank = stable_ranks(jnp.where(miss, -mass, jnp.inf))  # misses, heaviest first
     fetch = miss & (miss_rank < n_fetch)
     kind = jnp.where(resident, RESIDENT, jnp.where(fetch, FETCH, jnp.where(miss, CPU, NONE)))
     kind = jnp.where(skip, SKIP, kind).astype(jnp.int32)
@@ -390,14 +414,17 @@ class OffloadedExperts:
         """plan(), then where each fetched expert goes: a victim slot (lru) or the trash row."""
         kind, slot = plan(r, state, cpu=self.pool is not None, tail_skip=self.approx.tail_skip)
         s = state.slots
-        # Victims: slots not read by this window, least recently used (empty ones first); the trash row last.
-        read = jnp.zeros((s + 1,), bool).at[jnp.where(kind == RESIDENT, slot, s)].set(True).at[s].set(True)
-        victims = jnp.argsort(jnp.where(read, jnp.iinfo(jnp.int32).max, state.last_use)).astype(jnp.int32)
+        # Victims: slots not read by this window, least recently used (empty ones first); the trash row last. In
+        # sort order without a sort: slot t is the victim of the fetch whose rank equals t's rank.
+        rows = jnp.arange(s + 1, dtype=jnp.int32)
+        read = (rows == s) | jnp.any((kind == RESIDENT)[None, :] & (slot[None, :] == rows[:, None]), axis=1)
+        victim_rank = stable_ranks(jnp.where(read, jnp.iinfo(jnp.int32).max, state.last_use))  # [S+1]
         n_victims = jnp.where(state.lru, s - jnp.sum(read[:s]), 0)
         fetch = kind == FETCH
-        fetch_rank = jnp.cumsum(fetch) - 1  # [N]
+        fetch_rank = prefix_counts(fetch) - 1  # [N]
         insert = fetch & (fetch_rank < n_victims)
-        dest = jnp.where(insert, victims[jnp.clip(fetch_rank, 0, s)], s)  # [N], trash row s when not kept
+        victim = jnp.sum(jnp.where(victim_rank[None, :] == fetch_rank[:, None], rows[None, :], 0), axis=1)
+        dest = jnp.where(insert, victim, s).astype(jnp.int32)  # [N], trash row s when not kept
         # The XLA blocks run the resident and fetched experts; with the Pallas kernel they run only the fetched
         # ones that found no slot (overflow, staged in the block), the kernel reads the rest in their slots.
         block_kind = jnp.where(fetch & ~insert, FETCH, NONE) if self.kernel else kind
@@ -481,14 +508,18 @@ class OffloadedExperts:
 def update_slots(state: SlotCache, r: moe.Route, p: WindowPlan, slots: tuple, extra: dict) -> SlotCache:
     """The state after a window: the slot weights and table with the inserted experts, the clock, the routing
     usage and the counters."""
-    ids, s, e = r.expert_ids, state.slots, state.table.shape[0]
+    # Dense matches instead of scatters (set_at): the inserted experts are distinct, their victim slots too, and an
+    # evicted expert is resident, never one inserted, so the order of the updates does not matter.
+    ids = r.expert_ids
     evicted = state.expert_of[p.dest]
-    table = state.table.at[jnp.where(p.insert & (evicted >= 0), evicted, e)].set(-1, mode="drop")
-    table = table.at[jnp.where(p.insert, ids, e)].set(p.dest, mode="drop")
-    expert_of = state.expert_of.at[jnp.where(p.insert, p.dest, s + 1)].set(ids, mode="drop")
-    last_use = state.last_use.at[jnp.where(p.insert, p.dest, s + 1)].set(state.clock, mode="drop")
-    last_use = last_use.at[jnp.where(p.kind == RESIDENT, p.slot, s + 1)].set(state.clock, mode="drop")
-    usage = state.usage.at[jnp.where(ids >= 0, ids, e)].add(r.entry_counts, mode="drop")
+    table = set_at(state.table, p.insert & (evicted >= 0), evicted, -1)
+    table = set_at(table, p.insert, ids, p.dest)
+    expert_of = set_at(state.expert_of, p.insert, p.dest, ids)
+    last_use = set_at(state.last_use, p.insert, p.dest, state.clock)
+    last_use = set_at(last_use, p.kind == RESIDENT, p.slot, state.clock)
+    e_rows = jnp.arange(state.usage.shape[0], dtype=jnp.int32)
+    usage = state.usage + jnp.sum(jnp.where(ids[None, :] == e_rows[:, None], r.entry_counts[None, :], 0), axis=1,
+                                  dtype=state.usage.dtype)
     return state.replace(gate=slots[0], up=slots[1], down=slots[2], table=table, expert_of=expert_of,
                          last_use=last_use, clock=state.clock + 1, usage=usage,
                          counters=state.counters + count(p.kind, r, extra))

@@ -1,0 +1,142 @@
+"""The window's plan and the slot-table update without sorts or scatters (slots.stable_ranks / prefix_counts /
+set_at: dense comparisons that fuse into a few kernels per layer on a GPU) give exactly what the sort-and-scatter
+forms gave: every WindowPlan field and every updated SlotCache leaf, on random slot states and routes (ties in the
+routing mass and in the LRU clock, empty slots, padding rows, lru and static, every pcie_frac and window size)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata_jax.model import moe
+from strata_jax.model.config import preset
+from strata_jax.offload import approx, slots as slots_mod
+from strata_jax.offload.slots import CPU, FETCH, NONE, RESIDENT, SKIP, OffloadedExperts, WindowPlan
+
+
+# ---- the sort-and-scatter forms (the engine's until 2026-12-06), the reference ------------------------------------
+
+def plan_reference(r, state, cpu=True, tail_skip=0):
+    ids = r.expert_ids
+    used = ids >= 0
+    slot = jnp.where(used, state.table[jnp.maximum(ids, 0)], -1)
+    resident = used & (slot >= 0)
+    miss = used & ~resident
+    skip = jnp.zeros_like(miss)
+    if tail_skip:
+        skip = miss & (approx.min_rank(r, r.topk_ids.shape[1]) >= tail_skip)
+        miss = miss & ~skip
+    frac = state.pcie_frac if cpu else 1.0
+    n_fetch = jnp.floor(frac * jnp.sum(miss) + 0.5).astype(jnp.int32)
+    mass = jnp.sum(r.combine, axis=0)
+    order = jnp.argsort(jnp.where(miss, -mass, jnp.inf))
+    miss_rank = jnp.zeros_like(ids).at[order].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+    fetch = miss & (miss_rank < n_fetch)
+    kind = jnp.where(resident, RESIDENT, jnp.where(fetch, FETCH, jnp.where(miss, CPU, NONE)))
+    return jnp.where(skip, SKIP, kind).astype(jnp.int32), slot
+
+
+def victims_reference(kind, slot, state):
+    s = state.slots
+    read = jnp.zeros((s + 1,), bool).at[jnp.where(kind == RESIDENT, slot, s)].set(True).at[s].set(True)
+    victims = jnp.argsort(jnp.where(read, jnp.iinfo(jnp.int32).max, state.last_use)).astype(jnp.int32)
+    n_victims = jnp.where(state.lru, s - jnp.sum(read[:s]), 0)
+    fetch = kind == FETCH
+    fetch_rank = jnp.cumsum(fetch) - 1
+    insert = fetch & (fetch_rank < n_victims)
+    return insert, jnp.where(insert, victims[jnp.clip(fetch_rank, 0, s)], s)
+
+
+def update_reference(state, r, kind, slot, insert, dest):
+    ids, s, e = r.expert_ids, state.slots, state.table.shape[0]
+    evicted = state.expert_of[dest]
+    table = state.table.at[jnp.where(insert & (evicted >= 0), evicted, e)].set(-1, mode="drop")
+    table = table.at[jnp.where(insert, ids, e)].set(dest, mode="drop")
+    expert_of = state.expert_of.at[jnp.where(insert, dest, s + 1)].set(ids, mode="drop")
+    last_use = state.last_use.at[jnp.where(insert, dest, s + 1)].set(state.clock, mode="drop")
+    last_use = last_use.at[jnp.where(kind == RESIDENT, slot, s + 1)].set(state.clock, mode="drop")
+    usage = state.usage.at[jnp.where(ids >= 0, ids, e)].add(r.entry_counts, mode="drop")
+    return table, expert_of, last_use, usage
+
+
+# ---- random states and routes --------------------------------------------------------------------------------------
+
+CFG = preset("tiny")
+
+
+def random_state(rng, s, policy, pcie_frac):
+    """A consistent slot cache: a random set of experts in random slots (some empty), clocks with ties."""
+    e = CFG.num_experts
+    state = slots_mod.init_slot_cache(CFG, s, jnp.float32, policy, pcie_frac)
+    table = np.full(e, -1, np.int32)
+    expert_of = np.full(s + 1, -1, np.int32)
+    full = rng.integers(0, s + 1)
+    for slot, expert in zip(rng.permutation(s)[:full], rng.permutation(e)[:full]):
+        table[expert], expert_of[slot] = slot, expert
+    clock = int(rng.integers(5, 40))
+    last_use = np.where(expert_of >= 0, rng.integers(0, 4, s + 1) * rng.integers(1, clock, s + 1), -1)
+    last_use[s] = -1
+    return state.replace(table=jnp.asarray(table), expert_of=jnp.asarray(expert_of),
+                         last_use=jnp.asarray(last_use, jnp.int32), clock=jnp.int32(clock),
+                         usage=jnp.asarray(rng.integers(0, 50, e), jnp.int32))
+
+
+def random_route(rng, t):
+    e, k = CFG.num_experts, CFG.num_experts_per_tok
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    w = rng.random((t, k)).astype(np.float32)
+    if rng.random() < 0.5:  # ties in the routing mass
+        w = np.round(w * 4) / 4
+    valid = rng.random(t) < 0.8
+    valid[0] = True
+    return moe.make_route(jnp.asarray(ids), jnp.asarray(w), CFG, jnp.asarray(valid), jnp.float32)
+
+
+@pytest.mark.parametrize("policy", ["lru", "static"])
+def test_plan_and_update_equal_the_sort_and_scatter_forms(policy):
+    rng = np.random.default_rng()
+    self = SimpleNamespace(pool=object(), kernel=True, approx=approx.OFF)
+
+    @jax.jit
+    def both(r, state):
+        p = OffloadedExperts.plan_window(self, r, state)
+        new = slots_mod.update_slots(state, r, p, (state.gate, state.up, state.down), {})
+        kind, slot = plan_reference(r, state)
+        insert, dest = victims_reference(kind, slot, state)
+        return p, new, (kind, slot, insert, dest), update_reference(state, r, kind, slot, insert, dest)
+
+    inserted = 0
+    for trial in range(60):
+        s = int(rng.choice([0, 1, 3, 7, CFG.num_experts]))
+        frac = float(rng.choice([0.0, 0.3, 0.5, 1.0]))
+        state = random_state(rng, s, policy, frac)
+        r = random_route(rng, int(rng.choice([1, 2, 3, 4])))
+        p, new, (kind, slot, insert, dest), (table, expert_of, last_use, usage) = both(r, state)
+        np.testing.assert_array_equal(p.kind, kind)
+        np.testing.assert_array_equal(p.slot, slot)
+        np.testing.assert_array_equal(p.insert, insert)
+        np.testing.assert_array_equal(p.dest, dest)
+        np.testing.assert_array_equal(new.table, table)
+        np.testing.assert_array_equal(new.expert_of, expert_of)
+        np.testing.assert_array_equal(new.last_use, last_use)
+        np.testing.assert_array_equal(new.usage, usage)
+        inserted += int(np.sum(insert))
+        # the table and the slots still name each other
+        t, eo = np.asarray(new.table), np.asarray(new.expert_of)
+        for expert in np.flatnonzero(t >= 0):
+            assert eo[t[expert]] == expert
+    if policy == "lru":
+        assert inserted > 20  # the victims' path was taken, not only the all-resident one
+
+
+def test_stable_ranks_is_argsorts_inverse_on_ties():
+    rng = np.random.default_rng()
+    for m in (1, 5, 33, 129):
+        key = jnp.asarray(rng.integers(-3, 3, m), jnp.int32)
+        want = np.empty(m, np.int32)
+        want[np.argsort(np.asarray(key), kind="stable")] = np.arange(m)
+        np.testing.assert_array_equal(slots_mod.stable_ranks(key), want)
+        np.testing.assert_array_equal(slots_mod.prefix_counts(key > 0), np.cumsum(np.asarray(key) > 0))
