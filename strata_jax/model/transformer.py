@@ -309,8 +309,11 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
 
     carry = (h, cache.k, cache.v, cache.experts)
     if experts.runs_native():
+        # the layers' small slot-cache leaves packed into one array for the scan (a slice and an update a layer)
+        carry = (h, cache.k, cache.v, experts.scan_state(cache.experts))
         with jax.named_scope("layer"):
             carry, _ = jax.lax.scan(body, carry, jnp.arange(len(hosts), dtype=jnp.int32))
+        carry = (*carry[:3], experts.scan_result(carry[3]))
     else:
         for i, host in enumerate(hosts):
             with jax.named_scope(f"layer{i}"):

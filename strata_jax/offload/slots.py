@@ -138,6 +138,75 @@ def put_layer(stack: SlotCache, layer, view: SlotCache) -> SlotCache:
                             for f in dataclasses.fields(stack)})
 
 
+SMALL = tuple(f.name for f in dataclasses.fields(SlotCache) if f.name not in WEIGHTS)
+
+
+@struct.dataclass
+class PackedStates:
+    """A stacked cache as the scanned offload body carries it: the weight arrays as they are, the small leaves of
+    every layer (table, expert_of, last_use, clock, usage, counters, settings, base) in one int32 array [L, P], so a
+    layer reads its state with one slice and writes it back with one in-place update, where eleven leaves took a
+    slice and an update each (22 small kernels a layer, a quarter of the body's). float32 leaves ride bitcast,
+    bools as 0 / 1: unpacking gives the leaves back bit for bit."""
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    packed: jax.Array  # [L, P] int32
+    spec: tuple = struct.field(pytree_node=False)  # ((name, per-layer shape, dtype name), ...) in SMALL's order
+
+
+def _to_int32(a: jax.Array) -> jax.Array:
+    if a.dtype == jnp.int32:
+        return a
+    if a.dtype == jnp.float32:
+        return jax.lax.bitcast_convert_type(a, jnp.int32)
+    assert a.dtype == jnp.bool_, a.dtype
+    return a.astype(jnp.int32)
+
+
+def _from_int32(a: jax.Array, dtype: str) -> jax.Array:
+    if dtype == "float32":
+        return jax.lax.bitcast_convert_type(a, jnp.float32)
+    return a != 0 if dtype == "bool" else a
+
+
+def pack_states(stack: SlotCache) -> PackedStates:
+    """A stacked cache (init_stacked_slot_cache) as PackedStates; unpack_states is its inverse."""
+    layers = stack.expert_of.shape[0]
+    leaves = [jnp.asarray(getattr(stack, name)) for name in SMALL]
+    spec = tuple((name, a.shape[1:], str(a.dtype)) for name, a in zip(SMALL, leaves))
+    packed = jnp.concatenate([_to_int32(a).reshape(layers, -1) for a in leaves], axis=1)
+    return PackedStates(gate=stack.gate, up=stack.up, down=stack.down, packed=packed, spec=spec)
+
+
+def _unpack(packed: jax.Array, spec: tuple) -> dict:
+    """The small leaves from packed [..., P] (one layer's row, or every layer's [L, P])."""
+    out, at, lead = {}, 0, packed.shape[:-1]
+    for name, shape, dtype in spec:
+        n = int(np.prod(shape, dtype=np.int64))
+        out[name] = _from_int32(packed[..., at:at + n].reshape(*lead, *shape), dtype)
+        at += n
+    return out
+
+
+def unpack_states(states: PackedStates) -> SlotCache:
+    return SlotCache(gate=states.gate, up=states.up, down=states.down, **_unpack(states.packed, states.spec))
+
+
+def packed_layer_view(states: PackedStates, layer) -> SlotCache:
+    """layer_view of PackedStates: one slice of the packed rows."""
+    row = jax.lax.dynamic_index_in_dim(states.packed, layer, 0, keepdims=False)
+    return SlotCache(gate=states.gate, up=states.up, down=states.down, **_unpack(row, states.spec))
+
+
+def packed_put_layer(states: PackedStates, layer, view: SlotCache) -> PackedStates:
+    """put_layer of PackedStates: the view's small leaves as one row, written back in place."""
+    row = jnp.concatenate([_to_int32(jnp.asarray(getattr(view, name)).astype(dtype)).reshape(-1)
+                           for name, _, dtype in states.spec])
+    return states.replace(gate=view.gate, up=view.up, down=view.down,
+                          packed=jax.lax.dynamic_update_index_in_dim(states.packed, row, layer, 0))
+
+
 def to_device(x: jax.Array) -> jax.Array:
     """Inside jit: a slice of a pinned-host array copied to device memory (in-graph PCIe copy), on the device the
     graph runs on (parallel=layers: each block's own)."""
@@ -177,12 +246,18 @@ def prefix_counts(flags: jax.Array) -> jax.Array:
     return jnp.sum((idx[None, :] <= idx[:, None]) & flags[None, :], axis=1, dtype=jnp.int32)
 
 
-def set_at(base: jax.Array, where: jax.Array, index: jax.Array, value) -> jax.Array:
-    """base.at[index[where]].set(value[where]) for distinct indices, as a dense [len(base), N] match (no scatter
-    kernel: the slot table's updates fuse into a few loop fusions per layer). value: [N] or a scalar."""
-    hit = where[None, :] & (index[None, :] == jnp.arange(base.shape[0], dtype=index.dtype)[:, None])  # [B, N]
-    value = jnp.broadcast_to(jnp.asarray(value, base.dtype), index.shape)
-    return jnp.where(jnp.any(hit, axis=1), jnp.sum(jnp.where(hit, value[None, :], 0), axis=1, dtype=base.dtype), base)
+def set_at(base: jax.Array, *updates) -> jax.Array:
+    """base.at[index[where]].set(value[where]) for each (where, index, value) of `updates` in turn (a later update
+    wins where two name one element; within one the indices are distinct), as one dense [len(base), M] match and one
+    max-reduction that finds each element's last update (no scatter kernel: the slot table's updates fuse into a few
+    loop fusions a layer). value: [N] or a scalar."""
+    where = jnp.concatenate([w for w, _, _ in updates])
+    index = jnp.concatenate([i.astype(jnp.int32) for _, i, _ in updates])
+    value = jnp.concatenate([jnp.broadcast_to(jnp.asarray(v, base.dtype), i.shape) for _, i, v in updates])
+    rows = jnp.arange(base.shape[0], dtype=jnp.int32)
+    order = jnp.arange(1, index.shape[0] + 1, dtype=jnp.int32)
+    last = jnp.max(jnp.where(where[None, :] & (index[None, :] == rows[:, None]), order[None, :], 0), axis=1)  # [B]
+    return jnp.where(last > 0, value[jnp.maximum(last - 1, 0)], base)
 
 
 def plan(r: moe.Route, state: SlotCache, cpu: bool = True, tail_skip: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -209,13 +284,15 @@ def plan(r: moe.Route, state: SlotCache, cpu: bool = True, tail_skip: int = 0) -
 
 
 def count(kind: jax.Array, r: moe.Route, extra: dict | None = None) -> jax.Array:
-    """This window's counters [len(COUNTERS)]; `extra`: the approximations' counters by name."""
-    entries = [jnp.sum(jnp.where(kind == k, r.entry_counts, 0)) for k in (RESIDENT, FETCH, CPU)]
-    distinct = [jnp.sum(kind == k) for k in (RESIDENT, FETCH, CPU)]
-    values = dict(distinct_skipped=jnp.sum(kind == SKIP), entries_skipped=jnp.sum(jnp.where(kind == SKIP, r.entry_counts, 0)),
-                  **(extra or {}))
-    rest = [values.get(name, 0) for name in COUNTERS[8:]]
-    return jnp.stack([jnp.asarray(v, jnp.int32) for v in [sum(entries), *entries, sum(distinct), *distinct, *rest]])
+    """This window's counters [len(COUNTERS)]; `extra`: the approximations' counters by name. The per-kind sums in
+    one reduction over a [8, N] matrix (entries, then distinct experts, of RESIDENT, FETCH, CPU, SKIP)."""
+    is_kind = kind[None, :] == jnp.array([RESIDENT, FETCH, CPU, SKIP], jnp.int32)[:, None]  # [4, N]
+    sums = jnp.sum(jnp.concatenate([jnp.where(is_kind, r.entry_counts[None, :], 0), is_kind.astype(jnp.int32)]),
+                   axis=1, dtype=jnp.int32)  # [8]
+    entries, distinct = sums[:3], sums[4:7]
+    values = dict(distinct_skipped=sums[7], entries_skipped=sums[3], **(extra or {}))
+    rest = [jnp.asarray(values.get(name, 0), jnp.int32) for name in COUNTERS[8:]]
+    return jnp.concatenate([jnp.sum(entries)[None], entries, jnp.sum(distinct)[None], distinct, jnp.stack(rest)])
 
 
 class WindowPlan(NamedTuple):
@@ -270,12 +347,19 @@ class OffloadedExperts:
         # check mode: the layer's late rows join right after its own combine (transformer.forward asks).
         self.join_now = self.defer.mode == "check"
 
-    def layer_state(self, stack: SlotCache, layer) -> SlotCache:
-        """Layer `layer`'s view of a stacked slot cache (transformer.offload_layers: the scanned graph)."""
-        return layer_view(stack, layer)
+    def layer_state(self, stack, layer) -> SlotCache:
+        """Layer `layer`'s view of a stacked slot cache, or of its scan_state form (transformer.offload_layers)."""
+        return packed_layer_view(stack, layer) if isinstance(stack, PackedStates) else layer_view(stack, layer)
 
-    def put_state(self, stack: SlotCache, layer, view: SlotCache) -> SlotCache:
-        return put_layer(stack, layer, view)
+    def put_state(self, stack, layer, view: SlotCache):
+        return (packed_put_layer if isinstance(stack, PackedStates) else put_layer)(stack, layer, view)
+
+    def scan_state(self, stack: SlotCache) -> PackedStates:
+        """The stacked cache as the scanned body carries it (pack_states); scan_result undoes it after the scan."""
+        return pack_states(stack)
+
+    def scan_result(self, states: PackedStates) -> SlotCache:
+        return unpack_states(states)
 
     def runs_native(self) -> bool:
         """Whether the windows run through the native offload calls (the only path of the scanned graph, whose
@@ -512,11 +596,9 @@ def update_slots(state: SlotCache, r: moe.Route, p: WindowPlan, slots: tuple, ex
     # evicted expert is resident, never one inserted, so the order of the updates does not matter.
     ids = r.expert_ids
     evicted = state.expert_of[p.dest]
-    table = set_at(state.table, p.insert & (evicted >= 0), evicted, -1)
-    table = set_at(table, p.insert, ids, p.dest)
-    expert_of = set_at(state.expert_of, p.insert, p.dest, ids)
-    last_use = set_at(state.last_use, p.insert, p.dest, state.clock)
-    last_use = set_at(last_use, p.kind == RESIDENT, p.slot, state.clock)
+    table = set_at(state.table, (p.insert & (evicted >= 0), evicted, -1), (p.insert, ids, p.dest))
+    expert_of = set_at(state.expert_of, (p.insert, p.dest, ids))
+    last_use = set_at(state.last_use, (p.insert, p.dest, state.clock), (p.kind == RESIDENT, p.slot, state.clock))
     e_rows = jnp.arange(state.usage.shape[0], dtype=jnp.int32)
     usage = state.usage + jnp.sum(jnp.where(ids[None, :] == e_rows[:, None], r.entry_counts[None, :], 0), axis=1,
                                   dtype=state.usage.dtype)

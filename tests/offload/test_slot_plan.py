@@ -4,6 +4,7 @@ forms gave: every WindowPlan field and every updated SlotCache leaf, on random s
 routing mass and in the LRU clock, empty slots, padding rows, lru and static, every pcie_frac and window size)."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import jax
@@ -140,3 +141,56 @@ def test_stable_ranks_is_argsorts_inverse_on_ties():
         want[np.argsort(np.asarray(key), kind="stable")] = np.arange(m)
         np.testing.assert_array_equal(slots_mod.stable_ranks(key), want)
         np.testing.assert_array_equal(slots_mod.prefix_counts(key > 0), np.cumsum(np.asarray(key) > 0))
+
+
+def test_set_at_applies_updates_in_turn():
+    rng = np.random.default_rng()
+    base = jnp.asarray(rng.integers(-5, 5, 12), jnp.int32)
+    i1, i2 = jnp.asarray(rng.permutation(12)[:5], jnp.int32), jnp.asarray(rng.permutation(12)[:4], jnp.int32)
+    w1, w2 = jnp.asarray(rng.random(5) < 0.7), jnp.asarray(rng.random(4) < 0.7)
+    v2 = jnp.asarray(rng.integers(100, 200, 4), jnp.int32)
+    want = base.at[jnp.where(w1, i1, 12)].set(-1, mode="drop").at[jnp.where(w2, i2, 12)].set(v2, mode="drop")
+    np.testing.assert_array_equal(slots_mod.set_at(base, (w1, i1, -1), (w2, i2, v2)), want)
+
+
+def test_packed_states_round_trip_bit_for_bit():
+    """The scanned body's packed small leaves give every leaf back exactly (float32 bits, bools), per layer too."""
+    rng = np.random.default_rng()
+    stack = slots_mod.init_stacked_slot_cache(CFG, 3, 5, jnp.float32, "lru", 0.37)
+    stack = stack.replace(table=jnp.asarray(rng.integers(-1, 5, stack.table.shape), jnp.int32),
+                          range_sum=jnp.asarray(rng.standard_normal(3), jnp.float32).at[1].set(-0.0),
+                          lru=jnp.asarray([True, False, True]), counters=jnp.asarray(
+                              rng.integers(0, 1 << 30, stack.counters.shape), jnp.int32))
+    packed = slots_mod.pack_states(stack)
+    assert packed.packed.shape[0] == 3 and packed.packed.dtype == jnp.int32
+    back = slots_mod.unpack_states(packed)
+    for name in slots_mod.SMALL:
+        a, b = np.asarray(getattr(stack, name)), np.asarray(getattr(back, name))
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+    view = slots_mod.packed_layer_view(packed, jnp.int32(1))
+    ref = slots_mod.layer_view(stack, 1)
+    for name in slots_mod.SMALL:
+        np.testing.assert_array_equal(np.asarray(getattr(view, name)), np.asarray(getattr(ref, name)), err_msg=name)
+    view = view.replace(clock=view.clock + 7, range_sum=jnp.float32(2.5), lru=jnp.bool_(False))
+    again = slots_mod.unpack_states(slots_mod.packed_put_layer(packed, jnp.int32(1), view))
+    want = slots_mod.put_layer(stack, 1, view)
+    for name in slots_mod.SMALL:
+        np.testing.assert_array_equal(np.asarray(getattr(again, name)), np.asarray(getattr(want, name)), err_msg=name)
+
+
+def test_the_scanned_offload_body_has_no_sort_or_scatter(engine_factory):
+    """What the dense forms are for: the layer body of a scanned offloaded decode window holds no sort and no scatter
+    (each was a kernel of its own a layer on a GPU), and its small slot-cache leaves go back in one update."""
+    eng = engine_factory(None, dtype="float32", window=1, context=64, expert_cache_slots=5, pcie_frac=1.0,
+                         cpu_threads=2)
+    if not eng.scanned_offload:
+        pytest.skip(f"the scanned offload graph needs the native offload calls: {eng.placement.lines[-1]}")
+    eng.generate([3, 1, 4, 1, 5], 2, stop_token_ids=[], draft="none")
+    text = eng.compiled.decode[1].as_text()
+    body = re.search(r"while\([^)]*\), condition=%?[\w.\-]+, body=%?([\w.\-]+)", text).group(1)
+    lines = text.split(f"%{body} ")[1].split("\n}\n")[0] if f"%{body} " in text else text.split(f"{body} ")[1].split("\n}\n")[0]
+    called = set(re.findall(r"calls=%?([\w.\-]+)", lines))
+    bodies = lines + "".join(text.split(f"%{c} ")[1].split("\n}\n")[0] for c in called if f"%{c} " in text)
+    assert not re.search(r"[\s)](sort|scatter)\(", bodies)
+    assert len(re.findall(r"dynamic-update-slice\(", bodies)) <= 3  # the packed leaves, and the K and V caches
