@@ -4,7 +4,7 @@
 #   bash benchmarks/peer/trim_llama_src.sh .peer/llama.tar.xz      (.peer/ is git-ignored; carry it)
 set -eu
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
-out=$(readlink -f "$1"); work=$(mktemp -d)
+mkdir -p "$(dirname "$1")"; out=$(readlink -f "$1"); work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work"
 tar xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
