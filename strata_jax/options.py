@@ -100,7 +100,8 @@ class EngineOptions:
     cache_policy: str = opt("lru", "Expert cache policy: lru (fetched experts replace the least recently used), or "
                             "static (filled with the experts the prompt's prefill used most, then frozen).",
                             _choice("lru", "static"))
-    pcie_frac: str = opt("auto", "Share of missed experts fetched over PCIe (0..1); the rest run on the host pool. "
+    pcie_frac: str = opt("auto", "Share of missed experts fetched over PCIe (0..1); the rest run on the host pool "
+                         "(0: nothing fetched, the slots take each prompt's most used experts as under static). "
                          "'auto' picks it from costs measured at start-up.", _frac)
     cpu_threads: int = opt(0, "Host pool threads; 0 = the cores this process may use.", _int_range(0, 1024))
     vram_reserve_mib: int = opt(1024, "Device memory (MiB) kept free when expert_cache_slots=auto.",

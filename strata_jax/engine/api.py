@@ -320,7 +320,8 @@ class Engine:
             log(f"pcie_frac: {old:g} -> {frac:g} (auto: the last request met {misses:.2f} misses a layer a window)")
 
     def _fill_static_slots(self) -> None:
-        """Static policy: after the prompt's prefill, the slots take each layer's most used experts, then freeze."""
+        """Static policy (and lru with pcie_frac 0: placement.fills_from_prefill): after the prompt's prefill, the
+        slots take each layer's most used experts; nothing else changes them."""
         if isinstance(self.cache.experts, slots_mod.SlotCache):
             new = slots_mod.fill_static_stacked(self.cache.experts, self.weights.layers, self.compiled.fill_layer)
         else:
@@ -590,7 +591,7 @@ class Engine:
             mtp_fused=lambda t: c.mtp_graphs()[("fused", t)], mtp_hidden=c.mtp_hidden_window,
             prefill=self._prefill_all, checked=self._checked, take_expert_stats=self._take_expert_stats,
             after_request=self._adapt_pcie_frac,
-            fill_static_slots=self._fill_static_slots if self.placement and self.placement.policy == "static"
+            fill_static_slots=self._fill_static_slots if self.placement and self.placement.fills_from_prefill
             else None,
             context=self.context, vocab_size=self.cfg.vocab_size)
 

@@ -45,6 +45,12 @@ class Placement:
         """The graphs' native offload calls, or None (the graph path of loops and lax.cond)."""
         return slots_mod.NativeOffload(pool=self.pool) if self.native else None
 
+    @property
+    def fills_from_prefill(self) -> bool:
+        """The slots take each prompt's most used experts after its prefill: the static policy, and lru with
+        pcie_frac 0 (nothing is ever fetched, so lru's slots would stay empty and every entry go to the pool)."""
+        return fills_from_prefill(self.policy, self.pcie_frac)
+
     def reconfigure(self, pcie_frac: float, policy: str) -> bool:
         """Take a new split and policy; whether the graphs must be rebuilt (the split crossed 1: needs_cpu_path)."""
         rebuild = needs_cpu_path(pcie_frac) != self.cpu_path
@@ -60,6 +66,11 @@ class Placement:
     def init_stacked_state(self, cfg: ModelConfig, dtype) -> slots_mod.SlotCache:
         """Every layer's slot cache in one (the scanned offload graph; every layer sparse)."""
         return slots_mod.init_stacked_slot_cache(cfg, cfg.num_layers, self.slots, dtype, self.policy, self.pcie_frac)
+
+
+def fills_from_prefill(policy: str, pcie_frac: float) -> bool:
+    """The one rule for when the slots are filled from a prompt's prefill (Placement.fills_from_prefill)."""
+    return policy == "static" or pcie_frac == 0.0
 
 
 def needs_cpu_path(pcie_frac: float) -> bool:
@@ -326,13 +337,16 @@ def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: floa
     read the same host memory, so together they go no faster than its read bandwidth (host_read_gbs):
       cost(F) = [F>0] * pcie_call + [F<1] * callback + max(F*m*b/pcie, (1-F)*m*b/pool, m*b/host_read)
     m: misses a layer per window, `misses` where measured (adapt_pcie_frac), else near-uniform routing's
-    (expected_misses; lru fetching nothing keeps its slots empty: every entry a miss).
+    (expected_misses). At F = 0 the slots hold each prompt's most used experts under either policy
+    (fills_from_prefill); misses measured under lru (which follows the decode) are not what such frozen slots
+    meet, so there lru counts at least near-uniform routing's.
     """
     b = cfg.expert_bytes(itemsize)
     costs = {}
     for f in (0.0, 0.25, 0.5, 0.75, 1.0):
-        empty = f == 0.0 and policy == "lru"
-        m = expected_misses(cfg, 0) if empty else (misses if misses is not None else expected_misses(cfg, slots))
+        m = misses if misses is not None else expected_misses(cfg, slots)
+        if f == 0.0 and policy == "lru":
+            m = max(m, expected_misses(cfg, slots))
         fetch_s, pool_s = f * m * b / (pcie_gbs * 1e9), (1 - f) * m * b / (pool_gbs * 1e9)
         fixed = (pcie_call_s if f > 0 else 0.0) + (callback_s if f < 1 else 0.0)
         both = m * b / (host_read_gbs * 1e9) if host_read_gbs and 0 < f < 1 else 0.0
@@ -383,7 +397,9 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: Weights, host: HostExp
         costs["by_frac"] = by_frac
     else:
         frac = float(opts.pcie_frac)
-        lines.append(f"pcie_frac: {frac:g}")
+        lines.append(f"pcie_frac: {frac:g}" + (" (nothing fetched: the slots take each prompt's most used experts "
+                                                 "after its prefill, as under the static policy)"
+                                                 if frac == 0.0 and opts.cache_policy == "lru" else ""))
     lines.append("offload calls: " + ("native (fetches and pool jobs enqueued on the stream; no read-back)"
                                       if native_offload else f"graph loops and lax.cond ({why_not})"))
     return Placement(slots=slots, policy=opts.cache_policy, pcie_frac=frac, pool=pool, host_kind=host.kind,

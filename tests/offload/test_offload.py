@@ -234,17 +234,36 @@ def test_pool_failure_is_one_error_and_the_engine_recovers(engine_factory, refer
     assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
 
 
-def test_auto_split_knows_lru_slots_fill_only_by_fetches():
-    """pcie_frac=auto's cost model: under lru a split that fetches nothing leaves the slots empty (every entry a
-    miss), under static the slots hold the prefill's experts whatever the split; so a fast pool wins the whole split
-    only under static."""
-    from strata_jax.offload.placement import choose_pcie_frac
+def test_auto_split_counts_filled_slots_at_pcie_frac_0_under_either_policy():
+    """pcie_frac=auto's cost model: a split that fetches nothing fills the slots from each prompt's prefill under lru
+    as under static (placement.fills_from_prefill), so the two policies cost the same at every split, and a pool
+    faster than PCIe wins the whole split under either."""
+    from strata_jax.offload.placement import choose_pcie_frac, fills_from_prefill
     cfg = preset("qwen3-30b-a3b")
     costs = dict(pcie_gbs=50.0, pcie_call_s=2e-4, pool_gbs=100.0, callback_s=2e-5, overlap=True)
     lru, by_lru = choose_pcie_frac(cfg, cfg.num_experts // 2, 2, **costs, policy="lru")
     static, by_static = choose_pcie_frac(cfg, cfg.num_experts // 2, 2, **costs, policy="static")
-    assert static == 0.0 and lru > 0.0
-    assert by_lru[0.0] > by_static[0.0] and by_lru[0.5] == by_static[0.5]
+    assert lru == static == 0.0 and by_lru == by_static
+    slow_pool, _ = choose_pcie_frac(cfg, cfg.num_experts // 2, 2, **dict(costs, pool_gbs=5.0), policy="lru")
+    assert slow_pool > 0.0
+    assert fills_from_prefill("lru", 0.0) and fills_from_prefill("static", 0.7)
+    assert not fills_from_prefill("lru", 0.25) and not fills_from_prefill("lru", 1.0)
+
+
+def test_lru_with_pcie_frac_0_fills_the_slots_from_the_prefill(engine_factory, reference, tokens):
+    """lru with pcie_frac 0 fetches nothing, so its slots would stay empty and every entry go to the pool: they take
+    each prompt's most used experts after its prefill, as under static, and decode hits them; still exact."""
+    _, ref_greedy = reference
+    eng = offload_engine(engine_factory, 5)
+    eng.reconfigure(pcie_frac=0.0, cache_policy="lru")
+    assert eng.placement.fills_from_prefill
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
+    for s in layer_states(eng.cache.experts):
+        assert (np.asarray(s.table) >= 0).sum() == 5
+    stats = eng.stats.last.decode_experts
+    assert stats.entries_resident > 0 and stats.entries_fetched == 0 and stats.entries_cpu > 0
+    eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
+    assert not eng.placement.fills_from_prefill
 
 
 def test_auto_split_follows_the_misses_a_request_met():
