@@ -53,6 +53,8 @@ flags.DEFINE_integer("reps", 3, "Timed requests per arm (llama-bench -r).", lowe
 flags.DEFINE_float("embed_scale", 1.0, "Our arms' random embedding multiplied by this (Engine.from_random; 50 "
                    "spreads the routing as offload_bench --embed_scale does; the peer's -ncmoe does not depend on it).",
                    flag_values=FLAGS)
+flags.DEFINE_integer("read_mib", 2048, "Array size of the host read-bandwidth probe (all threads reading one array: "
+                     "the yardstick of both engines' CPU expert rates; 0 = none).", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
 runner.define_output_flag(FLAGS)
 
@@ -190,7 +192,7 @@ def run_ours(s, cfg) -> list[dict]:
         t0 = time.perf_counter()
         engine = Engine.from_random(cfg, seed=0, verbose=True, embed_scale=s.embed_scale, **engine_opts)
         start_s = time.perf_counter() - t0
-        samples, windows, drafted, accepted, host, hits = [], [], [], [], [], []
+        samples, windows, drafted, accepted, host, hits, pool = [], [], [], [], [], [], []
         for rep in range(s.reps + 1):
             prompt = rng.integers(0, cfg.vocab_size, size=s.prompt_tokens).tolist()
             engine.generate(prompt, max_new_tokens=s.n_gen, stop_token_ids=[], **request_opts)
@@ -203,11 +205,16 @@ def run_ours(s, cfg) -> list[dict]:
             accepted.append(st.drafts_accepted)
             host.append(st.host_gap_s / st.host_gaps * 1e3 if st.host_gaps else 0.0)
             hits.append(st.decode_experts.hit_rate if engine.placement else 1.0)
+            if engine.placement:
+                from strata_jax.offload.placement import expert_itemsize
+                pool.append(ours_pool_gbs(cfg, st.decode_experts, expert_itemsize(engine.options)))
         tok_s = statistics.median(samples)
         offload = {}
         if engine.placement:  # the expert cache: slots, the split, the hit rate of the decode windows
+            rates = [g for g in pool if g is not None]
             offload = dict(slots=engine.placement.slots, pcie_frac=engine.placement.pcie_frac,
-                           hit_rate=statistics.median(hits), native=engine.placement.native)
+                           hit_rate=statistics.median(hits), native=engine.placement.native,
+                           pool_gbs=statistics.median(rates) if rates else None)
         rows.append(dict(arm=name, options=opts, tok_s=tok_s, samples=samples, windows=statistics.median(windows),
                          drafts_proposed=statistics.median(drafted), drafts_accepted=statistics.median(accepted),
                          host_gap_ms=statistics.median(host), start_s=start_s, compile_s=engine.stats.compile_s,
@@ -220,10 +227,33 @@ def run_ours(s, cfg) -> list[dict]:
     return rows
 
 
+def peer_cpu_gbs(cfg, ncmoe: int, tok_s: float) -> float:
+    """A lower bound of llama.cpp's CPU expert rate at -ncmoe N: the F16 experts its CPU reads per token (N layers'
+    top-K experts, each read once) over the whole token's time (its GPU part and the hand-offs included)."""
+    return ncmoe * cfg.num_experts_per_tok * cfg.expert_bytes(2) * tok_s / 1e9
+
+
+def ours_pool_gbs(cfg, experts, itemsize: int) -> float | None:
+    """Our host pool's rate over a request's decode: the cpu experts' bytes over the pool jobs' wall time."""
+    if not experts.distinct_cpu or not experts.pool_s:
+        return None
+    return experts.distinct_cpu * cfg.expert_bytes(itemsize) / experts.pool_s / 1e9
+
+
+def host_read_gbs(mib: int) -> tuple[float | None, int]:
+    """GB/s of every usable core reading one array (strata_jax.host_pool.measure.read_gbps), and the threads."""
+    from strata_jax.host_pool.measure import read_gbps
+    from strata_jax.host_pool.pool import usable_cores
+    threads = usable_cores()
+    return (read_gbps(mib << 20, threads) if mib else None), threads
+
+
 def run(s) -> dict:
     from strata_jax.model.config import preset
     cfg = preset(s.model, layers=s.layers or None)
     result = dict(benchmark="peer_bench", settings={n: getattr(s, n) for n in FLAGS}, peer=[], ours=[])
+    read, threads = host_read_gbs(s.read_mib)
+    result["host_read_gbs"], result["host_threads"] = read, threads
     peer_ok = bool(s.llama_bench) and Path(s.llama_bench).is_file()
     if s.llama_bench and not peer_ok:
         common.say(f"peer: {s.llama_bench} not found: our arms only (build it with benchmarks/peer/build_llama.sh)")
@@ -239,17 +269,24 @@ def run(s) -> dict:
     base = next((r["tok_s"] for r in result["peer"] if r.get("ncmoe") == 0 and "tok_s" in r
                  and not r.get("sampled")), None)
     rows = []
+    of_read = lambda gbs: f" ({gbs / read:.0%} of the host's read)" if read else ""
     for r in result["peer"]:
+        note = f"eval alone {r['eval_tok_s']:.1f} tok/s" if "eval_tok_s" in r else "-"
+        if r.get("ncmoe") and "tok_s" in r:
+            r["cpu_gbs_at_least"] = peer_cpu_gbs(cfg, r["ncmoe"], r["tok_s"])
+            note = (("" if note == "-" else note + "; ") + f"CPU experts >= {r['cpu_gbs_at_least']:.1f} GB/s"
+                    + of_read(r["cpu_gbs_at_least"]))
         rows.append(["llama.cpp", r["arm"], r.get("tok_s", r.get("error")), 1000 / r["tok_s"] if "tok_s" in r else "-",
                      "1.00" if r.get("ncmoe") == 0 and "tok_s" in r and not r.get("sampled") else
-                     (r["tok_s"] / base if base and "tok_s" in r else "-"),
-                     f"eval alone {r['eval_tok_s']:.1f} tok/s" if "eval_tok_s" in r else "-"])
+                     (r["tok_s"] / base if base and "tok_s" in r else "-"), note])
     for r in result["ours"]:
         extra = (f"{r['windows']:.0f} windows, {r['drafts_accepted']:.0f}/{r['drafts_proposed']:.0f} drafts "
                  f"accepted" if r["drafts_proposed"] else f"{r['windows']:.0f} windows")
         if "slots" in r:
             extra += (f"; {r['slots']} slots, pcie_frac {r['pcie_frac']:g}, hit rate {r['hit_rate']:.1%}"
                       + ("" if r["native"] else ", graph offload path"))
+            if r.get("pool_gbs"):
+                extra += f"; pool {r['pool_gbs']:.1f} GB/s" + of_read(r["pool_gbs"])
         rows.append(["strata_jax", r["arm"], r["tok_s"], 1000 / r["tok_s"], r["tok_s"] / base if base else "-", extra])
     headers = ["engine", "arm", "tok/s", "ms/token", "x llama.cpp all-GPU", "notes"]
     table = common.format_table(headers, rows)
@@ -266,6 +303,10 @@ def run(s) -> dict:
     common.say("llama.cpp: llama-bench tg (mean of -r; sampled rows: llama-completion, its eval + sampling time, "
                "median of --reps after a warm-up run); strata_jax: Engine.generate's decode tok/s (median of "
                "--reps requests after a warm-up; random weights, random prompt, stop tokens off)")
+    if read:
+        common.say(f"yardstick: the host reads {read:.1f} GB/s ({threads} threads reading one {s.read_mib} MiB array, "
+                   f"this run); llama.cpp's CPU experts: at least N layers x top-{cfg.num_experts_per_tok} F16 experts "
+                   f"a token at its tok/s; our pool: its cpu experts' bytes over its jobs' wall time")
     if s.json:
         common.write_json(s.json, result)
     return result

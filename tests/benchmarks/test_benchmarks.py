@@ -355,3 +355,21 @@ def test_options_written_as_text_convert_by_their_types():
         with pytest.raises(StrataError, match=says) as e:
             from_text(bad)
         assert "\n" not in str(e.value)
+
+
+def test_the_yardstick_of_cpu_expert_rates():
+    """peer_bench's yardstick: llama.cpp's CPU experts at -ncmoe N read at least N layers' top-K F16 experts a token
+    (issue 33's figure: -ncmoe 9 at 82.9 tok/s on the 30B shape is >= 56 GB/s); our pool's rate is its cpu experts'
+    bytes over its jobs' wall time, none without cpu experts; the read probe reports its threads."""
+    from benchmarks.peer_bench import host_read_gbs, ours_pool_gbs, peer_cpu_gbs
+    from strata_jax.engine.stats import ExpertStats
+    from strata_jax.model.config import preset
+    cfg = preset("qwen3-30b-a3b")
+    assert peer_cpu_gbs(cfg, 9, 82.9) == pytest.approx(9 * 8 * 3 * 2048 * 768 * 2 * 82.9 / 1e9)
+    assert 56.0 < peer_cpu_gbs(cfg, 9, 82.9) < 57.0
+    assert ours_pool_gbs(cfg, ExpertStats(distinct_cpu=100, pool_s=0.5), 2) == pytest.approx(
+        100 * cfg.expert_bytes(2) / 0.5 / 1e9)
+    assert ours_pool_gbs(cfg, ExpertStats(distinct_cpu=0, pool_s=0.0), 2) is None
+    read, threads = host_read_gbs(8)
+    assert threads >= 1 and (read is None or read > 0)
+    assert host_read_gbs(0)[0] is None
