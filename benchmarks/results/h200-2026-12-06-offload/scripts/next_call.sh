@@ -1,0 +1,20 @@
+# For the next GPU session (written 2026-12-06, not run): one call, no peer build.
+# 1. The GPU offload tests on the packed small leaves (19bdbb6) and pcie_frac 0 under lru (4b45781).
+# 2. A/B of the packed leaves + one-reduction counters (after) against 795c1c9's body (before: its slots.py and
+#    transformer.py, saved beside this script), alternated after / before / after, offload_bench S=E and 50%.
+# 3. pcie_frac 0 under lru (now filled from the prefill) beside static, and auto, at 50% / 25%.
+set -u; export PYTHONPATH=. PYTHONUNBUFFERED=1 TESTS_COMPILE_GRAPHS=lazy; S=benchmarks/results/h200-2026-12-06-offload/scripts
+timeout 200 python3 -m pytest -v -p no:cacheprovider -o console_output_style=classic \
+  -k "offload_is_exact or blocks_of_experts" tests/engine/test_gpu.py > $OUT/tests.log 2>&1
+echo "tests rc=$?"; grep -E "PASS|FAIL|ERROR|passed|failed" $OUT/tests.log | tail -9
+A="--model=qwen3-30b-a3b --layers=12 --slot_fracs=1.0,0.5 --pcie_fracs=1 --embed_scale=50 --new_tokens=64"
+cp strata_jax/offload/slots.py /tmp/slots_after.py; cp strata_jax/model/transformer.py /tmp/transformer_after.py
+for v in after before after2; do
+  if [ $v = before ]; then cp $S/slots_795c1c9.py strata_jax/offload/slots.py; cp $S/transformer_795c1c9.py strata_jax/model/transformer.py
+  else cp /tmp/slots_after.py strata_jax/offload/slots.py; cp /tmp/transformer_after.py strata_jax/model/transformer.py; fi
+  timeout 80 python3 -m benchmarks.offload_bench $A --json=$OUT/ab_$v.json > $OUT/ab_$v.log 2>&1; echo "$v rc=$?"
+  grep -E "^\| (all|S=)" $OUT/ab_$v.log | cut -c1-200
+done
+timeout 200 python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b --layers=12 --slot_fracs=0.5,0.25 \
+  --pcie_fracs=0,auto,1 --embed_scale=50 --new_tokens=64 --json=$OUT/split.json > $OUT/split.log 2>&1
+echo "split rc=$?"; grep -E "^\| (all|S=)|pcie_frac: " $OUT/split.log | cut -c1-220

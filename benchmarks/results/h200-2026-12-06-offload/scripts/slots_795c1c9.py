@@ -1,0 +1,600 @@
+"""Experts off the GPU: a device expert cache of S slots per layer, the window's plan, in-graph PCIe fetch from
+pinned host memory, and the host pool reached with io_callback.
+
+Per sparse layer and window (all inside the compiled graph, no host round trip but the pool's):
+
+    route   -> the window's distinct experts ids [N] and the combine matrix [T, N]
+    plan    -> each distinct expert is `resident` (slot table hit), `fetch` or `cpu` (the misses, heaviest by routing
+               mass first over PCIe: round(pcie_frac * misses) of them)
+    gpu     -> in blocks of B experts: gather resident slots, copy fetched experts from pinned host memory into the
+               block (a bounded loop), run the expert FFN; the lru policy also writes each fetched expert into a
+               victim slot (least recently used, never one this window reads); overflow goes to a trash row
+    cpu     -> one io_callback hands the pool the cpu experts' rows, under lax.cond (no callback when none)
+    combine -> y = gpu rows + cpu rows
+
+The arithmetic of every expert is the same wherever it runs, so the logits do not depend on placement up to
+float summation order.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import SingleDeviceSharding
+
+from strata_jax.host_pool import cpu_expert_rows
+from strata_jax.host_pool.bridge import native_calls, offload_begin, offload_collect
+from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
+from strata_jax.model import moe, quant
+from strata_jax.offload import approx, defer
+from strata_jax.model.config import ModelConfig
+
+NONE, RESIDENT, FETCH, CPU, SKIP = 0, 1, 2, 3, 4
+COUNTERS = ("entries", "entries_resident", "entries_fetched", "entries_cpu",
+            "distinct", "distinct_resident", "distinct_fetched", "distinct_cpu",
+            # the routing approximations (experts/approx.py); zero when they are off
+            "distinct_skipped", "entries_skipped", "prior_tokens", "prior_tokens_changed", "prior_entries",
+            "prior_hits_unbiased", "prior_hits", "swaps")
+POLICIES = ("lru", "static")
+
+
+@struct.dataclass
+class SlotCache:
+    """One sparse layer's device expert cache. Row S of the weight arrays is a trash row: never in the table."""
+    gate: jax.Array  # [S+1, I, H]
+    up: jax.Array  # [S+1, I, H]
+    down: jax.Array  # [S+1, H, I]
+    table: jax.Array  # [E] int32: expert -> slot, -1 when not resident
+    expert_of: jax.Array  # [S+1] int32: slot -> expert, -1 when empty
+    last_use: jax.Array  # [S+1] int32: window clock of the last read (lru)
+    clock: jax.Array  # [] int32
+    usage: jax.Array  # [E] int32: entries routed to each expert (the static policy fills from the prefill's)
+    counters: jax.Array  # [len(COUNTERS)] int32, summed over windows until reset
+    # Settings as data, so one compiled graph serves every policy and PCIe share.
+    pcie_frac: jax.Array  # [] float32: share of misses fetched over PCIe; the rest go to the host pool
+    lru: jax.Array  # [] bool: fetched experts enter slots (lru); False: slots frozen (static)
+    # The route prior's range mode: running sum and count of decode tokens' logit ranges (max - min).
+    range_sum: jax.Array  # [] float32
+    range_count: jax.Array  # [] int32
+    # Row of this layer's slot 0 in gate / up / down: 0 for a layer's own cache; l * (S+1) for layer l's view of a
+    # stacked cache (init_stacked_slot_cache), whose weight arrays hold every layer's slots, flat [L*(S+1), ...].
+    base: jax.Array | int = 0  # [] int32
+
+    @property
+    def slots(self) -> int:
+        return self.expert_of.shape[-1] - 1
+
+
+def device_sharding(memory_kind: str = "device") -> SingleDeviceSharding:
+    return SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
+
+
+def host_memory_kind() -> str:
+    """pinned_host where the backend has it (GPU, and CPU in jax 0.11), else the device itself."""
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else "device"
+
+
+def init_slot_cache(cfg: ModelConfig, slots: int, dtype, policy: str = "lru", pcie_frac: float = 1.0) -> SlotCache:
+    """dtype: how the experts are stored (uint8: int4 packed two a byte along the input dimension)."""
+    assert policy in POLICIES and 0.0 <= pcie_frac <= 1.0
+    e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    fi, hi = quant.stored_in_dim(f, dtype), quant.stored_in_dim(h, dtype)
+    return SlotCache(
+        gate=jnp.zeros((slots + 1, f, hi), dtype), up=jnp.zeros((slots + 1, f, hi), dtype),
+        down=jnp.zeros((slots + 1, h, fi), dtype),
+        table=jnp.full((e,), -1, jnp.int32), expert_of=jnp.full((slots + 1,), -1, jnp.int32),
+        last_use=jnp.full((slots + 1,), -1, jnp.int32), clock=jnp.int32(0),
+        usage=jnp.zeros((e,), jnp.int32), counters=jnp.zeros((len(COUNTERS),), jnp.int32),
+        pcie_frac=jnp.float32(pcie_frac), lru=jnp.bool_(policy == "lru"),
+        range_sum=jnp.float32(0), range_count=jnp.int32(0), base=jnp.int32(0))
+
+
+# ---- every layer's slot cache in one (the scanned offload graph) --------------------------------------------------
+
+WEIGHTS = ("gate", "up", "down")
+
+
+def init_stacked_slot_cache(cfg: ModelConfig, layers: int, slots: int, dtype, policy: str = "lru",
+                            pcie_frac: float = 1.0) -> SlotCache:
+    """`layers` layers' slot caches in one SlotCache for the scanned graph: the weights flat [L*(S+1), ...] (layer
+    l's slots and trash row at rows l*(S+1)..: the native offload calls and the Pallas kernel address one array
+    with absolute rows, and nothing is sliced out), every other leaf with a leading layer axis [L, ...]."""
+    one = init_slot_cache(cfg, slots, dtype, policy, pcie_frac)
+    weights = {k: jnp.zeros((layers * (slots + 1), *getattr(one, k).shape[1:]), getattr(one, k).dtype)
+               for k in WEIGHTS}
+    rest = {f.name: jnp.broadcast_to(getattr(one, f.name), (layers, *jnp.shape(getattr(one, f.name))))
+            for f in dataclasses.fields(one) if f.name not in WEIGHTS and f.name != "base"}
+    return SlotCache(**weights, **{k: jnp.array(v) for k, v in rest.items()},
+                     base=jnp.arange(layers, dtype=jnp.int32) * (slots + 1))
+
+
+def layer_view(stack: SlotCache, layer) -> SlotCache:
+    """Layer `layer` (a Python int or a traced int32) of a stacked cache: its small leaves sliced out, the weight
+    arrays whole (the view's `base` says where its rows are)."""
+    pick = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+    return stack.replace(**{f.name: pick(getattr(stack, f.name)) for f in dataclasses.fields(stack)
+                            if f.name not in WEIGHTS})
+
+
+def layer_states(experts) -> list[SlotCache]:
+    """The sparse layers' slot caches of a KVCache's `experts`, in layer order, whichever form it holds: the
+    per-layer list (None for dense layers: left out), or one stacked cache (each layer's view: its own table,
+    usage, counters; the weight arrays shared)."""
+    if isinstance(experts, SlotCache):
+        return [layer_view(experts, i) for i in range(experts.expert_of.shape[0])]
+    return [s for s in experts if s is not None]
+
+
+def put_layer(stack: SlotCache, layer, view: SlotCache) -> SlotCache:
+    """layer_view's inverse: the view's small leaves written back at `layer`, its weight arrays taken whole."""
+    put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), layer, 0)
+    return stack.replace(**{f.name: (getattr(view, f.name) if f.name in WEIGHTS
+                                     else put(getattr(stack, f.name), getattr(view, f.name)))
+                            for f in dataclasses.fields(stack)})
+
+
+def to_device(x: jax.Array) -> jax.Array:
+    """Inside jit: a slice of a pinned-host array copied to device memory (in-graph PCIe copy), on the device the
+    graph runs on (parallel=layers: each block's own)."""
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+def copy_experts(dests: Sequence[tuple[tuple, jax.Array]], hosts: tuple, expert_ids: jax.Array, count) -> tuple:
+    """The in-graph PCIe copy: for i < count (a bounded loop; a traced count keeps a dynamic trip count), each host
+    array's expert expert_ids[i] is copied to device memory once and written at row rows[i] of that array's
+    destination in every (arrays, rows) of `dests` (arrays: one per host array). Returns each dest's arrays."""
+    def one(i, arrays):
+        expert, at = expert_ids[i], [rows[i] for _, rows in dests]
+        out = [list(a) for a in arrays]
+        for k, host in enumerate(hosts):
+            wk = to_device(jax.lax.dynamic_index_in_dim(host, expert, keepdims=True))  # PCIe
+            for d in range(len(dests)):
+                out[d][k] = jax.lax.dynamic_update_index_in_dim(out[d][k], wk, at[d], 0)
+        return tuple(tuple(a) for a in out)
+
+    return jax.lax.fori_loop(0, count, one, tuple(tuple(a) for a, _ in dests))
+
+
+def stable_ranks(key: jax.Array) -> jax.Array:
+    """Each element's position [M] int32 in a stable ascending sort of key [M] (the inverse of jnp.argsort's
+    permutation), from an [M, M] comparison: one fused elementwise + reduce on a GPU, where a sort and the scatter
+    that inverts it are kernels of their own (a window's plan runs per layer, M <= E + 1)."""
+    m = key.shape[0]
+    idx = jnp.arange(m, dtype=jnp.int32)
+    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (idx[None, :] < idx[:, None]))
+    return jnp.sum(before, axis=1, dtype=jnp.int32)
+
+
+def prefix_counts(flags: jax.Array) -> jax.Array:
+    """cumsum(flags) [N] int32 as a triangular masked sum (fuses with its neighbours; N is a window's experts)."""
+    n = flags.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    return jnp.sum((idx[None, :] <= idx[:, None]) & flags[None, :], axis=1, dtype=jnp.int32)
+
+
+def set_at(base: jax.Array, where: jax.Array, index: jax.Array, value) -> jax.Array:
+    """base.at[index[where]].set(value[where]) for distinct indices, as a dense [len(base), N] match (no scatter
+    kernel: the slot table's updates fuse into a few loop fusions per layer). value: [N] or a scalar."""
+    hit = where[None, :] & (index[None, :] == jnp.arange(base.shape[0], dtype=index.dtype)[:, None])  # [B, N]
+    value = jnp.broadcast_to(jnp.asarray(value, base.dtype), index.shape)
+    return jnp.where(jnp.any(hit, axis=1), jnp.sum(jnp.where(hit, value[None, :], 0), axis=1, dtype=base.dtype), base)
+
+
+def plan(r: moe.Route, state: SlotCache, cpu: bool = True, tail_skip: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Kinds [N] (NONE / RESIDENT / FETCH / CPU / SKIP) and slots [N] of the window's distinct experts. cpu=False
+    (a graph built without the host pool): every miss is fetched, whatever state.pcie_frac says. tail_skip=R > 0:
+    a miss that every entry routes at rank >= R is skipped (approx.py)."""
+    ids = r.expert_ids
+    used = ids >= 0
+    slot = jnp.where(used, state.table[jnp.maximum(ids, 0)], -1)
+    resident = used & (slot >= 0)
+    miss = used & ~resident
+    skip = jnp.zeros_like(miss)
+    if tail_skip:
+        skip = miss & (approx.min_rank(r, r.topk_ids.shape[1]) >= tail_skip)
+        miss = miss & ~skip
+    frac = state.pcie_frac if cpu else 1.0
+    n_fetch = jnp.floor(frac * jnp.sum(miss) + 0.5).astype(jnp.int32)
+    mass = jnp.sum(r.combine, axis=0)  # [N]
+    miss_rank = stable_ranks(jnp.where(miss, -mass, jnp.inf))  # misses, heaviest first
+    fetch = miss & (miss_rank < n_fetch)
+    kind = jnp.where(resident, RESIDENT, jnp.where(fetch, FETCH, jnp.where(miss, CPU, NONE)))
+    kind = jnp.where(skip, SKIP, kind).astype(jnp.int32)
+    return kind, slot
+
+
+def count(kind: jax.Array, r: moe.Route, extra: dict | None = None) -> jax.Array:
+    """This window's counters [len(COUNTERS)]; `extra`: the approximations' counters by name."""
+    entries = [jnp.sum(jnp.where(kind == k, r.entry_counts, 0)) for k in (RESIDENT, FETCH, CPU)]
+    distinct = [jnp.sum(kind == k) for k in (RESIDENT, FETCH, CPU)]
+    values = dict(distinct_skipped=jnp.sum(kind == SKIP), entries_skipped=jnp.sum(jnp.where(kind == SKIP, r.entry_counts, 0)),
+                  **(extra or {}))
+    rest = [values.get(name, 0) for name in COUNTERS[8:]]
+    return jnp.stack([jnp.asarray(v, jnp.int32) for v in [sum(entries), *entries, sum(distinct), *distinct, *rest]])
+
+
+class WindowPlan(NamedTuple):
+    """A window's plan of its distinct experts [N] (moe.Route.expert_ids): plan() and the victim slots."""
+    kind: jax.Array  # [N] int32: NONE / RESIDENT / FETCH / CPU / SKIP
+    slot: jax.Array  # [N] int32: the slot of a resident expert, -1 otherwise
+    fetch: jax.Array  # [N] bool: kind == FETCH
+    insert: jax.Array  # [N] bool: fetched and kept in a victim slot (lru, while victims last)
+    dest: jax.Array  # [N] int32: the victim slot of an inserted expert, the trash row S otherwise
+    block_kind: jax.Array  # [N] int32: the kinds the XLA blocks run (all but the Pallas kernel's)
+    gpu_order: jax.Array  # [N] int32: positions of the blocks' experts first
+    n_gpu: jax.Array  # [] int32: how many experts the blocks run
+
+
+class NativeOffload(NamedTuple):
+    """The native offload calls of a window (host_pool/native_ffi.cc): one FFI call per layer copies the window's
+    fetched experts into their victim slots (or, without one: static policy, no victim left, into the window's
+    staging rows) and hands its cpu experts to the pool; a second collects the pool's rows after the GPU has run its
+    own. Nothing depends on a count the host would read back. One pair of calls takes at most `max_experts`
+    distinct experts (the staging rows are a temporary of that many experts): a larger window (a prefill chunk) runs
+    in blocks of that many, a pair each (OffloadedExperts.native_window)."""
+    pool: object  # strata_jax.host_pool.HostPool, with its layers' pinned experts registered
+    max_experts: int = 32
+
+
+class OffloadedExperts:
+    """The expert path of a sparse layer with offload: `(layer, x, host weights, valid, state) -> moe.ExpertsOut`
+    (y, state, and the deferred cpu rows still owed (defer.Pending) or None).
+
+    One window runs route -> plan_window -> submit_cpu (deferral only) -> gpu_experts -> cpu_rows -> combine ->
+    update_slots, each in its own named scope (the profiles' phases).
+
+    `w.gate/up/down` are the layer's experts in host memory (int8 experts: their q, with `w.scales` on the device,
+    read by expert id); `pool` computes the cpu kind. Without a pool the
+    graph has no callback and no lax.cond around it (each makes the GPU stream wait for the host): every miss is
+    fetched. `block`: experts per GPU block (bounds the staging memory of prefill chunks). `route`: the routing
+    approximations (experts/approx.py; the decode graphs only), off by default. `block_ends`: layers after which a
+    block of layers ends on one device (parallel=layers): like the model's last layer, never deferred (their rows
+    must be in the activations that leave the device).
+    """
+
+    def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
+                 defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False, block_ends: tuple = (),
+                 native: NativeOffload | None = None):
+        self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
+        self.native = native  # the native offload calls (NativeOffload), or None: the graph path
+        self.no_defer = frozenset(block_ends) | {cfg.num_layers - 1}
+        # kernel: the Pallas expert FFN (pallas_kernels/expert_ffn.py) reads resident and fetched experts in their
+        # slots (fetched ones are copied straight into their victim slots); bf16 on a GPU.
+        self.kernel = kernel
+        self.defer = defer_cpu if pool is not None else defer.OFF
+        # check mode: the layer's late rows join right after its own combine (transformer.forward asks).
+        self.join_now = self.defer.mode == "check"
+
+    def layer_state(self, stack: SlotCache, layer) -> SlotCache:
+        """Layer `layer`'s view of a stacked slot cache (transformer.offload_layers: the scanned graph)."""
+        return layer_view(stack, layer)
+
+    def put_state(self, stack: SlotCache, layer, view: SlotCache) -> SlotCache:
+        return put_layer(stack, layer, view)
+
+    def runs_native(self) -> bool:
+        """Whether the windows run through the native offload calls (the only path of the scanned graph, whose
+        layer index is traced): every window, decode and prefill, without the deferral; one of more than
+        max_experts distinct experts (a prefill chunk) in blocks of that many (native_window)."""
+        return self.native is not None and not self.defer.active
+
+    def join(self, h: jax.Array, pending: defer.Pending) -> jax.Array:
+        """Add a deferred layer's rows still owed to the residual h (transformer.forward: pre(l+1), or post(l) in check
+        mode)."""
+        with jax.named_scope(f"moe_deferred_join_layer{pending.layer}"):
+            return defer.join_light(self.pool, h, pending, self.defer.below)
+
+    def route(self, x: jax.Array, w: moe.MoEWeights, valid: jax.Array, state: SlotCache):
+        """The window's Route with the approximations applied (prior, then resident swap), their counters, and
+        the state (the range mode's running mean)."""
+        cfg, a = self.cfg, self.approx
+        if a.prior is None and not a.resident:
+            return moe.route(x, w.router, cfg, valid), {}, state
+        k = cfg.num_experts_per_tok
+        logits = moe.router_logits(x, w.router)  # [T, E] float32
+        probs = approx.router_probs(logits)
+        _, unbiased = jax.lax.top_k(probs, k)  # [T, K], the exact path's choice
+        resident = state.table >= 0  # [E]
+        ids, extra = unbiased, {}
+        if a.prior is not None:
+            with jax.named_scope("moe_route_prior"):
+                lam = jnp.full((x.shape[0],), a.prior, jnp.float32)
+                if a.prior_mode == "range":
+                    add_sum, add_count = approx.logit_range(logits, valid)
+                    state = state.replace(range_sum=state.range_sum + add_sum, range_count=state.range_count + add_count)
+                    lam = lam * state.range_sum / jnp.maximum(state.range_count, 1).astype(jnp.float32)
+                ids, changed = approx.prior_pick(logits, resident, lam, k, a.prior_keep)
+
+                def hits(picked):  # entries of the valid tokens on a resident expert
+                    return jnp.sum(jnp.where(valid[:, None], resident[picked], False))
+                extra.update(prior_tokens=jnp.sum(valid), prior_tokens_changed=jnp.sum(changed & valid),
+                             prior_entries=jnp.sum(valid) * k,
+                             prior_hits_unbiased=hits(unbiased), prior_hits=hits(ids))
+        if a.resident:
+            with jax.named_scope("moe_route_resident"):
+                ids, _ = approx.weights_of(probs, ids, cfg.norm_topk_prob)
+                ids, swaps = approx.resident_swap(logits, ids, resident, a.resident_rank, a.resident_margin)
+                extra["swaps"] = jnp.sum(jnp.where(valid, swaps, 0))
+        ids, weights = approx.weights_of(probs, ids, cfg.norm_topk_prob)
+        return moe.make_route(ids, weights, cfg, valid, x.dtype), extra, state
+
+    def __call__(self, layer: int, x: jax.Array, w: moe.MoEWeights, valid: jax.Array,
+                 state: SlotCache) -> moe.ExpertsOut:
+        with jax.named_scope("moe_route"):
+            r, extra, state = self.route(x, w, valid, state)
+        with jax.named_scope("moe_plan"):
+            p = self.plan_window(r, state)
+        if self.runs_native():
+            return self.native_window(layer, x, w, r, p, state, extra)
+        assert isinstance(layer, int), "a traced layer (the scanned graph) takes the native offload calls only"
+        pending = None
+        if self.defer.active and layer not in self.no_defer:  # the model's (or a device block's) last layer
+            with jax.named_scope("moe_cpu_submit"):
+                pending = self.submit_cpu(layer, x, r, p)
+        with jax.named_scope("moe_experts"):
+            y, slots = self.gpu_experts(x, w, r, p, state)
+        with jax.named_scope("moe_cpu"):
+            y, y_cpu = self.cpu_rows(layer, x, r, p, y, pending)
+        with jax.named_scope("moe_combine"):
+            y = (y + y_cpu).astype(x.dtype)
+        with jax.named_scope("moe_slot_table"):
+            state = update_slots(state, r, p, slots, extra)
+        return moe.ExpertsOut(y, state, pending)
+
+    def native_window(self, layer: int, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan,
+                      state: SlotCache, extra: dict) -> moe.ExpertsOut:
+        """The window through the native offload calls (NativeOffload): begin (each fetched expert copied into its
+        victim slot or its staging row, the pool starts on the cpu experts), the resident and fetched experts read
+        where they are, collect. A window of more distinct experts than one call takes (a prefill chunk) runs its
+        expert list in blocks of `max_experts`, one begin and collect each, in order: the staging is one call's,
+        and the plan (kinds, victim slots) is the window's, so no block's fetch overwrites a slot another reads."""
+        n, b = r.expert_ids.shape[0], self.native.max_experts
+        slots = (state.gate, state.up, state.down)
+        y = None
+        for start in range(0, n, b):
+            sel = slice(start, min(start + b, n))
+            if y is not None:  # this block's begin after the last one's collect (one staging, one pool job)
+                x_now, y = jax.lax.optimization_barrier((x, y))
+            else:
+                x_now = x
+            y_block, slots = self.native_block(layer, x_now, w, r, p, state, slots, sel)
+            y = y_block if y is None else y + y_block
+        with jax.named_scope("moe_combine"):
+            y = y.astype(x.dtype)
+        with jax.named_scope("moe_slot_table"):
+            state = update_slots(state, r, p, slots, extra)
+        return moe.ExpertsOut(y, state, None)
+
+    def native_block(self, layer, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan, state: SlotCache,
+                     slots: tuple, sel: slice) -> tuple[jax.Array, tuple]:
+        """The rows [T, H] float32 of the window's experts at positions `sel` (at most max_experts), and the slot
+        arrays after their fetches."""
+        ids, kind, combine = r.expert_ids[sel], p.kind[sel], r.combine[:, sel]
+        fetch, insert, dest, slot = p.fetch[sel], p.insert[sel], p.dest[sel], p.slot[sel]
+        n, s = ids.shape[0], state.slots
+        cpu = kind == CPU
+        staged = fetch & ~insert  # [n] fetched with no victim slot: into staging row j
+        with jax.named_scope("moe_offload_begin"):
+            slots, stage, token = offload_begin(
+                self.native.pool, layer, x, jnp.where(cpu, ids, -1), combine * cpu[None, :],
+                jnp.where(fetch, ids, -1), jnp.where(insert, dest + state.base, -1), slots,
+                cpu=self.pool is not None)
+        slot_ids = jnp.where(kind == RESIDENT, slot, jnp.where(insert, dest, -1)).astype(jnp.int32)  # [n]
+        slot_ids = jnp.where(slot_ids >= 0, slot_ids + state.base, -1)  # rows of the (maybe stacked) slot arrays
+        stage_ids = jnp.where(staged, jnp.arange(n, dtype=jnp.int32), -1)  # [n]
+        # int8/int4: the block's experts' scales [n, ...] each, by block position (gathered here: in the scanned graph
+        # w.scales is the layer's slice of a stack, which a kernel operand would copy whole)
+        scales = tuple(sc[jnp.maximum(ids, 0)] for sc in w.scales)
+        with jax.named_scope("moe_experts"):
+            if self.kernel:
+                interpret = jax.default_backend() != "gpu"
+                # the kernel reads expert n's scales at row n (scale_ids), whatever slot or staging row holds it
+                by_position = jnp.arange(n, dtype=jnp.int32) if w.scales else None
+                y = expert_ffn_kernel(x, *slots, slot_ids, combine, *scales, scale_ids=by_position,
+                                      interpret=interpret)
+                y = y + expert_ffn_kernel(x, *stage, stage_ids, combine, *scales, scale_ids=by_position,
+                                          interpret=interpret)
+            else:  # every gpu expert of the block gathered at once (slot or staging row), the rest weighted 0
+                rows = jnp.where(slot_ids >= 0, slot_ids, state.base + s)
+                block = tuple(jnp.where(staged.reshape(-1, *([1] * (a.ndim - 1))), st, a[rows])
+                              for a, st in zip(slots, stage))
+                gpu = (slot_ids >= 0) | staged
+                y = moe.expert_ffn(x, *block, combine * gpu[None, :], *scales)
+        if self.pool is not None:
+            with jax.named_scope("moe_offload_collect"):
+                y = y + offload_collect(self.native.pool, layer, token, y)
+        return y, slots
+
+    def plan_window(self, r: moe.Route, state: SlotCache) -> WindowPlan:
+        """plan(), then where each fetched expert goes: a victim slot (lru) or the trash row."""
+        kind, slot = plan(r, state, cpu=self.pool is not None, tail_skip=self.approx.tail_skip)
+        s = state.slots
+        # Victims: slots not read by this window, least recently used (empty ones first); the trash row last. In
+        # sort order without a sort: slot t is the victim of the fetch whose rank equals t's rank.
+        rows = jnp.arange(s + 1, dtype=jnp.int32)
+        read = (rows == s) | jnp.any((kind == RESIDENT)[None, :] & (slot[None, :] == rows[:, None]), axis=1)
+        victim_rank = stable_ranks(jnp.where(read, jnp.iinfo(jnp.int32).max, state.last_use))  # [S+1]
+        n_victims = jnp.where(state.lru, s - jnp.sum(read[:s]), 0)
+        fetch = kind == FETCH
+        fetch_rank = prefix_counts(fetch) - 1  # [N]
+        insert = fetch & (fetch_rank < n_victims)
+        victim = jnp.sum(jnp.where(victim_rank[None, :] == fetch_rank[:, None], rows[None, :], 0), axis=1)
+        dest = jnp.where(insert, victim, s).astype(jnp.int32)  # [N], trash row s when not kept
+        # The XLA blocks run the resident and fetched experts; with the Pallas kernel they run only the fetched
+        # ones that found no slot (overflow, staged in the block), the kernel reads the rest in their slots.
+        block_kind = jnp.where(fetch & ~insert, FETCH, NONE) if self.kernel else kind
+        gpu = (block_kind == RESIDENT) | (block_kind == FETCH)
+        gpu_order = jnp.argsort(~gpu, stable=True).astype(jnp.int32)  # gpu experts first
+        return WindowPlan(kind=kind, slot=slot, fetch=fetch, insert=insert, dest=dest, block_kind=block_kind,
+                          gpu_order=gpu_order, n_gpu=jnp.sum(gpu))
+
+    def submit_cpu(self, layer: int, x: jax.Array, r: moe.Route, p: WindowPlan) -> defer.Pending:
+        """Deferral: hand the cpu entries to the pool now; their rows join later (transformer.forward)."""
+        cpu_entries = defer.cpu_entries(r, p.kind, CPU)
+        ticket = defer.submit(self.pool, layer, x, r, cpu_entries, self.defer.below)
+        return defer.Pending(layer=layer, ticket=ticket, weights=r.topk_weights, cpu=cpu_entries)
+
+    def gpu_experts(self, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan,
+                    state: SlotCache) -> tuple[jax.Array, tuple]:
+        """The resident and fetched experts' rows [T, H] float32, and the slot weights after this window's fetches."""
+        ids, n, s = r.expert_ids, r.expert_ids.shape[0], state.slots
+        y = jnp.zeros(x.shape, jnp.float32)
+        slots = (state.gate, state.up, state.down)
+        hosts = (w.gate, w.up, w.down)
+        if self.kernel:
+            with jax.named_scope("moe_fetch"):  # straight into their victim slots
+                into = p.fetch & p.insert
+                order = jnp.argsort(~into, stable=True)
+                (slots,) = copy_experts([(slots, p.dest[order] + state.base)], hosts, ids[order], jnp.sum(into))
+            with jax.named_scope("moe_experts_pallas"):
+                slot_ids = jnp.where(p.kind == RESIDENT, p.slot, jnp.where(p.fetch & p.insert, p.dest, -1))
+                slot_ids = jnp.where(slot_ids >= 0, slot_ids + state.base, -1)
+                # int8/int4: the layer's own scales [E, ...] (unrolled graph: whole arrays), read in place by expert id
+                by_expert = jnp.maximum(ids, 0).astype(jnp.int32) if w.scales else None
+                y = expert_ffn_kernel(x, *slots, slot_ids.astype(jnp.int32), r.combine, *w.scales,
+                                      scale_ids=by_expert, interpret=jax.default_backend() != "gpu")
+        b = min(self.block, n)
+        for start in range(0, n, b):
+            def run_block(carry, start=start):
+                y, slots = carry
+                sel = p.gpu_order[start:start + b]  # [B] positions in the window's expert list
+                in_block = (start + jnp.arange(sel.shape[0])) < p.n_gpu
+                k_sel = jnp.where(in_block, p.block_kind[sel], NONE)
+                rows = jnp.where(k_sel == RESIDENT, p.slot[sel], s) + state.base
+                block = tuple(a[rows] for a in slots)  # gather resident experts [B, ...]
+                is_fetch = k_sel == FETCH
+                fetch_order = jnp.argsort(~is_fetch, stable=True)  # block positions j, the fetched first
+                with jax.named_scope("moe_fetch"):  # each into the block at j and its victim slot (or the trash row)
+                    fetched = sel[fetch_order]
+                    block, slots = copy_experts([(block, fetch_order), (slots, p.dest[fetched] + state.base)], hosts,
+                                                ids[fetched], jnp.sum(is_fetch))
+                combine = r.combine[:, sel] * (k_sel != NONE)[None, :]
+                block_scales = tuple(sc[jnp.maximum(ids[sel], 0)] for sc in w.scales)  # int8: [B, O] each
+                return y + moe.expert_ffn(x, *block, combine, *block_scales), slots
+
+            if start == 0 and not self.kernel:
+                y, slots = run_block((y, slots))
+            else:
+                y, slots = jax.lax.cond(start < p.n_gpu, run_block, lambda c: c, (y, slots))
+        return y, slots
+
+    def cpu_rows(self, layer: int, x: jax.Array, r: moe.Route, p: WindowPlan, y: jax.Array,
+                 pending: defer.Pending | None) -> tuple[jax.Array, jax.Array]:
+        """(y, the cpu experts' rows [T, H] float32): from the pool now (one io_callback, none when the window has
+        no cpu expert), or zeros when they are deferred (split: y gains the heavy rows here) or there is no pool."""
+        ids, cpu = r.expert_ids, p.kind == CPU
+        if pending is not None:
+            y_cpu = jnp.zeros(x.shape, jnp.float32)
+            if self.defer.split:  # post(l) waits for the heavy rows only
+                y = defer.join_heavy(self.pool, y, pending, self.defer.below, after=y[0, :1])
+        elif self.pool is not None and native_calls(self.pool):
+            # The FFI call costs little with no cpu expert; a lax.cond would read its predicate back on a GPU.
+            y_cpu = cpu_expert_rows(self.pool, layer, x, jnp.where(cpu, ids, -1), r.combine * cpu[None, :])
+        elif self.pool is not None:
+            y_cpu = jax.lax.cond(
+                jnp.any(cpu),
+                lambda: cpu_expert_rows(self.pool, layer, x, jnp.where(cpu, ids, -1), r.combine * cpu[None, :]),
+                lambda: jnp.zeros(x.shape, jnp.float32))
+        else:
+            y_cpu = jnp.zeros(x.shape, jnp.float32)
+        return y, y_cpu
+
+
+def update_slots(state: SlotCache, r: moe.Route, p: WindowPlan, slots: tuple, extra: dict) -> SlotCache:
+    """The state after a window: the slot weights and table with the inserted experts, the clock, the routing
+    usage and the counters."""
+    # Dense matches instead of scatters (set_at): the inserted experts are distinct, their victim slots too, and an
+    # evicted expert is resident, never one inserted, so the order of the updates does not matter.
+    ids = r.expert_ids
+    evicted = state.expert_of[p.dest]
+    table = set_at(state.table, p.insert & (evicted >= 0), evicted, -1)
+    table = set_at(table, p.insert, ids, p.dest)
+    expert_of = set_at(state.expert_of, p.insert, p.dest, ids)
+    last_use = set_at(state.last_use, p.insert, p.dest, state.clock)
+    last_use = set_at(last_use, p.kind == RESIDENT, p.slot, state.clock)
+    e_rows = jnp.arange(state.usage.shape[0], dtype=jnp.int32)
+    usage = state.usage + jnp.sum(jnp.where(ids[None, :] == e_rows[:, None], r.entry_counts[None, :], 0), axis=1,
+                                  dtype=state.usage.dtype)
+    return state.replace(gate=slots[0], up=slots[1], down=slots[2], table=table, expert_of=expert_of,
+                         last_use=last_use, clock=state.clock + 1, usage=usage,
+                         counters=state.counters + count(p.kind, r, extra))
+
+
+def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Array) -> SlotCache:
+    """Static policy: load `experts` [S] (-1 = leave empty) into slots 0..S-1 from host memory; jit with donation."""
+    s = state.slots
+    if s == 0:
+        return state
+    (gate, up, down), = copy_experts([((state.gate, state.up, state.down), state.base + jnp.arange(s, dtype=jnp.int32))],
+                                     (host_gate, host_up, host_down), jnp.maximum(experts, 0), s)
+    valid = experts >= 0
+    e = state.table.shape[0]
+    table = jnp.full_like(state.table, -1).at[jnp.where(valid, experts, e)].set(
+        jnp.arange(s, dtype=jnp.int32), mode="drop")
+    expert_of = jnp.concatenate([jnp.where(valid, experts, -1), jnp.full((1,), -1, jnp.int32)]).astype(jnp.int32)
+    return state.replace(gate=gate, up=up, down=down, table=table, expert_of=expert_of,
+                         last_use=jnp.full_like(state.last_use, -1))
+
+
+def fill_static_stacked(stack: SlotCache, layers, fill) -> SlotCache:
+    """fill_static_slots for a stacked cache (init_stacked_slot_cache) and stacked weights whose experts stay a
+    tuple of per-layer host arrays (weights.stack_layers(keep_experts=True)); `fill`: fill_layer_slots, jitted with
+    donation of the stack."""
+    usage = np.asarray(stack.usage)  # [L, E]
+    s = stack.expert_of.shape[-1] - 1
+    stack = stack.replace(usage=jnp.zeros_like(stack.usage))
+    f = layers.ffn
+    for i in range(usage.shape[0]):
+        top = np.argsort(-usage[i], kind="stable")[:s]
+        top = np.where(usage[i][top] > 0, top, -1).astype(np.int32)
+        stack = fill(stack, jnp.int32(i), f.gate[i], f.up[i], f.down[i], jnp.asarray(top))
+    return stack
+
+
+def fill_layer_slots(stack: SlotCache, layer, host_gate, host_up, host_down, experts: jax.Array) -> SlotCache:
+    """fill_slots on layer `layer` of a stacked cache."""
+    return put_layer(stack, layer, fill_slots(layer_view(stack, layer), host_gate, host_up, host_down, experts))
+
+
+def with_pcie_frac(experts, frac: float):
+    """A KVCache's `experts` (either form) with the split set to `frac` in every layer's cache (it is data in the
+    graphs: nothing recompiles, the cached experts stay), each leaf on its own device."""
+    def one(s):
+        return s.replace(pcie_frac=jax.device_put(jnp.full(s.pcie_frac.shape, frac, s.pcie_frac.dtype),
+                                                  s.pcie_frac.sharding))
+    if isinstance(experts, SlotCache):
+        return one(experts)
+    return [None if s is None else one(s) for s in experts]
+
+
+def fill_every_layer(experts, layers, ids: jax.Array):
+    """A KVCache's `experts` (either form, as layer_states) with each sparse layer's slots loaded with `ids` [S]
+    from its host experts (`layers`: the Weights' layers, a list or stacked with per-layer host tuples)."""
+    if isinstance(experts, SlotCache):
+        f = layers.ffn
+        for i in range(experts.expert_of.shape[0]):
+            experts = fill_layer_slots(experts, i, f.gate[i], f.up[i], f.down[i], ids)
+        return experts
+    return [None if s is None else fill_slots(s, layers[i].ffn.gate, layers[i].ffn.up, layers[i].ffn.down, ids)
+            for i, s in enumerate(experts)]
+
+
+def fill_static_slots(states: list, layers: list, fill) -> list:
+    """Static policy, after the prompt's prefill: each layer's slots take its most used experts (by the usage the
+    prefill counted, which starts again from zero); `fill`: fill_slots, jitted with donation."""
+    new = []
+    for i, s in enumerate(states):
+        if s is None:
+            new.append(None)
+            continue
+        usage = np.asarray(s.usage)
+        top = np.argsort(-usage, kind="stable")[:s.slots]
+        top = np.where(usage[top] > 0, top, -1).astype(np.int32)
+        w = layers[i].ffn
+        new.append(fill(s.replace(usage=jnp.zeros_like(s.usage)), w.gate, w.up, w.down, jnp.asarray(top)))
+    return new
