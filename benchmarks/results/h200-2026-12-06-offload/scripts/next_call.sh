@@ -18,3 +18,12 @@ done
 timeout 200 python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b --layers=12 --slot_fracs=0.5,0.25 \
   --pcie_fracs=0,auto,1 --embed_scale=50 --new_tokens=64 --json=$OUT/split.json > $OUT/split.log 2>&1
 echo "split rc=$?"; grep -E "^\| (all|S=)|pcie_frac: " $OUT/split.log | cut -c1-220
+# 4. The pool's team against the host's other threads: on the 2-core VM a job of 2 OpenMP threads took 64 us to 16 ms
+#    (a descheduled thread holds the barrier) while another process ran, 6 us on 1 thread; the engine's 16-thread team
+#    shares 16 cores with the offload worker, Python's dispatch and XLA's threads. Static pcie_frac 0 at 50%, threads
+#    16 / 15 / 14 in one process.
+timeout 150 python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b --layers=12 --slot_fracs=0.5 --pcie_fracs=0 \
+  --cache_policy=static --cpu_threads=16 --embed_scale=50 --new_tokens=64 > $OUT/threads16.log 2>&1
+for t in 15 14; do timeout 100 python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b --layers=12 --slot_fracs=0.5 \
+  --pcie_fracs=0 --cache_policy=static --cpu_threads=$t --embed_scale=50 --new_tokens=64 > $OUT/threads$t.log 2>&1; done
+for t in 16 15 14; do echo "threads $t: $(grep -E '^\| S=' $OUT/threads$t.log | cut -c1-150)"; done
