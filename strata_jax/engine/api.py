@@ -163,7 +163,8 @@ class Engine:
         if not self.placement:
             return None, (moe.ResidentExperts(self.cfg) if kernel else None)
         return placement_mod.expert_paths(self.cfg, self.placement, self.approx, self.defer, kernel,
-                                          block_ends=parallel_mod.block_ends(self.cfg, self.options))
+                                          block_ends=parallel_mod.block_ends(self.cfg, self.options),
+                                          native_defer=self.scanned_offload)
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
@@ -268,9 +269,10 @@ class Engine:
         if isinstance(self.parallel, parallel_mod.ExpertSplit) and (float(opts.pcie_frac) < 1
                                                                      or opts.cache_policy == "static"):
             raise StrataError("parallel=experts with offload runs pcie_frac=1 and cache_policy=lru")
-        if self.scanned_offload and defer_cpu(self.options, placement_mod.needs_cpu_path(float(opts.pcie_frac)))[0].active:
-            raise StrataError("the deferral (STRATA_VERIFY_DEFER_CPU) runs in the unrolled graph: start the engine "
-                              "with layer_loop=unrolled to reconfigure it to pcie_frac < 1")
+        if (self.scanned_offload and not slots_mod.native_defer_fits(self.cfg, self.options.window)
+                and defer_cpu(self.options, placement_mod.needs_cpu_path(float(opts.pcie_frac)))[0].active):
+            raise StrataError("the deferral (STRATA_VERIFY_DEFER_CPU) of windows this wide runs in the unrolled "
+                              "graph: start the engine with layer_loop=unrolled to reconfigure it to pcie_frac < 1")
         rebuild = self.placement.reconfigure(float(opts.pcie_frac), opts.cache_policy)
         if pcie_frac is not None:
             self.placement.auto = False  # a split asked for by number stays

@@ -16,6 +16,7 @@ from strata_jax.model.config import ModelConfig
 from strata_jax.model.kv_cache import cache_bytes
 from strata_jax.model.weights import can_stack
 from strata_jax.offload import placement as placement_mod
+from strata_jax.offload import slots as slots_mod
 from strata_jax.options import EngineOptions
 
 
@@ -116,9 +117,12 @@ def scans(cfg: ModelConfig, opts: EngineOptions) -> bool:
 def scans_offload(cfg: ModelConfig, opts: EngineOptions, placement, defer) -> bool:
     """Whether an offloaded model runs its decode windows as one scanned body (transformer.offload_layers): layer_loop
     scan and one kind of layer, one device, the native offload calls (their plan names the layer, so a traced layer
-    index serves), and no deferral (its rows cross layers). Quantized experts scan under either expert kernel: the
-    Pallas kernel takes their scales by window position (pallas_kernels/expert_ffn.py's scale_ids), not by slot."""
-    return (scans(cfg, opts) and placement.native and not defer.active
+    index serves); with the deferral, decode windows that fit one pair of calls (slots.native_defer_fits: the
+    scanned body carries a layer's late job to the next layer), else the unrolled graph's io_callbacks. Quantized
+    experts scan under either expert kernel: the Pallas kernel takes their scales by window position
+    (pallas_kernels/expert_ffn.py's scale_ids), not by slot."""
+    return (scans(cfg, opts) and placement.native
+            and (not defer.active or slots_mod.native_defer_fits(cfg, opts.window))
             and parallel_mod.devices_for(opts) is None)
 
 

@@ -297,28 +297,39 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
     hosts = list(zip(f.gate, f.up, f.down))
     dense_part = stack.replace(ffn=f.replace(gate=None, up=None, down=None))
 
+    deferring = experts.carries_late()  # decode windows with the deferral: a layer's late rows join at pre(l+1)
+
     def body(carry, i, host=None):
-        h, k_all, v_all, state = carry
+        h, k_all, v_all, state, late = carry
         layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), dense_part)
         h, x, k_all, v_all = _stacked_attention(h, layer, stack, k_all, v_all, jnp.asarray(i, jnp.int32), pos, cfg,
                                                 attention_kernel, dense_kernel)
+        if deferring:  # pre(l): the last layer's late rows, after this layer's mixer, before its FFN half
+            h = experts.join_late(h, late)
+            x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
         w = layer.ffn if host is None else layer.ffn.replace(gate=host[0], up=host[1], down=host[2])
         out = experts(i, x, w, valid, experts.layer_state(state, i))
-        assert out.pending is None, "the deferral runs in the unrolled graph (engine/plan.py scans_offload)"
-        return (h + out.y, k_all, v_all, experts.put_state(state, i, out.state)), None
+        assert deferring or out.pending is None, "the io_callback deferral runs in the unrolled graph (run_layers)"
+        assert not deferring or out.pending is not None
+        return (h + out.y, k_all, v_all, experts.put_state(state, i, out.state), out.pending if deferring else late), None
 
-    carry = (h, cache.k, cache.v, cache.experts)
+    carry = (h, cache.k, cache.v, cache.experts, None)
     if experts.runs_native():
         # the layers' small slot-cache leaves packed into one array for the scan (a slice and an update a layer)
-        carry = (h, cache.k, cache.v, experts.scan_state(cache.experts))
+        state = experts.scan_state(cache.experts)
+        late = None
+        if deferring:  # layer 0's pre(l) collects an empty job
+            late, state = experts.late_start(h, min(t * cfg.num_experts_per_tok, cfg.num_experts), state)
         with jax.named_scope("layer"):
-            carry, _ = jax.lax.scan(body, carry, jnp.arange(len(hosts), dtype=jnp.int32))
-        carry = (*carry[:3], experts.scan_result(carry[3]))
+            carry, _ = jax.lax.scan(body, (h, cache.k, cache.v, state, late), jnp.arange(len(hosts), dtype=jnp.int32))
+        if deferring:  # the last layer's late rows before the final norm: as if it were never deferred
+            carry = (experts.join_late(carry[0], carry[4]), *carry[1:])
+        carry = (*carry[:3], experts.scan_result(carry[3]), None)
     else:
         for i, host in enumerate(hosts):
             with jax.named_scope(f"layer{i}"):
                 carry, _ = body(carry, i, host)
-    h, k_all, v_all, state = carry
+    h, k_all, v_all, state, _ = carry
     return h, cache.replace(k=k_all, v=v_all, experts=state)
 
 

@@ -13,6 +13,10 @@ In a decode window, for a sparse layer l that is not the model's last layer and 
     check     -> bookkeeping only: the heavy rows join in post(l) and the light ones right after, in the same layer
                  (the exact sums in another order)
 
+This module is the unrolled graph's form (io_callbacks). The scanned graph defers through the native offload
+calls instead (slots.OffloadedExperts.native_deferred, where every decode window fits one pair of calls): the heavy
+rows are one pool job collected at post(l), the light rows a second job collected at pre(l+1); same rule.
+
 A window with no CPU entry in a layer makes no callback there (lax.cond). The last layer is never deferred. The
 pool returns each entry's unweighted row [T, K, H]; the GPU applies the routing weights, as the exact path's
 combine does. A wait longer than the callback timeout ends the request with one error naming the layer and phase.

@@ -315,7 +315,13 @@ class NativeOffload(NamedTuple):
     distinct experts (the staging rows are a temporary of that many experts): a larger window (a prefill chunk) runs
     in blocks of that many, a pair each (OffloadedExperts.native_window)."""
     pool: object  # strata_jax.host_pool.HostPool, with its layers' pinned experts registered
-    max_experts: int = 32
+    max_experts: int = 32  # NATIVE_MAX_EXPERTS
+
+
+def native_defer_fits(cfg: ModelConfig, window: int) -> bool:
+    """Whether every decode window (T <= window) has few enough distinct experts for one pair of native calls, as
+    the deferral through them wants (OffloadedExperts.native_deferred)."""
+    return min(window * cfg.num_experts_per_tok, cfg.num_experts) <= NativeOffload._field_defaults["max_experts"]
 
 
 class OffloadedExperts:
@@ -336,7 +342,7 @@ class OffloadedExperts:
 
     def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
                  defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False, block_ends: tuple = (),
-                 native: NativeOffload | None = None):
+                 native: NativeOffload | None = None, native_defer: bool = False):
         self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
         self.native = native  # the native offload calls (NativeOffload), or None: the graph path
         self.no_defer = frozenset(block_ends) | {cfg.num_layers - 1}
@@ -346,6 +352,9 @@ class OffloadedExperts:
         self.defer = defer_cpu if pool is not None else defer.OFF
         # check mode: the layer's late rows join right after its own combine (transformer.forward asks).
         self.join_now = self.defer.mode == "check"
+        # the deferral through the native calls in the scanned body: every decode window fits one pair of calls
+        # (native_defer_fits); else the deferral keeps the unrolled graph and its io_callbacks
+        self.native_defer = bool(native_defer and native is not None and self.defer.active)
 
     def layer_state(self, stack, layer) -> SlotCache:
         """Layer `layer`'s view of a stacked slot cache, or of its scan_state form (transformer.offload_layers)."""
@@ -363,9 +372,37 @@ class OffloadedExperts:
 
     def runs_native(self) -> bool:
         """Whether the windows run through the native offload calls (the only path of the scanned graph, whose
-        layer index is traced): every window, decode and prefill, without the deferral; one of more than
-        max_experts distinct experts (a prefill chunk) in blocks of that many (native_window)."""
-        return self.native is not None and not self.defer.active
+        layer index is traced): every window, decode and prefill; one of more than max_experts distinct experts (a
+        prefill chunk) in blocks of that many (native_window). With the deferral, only where every decode window
+        fits one pair of calls (native_defer_fits): its rows then cross layers in the scanned body
+        (defers_native)."""
+        return self.native is not None and (not self.defer.active or self.native_defer)
+
+    def defers_native(self) -> bool:
+        """The deferral through the native calls (native_deferred: the traced layers of the scanned body)."""
+        return self.runs_native() and self.defer.active
+
+    def carries_late(self) -> bool:
+        """Whether transformer.offload_layers carries each layer's late job to the next layer's pre(l+1): the
+        native deferral, not in check mode (whose late rows join in their own layer)."""
+        return self.defers_native() and not self.join_now
+
+    def late_start(self, x: jax.Array, n: int, state) -> tuple:
+        """Before the scanned body's first layer: a job with no rows on the traced slot, so that layer 0's pre(l)
+        collect has one to collect (zeros). Returns (its token, the state with the begin's aliased slot arrays)."""
+        t = x.shape[0]
+        none = jnp.full((n,), -1, jnp.int32)
+        slots, _, token = offload_begin(self.native.pool, jnp.int32(0), jnp.zeros_like(x), none,
+                                        jnp.zeros((t, n), jnp.float32), none, none,
+                                        (state.gate, state.up, state.down), cpu=True)
+        return token, state.replace(gate=slots[0], up=slots[1], down=slots[2])
+
+    def join_late(self, h: jax.Array, token: jax.Array) -> jax.Array:
+        """pre(l+1): the last layer's late rows (its light job, or with no split every cpu row) collected and added
+        to the residual h [T, H]; the collect waits for h, so layer l+1's mixer runs before it."""
+        with jax.named_scope("moe_deferred_join"):
+            late = offload_collect(self.native.pool, jnp.int32(0), token, h.astype(jnp.float32))
+            return (h.astype(jnp.float32) + late).astype(h.dtype)
 
     def join(self, h: jax.Array, pending: defer.Pending) -> jax.Array:
         """Add a deferred layer's rows still owed to the residual h (transformer.forward: pre(l+1), or post(l) in check
@@ -413,7 +450,9 @@ class OffloadedExperts:
             r, extra, state = self.route(x, w, valid, state)
         with jax.named_scope("moe_plan"):
             p = self.plan_window(r, state)
-        if self.runs_native():
+        if self.defers_native() and not isinstance(layer, int):
+            return self.native_deferred(layer, x, w, r, p, state, extra)
+        if self.runs_native() and not self.defer.active:
             return self.native_window(layer, x, w, r, p, state, extra)
         assert isinstance(layer, int), "a traced layer (the scanned graph) takes the native offload calls only"
         pending = None
@@ -446,7 +485,7 @@ class OffloadedExperts:
                 x_now, y = jax.lax.optimization_barrier((x, y))
             else:
                 x_now = x
-            y_block, slots = self.native_block(layer, x_now, w, r, p, state, slots, sel)
+            y_block, slots, _ = self.native_block(layer, x_now, w, r, p, state, slots, sel)
             y = y_block if y is None else y + y_block
         with jax.named_scope("moe_combine"):
             y = y.astype(x.dtype)
@@ -454,10 +493,49 @@ class OffloadedExperts:
             state = update_slots(state, r, p, slots, extra)
         return moe.ExpertsOut(y, state, None)
 
+    def native_deferred(self, layer, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan,
+                        state: SlotCache, extra: dict) -> moe.ExpertsOut:
+        """A decode window's layer with the deferral through the native calls (one pair of calls' worth of experts):
+        the cpu rows of routing weight >= below (the heavy ones) are a job of their own, begun with the fetches and
+        collected at post(l) after the GPU's experts; the light ones are a second job begun right after that collect
+        and returned as the pending token, which transformer.offload_layers collects at pre(l+1) (join_late), after
+        layer l+1's mixer. No split (below >= 1): one job, every cpu row late. check: both jobs collected here, in
+        turn (the exact sums in another order). Each begin with cpu is collected before the traced slot's next
+        begin, as the calls want."""
+        n = r.expert_ids.shape[0]
+        assert n <= self.native.max_experts, "native_defer_fits: a decode window fits one pair of calls"
+        cpu = (p.kind == CPU)[None, :]  # [1, N]
+        heavy = cpu & (r.combine >= self.defer.below)  # [T, N]: the rows joined at post(l) (with a split)
+        light = cpu & ~heavy if self.defer.split else cpu
+        slots = (state.gate, state.up, state.down)
+        with jax.named_scope("moe_deferred_heavy"):  # no split: the fetches and every cpu row, none collected
+            y, slots, token = self.native_block(layer, x, w, r, p, state, slots, slice(0, n),
+                                                cpu_w=jnp.where(heavy if self.defer.split else light, r.combine, 0.0),
+                                                collect=self.defer.split)
+        if self.defer.split:  # the light job, after the heavy collect: one job in flight on the traced slot
+            with jax.named_scope("moe_deferred_light_begin"):
+                x, y = jax.lax.optimization_barrier((x, y))
+                none = jnp.full((n,), -1, jnp.int32)
+                cpu_ids = jnp.where(jnp.any(light, axis=0), r.expert_ids, -1)
+                slots, _, token = offload_begin(self.native.pool, layer, x, cpu_ids, jnp.where(light, r.combine, 0.0),
+                                                none, none, slots, cpu=True)
+        if self.defer.mode == "check":  # bookkeeping: the late rows join in this layer, right after
+            with jax.named_scope("moe_deferred_check"):
+                y = y + offload_collect(self.native.pool, layer, token, y)
+            token = None
+        with jax.named_scope("moe_combine"):
+            y = y.astype(x.dtype)
+        with jax.named_scope("moe_slot_table"):
+            state = update_slots(state, r, p, slots, extra)
+        return moe.ExpertsOut(y, state, token)
+
     def native_block(self, layer, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan, state: SlotCache,
-                     slots: tuple, sel: slice) -> tuple[jax.Array, tuple]:
-        """The rows [T, H] float32 of the window's experts at positions `sel` (at most max_experts), and the slot
-        arrays after their fetches."""
+                     slots: tuple, sel: slice, cpu_w: jax.Array | None = None,
+                     collect: bool = True) -> tuple[jax.Array, tuple]:
+        """(The rows [T, H] float32 of the window's experts at positions `sel` (at most max_experts), the slot
+        arrays after their fetches, the begin's token). cpu_w [T, n]: the pool's weights (default: every cpu
+        expert's routing weights); collect=False leaves the pool's rows to the caller (native_deferred: its token
+        collected at pre(l+1)), so y holds the GPU's experts alone."""
         ids, kind, combine = r.expert_ids[sel], p.kind[sel], r.combine[:, sel]
         fetch, insert, dest, slot = p.fetch[sel], p.insert[sel], p.dest[sel], p.slot[sel]
         n, s = ids.shape[0], state.slots
@@ -465,7 +543,8 @@ class OffloadedExperts:
         staged = fetch & ~insert  # [n] fetched with no victim slot: into staging row j
         with jax.named_scope("moe_offload_begin"):
             slots, stage, token = offload_begin(
-                self.native.pool, layer, x, jnp.where(cpu, ids, -1), combine * cpu[None, :],
+                self.native.pool, layer, x, jnp.where(cpu, ids, -1),
+                combine * cpu[None, :] if cpu_w is None else cpu_w[:, sel],
                 jnp.where(fetch, ids, -1), jnp.where(insert, dest + state.base, -1), slots,
                 cpu=self.pool is not None)
         slot_ids = jnp.where(kind == RESIDENT, slot, jnp.where(insert, dest, -1)).astype(jnp.int32)  # [n]
@@ -489,10 +568,10 @@ class OffloadedExperts:
                               for a, st in zip(slots, stage))
                 gpu = (slot_ids >= 0) | staged
                 y = moe.expert_ffn(x, *block, combine * gpu[None, :], *scales)
-        if self.pool is not None:
+        if self.pool is not None and collect:
             with jax.named_scope("moe_offload_collect"):
                 y = y + offload_collect(self.native.pool, layer, token, y)
-        return y, slots
+        return y, slots, token
 
     def plan_window(self, r: moe.Route, state: SlotCache) -> WindowPlan:
         """plan(), then where each fetched expert goes: a victim slot (lru) or the trash row."""

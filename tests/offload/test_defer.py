@@ -83,7 +83,7 @@ def deferred_reference(eng, tokens, window: int, below: float) -> np.ndarray:
     """Plain-jnp model of the rule, every entry on the CPU: each layer's rows of weight >= below join in the layer;
     the others (all of them when below >= 1) join after the next layer's mixer, before its FFN half; the last
     layer's all join in it."""
-    cfg, w = eng.cfg, eng.weights
+    cfg, w = eng.cfg, (unstack_layers(eng.weights) if eng.scanned else eng.weights)  # the scanned offload: stacked
     cache = init_cache(cfg, 64 + 8, jnp.float32)
     k_cache, v_cache = list(cache.k), list(cache.v)
     last = cfg.num_layers - 1
@@ -132,16 +132,22 @@ def deferred_reference(eng, tokens, window: int, below: float) -> np.ndarray:
 def test_check_equals_unset_up_to_summation_order(engine_factory, tokens):
     base = all_cpu_engine(engine_factory)
     check = all_cpu_engine(engine_factory, verify_defer_cpu="check", verify_defer_cpu_below="0.3")
-    assert check.defer.mode == "check"
+    assert check.defer.mode == "check" and check.decode_expert_path.defers_native() == check.scanned_offload
     for w in (1, 4):
         assert rel_fro(check.score(tokens, window=w), base.score(tokens, window=w)) <= REL_TOL
     d = check.stats.last.decode_experts
     assert d.distinct_cpu == d.distinct > 0  # every expert ran on the pool
 
 
+@pytest.mark.parametrize("pool_calls", ["auto", "callback"])
 @pytest.mark.parametrize("below", ["1", "0.3"])
-def test_defer_matches_the_rule(engine_factory, tokens, below):
-    eng = all_cpu_engine(engine_factory, verify_defer_cpu="1", verify_defer_cpu_below=below)
+def test_defer_matches_the_rule(engine_factory, tokens, below, pool_calls):
+    """Both forms of the deferral follow the rule: through the native calls in the scanned body (a layer's late job
+    collected at the next layer's pre(l+1), the last one's before the final norm), and through io_callbacks in the
+    unrolled graph (pool_calls=callback)."""
+    eng = all_cpu_engine(engine_factory, verify_defer_cpu="1", verify_defer_cpu_below=below, pool_calls=pool_calls)
+    native = eng.placement.pool.ffi_handle() is not None and pool_calls == "auto"
+    assert eng.scanned_offload == native and eng.decode_expert_path.carries_late() == native
     base = all_cpu_engine(engine_factory)
     for w in (1, 4):
         got = eng.score(tokens, window=w)
@@ -163,7 +169,8 @@ def test_split_rows_exist_on_both_sides_of_the_threshold(engine_factory, tokens)
 
 @pytest.mark.parametrize("phase", ["heavy", "light"])
 def test_a_late_phase_is_one_error_naming_layer_and_phase(engine_factory, tokens, phase):
-    eng = all_cpu_engine(engine_factory, verify_defer_cpu="1", verify_defer_cpu_below="0.3")
+    # the io_callback deferral's split jobs (the Python pool's phases, where faults are injected)
+    eng = all_cpu_engine(engine_factory, verify_defer_cpu="1", verify_defer_cpu_below="0.3", pool_calls="callback")
     want = eng.score(tokens, window=4)
     eng.reconfigure(pcie_frac=0.0)
     eng.generate(tokens[:6], 1, stop_token_ids=[])  # the prefill takes the exact path: no split job

@@ -27,3 +27,10 @@ timeout 150 python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b --layers=1
 for t in 15 14; do timeout 100 python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b --layers=12 --slot_fracs=0.5 \
   --pcie_fracs=0 --cache_policy=static --cpu_threads=$t --embed_scale=50 --new_tokens=64 > $OUT/threads$t.log 2>&1; done
 for t in 16 15 14; do echo "threads $t: $(grep -E '^\| S=' $OUT/threads$t.log | cut -c1-150)"; done
+# 5. The deferral through the native calls in the scanned body (this session's last commit): the agent-turns A/B of
+#    gpu_run.sh's agent_defer16 (the reference model, 16 slots, pcie_frac 0.5), now without io_callbacks.
+timeout 330 python3 -m benchmarks.agent_turns_bench --model=reference --expert_cache_slots=16 --pcie_frac=0.5 \
+  --turns=8 --sessions=1 --max_prompt_tokens=900 \
+  --arms="base:;every:STRATA_VERIFY_DEFER_CPU=1,STRATA_VERIFY_DEFER_CPU_BELOW=1;split:STRATA_VERIFY_DEFER_CPU=1;check:STRATA_VERIFY_DEFER_CPU=check" \
+  --json=$OUT/agent_defer16.json > $OUT/agent_defer16.log 2>&1
+echo "defer rc=$?"; grep -E "^\|" $OUT/agent_defer16.log | tail -8
