@@ -10,7 +10,7 @@ echo "tests rc=$?"; grep -E "PASS|FAIL|ERROR|passed|failed" $OUT/tests.log | tai
 A="--model=qwen3-30b-a3b --layers=12 --slot_fracs=1.0,0.5 --pcie_fracs=1 --embed_scale=50 --new_tokens=64"
 cp strata_jax/offload/slots.py /tmp/slots_after.py; cp strata_jax/model/transformer.py /tmp/transformer_after.py
 for v in after before after2; do
-  if [ $v = before ]; then cp $S/slots_795c1c9.py strata_jax/offload/slots.py; cp $S/transformer_795c1c9.py strata_jax/model/transformer.py
+  if [ $v = before ]; then gunzip -c $S/slots_795c1c9.py.gz > strata_jax/offload/slots.py; gunzip -c $S/transformer_795c1c9.py.gz > strata_jax/model/transformer.py
   else cp /tmp/slots_after.py strata_jax/offload/slots.py; cp /tmp/transformer_after.py strata_jax/model/transformer.py; fi
   timeout 80 python3 -m benchmarks.offload_bench $A --json=$OUT/ab_$v.json > $OUT/ab_$v.log 2>&1; echo "$v rc=$?"
   grep -E "^\| (all|S=)" $OUT/ab_$v.log | cut -c1-200
