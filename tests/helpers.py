@@ -122,3 +122,42 @@ def hf_reference(name: str) -> dict:
     """tests/fixtures/hf/NAME/reference.npz as a dict of arrays."""
     with np.load(HF_FIXTURES / name / "reference.npz") as z:
         return {k: z[k] for k in z.files}
+
+
+def random_mtp_tensors(t: dict, rng, fused: bool = False) -> dict:
+    """A random MTP module (`mtp.*`) for a Qwen3-Next-shaped text config `t`, its experts fused (as Qwen3.5's main
+    layers on the Hub) or per expert (as Qwen3-Next's)."""
+    h, nq, nkv, d = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    e, f, fs = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
+    p = "mtp.layers.0."
+    out = {"mtp.fc.weight": w(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": w(h),
+           "mtp.pre_fc_norm_hidden.weight": w(h), "mtp.norm.weight": w(h),
+           p + "input_layernorm.weight": w(h), p + "post_attention_layernorm.weight": w(h),
+           p + "self_attn.q_proj.weight": w(2 * nq * d, h), p + "self_attn.k_proj.weight": w(nkv * d, h),
+           p + "self_attn.v_proj.weight": w(nkv * d, h), p + "self_attn.o_proj.weight": w(h, nq * d),
+           p + "self_attn.q_norm.weight": w(d), p + "self_attn.k_norm.weight": w(d),
+           p + "mlp.gate.weight": w(e, h), p + "mlp.shared_expert_gate.weight": w(1, h),
+           p + "mlp.shared_expert.gate_proj.weight": w(fs, h), p + "mlp.shared_expert.up_proj.weight": w(fs, h),
+           p + "mlp.shared_expert.down_proj.weight": w(h, fs),
+           p + "mlp.experts.gate_up_proj": w(e, 2 * f, h), p + "mlp.experts.down_proj": w(e, h, f)}
+    if not fused:
+        out = split_experts(out)
+    return out
+
+
+def split_experts(tensors):
+    """Fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] -> per-expert tensors."""
+    out = {}
+    for name, x in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            f = x.shape[1] // 2
+            for j in range(x.shape[0]):
+                out[name.replace("gate_up_proj", f"{j}.gate_proj.weight")] = np.ascontiguousarray(x[j, :f])
+                out[name.replace("gate_up_proj", f"{j}.up_proj.weight")] = np.ascontiguousarray(x[j, f:])
+        elif name.endswith("experts.down_proj"):
+            for j in range(x.shape[0]):
+                out[name.replace("down_proj", f"{j}.down_proj.weight")] = np.ascontiguousarray(x[j])
+        else:
+            out[name] = x
+    return out

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from conftest import HF_FIXTURES, run_cli
-from helpers import one_line_refusal, rel_fro
+from helpers import one_line_refusal, random_mtp_tensors, rel_fro
 from strata_jax import Engine
 from strata_jax.io import checkpoint, gguf_file
 from strata_jax.io.embedded import random_checkpoint
@@ -458,27 +458,6 @@ def test_qwen3next_converter_variants(tmp_path, cache_dir):
                         checkpoint.load_weights(NEXT_MIXED, cfg, jnp.float32))
 
 
-def random_mtp(raw: dict, rng) -> dict[str, np.ndarray]:
-    """A random MTP module (`mtp.*`, per-expert tensors as Qwen3-Next's Hub files hold it)."""
-    h, nq, nkv, d = raw["hidden_size"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
-    e, f, fs = raw["num_experts"], raw["moe_intermediate_size"], raw["shared_expert_intermediate_size"]
-    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
-    p = "mtp.layers.0."
-    out = {"mtp.fc.weight": w(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": w(h),
-           "mtp.pre_fc_norm_hidden.weight": w(h), "mtp.norm.weight": w(h),
-           p + "input_layernorm.weight": w(h), p + "post_attention_layernorm.weight": w(h),
-           p + "self_attn.q_proj.weight": w(2 * nq * d, h), p + "self_attn.k_proj.weight": w(nkv * d, h),
-           p + "self_attn.v_proj.weight": w(nkv * d, h), p + "self_attn.o_proj.weight": w(h, nq * d),
-           p + "self_attn.q_norm.weight": w(d), p + "self_attn.k_norm.weight": w(d),
-           p + "mlp.gate.weight": w(e, h), p + "mlp.shared_expert_gate.weight": w(1, h),
-           p + "mlp.shared_expert.gate_proj.weight": w(fs, h), p + "mlp.shared_expert.up_proj.weight": w(fs, h),
-           p + "mlp.shared_expert.down_proj.weight": w(h, fs)}
-    for j in range(e):
-        out.update({f"{p}mlp.experts.{j}.gate_proj.weight": w(f, h), f"{p}mlp.experts.{j}.up_proj.weight": w(f, h),
-                    f"{p}mlp.experts.{j}.down_proj.weight": w(h, f)})
-    return out
-
-
 def test_qwen3next_mtp_layer(tmp_path, cache_dir, capfd):
     """The converter's MTP block (blk.{L}: nextn.* and a full-attention MoE layer) loads as the engine's MTP module,
     equal to the safetensors checkpoint's; a file that declares it without its tensors runs without MTP and says
@@ -487,7 +466,7 @@ def test_qwen3next_mtp_layer(tmp_path, cache_dir, capfd):
     from strata_jax import Engine
     raw, hub = next_hub(NEXT_BASE)
     raw = dict(raw, mtp_num_hidden_layers=1)
-    mtp = random_mtp(raw, np.random.default_rng())
+    mtp = random_mtp_tensors(raw, np.random.default_rng())
     hf = tmp_path / "hf"
     shutil.copytree(NEXT_BASE, hf)
     (hf / "config.json").write_text(json.dumps(raw))
@@ -525,7 +504,7 @@ def test_qwen3next_refusals(tmp_path, cache_dir):
     msg = refused(path, cache_dir)
     assert "GGUF tensor 'blk.2.ssm_a'" in msg and "holds values >= 0" in msg, msg
 
-    mtp = random_mtp(raw, np.random.default_rng(1))
+    mtp = random_mtp_tensors(raw, np.random.default_rng(1))
     path = tmp_path / "own-embeddings.gguf"  # an MTP layer with its own embeddings: the engine reads the model's
     qwen3next_gguf(path, raw, dict(hub, **mtp), replace={"blk.4.nextn.embed_tokens.weight": np.zeros((128, 32),
                                                                                                      np.float32)})

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import HF_FIXTURES, hf_fixture_names
-from helpers import hf_reference, rel_fro
+from helpers import hf_reference, random_mtp_tensors, rel_fro, split_experts
 from strata_jax import StrataError
 from strata_jax.model import config, deltanet
 from strata_jax.model.config import config_from_dict
@@ -224,7 +224,7 @@ def mtp_folder(tmp_path_factory):
     raw = json.loads((src / "config.json").read_text())
     raw["mtp_num_hidden_layers"] = 1
     (dst / "config.json").write_text(json.dumps(raw))
-    tensors = _mtp_tensors({"text_config": raw}, np.random.default_rng(), fused=False)  # per expert, as Next's Hub files
+    tensors = random_mtp_tensors(raw, np.random.default_rng(), fused=False)  # per expert, as Next's Hub files
     save_file(tensors, dst / "mtp.safetensors")
     return dst
 
@@ -380,46 +380,6 @@ def _same_weights(a, b):
         assert np.array_equal(np.asarray(x), np.asarray(y)), jax.tree_util.keystr(path)
 
 
-def _mtp_tensors(raw, rng, fused):
-    """A random MTP module (`mtp.*`) for raw["text_config"]'s shape, its experts fused (as Qwen3.5's main layers on
-    the Hub) or per expert (as Qwen3-Next's)."""
-    t = raw["text_config"]
-    h, nq, nkv, d = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
-    e, f, fs = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
-    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
-    p = "mtp.layers.0."
-    out = {"mtp.fc.weight": w(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": w(h),
-           "mtp.pre_fc_norm_hidden.weight": w(h), "mtp.norm.weight": w(h),
-           p + "input_layernorm.weight": w(h), p + "post_attention_layernorm.weight": w(h),
-           p + "self_attn.q_proj.weight": w(2 * nq * d, h), p + "self_attn.k_proj.weight": w(nkv * d, h),
-           p + "self_attn.v_proj.weight": w(nkv * d, h), p + "self_attn.o_proj.weight": w(h, nq * d),
-           p + "self_attn.q_norm.weight": w(d), p + "self_attn.k_norm.weight": w(d),
-           p + "mlp.gate.weight": w(e, h), p + "mlp.shared_expert_gate.weight": w(1, h),
-           p + "mlp.shared_expert.gate_proj.weight": w(fs, h), p + "mlp.shared_expert.up_proj.weight": w(fs, h),
-           p + "mlp.shared_expert.down_proj.weight": w(h, fs),
-           p + "mlp.experts.gate_up_proj": w(e, 2 * f, h), p + "mlp.experts.down_proj": w(e, h, f)}
-    if not fused:
-        out = _split_experts(out)
-    return out
-
-
-def _split_experts(tensors):
-    """Fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] -> per-expert tensors."""
-    out = {}
-    for name, x in tensors.items():
-        if name.endswith("experts.gate_up_proj"):
-            f = x.shape[1] // 2
-            for j in range(x.shape[0]):
-                out[name.replace("gate_up_proj", f"{j}.gate_proj.weight")] = np.ascontiguousarray(x[j, :f])
-                out[name.replace("gate_up_proj", f"{j}.up_proj.weight")] = np.ascontiguousarray(x[j, f:])
-        elif name.endswith("experts.down_proj"):
-            for j in range(x.shape[0]):
-                out[name.replace("down_proj", f"{j}.down_proj.weight")] = np.ascontiguousarray(x[j])
-        else:
-            out[name] = x
-    return out
-
-
 def test_qwen35_layouts_load_alike(tmp_path):
     """The Hub files (model.language_model.*, fused experts, model.visual.*) and the same model saved text-only
     (model.*, experts per expert) load into the same weights; the MTP module's experts likewise."""
@@ -433,12 +393,12 @@ def test_qwen35_layouts_load_alike(tmp_path):
     hub.mkdir(), text.mkdir()
     tensors = _tensors(HF_FIXTURES / QWEN35)
     assert any(k.startswith("model.visual.") for k in tensors)
-    mtp = _mtp_tensors(raw, rng, fused=True)
+    mtp = random_mtp_tensors(raw["text_config"], rng, fused=True)
     save_file(dict(tensors, **mtp), hub / "model.safetensors")
     (hub / "config.json").write_text(json.dumps(raw))
-    flat = {k.replace("model.language_model.", "model."): v for k, v in _split_experts(tensors).items()
+    flat = {k.replace("model.language_model.", "model."): v for k, v in split_experts(tensors).items()
             if not k.startswith("model.visual.")}
-    save_file(dict(flat, **_split_experts(mtp)), text / "model.safetensors")
+    save_file(dict(flat, **split_experts(mtp)), text / "model.safetensors")
     (text / "config.json").write_text(json.dumps(_text_only(raw)))
     cfg = config.load_config(hub)
     assert config.load_config(text) == cfg and cfg.mtp_layers == 1
