@@ -75,6 +75,8 @@ flags.DEFINE_enum("expert_dtype", "auto", ["auto", "int8", "int4"], "The engine 
                   flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FFN of every engine (the engine option; "
                   "pallas: bf16 on a GPU).", flag_values=FLAGS)
+flags.DEFINE_enum("plan_kernel", "xla", ["xla", "pallas"], "The offload arms' plan and slot-cache update (the engine "
+                  "option: pallas_kernels/slot_plan.py, or XLA's fusions).", flag_values=FLAGS)
 flags.DEFINE_string("pool_calls", "auto", "The engine option pool_calls for the offload arms, comma-separated "
                     "(each value runs every slot and pcie_frac arm): auto (the native offload calls), layer (one "
                     "FFI pool call per layer, misses fetched by the graph's loops), callback.", flag_values=FLAGS)
@@ -262,7 +264,7 @@ def run(s) -> dict:
                           f"{common.fmt_bytes(ram)} of host RAM (cut with --layers)")
     opts_common = dict(window=s.window, dtype=s.dtype, context=s.context, cache_dir=s.cache_dir,
                        cpu_threads=s.cpu_threads, cache_policy=s.cache_policy, expert_kernel=s.expert_kernel,
-                       expert_dtype=s.expert_dtype)
+                       expert_dtype=s.expert_dtype, plan_kernel=s.plan_kernel)
     cache_path = enable_compilation_cache(build(EngineOptions, opts_common).resolved_cache_dir())
     host_kind = slots_mod.host_memory_kind()
     threads = s.cpu_threads or usable_cores()

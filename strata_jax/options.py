@@ -120,6 +120,9 @@ class EngineOptions:
                             "scanned: each layer's matrices sliced out of the stacks first, a copy), or auto (pallas "
                             "on a GPU in bfloat16, else xla).",
                             _choice("auto", "xla", "pallas"))
+    plan_kernel: str = opt("xla", "The offloaded layers' plan and slot-cache update (the native offload calls' "
+                           "windows): pallas (pallas_kernels/slot_plan.py: one program a layer; interpreted off the "
+                           "GPU; not yet timed on one), or xla (~10 small fusions a layer).", _choice("xla", "pallas"))
     delta_kernel: str = opt("auto", "Qwen3-Next's DeltaNet layers, the decode-time gated delta rule: pallas "
                             "(pallas_kernels/gated_delta.py: one program per value head and block of dv, the state "
                             "kept in registers across the window's rows), xla (the rule unrolled over the rows in "

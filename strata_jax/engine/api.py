@@ -164,7 +164,8 @@ class Engine:
             return None, (moe.ResidentExperts(self.cfg) if kernel else None)
         return placement_mod.expert_paths(self.cfg, self.placement, self.approx, self.defer, kernel,
                                           block_ends=parallel_mod.block_ends(self.cfg, self.options),
-                                          native_defer=self.scanned_offload)
+                                          native_defer=self.scanned_offload,
+                                          plan_kernel=self.options.plan_kernel == "pallas")
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""

@@ -432,20 +432,22 @@ def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_h
 
 
 def expert_paths(cfg: ModelConfig, placement: Placement, route: approx.RouteApprox, defer_cpu: defer.DeferCPU,
-                 kernel: bool, block_ends: tuple = (),
-                 native_defer: bool = False) -> tuple[slots_mod.OffloadedExperts, slots_mod.OffloadedExperts]:
+                 kernel: bool, block_ends: tuple = (), native_defer: bool = False,
+                 plan_kernel: bool = False) -> tuple[slots_mod.OffloadedExperts, slots_mod.OffloadedExperts]:
     """The offloaded expert paths of the prefill and of the decode graphs. The routing approximations, the deferral
     and the Pallas expert FFN act in decode windows only; the prefill keeps the exact XLA path. Without the cpu
     path (needs_cpu_path) both are built without the host pool (no callback). block_ends: the last layer of each
     device's block (parallel=layers), never deferred. native_defer: the decode graphs scan (plan.scans_offload),
-    so the deferral runs through the native calls there (OffloadedExperts.native_deferred)."""
+    so the deferral runs through the native calls there (OffloadedExperts.native_deferred). plan_kernel: the
+    decode windows' plan and slot-cache update as one Pallas kernel (OffloadedExperts.plan_and_update)."""
     pool = placement.pool if placement.cpu_path else None
     native = placement.native_offload()
     exact = slots_mod.OffloadedExperts(cfg, pool, native=native)
-    if not (route.active or defer_cpu.active or kernel):
+    if not (route.active or defer_cpu.active or kernel or plan_kernel):
         return exact, exact
     return exact, slots_mod.OffloadedExperts(cfg, pool, route=route, defer_cpu=defer_cpu, kernel=kernel,
-                                             block_ends=block_ends, native=native, native_defer=native_defer)
+                                             block_ends=block_ends, native=native, native_defer=native_defer,
+                                             plan_kernel=plan_kernel)
 
 
 def register_native_fetch(cfg: ModelConfig, weights: Weights, pool) -> str | None:

@@ -29,6 +29,7 @@ from jax.sharding import SingleDeviceSharding
 from strata_jax.host_pool import cpu_expert_rows
 from strata_jax.host_pool.bridge import native_calls, offload_begin, offload_collect
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
+from strata_jax.pallas_kernels.slot_plan import slot_plan
 from strata_jax.model import moe, quant
 from strata_jax.offload import approx, defer
 from strata_jax.model.config import ModelConfig
@@ -342,7 +343,7 @@ class OffloadedExperts:
 
     def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
                  defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False, block_ends: tuple = (),
-                 native: NativeOffload | None = None, native_defer: bool = False):
+                 native: NativeOffload | None = None, native_defer: bool = False, plan_kernel: bool = False):
         self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
         self.native = native  # the native offload calls (NativeOffload), or None: the graph path
         self.no_defer = frozenset(block_ends) | {cfg.num_layers - 1}
@@ -355,6 +356,9 @@ class OffloadedExperts:
         # the deferral through the native calls in the scanned body: every decode window fits one pair of calls
         # (native_defer_fits); else the deferral keeps the unrolled graph and its io_callbacks
         self.native_defer = bool(native_defer and native is not None and self.defer.active)
+        # the plan and the slot-cache update of the native windows in one Pallas kernel (pallas_kernels/slot_plan.py);
+        # the routing approximations' tail skip keeps the XLA forms (the kernel has no skipped kind)
+        self.plan_kernel = bool(plan_kernel and native is not None and not route.tail_skip)
 
     def layer_state(self, stack, layer) -> SlotCache:
         """Layer `layer`'s view of a stacked slot cache, or of its scan_state form (transformer.offload_layers)."""
@@ -448,8 +452,13 @@ class OffloadedExperts:
                  state: SlotCache) -> moe.ExpertsOut:
         with jax.named_scope("moe_route"):
             r, extra, state = self.route(x, w, valid, state)
+        native = self.runs_native() and (not self.defer.active or not isinstance(layer, int))
         with jax.named_scope("moe_plan"):
-            p = self.plan_window(r, state)
+            if native and self.plan_kernel:
+                p, updated = self.plan_and_update(r, state)
+                extra = dict(extra, _updated=updated)
+            else:
+                p = self.plan_window(r, state)
         if self.defers_native() and not isinstance(layer, int):
             return self.native_deferred(layer, x, w, r, p, state, extra)
         if self.runs_native() and not self.defer.active:
@@ -573,6 +582,18 @@ class OffloadedExperts:
                 y = y + offload_collect(self.native.pool, layer, token, y)
         return y, slots, token
 
+    def plan_and_update(self, r: moe.Route, state: SlotCache) -> tuple[WindowPlan, dict]:
+        """plan_window and update_slots' small leaves in one Pallas kernel (pallas_kernels/slot_plan.py): the plan's
+        fields the native calls read, and the leaves update_slots then takes as they are."""
+        out = slot_plan(r.expert_ids, r.combine, r.entry_counts, state.table, state.expert_of, state.last_use,
+                        state.usage, state.pcie_frac, state.clock, state.lru, cpu=self.pool is not None,
+                        interpret=jax.default_backend() != "gpu")
+        kind = out["kind"]
+        none = jnp.zeros_like(kind)
+        p = WindowPlan(kind=kind, slot=out["slot"], fetch=kind == FETCH, insert=out["insert"], dest=out["dest"],
+                       block_kind=none, gpu_order=none, n_gpu=jnp.int32(0))  # the last three: the graph path's only
+        return p, out
+
     def plan_window(self, r: moe.Route, state: SlotCache) -> WindowPlan:
         """plan(), then where each fetched expert goes: a victim slot (lru) or the trash row."""
         kind, slot = plan(r, state, cpu=self.pool is not None, tail_skip=self.approx.tail_skip)
@@ -671,6 +692,17 @@ class OffloadedExperts:
 def update_slots(state: SlotCache, r: moe.Route, p: WindowPlan, slots: tuple, extra: dict) -> SlotCache:
     """The state after a window: the slot weights and table with the inserted experts, the clock, the routing
     usage and the counters."""
+    extra = dict(extra)
+    updated = extra.pop("_updated", None)
+    if updated is not None:  # plan_and_update's kernel made the small leaves already
+        sums = updated["sums"]  # entries, distinct of RESIDENT, FETCH, CPU, SKIP
+        values = dict(distinct_skipped=sums[7], entries_skipped=sums[3], **extra)
+        rest = [jnp.asarray(values.get(name, 0), jnp.int32) for name in COUNTERS[8:]]
+        counts = jnp.concatenate([jnp.sum(sums[:3])[None], sums[:3], jnp.sum(sums[4:7])[None], sums[4:7],
+                                  jnp.stack(rest)])
+        return state.replace(gate=slots[0], up=slots[1], down=slots[2], table=updated["table"],
+                             expert_of=updated["expert_of"], last_use=updated["last_use"], clock=state.clock + 1,
+                             usage=updated["usage"], counters=state.counters + counts)
     # Dense matches instead of scatters (set_at): the inserted experts are distinct, their victim slots too, and an
     # evicted expert is resident, never one inserted, so the order of the updates does not matter.
     ids = r.expert_ids

@@ -4,6 +4,7 @@ forms gave: every WindowPlan field and every updated SlotCache leaf, on random s
 routing mass and in the LRU clock, empty slots, padding rows, lru and static, every pcie_frac and window size)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -194,3 +195,70 @@ def test_the_scanned_offload_body_has_no_sort_or_scatter(engine_factory):
     bodies = lines + "".join(text.split(f"%{c} ")[1].split("\n}\n")[0] for c in called if f"%{c} " in text)
     assert not re.search(r"[\s)](sort|scatter)\(", bodies)
     assert len(re.findall(r"dynamic-update-slice\(", bodies)) <= 3  # the packed leaves, and the K and V caches
+
+
+# ---- the same plan in one Pallas kernel (pallas_kernels/slot_plan.py) ----------------------------------------------
+
+@pytest.mark.parametrize("policy", ["lru", "static"])
+def test_the_slot_plan_kernel_equals_the_xla_forms(policy):
+    """pallas_kernels/slot_plan.py (interpreted) and its reference give every plan field, updated leaf and counter
+    the XLA forms give (plan_window, update_slots), on random states and routes."""
+    from strata_jax.pallas_kernels.slot_plan import slot_plan, slot_plan_reference
+    rng = np.random.default_rng()
+    self = SimpleNamespace(pool=object(), kernel=True, approx=approx.OFF)
+
+    @jax.jit
+    def xla(r, state):
+        p = OffloadedExperts.plan_window(self, r, state)
+        new = slots_mod.update_slots(state, r, p, (state.gate, state.up, state.down), {})
+        return p, new
+
+    args = lambda r, s: (r.expert_ids, r.combine, r.entry_counts, s.table, s.expert_of, s.last_use, s.usage,  # noqa
+                         s.pcie_frac, s.clock, s.lru)
+    for trial in range(24):
+        s = int(rng.choice([0, 1, 3, 7, CFG.num_experts]))
+        state = random_state(rng, s, policy, float(rng.choice([0.0, 0.3, 0.5, 1.0])))
+        r = random_route(rng, int(rng.choice([1, 2, 3, 4])))
+        p, new = xla(r, state)
+        for got in (slot_plan(*args(r, state), cpu=True, interpret=True),
+                    slot_plan_reference(*args(r, state), cpu=True)):
+            for name in ("kind", "slot", "insert", "dest"):
+                np.testing.assert_array_equal(got[name], getattr(p, name), err_msg=name)
+            for name in ("table", "expert_of", "last_use", "usage"):
+                np.testing.assert_array_equal(got[name], getattr(new, name), err_msg=name)
+            c = np.asarray(new.counters - state.counters)
+            np.testing.assert_array_equal(np.asarray(got["sums"])[[0, 1, 2, 4, 5, 6, 7, 3]],
+                                          np.concatenate([c[1:4], c[5:8], c[8:10]]))
+
+
+def test_the_slot_plan_kernel_lowers_for_cuda():
+    from strata_jax.pallas_kernels.cuda_lowering import lower_for_cuda
+    from strata_jax.pallas_kernels.slot_plan import slot_plan
+    e, s, n, t = 128, 32, 32, 4
+    specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((n,), jnp.int32), ((t, n), jnp.float32), ((n,), jnp.int32), ((e,), jnp.int32), ((s + 1,), jnp.int32),
+        ((s + 1,), jnp.int32), ((e,), jnp.int32), ((), jnp.float32), ((), jnp.int32), ((), jnp.bool_))]
+    text = lower_for_cuda(lambda *a: slot_plan(*a, cpu=True), *specs)
+    assert "slot_plan" in text
+
+
+def test_the_engine_with_the_plan_kernel_matches_the_xla_plan(engine_factory):
+    """plan_kernel=pallas (interpreted here) gives the engine the same logits, tokens and expert counters as the
+    XLA plan, under lru and static, with and without the host pool."""
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, 256, size=21).tolist()
+    engines = {k: engine_factory(None, dtype="float32", window=2, context=64, expert_cache_slots=5, pcie_frac=0.5,
+                                 cpu_threads=2, plan_kernel=k) for k in ("xla", "pallas")}
+    assert engines["pallas"].decode_expert_path.plan_kernel == engines["pallas"].placement.native
+    for frac, policy in ((0.5, "lru"), (1.0, "lru"), (0.0, "static")):
+        got = {}
+        for k, eng in engines.items():
+            eng.reconfigure(pcie_frac=frac, cache_policy=policy)
+            scores = eng.score(tokens, window=2)
+            out = eng.generate(tokens[:7], 6, stop_token_ids=[])
+            got[k] = (scores, out, eng.stats.last.decode_experts)
+        np.testing.assert_array_equal(got["pallas"][0], got["xla"][0])
+        assert got["pallas"][1] == got["xla"][1]
+        counters = lambda st: {k: v for k, v in dataclasses.asdict(st).items() if k != "pool_s"}  # noqa: E731
+        assert counters(got["pallas"][2]) == counters(got["xla"][2]), (frac, policy)
+        assert got["pallas"][2].entries > 0

@@ -34,3 +34,10 @@ timeout 330 python3 -m benchmarks.agent_turns_bench --model=reference --expert_c
   --arms="base:;every:STRATA_VERIFY_DEFER_CPU=1,STRATA_VERIFY_DEFER_CPU_BELOW=1;split:STRATA_VERIFY_DEFER_CPU=1;check:STRATA_VERIFY_DEFER_CPU=check" \
   --json=$OUT/agent_defer16.json > $OUT/agent_defer16.log 2>&1
 echo "defer rc=$?"; grep -E "^\|" $OUT/agent_defer16.log | tail -8
+# 6. The plan kernel (pallas_kernels/slot_plan.py, engine option plan_kernel=pallas, off by default): its GPU test,
+#    then the fixed cost a layer with and without it in one process each, alternated.
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/offload/test_slot_plan.py -k "kernel" > $OUT/plan_tests.log 2>&1
+echo "plan kernel tests rc=$?"; tail -2 $OUT/plan_tests.log
+for k in xla pallas xla2; do timeout 80 python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b --layers=12 \
+  --slot_fracs=1.0,0.5 --pcie_fracs=1 --embed_scale=50 --new_tokens=64 --plan_kernel=${k%2} > $OUT/plan_$k.log 2>&1
+  echo "$k: $(grep -E '^\| (all|S=)' $OUT/plan_$k.log | cut -c1-120 | tr '\n' ' ')"; done
