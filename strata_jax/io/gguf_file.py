@@ -5,7 +5,10 @@ Qwen3-MoE model (arch `qwen3moe`) or a Qwen3-Next model (arch `qwen3next`), read
 resolve_model turns the file into a model folder under the cache (`gguf_model_folder`): config.json,
 tokenizer.json, tokenizer_config.json (chat template, special tokens) and generation_config.json made from the
 GGUF's metadata, and gguf.json naming the file(s), the tensor types per family and where each tensor lies (the
-metadata is parsed once: Qwen's 151k tokens and merges take GGUFReader seconds). From there the engine loads it
+metadata is parsed once: Qwen's 151k tokens and merges take GGUFReader seconds). generation_config.json holds the
+file's sampling defaults where it has them (general.sampling.temp / top_k / top_p as temperature / top_k / top_p,
+do_sample where temp > 0: requests default to them as to a Hugging Face folder's; min_p, the repeat penalty,
+mirostat and XTC no request option takes: one start-up line when the file sets them). From there the engine loads it
 as any folder: checkpoint.open_reader gives `GGUFTensors`, which maps the files and serves the Hub tensor names that
 model.weight_specs declares, each mapped to llama.cpp's name by gguf's own TensorNameMap (the table
 convert_hf_to_gguf writes with), so no second list of names or shapes lives here.
@@ -47,7 +50,7 @@ from strata_jax.errors import StrataError, make_writable_folder
 # gguf (its import takes ~0.2 s) is imported where a GGUF is read, so the engine's import does not pay for it.
 
 ARCHS = ("qwen3moe", "qwen3next")  # the GGUF architectures read here
-FOLDER_VERSION = 2  # of what gguf_model_folder writes: a change makes new folders
+FOLDER_VERSION = 3  # of what gguf_model_folder writes: a change makes new folders (3: general.sampling.*)
 SOURCE_FILE = "gguf.json"  # in a GGUF's model folder: the files and their tensor types
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 EXACT_TYPES = ("F32", "F16", "BF16")  # read as they are
@@ -308,13 +311,57 @@ END_TOKENS = ("<|im_end|>", "<|endoftext|>")  # Qwen's control tokens that llama
 
 def generation_config(files: GGUFFiles) -> dict:
     """generation_config.json: the ids that end a turn (eos, end-of-turn / end-of-message where set, and Qwen's
-    <|im_end|> / <|endoftext|> control tokens, as Qwen3's own generation_config lists both); greedy."""
+    <|im_end|> / <|endoftext|> control tokens, as Qwen3's own generation_config lists both), and the file's
+    sampling defaults (`sampling_config`; greedy without them)."""
     ids = [files.value(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     tokens = files.value("tokenizer.ggml.tokens") or []
     types = files.value("tokenizer.ggml.token_type") or []
     ids += [i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == TOKEN_CONTROL and tok in END_TOKENS]
     ids = list(dict.fromkeys(i for i in ids if i is not None))
-    return {"eos_token_id": ids, "do_sample": False}
+    return {"eos_token_id": ids, "do_sample": False, **sampling_config(files)}
+
+
+# general.sampling.* (llama.cpp's defaults for the file; convert_hf_to_gguf writes them from the Hub's
+# generation_config.json) that a request option here takes, by generation_config.json's name.
+SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p"}
+# The others no request option here takes, with the value at which llama.cpp's sampler leaves them off: a file that
+# sets one otherwise is said in a start-up line (`sampling_line`). Their companions (penalty_last_n, mirostat_tau /
+# _eta, xtc_threshold, the sampler sequence) act only through them.
+UNUSED_SAMPLING = {"min_p": 0.0, "penalty_repeat": 1.0, "mirostat": 0, "xtc_probability": 0.0}
+
+
+def sampling_config(files: GGUFFiles) -> dict:
+    """general.sampling.temp / top_k / top_p as generation_config.json's temperature / top_k / top_p, with
+    do_sample true where temp > 0, so the engine's requests default to them as to a Hugging Face folder's (strata_jax/
+    io/chat.py: load_generation_config). llama.cpp's values as its sampler reads them: temp <= 0 greedy (do_sample
+    false), top_k <= 0 off (0), top_p >= 1 off (1; below 0 it keeps one token, as top_p 0 does). Without temp the
+    requests stay greedy (llama.cpp would sample at its own default temperature, 0.8); keys that are absent are not
+    written."""
+    out = {}
+    got = {key: files.value(f"general.sampling.{key}") for key in SAMPLING_KEYS}
+    for key, x in got.items():
+        if x is None:
+            continue
+        if isinstance(x, (list, str)) or not np.isfinite(x):
+            raise StrataError(f"{files.path}: GGUF metadata general.sampling.{key} is {x!r}, not a number")
+        if key == "top_k":
+            out["top_k"] = max(0, int(x))
+        elif key == "top_p":
+            out["top_p"] = min(1.0, max(0.0, decimal(x)))
+        else:
+            out["temperature"] = max(0.0, decimal(x))
+            out["do_sample"] = x > 0
+    return out
+
+
+def unused_sampling(files: GGUFFiles) -> dict:
+    """{key: value} of the general.sampling.* keys no request option takes, where the file turns them on."""
+    out = {}
+    for key, off in UNUSED_SAMPLING.items():
+        x = files.value(f"general.sampling.{key}")
+        if isinstance(x, (int, float)) and x != off:
+            out[key] = decimal(x) if isinstance(x, float) else x
+    return out
 
 
 # ---- tensor types per family --------------------------------------------------------------------------------------
@@ -407,14 +454,25 @@ def mtp_line(source: dict) -> str | None:
             "their tensors: the engine runs without MTP (draft=mtp drafts with ngram)")
 
 
+def sampling_line(source: dict) -> str | None:
+    """One line when the GGUF sets sampling defaults (general.sampling.*) that no request option here takes."""
+    unused = source.get("sampling_unused") or {}
+    if not unused:
+        return None
+    return (f"gguf: {source['files'][0]} sets general.sampling." + ", ".join(f"{k} {v}" for k, v in unused.items())
+            + ", which no request option here takes: requests sample without "
+            + ("it" if len(unused) == 1 else "them") + " (temperature, top_k and top_p take the file's defaults)")
+
+
 def say_formats(folder: Path, dtype: str, expert_format: str | None, say) -> None:
     """The start-up line(s) of a GGUF's model folder (nothing for any other folder)."""
     path = Path(folder) / SOURCE_FILE
     if path.is_file():
         source = json.loads(path.read_text())
         say(formats_line(source, dtype, expert_format))
-        if line := mtp_line(source):
-            say(line)
+        for line in (mtp_line(source), sampling_line(source)):
+            if line:
+                say(line)
 
 
 # ---- the model folder ---------------------------------------------------------------------------------------------
@@ -439,8 +497,10 @@ def gguf_model_folder(path: str | Path, cache_dir: Path) -> Path:
     config_from_dict(raw, where=str(files.path))  # a bad shape is refused here, naming the GGUF
     source = {"files": [str(p) for p in files.parts], "arch": files.arch,
               "types": type_table(files, layout["mtp_block"]), "tensors": tensor_table(files),
-              "mtp_declared": layout["mtp_declared"], "mtp_block": layout["mtp_block"]}
+              "mtp_declared": layout["mtp_declared"], "mtp_block": layout["mtp_block"],
+              "sampling_unused": unused_sampling(files)}
     tok = tokenizer_json(files)
+    generation = generation_config(files)  # a bad value is refused before anything is written
     make_writable_folder(folder.parent, f"cache_dir {cache_dir}: not a writable folder for the GGUF's model folder")
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -449,7 +509,7 @@ def gguf_model_folder(path: str | Path, cache_dir: Path) -> Path:
     if tok is not None:
         (tmp / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(files), indent=1, ensure_ascii=False))
-    (tmp / "generation_config.json").write_text(json.dumps(generation_config(files)))
+    (tmp / "generation_config.json").write_text(json.dumps(generation))
     (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=1))  # last: its presence marks a complete folder
     try:
         tmp.rename(folder)

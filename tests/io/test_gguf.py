@@ -23,6 +23,7 @@ from conftest import HF_FIXTURES, run_cli
 from helpers import one_line_refusal, rel_fro
 from strata_jax import Engine
 from strata_jax.io import checkpoint, gguf_file
+from strata_jax.io.chat import load_generation_config
 from strata_jax.io.embedded import random_checkpoint
 from strata_jax.io.tokenizer import load_tokenizer
 from strata_jax.model.config import CONFIGS_DIR, load_config
@@ -646,6 +647,72 @@ def test_tokenizer_gives_the_hf_ids(tmp_path, base_hub, cache_dir):
     assert template.source == CHAT_TEMPLATE
     assert template.special_tokens["eos_token"] == "<|im_end|>" and template.special_tokens["pad_token"] == \
         "<|endoftext|>"
+
+
+# ---- sampling defaults --------------------------------------------------------------------------------------------
+
+def sampling_metadata(temp=None, top_k=None, top_p=None, min_p=None):
+    def add(w: gguf.GGUFWriter):
+        for value, adder in ((temp, w.add_sampling_temp), (top_k, w.add_sampling_top_k), (top_p, w.add_sampling_top_p),
+                             (min_p, w.add_sampling_min_p)):
+            if value is not None:
+                adder(value)
+    return add
+
+
+def test_sampling_defaults(tmp_path, base_hub, cache_dir, engine_factory, capfd):
+    """general.sampling.temp / top_k / top_p become generation_config.json's temperature / top_k / top_p with
+    do_sample: the GGUF engine's request defaults are a Hugging Face folder's with that generation_config.json, and
+    a request without sampling options samples with them. min_p (no request option takes it): one start-up line.
+    Without the keys: greedy, as before; llama.cpp's 'off' values (temp <= 0, top_k <= 0, top_p >= 1) read as off."""
+    raw, hub = base_hub
+    rng = np.random.default_rng()
+    temp, top_p = round(float(rng.uniform(0.3, 1.5)), 2), round(float(rng.uniform(0.5, 0.95)), 2)
+    top_k = int(rng.integers(2, 60))
+    path = tmp_path / "sampling.gguf"
+    write_gguf(path, raw, hub, metadata=sampling_metadata(temp, top_k, top_p, min_p=0.05))
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation == {"eos_token_id": [], "do_sample": True, "temperature": temp, "top_k": top_k,
+                          "top_p": top_p}, generation
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (hf / name).write_bytes((BASE / name).read_bytes())
+    (hf / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": temp, "top_k": top_k, "top_p": top_p}))
+    capfd.readouterr()
+    engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), **EXACT)
+    lines = [l for l in capfd.readouterr().err.splitlines() if "general.sampling" in l]
+    assert len(lines) == 1 and "sets general.sampling.min_p 0.05, which no request option here takes" in lines[0], \
+        lines
+    want = dict(temperature=temp, top_p=top_p, top_k=top_k)
+    assert engine.generation_defaults.request_defaults() == want
+    assert engine_factory(hf, **EXACT).generation_defaults.request_defaults() == want
+    ids = rng.integers(0, raw["vocab_size"], 6).tolist()
+    seed = int(rng.integers(1 << 30))
+    assert engine.generate(ids, max_new_tokens=4, seed=seed) == \
+        engine.generate(ids, max_new_tokens=4, seed=seed, **want)
+
+    plain = tmp_path / "plain.gguf"  # no general.sampling.*: greedy, the folder as before
+    write_gguf(plain, raw, hub)
+    folder = gguf_file.gguf_model_folder(plain, cache_dir)
+    assert json.loads((folder / "generation_config.json").read_text()) == {"eos_token_id": [], "do_sample": False}
+    assert load_generation_config(folder).request_defaults() == dict(temperature=0.0, top_p=1.0, top_k=0)
+    assert "sampling_unused" in json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+
+    off = tmp_path / "off.gguf"  # llama.cpp's off values; top_k, top_p without temp stay greedy
+    write_gguf(off, raw, hub, metadata=sampling_metadata(0.0, -1, 1.5))
+    generation = json.loads((gguf_file.gguf_model_folder(off, cache_dir) / "generation_config.json").read_text())
+    assert generation == {"eos_token_id": [], "do_sample": False, "temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    only = tmp_path / "only.gguf"
+    write_gguf(only, raw, hub, metadata=sampling_metadata(top_k=top_k, top_p=top_p))
+    folder = gguf_file.gguf_model_folder(only, cache_dir)
+    assert load_generation_config(folder).request_defaults() == dict(temperature=0.0, top_p=1.0, top_k=0)
+    bad = tmp_path / "nan.gguf"
+    write_gguf(bad, raw, hub, metadata=sampling_metadata(temp=float("nan")))
+    msg = one_line_refusal(gguf_file.gguf_model_folder, bad, cache_dir)
+    assert "general.sampling.temp is nan, not a number" in msg, msg
 
 
 # ---- refusals -----------------------------------------------------------------------------------------------------
