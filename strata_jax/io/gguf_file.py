@@ -29,8 +29,13 @@ leaves both out) runs without MTP, said in one start-up line. The layer types co
 
 Tensors: F32, F16 and BF16 are read as they are; every type `gguf.quants.dequantize` reads (Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, the K types Q2_K..Q6_K, the IQ types, ...) is dequantized to float32 at load and cast to the engine's
-dtype (keeping them packed on the device is a later step). Other architectures, other tokenizers, other tensor
-types and tensors no recipe reads (a dense MLP layer in a qwen3next file, the MTP layer's own embeddings or head)
+dtype (keeping them packed on the device is a later step). The dequantization runs in LOAD_THREADS threads (default:
+the cores this process may use; numpy lets go of the GIL in its loops): a tensor's rows are cut in jobs of about
+CHUNK_VALUES values, and the experts of a stack after the one the loader reads are dequantized (and checked) ahead,
+one job each, while the loader converts and places the last (at most 2 x threads ahead and READ_AHEAD_BYTES / 3 of
+float32 per stack); the values are gguf.quants.dequantize's of the whole tensor, bit for bit. The loader's lines say
+each layer with the time spent and to go (engine/build.py's _progress). Other architectures, other tokenizers, other
+tensor types and tensors no recipe reads (a dense MLP layer in a qwen3next file, the MTP layer's own embeddings or head)
 are refused with one line.
 """
 from __future__ import annotations
@@ -41,6 +46,8 @@ import json
 import os
 import re
 import shutil
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +57,11 @@ from strata_jax.errors import StrataError, make_writable_folder
 # gguf (its import takes ~0.2 s) is imported where a GGUF is read, so the engine's import does not pay for it.
 
 ARCHS = ("qwen3moe", "qwen3next")  # the GGUF architectures read here
+# Dequantizing at load: LOAD_THREADS threads (None: the cores this process may use), jobs of about CHUNK_VALUES
+# values; the experts after the one the loader reads are dequantized ahead, up to READ_AHEAD_BYTES of float32.
+LOAD_THREADS: int | None = None
+CHUNK_VALUES = 1 << 19
+READ_AHEAD_BYTES = 256 << 20
 FOLDER_VERSION = 3  # of what gguf_model_folder writes: a change makes new folders (3: general.sampling.*)
 SOURCE_FILE = "gguf.json"  # in a GGUF's model folder: the files and their tensor types
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
@@ -678,6 +690,10 @@ class GGUFTensors:
         self.file_of = {hub: source["files"][self.tensors[r.names[0]][0]] for hub, r in self.recipes.items()
                         if all(g in self.tensors for g in r.names)}
         self._kept = (None, None)  # the last tensor a "rows" recipe read (q, k, v of one attn_qkv; gate, up)
+        self.threads = load_threads()
+        self._pool: ThreadPoolExecutor | None = None  # made on the first quantized tensor read
+        self._ahead: dict[tuple[str, int], Future] = {}  # (stack, expert) -> its values, dequantized ahead
+        self._stacks: list[str] = []  # the stacks read ahead lately (a layer's gate, up, down)
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
@@ -690,10 +706,46 @@ class GGUFTensors:
         part, qtype, got, offset, size = self.tensors[gname]
         if tuple(got) != want:
             raise StrataError(f"GGUF tensor {gname!r} has shape {list(got)} (numpy order), expected {list(want)}")
-        x = values(self.maps[part][offset:offset + size], qtype, tuple(got), j)
-        self.check(gname if j is None else f"{gname}[{j}]", x)
+        quantized = qtype not in EXACT_TYPES
+        ahead = self._ahead.pop((gname, j), None)
+        if quantized and j is not None and self.pool():
+            self.read_ahead(gname, j, tuple(got))
+        x = ahead.result() if ahead is not None else self.dequantized(gname, j, self.pool() if quantized else None)
         self._kept = ((gname, j), x) if keep else (None, None)
         return x
+
+    def dequantized(self, gname: str, j: int | None, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
+        """Tensor gname's values (expert j of a stack), checked (the loader's check: non-finite values)."""
+        part, qtype, got, offset, size = self.tensors[gname]
+        x = values(self.maps[part][offset:offset + size], qtype, tuple(got), j, pool)
+        self.check(gname if j is None else f"{gname}[{j}]", x)
+        return x
+
+    def pool(self) -> ThreadPoolExecutor | None:
+        """The dequantizing threads (None for one), shut down with the reader."""
+        if self._pool is None and self.threads > 1:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gguf-dequant")
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        return self._pool
+
+    def read_ahead(self, gname: str, j: int, shape: tuple[int, ...]) -> None:
+        """The loader reads a layer's experts in order, expert by expert (checkpoint.load_weights' expert_stacks):
+        queue the experts after j of stack gname, each one job (its values and check), at most 2 x threads ahead
+        and READ_AHEAD_BYTES / 3 of float32 per stack (a layer reads three); what was queued for experts before j
+        or for older stacks is dropped."""
+        if gname not in self._stacks:
+            self._stacks.append(gname)
+            for old in self._stacks[:-3]:
+                for key in [k for k in self._ahead if k[0] == old]:
+                    self._ahead.pop(key).cancel()
+            del self._stacks[:-3]
+        for key in [k for k in self._ahead if k[0] == gname and k[1] < j]:
+            self._ahead.pop(key).cancel()
+        per = 4 * int(np.prod(shape[1:]))
+        depth = max(1, min(2 * self.threads, READ_AHEAD_BYTES // (3 * per)))
+        for i in range(j + 1, min(j + 1 + depth, shape[0])):
+            if (gname, i) not in self._ahead:
+                self._ahead[(gname, i)] = self._pool.submit(self.dequantized, gname, i)
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.recipes:
@@ -706,9 +758,23 @@ class GGUFTensors:
         return x
 
 
-def values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], index: int | None = None) -> np.ndarray:
+def load_threads() -> int:
+    """The dequantizing threads of a load: LOAD_THREADS, else the cores this process may use."""
+    if LOAD_THREADS:
+        return LOAD_THREADS
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], index: int | None = None,
+           pool: ThreadPoolExecutor | None = None) -> np.ndarray:
     """A tensor's values from its bytes (or expert `index` of a stack): F32 / F16 / BF16 as stored (a copy: no
-    array the engine keeps points into the file), other types dequantized by gguf.quants to float32."""
+    array the engine keeps points into the file), other types dequantized by gguf.quants to float32, in jobs of
+    rows (about CHUNK_VALUES values each) written into the result: on `pool`'s threads with the caller taking the
+    first, or one after the other. Every quantized type is made of blocks along a row, each dequantized alone, so
+    the values are gguf.quants.dequantize's of the whole tensor, bit for bit, however the rows are cut."""
     import gguf
     import ml_dtypes
     exact = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -717,4 +783,23 @@ def values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], index: int | Non
         return np.array(x if index is None else x[index])
     kind = gguf.GGMLQuantizationType[qtype]
     x = raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, kind))
-    return gguf.quants.dequantize(x if index is None else x[index], kind)
+    x = x if index is None else x[index]
+    rows = x.reshape(-1, x.shape[-1])
+    out = np.empty((rows.shape[0], shape[-1]), np.float32)
+    step = max(1, CHUNK_VALUES // shape[-1])
+
+    def job(a: int) -> None:
+        out[a:a + step] = gguf.quants.dequantize(rows[a:a + step], kind)
+    starts = range(0, rows.shape[0], step)
+    if pool is None or len(starts) <= 1:
+        for a in starts:
+            job(a)
+    else:
+        jobs = [pool.submit(job, a) for a in starts[1:]]
+        try:
+            job(starts[0])
+        finally:
+            wait(jobs)  # none writes into `out` after this returns or raises
+        for j in jobs:
+            j.result()  # a job's error
+    return out.reshape(*x.shape[:-1], shape[-1])
