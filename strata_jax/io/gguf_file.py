@@ -768,6 +768,20 @@ def load_threads() -> int:
         return os.cpu_count() or 1
 
 
+def row_dequantizer(kind):
+    """rows of bytes -> their float32 values: gguf.quants' dequantizer of type `kind` over all the rows given at
+    once. gguf.quants.dequantize cuts a tensor into groups of 16 rows, each a few dozen numpy calls on small arrays
+    that hold the GIL for most of their time, so threads would wait on each other; the class's dequantize_rows is
+    the same arithmetic per block over the rows given, so the same values. gguf.quants.dequantize itself where
+    gguf's internals are not as in 0.19."""
+    import gguf
+    cls = getattr(gguf.quants, "_type_traits", {}).get(kind)
+    if cls is None or not all(hasattr(cls, f) for f in ("dequantize_rows", "init_grid")):
+        return lambda rows: gguf.quants.dequantize(rows, kind)
+    cls.init_grid()  # the IQ types' lookup tables (what dequantize does first)
+    return cls.dequantize_rows
+
+
 def values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], index: int | None = None,
            pool: ThreadPoolExecutor | None = None) -> np.ndarray:
     """A tensor's values from its bytes (or expert `index` of a stack): F32 / F16 / BF16 as stored (a copy: no
@@ -787,9 +801,10 @@ def values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], index: int | Non
     rows = x.reshape(-1, x.shape[-1])
     out = np.empty((rows.shape[0], shape[-1]), np.float32)
     step = max(1, CHUNK_VALUES // shape[-1])
+    dequantize = row_dequantizer(kind)
 
     def job(a: int) -> None:
-        out[a:a + step] = gguf.quants.dequantize(rows[a:a + step], kind)
+        out[a:a + step] = dequantize(rows[a:a + step])
     starts = range(0, rows.shape[0], step)
     if pool is None or len(starts) <= 1:
         for a in starts:

@@ -275,7 +275,7 @@ def test_threaded_dequantization_is_bit_identical(tmp_path, cache_dir, monkeypat
     """The load's dequantization in threads (rows cut in jobs, the next experts read ahead) gives
     gguf.quants.dequantize's values of each whole tensor, bit for bit, as the one-thread load does; a damaged expert
     read ahead is refused in one line naming it."""
-    types = (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q5_K)
+    types = (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q5_K, Q.IQ4_XS)
     path = tmp_path / "mixed.gguf"
     want = quantized_gguf(path, types, experts=5)
     dequantized = tmp_path / "dequantized"
