@@ -24,6 +24,7 @@ SUITES = {
     "expert-ffn": ("expert_ffn_bench", "the expert FFN kernel beside XLA and the roofline (bf16, int8, int4)"),
     "delta": ("delta_bench", "Qwen3-Next's delta rule step: XLA beside Pallas and the roofline"),
     "route-prior": ("route_prior_bench", "the route prior kernel's cost per MoE layer"),
+    "gguf-load": ("gguf_load_bench", "a synthetic quantized GGUF's load time by dequantizing threads (CPU)"),
     # what the approximations and formats cost in output
     "quant-quality": ("quant_quality", "KL / top-1 / perplexity of each low-bit expert format"),
     "kl-arms": ("kl_arms", "the KL table of every approximation"),

@@ -185,11 +185,21 @@ def restore_target(cfg: ModelConfig, dtype, host: "placement_mod.HostExperts | N
                                   expert_sharding=host.sharding if host is not None else None)
 
 
+PROGRESS_EVERY_S = 20.0  # a slow load (a quantized GGUF, a slow disk) says its layer at least this often
+
+
 def _progress(say, cfg: ModelConfig):
+    """The loader's per-layer lines, every eighth of the layers (or PROGRESS_EVERY_S since the last), with the
+    time spent and an estimate of the time left."""
     step = max(1, cfg.num_layers // 8)
+    start = last = time.perf_counter()
 
     def progress(line: str) -> None:
+        nonlocal last
         layer = int(line.split()[-1].split("/")[0])
-        if layer % step == 0 or layer == cfg.num_layers:
-            say(line)
+        now = time.perf_counter()
+        if layer % step == 0 or layer == cfg.num_layers or now - last >= PROGRESS_EVERY_S:
+            last, spent = now, now - start
+            left = spent / layer * (cfg.num_layers - layer)
+            say(f"{line} ({spent:.1f} s" + (f", about {left:.0f} s to go)" if layer < cfg.num_layers else ")"))
     return progress

@@ -5,7 +5,10 @@ Qwen3-MoE model (arch `qwen3moe`) or a Qwen3-Next model (arch `qwen3next`), read
 resolve_model turns the file into a model folder under the cache (`gguf_model_folder`): config.json,
 tokenizer.json, tokenizer_config.json (chat template, special tokens) and generation_config.json made from the
 GGUF's metadata, and gguf.json naming the file(s), the tensor types per family and where each tensor lies (the
-metadata is parsed once: Qwen's 151k tokens and merges take GGUFReader seconds). From there the engine loads it
+metadata is parsed once: Qwen's 151k tokens and merges take GGUFReader seconds). generation_config.json holds the
+file's sampling defaults where it has them (general.sampling.temp / top_k / top_p as temperature / top_k / top_p,
+do_sample where temp > 0: requests default to them as to a Hugging Face folder's; min_p, the repeat penalty,
+mirostat and XTC no request option takes: one start-up line when the file sets them). From there the engine loads it
 as any folder: checkpoint.open_reader gives `GGUFTensors`, which maps the files and serves the Hub tensor names that
 model.weight_specs declares, each mapped to llama.cpp's name by gguf's own TensorNameMap (the table
 convert_hf_to_gguf writes with), so no second list of names or shapes lives here.
@@ -26,8 +29,13 @@ leaves both out) runs without MTP, said in one start-up line. The layer types co
 
 Tensors: F32, F16 and BF16 are read as they are; every type `gguf.quants.dequantize` reads (Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, the K types Q2_K..Q6_K, the IQ types, ...) is dequantized to float32 at load and cast to the engine's
-dtype (keeping them packed on the device is a later step). Other architectures, other tokenizers, other tensor
-types and tensors no recipe reads (a dense MLP layer in a qwen3next file, the MTP layer's own embeddings or head)
+dtype (keeping them packed on the device is a later step). The dequantization runs in LOAD_THREADS threads (default:
+the cores this process may use; numpy lets go of the GIL in its loops): a tensor's rows are cut in jobs of about
+CHUNK_VALUES values, and the experts of a stack after the one the loader reads are dequantized (and checked) ahead,
+one job each, while the loader converts and places the last (at most 2 x threads ahead and READ_AHEAD_BYTES / 3 of
+float32 per stack); the values are gguf.quants.dequantize's of the whole tensor, bit for bit. The loader's lines say
+each layer with the time spent and to go (engine/build.py's _progress). Other architectures, other tokenizers, other
+tensor types and tensors no recipe reads (a dense MLP layer in a qwen3next file, the MTP layer's own embeddings or head)
 are refused with one line.
 """
 from __future__ import annotations
@@ -38,6 +46,8 @@ import json
 import os
 import re
 import shutil
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +57,12 @@ from strata_jax.errors import StrataError, make_writable_folder
 # gguf (its import takes ~0.2 s) is imported where a GGUF is read, so the engine's import does not pay for it.
 
 ARCHS = ("qwen3moe", "qwen3next")  # the GGUF architectures read here
-FOLDER_VERSION = 2  # of what gguf_model_folder writes: a change makes new folders
+# Dequantizing at load: LOAD_THREADS threads (None: the cores this process may use), jobs of about CHUNK_VALUES
+# values; the experts after the one the loader reads are dequantized ahead, up to READ_AHEAD_BYTES of float32.
+LOAD_THREADS: int | None = None
+CHUNK_VALUES = 1 << 19
+READ_AHEAD_BYTES = 256 << 20
+FOLDER_VERSION = 3  # of what gguf_model_folder writes: a change makes new folders (3: general.sampling.*)
 SOURCE_FILE = "gguf.json"  # in a GGUF's model folder: the files and their tensor types
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 EXACT_TYPES = ("F32", "F16", "BF16")  # read as they are
@@ -308,13 +323,57 @@ END_TOKENS = ("<|im_end|>", "<|endoftext|>")  # Qwen's control tokens that llama
 
 def generation_config(files: GGUFFiles) -> dict:
     """generation_config.json: the ids that end a turn (eos, end-of-turn / end-of-message where set, and Qwen's
-    <|im_end|> / <|endoftext|> control tokens, as Qwen3's own generation_config lists both); greedy."""
+    <|im_end|> / <|endoftext|> control tokens, as Qwen3's own generation_config lists both), and the file's
+    sampling defaults (`sampling_config`; greedy without them)."""
     ids = [files.value(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     tokens = files.value("tokenizer.ggml.tokens") or []
     types = files.value("tokenizer.ggml.token_type") or []
     ids += [i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == TOKEN_CONTROL and tok in END_TOKENS]
     ids = list(dict.fromkeys(i for i in ids if i is not None))
-    return {"eos_token_id": ids, "do_sample": False}
+    return {"eos_token_id": ids, "do_sample": False, **sampling_config(files)}
+
+
+# general.sampling.* (llama.cpp's defaults for the file; convert_hf_to_gguf writes them from the Hub's
+# generation_config.json) that a request option here takes, by generation_config.json's name.
+SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p"}
+# The others no request option here takes, with the value at which llama.cpp's sampler leaves them off: a file that
+# sets one otherwise is said in a start-up line (`sampling_line`). Their companions (penalty_last_n, mirostat_tau /
+# _eta, xtc_threshold, the sampler sequence) act only through them.
+UNUSED_SAMPLING = {"min_p": 0.0, "penalty_repeat": 1.0, "mirostat": 0, "xtc_probability": 0.0}
+
+
+def sampling_config(files: GGUFFiles) -> dict:
+    """general.sampling.temp / top_k / top_p as generation_config.json's temperature / top_k / top_p, with
+    do_sample true where temp > 0, so the engine's requests default to them as to a Hugging Face folder's (strata_jax/
+    io/chat.py: load_generation_config). llama.cpp's values as its sampler reads them: temp <= 0 greedy (do_sample
+    false), top_k <= 0 off (0), top_p >= 1 off (1; below 0 it keeps one token, as top_p 0 does). Without temp the
+    requests stay greedy (llama.cpp would sample at its own default temperature, 0.8); keys that are absent are not
+    written."""
+    out = {}
+    got = {key: files.value(f"general.sampling.{key}") for key in SAMPLING_KEYS}
+    for key, x in got.items():
+        if x is None:
+            continue
+        if isinstance(x, (list, str)) or not np.isfinite(x):
+            raise StrataError(f"{files.path}: GGUF metadata general.sampling.{key} is {x!r}, not a number")
+        if key == "top_k":
+            out["top_k"] = max(0, int(x))
+        elif key == "top_p":
+            out["top_p"] = min(1.0, max(0.0, decimal(x)))
+        else:
+            out["temperature"] = max(0.0, decimal(x))
+            out["do_sample"] = x > 0
+    return out
+
+
+def unused_sampling(files: GGUFFiles) -> dict:
+    """{key: value} of the general.sampling.* keys no request option takes, where the file turns them on."""
+    out = {}
+    for key, off in UNUSED_SAMPLING.items():
+        x = files.value(f"general.sampling.{key}")
+        if isinstance(x, (int, float)) and x != off:
+            out[key] = decimal(x) if isinstance(x, float) else x
+    return out
 
 
 # ---- tensor types per family --------------------------------------------------------------------------------------
@@ -407,14 +466,25 @@ def mtp_line(source: dict) -> str | None:
             "their tensors: the engine runs without MTP (draft=mtp drafts with ngram)")
 
 
+def sampling_line(source: dict) -> str | None:
+    """One line when the GGUF sets sampling defaults (general.sampling.*) that no request option here takes."""
+    unused = source.get("sampling_unused") or {}
+    if not unused:
+        return None
+    return (f"gguf: {source['files'][0]} sets general.sampling." + ", ".join(f"{k} {v}" for k, v in unused.items())
+            + ", which no request option here takes: requests sample without "
+            + ("it" if len(unused) == 1 else "them") + " (temperature, top_k and top_p take the file's defaults)")
+
+
 def say_formats(folder: Path, dtype: str, expert_format: str | None, say) -> None:
     """The start-up line(s) of a GGUF's model folder (nothing for any other folder)."""
     path = Path(folder) / SOURCE_FILE
     if path.is_file():
         source = json.loads(path.read_text())
         say(formats_line(source, dtype, expert_format))
-        if line := mtp_line(source):
-            say(line)
+        for line in (mtp_line(source), sampling_line(source)):
+            if line:
+                say(line)
 
 
 # ---- the model folder ---------------------------------------------------------------------------------------------
@@ -439,8 +509,10 @@ def gguf_model_folder(path: str | Path, cache_dir: Path) -> Path:
     config_from_dict(raw, where=str(files.path))  # a bad shape is refused here, naming the GGUF
     source = {"files": [str(p) for p in files.parts], "arch": files.arch,
               "types": type_table(files, layout["mtp_block"]), "tensors": tensor_table(files),
-              "mtp_declared": layout["mtp_declared"], "mtp_block": layout["mtp_block"]}
+              "mtp_declared": layout["mtp_declared"], "mtp_block": layout["mtp_block"],
+              "sampling_unused": unused_sampling(files)}
     tok = tokenizer_json(files)
+    generation = generation_config(files)  # a bad value is refused before anything is written
     make_writable_folder(folder.parent, f"cache_dir {cache_dir}: not a writable folder for the GGUF's model folder")
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -449,7 +521,7 @@ def gguf_model_folder(path: str | Path, cache_dir: Path) -> Path:
     if tok is not None:
         (tmp / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(files), indent=1, ensure_ascii=False))
-    (tmp / "generation_config.json").write_text(json.dumps(generation_config(files)))
+    (tmp / "generation_config.json").write_text(json.dumps(generation))
     (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=1))  # last: its presence marks a complete folder
     try:
         tmp.rename(folder)
@@ -618,6 +690,10 @@ class GGUFTensors:
         self.file_of = {hub: source["files"][self.tensors[r.names[0]][0]] for hub, r in self.recipes.items()
                         if all(g in self.tensors for g in r.names)}
         self._kept = (None, None)  # the last tensor a "rows" recipe read (q, k, v of one attn_qkv; gate, up)
+        self.threads = load_threads()
+        self._pool: ThreadPoolExecutor | None = None  # made on the first quantized tensor read
+        self._ahead: dict[tuple[str, int], Future] = {}  # (stack, expert) -> its values, dequantized ahead
+        self._stacks: list[str] = []  # the stacks read ahead lately (a layer's gate, up, down)
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
@@ -630,10 +706,46 @@ class GGUFTensors:
         part, qtype, got, offset, size = self.tensors[gname]
         if tuple(got) != want:
             raise StrataError(f"GGUF tensor {gname!r} has shape {list(got)} (numpy order), expected {list(want)}")
-        x = values(self.maps[part][offset:offset + size], qtype, tuple(got), j)
-        self.check(gname if j is None else f"{gname}[{j}]", x)
+        quantized = qtype not in EXACT_TYPES
+        ahead = self._ahead.pop((gname, j), None)
+        if quantized and j is not None and self.pool():
+            self.read_ahead(gname, j, tuple(got))
+        x = ahead.result() if ahead is not None else self.dequantized(gname, j, self.pool() if quantized else None)
         self._kept = ((gname, j), x) if keep else (None, None)
         return x
+
+    def dequantized(self, gname: str, j: int | None, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
+        """Tensor gname's values (expert j of a stack), checked (the loader's check: non-finite values)."""
+        part, qtype, got, offset, size = self.tensors[gname]
+        x = values(self.maps[part][offset:offset + size], qtype, tuple(got), j, pool)
+        self.check(gname if j is None else f"{gname}[{j}]", x)
+        return x
+
+    def pool(self) -> ThreadPoolExecutor | None:
+        """The dequantizing threads (None for one), shut down with the reader."""
+        if self._pool is None and self.threads > 1:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gguf-dequant")
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        return self._pool
+
+    def read_ahead(self, gname: str, j: int, shape: tuple[int, ...]) -> None:
+        """The loader reads a layer's experts in order, expert by expert (checkpoint.load_weights' expert_stacks):
+        queue the experts after j of stack gname, each one job (its values and check), at most 2 x threads ahead
+        and READ_AHEAD_BYTES / 3 of float32 per stack (a layer reads three); what was queued for experts before j
+        or for older stacks is dropped."""
+        if gname not in self._stacks:
+            self._stacks.append(gname)
+            for old in self._stacks[:-3]:
+                for key in [k for k in self._ahead if k[0] == old]:
+                    self._ahead.pop(key).cancel()
+            del self._stacks[:-3]
+        for key in [k for k in self._ahead if k[0] == gname and k[1] < j]:
+            self._ahead.pop(key).cancel()
+        per = 4 * int(np.prod(shape[1:]))
+        depth = max(1, min(2 * self.threads, READ_AHEAD_BYTES // (3 * per)))
+        for i in range(j + 1, min(j + 1 + depth, shape[0])):
+            if (gname, i) not in self._ahead:
+                self._ahead[(gname, i)] = self._pool.submit(self.dequantized, gname, i)
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.recipes:
@@ -646,9 +758,37 @@ class GGUFTensors:
         return x
 
 
-def values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], index: int | None = None) -> np.ndarray:
+def load_threads() -> int:
+    """The dequantizing threads of a load: LOAD_THREADS, else the cores this process may use."""
+    if LOAD_THREADS:
+        return LOAD_THREADS
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def row_dequantizer(kind):
+    """rows of bytes -> their float32 values: gguf.quants' dequantizer of type `kind` over all the rows given at
+    once. gguf.quants.dequantize cuts a tensor into groups of 16 rows, each a few dozen numpy calls on small arrays
+    that hold the GIL for most of their time, so threads would wait on each other; the class's dequantize_rows is
+    the same arithmetic per block over the rows given, so the same values. gguf.quants.dequantize itself where
+    gguf's internals are not as in 0.19."""
+    import gguf
+    cls = getattr(gguf.quants, "_type_traits", {}).get(kind)
+    if cls is None or not all(hasattr(cls, f) for f in ("dequantize_rows", "init_grid")):
+        return lambda rows: gguf.quants.dequantize(rows, kind)
+    cls.init_grid()  # the IQ types' lookup tables (what dequantize does first)
+    return cls.dequantize_rows
+
+
+def values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], index: int | None = None,
+           pool: ThreadPoolExecutor | None = None) -> np.ndarray:
     """A tensor's values from its bytes (or expert `index` of a stack): F32 / F16 / BF16 as stored (a copy: no
-    array the engine keeps points into the file), other types dequantized by gguf.quants to float32."""
+    array the engine keeps points into the file), other types dequantized by gguf.quants to float32, in jobs of
+    rows (about CHUNK_VALUES values each) written into the result: on `pool`'s threads with the caller taking the
+    first, or one after the other. Every quantized type is made of blocks along a row, each dequantized alone, so
+    the values are gguf.quants.dequantize's of the whole tensor, bit for bit, however the rows are cut."""
     import gguf
     import ml_dtypes
     exact = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -657,4 +797,24 @@ def values(raw: np.ndarray, qtype: str, shape: tuple[int, ...], index: int | Non
         return np.array(x if index is None else x[index])
     kind = gguf.GGMLQuantizationType[qtype]
     x = raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, kind))
-    return gguf.quants.dequantize(x if index is None else x[index], kind)
+    x = x if index is None else x[index]
+    rows = x.reshape(-1, x.shape[-1])
+    out = np.empty((rows.shape[0], shape[-1]), np.float32)
+    step = max(1, CHUNK_VALUES // shape[-1])
+    dequantize = row_dequantizer(kind)
+
+    def job(a: int) -> None:
+        out[a:a + step] = dequantize(rows[a:a + step])
+    starts = range(0, rows.shape[0], step)
+    if pool is None or len(starts) <= 1:
+        for a in starts:
+            job(a)
+    else:
+        jobs = [pool.submit(job, a) for a in starts[1:]]
+        try:
+            job(starts[0])
+        finally:
+            wait(jobs)  # none writes into `out` after this returns or raises
+        for j in jobs:
+            j.result()  # a job's error
+    return out.reshape(*x.shape[:-1], shape[-1])

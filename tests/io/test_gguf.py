@@ -23,6 +23,7 @@ from conftest import HF_FIXTURES, run_cli
 from helpers import one_line_refusal, random_mtp_tensors, rel_fro
 from strata_jax import Engine
 from strata_jax.io import checkpoint, gguf_file
+from strata_jax.io.chat import load_generation_config
 from strata_jax.io.embedded import random_checkpoint
 from strata_jax.io.tokenizer import load_tokenizer
 from strata_jax.model.config import CONFIGS_DIR, load_config
@@ -227,6 +228,82 @@ def test_k_and_iq_types_dequantize_at_load(tmp_path, cache_dir):
                         checkpoint.load_weights(dequantized, cfg, jnp.float32))
     source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
     assert set(t for family in source["types"].values() for t in family) == {"F32"} | {q.name for q in K_TYPES}
+
+
+def quantized_gguf(path: Path, types: tuple, experts: int, replace=None) -> dict[str, np.ndarray]:
+    """A one-layer qwen3moe GGUF of 256-wide rows (as the K types need) with `experts` experts, its matrices in
+    `types` in turn (gguf.quants' quantizer where it has one, else random blocks whose half-precision scales stay
+    finite, bytes below 0x40); replace: {GGUF name: raw bytes written instead}. Returns the values
+    gguf.quants.dequantize gives each whole tensor, by Hub name (stacked experts)."""
+    raw = dict(json.loads((BASE / "config.json").read_text()), hidden_size=256, head_dim=128, num_attention_heads=2,
+               num_key_value_heads=1, moe_intermediate_size=256, num_local_experts=experts, num_experts_per_tok=1,
+               num_hidden_layers=1)
+    rng = np.random.default_rng()
+    hub = stacked(random_checkpoint(raw, seed=int(rng.integers(1 << 30))), 1, experts)
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    for key, value in (("block_count", 1), ("context_length", 512), ("embedding_length", 256),
+                       ("attention.head_count", 2), ("attention.head_count_kv", 1), ("attention.key_length", 128),
+                       ("attention.layer_norm_rms_epsilon", 1e-6), ("expert_count", experts), ("expert_used_count", 1),
+                       ("expert_feed_forward_length", 256)):
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"qwen3moe.{key}", value)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, 1)
+    want, matrices = {}, 0
+    for name, x in hub.items():
+        g = names.get_name(name, try_suffixes=(".weight",))
+        if x.ndim == 1:
+            w.add_tensor(g, x)
+            want[name] = x
+            continue
+        qtype = types[matrices % len(types)]
+        matrices += 1
+        try:
+            data = gguf.quants.quantize(x, qtype)
+        except NotImplementedError:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            data = rng.integers(0, 0x40, (*x.shape[:-1], x.shape[-1] // block * size), dtype=np.uint8)
+        data = (replace or {}).get(g, data)
+        w.add_tensor(g, data, raw_dtype=qtype)
+        want[name] = gguf.quants.dequantize(data, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return want
+
+
+def test_threaded_dequantization_is_bit_identical(tmp_path, cache_dir, monkeypatch):
+    """The load's dequantization in threads (rows cut in jobs, the next experts read ahead) gives
+    gguf.quants.dequantize's values of each whole tensor, bit for bit, as the one-thread load does; a damaged expert
+    read ahead is refused in one line naming it."""
+    types = (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q5_K, Q.IQ4_XS)
+    path = tmp_path / "mixed.gguf"
+    want = quantized_gguf(path, types, experts=5)
+    dequantized = tmp_path / "dequantized"
+    dequantized.mkdir()
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    (dequantized / "config.json").write_text((folder / "config.json").read_text())
+    save_file(unstacked(want), str(dequantized / "model.safetensors"))
+    cfg = load_config(folder)
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    assert {t for family in source["types"].values() for t in family} == {"F32"} | {q.name for q in types}
+    monkeypatch.setattr(gguf_file, "CHUNK_VALUES", 3 * 256 + 17)  # jobs of 3 rows: 86 jobs for 256 rows
+    ref = checkpoint.load_weights(dequantized, cfg, jnp.float32)
+    for threads in (1, 3):
+        monkeypatch.setattr(gguf_file, "LOAD_THREADS", threads)
+        assert_same_weights(checkpoint.load_weights(folder, cfg, jnp.float32), ref)
+    assert gguf_file.GGUFTensors(folder, checkpoint.check_weight).threads == 3
+
+    g = "blk.0.ffn_up_exps.weight"
+    t = source["tensors"][g]
+    data = np.fromfile(path, np.uint8, count=t[4], offset=t[3]).reshape(t[2][0], t[2][1], -1).copy()
+    qtype = Q[t[1]]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    d = size - 2 if qtype == Q.Q6_K else 0  # where a block holds its f16 scale d
+    data[3, 7, d:d + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)  # expert 3's row 7, first block
+    bad = tmp_path / "bad.gguf"
+    quantized_gguf(bad, types, experts=5, replace={g: data})
+    msg = one_line_refusal(checkpoint.load_weights, gguf_file.gguf_model_folder(bad, cache_dir), cfg, jnp.float32)
+    assert f"checkpoint tensor '{g}[3]' holds" in msg and "non-finite" in msg, msg
 
 
 def test_tied_embeddings_and_format_lines(tmp_path, base_hub, cache_dir):
@@ -627,6 +704,72 @@ def test_tokenizer_gives_the_hf_ids(tmp_path, base_hub, cache_dir):
         "<|endoftext|>"
 
 
+# ---- sampling defaults --------------------------------------------------------------------------------------------
+
+def sampling_metadata(temp=None, top_k=None, top_p=None, min_p=None):
+    def add(w: gguf.GGUFWriter):
+        for value, adder in ((temp, w.add_sampling_temp), (top_k, w.add_sampling_top_k), (top_p, w.add_sampling_top_p),
+                             (min_p, w.add_sampling_min_p)):
+            if value is not None:
+                adder(value)
+    return add
+
+
+def test_sampling_defaults(tmp_path, base_hub, cache_dir, engine_factory, capfd):
+    """general.sampling.temp / top_k / top_p become generation_config.json's temperature / top_k / top_p with
+    do_sample: the GGUF engine's request defaults are a Hugging Face folder's with that generation_config.json, and
+    a request without sampling options samples with them. min_p (no request option takes it): one start-up line.
+    Without the keys: greedy, as before; llama.cpp's 'off' values (temp <= 0, top_k <= 0, top_p >= 1) read as off."""
+    raw, hub = base_hub
+    rng = np.random.default_rng()
+    temp, top_p = round(float(rng.uniform(0.3, 1.5)), 2), round(float(rng.uniform(0.5, 0.95)), 2)
+    top_k = int(rng.integers(2, 60))
+    path = tmp_path / "sampling.gguf"
+    write_gguf(path, raw, hub, metadata=sampling_metadata(temp, top_k, top_p, min_p=0.05))
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation == {"eos_token_id": [], "do_sample": True, "temperature": temp, "top_k": top_k,
+                          "top_p": top_p}, generation
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (hf / name).write_bytes((BASE / name).read_bytes())
+    (hf / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": temp, "top_k": top_k, "top_p": top_p}))
+    capfd.readouterr()
+    engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), **EXACT)
+    lines = [l for l in capfd.readouterr().err.splitlines() if "general.sampling" in l]
+    assert len(lines) == 1 and "sets general.sampling.min_p 0.05, which no request option here takes" in lines[0], \
+        lines
+    want = dict(temperature=temp, top_p=top_p, top_k=top_k)
+    assert engine.generation_defaults.request_defaults() == want
+    assert engine_factory(hf, **EXACT).generation_defaults.request_defaults() == want
+    ids = rng.integers(0, raw["vocab_size"], 6).tolist()
+    seed = int(rng.integers(1 << 30))
+    assert engine.generate(ids, max_new_tokens=4, seed=seed) == \
+        engine.generate(ids, max_new_tokens=4, seed=seed, **want)
+
+    plain = tmp_path / "plain.gguf"  # no general.sampling.*: greedy, the folder as before
+    write_gguf(plain, raw, hub)
+    folder = gguf_file.gguf_model_folder(plain, cache_dir)
+    assert json.loads((folder / "generation_config.json").read_text()) == {"eos_token_id": [], "do_sample": False}
+    assert load_generation_config(folder).request_defaults() == dict(temperature=0.0, top_p=1.0, top_k=0)
+    assert "sampling_unused" in json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+
+    off = tmp_path / "off.gguf"  # llama.cpp's off values; top_k, top_p without temp stay greedy
+    write_gguf(off, raw, hub, metadata=sampling_metadata(0.0, -1, 1.5))
+    generation = json.loads((gguf_file.gguf_model_folder(off, cache_dir) / "generation_config.json").read_text())
+    assert generation == {"eos_token_id": [], "do_sample": False, "temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    only = tmp_path / "only.gguf"
+    write_gguf(only, raw, hub, metadata=sampling_metadata(top_k=top_k, top_p=top_p))
+    folder = gguf_file.gguf_model_folder(only, cache_dir)
+    assert load_generation_config(folder).request_defaults() == dict(temperature=0.0, top_p=1.0, top_k=0)
+    bad = tmp_path / "nan.gguf"
+    write_gguf(bad, raw, hub, metadata=sampling_metadata(temp=float("nan")))
+    msg = one_line_refusal(gguf_file.gguf_model_folder, bad, cache_dir)
+    assert "general.sampling.temp is nan, not a number" in msg, msg
+
+
 # ---- refusals -----------------------------------------------------------------------------------------------------
 
 def refused(path, cache_dir) -> str:
@@ -716,7 +859,7 @@ def test_cli_decodes_a_gguf(tmp_path, cache_dir, engine_factory):
     err = out.stderr.decode()
     assert out.returncode == 0, err
     assert "gguf: " in err and "experts Q8_0 (8.50 bpw) -> f32 (dequantized at load)" in err, err
-    assert "loading: layer 3/3" in err, err
+    assert re.search(r"^loading: layer 3/3 \(\d+\.\d s\)$", err, re.MULTILINE), err  # the time spent
     assert out.stdout.startswith(b"def fib(n):") and len(out.stdout) > len(b"def fib(n):"), out.stdout
     # --save_state of a GGUF engine: the converted weights, the tokenizer and the chat template come back
     restored = engine_factory(state, **EXACT)

@@ -354,3 +354,16 @@ def test_an_unreadable_model_folder_is_one_line(tmp_path, cache_dir, monkeypatch
     msg = one_line_refusal(decode.check_prompt_fits, str(folder), opts, "hi")
     assert "cannot read the model folder" in msg and "Permission denied" in msg
     assert "Permission denied" in refused(folder, cache_dir)
+
+
+def test_transposed_copies_are_exact():
+    """Leaf.from_hf's transposed copy (made in blocks) is x.T, contiguous, for shapes on and off the block size."""
+    import ml_dtypes
+    from strata_jax.model.weights import TRANSPOSE_BLOCK, transposed
+    rng = np.random.default_rng()
+    b = TRANSPOSE_BLOCK
+    for shape in ((3, 5), (b, b), (2 * b + 7, b + 1), (int(rng.integers(1, 3 * b)), int(rng.integers(b, 3 * b)))):
+        for dtype in (np.float32, ml_dtypes.bfloat16):
+            x = rng.standard_normal(shape).astype(dtype)
+            got = transposed(x)
+            assert got.flags.c_contiguous and got.dtype == x.dtype and np.array_equal(got, x.T), (shape, dtype)
