@@ -452,16 +452,18 @@ class OffloadedExperts:
                  state: SlotCache) -> moe.ExpertsOut:
         with jax.named_scope("moe_route"):
             r, extra, state = self.route(x, w, valid, state)
-        native = self.runs_native() and (not self.defer.active or not isinstance(layer, int))
+        # the native calls: every window without the deferral; with it, the scanned body's (a traced layer)
+        deferred = self.defers_native() and not isinstance(layer, int)
+        native = deferred or (self.runs_native() and not self.defer.active)
         with jax.named_scope("moe_plan"):
             if native and self.plan_kernel:
                 p, updated = self.plan_and_update(r, state)
                 extra = dict(extra, _updated=updated)
             else:
                 p = self.plan_window(r, state)
-        if self.defers_native() and not isinstance(layer, int):
+        if deferred:
             return self.native_deferred(layer, x, w, r, p, state, extra)
-        if self.runs_native() and not self.defer.active:
+        if native:
             return self.native_window(layer, x, w, r, p, state, extra)
         assert isinstance(layer, int), "a traced layer (the scanned graph) takes the native offload calls only"
         pending = None
