@@ -6,6 +6,9 @@ and --warmup untimed loads.
 
     python -m benchmarks.gguf_load_bench --out=/tmp/gguf-bench/q4km.gguf --types=q4_k_m --layers=2 --threads=1,2
 
+--place=drop drops each array once converted instead of placing it on the CPU device: the host's side of a load
+alone (on a GPU the placing is a copy to the device; on this CPU device it is a copy into fresh memory).
+
 --types: q4_k_m (llama.cpp's Q4_K_M mix: experts gate/up, attention q/k/o and the embeddings Q4_K; experts down,
 attention v and the output Q6_K) or q8_0 (every matrix Q8_0). Norms and the router F32, as llama.cpp keeps them.
 """
@@ -94,6 +97,10 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="dequantizing threads to time, a comma list")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1, help="untimed loads first")
+    ap.add_argument("--place", default="device", choices=("device", "drop"),
+                    help="device: each array jax.device_put (the CPU device here); drop: dropped once converted (the "
+                         "host's side of a load alone: no device buffers, whose first touch of fresh memory costs "
+                         "this VM seconds a GiB)")
     ap.add_argument("--cache_dir", default="", help="where the model folder goes (default: beside --out)")
     a = ap.parse_args()
     import jax
@@ -128,8 +135,10 @@ def main() -> None:
         finally:
             in_reader[0] += time.perf_counter() - t
     gguf_file.GGUFTensors.get = timed_get
+    place = checkpoint.default_place if a.place == "device" else (lambda name, x: None)
+    print(f"place={a.place}")
     for _ in range(a.warmup):  # untimed: a fresh VM's first touch of memory costs seconds a GiB
-        jax.block_until_ready(checkpoint.load_weights(folder, cfg, jnp.bfloat16))
+        jax.block_until_ready(checkpoint.load_weights(folder, cfg, jnp.bfloat16, place=place))
     print(f"| threads | load s (best of {a.repeats}; each) | M weights/s | of it in the reader, s | CPU s (user + sys; "
           "each) | load average after |")
     print("|---|---|---|---|---|---|")
@@ -139,7 +148,7 @@ def main() -> None:
             if hasattr(gguf_file, "LOAD_THREADS"):  # else: the code before threads
                 gguf_file.LOAD_THREADS = threads
             t, c, in_reader[0] = time.perf_counter(), os.times(), 0.0
-            got = checkpoint.load_weights(folder, cfg, jnp.bfloat16)
+            got = checkpoint.load_weights(folder, cfg, jnp.bfloat16, place=place)
             jax.block_until_ready(got)
             times.append(time.perf_counter() - t)
             c1 = os.times()
