@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.peer.write_gguf import qwen3moe_writer
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -41,20 +43,7 @@ def write(path: Path, model: str, layers: int, kind: str, seed: int = 0) -> None
     c = json.loads((REPO / "configs" / f"{model}.json").read_text())
     h, nh, nkv, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     e, inter, vocab = c["num_experts"], c["moe_intermediate_size"], c["vocab_size"]
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    w.add_block_count(layers)
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(h)
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(nh)
-    w.add_head_count_kv(nkv)
-    w.add_key_length(d)
-    w.add_value_length(d)
-    w.add_rope_freq_base(c["rope_theta"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_expert_count(e)
-    w.add_expert_used_count(c["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(inter)
+    w = qwen3moe_writer(gguf, path, c, layers)
     rng = np.random.default_rng(seed)
     block = rng.integers(0, 0x40, 16 << 20, dtype=np.uint8)
 

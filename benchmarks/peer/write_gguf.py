@@ -16,6 +16,26 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 
 
+def qwen3moe_writer(gguf, path, c: dict, layers: int):
+    """A GGUFWriter (arch qwen3moe) with the model metadata of config `c` cut to `layers` layers; gguf: the module
+    (llama.cpp's gguf-py here, the installed package in benchmarks.gguf_load_bench)."""
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(layers)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_rope_freq_base(c["rope_theta"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_expert_count(c["num_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    return w
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -30,20 +50,7 @@ def main() -> None:
     n_layers = a.layers or c["num_hidden_layers"]
     h, nh, nkv, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     e, k, inter, vocab = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"], c["vocab_size"]
-    w = gguf.GGUFWriter(a.out, "qwen3moe")
-    w.add_block_count(n_layers)
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(h)
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(nh)
-    w.add_head_count_kv(nkv)
-    w.add_key_length(d)
-    w.add_value_length(d)
-    w.add_rope_freq_base(c["rope_theta"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_expert_count(e)
-    w.add_expert_used_count(k)
-    w.add_expert_feed_forward_length(inter)
+    w = qwen3moe_writer(gguf, a.out, c, n_layers)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     # GPT-2 byte-level vocabulary: 256 byte tokens, one merge, the rest special tokens.
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
