@@ -159,7 +159,9 @@ def run_peer_sampled(s, gguf: Path) -> list[dict]:
         common.progress("peer: " + " ".join(cmd))
         samples, evals, error = [], [], None
         for _ in range(s.reps + 1):  # the first run warms up (its numbers are dropped)
-            proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+            # errors="replace": random weights print any bytes, not UTF-8 (the rate lines are ASCII)
+            proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
+                                  timeout=600)
             got = completion_tok_s(proc.stderr) if proc.returncode == 0 else None
             if got is None:
                 error = (proc.stderr.strip().splitlines() or ["?"])[-1]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rel_fro
 from strata_jax.model import moe
 from strata_jax.model.config import preset
 from strata_jax.offload import approx, slots as slots_mod
@@ -243,8 +244,8 @@ def test_the_slot_plan_kernel_lowers_for_cuda():
 
 
 def test_the_engine_with_the_plan_kernel_matches_the_xla_plan(engine_factory):
-    """plan_kernel=pallas (interpreted here) gives the engine the same logits, tokens and expert counters as the
-    XLA plan, under lru and static, with and without the host pool."""
+    """plan_kernel=pallas (interpreted here) gives the engine the same logits (on a GPU to 1e-5), tokens and expert
+    counters as the XLA plan, under lru and static, with and without the host pool."""
     rng = np.random.default_rng()
     tokens = rng.integers(0, 256, size=21).tolist()
     engines = {k: engine_factory(None, dtype="float32", window=2, context=64, expert_cache_slots=5, pcie_frac=0.5,
@@ -257,7 +258,10 @@ def test_the_engine_with_the_plan_kernel_matches_the_xla_plan(engine_factory):
             scores = eng.score(tokens, window=2)
             out = eng.generate(tokens[:7], 6, stop_token_ids=[])
             got[k] = (scores, out, eng.stats.last.decode_experts)
-        np.testing.assert_array_equal(got["pallas"][0], got["xla"][0])
+        if jax.default_backend() == "gpu":  # two graphs compiled apart may fuse a float sum differently (1 ulp)
+            assert rel_fro(got["pallas"][0], got["xla"][0]) <= 1e-5, (frac, policy)
+        else:
+            np.testing.assert_array_equal(got["pallas"][0], got["xla"][0])
         assert got["pallas"][1] == got["xla"][1]
         counters = lambda st: {k: v for k, v in dataclasses.asdict(st).items() if k != "pool_s"}  # noqa: E731
         assert counters(got["pallas"][2]) == counters(got["xla"][2]), (frac, policy)
