@@ -77,6 +77,9 @@ flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FF
                   "pallas: bf16 on a GPU).", flag_values=FLAGS)
 flags.DEFINE_enum("plan_kernel", "xla", ["xla", "pallas"], "The offload arms' plan and slot-cache update (the engine "
                   "option: pallas_kernels/slot_plan.py, or XLA's fusions).", flag_values=FLAGS)
+flags.DEFINE_integer("prefetch", 0, "The engine option prefetch for the offload arms: experts a token of layer l+1's "
+                     "router on layer l's FFN input copied into layer l+1's slots while layer l computes (0: off; the "
+                     "scanned offload graph only).", lower_bound=0, upper_bound=64, flag_values=FLAGS)
 flags.DEFINE_string("pool_calls", "auto", "The engine option pool_calls for the offload arms, comma-separated "
                     "(each value runs every slot and pcie_frac arm): auto (the native offload calls), layer (one "
                     "FFI pool call per layer, misses fetched by the graph's loops), callback.", flag_values=FLAGS)
@@ -265,6 +268,7 @@ def run(s) -> dict:
     opts_common = dict(window=s.window, dtype=s.dtype, context=s.context, cache_dir=s.cache_dir,
                        cpu_threads=s.cpu_threads, cache_policy=s.cache_policy, expert_kernel=s.expert_kernel,
                        expert_dtype=s.expert_dtype, plan_kernel=s.plan_kernel)
+    offload_only = dict(prefetch=s.prefetch)  # engine options of the offload arms alone
     cache_path = enable_compilation_cache(build(EngineOptions, opts_common).resolved_cache_dir())
     host_kind = slots_mod.host_memory_kind()
     threads = s.cpu_threads or usable_cores()
@@ -371,6 +375,7 @@ def run(s) -> dict:
                    ms_per_token=r.decode_s / windows * 1e3, decode_experts=dict(vars(d), hit_rate=d.hit_rate),
                    hit_rate=d.hit_rate if engine.placement else 1.0,
                    fetched_per_token=d.distinct_fetched / windows, cpu_per_token=d.distinct_cpu / windows,
+                   prefetched_per_token=d.prefetched / windows, prefetch_used_per_token=d.prefetch_used / windows,
                    resident_per_token=d.distinct_resident / windows, distinct_per_token=d.distinct / windows,
                    pcie_bytes_per_token=d.pcie_bytes / windows, pool_ms_per_token=d.pool_s / windows * 1e3,
                    tokens=tokens, distinct_tokens=len(set(tokens)))
@@ -470,16 +475,21 @@ def run(s) -> dict:
                     engine.placement.pool.close()
                     engine = None
                 common.progress(f"arm {name}: building the engine ({slots} slots per MoE layer)")
-                opts = build(EngineOptions, dict(opts_common, expert_cache_slots=str(slots), pool_calls=calls,
+                opts = build(EngineOptions, dict(opts_common, **offload_only, expert_cache_slots=str(slots),
+                                                 pool_calls=calls,
                                                  layer_loop=loop, pcie_frac=frac if frac == "auto" else str(frac)))
                 restore_host_numpy()
                 placement = placement_mod.build(cfg, opts, weights, host, slots, f"expert_cache_slots={slots}")
                 for line in placement.lines:
                     common.progress(f"  {line}")
                 engine = Engine(cfg, weights, opts, placement=placement, verbose=False)
+                if s.prefetch:  # the engine's own line (verbose=False keeps it quiet)
+                    common.progress(f"  prefetch={s.prefetch}: " + (f"{engine.prefetch} experts a token" if
+                                    engine.prefetch else "ignored (the scanned offload graph only)"))
                 chosen = placement.pcie_frac
             arm = dict(arm=name, slots=slots, slot_frac=slot_frac, pcie_frac=frac, pcie_frac_chosen=chosen, pool_calls=calls,
                        layer_loop=loop, scanned=bool(getattr(engine, "scanned_offload", False)),
+                       prefetch=getattr(engine, "prefetch", 0),
                        pcie_frac_source=source if frac == "auto" else "set",
                        expected_hit_rate=slots / e, build_s=time.perf_counter() - t0,
                        compile_s=engine.stats.compile_s if source == "engine" else 0.0,
@@ -520,7 +530,7 @@ def run(s) -> dict:
     # ---- tables ----
     result["complete"] = True
     headers = ["arm", "slots", "pcie_frac", "decode tok/s", "x vs all-resident", "hit rate", "fetched/token",
-               "cpu experts/token", "PCIe MB/token", "pool ms/token", "ms/token", "bound ms/token", "% of bound"]
+               "prefetched/token", "prefetch used/token", "cpu experts/token", "PCIe MB/token", "pool ms/token", "ms/token", "bound ms/token", "% of bound"]
     rows = []
     for a in result["arms"]:
         if a["pcie_frac"] is None:
@@ -531,7 +541,7 @@ def run(s) -> dict:
             frac_cell = f"{a['pcie_frac']:g}"
         rows.append([a["arm"], str(a["slots"]) if a["slots"] == "all" else f"{a['slots']} ({a['slot_frac']:g})",
                      frac_cell, a["decode_tok_s"], a["x_vs_all_resident"], a["hit_rate"], a["fetched_per_token"],
-                     a["cpu_per_token"], a["pcie_bytes_per_token"] / 1e6, a["pool_ms_per_token"], a["ms_per_token"],
+                     a["prefetched_per_token"], a["prefetch_used_per_token"], a["cpu_per_token"], a["pcie_bytes_per_token"] / 1e6, a["pool_ms_per_token"], a["ms_per_token"],
                      a.get("bound_ms_per_token", "-"),
                      100 * a["share_of_bound"] if a.get("share_of_bound") is not None else "-"])
     table = common.format_table(headers, rows)
@@ -566,6 +576,7 @@ def run(s) -> dict:
     runner.emit(runner.rows_from_table(
         "offload_bench", headers, rows, params=["arm", "slots", "pcie_frac"],
         fixed=dict(model=s.model, layers=n_layers, dtype=s.dtype, expert_dtype=s.expert_dtype, context=s.context,
+                   prefetch=s.prefetch,
                    prompt_len=s.prompt_len, new_tokens=s.new_tokens, temperature=s.temperature),
         timing=f"one seeded generate() of {s.new_tokens} tokens after a warm-up request: decode tok/s from "
                "engine.stats (decode windows only, not the prefill)",

@@ -145,6 +145,25 @@ def offload_collect(pool: HostPool, layer, token, after):
         token, after.astype(jnp.float32), pool=np.int64(pool.ffi_handle()), layer=np.int64(layer))
 
 
+def offload_prefetch(pool: HostPool, layer, src, dst, slots: tuple) -> tuple:
+    """The prefetch of one layer's experts (native_ffi.cc strata_offload_prefetch): src [M] expert ids of `layer`
+    (-1: none), dst [M] each one's row of the slot arrays (absolute: flat stacks take l*(S+1)+slot; wanted >= 0
+    where src is), slots (gate, up, down) [rows, ...]. Returns the slot arrays, the same buffers (aliased). On a GPU
+    the copies run on a side stream behind the graph's stream, and the next prefetch call joins them (the graph's
+    stream waits) before anything after it: so call it once per layer, before that layer's begin, with M = 0 rows
+    (or every src -1) where there is nothing to prefetch. layer: as offload_begin's (traced: the index last in the
+    plan). On the CPU the rows are copied when the call runs."""
+    M = src.shape[0]
+    layer, traced = _layer_attr(layer)
+    packed = jnp.concatenate([src.astype(jnp.int32), dst.astype(jnp.int32)] + ([] if traced is None else [traced]))
+    out = jax.ffi.ffi_call(
+        native.OFFLOAD_PREFETCH, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in slots),
+        input_output_aliases={1: 0, 2: 1, 3: 2}, has_side_effect=True)(
+        packed, *slots, pool=np.int64(pool.ffi_handle()), layer=np.int64(layer), m=np.int64(M),
+        capture=np.int64(native.offload_capture()))
+    return tuple(out)
+
+
 def submit_cpu_rows(pool: HostPool, layer, x, ids, weights, threshold):
     """Ticket (int32 scalar) of a split job for x [T, H], ids [T, K] (-1 = not
     a CPU entry), weights [T, K]; see `HostPool.submit_split`. The callback

@@ -178,6 +178,8 @@ OFFLOAD_COLLECT = "strata_offload_collect"
 # memory operations (FfiLibrary.capture_supported).
 OFFLOAD_BEGIN_CAPTURE = "strata_offload_begin_v2"
 OFFLOAD_COLLECT_CAPTURE = "strata_offload_collect_v2"
+# The prefetch (engine option prefetch=N): the next layer's likely experts into its slots, on a side stream on CUDA.
+OFFLOAD_PREFETCH = "strata_offload_prefetch"
 CAPTURE_ENV = "STRATA_OFFLOAD_CAPTURE"
 COUNTERS = 7  # pool_counters: jobs, experts, bytes, nanoseconds; fetch calls, experts fetched, bytes fetched
 _ffi_built: tuple | None = None  # (FfiLibrary or None, its line)
@@ -213,7 +215,7 @@ class FfiLibrary:
             try:
                 # the _v2 CUDA handlers declare themselves command-buffer compatible (XLA reads the trait from them)
                 for target in (FFI_TARGET, OFFLOAD_BEGIN, OFFLOAD_COLLECT, OFFLOAD_BEGIN_CAPTURE,
-                               OFFLOAD_COLLECT_CAPTURE):
+                               OFFLOAD_COLLECT_CAPTURE, OFFLOAD_PREFETCH):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target + suffix)),
                                                 platform=platform_name)
                 self.platforms.append(platform_name)

@@ -53,6 +53,7 @@ struct Layer {
 
 struct Staging;
 struct Offload;
+struct Prefetch;
 
 struct Pool {
   int fmt, round_bf16, threads;
@@ -66,6 +67,8 @@ struct Pool {
   std::vector<std::array<const char *, 3>> fetch_host;
   std::mutex offload_mutex;
   std::unique_ptr<Offload> offload;
+  // strata_offload_prefetch's side stream, events and plan copy (made on its first CUDA call; under offload_mutex)
+  std::unique_ptr<Prefetch> prefetch;
 };
 
 std::mutex registry_mutex;
@@ -147,6 +150,12 @@ struct Driver {
   CUresult (*module_function)(void **, void *, const char *) = nullptr;
   CUresult (*launch_kernel)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                             void **, void **) = nullptr;
+  // The prefetch (strata_offload_prefetch): its plan copied into memory of its own, a side stream ordered by events.
+  CUresult (*mem_alloc)(CUdeviceptr *, size_t) = nullptr;
+  CUresult (*memcpy_dtod)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*event_create)(void **, unsigned int) = nullptr;
+  CUresult (*event_record)(void *, CUstream) = nullptr;
+  CUresult (*stream_wait_event)(CUstream, void *, unsigned int) = nullptr;
   std::string error, offload_error;
 };
 
@@ -176,6 +185,11 @@ const Driver &driver() {
     d.module_load = (decltype(d.module_load))dlsym(lib, "cuModuleLoadDataEx");
     d.module_function = (decltype(d.module_function))dlsym(lib, "cuModuleGetFunction");
     d.launch_kernel = (decltype(d.launch_kernel))dlsym(lib, "cuLaunchKernel");
+    d.mem_alloc = (decltype(d.mem_alloc))either("cuMemAlloc_v2", "cuMemAlloc");
+    d.memcpy_dtod = (decltype(d.memcpy_dtod))either("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync");
+    d.event_create = (decltype(d.event_create))dlsym(lib, "cuEventCreate");
+    d.event_record = (decltype(d.event_record))dlsym(lib, "cuEventRecord");
+    d.stream_wait_event = (decltype(d.stream_wait_event))dlsym(lib, "cuStreamWaitEvent");
     if (!d.host_device_pointer || !d.write_value || !d.wait_value || !d.stream_create || !d.stream_ctx ||
         !d.ctx_set_current)
       d.offload_error = "libcuda.so.1 lacks cuStreamWaitValue32 / cuStreamWriteValue32 / cuStreamGetCtx";
@@ -1142,6 +1156,207 @@ ffi::Error OffloadCollectCaptureCpu(int64_t pool_id, int64_t layer, int64_t n, f
   return ffi::Error::Success();
 }
 
+// ---- the prefetch: the next layer's likely experts copied while this layer computes (issue 34 item 3) ------------
+//
+// strata_offload_prefetch (one per offloaded layer l of a decode window, before layer l's begin): the experts that
+// layer l+1's router picks for layer l's hidden state, already given victim slots of layer l+1 by the graph (its
+// slot table updated as for any insert), copied from the pinned host experts into those slot rows. The packed plan
+// is int32 src [M] (expert ids, -1: none), dst [M] (absolute slot rows), and for a traced layer (attribute -1) the
+// layer index last. Exact by construction: the graph only calls an expert resident once its rows are copied (below).
+//
+// Why a stream of its own: every other copy of the offload calls runs in the graph's stream order (the device fetch
+// kernel on the graph's stream; the worker's copies on its stream, which the begin awaits at once), so no copy
+// overlaps compute. Here, on CUDA, the call (1) joins the last prefetch: the graph's stream waits for its `done`
+// event (no later than this call, i.e. before layer l's begin reads layer l's slots); (2) copies its plan into
+// memory of its own (XLA may reuse the plan's buffer once the stream has passed this call), records `ready` and
+// launches the fetch kernel (kFetchPtx, a grid of STRATA_PREFETCH_BLOCKS x M blocks) on a side stream behind
+// `ready`, then records `done` there. The copy of layer l+1's experts then runs beside layer l's experts and layer
+// l+1's attention, and layer l+1's prefetch call joins it before layer l+1's begin. Nothing is left in flight past
+// a window: its last layer's call only joins (M rows of -1). No host thread waits on the GPU, and every driver call
+// is made by the thread that launches the graph, in launch order (the worker path's deadlock cannot arise).
+//
+// Such a call must run at each execution (its events are recorded anew each time), so the handler does not declare
+// itself command-buffer compatible: XLA ends its command buffer before each prefetch call and starts another after
+// it (one split a layer: what prefetch costs on the host side, to measure). If XLA moved the slot arrays between a
+// prefetch and its join (a copy of the whole arrays), the join sees other addresses: it then copies the prefetched
+// rows again on the graph's stream into the arrays it was given (exact, no overlap) and says so once.
+struct Prefetch {
+  CUcontext ctx = nullptr;
+  CUstream side = nullptr;
+  void *ready = nullptr, *done = nullptr;  // CUevent
+  CUdeviceptr plan = 0;
+  size_t plan_bytes = 0;
+  // the prefetch in flight (until the next call joins it): its kernel's arguments
+  bool pending = false, warned = false;
+  CUdeviceptr slot[3] = {0, 0, 0};
+  uint64_t rb[3] = {0, 0, 0};
+  int64_t M = 0, layer = 0;
+  uint32_t experts = 0;
+};
+
+// STRATA_PREFETCH_BLOCKS (default 32): the x extent of the prefetch kernel's grid (each of its M rows of blocks
+// strides over an expert's bytes): fewer blocks leave more of the GPU to the layer it runs beside.
+unsigned prefetch_blocks() {
+  static const unsigned n = [] {
+    const char *e = std::getenv("STRATA_PREFETCH_BLOCKS");
+    long v = e && *e ? std::atol(e) : 32;
+    return (unsigned)std::min<long>(std::max<long>(v, 1), 1024);
+  }();
+  return n;
+}
+
+// The fetch kernel over a prefetch plan in device memory at `plan` (src [M], dst [M], the traced layer after them).
+CUresult launch_prefetch(Offload *o, CUstream stream, const Prefetch &p, CUdeviceptr plan) {
+  CUdeviceptr src = plan, dst = plan + sizeof(int32_t) * p.M, layer_at = dst + sizeof(int32_t) * p.M;
+  uint32_t layer_static = p.layer >= 0 ? (uint32_t)p.layer : 0xffffffffu, layers = (uint32_t)o->layers,
+           experts = p.experts;
+  CUdeviceptr slot[3] = {p.slot[0], p.slot[1], p.slot[2]};
+  uint64_t rb[3] = {p.rb[0], p.rb[1], p.rb[2]};
+  // the staging arguments are the slot arrays: the graph gives a row (dst >= 0) to every expert it names
+  void *params[] = {&src, &dst, &layer_at, &layer_static, &layers, &experts, &o->fetch_table_dev,
+                    &slot[0], &slot[1], &slot[2], &slot[0], &slot[1], &slot[2], &rb[0], &rb[1], &rb[2]};
+  return driver().launch_kernel(o->fetch_fn, prefetch_blocks(), (unsigned)p.M, 1, 256, 1, 1, 0, stream, params,
+                                nullptr);
+}
+
+ffi::Error check_prefetch(Pool *pool, int64_t layer, int64_t M, ffi::Buffer<ffi::S32> &packed,
+                          ffi::AnyBuffer *slots[3]) {
+  if (!pool) return ffi::Error::InvalidArgument("strata_offload_prefetch: unknown or released host pool");
+  const int64_t L = (int64_t)pool->layers.size();
+  if (layer < -1 || layer >= L || L == 0)
+    return ffi::Error::InvalidArgument("strata_offload_prefetch: layer outside the host pool's store");
+  if ((int64_t)packed.element_count() != 2 * M + (layer < 0 ? 1 : 0))
+    return ffi::Error::InvalidArgument("strata_offload_prefetch: the packed plan has the wrong size");
+  for (int k = 0; k < 3; k++)
+    if (slots[k]->dimensions().size() < 1 || slots[k]->dimensions()[0] < 1)
+      return ffi::Error::InvalidArgument("strata_offload_prefetch: want slot arrays [rows, ...]");
+  for (int64_t l = layer < 0 ? 0 : layer; l <= (layer < 0 ? L - 1 : layer); l++)
+    if ((int64_t)pool->fetch_host.size() <= l || !pool->fetch_host[l][0])
+      return ffi::Error::InvalidArgument("strata_offload_prefetch: no host experts registered for this layer "
+                                         "(HostPool.register_fetch)");
+  return ffi::Error::Success();
+}
+
+ffi::Error OffloadPrefetchCuda(void *stream, int64_t pool_id, int64_t layer, int64_t M, int64_t capture,
+                               ffi::Buffer<ffi::S32> packed, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                               ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> gate_out,
+                               ffi::Result<ffi::AnyBuffer> up_out, ffi::Result<ffi::AnyBuffer> down_out) {
+  const Driver &d = driver();
+  if (!d.error.empty()) return ffi::Error::Internal("strata_offload_prefetch: " + d.error);
+  if (!d.mem_alloc || !d.memcpy_dtod || !d.event_create || !d.event_record || !d.stream_wait_event)
+    return ffi::Error::Internal("strata_offload_prefetch: libcuda.so.1 lacks cuMemAlloc / cuMemcpyDtoDAsync / "
+                                "cuEventCreate / cuEventRecord / cuStreamWaitEvent");
+  Pool *pool = find_pool(pool_id);
+  ffi::AnyBuffer *slots[3] = {&gate, &up, &down}, *outs[3] = {&*gate_out, &*up_out, &*down_out};
+  ffi::Error error = check_prefetch(pool, layer, M, packed, slots);
+  if (!error.success()) return error;
+  CUcontext ctx = nullptr;
+  if (d.stream_ctx(stream, &ctx) != 0) return ffi::Error::Internal("strata_offload_prefetch: cuStreamGetCtx failed");
+  std::string why;
+  Offload *o = offload_for(pool, true, capture != 0, ctx, why);
+  if (!o) return ffi::Error::Internal("strata_offload_prefetch: " + why);
+  {
+    std::lock_guard<std::mutex> lock(o->mutex);
+    if (!device_fetch_ready(o, ctx))
+      return ffi::Error::Internal("strata_offload_prefetch: needs the device fetch kernel (" + o->fetch_why +
+                                  "): run with prefetch=0");
+  }
+  for (int k = 0; k < 3; k++)
+    if (row_bytes(*slots[k]) % 16)
+      return ffi::Error::InvalidArgument("strata_offload_prefetch: slot rows must be multiples of 16 bytes");
+  std::lock_guard<std::mutex> lock(pool->offload_mutex);
+  if (!pool->prefetch) pool->prefetch = std::make_unique<Prefetch>();
+  Prefetch &p = *pool->prefetch;
+  if (p.ctx != ctx) {  // first call (or another context): the side stream and events made in the stream's context
+    if (d.ctx_set_current(ctx) || d.stream_create(&p.side, 1 /* CU_STREAM_NON_BLOCKING */) ||
+        d.event_create(&p.ready, 2 /* CU_EVENT_DISABLE_TIMING */) ||
+        d.event_create(&p.done, 2 /* CU_EVENT_DISABLE_TIMING */))
+      return ffi::Error::Internal("strata_offload_prefetch: the side stream or its events could not be made");
+    p.ctx = ctx;
+    p.pending = false;
+    p.plan = 0;
+    p.plan_bytes = 0;
+  }
+  CUresult failed = 0;
+  // (1) the join of the last prefetch
+  if (p.pending) failed = d.stream_wait_event(stream, p.done, 0);
+  // the outputs alias the inputs (bridge.offload_prefetch); should XLA ever give other buffers, take the inputs
+  for (int k = 0; k < 3 && !failed; k++)
+    if (outs[k]->untyped_data() != slots[k]->untyped_data())
+      failed = d.memcpy_dtod((CUdeviceptr)(uintptr_t)outs[k]->untyped_data(),
+                             (CUdeviceptr)(uintptr_t)slots[k]->untyped_data(), slots[k]->size_bytes(), stream);
+  if (!failed && p.pending) {
+    bool moved = false;
+    for (int k = 0; k < 3; k++) moved |= p.slot[k] != (CUdeviceptr)(uintptr_t)outs[k]->untyped_data();
+    if (!failed && moved) {  // its rows went into arrays XLA has since replaced: copy them again, in stream order
+      if (!p.warned)
+        std::fprintf(stderr, "[offload] prefetch: the slot arrays moved between a prefetch and its join; its rows "
+                     "were copied again on the graph's stream (exact, no overlap)\n");
+      p.warned = true;
+      for (int k = 0; k < 3; k++) p.slot[k] = (CUdeviceptr)(uintptr_t)outs[k]->untyped_data();
+      failed = launch_prefetch(o, stream, p, p.plan);
+    }
+    p.pending = false;
+  }
+  // (2) this layer's prefetch on the side stream
+  if (!failed && M > 0) {
+    const size_t bytes = packed.size_bytes();
+    if (bytes > p.plan_bytes) {
+      // the old plan's last reader was joined above; free nothing (a few bytes, once per larger window)
+      if (d.mem_alloc(&p.plan, std::max<size_t>(bytes, 256)))
+        return ffi::Error::Internal("strata_offload_prefetch: cuMemAlloc of the plan failed");
+      p.plan_bytes = std::max<size_t>(bytes, 256);
+    }
+    p.M = M;
+    p.layer = layer;
+    p.experts = (uint32_t)pool->layers[layer >= 0 ? layer : 0].experts;
+    for (int k = 0; k < 3; k++) {
+      p.slot[k] = (CUdeviceptr)(uintptr_t)outs[k]->untyped_data();
+      p.rb[k] = (uint64_t)row_bytes(*slots[k]);
+    }
+    failed = d.memcpy_dtod(p.plan, (CUdeviceptr)(uintptr_t)packed.untyped_data(), bytes, stream);
+    if (!failed) failed = d.event_record(p.ready, stream);
+    if (!failed) failed = d.stream_wait_event(p.side, p.ready, 0);
+    if (!failed) failed = launch_prefetch(o, p.side, p, p.plan);
+    if (!failed) failed = d.event_record(p.done, p.side);
+    p.pending = !failed;
+  }
+  if (failed)
+    return ffi::Error::Internal("strata_offload_prefetch: a CUDA copy, event or launch failed (error " +
+                                std::to_string(failed) + ")");
+  return ffi::Error::Success();
+}
+
+// CPU: the rows copied in place, in the thread that runs the graph (the tests' path; nothing to join).
+ffi::Error OffloadPrefetchCpu(int64_t pool_id, int64_t layer, int64_t M, int64_t capture,
+                              ffi::Buffer<ffi::S32> packed, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                              ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> gate_out,
+                              ffi::Result<ffi::AnyBuffer> up_out, ffi::Result<ffi::AnyBuffer> down_out) {
+  Pool *pool = find_pool(pool_id);
+  ffi::AnyBuffer *slots[3] = {&gate, &up, &down}, *outs[3] = {&*gate_out, &*up_out, &*down_out};
+  ffi::Error error = check_prefetch(pool, layer, M, packed, slots);
+  if (!error.success()) return error;
+  const int32_t *src = packed.typed_data(), *dst = src + M;
+  const int64_t l = layer >= 0 ? layer : dst[M];  // traced: the plan's last int32 names it
+  if (l < 0 || l >= (int64_t)pool->layers.size())
+    return ffi::Error::InvalidArgument("strata_offload_prefetch: the plan names layer " + std::to_string(l) +
+                                       ", outside the host pool's store");
+  for (int k = 0; k < 3; k++)
+    if (outs[k]->untyped_data() != slots[k]->untyped_data())
+      std::memcpy(outs[k]->untyped_data(), slots[k]->untyped_data(), slots[k]->size_bytes());
+  const auto &host = pool->fetch_host[l];
+  for (int64_t m = 0; m < M; m++) {
+    if (src[m] < 0) continue;
+    for (int k = 0; k < 3; k++) {
+      const int64_t rb = row_bytes(*slots[k]);
+      if (dst[m] < 0 || dst[m] >= (int64_t)slots[k]->dimensions()[0] || src[m] >= pool->layers[l].experts)
+        return ffi::Error::InvalidArgument("strata_offload_prefetch: a copy outside the store or the cache");
+      std::memcpy(static_cast<char *>(outs[k]->untyped_data()) + dst[m] * rb, host[k] + src[m] * rb, rb);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // ---- the handlers -----------------------------------------------------------------------------------------------
 
 ffi::Error check(Pool *pool, int64_t layer, ffi::Buffer<ffi::F32> &x, ffi::Buffer<ffi::S32> &ids,
@@ -1270,6 +1485,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_collect_v2_cpu, OffloadCollectCaptu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_collect_v2_cuda, OffloadCollectCaptureCuda,
                               STRATA_OFFLOAD_COLLECT_V2_BIND(.Ctx<ffi::PlatformStream<void *>>()),
                               {ffi::Traits::kCmdBufferCompatible});
+
+// The prefetch: CPU and CUDA alike, not command-buffer compatible (its CUDA handler records events at each run).
+#define STRATA_OFFLOAD_PREFETCH_BIND(...)                                                                     \
+  ffi::Ffi::Bind()                                                                                                 \
+      __VA_ARGS__.Attr<int64_t>("pool")                                                                            \
+      .Attr<int64_t>("layer")                                                                                      \
+      .Attr<int64_t>("m")                                                                                          \
+      .Attr<int64_t>("capture")                                                                                    \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                                                \
+      .Arg<ffi::AnyBuffer>()                                                                                       \
+      .Arg<ffi::AnyBuffer>()                                                                                       \
+      .Arg<ffi::AnyBuffer>()                                                                                       \
+      .Ret<ffi::AnyBuffer>()                                                                                       \
+      .Ret<ffi::AnyBuffer>()                                                                                       \
+      .Ret<ffi::AnyBuffer>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_prefetch_cpu, OffloadPrefetchCpu, STRATA_OFFLOAD_PREFETCH_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(strata_offload_prefetch_cuda, OffloadPrefetchCuda,
+                              STRATA_OFFLOAD_PREFETCH_BIND(.Ctx<ffi::PlatformStream<void *>>()));
 
 // ---- the registry, called from Python (ctypes) --------------------------------------------------------------------
 

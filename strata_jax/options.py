@@ -123,6 +123,12 @@ class EngineOptions:
     plan_kernel: str = opt("xla", "The offloaded layers' plan and slot-cache update (the native offload calls' "
                            "windows): pallas (pallas_kernels/slot_plan.py: one program a layer; interpreted off the "
                            "GPU; not yet timed on one), or xla (~10 small fusions a layer).", _choice("xla", "pallas"))
+    prefetch: int = opt(0, "Experts a token to prefetch (0: off, the default until timed on a GPU): while layer l "
+                        "computes, the N experts layer l+1's router picks on layer l's FFN input (pre-gating) are "
+                        "copied into layer l+1's slots (lru victims; nothing under static), on a side stream on a GPU. "
+                        "Exact: a wrong guess costs PCIe bytes, never output (with the routing approximations off). "
+                        "Decode windows of the scanned offload graph (layer_loop=scan, native offload calls, one "
+                        "device) only; ignored elsewhere, with one line.", _int_range(0, 64))
     delta_kernel: str = opt("auto", "Qwen3-Next's DeltaNet layers, the decode-time gated delta rule: pallas "
                             "(pallas_kernels/gated_delta.py: one program per value head and block of dv, the state "
                             "kept in registers across the window's rows), xla (the rule unrolled over the rows in "

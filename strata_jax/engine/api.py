@@ -97,6 +97,9 @@ class Engine:
         # Context, chunks, kernels, the layer loop, the KV cache's length: decided once (engine/plan.py).
         self.plan = make_plan(cfg, options, placement, self.defer)
         self._check_attention_kernel()
+        self.prefetch, prefetch_lines = placement_mod.prefetch_setting(options, placement, self.scanned_offload,
+                                                                       self.approx.active)
+        approx_lines += prefetch_lines
         if self.scanned_offload:  # the host experts stay per layer (tuples), the rest is stacked
             self.weights = weights = stack_layers(unstack_layers(weights), keep_experts=True)
         elif self.scanned and parallel_mod.layer_device(cfg, options) is None:  # parallel=layers stacks per device
@@ -165,7 +168,8 @@ class Engine:
         return placement_mod.expert_paths(self.cfg, self.placement, self.approx, self.defer, kernel,
                                           block_ends=parallel_mod.block_ends(self.cfg, self.options),
                                           native_defer=self.scanned_offload,
-                                          plan_kernel=self.options.plan_kernel == "pallas")
+                                          plan_kernel=self.options.plan_kernel == "pallas",
+                                          prefetch=self.prefetch)
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
@@ -295,7 +299,8 @@ class Engine:
         # parallel=experts: [D, C] counters, one row per device's slot cache
         total = np.sum([np.asarray(s.counters).reshape(-1, len(slots_mod.COUNTERS)) for s in states], axis=(0, 1))
         out = ExpertStats(**{name: int(v) for name, v in zip(slots_mod.COUNTERS, total)})
-        out.pcie_bytes = out.distinct_fetched * self.cfg.expert_bytes(placement_mod.expert_itemsize(self.options))
+        out.pcie_bytes = ((out.distinct_fetched + out.prefetched)
+                          * self.cfg.expert_bytes(placement_mod.expert_itemsize(self.options)))
         out.pool_s = self.placement.pool.stats.wall_seconds
         self.placement.pool.stats.reset()
         # A buffer per layer: the graphs donate the cache, and one buffer must not be donated twice.

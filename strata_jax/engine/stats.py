@@ -26,6 +26,8 @@ class ExpertStats:
     prior_hits_unbiased: int = 0  # entries on a resident expert without the prior
     prior_hits: int = 0  # ... with it
     swaps: int = 0  # resident swap: missed experts swapped for resident ones
+    prefetched: int = 0  # prefetch=N: experts copied into slots on the previous layer's prediction
+    prefetch_used: int = 0  # ... that a window then read (counted among the resident hits)
     pcie_bytes: int = 0
     pool_s: float = 0.0
 
@@ -59,7 +61,8 @@ class ExpertStats:
         return (f"hit rate {self.hit_rate:.1%}; distinct experts resident/fetched/cpu "
                 f"{self.distinct_resident}/{self.distinct_fetched}/{self.distinct_cpu}, entries "
                 f"{self.entries_resident}/{self.entries_fetched}/{self.entries_cpu}; "
-                f"PCIe {self.pcie_bytes / 2**20:.1f} MiB; host pool {self.pool_s * 1e3:.1f} ms")
+                + (f"prefetched {self.prefetched}, {self.prefetch_used} of them used; " if self.prefetched else "")
+                + f"PCIe {self.pcie_bytes / 2**20:.1f} MiB; host pool {self.pool_s * 1e3:.1f} ms")
 
 
 @dataclasses.dataclass

@@ -298,6 +298,9 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
     dense_part = stack.replace(ffn=f.replace(gate=None, up=None, down=None))
 
     deferring = experts.carries_late()  # decode windows with the deferral: a layer's late rows join at pre(l+1)
+    # prefetch=N (the scanned native body): layer l+1's likely experts into its slots before layer l's own experts
+    prefetching = bool(getattr(experts, "prefetch", 0)) and experts.runs_native()
+    n_layers = len(hosts)
 
     def body(carry, i, host=None):
         h, k_all, v_all, state, late = carry
@@ -308,6 +311,10 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
             h = experts.join_late(h, late)
             x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
         w = layer.ffn if host is None else layer.ffn.replace(gate=host[0], up=host[1], down=host[2])
+        if prefetching:  # the last layer's call prefetches nothing (its own layer, inactive): it only joins
+            after = jnp.minimum(i + 1, n_layers - 1)
+            router = jax.lax.dynamic_index_in_dim(f.router, after, 0, keepdims=False)  # [H, E]
+            state = experts.prefetch_layer(state, after, x, router, valid, i + 1 < n_layers)
         out = experts(i, x, w, valid, experts.layer_state(state, i))
         assert deferring or out.pending is None, "the io_callback deferral runs in the unrolled graph (run_layers)"
         assert not deferring or out.pending is not None

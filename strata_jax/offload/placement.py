@@ -433,21 +433,42 @@ def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_h
 
 def expert_paths(cfg: ModelConfig, placement: Placement, route: approx.RouteApprox, defer_cpu: defer.DeferCPU,
                  kernel: bool, block_ends: tuple = (), native_defer: bool = False,
-                 plan_kernel: bool = False) -> tuple[slots_mod.OffloadedExperts, slots_mod.OffloadedExperts]:
+                 plan_kernel: bool = False,
+                 prefetch: int = 0) -> tuple[slots_mod.OffloadedExperts, slots_mod.OffloadedExperts]:
     """The offloaded expert paths of the prefill and of the decode graphs. The routing approximations, the deferral
     and the Pallas expert FFN act in decode windows only; the prefill keeps the exact XLA path. Without the cpu
     path (needs_cpu_path) both are built without the host pool (no callback). block_ends: the last layer of each
     device's block (parallel=layers), never deferred. native_defer: the decode graphs scan (plan.scans_offload),
     so the deferral runs through the native calls there (OffloadedExperts.native_deferred). plan_kernel: the
-    decode windows' plan and slot-cache update as one Pallas kernel (OffloadedExperts.plan_and_update)."""
+    decode windows' plan and slot-cache update as one Pallas kernel (OffloadedExperts.plan_and_update). prefetch:
+    the decode windows' experts a token prefetched for the next layer (prefetch_setting: 0 where not served)."""
     pool = placement.pool if placement.cpu_path else None
     native = placement.native_offload()
     exact = slots_mod.OffloadedExperts(cfg, pool, native=native)
-    if not (route.active or defer_cpu.active or kernel or plan_kernel):
+    if not (route.active or defer_cpu.active or kernel or plan_kernel or prefetch):
         return exact, exact
     return exact, slots_mod.OffloadedExperts(cfg, pool, route=route, defer_cpu=defer_cpu, kernel=kernel,
                                              block_ends=block_ends, native=native, native_defer=native_defer,
-                                             plan_kernel=plan_kernel)
+                                             plan_kernel=plan_kernel, prefetch=prefetch)
+
+
+def prefetch_setting(opts: EngineOptions, placement: Placement | None, scanned_offload: bool,
+                     approx_active: bool) -> tuple[int, list[str]]:
+    """(experts a token the decode windows prefetch, the start-up lines): opts.prefetch where the scanned offload
+    graph runs the native calls (plan.scans_offload), else 0 with one line saying why it is ignored."""
+    n = opts.prefetch
+    if not n:
+        return 0, []
+    if placement is None:
+        return 0, [f"prefetch={n}: ignored (every expert is on the device)"]
+    if not scanned_offload:
+        return 0, [f"prefetch={n}: ignored (served by the scanned offload graph only: layer_loop=scan, the native "
+                   "offload calls, one device, one kind of layer)"]
+    return n, [f"prefetch: {n} experts a token of layer l+1's router on layer l's FFN input, copied into layer "
+               "l+1's slots (lru victims) while layer l computes; decode windows of the scanned graph"
+               + ("; the static policy prefetches nothing" if placement.policy == "static" else "")
+               + ("; with the routing approximations on, outputs depend on the slots (not exact)"
+                  if approx_active else "")]
 
 
 def register_native_fetch(cfg: ModelConfig, weights: Weights, pool) -> str | None:

@@ -27,7 +27,7 @@ from flax import struct
 from jax.sharding import SingleDeviceSharding
 
 from strata_jax.host_pool import cpu_expert_rows
-from strata_jax.host_pool.bridge import native_calls, offload_begin, offload_collect
+from strata_jax.host_pool.bridge import native_calls, offload_begin, offload_collect, offload_prefetch
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax.pallas_kernels.slot_plan import slot_plan
 from strata_jax.model import moe, quant
@@ -39,7 +39,10 @@ COUNTERS = ("entries", "entries_resident", "entries_fetched", "entries_cpu",
             "distinct", "distinct_resident", "distinct_fetched", "distinct_cpu",
             # the routing approximations (experts/approx.py); zero when they are off
             "distinct_skipped", "entries_skipped", "prior_tokens", "prior_tokens_changed", "prior_entries",
-            "prior_hits_unbiased", "prior_hits", "swaps")
+            "prior_hits_unbiased", "prior_hits", "swaps",
+            # prefetch=N: experts copied into this layer's slots on the last layer's prediction, and how many of them
+            # a window then read (each counted once, at its first read)
+            "prefetched", "prefetch_used")
 POLICIES = ("lru", "static")
 
 
@@ -61,6 +64,7 @@ class SlotCache:
     # The route prior's range mode: running sum and count of decode tokens' logit ranges (max - min).
     range_sum: jax.Array  # [] float32
     range_count: jax.Array  # [] int32
+    prefetched: jax.Array  # [S+1] int32: 1 while a slot holds a prefetched expert no window has read yet
     # Row of this layer's slot 0 in gate / up / down: 0 for a layer's own cache; l * (S+1) for layer l's view of a
     # stacked cache (init_stacked_slot_cache), whose weight arrays hold every layer's slots, flat [L*(S+1), ...].
     base: jax.Array | int = 0  # [] int32
@@ -92,7 +96,8 @@ def init_slot_cache(cfg: ModelConfig, slots: int, dtype, policy: str = "lru", pc
         last_use=jnp.full((slots + 1,), -1, jnp.int32), clock=jnp.int32(0),
         usage=jnp.zeros((e,), jnp.int32), counters=jnp.zeros((len(COUNTERS),), jnp.int32),
         pcie_frac=jnp.float32(pcie_frac), lru=jnp.bool_(policy == "lru"),
-        range_sum=jnp.float32(0), range_count=jnp.int32(0), base=jnp.int32(0))
+        range_sum=jnp.float32(0), range_count=jnp.int32(0), prefetched=jnp.zeros((slots + 1,), jnp.int32),
+        base=jnp.int32(0))
 
 
 # ---- every layer's slot cache in one (the scanned offload graph) --------------------------------------------------
@@ -343,7 +348,8 @@ class OffloadedExperts:
 
     def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
                  defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False, block_ends: tuple = (),
-                 native: NativeOffload | None = None, native_defer: bool = False, plan_kernel: bool = False):
+                 native: NativeOffload | None = None, native_defer: bool = False, plan_kernel: bool = False,
+                 prefetch: int = 0):
         self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
         self.native = native  # the native offload calls (NativeOffload), or None: the graph path
         self.no_defer = frozenset(block_ends) | {cfg.num_layers - 1}
@@ -359,6 +365,9 @@ class OffloadedExperts:
         # the plan and the slot-cache update of the native windows in one Pallas kernel (pallas_kernels/slot_plan.py);
         # the routing approximations' tail skip keeps the XLA forms (the kernel has no skipped kind)
         self.plan_kernel = bool(plan_kernel and native is not None and not route.tail_skip)
+        # prefetch=N: each layer copies the N experts a token that the next layer's router picks on this layer's
+        # FFN input into the next layer's slots (prefetch_layer); the scanned native body only (offload_layers)
+        self.prefetch = min(int(prefetch), cfg.num_experts) if native is not None else 0
 
     def layer_state(self, stack, layer) -> SlotCache:
         """Layer `layer`'s view of a stacked slot cache, or of its scan_state form (transformer.offload_layers)."""
@@ -479,6 +488,59 @@ class OffloadedExperts:
         with jax.named_scope("moe_slot_table"):
             state = update_slots(state, r, p, slots, extra)
         return moe.ExpertsOut(y, state, pending)
+
+    def prefetch_plan(self, x: jax.Array, router: jax.Array, valid: jax.Array, state: SlotCache,
+                      active=True) -> tuple[jax.Array, jax.Array, SlotCache]:
+        """Pre-gating: the experts the next layer's router [H, E] picks (top self.prefetch a valid token) on this
+        layer's FFN input x [T, H], those not resident in the next layer's cache `state` taken heaviest (summed
+        probability) first, each given a victim slot as lru gives a fetch one (least recently used, empty first;
+        never a slot holding a predicted expert; none under static) and entered in the slot table as an insert, with
+        last_use = the layer's clock (this window's) and its `prefetched` flag set. Returns (src [M] expert ids or
+        -1, dst [M] rows of the slot arrays (base + slot) or -1, the state); M = min(T * N, E, S). The copy is the
+        caller's (prefetch_layer). active: a traced bool, False: nothing (the last layer's call)."""
+        e, s = self.cfg.num_experts, state.slots
+        m = min(x.shape[0] * self.prefetch, e, s)
+        if m == 0:  # no slots: nothing to plan (the call still joins)
+            none = jnp.zeros((0,), jnp.int32)
+            return none, none, state
+        logits = moe.router_logits(x, router)  # [T, E] float32
+        probs = jax.nn.softmax(logits, axis=-1)
+        _, top = jax.lax.top_k(logits, self.prefetch)  # [T, N]
+        e_rows = jnp.arange(e, dtype=jnp.int32)
+        picked = jnp.any((top[:, :, None] == e_rows) & valid[:, None, None], axis=(0, 1))  # [E]
+        mass = jnp.sum(jnp.where(valid[:, None], probs, 0.0), axis=0)  # [E] >= 0
+        want = picked & (state.table < 0) & active
+        _, ids = jax.lax.top_k(jnp.where(want, mass, -1.0), m)  # [M]: the wanted first (a prefix), heaviest first
+        ids = ids.astype(jnp.int32)
+        rows = jnp.arange(s + 1, dtype=jnp.int32)
+        holds_picked = (state.expert_of >= 0) & picked[jnp.maximum(state.expert_of, 0)]
+        kept = (rows == s) | holds_picked  # [S+1]: never a victim
+        victim_rank = stable_ranks(jnp.where(kept, jnp.iinfo(jnp.int32).max, state.last_use))  # [S+1]
+        n_victims = jnp.where(state.lru, s - jnp.sum(kept[:s]), 0)
+        rank = jnp.arange(m, dtype=jnp.int32)
+        insert = want[ids] & (rank < n_victims)  # [M]
+        dest = jnp.sum(jnp.where(victim_rank[None, :] == rank[:, None], rows[None, :], 0), axis=1)
+        dest = jnp.where(insert, dest, s).astype(jnp.int32)
+        evicted = state.expert_of[dest]
+        at = COUNTERS.index("prefetched")
+        state = state.replace(
+            table=set_at(state.table, (insert & (evicted >= 0), evicted, -1), (insert, ids, dest)),
+            expert_of=set_at(state.expert_of, (insert, dest, ids)),
+            last_use=set_at(state.last_use, (insert, dest, state.clock)),
+            prefetched=set_at(state.prefetched, (insert, dest, 1)),
+            counters=state.counters.at[at].add(jnp.sum(insert, dtype=jnp.int32)))
+        return jnp.where(insert, ids, -1), jnp.where(insert, dest + state.base, -1), state
+
+    def prefetch_layer(self, stack, layer, x: jax.Array, router: jax.Array, valid: jax.Array, active):
+        """The scanned body's prefetch (before layer l's own experts): layer `layer` (= l+1, or l itself at the last
+        layer, with active False) of the stacked cache `stack` (PackedStates or SlotCache) planned by prefetch_plan
+        and its rows copied by one native call (bridge.offload_prefetch: on a GPU on a side stream, joined by the next
+        layer's call, before that layer's begin). Every layer makes the call, the last one too: it joins."""
+        with jax.named_scope("moe_prefetch"):
+            view = self.layer_state(stack, layer)
+            src, dst, view = self.prefetch_plan(x, router, valid, view, active)
+            slots = offload_prefetch(self.native.pool, layer, src, dst, (view.gate, view.up, view.down))
+            return self.put_state(stack, layer, view.replace(gate=slots[0], up=slots[1], down=slots[2]))
 
     def native_window(self, layer: int, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan,
                       state: SlotCache, extra: dict) -> moe.ExpertsOut:
@@ -696,6 +758,11 @@ def update_slots(state: SlotCache, r: moe.Route, p: WindowPlan, slots: tuple, ex
     usage and the counters."""
     extra = dict(extra)
     updated = extra.pop("_updated", None)
+    # prefetched experts read for the first time (counted once), and the flags left: a slot read or refilled is no
+    # longer a prefetched expert waiting
+    resident = p.kind == RESIDENT
+    extra["prefetch_used"] = jnp.sum(jnp.where(resident, state.prefetched[jnp.where(resident, p.slot, 0)], 0))
+    state = state.replace(prefetched=set_at(state.prefetched, (resident, p.slot, 0), (p.insert, p.dest, 0)))
     if updated is not None:  # plan_and_update's kernel made the small leaves already
         sums = updated["sums"]  # entries, distinct of RESIDENT, FETCH, CPU, SKIP
         values = dict(distinct_skipped=sums[7], entries_skipped=sums[3], **extra)
@@ -733,7 +800,7 @@ def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Arr
         jnp.arange(s, dtype=jnp.int32), mode="drop")
     expert_of = jnp.concatenate([jnp.where(valid, experts, -1), jnp.full((1,), -1, jnp.int32)]).astype(jnp.int32)
     return state.replace(gate=gate, up=up, down=down, table=table, expert_of=expert_of,
-                         last_use=jnp.full_like(state.last_use, -1))
+                         last_use=jnp.full_like(state.last_use, -1), prefetched=jnp.zeros_like(state.prefetched))
 
 
 def fill_static_stacked(stack: SlotCache, layers, fill) -> SlotCache:
