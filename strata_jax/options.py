@@ -123,7 +123,7 @@ class EngineOptions:
     plan_kernel: str = opt("xla", "The offloaded layers' plan and slot-cache update (the native offload calls' "
                            "windows): pallas (pallas_kernels/slot_plan.py: one program a layer; interpreted off the "
                            "GPU; not yet timed on one), or xla (~10 small fusions a layer).", _choice("xla", "pallas"))
-    prefetch: int = opt(0, "Experts a token to prefetch (0: off, the default until timed on a GPU): while layer l "
+    prefetch: int = opt(0, "Experts a token to prefetch (0: off, the default: slower at every N on an H100, 12-33%, benchmarks/results/h200-2026-12-06b-offload): while layer l "
                         "computes, the N experts layer l+1's router picks on layer l's FFN input (pre-gating) are "
                         "copied into layer l+1's slots (lru victims; nothing under static), on a side stream on a GPU. "
                         "Exact: a wrong guess costs PCIe bytes, never output (with the routing approximations off). "
