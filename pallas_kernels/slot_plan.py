@@ -27,6 +27,7 @@ power of 2 (padded ids -1, padded slots read and empty, padded tokens' weights 0
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,16 @@ from jax.experimental.pallas import triton as plgpu
 
 NONE, RESIDENT, FETCH, CPU = 0, 1, 2, 3  # as strata_jax/offload/slots.py
 INT_MAX = 2 ** 31 - 1
+
+
+def plan_warps(sp: int) -> int:
+    """Warps of the one program: its largest operands are the [Sp, Sp] victim comparisons, which with 4 warps held
+    512 int32 a thread at S = 128 (Sp = 256) and spilled (0.12 ms a layer on an H100, against the XLA fusions' 0.05);
+    about 128 a thread here. STRATA_PLAN_WARPS overrides (a power of 2 up to 32), for timing."""
+    env = os.environ.get("STRATA_PLAN_WARPS", "")
+    if env:
+        return int(env)
+    return int(min(32, max(4, sp * sp // (32 * 128))))
 
 
 def _next_pow2(n: int) -> int:
@@ -175,7 +186,7 @@ def slot_plan(ids, combine, counts, table, expert_of, last_use, usage, pcie_frac
     outs = pl.pallas_call(
         functools.partial(slot_plan_kernel, slots=sizes[2] - 1),
         out_shape=[jax.ShapeDtypeStruct(s, jnp.int32) for s in shapes],
-        compiler_params=plgpu.CompilerParams(num_warps=4),
+        compiler_params=plgpu.CompilerParams(num_warps=plan_warps(sp)),
         interpret=interpret,
         name="slot_plan",
     )(*args)
