@@ -161,6 +161,10 @@ class EngineOptions:
                           _choice("auto", "layer", "callback"))
     prefix_reuse: bool = opt(True, "Keep the KV cache of the last request: a request whose tokens start with it "
                              "prefills only the new part (exact: the same logits as a cold run).", _bool)
+    max_batch: int = opt(1, "Most sequences one batched window decodes together (Engine.generate_batch): above 1, "
+                         "a KV slot of the context per sequence beside the engine's own cache, and one window graph "
+                         "per bucket of rows (1, 2, 4, ... max_batch) compiled on first use; every expert resident on "
+                         "one device, the scanned layer loop (Qwen3-MoE).", _int_range(1, 64))
     devices: str = opt("1", "Devices the model runs on: a number >= 1 or 'all' (every device JAX sees). Above 1 "
                        "every expert is resident (offload with several devices is not implemented) and --parallel "
                        "says how the model is split (strata_jax/engine/parallel.py).", _devices)

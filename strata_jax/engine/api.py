@@ -26,8 +26,8 @@ from strata_jax.io import checkpoint
 from strata_jax.io.chat import ChatTemplate, GenerationDefaults
 from strata_jax.model import moe
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.kv_cache import cache_bytes, init_cache
-from strata_jax.model.weights import Weights, stack_layers, unstack_layers
+from strata_jax.model.kv_cache import cache_bytes, init_batch_cache, init_cache
+from strata_jax.model.weights import Weights, can_stack, stack_layers, unstack_layers
 from strata_jax.offload import placement as placement_mod
 from strata_jax.offload import slots as slots_mod
 from strata_jax.offload.approx import route_approx
@@ -108,6 +108,8 @@ class Engine:
             self.weights = weights = unstack_layers(weights)
         self.expert_path, self.decode_expert_path = self._expert_paths()
         self.parallel = parallel_mod.attach(self)  # devices > 1: the weights split over them (strata_jax/engine/parallel.py)
+        if options.max_batch > 1 and self._batch_refusal():
+            raise StrataError(f"max_batch={options.max_batch}: {self._batch_refusal()}")
         self.compiled = CompiledGraphs(cfg, options, self.plan, self.state, self.parallel, verbose)
         self.stats = Stats()
         self._reset_state()
@@ -174,20 +176,27 @@ class Engine:
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
         length = self.plan.kv_length
+        copies = plan_mod.kv_copies(self.options)  # the engine's cache and the batch's slots
+        self.state.batch = None  # (a failed batch donated it)
         try:
             kv = init_cache(self.cfg, length, self.dtype, stacked=self.scanned, ring=self.ring,
                                   kv_dtype=self.options.kv_dtype)
+            if self.options.max_batch > 1:
+                self.state.batch = self._init_batch_cache()
         except (MemoryError, ValueError, RuntimeError) as e:  # jax's allocation failure is a RuntimeError
             if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError) and "memory" not in str(e).lower():
                 raise
-            need = cache_bytes(self.cfg, length, self.dtype.itemsize, self.ring, self.options.kv_dtype)
+            need = copies * cache_bytes(self.cfg, length, self.dtype.itemsize, self.ring, self.options.kv_dtype)
             per_token = need / length
             stats = jax.devices()[0].memory_stats() or {}
             free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
             fits = f"; about {int(free // per_token):,} positions fit in the {free / 2**30:.1f} GiB free" if free > 0 else ""
             raise StrataError(f"the KV cache for context {self.context} needs {need / 2**30:.1f} GiB "
-                              f"({per_token / 2**10:.1f} KiB a position) and cannot be allocated{fits}: "
-                              "lower --context") from None
+                              f"({per_token / 2**10:.1f} KiB a position"
+                              + (f", {copies} copies: the engine's and max_batch={self.options.max_batch} slots"
+                                 if copies > 1 else "")
+                              + f") and cannot be allocated{fits}: lower --context"
+                              + (" or --max_batch" if copies > 1 else "")) from None
         experts = None
         if self.scanned_offload:
             experts = self.placement.init_stacked_state(self.cfg, self.expert_storage)
@@ -197,6 +206,26 @@ class Engine:
         if self.parallel:
             self.cache = self.parallel.place_cache(self.cache)
         self._kv_tokens: list[int] = []  # the tokens whose KV rows 0.. the cache holds (prefix reuse)
+
+    def _init_batch_cache(self):
+        """The batched windows' KV cache: max_batch slots of the engine's KV length (kv_cache.init_batch_cache)."""
+        return init_batch_cache(self.cfg, self.options.max_batch, self.plan.kv_length, self.dtype,
+                                self.options.kv_dtype)
+
+    def _batch_refusal(self) -> str | None:
+        """Why this engine cannot run batched windows, or None. They run the scanned all-resident body: with
+        offload the slot caches and the host pool serve one sequence's windows (not wired for a batch's rows)."""
+        if self.placement is not None:
+            return (f"offload is on (expert_cache_slots={self.options.expert_cache_slots}: "
+                    f"{self.placement.slots} of {self.cfg.num_experts} experts a layer on the device); batched "
+                    "windows need every expert resident (expert_cache_slots=all)")
+        if self.parallel is not None:
+            return f"devices={self.options.devices}: batched windows run on one device"
+        if not self.scanned:
+            why = ("its layers are of mixed kinds (Qwen3-Next's DeltaNet layers keep one sequence's state)"
+                   if not can_stack(self.cfg) else "layer_loop=unrolled")
+            return f"batched windows run the scanned layer loop; this model runs unrolled: {why}"
+        return None
 
     def kv_cache_line(self) -> str:
         """The start-up line: how the KV cache is stored and its size."""
@@ -529,6 +558,110 @@ class Engine:
         self.stats.add(stats)
         return out
 
+    # The options a batched request takes (generate's, less drafts and grammars: batched windows run spec=0)
+    BATCH_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+
+    @_serialized
+    def generate_batch(self, prompts: Sequence[Sequence[int]], per_prompt: Sequence[dict] | None = None,
+                       on_token: Callable[[int, int], None] | None = None, return_logits: bool = False,
+                       **request) -> list[list[int]]:
+        """Continue several prompts at once: returns each prompt's new tokens, as `generate(prompt, **request)`
+        alone returns them (greedy: the same tokens; sampled: the same tokens for the same seed; the logits equal
+        to float32 rounding). Up to `max_batch` prompts (the engine's option). Each prompt is prefilled alone into
+        its own KV slot, then T=1 windows run every unfinished prompt as one row of one graph (no drafts: spec=0);
+        a prompt that stops (a stop token, its max_new_tokens, StopRequest from on_token) leaves the batch.
+
+        request: generate's max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, for every
+        prompt; per_prompt: a dict of those per prompt, overriding them (e.g. [{"seed": 1}, {"seed": 2}]).
+        on_token(i, token): each new token of prompt i as it is read. return_logits: returns (tokens, logits) with
+        logits[i] the float32 [len(tokens[i]), V] each of prompt i's tokens was chosen from.
+        Statistics: engine.stats.last (the batch: its prompts' tokens, the prefills' time, the batched decode's
+        wall time) and engine.stats.batch (a RequestStats per prompt)."""
+        refusal = self._batch_refusal()
+        if refusal:
+            raise StrataError(f"generate_batch: {refusal}")
+        if isinstance(prompts, (str, bytes, dict)) or not hasattr(prompts, "__len__") or not len(prompts):
+            raise StrataError("generate_batch: expected a non-empty list of prompts (each a list of token ids)")
+        if len(prompts) > self.options.max_batch:
+            raise StrataError(f"generate_batch: {len(prompts)} prompts but max_batch={self.options.max_batch} (the "
+                              "engine's option: Engine.from_pretrained(..., max_batch=N), --max_batch)")
+        if per_prompt is not None and (isinstance(per_prompt, (str, dict)) or not hasattr(per_prompt, "__len__")
+                                       or len(per_prompt) != len(prompts)
+                                       or not all(isinstance(p, dict) for p in per_prompt)):
+            raise StrataError(f"generate_batch: per_prompt must be a list of {len(prompts)} dicts, one per prompt")
+        for given in [request] + list(per_prompt or []):
+            unknown = sorted(set(given) - set(self.BATCH_OPTIONS))
+            if unknown:
+                raise StrataError(f"generate_batch() got unknown option(s) {', '.join(unknown)} (its options: "
+                                  f"{', '.join(self.BATCH_OPTIONS)}; batched windows run without drafts or "
+                                  "grammars)")
+        rows = []
+        for i, prompt in enumerate(prompts):
+            options = {**request, **(per_prompt[i] if per_prompt else {})}
+            rows.append(self._batch_request(prompt, i, on_token, return_logits, **options))
+        if self.state.batch is None:  # max_batch 1: its one slot made on first use
+            self.state.batch = self._init_batch_cache()
+        self._take_expert_stats(new_request=True)
+        self._kv_tokens = []  # the engine's cache will hold the last prompt's rows
+        try:
+            self._guarded(loops.run_batch, self._graphs(), self.state, rows)
+        finally:
+            for r in rows:
+                r.stats.generated_tokens = len(r.out)
+        prefilled = [r for r in rows if r.out]
+        self._kv_tokens = prefilled[-1].ids.tolist() if prefilled else []  # the last prefill's rows, not its output
+        total = RequestStats(prompt_tokens=sum(r.stats.prompt_tokens for r in rows),
+                             prefill_s=sum(r.stats.prefill_s for r in rows),
+                             generated_tokens=sum(len(r.out) for r in rows),
+                             decode_s=max(r.stats.decode_s for r in rows),
+                             windows=max(r.stats.windows for r in rows),
+                             window_tokens=sum(r.stats.window_tokens for r in rows))
+        self.stats.add(total)
+        self.stats.batch = [r.stats for r in rows]
+        outs = [r.out for r in rows]
+        if return_logits:
+            vocab = self.cfg.vocab_size
+            return outs, [np.stack(r.logits) if r.logits else np.zeros((0, vocab), np.float32) for r in rows]
+        return outs
+
+    def _batch_request(self, prompt, index: int, on_token, return_logits: bool, max_new_tokens: int = 64,
+                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                       seed: int = 0, stop_token_ids: Sequence[int] | None = None,
+                       ignore_eos: bool = False) -> loops.Request:
+        """One prompt of generate_batch as a loops.Request (spec 0), its options checked and defaulted as generate
+        does."""
+        defaults = self.generation_defaults.request_defaults()
+        req = build(RequestOptions, dict(
+            max_new_tokens=max_new_tokens, temperature=defaults["temperature"] if temperature is None else temperature,
+            top_p=defaults["top_p"] if top_p is None else top_p, top_k=defaults["top_k"] if top_k is None else top_k,
+            seed=seed, ignore_eos=ignore_eos))
+        ids = check_token_ids(prompt, self.cfg.vocab_size, f"prompt {index}")
+        if ids.size == 0 or ids.size >= self.context:
+            raise StrataError(f"prompt {index} has {ids.size} tokens: it needs 1..{self.context - 1} (the context "
+                              f"holds {self.context}; at least one must be left to generate)")
+        if stop_token_ids is not None:
+            stops = set(check_token_ids(stop_token_ids, self.cfg.vocab_size, "stop_token_ids").tolist())
+        else:
+            stops = set() if req.ignore_eos else set(self.end_of_turn_ids)
+        budget = min(req.max_new_tokens, self.context - ids.size)  # 0: nothing to run (as generate)
+        stats = RequestStats(prompt_tokens=int(ids.size))
+        box = []  # the request, for the callback below (made after it)
+
+        def emitted(token: int) -> None:
+            try:
+                with self._user_code():
+                    on_token(index, token)
+            except StopRequest:  # this prompt ends here; the others go on
+                box[0].budget = len(box[0].out)
+        form = form_of(req.top_k, req.top_p) if req.temperature > 0 else None
+        request = loops.Request(ids=ids, budget=budget, stops=stops, form=form,
+                                sampling=SamplingParams.make(req.temperature, req.top_p, req.top_k, req.seed),
+                                spec=0, drafter=make_drafter("none"), stats=stats,
+                                on_token=None if on_token is None else emitted,
+                                logits=[] if return_logits else None)
+        box.append(request)
+        return request
+
     def stream(self, token_ids: Sequence[int], **request) -> Iterator[int]:
         """`generate` as a generator: each new token id as soon as it is accepted (same options, same tokens).
         Closing the generator early (break, or a client gone) stops the request at its next token."""
@@ -601,7 +734,9 @@ class Engine:
             after_request=self._adapt_pcie_frac,
             fill_static_slots=self._fill_static_slots if self.placement and self.placement.fills_from_prefill
             else None,
-            context=self.context, vocab_size=self.cfg.vocab_size)
+            context=self.context, vocab_size=self.cfg.vocab_size,
+            batch_windows=c.batch_windows_for, put_slot=c.put_slot,
+            form_samplers=lambda form: c.samplers[form].sample)
 
     @_serialized
     def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:

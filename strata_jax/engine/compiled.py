@@ -1,6 +1,6 @@
 """An engine's compiled graphs, by kind and size: the decode windows T=1..W and the prefill chunks (ahead of time,
 in threads, or each on first use), the samplers of each filter form, the sampled windows (compiled by the first
-request of a form), the prefill-logits graphs, draft=device's windows and the MTP drafter's graphs (on first use).
+request of a form), the prefill-logits graphs, draft=device's windows, the MTP drafter's graphs and the batched windows (on first use).
 Each graph is lowered against the engine's state (loops.State: its weights and cache give the shapes) and compiled
 at its matmul precision (float32 means float32 matmuls). The Engine holds one (`engine.compiled`); the loops read
 its tables through loops.Graphs.
@@ -18,6 +18,7 @@ from strata_jax.engine.build import log
 from strata_jax.engine.loops import State
 from strata_jax.engine.plan import Plan
 from strata_jax.model.config import ModelConfig
+from strata_jax.model.kv_cache import put_slot
 from strata_jax.offload import slots as slots_mod
 from strata_jax.options import EngineOptions
 from strata_jax.sampling import FORMS, SamplingParams
@@ -77,6 +78,8 @@ class CompiledGraphs:
             self.sampled_windows_for(default_form)
         self.prefill_logits = {}  # chunk size -> graph, compiled on first use (teacher-forced prompt scoring)
         self.device_verify = {}  # (T, filter form or None: greedy) -> graph, on first use (draft="device" only)
+        self.batch_windows: dict[str | None, graphs.GraphTable] = {}  # filter form -> bucket B -> graph
+        self.put_slot = jax.jit(put_slot, donate_argnums=(0,))  # a prefilled sequence into its batch KV slot
         self.fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
         self.fill_layer = jax.jit(slots_mod.fill_layer_slots, donate_argnums=(0,))
         seconds = time.perf_counter() - t0
@@ -121,6 +124,32 @@ class CompiledGraphs:
                 log(f"graphs: sampled windows T=1..{self.options.window} ({form}) compiled in "
                     f"{time.perf_counter() - t0:.1f} s (the first request of that filter form)")
         return self.sampled_windows[form]
+
+    def batch_buckets(self) -> tuple[int, ...]:
+        """The batched windows' row counts: powers of 2 below max_batch, and max_batch (a batch of n rows runs the
+        smallest bucket >= n, its other rows padding)."""
+        m = self.options.max_batch
+        return tuple(sorted({min(2 ** k, m) for k in range(m.bit_length() + 1)}))
+
+    def batch_windows_for(self, form: str | None) -> graphs.GraphTable:
+        """The batched T=1 windows (graphs.batch_window) of every bucket for filter form `form` (None: greedy
+        rows only), compiled by the first batch of that form (ahead: every bucket then, in threads; lazy: each
+        bucket on first use). Lowered against the batch cache (state.batch)."""
+        if form not in self.batch_windows:
+            t0 = time.perf_counter()
+            fn = graphs.jit_batch_window(self.cfg, form, self.decode_expert_path, **self.plan.window_kernels())
+
+            def window(b: int):
+                rows = jnp.zeros((b,), jnp.int32)
+                sampling = SamplingParams(temperature=jnp.zeros((b,), jnp.float32), top_p=jnp.ones((b,), jnp.float32),
+                                          top_k=rows, seed=jnp.zeros((b,), jnp.uint32))
+                return self.aot(fn, self.state.weights, self.state.batch, rows, rows, rows, jnp.int32(b), sampling)
+            ahead = self.options.compile_graphs == "ahead"
+            self.batch_windows[form] = graphs.GraphTable(self.batch_buckets(), window, ahead)
+            if self.verbose and ahead:
+                log(f"graphs: batched windows B={','.join(map(str, self.batch_buckets()))} "
+                    f"({form or 'greedy'}) compiled in {time.perf_counter() - t0:.1f} s (the first batch of that form)")
+        return self.batch_windows[form]
 
     @property
     def prefill_kernel(self) -> bool:

@@ -5,6 +5,8 @@
     greedy_tokens, logits, cache = step(weights, cache, tokens_T, pos)
     tokens = graphs.jit_sample()(logits, positions, SamplingParams.make(temperature=0.7))   # when sampling
     new, n_new, cache = graphs.jit_sampled_window(cfg, "top_k")(weights, cache, tokens_T, pos, sampling)  # in one
+    new, logits, batch_cache = graphs.jit_batch_window(cfg, None)(weights, batch_cache, tokens_B, pos_B, slots_B,
+                                                                  n_active, sampling_B)   # B sequences, T=1 each
 
 `decode_window` runs T tokens at positions pos..pos+T-1 and returns each row's argmax beside the logits;
 `prefill_chunk` runs a chunk of C prompt tokens of which the first n_valid are real. Both donate the cache (updated
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.speculative import device_drafts, mtp
+from strata_jax.model.batch import forward_batch
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.transformer import ExpertPath, forward
 from strata_jax.model.kv_cache import KVCache
@@ -150,6 +153,25 @@ def sampled_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax
     return new, n_new, cache
 
 
+def batch_window(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, slots: jax.Array,
+                 n_active: jax.Array, sampling: SamplingParams, *, cfg: ModelConfig, form: str | None,
+                 experts: ExpertPath | None = None, attention_kernel: bool = False, dense_kernel: bool = False):
+    """B sequences' T=1 windows in one graph (model/batch.py): tokens [B], row b at position pos[b] of the batch
+    cache's slot slots[b], the first n_active rows real; sampling: each row's SamplingParams ([B] leaves) ->
+    (the next token of each row [B], logits [B, V] float32, cache). form None: greedy rows only (argmax); else the
+    rows' filter form (sampling.FORMS), each row drawn as its sequence's sampled_window draws it alone (the same
+    key per seed and position; a greedy row among them takes its argmax)."""
+    logits, cache = forward_batch(weights, cache, tokens, pos, slots, n_active, cfg, experts, attention_kernel,
+                                  dense_kernel)
+    with jax.named_scope("sample"):
+        if form is None:
+            new = greedy(logits)
+        else:
+            one = lambda row, p, params: sample(row[None], p[None], params, form)[0]
+            new = jax.vmap(one)(logits, pos + 1, sampling)
+    return new, logits, cache
+
+
 def sample_window(logits: jax.Array, positions: jax.Array, sampling: SamplingParams, form: str = "sorted"):
     """logits [T, V] float32, positions [T] (of the tokens being chosen) -> tokens [T], in the request's filter
     form (sampling.FORMS)."""
@@ -240,6 +262,14 @@ def jit_sampled_window(cfg: ModelConfig, form: str, experts: ExpertPath | None =
                                      attention_kernel=attention_kernel, dense_kernel=dense_kernel,
                                      delta_kernel=delta_kernel), donate_argnums=(1,),
                    compiler_options=MODEL_COMPILER_OPTIONS)
+
+
+def jit_batch_window(cfg: ModelConfig, form: str | None, experts: ExpertPath | None = None,
+                     attention_kernel: bool = False, dense_kernel: bool = False, delta_kernel: bool = False):
+    del delta_kernel  # batched windows run the scanned body of full-attention layers
+    return jax.jit(functools.partial(batch_window, cfg=cfg, form=form, experts=experts,
+                                     attention_kernel=attention_kernel, dense_kernel=dense_kernel),
+                   donate_argnums=(1,), compiler_options=MODEL_COMPILER_OPTIONS)
 
 
 def jit_sample(form: str = "sorted"):

@@ -2,6 +2,8 @@
 
     run(graphs, state, request) prefill, the first token, then the loop the request asks for
       prefill                   the prompt through the prefill chunks; the first new token
+    run_batch(graphs, state, requests)  several requests at once: each prefilled alone into its KV slot, then
+      decode_batch              T=1 windows of every live sequence together, read one window late
       decode_tokens             picks and times one of the loops:
         decode_pipelined        spec 0: one token a window, read one window late (the next window already queued)
         decode_verify           verify windows: out[-1] + up to `spec` drafts, accept what the target agrees with;
@@ -43,6 +45,7 @@ class State:
     weights: object
     cache: object
     mtp: object = None
+    batch: object = None  # the batched windows' KV cache: a slot per sequence (kv_cache.init_batch_cache)
 
 
 @dataclasses.dataclass
@@ -61,6 +64,9 @@ class Graphs:
     fill_static_slots: Callable[[], None] | None  # static cache policy: the slots take the prefill's experts
     context: int
     vocab_size: int
+    batch_windows: Callable[[str | None], Mapping[int, Callable]] | None = None  # filter form -> bucket B -> graph
+    put_slot: Callable | None = None  # (batch cache, the engine's cache, slot) -> batch cache
+    form_samplers: Callable[[str], Mapping[int, Callable]] | None = None  # a filter form's `sample` table
 
 
 @dataclasses.dataclass
@@ -87,6 +93,8 @@ class Request:
     gate: DraftGate | None = dataclasses.field(init=False)
     # The output's grammar (strata_jax/grammar.py: JSON, a schema), or None: each token drawn among the ones it allows
     grammar: JsonConstraint | None = None
+    # Batched requests (run_batch) with return_logits: the float32 logits [V] each new token was chosen from
+    logits: list | None = None
 
     def __post_init__(self) -> None:
         self.sampled = float(self.sampling.temperature) > 0
@@ -132,6 +140,8 @@ def prefill(g: Graphs, s: State, r: Request) -> int:
     t0 = time.perf_counter()
     mtp = r.mtp
     token, last = g.prefill(r.ids, first=r.reuse, mtp=mtp)
+    if r.logits is not None:
+        r.logits.append(np.asarray(last, np.float32)[0])
     if r.grammar is not None:
         first = constrained_token(g, s, r, last, r.ids.size)
     else:
@@ -379,3 +389,89 @@ def decode_device(g: Graphs, s: State, r: Request) -> None:
                 return  # the windows still in flight are discarded (their K/V rows are never read)
     if len(r.out) < r.budget:  # the context's end is nearer than a whole window: the host loop finishes
         decode_verify(g, s, r)
+
+
+# ---- several requests at once -------------------------------------------------------------------------------------
+
+def run_batch(g: Graphs, s: State, rows: list[Request]) -> None:
+    """Requests decoded together (Engine.generate_batch: spec 0, no grammar): each prompt's prefill alone through
+    the prefill chunks into the engine's cache, copied into KV slot i of the batch cache (rows[i]'s), then
+    decode_batch. A request whose first token ends it leaves before the first batched window."""
+    for slot, r in enumerate(rows):
+        if r.budget < 1:
+            continue  # max_new_tokens 0: not prefilled, no row
+        first = prefill(dataclasses.replace(g, sample=g.form_samplers(r.form)) if r.sampled else g, s, r)
+        s.batch = g.put_slot(s.batch, s.cache, jnp.int32(slot))
+        if r.on_token:
+            r.on_token(first)
+    decode_batch(g, s, rows)
+    experts = g.take_expert_stats()
+    for r in rows:
+        r.stats.decode_experts = experts
+
+
+def decode_batch(g: Graphs, s: State, rows: list[Request]) -> None:
+    """T=1 windows of every live request together: row b of a window is one request (its token, position and KV
+    slot), the window the smallest bucket that holds them, the rest padding (routed nowhere, written into a slot
+    no live request owns). Each window's tokens feed the next window on the device and are read one window late,
+    as decode_pipelined. A request that stops (a stop token, its budget, StopRequest from on_token) leaves: its
+    tokens still in flight are dropped and the next window runs without its row."""
+    sampled = [r for r in rows if r.sampled]
+    forms = {r.form for r in sampled}
+    form = None if not sampled else forms.pop() if len(forms) == 1 else "sorted"  # "sorted" serves any setting
+    windows = g.batch_windows(form)  # compile_graphs=ahead: every bucket compiled here, before the timed part
+    buckets = sorted(windows.sizes)
+    t0 = time.perf_counter()
+    live = [i for i, r in enumerate(rows) if r.out and r.out[-1] not in r.stops and len(r.out) < r.budget]
+    queued = {i: 0 for i in live}  # tokens in flight per request
+    in_flight: list[tuple[list[int], jax.Array, jax.Array]] = []  # (the window's requests, tokens [B], logits)
+    cur, cur_rows = None, []  # the last window's tokens [B] and the request of each row
+    params, params_rows = None, None  # the rows' SamplingParams ([B] leaves), for the requests params_rows
+    while live or in_flight:
+        members = [i for i in live if len(rows[i].out) + queued[i] < rows[i].budget]
+        if members:
+            b = next(size for size in buckets if size >= len(members))
+            pad = b - len(members)
+            if cur is not None and cur_rows[:len(members)] == members and cur.shape[0] == b:
+                tokens = cur  # the same rows as the last window: its tokens as they are, on the device
+            elif cur is None:
+                tokens = jnp.asarray([rows[i].out[-1] for i in members] + [0] * pad, jnp.int32)
+            else:  # requests left: the others' tokens gathered on the device
+                tokens = jnp.take(cur, jnp.asarray([cur_rows.index(i) for i in members] + [0] * pad, jnp.int32))
+            free = min(set(range(buckets[-1])) - set(members)) if pad else 0  # padding writes only there
+            pos = [rows[i].ids.size + len(rows[i].out) - 1 + queued[i] for i in members] + [0] * pad
+            if params_rows != (members, b):
+                params, params_rows = batch_sampling([rows[i].sampling for i in members], pad), (members, b)
+            cur, logits, s.batch = windows[b](s.weights, s.batch, tokens, jnp.asarray(pos, jnp.int32),
+                                              jnp.asarray(members + [free] * pad, jnp.int32),
+                                              jnp.int32(len(members)), params)
+            cur_rows = members
+            in_flight.append((members, cur, logits))
+            for i in members:
+                queued[i] += 1
+                rows[i].stats.windows += 1
+                rows[i].stats.window_tokens += 1
+        if in_flight and (len(in_flight) >= 2 or not members):
+            done, tokens_w, logits_w = in_flight.pop(0)
+            new = np.asarray(tokens_w)
+            rows_logits = np.asarray(logits_w) if any(rows[i].logits is not None for i in done) else None
+            for row, i in enumerate(done):
+                queued[i] -= 1
+                if i not in live:
+                    continue  # left after this window was queued
+                r = rows[i]
+                token = g.checked(int(new[row]), r.ids.size + len(r.out))
+                if r.logits is not None:
+                    r.logits.append(rows_logits[row].astype(np.float32))
+                if r.emit(token) or len(r.out) >= r.budget:
+                    live.remove(i)
+                    r.stats.decode_s = time.perf_counter() - t0
+    for r in rows:
+        if not r.stats.decode_s and r.stats.windows:
+            r.stats.decode_s = time.perf_counter() - t0
+
+
+def batch_sampling(params: list[SamplingParams], pad: int) -> SamplingParams:
+    """The rows' SamplingParams stacked ([B] leaves), padding rows greedy."""
+    rows = params + [SamplingParams.make()] * pad
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *rows)

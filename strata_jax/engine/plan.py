@@ -97,12 +97,17 @@ def plan_slots(cfg: ModelConfig, opts: EngineOptions):
                                         parallel_mod.layer_device(cfg, opts))
 
 
+def kv_copies(opts: EngineOptions) -> int:
+    """KV caches of the context an engine holds: its own, and with max_batch > 1 a slot per batched sequence."""
+    return 1 + opts.max_batch if opts.max_batch > 1 else 1
+
+
 def device_reserve_bytes(cfg: ModelConfig, opts: EngineOptions) -> int:
     """Device bytes kept beside the weights before the expert slots are counted (placement_mod.plan_placement):
     the KV cache and the largest prefill chunk's transient activations."""
     context, chunk = context_and_chunk(cfg, opts)
     itemsize = jnp.dtype(opts.dtype).itemsize
-    kv_bytes = cache_bytes(cfg, context + chunk, itemsize, opts.window + 1, opts.kv_dtype)
+    kv_bytes = kv_copies(opts) * cache_bytes(cfg, context + chunk, itemsize, opts.window + 1, opts.kv_dtype)
     # the largest prefill chunk's transient activations are reserved beside the KV cache
     return kv_bytes + prefill_activation_bytes(cfg, chunk, context + chunk,
                                                resolve_kernels(opts, cfg)[1] == "pallas")
@@ -170,10 +175,11 @@ def resolve_context(cfg: ModelConfig, opts: EngineOptions) -> tuple[int, str]:
     itemsize = jnp.dtype(opts.dtype).itemsize
     budget = _device_memory_bytes() // 8
     context = cfg.max_position_embeddings
-    while context > AUTO_CONTEXT_XLA and cache_bytes(cfg, context + LARGE_CHUNK, itemsize, opts.window + 1,
-                                                           opts.kv_dtype) > budget:
+    copies = kv_copies(opts)  # max_batch > 1: the batch's slots share the budget
+    while context > AUTO_CONTEXT_XLA and copies * cache_bytes(cfg, context + LARGE_CHUNK, itemsize, opts.window + 1,
+                                                                    opts.kv_dtype) > budget:
         context //= 2
-    kv = cache_bytes(cfg, context + LARGE_CHUNK, itemsize, opts.window + 1, opts.kv_dtype)
+    kv = copies * cache_bytes(cfg, context + LARGE_CHUNK, itemsize, opts.window + 1, opts.kv_dtype)
     halved = "" if context == cfg.max_position_embeddings else ", halved to fit"
     return context, (f"auto: max_position_embeddings {cfg.max_position_embeddings}{halved}; KV cache "
                      f"{kv / 2**30:.1f} GiB, at most an eighth of the device's {_device_memory_bytes() / 2**30:.0f} GiB")

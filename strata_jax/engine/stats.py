@@ -133,6 +133,7 @@ class Stats:
     total: RequestStats = dataclasses.field(default_factory=RequestStats)
     requests: int = 0
     compile_s: float = 0.0
+    batch: list[RequestStats] = dataclasses.field(default_factory=list)  # the last generate_batch's, per prompt
 
     def add(self, r: RequestStats) -> None:
         self.last = r

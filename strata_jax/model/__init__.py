@@ -7,6 +7,7 @@
 - kv_cache.py: the KV cache (bf16 / float32, or int8 rows with scales) and the DeltaNet state ring beside it.
 - transformer.py: the forward pass of one window: norms, RoPE, attention, the layer loops (unrolled, scanned,
   scanned with offload), the head.
+- batch.py: the batched window: B sequences a row each, each with its own position and KV slot.
 - moe.py (routing, the expert FFN, the all-resident expert path), deltanet.py (Qwen3-Next's Gated DeltaNet),
   linear.py (every dense product), quant.py (the low-bit expert formats).
 

@@ -99,3 +99,21 @@ def cache_bytes(cfg: ModelConfig, length: int, itemsize: int, ring: int = 8, kv_
     row = cfg.head_dim * itemsize if kv_dtype == "auto" else cfg.head_dim + 4  # int8: D bytes + a float32 scale
     kv = 2 * cfg.num_full_layers * length * cfg.num_kv_heads * row
     return kv + (ring * cfg.state_bytes(itemsize) if cfg.has_linear else 0)
+
+
+def init_batch_cache(cfg: ModelConfig, slots: int, length: int, dtype=jnp.float32, kv_dtype: str = "auto") -> KVCache:
+    """The KV cache of batched windows (model/batch.py): `slots` sequences of `length` positions each, stacked
+    [L*M, S, Nkv, D] (layer l's slot s at row l*M + s: the stacked cache's layout with M rows a layer, so the
+    attention reads one (layer, slot) as it reads one layer). Full-attention layers only (the scanned body)."""
+    shape = (cfg.num_layers * slots, length, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(k=kv_zeros(shape, dtype, kv_dtype), v=kv_zeros(shape, dtype, kv_dtype))
+
+
+def put_slot(batch: KVCache, one: KVCache, slot: jax.Array) -> KVCache:
+    """One sequence's stacked K/V rows [L, S, Nkv, D] (the engine's own cache, after its prefill) into slot `slot`
+    of a batch cache [L*M, S, Nkv, D]: the whole slot, so no row of its last sequence stays."""
+    def put(b, o):
+        n_layers = o.shape[0]
+        view = b.reshape(n_layers, b.shape[0] // n_layers, *b.shape[1:])  # [L, M, S, ...]: a bitcast
+        return jax.lax.dynamic_update_slice_in_dim(view, o[:, None], slot, axis=1).reshape(b.shape)
+    return batch.replace(k=jax.tree.map(put, batch.k, one.k), v=jax.tree.map(put, batch.v, one.v))

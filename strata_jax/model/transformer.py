@@ -71,15 +71,40 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     dense_kernel without w_stack (the unrolled graph): the same kernel over w as a stack of one layer, so both graphs
     sum the products in the same order and round alike."""
     t = x.shape[0]
+    positions = pos + jnp.arange(t, dtype=jnp.int32)
+    w_stack, product_layer = product_stack(w, layer, w_stack, dense_kernel)
+    q, k, v, gate = attention_rows(x, w, positions, cfg, w_stack, product_layer)
+
+    # Write this window's keys/values (int8 caches: quantized as written), then attend over the whole static cache
+    # with a causal mask.
+    if layer is None:
+        k_cache = _write_rows(k_cache, k, (pos, 0, 0))  # [S, Nkv, D]
+        v_cache = _write_rows(v_cache, v, (pos, 0, 0))
+    else:
+        k_cache = _write_rows(k_cache, k[None], (layer, pos, 0, 0))
+        v_cache = _write_rows(v_cache, v[None], (layer, pos, 0, 0))
+    out = attend_cache(q, k_cache, v_cache, pos, positions, layer, kernel)
+    return attention_out(out, gate, w, w_stack, product_layer, x.dtype), k_cache, v_cache
+
+
+def product_stack(w: AttentionWeights, layer, w_stack: AttentionWeights | None, dense_kernel: bool):
+    """The stack the q/k/v and o products read and its layer index, or (None, layer): plain products with w.
+    dense_kernel without w_stack (the unrolled graph): w as a stack of one layer."""
+    if w_stack is None and dense_kernel:
+        return jax.tree.map(lambda a: a[None], w), jnp.int32(0)  # [1, K, N]: a bitcast
+    return w_stack, layer
+
+
+def attention_rows(x: jax.Array, w: AttentionWeights, positions: jax.Array, cfg: ModelConfig,
+                   w_stack: AttentionWeights | None = None, product_layer=None):
+    """x [T, H] at positions [T] -> q [T, Nq, D], k, v [T, Nkv, D] (normed, rotated) and Next's output gate
+    [T, Nq*D] (else None)."""
+    t = x.shape[0]
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qw = nq * d * (2 if cfg.next else 1)  # Qwen3-Next: each head's q then its output gate
-    interpret = jax.default_backend() != "gpu"
-    product_layer = layer
-    if w_stack is None and dense_kernel:
-        w_stack, product_layer = jax.tree.map(lambda a: a[None], w), jnp.int32(0)  # [1, K, N]: a bitcast
     if w_stack is not None:
         qkv = stacked_linear(x, (w_stack.wq, w_stack.wk, w_stack.wv), product_layer,
-                             interpret=interpret).astype(x.dtype)
+                             interpret=jax.default_backend() != "gpu").astype(x.dtype)
         ys = jnp.split(qkv, [qw, qw + nkv * d], axis=1)  # as linear() rounds each product to x.dtype
     else:
         ys = [linear(x, w.wq), linear(x, w.wk), linear(x, w.wv)]
@@ -94,35 +119,35 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     q = norm(proj(ys[0], w.bq, nq), w.q_norm, cfg)  # [T, Nq, D]
     k = norm(proj(ys[1], w.bk, nkv), w.k_norm, cfg)  # [T, Nkv, D]
     v = proj(ys[2], w.bv, nkv)  # [T, Nkv, D]
-    positions = pos + jnp.arange(t, dtype=jnp.int32)
     q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+    return q, k, v, gate
 
-    # Write this window's keys/values (int8 caches: quantized as written), then attend over the whole static cache
-    # with a causal mask.
-    if layer is None:
-        k_cache = _write_rows(k_cache, k, (pos, 0, 0))  # [S, Nkv, D]
-        v_cache = _write_rows(v_cache, v, (pos, 0, 0))
-        k_layer, v_layer = k_cache, v_cache
-    else:
-        k_cache = _write_rows(k_cache, k[None], (layer, pos, 0, 0))
-        v_cache = _write_rows(v_cache, v[None], (layer, pos, 0, 0))
-        if not kernel:
-            k_layer, v_layer = _layer_of(k_cache, layer), _layer_of(v_cache, layer)  # [S, Nkv, D]
+
+def attend_cache(q: jax.Array, k_cache, v_cache, pos: jax.Array, positions: jax.Array, layer, kernel: bool):
+    """q [T, Nq, D] at positions pos.. over a cache already holding their rows ([S, Nkv, D], or the stacked
+    [L, S, Nkv, D] at `layer`) -> [T, Nq*D]: the Pallas kernel (in place, up to pos+T-1) or XLA's einsums."""
+    t, nq, d = q.shape
     if kernel:
+        interpret = jax.default_backend() != "gpu"
         if isinstance(k_cache, QuantKV):
-            out = decode_attention(q, k_cache.q, v_cache.q, pos, layer=layer, k_scale=k_cache.scale,
-                                   v_scale=v_cache.scale, interpret=interpret).reshape(t, nq * d)
-        else:
-            out = decode_attention(q, k_cache, v_cache, pos, layer=layer, interpret=interpret).reshape(t, nq * d)
-    else:
-        out = _xla_attention(q, k_layer, v_layer, positions)
+            return decode_attention(q, k_cache.q, v_cache.q, pos, layer=layer, k_scale=k_cache.scale,
+                                    v_scale=v_cache.scale, interpret=interpret).reshape(t, nq * d)
+        return decode_attention(q, k_cache, v_cache, pos, layer=layer, interpret=interpret).reshape(t, nq * d)
+    if layer is not None:
+        k_cache, v_cache = _layer_of(k_cache, layer), _layer_of(v_cache, layer)  # [S, Nkv, D]
+    return _xla_attention(q, k_cache, v_cache, positions)
+
+
+def attention_out(out: jax.Array, gate, w: AttentionWeights, w_stack, product_layer, dtype) -> jax.Array:
+    """The attention's [T, Nq*D] rows through Next's gate and the o projection -> [T, H]."""
     if gate is not None:
         out = out * jax.nn.sigmoid(gate)  # in the model dtype, as transformers
     if w_stack is not None:
-        out = stacked_linear(out, (w_stack.wo,), product_layer, interpret=interpret).astype(x.dtype)
+        out = stacked_linear(out, (w_stack.wo,), product_layer,
+                             interpret=jax.default_backend() != "gpu").astype(dtype)
     else:
         out = linear(out, w.wo)
-    return (out if w.bo is None else out + w.bo), k_cache, v_cache
+    return out if w.bo is None else out + w.bo
 
 
 def _xla_attention(q: jax.Array, k_layer, v_layer, positions: jax.Array) -> jax.Array:
@@ -342,10 +367,12 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
 
 def scan_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.Array, n_valid: jax.Array,
                 cfg: ModelConfig, experts=None, attention_kernel: bool = False,
-                dense_kernel: bool = False) -> tuple[jax.Array, KVCache]:
+                dense_kernel: bool = False, attend: Callable | None = None) -> tuple[jax.Array, KVCache]:
     """The layers of `forward_scanned` alone: hidden states h [T, H] through the stacked layers `stack` ([L', ...]
     leaves, any L' <= L: a block of layers, as strata_jax/engine/parallel.py's pipeline stages run) and their stacked cache
-    [L', S, Nkv, D]. Returns (h, cache)."""
+    [L', S, Nkv, D]. Returns (h, cache). attend: the body's attention half, _stacked_attention's signature
+    (model/batch.py's: each row a sequence with its own position and KV slot)."""
+    attend = attend or _stacked_attention
     t = h.shape[0]
     valid = jnp.arange(t) < n_valid  # [T]
     n_layers = jax.tree.leaves(stack)[0].shape[0]
@@ -363,8 +390,7 @@ def scan_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.Arra
         h, k_all, v_all = carry
         layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), dense_part)
         with jax.named_scope("layer"):
-            h, x, k_all, v_all = _stacked_attention(h, layer, stack, k_all, v_all, i, pos, cfg, attention_kernel,
-                                                    dense_kernel)
+            h, x, k_all, v_all = attend(h, layer, stack, k_all, v_all, i, pos, cfg, attention_kernel, dense_kernel)
             if not sparse:
                 with jax.named_scope("mlp"):
                     h = h + dense_mlp(x, layer.ffn)

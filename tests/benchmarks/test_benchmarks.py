@@ -373,3 +373,16 @@ def test_the_yardstick_of_cpu_expert_rates():
     read, threads = host_read_gbs(8)
     assert threads >= 1 and (read is None or read > 0)
     assert host_read_gbs(0)[0] is None
+
+
+def test_batch_bench_tiny(tmp_path, capsys, cache_dir):
+    from benchmarks import batch_bench
+    out = tmp_path / "batch.json"
+    result = batch_bench.main(["batch_bench", "--model=tiny", "--batch=1,3", "--prompt=5", "--new_tokens=4",
+                               "--dtype=float32", f"--cache_dir={cache_dir}", f"--json={out}"])
+    saved = json.loads(out.read_text())
+    assert [r["batch"] for r in saved["rows"]] == [1, 3] == [r["batch"] for r in result["rows"]]
+    for r in saved["rows"]:
+        assert r["aggregate_tok_s"] > 0 and r["per_stream_tok_s"] == pytest.approx(r["aggregate_tok_s"] / r["batch"])
+    table_lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
+    assert len(table_lines) == 2 + 3 and "aggregate tok/s" in table_lines[0]  # alone, B=1, B=3

@@ -1,0 +1,103 @@
+"""Aggregate decode speed of batched windows (issue 38): B sequences decoded together (Engine.generate_batch), every
+expert resident, beside one sequence alone through the engine's own T=1 loop (generate, spec=0).
+
+    python -m benchmarks.batch_bench --model=tiny --batch=1,2,4 --new_tokens=16        # CPU, seconds
+    python -m benchmarks.batch_bench --model=qwen3-30b-a3b --batch=1,2,4,8 --json=$OUT/batch.json   # a GPU
+
+One engine over random weights (max_batch = the largest B); for each B, B random prompts of --prompt tokens, a
+warm-up batch (the bucket's graph compiles), then the timed batch: every prompt generates --new_tokens greedy
+tokens (no stop token). Aggregate tok/s = the batch's decoded tokens (each prompt's first token comes from its
+prefill, as RequestStats.decode_tok_s counts) over the batched decode's wall time; per-stream tok/s = aggregate / B.
+The 'alone' row is the T=1 loop of generate(spec=0) on the first prompt: what B=1 of the batched graph costs
+beside it. Random weights route near-uniformly: a batch's rows share fewer experts than a trained model's would.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from absl import flags
+
+from benchmarks import common, runner
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("model", "tiny", "Model preset from configs/ (a Qwen3-MoE shape: tiny, qwen3-30b-a3b).",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("layers", 0, "Cut the model to its first N layers (0 = all).", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_string("batch", "1,2,4,8", "Batch sizes B to time, comma-separated (max_batch = the largest).",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("prompt", 128, "Prompt tokens per sequence.", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("new_tokens", 128, "Tokens each sequence generates.", lower_bound=2, flag_values=FLAGS)
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weight, activation and KV cache dtype.",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
+flags.DEFINE_float("embed_scale", 50.0, "The random embedding scaled by this (Engine.from_random: 50 spreads the "
+                   "routing over most experts, as a trained model's).", flag_values=FLAGS)
+flags.DEFINE_string("cache_dir", "", "The engine's cache_dir ('' = its default).", flag_values=FLAGS)
+flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
+runner.define_output_flag(FLAGS)
+
+HEADERS = ["B", "aggregate tok/s", "per-stream tok/s", "ms/window", "x alone"]
+TIMING = "wall time of the batched decode (after each prompt's prefill), host loop included"
+
+
+def run(s) -> dict:
+    import numpy as np
+    from strata_jax.engine.api import Engine
+    from strata_jax.model.config import preset
+
+    batches = runner.parse_list(s.batch, int, "batch", lo=1, hi=64)
+    full = preset(s.model)
+    cfg = preset(s.model, layers=s.layers if s.layers and s.layers < full.num_layers else None)
+    dev = common.device_info()
+    common.say(f"batch_bench: {s.model}, {cfg.num_layers} layers, {cfg.num_experts} experts top-"
+               f"{cfg.num_experts_per_tok}, {s.dtype}, random weights (seed {s.seed}); {dev['device_kind']}; "
+               f"{s.prompt} prompt tokens, {s.new_tokens} greedy tokens per sequence")
+    options = dict(dtype=s.dtype, context=s.prompt + s.new_tokens, expert_cache_slots="all", window=1,
+                   max_batch=max(batches))
+    if s.cache_dir:
+        options["cache_dir"] = s.cache_dir
+    t0 = time.perf_counter()
+    engine = Engine.from_random(cfg, seed=s.seed, verbose=False, embed_scale=s.embed_scale, **options)
+    common.progress(f"engine built in {time.perf_counter() - t0:.1f} s")
+    rng = np.random.default_rng(s.seed + 1)
+    prompts = [rng.integers(0, cfg.vocab_size, s.prompt).tolist() for _ in range(max(batches))]
+    request = dict(max_new_tokens=s.new_tokens, stop_token_ids=[])
+    result = dict(benchmark="batch_bench", settings={n: getattr(s, n) for n in FLAGS}, device=dev, rows=[],
+                  timing_scope=TIMING)
+
+    engine.generate(prompts[0], **request, spec=0)  # warm-up: the T=1 loop alone
+    engine.generate(prompts[0], **request, spec=0)
+    alone = engine.stats.last
+    alone_tok_s = alone.decode_tok_s
+    result["alone"] = dict(tok_s=alone_tok_s, ms_window=alone.decode_s / max(alone.windows, 1) * 1e3)
+    cells = [["alone (generate, spec=0)", alone_tok_s, alone_tok_s, result["alone"]["ms_window"], 1.0]]
+    for b in batches:
+        engine.generate_batch(prompts[:b], **request)  # warm-up: the bucket's graph compiles
+        engine.generate_batch(prompts[:b], **request)
+        last = engine.stats.last
+        decoded = last.generated_tokens - b  # each prompt's first token came from its prefill
+        tok_s = decoded / last.decode_s if last.decode_s > 0 else 0.0
+        row = dict(batch=b, aggregate_tok_s=tok_s, per_stream_tok_s=tok_s / b,
+                   ms_window=last.decode_s / max(last.windows, 1) * 1e3,
+                   vs_alone=tok_s / alone_tok_s if alone_tok_s else None)
+        result["rows"].append(row)
+        cells.append([b, tok_s, tok_s / b, row["ms_window"], row["vs_alone"]])
+        common.progress(f"B={b}: {tok_s:,.1f} tok/s aggregate")
+    result["table"] = runner.table(s, "batch_bench", HEADERS, cells, params=["B"], timing=TIMING,
+                                   fixed=dict(model=s.model, layers=cfg.num_layers, dtype=s.dtype, prompt=s.prompt,
+                                              new_tokens=s.new_tokens),
+                                   units={"ms/window": "ms", "x alone": "x"}, result=result)
+    if s.json:
+        common.write_json(s.json, result)
+        common.say(f"json: {s.json}")
+    return result
+
+
+def main(argv: list[str]) -> dict:
+    """Parse argv (argv[0] = program name) into FLAGS and run; returns the numbers. Errors: one line, exit 1."""
+    return common.run_main(FLAGS, argv, "benchmarks.batch_bench", run)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,95 @@
+"""Batched windows (Engine.generate_batch, issue 38): each prompt of a batch gives the tokens and logits it gives
+alone (float32: logits within 1e-5, greedy and seeded sampled tokens identical to generate(spec=0)), prompts of
+different lengths, prompts leaving early, a padded bucket; bad input in one line."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import one_line_refusal, rel_fro
+from strata_jax import Engine
+from strata_jax.engine.api import StopRequest
+
+MAX_BATCH = 4  # buckets 1, 2, 4: three prompts run a padded bucket of 4
+
+
+@pytest.fixture(scope="module")
+def engine(engine_factory):
+    return engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all",
+                          max_batch=MAX_BATCH)
+
+
+def random_prompts(engine, lengths, seed):
+    # ids below the last one (<|endoftext|>, the embedded model's eos)
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, engine.cfg.vocab_size - 1, n).tolist() for n in lengths]
+
+
+def alone_logits(engine, prompt, out):
+    """The logits each of `out`'s tokens was chosen from when the prompt runs alone (teacher-forced T=1 windows)."""
+    return engine.score(prompt + out[:-1], window=1)[len(prompt) - 1:]
+
+
+@pytest.mark.parametrize("lengths", [(6, 13), (5, 17, 9)], ids=["B2", "B3-padded"])
+def test_greedy_batch_equals_alone(engine, lengths):
+    prompts = random_prompts(engine, lengths, seed=len(lengths))
+    full = [engine.generate(p, 10, stop_token_ids=[], spec=0) for p in prompts]
+    # prompt 0 leaves at a stop token (its 4th token), prompt 1 at its own max_new_tokens; the others run on
+    stop = full[0][3]
+    per_prompt = [{"stop_token_ids": [stop]}, {"max_new_tokens": 3}] + [{}] * (len(prompts) - 2)
+    alone = [engine.generate(p, o.get("max_new_tokens", 10), stop_token_ids=o.get("stop_token_ids", []), spec=0)
+             for p, o in zip(prompts, per_prompt)]
+    assert alone[0][-1] == stop and len(alone[0]) <= 4 and len(alone[1]) == 3
+    outs, logits = engine.generate_batch(prompts, max_new_tokens=10, stop_token_ids=[], per_prompt=per_prompt,
+                                         return_logits=True)
+    assert outs == alone
+    assert [s.generated_tokens for s in engine.stats.batch] == [len(o) for o in outs]
+    assert engine.stats.last.generated_tokens == sum(map(len, outs))
+    for prompt, out, rows in zip(prompts, outs, logits):
+        assert rows.shape == (len(out), engine.cfg.vocab_size) and rows.dtype == np.float32
+        assert rel_fro(rows, alone_logits(engine, prompt, out)) <= 1e-5
+
+
+def test_sampled_batch_equals_alone(engine):
+    prompts = random_prompts(engine, (7, 12, 4), seed=5)
+    settings = [dict(temperature=0.9, seed=11), dict(temperature=0.7, top_k=20, seed=12), dict(temperature=0.0)]
+    alone = [engine.generate(p, 9, stop_token_ids=[], spec=0, **o) for p, o in zip(prompts, settings)]
+    outs = engine.generate_batch(prompts, max_new_tokens=9, stop_token_ids=[], per_prompt=settings)
+    assert outs == alone
+    # the same request again: the same tokens (a key per seed and position)
+    assert engine.generate_batch(prompts[:2], max_new_tokens=9, stop_token_ids=[], per_prompt=settings[:2]) == alone[:2]
+
+
+def test_on_token_and_stop_request(engine):
+    prompts = random_prompts(engine, (8, 10), seed=7)
+    alone = [engine.generate(p, 8, stop_token_ids=[], spec=0) for p in prompts]
+    seen = {0: [], 1: []}
+
+    def on_token(i, token):
+        seen[i].append(token)
+        if i == 0 and len(seen[0]) == 2:
+            raise StopRequest  # prompt 0 ends here, prompt 1 goes on
+    outs = engine.generate_batch(prompts, max_new_tokens=8, stop_token_ids=[], on_token=on_token)
+    assert outs == [alone[0][:2], alone[1]] and seen == {0: outs[0], 1: outs[1]}
+
+
+def test_bad_input_one_line(engine, embedded_engine):
+    prompts = random_prompts(engine, (3, 4, 5, 6, 7), seed=9)
+    one_line_refusal(engine.generate_batch, prompts, match="5 prompts but max_batch=4")
+    one_line_refusal(engine.generate_batch, [], match="non-empty list")
+    one_line_refusal(engine.generate_batch, prompts[0], match="prompt 0")  # one prompt, not a list of them
+    one_line_refusal(engine.generate_batch, prompts[:2], spec=2, match="unknown option.*spec")
+    one_line_refusal(engine.generate_batch, [prompts[0], []], match="prompt 1 has 0 tokens")
+    one_line_refusal(engine.generate_batch, [prompts[0], [1.5]], match="prompt 1")
+    one_line_refusal(engine.generate_batch, prompts[:2], per_prompt=[{}], match="per_prompt")
+    one_line_refusal(engine.generate_batch, prompts[:2], per_prompt=[{}, {"grammar": "x"}], match="unknown option")
+    one_line_refusal(engine.generate_batch, prompts[:2], temperature=-1, match="temperature")
+    one_line_refusal(engine.generate_batch, prompts[:2], max_new_tokens=-1, match="max_new_tokens")
+    assert engine.generate_batch(prompts[:2], max_new_tokens=0) == [[], []]  # as generate: nothing to run
+    one_line_refusal(embedded_engine.generate_batch, prompts[:2], match="2 prompts but max_batch=1")
+    one_line_refusal(Engine.from_pretrained, None, verbose=False, max_batch=0, match="max_batch")
+    one_line_refusal(Engine.from_pretrained, None, verbose=False, dtype="float32", context=64, max_batch=2,
+                     expert_cache_slots=4, match="max_batch=2: offload is on")
+    # the engine still serves a batch after the refusals
+    assert engine.generate_batch(prompts[:1], max_new_tokens=2, stop_token_ids=[]) == \
+        [engine.generate(prompts[0], 2, stop_token_ids=[], spec=0)]
