@@ -2,7 +2,7 @@
 
     python -m strata_jax.host_pool.measure [--threads N] [--experts 8] [--formats bf16,int8,int4] [--paths C,numpy]
                                 [--read_mb 2048] [--variants "default PREFETCH_BYTES=0 ROWS_UP=64,ROWS_DOWN=32"]
-                                [--x bf16|float32] [--hot-intermediate -1]
+                                [--x bf16|float32] [--hot-intermediate -1] [--timeline]
 
 One row per format, path and window size T: ms per layer job, ms per expert (the job's wall time / its experts),
 GB/s = expert weight bytes read (q and scales for int8 / int4) / wall time, that GB/s as a share of the machine's
@@ -168,6 +168,9 @@ def main() -> None:
                         help="x's values: rounded to bf16 (as a bf16 model's device sends them) or float32")
     parser.add_argument("--hot-intermediate", type=int, default=-1,
                         help="I of the hot-cache expert (H is --hidden); -1: --intermediate; 0: no hot-cache rows")
+    parser.add_argument("--timeline", action="store_true",
+                        help="path C: under each row, the mean job's timeline (setup, the team's wake-up, phase 1, "
+                             "phase 2) in microseconds")
     parser.add_argument("--variants", default="default",
                         help='space-separated builds of path C: "default" or comma-separated -D macros of '
                              'native_experts.c, e.g. "default PREFETCH_BYTES=0 ROWS_UP=64,ROWS_DOWN=32"')
@@ -225,7 +228,10 @@ def main() -> None:
             if kernels.get(path) is not None:  # a variant: the pool's jobs call it instead of the default build
                 native.experts_kernel = lambda kernel=kernels[path]: kernel
             pool = HostPool(store, threads=args.threads, blas_threads=blas_threads)
+            timeline = (kernels.get(path) or native.experts_kernel()) if args.timeline and path != "numpy" else None
             for T in windows:
+                if timeline is not None:
+                    timeline.timeline(True)
                 ms, gbps, jobs = pool_row(pool, rng, T, args.experts, H, args.repeats)
                 if fmt == "bf16":
                     bf16_ms[path, T] = ms
@@ -233,6 +239,11 @@ def main() -> None:
                 ratio = f"{ms / bf16_ms[path, T]:7.2f}x" if (path, T) in bf16_ms else "-"
                 print(f"{name:20s} {path:{width}s} {host_mb:9.0f} {T:2d} {ms:8.2f} {ms / args.experts:9.3f} "
                       f"{gbps:7.2f} {share:>8s} {ratio:>8s} {jobs:5d}", flush=True)
+                if timeline is not None:
+                    t = timeline.timeline(False)
+                    print(f"{'':20s} {'':{width}s} timeline, mean of {t['jobs']} jobs (us): setup {t['setup']:.1f}, "
+                          f"threads in {t['first_in']:.1f} .. {t['last_in']:.1f}, phase 1 {t['phase1']:.1f}, "
+                          f"phase 2 {t['job'] - t['phase1']:.1f}, region {t['job']:.1f}", flush=True)
             pool.close()
             native.experts_kernel = default_kernel
         del store

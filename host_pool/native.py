@@ -130,6 +130,19 @@ class ExpertsKernel:
         self.read_words.restype = ctypes.c_uint64
         library.experts_build.restype = ctypes.c_char_p
         self.build = library.experts_build().decode()
+        self._timeline = library.experts_timeline
+        self._timeline.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        self._timeline.restype = None
+
+    def timeline(self, on: bool) -> dict[str, float]:
+        """The jobs' timeline since the last call (then zeroed; `on`: whether later jobs keep one), as the mean
+        microseconds a job: setup (before the threads), first_in / last_in (the first and the last thread inside,
+        after the region opened), phase1 (to phase 1's barrier), job (to the region's end); and jobs."""
+        sums = (ctypes.c_longlong * 6)()
+        self._timeline(int(on), sums)
+        jobs = sums[5]
+        names = ("setup", "first_in", "last_in", "phase1", "job")
+        return dict({k: sums[i] / jobs / 1e3 if jobs else 0.0 for i, k in enumerate(names)}, jobs=jobs)
 
 
 def experts_kernel() -> ExpertsKernel | None:

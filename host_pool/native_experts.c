@@ -38,6 +38,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -620,6 +621,31 @@ static int bf16_copy(const float *rows, long count, long n, const int32_t *posit
 }
 #endif
 
+/* The job's timeline (host_pool/measure.py --timeline; off unless experts_timeline turns it on): each job adds, in
+   ns, its setup (x's bf16 copy, the scratch) before the parallel region, the first and the last thread's entry into
+   the region after it opened (the team's wake-up), phase 1 to its barrier and phase 2 to the region's end, all from
+   the region's opening except setup; what a small job (one or two experts) spends beside its bytes. */
+static int timeline_on;
+static long long timeline_sums[6];  /* setup, first in, last in, phase 1 end, region end, jobs */
+#define TIMELINE_THREADS 1024
+
+static long long now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* on: whether later jobs keep the timeline; out [6] (or NULL): the sums since the last call (then zeroed) */
+void experts_timeline(int on, long long *out)
+{
+    for (int k = 0; k < 6; k++) {
+        const long long v = __atomic_exchange_n(&timeline_sums[k], 0, __ATOMIC_SEQ_CST);
+        if (out) out[k] = v;
+    }
+    timeline_on = on;
+}
+
 /* See the comment at the top. gate, up: [E, I, H] (int4 [E, I, H/2]); down: [E, H, I] (int4 [E, H, I/2]);
    x [T, H]; h scratch [J, I]; out [*, H], added to. Returns the threads that ran (1 without OpenMP). */
 int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
@@ -629,6 +655,10 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
                 const int64_t *entry_token, const int64_t *entry_out, const float *entry_weight,
                 float *h, float *out, int threads)
 {
+    const int timed = timeline_on;
+    const long long t_entry = timed ? now_ns() : 0;
+    long long t_region = 0, t_phase1 = 0;
+    long long *entered = timed ? calloc(TIMELINE_THREADS, sizeof *entered) : NULL;  /* each thread's entry */
     const matrix mg = {gate, gate_scale, I, H}, mu = {up, up_scale, I, H}, md = {down, down_scale, H, I};
     const long blocks_up = (I + ROWS_UP - 1) / ROWS_UP, blocks_down = (H + ROWS_DOWN - 1) / ROWS_DOWN;
     int ran = 1;
@@ -664,10 +694,19 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
         }
     }
 #endif
+    if (timed) t_region = now_ns();
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
     {
+        if (entered) {
+#ifdef _OPENMP
+            const int me = omp_get_thread_num();
+#else
+            const int me = 0;
+#endif
+            if (me < TIMELINE_THREADS) entered[me] = now_ns();
+        }
 #ifdef _OPENMP
 #pragma omp single nowait
         ran = omp_get_num_threads();
@@ -718,6 +757,12 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
             }
         }
         /* the implicit barrier of the loop above: every h row is written before phase 2 reads it */
+        if (timed) {
+#ifdef _OPENMP
+#pragma omp master
+#endif
+            t_phase1 = now_ns();
+        }
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
@@ -758,6 +803,21 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
                 }
         }
     }
+    if (timed) {
+        const long long t_end = now_ns();
+        long long first = 0, last = 0;
+        if (entered) {
+            first = entered[0], last = entered[0];
+            for (int k = 1; k < ran && k < TIMELINE_THREADS; k++) {
+                first = entered[k] && entered[k] < first ? entered[k] : first;
+                last = entered[k] > last ? entered[k] : last;
+            }
+        }
+        const long long add[6] = {t_region - t_entry, first ? first - t_region : 0, last ? last - t_region : 0,
+                                  t_phase1 - t_region, t_end - t_region, 1};
+        for (int k = 0; k < 6; k++) __atomic_fetch_add(&timeline_sums[k], add[k], __ATOMIC_SEQ_CST);
+    }
+    free(entered);
     free(x16);
     free(h16);
     free(h_position);

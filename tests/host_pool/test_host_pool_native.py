@@ -195,6 +195,27 @@ def test_read_probe_reads_every_word(kernel):
         assert kernel.read_words(words.ctypes.data, len(words), threads) == int(words.sum())
 
 
+def test_the_timeline_counts_each_job_in_order(kernel, monkeypatch):
+    """measure.py --timeline: off, jobs leave no trace; on, each job's setup, the team's entry, phase 1 and the
+    region's end are counted, in that order; the results are the same bits as without it."""
+    rng = rng_for("native-timeline")
+    _, store = make_store(rng, "bfloat16")
+    x = rng.standard_normal((3, store.hidden_size(0))).astype(np.float32)
+    ids = np.array([2, 6, 3], np.int32)
+    w = rng.random((3, 3)).astype(np.float32)
+    monkeypatch.setenv(native.ENV, "1")
+    with HostPool(store, threads=2) as pool:
+        kernel.timeline(False)  # zeroed, off
+        plain = pool.compute(0, x, ids, w)
+        assert kernel.timeline(True)["jobs"] == 0
+        timed = [pool.compute(0, x, ids, w) for _ in range(3)]
+        t = kernel.timeline(False)
+    assert t["jobs"] == 3
+    assert 0 <= t["first_in"] <= t["last_in"] <= t["phase1"] <= t["job"] and t["setup"] >= 0 and t["job"] > 0
+    for out in timed:
+        np.testing.assert_array_equal(out, plain)
+
+
 # The bf16 dot-product path (AVX-512 BF16 builds): phase 1 takes it when every x value is exactly bf16 (as a bf16
 # model's device sends x), phase 2 when h is rounded to bf16. The products are the float path's (exact operands), so
 # the tolerances are the same. Shapes: rows of a multiple of 128 inputs and not (masked last block), int4 groups of
