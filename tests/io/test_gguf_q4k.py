@@ -157,3 +157,53 @@ def test_random_weights_for_benchmarks(cache_dir):
     offloaded = Engine.from_random(cfg, seed=3, expert_cache_slots="3", pcie_frac="0.5", **opts)
     assert resident.weights.layers.ffn.gate_scale.dtype == jnp.uint16
     assert rel_fro(offloaded.prefill_logits(IDS), resident.prefill_logits(IDS)) < 1e-5
+
+
+def test_q4k_m_mix_with_expert_dtype_int4_q4k(tmp_path, cache_dir):
+    """A Q4_K_M-like file (gate/up experts Q4_K, down Q6_K: random blocks, gguf.quants has no Q6_K quantizer):
+    expert_dtype=auto leaves the experts dequantized (not all Q4_K); expert_dtype=int4-q4k keeps the Q4_K stacks
+    as read and requantizes the Q6_K ones from their values; the start-up line says which."""
+    raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
+               moe_intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=1)
+    hub = test_gguf.stacked(random_checkpoint(raw, seed=21), 1, 4)
+    rng = np.random.default_rng(22)
+
+    def encode_mix(x, qtype):
+        if qtype == Q.Q6_K:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            return rng.integers(0, 0x40, (*x.shape[:-1], x.shape[-1] // block * size), dtype=np.uint8)
+        return encode(x, qtype)
+    path = tmp_path / "q4k_m.gguf"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(test_gguf, "encode", encode_mix)
+    try:
+        written = test_gguf.write_gguf(path, raw, hub, types=lambda g: (Q.Q6_K if "down_exps" in g else Q.Q4_K)
+                                       if "_exps" in g else Q.F32)
+    finally:
+        mp.undo()
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    assert gguf_file.kept_expert_format(folder) is None
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    line = gguf_file.formats_line(source, "bfloat16", quant.Q4K)
+    assert "-> int4-q4k (4.62 bpw: Q4_K's blocks as stored, the other types requantized at load" in line, line
+    w = checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format=quant.Q4K)
+    ffn = w.layers[0].ffn
+    for which in ("gate", "up"):
+        np.testing.assert_array_equal(
+            np.asarray(quant.dequantize_engine_int4(getattr(ffn, which), getattr(ffn, which + "_scale"), jnp.float32)),
+            written[f"model.layers.0.mlp.experts.{which}_proj.weight"])
+    down = np.asarray(quant.dequantize_engine_int4(ffn.down, ffn.down_scale, jnp.float32))
+    assert 0 < rel_fro(down, written["model.layers.0.mlp.experts.down_proj.weight"]) < 0.15
+
+
+def test_saved_state_keeps_the_blocks(q4k_model, engine_factory, tmp_path, cache_dir):
+    """--save_state of the kept Q4_K experts saves q and the codes; the state restores with expert_dtype=int4-q4k
+    (offloaded: the pool gets the codes too) to the same logits."""
+    path, _, _ = q4k_model
+    src = engine_factory(path, **EXACT)
+    state = tmp_path / "state"
+    src.save_state(state)
+    back = Engine.from_pretrained(state, verbose=False, cache_dir=str(cache_dir), dtype="float32",
+                                  expert_cache_slots="3", pcie_frac="0.5", expert_dtype="int4-q4k")
+    assert back.placement.pool.store.format == "int4-q4k"
+    assert rel_fro(back.prefill_logits(IDS), src.prefill_logits(IDS)) < 1e-5
