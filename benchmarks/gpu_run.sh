@@ -191,7 +191,7 @@ step kl_arms "${KL_LIMIT_S:-420}" "$PY" -m benchmarks.kl_arms --cache_dir="$JIT_
 # same with XLA's command buffers taking the while loops and conditionals too (CUDA graph conditional nodes: no
 # host round trip per fetch loop or block).
 CB_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-for ed in auto int8 int4; do
+for ed in ${QUANT_DTYPES:-auto int8 int4 int4-q4k}; do  # int4-q4k: GGUF Q4_K's blocks (issue 36)
   step "offload_experts_$ed" "${QUANT_LIMIT_S:-300}" "$PY" -m benchmarks.offload_bench --model=qwen3-30b-a3b \
     --dtype=bfloat16 --expert_dtype=$ed --slot_fracs=${QUANT_FRACS:-0.5,0.25} --pcie_fracs=${QUANT_PCIE:-1} \
     --cache_dir="$JIT_CACHE" --json="$OUT/offload_experts_$ed.json" ${QUANT_ARGS:-}
@@ -203,7 +203,7 @@ done
 step quant_gpu_tests "${GPU_TESTS_LIMIT_S:-240}" "$PY" -m pytest -q -m gpu tests/model/test_quant.py tests/model/test_kv_int8.py
 # The expert FFN kernel on bf16 / int8 / int4 experts at the 30B shape, and the host pool per format on this host.
 step quant_kernels "${KERNEL_LIMIT_S:-180}" "$PY" -m benchmarks.expert_ffn_bench --t=${KERNEL_T:-1,2,4,8} \
-  --formats=${KERNEL_FORMATS:-int8,int4,int4-g128} \
+  --formats=${KERNEL_FORMATS:-int8,int4,int4-g128,int4-q4k} \
   --json="$OUT/quant_kernels.json"
 step pool_formats "${POOL_LIMIT_S:-120}" "$PY" -m strata_jax.host_pool.measure --formats bf16,int8,int4,int4-numpy
 

@@ -69,7 +69,7 @@ runner.define_output_flag(FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Array size of the device_put and memcpy bandwidth copies in MiB (0 = 1024 on an "
                      "accelerator, 64 on CPU).", lower_bound=0, flag_values=FLAGS)
-flags.DEFINE_enum("expert_dtype", "auto", ["auto", "int8", "int4"], "The engine option: int8 / int4 experts "
+flags.DEFINE_enum("expert_dtype", "auto", ["auto", "int8", "int4", "int4-q4k"], "The engine option: int8 / int4 experts "
                   "(quantized as the random weights are made: a byte / half a byte a weight in host memory, slots "
                   "and PCIe fetches).",
                   flag_values=FLAGS)

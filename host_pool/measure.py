@@ -100,7 +100,7 @@ def hot_rate(kernel, store: HostExpertStore, T: int, x_dtype, rng, units: int = 
     h = np.empty((units * T, I), np.float32)
     out = np.zeros((T, H), np.float32)
     scales = [getattr(store, name)[0] for name in ("gate_scale", "up_scale", "down_scale")]
-    group = 0 if store.format != "int4" else H // scales[0].shape[2]
+    group = store.group(0)
     ptr = lambda a: 0 if a is None else a.ctypes.data
     args = (pool_module._FORMAT_CODES[store.format], int(store.compute_dtype == BF16), H, I, group,
             *map(ptr, (store.gate[0], store.up[0], store.down[0], *scales, x)), units, *map(ptr, (

@@ -9,6 +9,9 @@
      phase 2, threads over blocks of H rows:         out[out_j, r] += w_j * r(s_d * down[e, r] . h[j])
    r() rounds to bf16 (round to nearest even) when `round_bf16`, as the device's graphs round; s_* are int8's row
    scales (1 otherwise); int4 weights are (nibble - 8) * group scale, exact in float32, as store.py dequantizes.
+   int4-q4k (FMT_INT4K, GGUF Q4_K's blocks: w = s * nibble - mn per group of 32): int4's loops with the scales s
+   (a scale row holds the G scales, then the G minima), plus sum_g (8 s_g - mn_g) * sum(x over group g), the
+   group sums of x (and of h) taken once per job: the dot with s * nibble - mn up to float32 rounding.
    Each output element is written by one thread, units in order: a fixed summation order, no locks. Plain layer
    jobs give every entry of a token the same output row (the weighted sum), split jobs one row per entry, weight 1.
 
@@ -37,13 +40,14 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT4K = 4 };
 enum { TOKENS = 4 };      /* token rows read per pass over a weight row */
 /* weight rows per work item of phase 1 / phase 2 (-D to try others: host_pool/measure.py --variants) */
 #ifndef ROWS_UP
@@ -347,15 +351,37 @@ typedef struct {
     const void *weights;
     const float *scales;
     long rows, n;
+    int minima;  /* int4-q4k: a scale row is [2 n/group]: the scales, then the minima */
 } matrix;
+
+/* int4-q4k: sum_g (8 s_g - mn_g) * sums[g] of row `row` (its scale row: G scales, then G minima) */
+static inline float q4k_bias(const matrix *m, long group, long row, const float *sums)
+{
+    const long G = m->n / group;
+    const float *s = m->scales + row * 2 * G, *mn = s + G;
+    float acc = 0.0f;
+    for (long g = 0; g < G; g++) acc += (8.0f * s[g] - mn[g]) * sums[g];
+    return acc;
+}
+
+/* sums[k * G + g] = the sum of rows[k]'s inputs g*group .. (g+1)*group - 1, k < count */
+static void group_sums(const float *rows, long count, long n, long group, float *sums)
+{
+    for (long k = 0; k < count; k++)
+        for (long g = 0; g < n / group; g++) {
+            float acc = 0.0f;
+            for (long i = 0; i < group; i++) acc += rows[k * n + g * group + i];
+            sums[k * (n / group) + g] = acc;
+        }
+}
 
 static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, long r, const float *const *xs, int nt,
                            float *out)
 {
     const long row = expert * m->rows + r;
     if (fmt == FMT_INT4) {
-        dot_rows_int4((const uint8_t *)m->weights + row * (m->n / 2), m->scales + row * (m->n / group), m->n, group,
-                      xs, nt, out);
+        dot_rows_int4((const uint8_t *)m->weights + row * (m->n / 2),
+                      m->scales + row * (m->n / group) * (1 + m->minima), m->n, group, xs, nt, out);
         return;
     }
     const long itemsize = fmt == FMT_F32 ? 4 : fmt == FMT_BF16 ? 2 : 1;
@@ -560,7 +586,7 @@ static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matr
         const float *scales[MAX_ROWS];
         for (int r = 0; r < R; r++) {
             packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
-            scales[r] = ms[r]->scales + row[r] * (n / group);
+            scales[r] = ms[r]->scales + row[r] * (n / group) * (1 + ms[r]->minima);
         }
 #define INT4_CALL(NT, R) dot16_int4_nt(packed, scales, n, ahead * (n / 2), group / 2, xs, out, NT, R)
         DOT16_ROWS(INT4_CALL)
@@ -659,7 +685,23 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
     const long long t_entry = timed ? now_ns() : 0;
     long long t_region = 0, t_phase1 = 0;
     long long *entered = timed ? calloc(TIMELINE_THREADS, sizeof *entered) : NULL;  /* each thread's entry */
-    const matrix mg = {gate, gate_scale, I, H}, mu = {up, up_scale, I, H}, md = {down, down_scale, H, I};
+    const int minima = fmt == FMT_INT4K;  /* int4-q4k: int4's loops, and the minima's term */
+    if (minima) fmt = FMT_INT4;
+    const matrix mg = {gate, gate_scale, I, H, minima}, mu = {up, up_scale, I, H, minima},
+                 md = {down, down_scale, H, I, minima};
+    /* int4-q4k: the group sums of x's token rows (phase 1) and of h's rows (phase 2, after phase 1) */
+    float *x_sums = NULL, *h_sums = NULL;
+    if (minima) {
+        long tokens = 0;
+        for (long j = 0; j < unit_start[units]; j++) tokens = entry_token[j] + 1 > tokens ? entry_token[j] + 1 : tokens;
+        x_sums = malloc((size_t)(tokens * (H / group) + 1) * sizeof *x_sums);
+        h_sums = malloc((size_t)(unit_start[units] * (I / group) + 1) * sizeof *h_sums);
+        if (!x_sums || !h_sums) {  /* a few KB: the process is out of memory */
+            fprintf(stderr, "host pool: out of memory for int4-q4k's group sums\n");
+            abort();
+        }
+        group_sums(x, tokens, H, group, x_sums);
+    }
     const long blocks_up = (I + ROWS_UP - 1) / ROWS_UP, blocks_down = (H + ROWS_DOWN - 1) / ROWS_DOWN;
     int ran = 1;
     /* the bf16 path (see dot16_rows_nt): bf16 copies of x (phase 1) if its values are all bf16, and of h (phase 2)
@@ -740,6 +782,13 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
                         dot_matrix_row(fmt, group, &mg, e, i, xs, nt, gu);
                         dot_matrix_row(fmt, group, &mu, e, i, xs, nt, gu + TOKENS);
                     }
+                    if (minima)
+                        for (long c = 0; c < count; c++)
+                            for (int t = 0; t < nt; t++) {
+                                const float *sums = x_sums + entry_token[j0 + t] * (H / group);
+                                gu[2 * c * TOKENS + t] += q4k_bias(&mg, group, e * I + i + c, sums);
+                                gu[(2 * c + 1) * TOKENS + t] += q4k_bias(&mu, group, e * I + i + c, sums);
+                            }
                     for (long c = 0; c < count; c++, i++)
                         for (int t = 0; t < nt; t++) {
                             float gt = gu[2 * c * TOKENS + t], ut = gu[(2 * c + 1) * TOKENS + t];
@@ -762,6 +811,12 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
 #pragma omp master
 #endif
             t_phase1 = now_ns();
+        }
+        if (minima) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (long j = 0; j < unit_start[units]; j++) group_sums(h + j * I, 1, I, group, h_sums + j * (I / group));
         }
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -793,6 +848,11 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
                         } else
 #endif
                             dot_matrix_row(fmt, group, &md, unit_expert[u], r, hs, nt, y);
+                        if (minima)
+                            for (int k = 0; k < R; k++)
+                                for (int t = 0; t < nt; t++)
+                                    y[k * TOKENS + t] += q4k_bias(&md, group, unit_expert[u] * H + r + k,
+                                                                  h_sums + (j0 + t) * (I / group));
                         for (int k = 0; k < R; k++)
                             for (int t = 0; t < nt; t++) {
                                 const float yt = round_bf16_out ? round_bf16(y[k * TOKENS + t]) : y[k * TOKENS + t];
@@ -821,6 +881,8 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
     free(x16);
     free(h16);
     free(h_position);
+    free(x_sums);
+    free(h_sums);
     return ran;
 }
 

@@ -48,7 +48,7 @@ MIN_ROWS_PER_JOB = 16
 # Tokens per expert up to which a job runs in the C kernel: it reads each weight row once per 4 tokens from cache,
 # so past a few dozen tokens BLAS's blocked products are the faster path.
 NATIVE_MAX_TOKENS = 16
-_FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}  # native_experts.c's FMT_*
+_FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4-q4k": 4}  # native_experts.c's FMT_*
 
 
 class HostPoolError(RuntimeError):
@@ -141,7 +141,7 @@ class HostPool:
     def __init__(self, store: HostExpertStore, threads: int | None = None,
                  timeout_s: float = 20.0, blas_threads: int | None = 1, native_calls: bool = True):
         native.mode()  # a bad STRATA_POOL_NATIVE fails here, not in a job
-        if store.format == "int4":
+        if store.format in ("int4", "int4-q4k"):
             native.int4_kernel()  # compiled now (once per machine), not inside the first job's timeout
         native.experts_kernel()  # the same
         self.store = store
@@ -202,8 +202,7 @@ class HostPool:
             pointers = [(ctypes.c_void_p * L)(*[0 if a is None else a.ctypes.data for a in arr]) for arr in arrays]
             ints = [(ctypes.c_int64 * L)(*values) for values in (
                 [store.hidden_size(i) for i in range(L)], [store.intermediate_size(i) for i in range(L)],
-                [store.hidden_size(i) // store.gate_scale[i].shape[2] if store.format == "int4" else 0
-                 for i in range(L)],
+                [store.group(i) for i in range(L)],
                 [store.num_experts(i) for i in range(L)], [store.nbytes(i, 0) for i in range(L)])]
             pool_id = library.register(_FORMAT_CODES[store.format], int(self.round_bf16), self.threads, L,
                                        *pointers, *ints)
@@ -526,7 +525,7 @@ class HostPool:
         h = np.empty((len(entry_token), I), np.float32)  # [J, I] SwiGLU activations
         gate, up, down = store.gate[layer], store.up[layer], store.down[layer]
         scales = [getattr(store, name)[layer] for name in ("gate_scale", "up_scale", "down_scale")]
-        group = 0 if store.format != "int4" else H // scales[0].shape[2]
+        group = store.group(layer)
         ptr = lambda a: 0 if a is None else a.ctypes.data
         threads = kernel.job(
             _FORMAT_CODES[store.format], int(self.round_bf16), H, I, group, ptr(gate), ptr(up), ptr(down),
@@ -624,7 +623,9 @@ class HostPool:
         gate_rows = self.store.expert_rows("gate", layer, expert, r0, r1)  # [R, H] (int4 [R, H/2]), scales
         up_rows = self.store.expert_rows("up", layer, expert, r0, r1)      # [R, H] (int4 [R, H/2]), scales
         out = hT_n[r0:r1]                                                   # [R, T] view
-        for (c0, gate, gate_s), (_, up, up_s) in zip(row_chunks_f32(*gate_rows), row_chunks_f32(*up_rows)):
+        minima = self.store.minima
+        for (c0, gate, gate_s), (_, up, up_s) in zip(row_chunks_f32(*gate_rows, minima=minima),
+                                                     row_chunks_f32(*up_rows, minima=minima)):
             g = self._round(_scaled(gate @ xT, gate_s))  # [c, T]
             u = self._round(_scaled(up @ xT, up_s))      # [c, T]
             # silu(g) = g * sigmoid(g); tanh form does not overflow.
@@ -639,7 +640,7 @@ class HostPool:
         for n, (expert, hT) in enumerate(hTs):
             down_rows = self.store.expert_rows("down", layer, expert, r0, r1)  # [R, I] (int4 [R, I/2]), scales
             nbytes += _nbytes(down_rows)
-            for c0, down, scale in row_chunks_f32(*down_rows):
+            for c0, down, scale in row_chunks_f32(*down_rows, minima=self.store.minima):
                 put(n, r0 + c0, r0 + c0 + len(down), self._round(_scaled(down @ hT, scale)))
         return time.perf_counter() - t0, nbytes
 

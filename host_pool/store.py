@@ -60,6 +60,12 @@ class HostExpertStore:
         Q4_0's order, q + 8 in a nibble): gate, up [E, I, H/2], down
         [E, H, I/2]; a scale per (output row, group): [E, I, H/g], [E, I, H/g],
         [E, H, I/g] (g = 64 for "int4"; the group is read off the scales).
+      * int4-q4k (GGUF Q4_K's blocks, quant.py "int4-q4k"): int4's packed
+        groups of 32 with their uint16 codes as the device keeps them (pool
+        layout [E, O, 5G/4]: per group sc | m << 6, then the super-blocks' fp16
+        d and dmin), decoded here once into float32 [E, O, 2G]: the G scales
+        s = d sc, then the G minima mn = dmin m (exact); w = s q - mn with q
+        the nibble (0..15). `format` "int4-q4k", `minima` True.
     `compute_dtype` (float32 or bfloat16; default bf16 for quantized experts)
     says how the pool rounds, as the device's graphs do.
     """
@@ -75,6 +81,7 @@ class HostExpertStore:
         self.up_scale: list[np.ndarray | None] = []
         self.down_scale: list[np.ndarray | None] = []
         dtypes = set()
+        minima = set()  # int4-q4k layers (codes given) and plain int4 ones
         for index, (gate, up, down, *scales) in enumerate(layers):
             if gate.dtype not in (F32, BF16, I8, U8):
                 raise TypeError(f"layer {index}: expert dtype {gate.dtype}, want float32, bfloat16, int8 or "
@@ -95,8 +102,17 @@ class HostExpertStore:
                 raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}"
                                  + (" (int4: packed [E, out, in/2])" if packed == 2 else ""))
             if quantized:
-                scales = [np.ascontiguousarray(x, F32) for x in scales]
-                _check_scales(index, gate.dtype, scales, E, I, H)
+                codes = [np.asarray(x).dtype == np.uint16 for x in scales]
+                if any(codes) and (not all(codes) or gate.dtype != U8):
+                    raise TypeError(f"layer {index}: int4-q4k experts are uint8 with three uint16 code arrays")
+                if gate.dtype == U8:
+                    minima.add(all(codes))
+                if all(codes):
+                    scales = [q4k_scale_min(np.asarray(x)) for x in scales]  # [E, O, 2G] float32
+                    _check_scales(index, gate.dtype, [x[..., : x.shape[-1] // 2] for x in scales], E, I, H)
+                else:
+                    scales = [np.ascontiguousarray(x, F32) for x in scales]
+                    _check_scales(index, gate.dtype, scales, E, I, H)
             for lst, x in zip((self.gate_scale, self.up_scale, self.down_scale), scales or (None,) * 3):
                 lst.append(x)
             if bf16_as_f32 and gate.dtype == BF16:
@@ -108,14 +124,25 @@ class HostExpertStore:
             dtypes.add(self.gate[-1].dtype)
         if len(dtypes) > 1:
             raise TypeError(f"layers mix dtypes {sorted(map(str, dtypes))}")
+        if len(minima) > 1:
+            raise TypeError("layers mix int4 and int4-q4k experts")
         self.dtype: np.dtype = dtypes.pop() if dtypes else F32  # as stored: uint8 for int4
-        self.format = {F32: "float32", BF16: "bfloat16", I8: "int8", U8: "int4"}[self.dtype]
+        self.minima = minima == {True}  # int4-q4k: scales [E, O, 2G], s then mn
+        self.format = "int4-q4k" if self.minima else {F32: "float32", BF16: "bfloat16", I8: "int8",
+                                                       U8: "int4"}[self.dtype]
         self.compute_dtype = np.dtype(compute_dtype) if compute_dtype is not None else (
             BF16 if self.dtype in (I8, U8) else self.dtype)
 
+    def group(self, layer: int) -> int:
+        """int4's inputs per scale (int4-q4k: 32), 0 for other formats."""
+        if self.dtype != U8:
+            return 0
+        return self.hidden_size(layer) // (self.gate_scale[layer].shape[2] // (2 if self.minima else 1))
+
     def expert_rows(self, which: str, layer: int, expert: int, r0: int, r1: int):
         """Rows r0:r1 of one expert's "gate", "up" or "down" weight: (stored rows [R, in] (int4: [R, in/2]),
-        their scales (int8 [R], int4 [R, G]) or None): what `row_chunks_f32` takes."""
+        their scales (int8 [R], int4 [R, G], int4-q4k [R, 2G]: scales then minima) or None): what `row_chunks_f32`
+        takes (with minima=store.minima)."""
         scales = getattr(self, which + "_scale")[layer]
         return getattr(self, which)[layer][expert, r0:r1], None if scales is None else scales[expert, r0:r1]
 
@@ -160,7 +187,17 @@ def _check_scales(index: int, dtype: np.dtype, scales: list[np.ndarray], E: int,
                              f"with G groups of a multiple of 16 of the {in_dim} inputs")
 
 
-def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None):
+def q4k_scale_min(codes: np.ndarray) -> np.ndarray:
+    """int4-q4k codes [..., 5G/4] uint16 -> float32 [..., 2G]: the G scales d sc, then the G minima dmin m (exact;
+    strata_jax/model/quant.py q4k_scales, which this package may not import)."""
+    g = codes.shape[-1] * 4 // 5
+    c = codes[..., :g]
+    d = np.repeat(np.ascontiguousarray(codes[..., g:g + g // 8]).view(np.float16).astype(F32), 8, axis=-1)
+    dmin = np.repeat(np.ascontiguousarray(codes[..., g + g // 8:]).view(np.float16).astype(F32), 8, axis=-1)
+    return np.ascontiguousarray(np.concatenate([d * (c & 0x3F).astype(F32), dmin * (c >> 6).astype(F32)], -1))
+
+
+def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: bool = False):
     """Yield (row_offset, float32 block [c, in], row scales [c, 1] or None) over a [R, ...] weight slice.
 
     float32 slices come back whole (BLAS reads them in place); bf16, int8 and
@@ -172,6 +209,9 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None):
         scale comes back (the product is scaled, as the device's kernels do).
       * int4 (rows uint8 [R, in/2], scales [R, G]): the block holds the
         exactly dequantized weights (nibble - 8) * scale; None comes back.
+      * int4-q4k (minima; scales [R, 2G]: s then mn): the block holds
+        s * nibble - mn, exactly gguf's values (((nibble - 8) s + 8 s) is
+        s * nibble, exact; one rounding for the minimum, as gguf's).
     """
     if rows.dtype == F32:
         yield 0, rows, None
@@ -182,6 +222,10 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None):
     step = max(1, CHUNK_FLOATS // C)
     kernel = native.int4_kernel() if int4 else None  # the C loop (host_pool/native.py), else numpy's passes
     work = _ChunkWork.take(min(step, R), C, int4_steps=int4 and kernel is None)
+    mins = None
+    if minima:
+        G = scales.shape[1] // 2
+        scales, mins = np.ascontiguousarray(scales[:, :G]), scales[:, G:]
     try:
         fill = native.int4_filler(kernel, rows, scales, work.block) if kernel else None
         for r0 in range(0, R, step):
@@ -191,6 +235,11 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None):
                     fill(r0, len(block))
                 else:
                     _dequantize_int4(rows[r0 : r0 + step], scales[r0 : r0 + step], block, work)
+                if mins is not None:  # (q - 8) s + 8 s - mn
+                    c = len(block)
+                    grouped = block.reshape(c, mins.shape[1], -1)
+                    grouped += 8 * scales[r0 : r0 + c, :, None]
+                    grouped -= mins[r0 : r0 + c, :, None]
                 yield r0, block, None
             else:
                 np.copyto(block, rows[r0 : r0 + step], casting="unsafe")  # bf16 / int8 -> f32, exact

@@ -31,6 +31,12 @@ and the group's f32
 partial sum is scaled by its scale before it joins the accumulator: sum_g s_g (x_g . q_g), the float32 dot with
 the exactly dequantized weights up to summation order (the reference's arithmetic).
 
+int4-q4k experts (GGUF Q4_K's blocks, `strata_jax/model/quant.py` "int4-q4k": w = s q - mn, q in 0..15, packed
+as int4 groups of 32): the scale arrays are uint16 codes, group-major [R, 5G/4, O] (G = In/32 groups: rows 0..G-1
+each group's sc | m << 6, then each 256-input super-block's fp16 d, then its dmin). The loops step groups of 32 as
+int4's do and decode the group's s = d sc and mn = dmin m in registers (exact in float32); the group adds
+s (x_g . (q - 8)) + (8 s - mn) sum(x_g), the dot with the exactly dequantized weights up to float32 rounding.
+
 Where the scales are: program n (the window's expert n) reads its weights at row slot_ids[n] and its scales at row
 scale_ids[n] of the scale arrays ([R, ...], read in place like the weights). scale_ids defaults to slot_ids: the
 scales stored row for row beside the weights (the resident experts, [E, ...] or stacked [L*E, ...], R = S). The
@@ -69,7 +75,23 @@ def _int4_group(x_at, w_ref, slot, rows, k, group: int):
     return plgpu.dot(x_lo, lo, trans_b=True) + plgpu.dot(x_hi, hi, trans_b=True)  # [Tp, BO]
 
 
-def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None, group: int):
+def _q4k_scale(codes_ref, srow, grp, rows, groups: int):
+    """int4-q4k: group grp's scale s and bias 8 s - mn [1, BO] f32 for rows `rows`, from the codes [R, 5G/4, O]."""
+    code = codes_ref[srow, grp, rows].astype(jnp.int32)
+    fp16 = lambda at: jax.lax.bitcast_convert_type(codes_ref[srow, at, rows], jnp.float16).astype(jnp.float32)
+    d, dmin = fp16(groups + grp // 8), fp16(groups + groups // 8 + grp // 8)
+    scale = d * (code & 0x3F).astype(jnp.float32)
+    minimum = dmin * (code >> 6).astype(jnp.float32)
+    return scale[None, :], (8.0 * scale - minimum)[None, :]
+
+
+def _x_sum(x_at, k, group: int):
+    """sum(x_g) [Tp, 1] f32 over group k's inputs."""
+    return jnp.sum(x_at(pl.ds(k * group, group)).astype(jnp.float32), axis=1, keepdims=True)
+
+
+def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None, group: int,
+                    minima: bool = False):
     """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8, or [S, I, H/2] int4 (whole arrays, indexed
     by slot); quantized ("int8" / "int4"): then scale ids [Np] and gate/up scales [R, I] / [R, H/g, I] (indexed by
     scale id); h block [Tp, BI]."""
@@ -89,6 +111,14 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
             for j in range(block_k // group):
                 grp = k * (block_k // group) + j
                 x_at = lambda c: x_ref[:, c]
+                if minima:  # int4-q4k: s (x . (q - 8)) + (8 s - mn) sum(x)
+                    groups = hidden // group
+                    xs = _x_sum(x_at, grp, group)
+                    g_scale, g_bias = _q4k_scale(gs_ref, srow, grp, rows, groups)
+                    u_scale, u_bias = _q4k_scale(us_ref, srow, grp, rows, groups)
+                    g += _int4_group(x_at, gate_ref, slot, rows, grp, group) * g_scale + xs * g_bias
+                    u += _int4_group(x_at, up_ref, slot, rows, grp, group) * u_scale + xs * u_bias
+                    continue
                 g_scale = gs_ref[srow, grp, rows].astype(jnp.float32)[None, :]  # [1, BI]
                 u_scale = us_ref[srow, grp, rows].astype(jnp.float32)[None, :]
                 g += _int4_group(x_at, gate_ref, slot, rows, grp, group) * g_scale
@@ -117,7 +147,8 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
         h_ref[...] = (g / (1.0 + jnp.exp(-g)) * u).astype(h_ref.dtype)  # silu(g) * u, [Tp, BI]
 
 
-def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: str | None, group: int):
+def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: str | None, group: int,
+                 minima: bool = False):
     """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 or int8, or [S, H, I/2] int4 (whole); quantized: then
     scale ids [Np] and down scales [R, H] (int8) or [R, I/g, H] (int4); comb [Np, Tp] f32; out block [Tp, BH] f32."""
     sids_ref, ds_ref, comb_ref, out_ref = refs if quantized else (None, None, *refs)
@@ -136,8 +167,13 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
             def body_int4(k, y):
                 for j in range(block_i // group):
                     grp = k * (block_i // group) + j
-                    part = _int4_group(lambda c: h_ref[n, :, c], down_ref, slot, cols, grp, group)
-                    y += part * ds_ref[srow, grp, cols].astype(jnp.float32)[None, :]
+                    h_at = lambda c: h_ref[n, :, c]
+                    part = _int4_group(h_at, down_ref, slot, cols, grp, group)
+                    if minima:  # int4-q4k
+                        d_scale, d_bias = _q4k_scale(ds_ref, srow, grp, cols, inter // group)
+                        y += part * d_scale + _x_sum(h_at, grp, group) * d_bias
+                    else:
+                        y += part * ds_ref[srow, grp, cols].astype(jnp.float32)[None, :]
                 return y
 
             def body(k, y):
@@ -180,7 +216,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     Returns [T, H] float32. Slot ids must be < S (a device value: not checked). T <= 16 costs the same as T = 16.
     int8 experts: gate/up/down int8 with gate_scale, up_scale [R, I] and down_scale [R, H] (float32 or bf16).
     int4 experts: gate/up [S, I, H/2], down [S, H, I/2] uint8 with group-major gate_scale, up_scale [R, H/g, I] and
-    down_scale [R, I/g, H], g = 128, 64 or 32 inputs per scale.
+    down_scale [R, I/g, H], g = 128, 64 or 32 inputs per scale; int4-q4k: the scales uint16 codes [R, 5H/128, I],
+    [R, 5H/128, I], [R, 5I/128, H] (H and I multiples of 256).
     scale_ids [N] int32: expert n's row of the scale arrays (< R, not checked), read where slot_ids[n] >= 0; None:
     slot_ids (the scales row for row beside the weights, R = S). Scales gathered for the window ([N, ...]) take
     scale_ids = arange(N).
@@ -207,15 +244,23 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
         raise ValueError(f"expert_ffn: scale_ids {scale_ids.shape} go with quantized experts, one per slot id "
                          f"{slot_ids.shape}")
     group = 0
-    if quantized == "int4":  # the group: inputs per scale, from the scales' shape
+    minima = quantized == "int4" and all(sc.dtype == jnp.uint16 for sc in scales)  # int4-q4k's codes
+    if quantized == "int4" and minima != any(sc.dtype == jnp.uint16 for sc in scales):
+        raise ValueError("expert_ffn: int4-q4k experts take uint16 codes for all three scales")
+    if minima:
+        group = 32
+        if hidden % 256 or inter % 256:
+            raise ValueError(f"expert_ffn: int4-q4k experts need H and I multiples of 256 (got H {hidden}, I {inter})")
+    elif quantized == "int4":  # the group: inputs per scale, from the scales' shape
         group = hidden // gate_scale.shape[1] if gate_scale.ndim == 3 and gate_scale.shape[1] else 0
         if group not in GROUPS or hidden % group or inter % group:
             raise ValueError(f"expert_ffn: int4 experts need groups of {' or '.join(map(str, GROUPS))} inputs "
                              f"dividing H and I (got H {hidden}, I {inter}, gate_scale {gate_scale.shape})")
     if quantized:
         r = gate_scale.shape[0] if scale_ids is not None else s  # scale rows: the weights' own unless scale_ids
+        rows = (lambda n: 5 * (n // group) // 4) if minima else (lambda n: n // group)  # scale rows per matrix
         want = (((r, inter),) * 2 + ((r, hidden),) if quantized == "int8" else
-                ((r, hidden // group, inter),) * 2 + ((r, inter // group, hidden),))
+                ((r, rows(hidden), inter),) * 2 + ((r, rows(inter), hidden),))
         if tuple(sc.shape for sc in scales) != want:
             raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not "
                              f"match gate/up {want[0]}, down {want[2]}")
@@ -243,24 +288,25 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # the full array, indexed in-kernel
     gu_scales = (*sids, gate_scale, up_scale) if quantized else ()
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized, group=group),
+        functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized, group=group, minima=minima),
         grid=(np_, inter // bi),
         in_specs=[whole((np_,)), whole((tp, hidden)), whole(gate.shape), whole(up.shape),
                   *(whole(sc.shape) for sc in gu_scales)],
         out_specs=pl.BlockSpec((None, tp, bi), lambda i, j: (i, 0, j)),
         out_shape=jax.ShapeDtypeStruct((np_, tp, inter), jnp.bfloat16),  # [Np, Tp, I]
-        compiler_params=params, interpret=interpret, name="expert_ffn_gate_up" + (f"_{quantized}" if quantized else ""),
+        compiler_params=params, interpret=interpret, name="expert_ffn_gate_up" + (f"_{quantized}" if quantized else "") + ("_q4k" if minima else ""),
     )(ids, xp, gate, up, *gu_scales)
 
     d_scales = (*sids, down_scale) if quantized else ()
     partials = pl.pallas_call(
-        functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized, group=group),
+        functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized, group=group,
+                          minima=minima),
         grid=(hidden // bh, splits),
         in_specs=[whole((np_,)), whole(h.shape), whole(down.shape), *(whole(sc.shape) for sc in d_scales),
                   whole(comb.shape)],
         out_specs=pl.BlockSpec((None, tp, bh), lambda b, sp: (sp, 0, b)),
         out_shape=jax.ShapeDtypeStruct((splits, tp, hidden), jnp.float32),  # [n_split, Tp, H]
-        compiler_params=params, interpret=interpret, name="expert_ffn_down" + (f"_{quantized}" if quantized else ""),
+        compiler_params=params, interpret=interpret, name="expert_ffn_down" + (f"_{quantized}" if quantized else "") + ("_q4k" if minima else ""),
     )(ids, h, down, *d_scales, comb)
     return partials.sum(axis=0)[:t]  # [T, H]
 
@@ -292,7 +338,20 @@ def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax
 def _scaled_product_reference(spec: str, a: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     """einsum(spec, a, w) for quantized w, in float32, rounded to a's dtype: int8 q [N, O, In] with row scales
     [N, O] (the product over q widened, times the scale); int4 packed q [N, O, In/2] (byte j of a group: inputs j
-    and j + g/2, as GGUF's Q4_0) with group-major scales [N, In/g, O], dequantized exactly in float32."""
+    and j + g/2, as GGUF's Q4_0) with group-major scales [N, In/g, O], dequantized exactly in float32; int4-q4k:
+    uint16 codes [N, 5G/4, O] (G = In/32), w = d sc q - dmin m, exact in float32."""
+    if q.dtype == jnp.uint8 and scale.dtype == jnp.uint16:
+        n, o, half = q.shape
+        groups = scale.shape[1] * 4 // 5
+        code = scale[:, :groups].astype(jnp.int32)  # [N, G, O]
+        fp16 = lambda rows: jnp.repeat(jax.lax.bitcast_convert_type(rows, jnp.float16).astype(jnp.float32), 8, 1)
+        s = fp16(scale[:, groups:groups + groups // 8]) * (code & 0x3F).astype(jnp.float32)
+        mn = fp16(scale[:, groups + groups // 8:]) * (code >> 6).astype(jnp.float32)
+        p = q.reshape(n, o, groups, 16).astype(jnp.int32)  # [N, O, G, 16]
+        w = jnp.concatenate([p & 0xF, p >> 4], axis=-1).astype(jnp.float32)  # [N, O, G, 32]: q in 0..15
+        w = (w * jnp.swapaxes(s, 1, 2)[..., None] - jnp.swapaxes(mn, 1, 2)[..., None]).reshape(n, o, 2 * half)
+        acc = jnp.einsum(spec, a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+        return acc.astype(a.dtype)
     if q.dtype == jnp.uint8:
         n, o, half = q.shape
         groups = scale.shape[1]

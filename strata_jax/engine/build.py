@@ -92,6 +92,11 @@ def load(engine_cls, path: str | Path | None = None, verbose: bool = True, **opt
     except (OSError, ValueError) as e:
         raise StrataError(f"{cfg_path}: malformed config.json: {e}") from None
     cfg = config_from_dict(raw, where=str(cfg_path))
+    if opts.expert_dtype == "auto" and any(cfg.sparse_layers):
+        from strata_jax.io.gguf_file import kept_expert_format
+        kept = kept_expert_format(path)  # a GGUF whose experts are all Q4_K: kept packed (int4-q4k)
+        if kept:
+            opts = dataclasses.replace(opts, expert_dtype=kept)
     if not checkpoint.is_state_dir(path):
         checkpoint.check_layer_count(path, cfg)
     say = log if verbose else (lambda _: None)

@@ -195,8 +195,9 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     `place_experts` receives each sparse layer's stacked expert arrays (names `layers.{i}.experts.{gate,up,down}`);
     by default they go where `place` puts everything else. expert_format "int8" or "int4" (strata_jax/model/quant.py): the
     routed experts (not the MTP layer's) are quantized as they are read; `place_experts` then receives q (int8, or
-    int4 packed in uint8) and `place_scales` (default `place`) the bf16 scales, [E, O] per row (int8) or [E, O, I/64]
-    (int4) (names `layers.{i}.experts.{gate,up,down}_scale`).
+    int4 packed in uint8) and `place_scales` (default `place`) the bf16 scales, [E, O] per row (int8) or group-major
+    [E, I/g, O] (int4) (names `layers.{i}.experts.{gate,up,down}_scale`). "int4-q4k": a GGUF's Q4_K expert stacks
+    are kept as read (their nibbles moved, uint16 codes [E, 5G/4, O]), other experts quantized at load.
     """
     reader = open_reader(folder)
     place_experts = place_experts or place
@@ -245,9 +246,15 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
                 return grouped(leaf, rows)
             if not leaf.expert:
                 return get(leaf)
+            name = f"{experts_name}.{leaf.expert}"
+            if expert_format == quant.Q4K and not mtp and hasattr(reader, "q4k_experts"):
+                kept = reader.q4k_experts(leaf.hf.format(j=0))  # a GGUF's Q4_K stack, not dequantized
+                if kept is not None:
+                    q, codes = kept
+                    return put(name, q), place_scales(name + "_scale", np.ascontiguousarray(np.swapaxes(codes, -1, -2)))
             if not stacks:
                 stacks.update(expert_stacks(spec, p))
-            w, name = stacks.pop(leaf.expert), f"{experts_name}.{leaf.expert}"
+            w = stacks.pop(leaf.expert)
             if not expert_format or mtp:
                 return put(name, w)
             qa = quant.quantize(w, expert_format)  # q [E, O, I] int8 (int4: [E, O, I/2] uint8)

@@ -435,6 +435,16 @@ def tensor_table(files: GGUFFiles) -> dict:
             for name, (t, part) in files.tensors.items()}
 
 
+def kept_expert_format(folder: str | Path) -> str | None:
+    """The engine format a GGUF's routed experts are kept in as read (expert_dtype=auto): int4-q4k where every
+    expert tensor is Q4_K; None for other files and folders (their experts dequantized at load)."""
+    path = Path(folder) / SOURCE_FILE
+    if not path.is_file():
+        return None
+    types = json.loads(path.read_text())["types"].get("experts") or {}
+    return "int4-q4k" if set(types) == {"Q4_K"} else None
+
+
 def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
     """One line: per family the GGUF types read (bits per weight) and what the engine holds."""
     short = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
@@ -447,14 +457,19 @@ def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
         weights = sum(n for n, _ in types.values())
         bpw = 8 * sum(b for _, b in types.values()) / weights
         quantized = any(t not in EXACT_TYPES for t in types)
-        if family == "experts" and expert_format:
+        if family == "experts" and expert_format == "int4-q4k" and "Q4_K" in types:
+            others = "" if set(types) == {"Q4_K"} else ", the other types requantized at load from their values"
+            to = f"int4-q4k (4.62 bpw: Q4_K's blocks as stored{others})"
+        elif family == "experts" and expert_format:
             to = f"{expert_format} (requantized at load from the {'dequantized' if quantized else 'read'} values)"
         else:
             to = held + (" (dequantized at load)" if quantized else "")
         parts.append(f"{family} {'+'.join(sorted(types))} ({bpw:.2f} bpw) -> {to}")
     n = len(source["files"])
+    packed = ("the experts (int4-q4k)" if expert_format == "int4-q4k" else
+              "Q4_K experts with expert_dtype=int4-q4k, other types not yet")
     return (f"gguf: {source['files'][0]} ({source['arch']}, {n} file{'s' if n > 1 else ''}): {', '.join(parts)}; "
-            "packed formats on the device: not yet")
+            f"packed on the device: {packed}")
 
 
 def mtp_line(source: dict) -> str | None:
@@ -746,6 +761,31 @@ class GGUFTensors:
         for i in range(j + 1, min(j + 1 + depth, shape[0])):
             if (gname, i) not in self._ahead:
                 self._ahead[(gname, i)] = self._pool.submit(self.dequantized, gname, i)
+
+    def q4k_experts(self, hub: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The expert stack that Hub tensor `hub` (an expert of it) is read from, as int4-q4k from its Q4_K bytes,
+        not dequantized: (packed [E, O, I/2] uint8, codes [E, O, 5G/4] uint16; strata_jax/model/quant.py
+        q4k_from_blocks); None where the stack is not Q4_K (the loader then reads values). Its fp16 d and dmin
+        are checked (the loader's check: a non-finite one makes non-finite weights)."""
+        from strata_jax.model import quant
+        r = self.recipes.get(hub)
+        if r is None or r.expert is None or r.op not in ("plain", "rows"):
+            return None
+        gname = r.names[0]
+        if gname not in self.tensors:
+            raise StrataError(f"GGUF tensor {gname!r} (the Hub's {hub!r}) is missing from {self.path}")
+        part, qtype, got, offset, size = self.tensors[gname]
+        if qtype != "Q4_K":
+            return None
+        if tuple(got) != r.shapes[0]:
+            raise StrataError(f"GGUF tensor {gname!r} has shape {list(got)} (numpy order), expected {list(r.shapes[0])}")
+        raw = self.maps[part][offset:offset + size].reshape(got[0], got[1], -1)
+        if r.op == "rows":  # --fuse-gate-up-exps: gate's or up's rows
+            raw = raw[:, r.arg[0]:r.arg[1]]
+        q, codes = quant.q4k_from_blocks(raw)
+        g = codes.shape[-1] * 4 // 5
+        self.check(gname, np.ascontiguousarray(codes[..., g:]).view(np.float16))
+        return q, codes
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.recipes:

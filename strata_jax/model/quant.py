@@ -15,6 +15,17 @@ scale / min [..., O, G] with G = I / group (1 for group 0).
 
 The engine's `expert_dtype` stores "int8" (per output row) or int4 (symmetric: "int4", groups of 64, or
 "int4-g32" for experts whose widths are multiples of 32 only: `engine_format`).
+
+"int4-q4k" (issue 36): GGUF Q4_K's blocks held as they are, values unchanged. A Q4_K super-block of 256 inputs has
+8 groups of 32, each a 6-bit scale sc and 6-bit minimum m, and fp16 d and dmin: w = (d sc) q - (dmin m), q in 0..15.
+Its nibbles are kept packed as the other int4 formats pack groups of 32 (byte j of a group: inputs j and j + 16;
+Q4_K's own order pairs j and j + 32 of each 64, so the load moves nibbles, never values), and its scales as uint16
+"codes", group-major like int4's scales: [..., 5G/4, O] (G = I/32 groups): rows 0..G-1 the code sc | m << 6 of
+each group, rows G..G + G/8 - 1 each super-block's d and the last G/8 its dmin (fp16 bits). s = d * sc and
+mn = dmin * m are exact in float32 (11 bits times 6), and so is s * q (+4 bits): dequantizing gives
+gguf.quants.dequantize's float32 values bit for bit. 4 + 20/32 = 4.625 bits a weight (Q4_K's file: 4.5). Kernels
+compute it as int4: sum_g s_g (x_g . (q - 8)) + (8 s_g - mn_g) sum(x_g). `q4k_from_blocks` reads a GGUF tensor's
+bytes; `q4k_blocks` writes Q4_K bytes (tests write GGUFs with it: gguf.quants cannot quantize Q4_K).
 """
 from __future__ import annotations
 
@@ -24,6 +35,9 @@ import ml_dtypes
 import numpy as np
 
 BF16 = ml_dtypes.bfloat16
+Q4K = "int4-q4k"
+QK_K = 256  # inputs per Q4_K super-block
+Q4K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minima, 128 bytes of nibbles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +52,8 @@ class Format:
 
     def bits_per_weight(self, in_dim: int) -> float:
         """Stored bits per weight, scales (and minima) included."""
+        if self.name == Q4K:
+            return 4 + 16 * 5 / 4 / 32
         per_group = 16 * (1 if self.symmetric else 2)
         return self.bits + per_group * self.groups(in_dim) / in_dim
 
@@ -48,6 +64,7 @@ FORMATS = {f.name: f for f in (
     Format("int4-g32", 4, 32, True),
     Format("int4-g128", 4, 128, True),
     Format("int4-asym", 4, 32, False),
+    Format("int4-q4k", 4, 32, False),  # GGUF Q4_K's blocks (module docstring)
     Format("int3", 3, 32, False),  # stretch formats: quality studies only
     Format("int2", 2, 32, False),
 )}
@@ -84,6 +101,9 @@ def _grouped(w: np.ndarray, fmt: Format) -> np.ndarray:
 def quantize(w: np.ndarray, fmt: Format | str) -> Quantized:
     """w [..., O, I] (any float dtype) -> Quantized."""
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    if fmt.name == Q4K:
+        packed, codes = q4k_from_blocks(q4k_blocks(w))
+        return Quantized(fmt, packed, codes, None, w.shape[-1])
     x = _grouped(w, fmt)  # [..., O, G, n]
     if fmt.symmetric:
         top = 2 ** (fmt.bits - 1) - 1
@@ -107,6 +127,8 @@ def quantize(w: np.ndarray, fmt: Format | str) -> Quantized:
 def dequantize(qa: Quantized) -> np.ndarray:
     """The reference: Quantized -> float32 [..., O, I]."""
     fmt = qa.fmt
+    if fmt.name == Q4K:
+        return q4k_dequantize(qa.q, qa.scale)
     q = unpack_int4(qa.q, fmt.group, fmt.symmetric) if fmt.bits == 4 else qa.q
     x = _grouped(q.astype(np.float32), fmt) * qa.scale.astype(np.float32)[..., None]
     if qa.minimum is not None:
@@ -130,6 +152,135 @@ def unpack_int4(packed: np.ndarray, group: int, signed: bool) -> np.ndarray:
     p = packed.reshape(*lead, 2 * half // group, group // 2)
     out = np.stack([p & 0xF, p >> 4], axis=-2).reshape(*lead, 2 * half)  # [..., G, 2, group/2] -> [..., I]
     return (out.astype(np.int16) - 8).astype(np.int8) if signed else out
+
+
+# ---- int4-q4k: GGUF Q4_K's blocks --------------------------------------------------------------------------------
+
+def _q4k_scale_min(raw12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 scale bytes [..., 12] -> the 8 groups' 6-bit scales and minima [..., 8] uint16 (gguf's
+    get_scale_min, llama.cpp's get_scale_min_k4)."""
+    b = raw12.astype(np.uint16)
+    d, m, md = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def q4k_from_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K tensor's bytes [..., O, I/256 * 144] uint8 -> (packed [..., O, I/2] uint8 in the int4 groups' order
+    (groups of 32), codes [..., O, 5G/4] uint16: per row the G groups' sc | m << 6, then the super-blocks' d, then
+    their dmin, as fp16 bits). Moves bits only."""
+    raw = np.asarray(raw, np.uint8)
+    lead, nbytes = raw.shape[:-1], raw.shape[-1]
+    if nbytes % Q4K_BLOCK_BYTES:
+        raise ValueError(f"Q4_K rows of {nbytes} bytes are not whole {Q4K_BLOCK_BYTES}-byte blocks")
+    nb = nbytes // Q4K_BLOCK_BYTES
+    b = raw.reshape(*lead, nb, Q4K_BLOCK_BYTES)
+    d, dmin = b[..., 0:2].copy().view(np.uint16)[..., 0], b[..., 2:4].copy().view(np.uint16)[..., 0]  # [..., nb]
+    sc, mn = _q4k_scale_min(b[..., 4:16])  # [..., nb, 8]
+    qs = b[..., 16:].reshape(*lead, nb, 4, 32)  # 4 chunks of 64 inputs: byte j = input j (low) and j + 32 (high)
+    q = np.stack([qs & 0xF, qs >> 4], axis=-2).reshape(*lead, nb * QK_K)  # [..., I] 0..15 in input order
+    packed = pack_int4(q, 32)  # uint8 in: nibbles as they are
+    codes = np.concatenate([(sc | (mn << 6)).reshape(*lead, nb * 8), d, dmin], axis=-1)
+    return packed, np.ascontiguousarray(codes)
+
+
+def q4k_scales(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """codes [..., 5G/4] (numpy, per row) -> (s, mn) float32 [..., G]: s = d * sc, mn = dmin * m (exact)."""
+    codes = np.asarray(codes, np.uint16)
+    g = codes.shape[-1] * 4 // 5
+    c, d, dmin = codes[..., :g], codes[..., g:g + g // 8], codes[..., g + g // 8:]
+    d = np.repeat(d.view(np.float16).astype(np.float32), 8, axis=-1)
+    dmin = np.repeat(dmin.view(np.float16).astype(np.float32), 8, axis=-1)
+    return d * (c & 0x3F).astype(np.float32), dmin * (c >> 6).astype(np.float32)
+
+
+def q4k_dequantize(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """int4-q4k's reference: packed [..., O, I/2], codes [..., O, 5G/4] -> float32 [..., O, I] = s q - mn, in the
+    order gguf.quants computes it (the same float32 values)."""
+    s, mn = q4k_scales(codes)  # [..., O, G]
+    q = unpack_int4(packed, 32, signed=False).astype(np.float32)
+    x = q.reshape(*q.shape[:-1], s.shape[-1], 32) * s[..., None] - mn[..., None]
+    return x.reshape(q.shape)
+
+
+def q4k_blocks(w: np.ndarray) -> np.ndarray:
+    """Q4_K bytes [..., O, I/256 * 144] of float weights [..., O, I] (I a multiple of 256), for tests and random
+    weights (gguf.quants cannot quantize Q4_K; llama.cpp's quantizer searches its scales, this one does not): per
+    group of 32 the scale (max - min) / 15 and minimum -min (0 if min > 0), per super-block d = max scale / 63 and
+    dmin = max minimum / 63 (fp16), sc and m the nearest 6-bit multiples, q the nearest of 0..15. The packing is
+    llama.cpp's (block_q4_K; get_scale_min_k4's 12 bytes)."""
+    w = np.asarray(w, np.float32)
+    lead, n = w.shape[:-1], w.shape[-1]
+    if n % QK_K:
+        raise ValueError(f"Q4_K needs rows of a multiple of {QK_K} inputs (got {n})")
+    nb = n // QK_K
+    x = w.reshape(*lead, nb, 8, 32)
+    lo, hi = x.min(-1), x.max(-1)
+    scale = (hi - np.minimum(lo, 0)) / 15  # [..., nb, 8]
+    mins = np.maximum(-lo, 0)
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(np.divide(mins, dmf, out=np.zeros_like(mins), where=dmf > 0)), 0, 63).astype(np.uint8)
+    s, mn = df * sc, dmf * m  # [..., nb, 8]
+    q = np.clip(np.rint(np.divide(x + mn[..., None], s[..., None], out=np.zeros_like(x), where=s[..., None] > 0)),
+                0, 15).astype(np.uint8)
+    scales = np.empty((*lead, nb, 12), np.uint8)
+    scales[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    scales[..., 4:8] = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
+    q = q.reshape(*lead, nb, 4, 2, 32)  # chunk c: groups 2c (low nibbles) and 2c + 1 (high)
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*lead, nb, 128)
+    out = np.concatenate([d[..., None].view(np.uint8).reshape(*lead, nb, 2),
+                          dmin[..., None].view(np.uint8).reshape(*lead, nb, 2), scales, qs], axis=-1)
+    return out.reshape(*lead, nb * Q4K_BLOCK_BYTES)
+
+
+def q4k_scales_device(codes, groups: int):
+    """q4k_scales on the device (jnp): codes [..., 5G/4, O] group-major (the engine's) -> (s, mn) float32
+    [..., G, O]."""
+    import jax
+    import jax.numpy as jnp
+    c = codes[..., :groups, :].astype(jnp.int32)
+    half = lambda rows: jnp.repeat(jax.lax.bitcast_convert_type(rows, jnp.float16).astype(jnp.float32), 8, axis=-2)
+    d, dmin = half(codes[..., groups:groups + groups // 8, :]), half(codes[..., groups + groups // 8:, :])
+    return d * (c & 0x3F).astype(jnp.float32), dmin * (c >> 6).astype(jnp.float32)
+
+
+def dequantize_engine_q4k(packed, codes, dtype):
+    """int4-q4k on the device: packed [..., O, I/2], engine codes [..., 5G/4, O] -> [..., O, I] (float32: exact)."""
+    import jax.numpy as jnp
+    g = codes.shape[-2] * 4 // 5
+    s, mn = q4k_scales_device(codes, g)  # [..., G, O]
+    p = packed.reshape(*packed.shape[:-1], g, 16).astype(jnp.int32)  # [..., O, G, 16]
+    q = jnp.concatenate([p & 0xF, p >> 4], axis=-1).astype(jnp.float32)  # [..., O, G, 32]
+    w = q * jnp.swapaxes(s, -1, -2)[..., None] - jnp.swapaxes(mn, -1, -2)[..., None]
+    return w.reshape(*packed.shape[:-1], -1).astype(dtype)
+
+
+def quantize_q4k_device(w):
+    """int4-q4k on the device (jax; random weights for benchmarks): w [..., O, I] -> (packed [..., O, I/2], engine
+    codes [..., 5G/4, O]), the numbers of q4k_from_blocks(q4k_blocks(w)) (the same rules, in jnp)."""
+    import jax
+    import jax.numpy as jnp
+    lead, n = w.shape[:-1], w.shape[-1]
+    nb = n // QK_K
+    x = w.astype(jnp.float32).reshape(*lead, nb, 8, 32)
+    lo, hi = x.min(-1), x.max(-1)
+    scale, mins = (hi - jnp.minimum(lo, 0)) / 15, jnp.maximum(-lo, 0)
+    d, dmin = (scale.max(-1) / 63).astype(jnp.float16), (mins.max(-1) / 63).astype(jnp.float16)
+    df, dmf = d.astype(jnp.float32)[..., None], dmin.astype(jnp.float32)[..., None]
+    div = lambda a, b: jnp.where(b > 0, a / jnp.where(b > 0, b, 1.0), 0.0)
+    sc = jnp.clip(jnp.round(div(scale, df)), 0, 63).astype(jnp.int32)
+    m = jnp.clip(jnp.round(div(mins, dmf)), 0, 63).astype(jnp.int32)
+    s, mn = df * sc, dmf * m
+    q = jnp.clip(jnp.round(div(x + mn[..., None], s[..., None])), 0, 15).astype(jnp.int32)  # [..., nb, 8, 32]
+    packed = (q[..., :16] | (q[..., 16:] << 4)).astype(jnp.uint8).reshape(*lead, n // 2)
+    bits = lambda h: jax.lax.bitcast_convert_type(h, jnp.uint16)
+    codes = jnp.concatenate([(sc | (m << 6)).astype(jnp.uint16).reshape(*lead, nb * 8), bits(d), bits(dmin)], -1)
+    return packed, jnp.swapaxes(codes, -1, -2)
 
 
 def quantize_int8_device(w):
@@ -170,12 +321,17 @@ def dequantize_int4_device(packed, scale, dtype):
 # The engine's expert formats, and how their experts are stored: int8 q one a byte, int4 packed two a byte (uint8,
 # the input dimension halved), with scales on the device: [E, O] (int8), or group-major [E, I/group, O] for int4 (a
 # group's scales of consecutive rows are then one contiguous load in the kernel; the host pool keeps [E, O, G]).
-ENGINE_FORMATS = ("int8", "int4", "int4-g32")
+ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K)
 
 
 def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
     """The format of the engine option expert_dtype (auto: None) for experts of these input widths (hidden,
     intermediate): int4 takes groups of 64 where both are multiples of 64, else of 32; ValueError if neither."""
+    if expert_dtype == Q4K:
+        if any(w % QK_K for w in widths):
+            raise ValueError(f"expert_dtype={Q4K} holds Q4_K super-blocks of {QK_K} inputs: the experts' widths "
+                             f"{' and '.join(map(str, widths))} are not multiples of {QK_K}")
+        return Q4K
     if expert_dtype not in ("int8", "int4"):
         return None
     if expert_dtype == "int8" or not any(w % 64 for w in widths):
@@ -207,8 +363,10 @@ def pool_scale(scale: np.ndarray) -> np.ndarray:
 
 
 def dequantize_engine_int4(packed, scale, dtype):
-    """dequantize_int4_device for the engine's group-major scales [..., G, O]."""
+    """dequantize_int4_device for the engine's group-major scales [..., G, O] (int4-q4k: uint16 codes)."""
     import jax.numpy as jnp
+    if scale.dtype == jnp.uint16:
+        return dequantize_engine_q4k(packed, scale, dtype)
     return dequantize_int4_device(packed, jnp.swapaxes(scale, -1, -2), dtype)
 
 
@@ -216,5 +374,7 @@ def quantize_device(w, expert_format: str):
     """The engine formats on the device (random weights): w [..., O, I] -> (q, engine scale)."""
     if expert_format == "int8":
         return quantize_int8_device(w)
+    if expert_format == Q4K:
+        return quantize_q4k_device(w)
     q, scale = quantize_int4_device(w, get_format(expert_format).group)
     return q, scale.swapaxes(-1, -2)  # group-major, as engine_scale

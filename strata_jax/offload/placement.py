@@ -91,7 +91,8 @@ def non_expert_bytes(cfg: ModelConfig, itemsize: int, expert_format: str | None 
     if expert_format:
         h, f = cfg.hidden_size, cfg.moe_intermediate_size
         group = quant.get_format(expert_format).group
-        per_expert = 2 * f + h if expert_format == "int8" else 3 * f * h // group  # bf16 scales
+        per_expert = (2 * f + h if expert_format == "int8" else 3 * f * h // group * 5 // 4 if expert_format == quant.Q4K
+                      else 3 * f * h // group)  # bf16 scales (int4-q4k: uint16 codes)
         rest += cfg.num_sparse_layers * cfg.num_experts * per_expert * 2
     return rest
 
@@ -116,7 +117,7 @@ def expert_storage(opts: EngineOptions) -> np.dtype:
 
 def expert_itemsize(opts: EngineOptions) -> float:
     """Bytes a stored expert weight takes (0.5 for int4)."""
-    return 0.5 if opts.expert_dtype == "int4" else expert_storage(opts).itemsize
+    return 0.5 if opts.expert_dtype in ("int4", quant.Q4K) else expert_storage(opts).itemsize
 
 
 def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int, devices: int = 1) -> tuple[int | None, str]:
@@ -207,6 +208,7 @@ class HostExperts:
 
     def store(self, cfg: ModelConfig):
         layers = []
+        q4k = any(x.dtype == np.uint16 for d in self.numpy.values() for x in d.values())  # int4-q4k's codes
         for i in range(cfg.num_layers):
             if i in self.numpy:
                 d = self.numpy[i]
@@ -214,6 +216,10 @@ class HostExperts:
                 layers.append((d["gate"], d["up"], d["down"], *scales))
             else:  # a dense layer: a 1-expert placeholder keeps the pool's layer numbers the model's
                 dtype = next(iter(self.numpy.values()))["gate"].dtype
+                if dtype == np.uint8 and q4k:  # int4-q4k: 256 inputs, codes all zero: w = 0
+                    q = np.full((1, 256, 128), 0x88, np.uint8)
+                    layers.append((q, q, q, *(np.zeros((1, 256, 10), np.uint16),) * 3))
+                    continue
                 if dtype == np.uint8:  # int4: 64 inputs, one group, packed in 32 bytes
                     q = np.full((1, 64, 32), 0x88, np.uint8)  # q = 0 everywhere
                     layers.append((q, q, q, *(np.ones((1, 64, 1), np.float32),) * 3))
@@ -424,9 +430,12 @@ def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_h
     scale_bytes = sum(a.nbytes for f in moe_ffns for a in f.scales)
     fmt = expert_format(opts, cfg)
     how = {"int8": "one bf16 scale per output row", "int4": "one bf16 scale per 64 inputs, two weights a byte",
-           "int4-g32": "one bf16 scale per 32 inputs, two weights a byte"}
+           "int4-g32": "one bf16 scale per 32 inputs, two weights a byte",
+           quant.Q4K: "GGUF Q4_K's blocks: 6-bit scales and minima per 32 inputs, fp16 d and dmin per 256, two "
+                      "weights a byte"}
     full = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(jnp.dtype(opts.dtype).itemsize)
-    return (f"experts: {fmt}, {how[fmt]} (quantized at load): {q_bytes / 2**20:.1f} MiB "
+    at_load = "read as stored or quantized at load" if fmt == quant.Q4K else "quantized at load"
+    return (f"experts: {fmt}, {how[fmt]} ({at_load}): {q_bytes / 2**20:.1f} MiB "
             f"{'in host memory' if on_host else 'on the device'} + {scale_bytes / 2**20:.1f} MiB of scales on the "
             f"device ({full / 2**20:.1f} MiB as {opts.dtype})")
 

@@ -267,7 +267,10 @@ def test_the_engine_refuses_the_kernel_where_it_cannot_run(engine_factory):
 
 # ---- int8 and int4 experts (strata_jax/model/quant.py "int8": one scale per output row; "int4": one per 64 inputs) ------
 
-QUANT_CASES = {"t2_h256_i128": dict(seed=6, t=2, slot_ids=[1, 5, -1, 3], h=256, i=128)}  # whole groups of 128
+QUANT_CASES = {"t2_h256_i128": dict(seed=6, t=2, slot_ids=[1, 5, -1, 3], h=256, i=128),  # whole groups of 128
+               # int4-q4k: H and I whole Q4_K super-blocks of 256
+               "t3_h256_i256": dict(seed=7, t=3, slot_ids=[5, 2, 5, -1, 9, 3], h=256, i=256, unused=(4,)),
+               "t1_h512_i256": dict(seed=8, t=1, slot_ids=[3, 0, 11, 7, 5, 1, 9, 2], h=512, i=256)}
 
 
 def make_quant_case(name: str, fmt: str = "int8", **overrides):
@@ -427,4 +430,61 @@ def test_int4_lowers_for_cuda(t, n, by_position):
     sd = jax.ShapeDtypeStruct
     weights = (sd((s, i, h // 2), jnp.uint8), sd((s, i, h // 2), jnp.uint8), sd((s, h, i // 2), jnp.uint8))
     text = _lower_quantized(t, n, weights, ((h // 64, i), (h // 64, i), (i // 64, h)), by_position)
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+# ---- int4-q4k (GGUF Q4_K's blocks: w = d sc q - dmin m; strata_jax/model/quant.py) -------------------------------------
+
+@pytest.mark.parametrize("name,tuning", [("t3_h256_i256", {}), ("t3_h256_i256", "small"), ("t1_h512_i256", {})])
+def test_q4k_kernel_matches_reference(name, tuning):
+    """The kernel (interpret mode) against its reference and the float64 model of the exactly dequantized weights;
+    the reference's weights are gguf.quants.dequantize's of the same Q4_K bytes."""
+    import gguf
+    from strata_jax.model import quant
+    args = make_quant_case(name, "int4-q4k")
+    assert args[-3].dtype == jnp.uint16 and args[-3].shape[1] == 5 * (args[0].shape[1] // 32) // 4
+    out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if tuning == "small" else {}))
+    assert out.shape == args[0].shape and out.dtype == jnp.float32
+    assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
+    assert rel_fro(out, f64_quant_model(*args)) < MODEL_RTOL
+    # the weights both read: Q4_K's values
+    w = np.asarray(make_case(**QUANT_CASES[name])[1], np.float32)
+    want = gguf.quants.dequantize(quant.q4k_blocks(w), gguf.GGMLQuantizationType.Q4_K)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize_engine_int4(args[1], args[-3], jnp.float32)), want)
+
+
+def test_q4k_scales_by_window_position():
+    x, gate, up, down, ids, combine, *by_slot = make_quant_case("t3_h256_i256", "int4-q4k", seed=None,
+                                                                 slot_ids=[3, 0, 6, -1, 1, 7, 2, 4])
+    window = [sc[jnp.maximum(ids, 0)] for sc in by_slot]
+    positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    out = expert_ffn(x, gate, up, down, ids, combine, *window, scale_ids=positions, interpret=True)
+    assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine, *by_slot)) < REF_RTOL
+    assert rel_fro(out, f64_quant_model(x, gate, up, down, ids, combine, *by_slot)) < MODEL_RTOL_FRESH
+    wrong = expert_ffn_reference(x, gate, up, down, ids, combine, *window)
+    assert rel_fro(wrong, out) > 5 * REF_RTOL
+
+
+def test_q4k_refusals():
+    x, gate, up, down, ids, combine, gs, us, ds = make_quant_case("t3_h256_i256", "int4-q4k")
+    with pytest.raises(ValueError, match="uint16 codes for all three"):
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds.astype(jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
+
+
+@pytest.mark.parametrize("t,n,by_position", [(1, 8, False), (8, 64, True)])
+def test_q4k_lowers_for_cuda(t, n, by_position):
+    """The int4-q4k kernels at the Qwen3-30B-A3B shape (H 2048, I 768: whole super-blocks) compile for CUDA."""
+    s, h, i = 64, 2048, 768
+    sd = jax.ShapeDtypeStruct
+    rows = n if by_position else s
+    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // 2), jnp.uint8), sd((s, i, h // 2), jnp.uint8),
+             sd((s, h, i // 2), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
+             sd((rows, 5 * h // 128, i), jnp.uint16), sd((rows, 5 * h // 128, i), jnp.uint16),
+             sd((rows, 5 * i // 128, h), jnp.uint16))
+    if by_position:
+        text = lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
+    else:
+        text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
     assert text.count("__gpu$xla.gpu.triton") == 2

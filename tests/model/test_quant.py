@@ -12,7 +12,7 @@ from helpers import rel_fro
 from strata_jax.model import quant
 
 
-@pytest.mark.parametrize("name", list(quant.FORMATS))
+@pytest.mark.parametrize("name", [n for n in quant.FORMATS if n != quant.Q4K])  # int4-q4k: test_q4k_format
 def test_dequantized_within_half_a_step(name):
     rng = np.random.default_rng()
     fmt = quant.FORMATS[name]
@@ -31,6 +31,37 @@ def test_dequantized_within_half_a_step(name):
     want_q = {8: np.int8, 4: np.uint8}.get(fmt.bits, np.uint8)
     assert qa.q.dtype == want_q and qa.q.shape[-1] == (64 if fmt.bits == 4 else 128)
     assert qa.nbytes < w.nbytes / 3
+
+
+def test_q4k_format():
+    """int4-q4k (GGUF Q4_K's blocks): q4k_blocks writes bytes gguf.quants.dequantize reads; the engine's packed
+    nibbles and codes dequantize (numpy, and on the device) to exactly those values; the device quantizer of random
+    weights makes the same numbers; within a step (and the 6-bit minimum's) of the weights; 4.625 bits a weight."""
+    import gguf
+    import jax.numpy as jnp
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((3, 8, 512)) * rng.uniform(0.01, 1.0, (3, 8, 1)) + 0.02).astype(np.float32)
+    w[1, 2] = 0.0
+    raw = quant.q4k_blocks(w)
+    assert raw.shape == (3, 8, 2 * 144) and raw.dtype == np.uint8
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    qa = quant.quantize(w, quant.Q4K)
+    assert qa.q.shape == (3, 8, 256) and qa.scale.dtype == np.uint16 and qa.scale.shape == (3, 8, 20)
+    np.testing.assert_array_equal(quant.dequantize(qa), want)
+    codes = quant.engine_scale(qa)  # group-major [..., 5G/4, O]
+    np.testing.assert_array_equal(np.asarray(quant.dequantize_engine_int4(jnp.asarray(qa.q), jnp.asarray(codes),
+                                                                          jnp.float32)), want)
+    q, c = quant.quantize_device(jnp.asarray(w), quant.Q4K)
+    np.testing.assert_array_equal(np.asarray(q), qa.q)
+    np.testing.assert_array_equal(np.asarray(c), codes)
+    np.testing.assert_array_equal(want[1, 2], 0.0)
+    s, mn = quant.q4k_scales(qa.scale)
+    step = np.repeat(s, 32, axis=-1)
+    assert np.all(np.abs(want - w) <= step + np.repeat(mn, 32, axis=-1) / 63 + 1e-6)
+    assert quant.get_format(quant.Q4K).bits_per_weight(512) == 4.625
+    assert quant.engine_format(quant.Q4K, (512, 256)) == quant.Q4K
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        quant.engine_format(quant.Q4K, (512, 96))
 
 
 def test_error_follows_bits_and_groups():

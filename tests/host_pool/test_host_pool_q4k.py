@@ -1,0 +1,97 @@
+"""Host pool with int4-q4k experts (strata_jax/model/quant.py: GGUF Q4_K's blocks, w = d sc q - dmin m, groups of 32
+packed as int4's, uint16 codes). The store decodes the codes once into float32 scales and minima; the numpy jobs
+dequantize row chunks to exactly gguf's values; the C expert kernel (native_experts.c FMT_INT4K) runs int4's loops
+plus the minima's term over group sums of x and h. Both against the float64 reference over gguf.quants.dequantize's
+weights with the pool's rounding points (tests/helpers.py's `reference_ffn`), and C against numpy."""
+
+import gguf
+import numpy as np
+import pytest
+
+from helpers import reference_ffn, rel_fro, rng_for, rounding
+from strata_jax.host_pool import native
+from strata_jax.host_pool import store as store_module
+from strata_jax.model import quant
+
+LAYERS, E, H, I = 2, 4, 256, 512  # whole Q4_K super-blocks
+TOL = {"float32": 1e-5, "bfloat16": 2.0**-8}
+
+
+def make_layers(rng):
+    """Per layer: (gguf.quants.dequantize's weights of the Q4_K bytes, float64; the store's layer tuple (q, q, q,
+    codes, codes, codes))."""
+    layers = []
+    for _ in range(LAYERS):
+        ws, stored, codes = [], [], []
+        for shape in ((E, I, H), (E, I, H), (E, H, I)):
+            w = (rng.standard_normal(shape) * rng.uniform(0.05, 0.2, shape[:2] + (1,)) + 0.01).astype(np.float32)
+            raw = quant.q4k_blocks(w)
+            ws.append(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).astype(np.float64))
+            q, c = quant.q4k_from_blocks(raw)
+            stored.append(q)
+            codes.append(c)
+        layers.append((ws, (*stored, *codes)))
+    return layers
+
+
+def force_path(monkeypatch, path):
+    monkeypatch.setenv(native.ENV, "0" if path == "numpy" else "")
+    if path == "C" and native.int4_kernel() is None:
+        pytest.skip(native.describe())
+    monkeypatch.setenv(native.ENV, "0" if path == "numpy" else "1")
+
+
+@pytest.mark.parametrize("path", ["numpy", "C"])
+def test_chunks_are_gguf_values(monkeypatch, path):
+    force_path(monkeypatch, path)
+    monkeypatch.setattr(store_module, "CHUNK_FLOATS", 7 * H)
+    rng = rng_for("q4k-chunks")
+    w = rng.standard_normal((2, 40, H)).astype(np.float32)
+    raw = quant.q4k_blocks(w)
+    q, codes = quant.q4k_from_blocks(raw)
+    scales = store_module.q4k_scale_min(codes[1, 3:38])  # [35, 2G]
+    blocks = [(r0, b.copy()) for r0, b, s in store_module.row_chunks_f32(q[1, 3:38], scales, minima=True)]
+    assert [r0 for r0, _ in blocks] == [0, 7, 14, 21, 28]
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)[1, 3:38]
+    np.testing.assert_array_equal(np.concatenate([b for _, b in blocks]), want)
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("threads,T", [(1, 1), (3, 4), (2, 7)])
+def test_plain_jobs_match_reference(make_pool, pool_path, compute_dtype, threads, T):
+    rng = rng_for(f"q4k-plain-{compute_dtype}-{threads}-{T}")
+    layers = make_layers(rng)
+    pool = make_pool([s for _, s in layers], compute_dtype, threads=threads)
+    assert pool.store.format == "int4-q4k" and pool.store.minima and pool.store.group(1) == 32
+    ids = np.array([3, -1, 0, 2, 1], np.int32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
+    y = pool.compute(1, x, ids, w)
+    assert y.dtype == np.float32 and y.shape == (T, H)
+    assert rel_fro(y, reference_ffn(layers[1][0], x, ids, w, rounding(compute_dtype))) < TOL[compute_dtype]
+
+
+def test_c_kernel_matches_numpy(make_pool, monkeypatch):
+    """The C expert kernel's layer job against the numpy jobs' (float32 compute: only summation order differs)."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    if native.experts_kernel() is None:
+        pytest.skip(native.describe_experts())
+    rng = rng_for("q4k-c-numpy")
+    layers = make_layers(rng)
+    ids = np.array([3, 0, 2, 1], np.int32)
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (3, ids.size)).astype(np.float32)
+    out = {}
+    for path in ("1", "0"):
+        monkeypatch.setenv(native.ENV, path)
+        out[path] = make_pool([s for _, s in layers], "float32", threads=2).compute(0, x, ids, w)
+    assert rel_fro(out["1"], out["0"]) < 1e-6
+    assert rel_fro(out["1"], reference_ffn(layers[0][0], x, ids, w, rounding("float32"))) < 1e-6
+
+
+def test_store_refuses_mixed_scales():
+    rng = rng_for("q4k-mixed")
+    (_, layer), = make_layers(rng)[:1]
+    q, u, d, gs, us, ds = layer
+    with pytest.raises(TypeError, match="int4-q4k"):
+        store_module.HostExpertStore([(q, u, d, gs, us, ds.astype(np.float32))])

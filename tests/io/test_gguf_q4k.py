@@ -1,0 +1,209 @@
+"""GGUF Q4_K experts kept packed (issue 36: the engine format "int4-q4k", strata_jax/model/quant.py): a tiny
+Qwen3-MoE GGUF written with gguf's writer, its expert stacks Q4_K (gguf.quants has no Q4_K quantizer: the blocks are
+made by quant.q4k_blocks from random weights, llama.cpp's block_q4_K layout; gguf.quants.dequantize reads them), the
+rest F32. The engine keeps the experts as read (expert_dtype=auto), their dequantized values equal
+gguf.quants.dequantize's exactly, and its logits equal those of a safetensors checkpoint of the dequantized values,
+all experts resident and offloaded (slots < experts, half the misses in the host pool): placement-independent."""
+from __future__ import annotations
+
+import json
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import save_file
+
+import test_gguf
+from helpers import one_line_refusal, rel_fro
+from strata_jax import Engine
+from strata_jax.errors import StrataError
+from strata_jax.io import checkpoint, gguf_file
+from strata_jax.io.embedded import random_checkpoint
+from strata_jax.model import quant
+from strata_jax.model.config import load_config
+
+EXACT = dict(dtype="float32", expert_cache_slots="all")
+IDS = test_gguf.IDS
+
+
+def q4k_types(g: str) -> Q:
+    return Q.Q4_K if "_exps" in g else Q.F32
+
+
+def encode(x: np.ndarray, qtype: Q) -> np.ndarray:
+    return quant.q4k_blocks(x) if qtype == Q.Q4_K else ORIGINAL_ENCODE(x, qtype)
+
+
+ORIGINAL_ENCODE = test_gguf.encode
+
+
+@pytest.fixture(scope="module")
+def q4k_model(tmp_path_factory):
+    """(the GGUF, a safetensors folder of its dequantized values, the written values by Hub name)."""
+    raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
+               num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=256, num_local_experts=8,
+               num_experts_per_tok=2, num_hidden_layers=2)
+    hub = test_gguf.stacked(random_checkpoint(raw, seed=11), 2, 8)
+    rng = np.random.default_rng(12)
+    for name in hub:  # experts of a trained model's spread, with an offset: the minima matter
+        if ".mlp.experts." in name:
+            hub[name] = (rng.standard_normal(hub[name].shape) * 0.05 + 0.01).astype(np.float32)
+    tmp = tmp_path_factory.mktemp("q4k")
+    path = tmp / "q4k.gguf"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(test_gguf, "encode", encode)
+    try:
+        written = test_gguf.write_gguf(path, raw, hub, types=q4k_types)
+    finally:
+        mp.undo()
+    dequantized = tmp / "dequantized"
+    dequantized.mkdir()
+    (dequantized / "config.json").write_text(json.dumps(raw))
+    save_file(test_gguf.unstacked(written), str(dequantized / "model.safetensors"))
+    return path, dequantized, written
+
+
+def test_experts_are_kept_and_dequantize_to_gguf_values(q4k_model, cache_dir):
+    path, _, written = q4k_model
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    assert gguf_file.kept_expert_format(folder) == quant.Q4K
+    cfg = load_config(folder)
+    w = checkpoint.load_weights(folder, cfg, jnp.float32, expert_format=quant.Q4K)
+    for i, layer in enumerate(w.layers):
+        for which in ("gate", "up", "down"):
+            q, codes = getattr(layer.ffn, which), getattr(layer.ffn, which + "_scale")
+            assert q.dtype == jnp.uint8 and codes.dtype == jnp.uint16
+            want = written[f"model.layers.{i}.mlp.experts.{which}_proj.weight"]
+            np.testing.assert_array_equal(np.asarray(quant.dequantize_engine_int4(q, codes, jnp.float32)), want)
+            host = quant.q4k_dequantize(np.asarray(q), np.swapaxes(np.asarray(codes), -1, -2))
+            np.testing.assert_array_equal(host, want)
+    assert np.any(quant.q4k_scales(np.swapaxes(np.asarray(w.layers[0].ffn.gate_scale), -1, -2))[1] > 0)
+
+
+@pytest.mark.parametrize("placement", [
+    dict(expert_cache_slots="all"),
+    dict(expert_cache_slots="3", pcie_frac="0.5", cpu_threads=2),
+    dict(expert_cache_slots="3", pcie_frac="1"),
+])
+def test_logits_equal_the_dequantized_model(q4k_model, engine_factory, cache_dir, placement, capfd):
+    path, dequantized, _ = q4k_model
+    ref = engine_factory(dequantized, **EXACT).prefill_logits(IDS)
+    engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), dtype="float32", **placement)
+    err = capfd.readouterr().err
+    assert engine.options.expert_dtype == quant.Q4K
+    line = next(l for l in err.splitlines() if l.startswith("gguf:"))
+    assert "experts Q4_K (4.50 bpw) -> int4-q4k (4.62 bpw: Q4_K's blocks as stored)" in line, line
+    assert "packed on the device: the experts (int4-q4k)" in line, line
+    assert "experts: int4-q4k, GGUF Q4_K's blocks" in err, err
+    assert rel_fro(engine.prefill_logits(IDS), ref) < 1e-5
+    assert engine.generate(IDS, max_new_tokens=4) == engine_factory(dequantized, **EXACT).generate(IDS,
+                                                                                                    max_new_tokens=4)
+
+
+def test_expert_dtype_int4_q4k_elsewhere(q4k_model, cache_dir):
+    """expert_dtype=int4-q4k on a safetensors checkpoint quantizes at load (the same rules as q4k_blocks); on
+    experts of widths no super-block divides it is one line."""
+    _, dequantized, written = q4k_model
+    cfg = load_config(dequantized)
+    w = checkpoint.load_weights(dequantized, cfg, jnp.float32, expert_format=quant.Q4K)
+    # the dequantized Q4_K values requantized: close to them (not bit for bit: q4k_blocks is not llama.cpp's search)
+    got = np.asarray(quant.dequantize_engine_int4(w.layers[1].ffn.up, w.layers[1].ffn.up_scale, jnp.float32))
+    want = written["model.layers.1.mlp.experts.up_proj.weight"]
+    assert rel_fro(got, want) < 0.15  # (here the grid comes back: q4k_blocks of its own values)
+    msg = one_line_refusal(Engine.from_pretrained, str(test_gguf.BASE), verbose=False, cache_dir=str(cache_dir),
+                           expert_dtype="int4-q4k")
+    assert "super-blocks of 256 inputs" in msg and "64 and 32" in msg, msg
+
+
+def test_q4k_experts_under_the_kernel_scan_offloaded(q4k_model, engine_factory, cache_dir, monkeypatch):
+    """The GGUF's Q4_K experts offloaded to 3 slots with expert_kernel=pallas (bf16, interpret mode on the CPU; the
+    engine's GPU-only check passed here as test_quant does): the scanned offload graph, the kernel reading the
+    codes by window position, fetches and the pool's C kernel (FMT_INT4K) in the windows, within bf16 rounding of
+    all resident through the XLA path."""
+    from strata_jax.engine import api as engine_mod
+    from strata_jax.offload.slots import layer_states
+    path, _, _ = q4k_model
+    common = dict(dtype="bfloat16", window=4, context=64)
+    want = engine_factory(path, expert_cache_slots="all", expert_kernel="xla", **common).score(IDS)
+    real_paths = engine_mod.Engine._expert_paths
+
+    def paths_as_on_a_gpu(self):
+        with monkeypatch.context() as m:
+            m.setattr(engine_mod.jax, "default_backend", lambda: "gpu")
+            return real_paths(self)
+    monkeypatch.setattr(engine_mod.Engine, "_expert_paths", paths_as_on_a_gpu)
+    eng = engine_mod.Engine.from_pretrained(path, verbose=False, cache_dir=str(cache_dir), expert_cache_slots="3",
+                                            pcie_frac="0.5", cpu_threads=2, expert_kernel="pallas", **common)
+    assert eng.expert_kernel == "pallas" and eng.decode_expert_path.kernel and eng.scanned_offload
+    assert layer_states(eng.cache.experts)[0].gate.dtype == np.uint8
+    assert eng.placement.pool.store.format == "int4-q4k"
+    assert rel_fro(eng.score(IDS), want) < 2e-2
+    d = eng.stats.last.decode_experts
+    assert d.distinct_fetched > 0 and d.distinct_cpu > 0
+    assert len(eng.generate(IDS, 6, stop_token_ids=[])) == 6
+
+
+def test_random_weights_for_benchmarks(cache_dir):
+    """Engine.from_random(expert_dtype=int4-q4k) (the benchmarks' engines): made on the device in the format,
+    resident and offloaded alike."""
+    from strata_jax.model.config import config_from_dict
+    raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
+               moe_intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)
+    cfg = config_from_dict(raw)
+    opts = dict(verbose=False, cache_dir=str(cache_dir), dtype="float32", expert_dtype="int4-q4k", window=2, context=64)
+    resident = Engine.from_random(cfg, seed=3, expert_cache_slots="all", **opts)
+    offloaded = Engine.from_random(cfg, seed=3, expert_cache_slots="3", pcie_frac="0.5", **opts)
+    assert resident.weights.layers.ffn.gate_scale.dtype == jnp.uint16
+    assert rel_fro(offloaded.prefill_logits(IDS), resident.prefill_logits(IDS)) < 1e-5
+
+
+def test_q4k_m_mix_with_expert_dtype_int4_q4k(tmp_path, cache_dir):
+    """A Q4_K_M-like file (gate/up experts Q4_K, down Q6_K: random blocks, gguf.quants has no Q6_K quantizer):
+    expert_dtype=auto leaves the experts dequantized (not all Q4_K); expert_dtype=int4-q4k keeps the Q4_K stacks
+    as read and requantizes the Q6_K ones from their values; the start-up line says which."""
+    raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
+               moe_intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=1)
+    hub = test_gguf.stacked(random_checkpoint(raw, seed=21), 1, 4)
+    rng = np.random.default_rng(22)
+
+    def encode_mix(x, qtype):
+        if qtype == Q.Q6_K:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            return rng.integers(0, 0x40, (*x.shape[:-1], x.shape[-1] // block * size), dtype=np.uint8)
+        return encode(x, qtype)
+    path = tmp_path / "q4k_m.gguf"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(test_gguf, "encode", encode_mix)
+    try:
+        written = test_gguf.write_gguf(path, raw, hub, types=lambda g: (Q.Q6_K if "down_exps" in g else Q.Q4_K)
+                                       if "_exps" in g else Q.F32)
+    finally:
+        mp.undo()
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    assert gguf_file.kept_expert_format(folder) is None
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    line = gguf_file.formats_line(source, "bfloat16", quant.Q4K)
+    assert "-> int4-q4k (4.62 bpw: Q4_K's blocks as stored, the other types requantized at load" in line, line
+    w = checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format=quant.Q4K)
+    ffn = w.layers[0].ffn
+    for which in ("gate", "up"):
+        np.testing.assert_array_equal(
+            np.asarray(quant.dequantize_engine_int4(getattr(ffn, which), getattr(ffn, which + "_scale"), jnp.float32)),
+            written[f"model.layers.0.mlp.experts.{which}_proj.weight"])
+    down = np.asarray(quant.dequantize_engine_int4(ffn.down, ffn.down_scale, jnp.float32))
+    assert 0 < rel_fro(down, written["model.layers.0.mlp.experts.down_proj.weight"]) < 0.15
+
+
+def test_saved_state_keeps_the_blocks(q4k_model, engine_factory, tmp_path, cache_dir):
+    """--save_state of the kept Q4_K experts saves q and the codes; the state restores with expert_dtype=int4-q4k
+    (offloaded: the pool gets the codes too) to the same logits."""
+    path, _, _ = q4k_model
+    src = engine_factory(path, **EXACT)
+    state = tmp_path / "state"
+    src.save_state(state)
+    back = Engine.from_pretrained(state, verbose=False, cache_dir=str(cache_dir), dtype="float32",
+                                  expert_cache_slots="3", pcie_frac="0.5", expert_dtype="int4-q4k")
+    assert back.placement.pool.store.format == "int4-q4k"
+    assert rel_fro(back.prefill_logits(IDS), src.prefill_logits(IDS)) < 1e-5
