@@ -93,3 +93,38 @@ def test_bad_input_one_line(engine, embedded_engine):
     # the engine still serves a batch after the refusals
     assert engine.generate_batch(prompts[:1], max_new_tokens=2, stop_token_ids=[]) == \
         [engine.generate(prompts[0], 2, stop_token_ids=[], spec=0)]
+
+
+def test_session_requests_join_and_leave_between_windows(engine):
+    """Engine.batch_session (the server's continuous batching): requests admitted while others decode, mixed
+    greedy and seeded sampled settings, each its own budget; a StopRequest ends one alone; each request's tokens
+    are its tokens alone, and the windows were shared."""
+    prompts = random_prompts(engine, (5, 9, 13, 7), seed=21)
+    settings = [dict(max_new_tokens=12), dict(max_new_tokens=8, temperature=0.9, seed=3),
+                dict(max_new_tokens=10, temperature=0.7, top_k=20, seed=5), dict(max_new_tokens=6)]
+    alone = [engine.generate(p, spec=0, stop_token_ids=[], **o) for p, o in zip(prompts, settings)]
+    session = engine.batch_session()
+    seen: dict[int, list] = {i: [] for i in range(4)}
+
+    def on_token(i):
+        def see(token):
+            seen[i].append(token)
+            if i == 0 and len(seen[0]) == 9:
+                raise StopRequest  # request 0 ends here, the others go on
+        return see
+    requests = []
+
+    def admit(i):
+        requests.append(session.request(prompts[i], on_token=on_token(i), stop_token_ids=[], **settings[i]))
+        session.admit(requests[-1])
+    admit(0), admit(1)
+    steps, rows = 0, 0
+    while session.active or len(requests) < 4:
+        if len(requests) < 4 and steps in (3, 6):
+            admit(len(requests))  # joins the running batch
+        session.step()
+        rows = max(rows, len(session.live))
+        steps += 1
+    assert [r.out for r in requests] == [alone[0][:9]] + alone[1:]
+    assert [seen[i] for i in range(4)] == [r.out for r in requests]
+    assert rows >= 3 and engine.stats.batch_rows_max >= 3 and session.free == MAX_BATCH
