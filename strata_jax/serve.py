@@ -8,7 +8,7 @@ chunk format), GET /health, GET /metrics (the engine's counters, Prometheus text
 One engine. With --max_batch=1 (the default) one request at a time: requests queue (the `x-strata-queue-position`
 header says how many were ahead, and the log says so). With --max_batch=N > 1, continuous batching: up to N
 sequences decode together, one batched T=1 window for all (loops.BatchDecoder); a request joins the running batch
-between two windows (its prompt prefilled alone, whole) and leaves at its stop, each with its own sampling, seed,
+between two windows (its prompt prefilled alone, a chunk between two windows) and leaves at its stop, each with its own sampling, seed,
 stop strings, stop tokens and max_tokens, its tokens those of the same request alone through generate(spec=0);
 `n` > 1 choices run as n sequences of the batch, choice i with seed + i. Requests with a grammar (a JSON
 response_format, tool_choice required or named) run alone through generate between the batch's windows; an engine
@@ -286,8 +286,9 @@ class Job:
 class Batcher:
     """Continuous batching (--max_batch > 1): one worker thread owns the engine and its BatchSession. Between two
     windows it takes the next request: a batchable one is prefilled into a free KV slot and joins the running batch
-    (one newcomer a window, so running streams keep flowing), one that needs the engine alone (a grammar) runs
-    through generate there, whole, while the batch waits; then one window of every live request. A request leaves
+    (one newcomer at a time, one prefill chunk of it a window, so running streams keep flowing), one that needs the
+    engine alone (a grammar) runs through generate there, whole, while the batch waits (never during an admission,
+    whose rows the engine's cache holds); then one window of every live request. A request leaves
     the batch at its stop (a stop token, a stop string, max_tokens, a client gone) and its slot takes the next."""
 
     def __init__(self, server: "Server"):
@@ -296,6 +297,7 @@ class Batcher:
         self.cond = threading.Condition()
         self.pending: list[Job] = []
         self.running: dict[int, Job] = {}  # id(its loops.Request) -> the job
+        self.finishing: list[Job] = []  # left the batch, their logprobs pass waiting for the engine's cache
         self.thread = threading.Thread(target=self.loop, name="strata-batch", daemon=True)
         self.thread.start()
 
@@ -312,17 +314,23 @@ class Batcher:
     def loop(self) -> None:
         while True:
             with self.cond:
-                while not self.pending and not self.session.active:
+                while not self.pending and not self.session.active and self.session.admitting is None:
                     self.cond.wait()
                 job = None
-                if self.pending and (self.pending[0].alone or self.session.free):
+                if self.session.admitting is None and self.pending and (self.pending[0].alone or self.session.free):
                     job = self.pending.pop(0)
             if job is not None and job.alone:
                 self.alone(job)
             elif job is not None:
-                self.admit(job)
+                self.begin(job)
+            if self.session.admitting is not None:
+                self.advance()  # one prefill chunk of the newcomer, then a window of the others
             if self.session.active:
                 self.step()
+            if self.session.admitting is None:  # the engine's cache is free again: the logprobs passes
+                finishing, self.finishing = self.finishing, []
+                for job in finishing:
+                    self.complete(job)
 
     def alone(self, job: Job) -> None:
         try:
@@ -330,18 +338,29 @@ class Batcher:
         except BaseException as e:  # noqa: BLE001 (handed to the request's thread)
             job.end(e)
 
-    def admit(self, job: Job) -> None:
+    def begin(self, job: Job) -> None:
         try:
             job.request = self.session.request(job.ids, on_token=job.reply.on_token, **job.kw)
             self.running[id(job.request)] = job
-            live = self.session.admit(job.request)
+            if not self.session.begin(job.request):
+                self.left(self.running.pop(id(job.request)))
         except BaseException as e:  # noqa: BLE001
             self.running.pop(id(job.request), None)
             job.end(e)
             self.recover()
+
+    def advance(self) -> None:
+        request = self.session.admitting
+        try:
+            live = self.session.advance()
+        except BaseException as e:  # noqa: BLE001
+            job = self.running.pop(id(request), None)
+            if job is not None:
+                job.end(e)
+            self.recover()
             return
-        if not live:
-            self.complete(self.running.pop(id(job.request)))
+        if live is False:
+            self.left(self.running.pop(id(request)))
 
     def step(self) -> None:
         try:
@@ -353,7 +372,15 @@ class Batcher:
             self.recover()
             return
         for r in left:
-            self.complete(self.running.pop(id(r)))
+            self.left(self.running.pop(id(r)))
+
+    def left(self, job: Job) -> None:
+        """A request that left the batch: its outcome now, or (a logprobs pass, which writes the engine's cache)
+        once no admission holds the engine's cache."""
+        if job.top_logprobs is not None and self.session.admitting is not None:
+            self.finishing.append(job)
+        else:
+            self.complete(job)
 
     def recover(self) -> None:
         """A broken session (a failed window, or caches reset by a failed request): a fresh one."""

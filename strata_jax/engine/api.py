@@ -747,7 +747,8 @@ class Engine:
             else None,
             context=self.context, vocab_size=self.cfg.vocab_size,
             batch_windows=c.batch_windows_for, put_slot=c.put_slot,
-            form_samplers=lambda form: c.samplers[form].sample, batch_slots=self.options.max_batch)
+            form_samplers=lambda form: c.samplers[form].sample, batch_slots=self.options.max_batch,
+            prefill_sizes=lambda n: plan_mod.chunk_sizes_for(n, self.chunks))
 
     @_serialized
     def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:
@@ -911,19 +912,59 @@ class BatchSession:
                 e.stats.batch_rows_max = max(e.stats.batch_rows_max, self.decoder.most_rows)
 
     def admit(self, request: loops.Request) -> bool:
-        """Prefill `request` into a free KV slot, its first token to its on_token: True when it decodes on in the
-        batch, False when it has ended (its first token stopped it, or max_new_tokens is 0; its stats counted)."""
+        """Prefill `request` into a free KV slot (every chunk now), its first token to its on_token: True when it
+        decodes on in the batch, False when it has ended (its first token stopped it, or max_new_tokens is 0; its
+        stats counted)."""
+        if not self.begin(request):
+            return False
+        while (live := self.advance()) is None:
+            pass
+        return live
+
+    @property
+    def admitting(self) -> loops.Request | None:
+        """The request being admitted chunk by chunk (begin / advance), or None."""
+        return None if self.decoder.admitting is None else self.decoder.admitting[0]
+
+    def begin(self, request: loops.Request) -> bool:
+        """Start admitting `request` into a free KV slot: its prefill chunks then run one an `advance`, between
+        windows. The engine's lock stays held by this thread until the admission ends (the engine's cache holds its
+        rows meanwhile; this thread must not call the engine otherwise until then). False: nothing to run
+        (max_new_tokens 0; its stats counted)."""
         e = self.engine
         with e._lock:
             self._check()
+            if self.decoder.admitting is not None:
+                raise StrataError("batch session: an admission is running (advance it first)")
             if not self.decoder.free:
                 raise StrataError(f"batch session: every KV slot is taken (max_batch={e.options.max_batch})")
             reuse = e._reusable(request.ids) if request.budget > 0 else 0
             request.reuse = request.stats.cached_tokens = reuse
+            if not self.decoder.begin(request):
+                self._done(request)
+                return False
             e._kv_tokens = []  # the engine's cache will hold this prompt's rows
+            e._lock.acquire()  # held until the admission ends (advance)
+        return True
+
+    def advance(self):
+        """The admission's next prefill chunk; after the last: True when the request decodes on in the batch,
+        False when it has ended at its first token; None while chunks remain."""
+        e = self.engine
+        request = self.admitting
+        if request is None:
+            raise StrataError("batch session: no admission is running (begin one)")
+        ended = True
+        try:
             # non-finite logits in its prefill: this request's failure (the batch cache is touched after)
-            live = self._call(self.decoder.admit, request, keeps=(StrataError,))
-            e._kv_tokens = request.ids.tolist() if request.out else []  # the prefill's rows, not the output's
+            live = self._call(self.decoder.advance, keeps=(StrataError,))
+            ended = live is not None
+        finally:
+            if ended:
+                e._lock.release()  # begin's
+        if live is None:
+            return None
+        e._kv_tokens = request.ids.tolist() if request.out else []  # the prefill's rows, not the output's
         if not live:
             self._done(request)
         return live

@@ -70,6 +70,7 @@ class Graphs:
     put_slot: Callable | None = None  # (batch cache, the engine's cache, slot) -> batch cache
     form_samplers: Callable[[str], Mapping[int, Callable]] | None = None  # a filter form's `sample` table
     batch_slots: int = 1  # the batch cache's KV slots (max_batch)
+    prefill_sizes: Callable[[int], list[int]] | None = None  # n prompt tokens -> the prefill's chunk sizes
 
 
 @dataclasses.dataclass
@@ -436,7 +437,8 @@ class BatchDecoder:
     """Continuous batching: requests join and leave a running batch between T=1 windows.
 
     It owns the batch cache's KV slots (`free`): `admit` prefills a request alone through the prefill chunks into
-    the engine's cache, copies it into a free slot (put_slot) and hands its first token to on_token; `step` runs
+    the engine's cache, copies it into a free slot (put_slot) and hands its first token to on_token (or `begin`,
+    then `advance` one chunk at a time between windows, so a long prompt does not stall the others); `step` runs
     one window of every live request that still needs tokens, as the rows of the smallest bucket that holds them
     (the rest padding: routed nowhere, written into a slot no live request owns), and reads the oldest window in
     flight; a request that stops (a stop token, its budget, StopRequest turned into budget = len(out) by its
@@ -458,6 +460,7 @@ class BatchDecoder:
         self.in_flight: list[tuple[list[int], jax.Array, jax.Array]] = []  # (the window's keys, tokens [B], logits)
         self.cur, self.cur_rows = None, []  # the last window's tokens [B] (on the device) and each row's key
         self.params, self.params_rows = None, None  # the rows' SamplingParams ([B] leaves), for params_rows
+        self.admitting: tuple[Request, int, float] | None = None  # (the request, its slot, prefill seconds so far)
         self.next_key = 0
         self.windows_run = 0  # windows dispatched
         self.most_rows = 0  # the most live rows one window ran
@@ -471,21 +474,57 @@ class BatchDecoder:
         return bool(self.live or self.in_flight)
 
     def admit(self, r: Request) -> bool:
-        """Prefill `r` alone into a free KV slot and hand its first token to on_token; True when it then decodes in
-        the batch (False: it ended at its first token, or has no budget). Needs a free slot."""
+        """Prefill `r` alone into a free KV slot (all its chunks now) and hand its first token to on_token; True
+        when it then decodes in the batch (False: it ended at its first token, or has no budget). Needs a free
+        slot."""
+        if not self.begin(r):
+            return False
+        while (live := self.advance()) is None:
+            pass
+        return live
+
+    def begin(self, r: Request) -> bool:
+        """Start admitting `r` (one admission at a time): a free KV slot reserved for it, its prefill chunks then
+        run one an `advance` (between windows, so the live requests' windows go on). False: nothing to run
+        (max_new_tokens 0). The engine's cache holds the admission's rows until it ends: nothing else may write it
+        meanwhile."""
         if r.budget < 1:
             return False  # max_new_tokens 0: not prefilled, no row
+        if self.admitting is not None:
+            raise ValueError("BatchDecoder.begin: an admission is running")
         if not self.free:
-            raise ValueError("BatchDecoder.admit: no free KV slot")
-        g = dataclasses.replace(self.g, sample=self.g.form_samplers(r.form)) if r.sampled else self.g
-        first = prefill(g, self.s, r)
-        slot = self.free.pop(0)
-        self.s.batch = self.g.put_slot(self.s.batch, self.s.cache, jnp.int32(slot))
+            raise ValueError("BatchDecoder.begin: no free KV slot")
+        self.admitting = (r, self.free.pop(0), 0.0)
+        return True
+
+    def advance(self) -> bool | None:
+        """The admission's next prefill chunk (dispatched, not waited for); after the last one its first token
+        (read), its rows into the slot (put_slot) and on_token: True when it decodes on in the batch, False when it
+        ended there; None while chunks remain. The chunks are those of its prefill alone (g.prefill_sizes of what
+        remains: the same graphs on the same rows), so its tokens are too."""
+        r, slot, spent = self.admitting
+        try:
+            sizes = self.g.prefill_sizes(r.ids.size - r.reuse) if self.g.prefill_sizes else [0]
+            if len(sizes) > 1:
+                t0 = time.perf_counter()
+                end = r.reuse + sizes[0]
+                self.g.prefill(r.ids[:end], first=r.reuse, mtp=None)  # its rows written; its token not needed
+                r.reuse = end  # the rows the last chunk starts after
+                self.admitting = (r, slot, spent + time.perf_counter() - t0)
+                return None
+            self.admitting = None
+            g = dataclasses.replace(self.g, sample=self.g.form_samplers(r.form)) if r.sampled else self.g
+            first = prefill(g, self.s, r)
+            r.stats.prefill_s += spent
+            self.s.batch = self.g.put_slot(self.s.batch, self.s.cache, jnp.int32(slot))
+        except BaseException:
+            self.admitting = None
+            self.free = sorted(self.free + [slot])
+            raise
         if r.on_token:
             r.on_token(first)
         if first in r.stops or len(r.out) >= r.budget:
-            self.free.insert(0, slot)
-            self.free.sort()
+            self.free = sorted(self.free + [slot])
             return False
         self.join(r, slot)
         return True

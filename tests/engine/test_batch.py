@@ -128,3 +128,27 @@ def test_session_requests_join_and_leave_between_windows(engine):
     assert [r.out for r in requests] == [alone[0][:9]] + alone[1:]
     assert [seen[i] for i in range(4)] == [r.out for r in requests]
     assert rows >= 3 and engine.stats.batch_rows_max >= 3 and session.free == MAX_BATCH
+
+
+def test_session_admits_a_long_prompt_chunk_by_chunk(engine_factory):
+    """A newcomer's prefill runs one chunk a window (begin / advance), the live request's windows going on between
+    its chunks; both get their tokens alone."""
+    engine = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all", max_batch=2,
+                            prefill_chunk=8)
+    prompts = random_prompts(engine, (6, 21), seed=31)  # the second: chunks of 8, 8 and 5 (padded)
+    alone = [engine.generate(p, 16, stop_token_ids=[], spec=0) for p in prompts]
+    session = engine.batch_session()
+    first, second = (session.request(p, max_new_tokens=16, stop_token_ids=[]) for p in prompts)
+    assert session.admit(first)
+    for _ in range(3):
+        session.step()
+    assert session.begin(second) and session.admitting is second and session.free == 0
+    during = []
+    while (live := session.advance()) is None:
+        before = len(first.out)
+        session.step()
+        during.append(len(first.out) - before)
+    assert live and len(during) == 2 and sum(during) >= 1  # the first request's tokens kept coming
+    while session.active:
+        session.step()
+    assert [first.out, second.out] == alone and second.stats.cached_tokens == 0
