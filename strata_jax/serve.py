@@ -313,24 +313,43 @@ class Batcher:
 
     def loop(self) -> None:
         while True:
-            with self.cond:
-                while not self.pending and not self.session.active and self.session.admitting is None:
-                    self.cond.wait()
-                job = None
-                if self.session.admitting is None and self.pending and (self.pending[0].alone or self.session.free):
-                    job = self.pending.pop(0)
-            if job is not None and job.alone:
-                self.alone(job)
-            elif job is not None:
-                self.begin(job)
-            if self.session.admitting is not None:
-                self.advance()  # one prefill chunk of the newcomer, then a window of the others
-            if self.session.active:
-                self.step()
-            if self.session.admitting is None:  # the engine's cache is free again: the logprobs passes
-                finishing, self.finishing = self.finishing, []
-                for job in finishing:
-                    self.complete(job)
+            try:
+                self.turn()
+            except BaseException as e:  # noqa: BLE001 (a bug here: the requests in the batch end, the worker goes on)
+                self.server.log(f"batch worker: {type(e).__name__}: {e}".splitlines()[0])
+                jobs, self.running, self.finishing = list(self.running.values()) + self.finishing, {}, []
+                for job in jobs:
+                    job.end(e)
+                try:
+                    self.session = self.engine.batch_session()
+                except BaseException as again:  # noqa: BLE001
+                    self.server.log(f"batch worker stopped: {again}")
+                    with self.cond:
+                        for job in self.pending:
+                            job.end(again)
+                        self.pending = []
+                    return
+
+    def turn(self) -> None:
+        """Between two windows: the next request in, a prefill chunk, one window, the outcomes of those that left."""
+        with self.cond:
+            while not self.pending and not self.session.active and self.session.admitting is None:
+                self.cond.wait()
+            job = None
+            if self.session.admitting is None and self.pending and (self.pending[0].alone or self.session.free):
+                job = self.pending.pop(0)
+        if job is not None and job.alone:
+            self.alone(job)
+        elif job is not None:
+            self.begin(job)
+        if self.session.admitting is not None:
+            self.advance()  # one prefill chunk of the newcomer, then a window of the others
+        if self.session.active:
+            self.step()
+        if self.session.admitting is None:  # the engine's cache is free again: the logprobs passes
+            finishing, self.finishing = self.finishing, []
+            for job in finishing:
+                self.complete(job)
 
     def alone(self, job: Job) -> None:
         try:
@@ -731,14 +750,20 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                         async with anyio.create_task_group() as runs:  # n > 1: the choices run at once
                             for i, choice_kw in enumerate(server.choices(kw, req.n)):
                                 async def one(i=i, choice_kw=choice_kw):
-                                    outcomes[i] = await anyio.to_thread.run_sync(
-                                        lambda: server.run(ids, choice_kw, stops, cancelled=cancelled,
-                                                           drop_eos=drop_eos, top_logprobs=wanted_logprobs(req)))
+                                    try:
+                                        outcomes[i] = await anyio.to_thread.run_sync(
+                                            lambda: server.run(ids, choice_kw, stops, cancelled=cancelled,
+                                                               drop_eos=drop_eos, top_logprobs=wanted_logprobs(req)))
+                                    except Exception as e:  # noqa: BLE001 (raised below, as it is)
+                                        outcomes[i] = e
                                 runs.start_soon(one)
                     finally:
                         tg.cancel_scope.cancel()
             finally:
                 server.release()
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
             if tools:
                 outcomes = [with_tool_calls(o) for o in outcomes]
             return JSONResponse(headers=headers, content=body(kind, rid, created, outcomes))

@@ -848,9 +848,9 @@ class BatchSession:
     its first token to on_token, `step` runs one window of every live request and returns those that left. Each
     request's tokens are those of generate(spec=0) alone, whoever runs beside it and whenever it joined.
 
-    Each call holds the engine's lock only for itself: between two calls the engine serves its other calls
-    (generate, score, ...), which use the engine's own cache, never the batch's slots. One thread drives a
-    session. A failed window, or a reset of the engine's caches by another call's failure, ends every live
+    Each call holds the engine's lock only for itself (and `begin` until the admission's last `advance`): between
+    two calls the engine serves its other calls (generate, score, ...), which use the engine's own cache, never
+    the batch's slots. One thread drives a session. A failed window, or a reset of the engine's caches by another call's failure, ends every live
     request: the call raises and the session is `broken` (start another)."""
 
     def __init__(self, engine: Engine):
@@ -903,6 +903,9 @@ class BatchSession:
                 raise
             except BaseException as exc:
                 self.broken = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                if self.decoder.admitting is not None:  # a window failed during an admission: begin's lock goes
+                    self.decoder.admitting = None
+                    e._lock.release()
                 if e.state.batch is None and e._resets == self.resets:  # the donated batch cache is gone
                     e._reset_state()
                 raise
@@ -978,7 +981,8 @@ class BatchSession:
 
     def drop(self, request: loops.Request) -> None:
         """End a live request now (a consumer gone); its tokens in flight are dropped."""
-        self.decoder.drop(request)
+        with self.engine._lock:
+            self.decoder.drop(request)
         self._done(request)
 
     def _done(self, r: loops.Request) -> None:
