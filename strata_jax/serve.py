@@ -5,8 +5,16 @@
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true`: server-sent events in OpenAI's
 chunk format), GET /health, GET /metrics (the engine's counters, Prometheus text), GET / (a chat page).
 
-One engine, one request at a time: requests queue (the `x-strata-queue-position` header says how many were ahead,
-and the log says so). A request that starts with the previous one's tokens (a chat's next turn) prefills only the
+One engine. With --max_batch=1 (the default) one request at a time: requests queue (the `x-strata-queue-position`
+header says how many were ahead, and the log says so). With --max_batch=N > 1, continuous batching: up to N
+sequences decode together, one batched T=1 window for all (loops.BatchDecoder); a request joins the running batch
+between two windows (its prompt prefilled alone, a chunk between two windows) and leaves at its stop, each with its own sampling, seed,
+stop strings, stop tokens and max_tokens, its tokens those of the same request alone through generate(spec=0);
+`n` > 1 choices run as n sequences of the batch, choice i with seed + i. Requests with a grammar (a JSON
+response_format, tool_choice required or named) run alone through generate between the batch's windows; an engine
+that cannot batch (offload, several devices, Qwen3-Next) is loaded with max_batch=1 (the start-up line says so).
+
+A request that starts with the previous one's tokens (a chat's next turn) prefills only the
 new part: `usage.prompt_tokens_details.cached_tokens` counts the rest. A bad request gets a 4xx with OpenAI's error
 object and the server stays up; a client that disconnects mid-stream stops its generation at the next token.
 """
@@ -56,7 +64,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: dict | None = None
-    n: StrictInt = Field(1, ge=1, le=1)
+    n: StrictInt = Field(1, ge=1, le=16)  # choices: choice i draws with seed + i (Server.choices)
     ignore_eos: StrictBool = False  # an extension: run to max_tokens
 
 
@@ -204,8 +212,216 @@ def token_logprobs(engine: Engine, prompt: list[int], generated: list[int], k: i
     return chosen, top, np.take_along_axis(lp, top, -1)
 
 
+class Reply:
+    """One choice's text as its tokens come: the stop strings, the end-of-turn token dropped, each safe piece to
+    emit; `on_token` raises StopRequest at a stop string or once the client is gone."""
+
+    def __init__(self, server: "Server", ids: list[int], kw: dict, stops: list[str], emit=None,
+                 cancelled: threading.Event | None = None, drop_eos: bool = False):
+        self.server, self.kw, self.emit, self.cancelled, self.drop_eos = server, kw, emit, cancelled, drop_eos
+        self.text, self.stop = TextStream(server.engine.decode), StopStrings(stops)
+        self.eos = server.engine.end_of_turn_ids
+        self.outcome = Outcome(prompt_tokens=len(ids))
+
+    def _emit(self, piece: str) -> None:
+        if piece and self.emit:
+            try:
+                self.emit(piece)
+            except Exception:  # noqa: BLE001 (the client's loop is gone: the request ends)
+                raise StopRequest from None
+
+    def on_token(self, token: int) -> None:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise StopRequest
+        self.outcome.tokens += 1
+        if self.drop_eos and token in self.eos and not self.kw.get("ignore_eos"):
+            return
+        self.outcome.ids.append(int(token))
+        self._emit(self.stop.add(self.text.push(token)))
+        if self.stop.hit:
+            raise StopRequest
+
+    def finish(self, out: list[int], cached_tokens: int) -> Outcome:
+        """The outcome once the request has ended (`out`: the tokens it made); counted in the server's history."""
+        stop, outcome = self.stop, self.outcome
+        if not stop.hit:
+            self._emit_last(stop.add(self.text.flush()) + stop.rest())
+        outcome.text = stop.text
+        outcome.cached_tokens = cached_tokens
+        stopped_by_eos = bool(out) and out[-1] in self.eos and not self.kw.get("ignore_eos")
+        outcome.finish_reason = "stop" if stop.hit or stopped_by_eos else "length"
+        self.server.record(outcome, self.kw["max_new_tokens"],
+                           self.cancelled is not None and self.cancelled.is_set())
+        return outcome
+
+    def _emit_last(self, piece: str) -> None:
+        try:
+            self._emit(piece)
+        except StopRequest:
+            pass
+
+
+@dataclasses.dataclass
+class Job:
+    """A request for the batch worker: its reply, what it needs to run, and its result once done."""
+    ids: list[int]
+    kw: dict
+    reply: Reply
+    top_logprobs: int | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: Any = None  # an Outcome, or the exception that ended it
+    request: Any = None  # its loops.Request, once admitted
+
+    @property
+    def alone(self) -> bool:
+        """Whether it runs through generate alone (between the batch's windows): a grammar (json_schema,
+        tool_choice required / named) needs T=1 masked windows one at a time."""
+        return "json_schema" in self.kw or "grammar" in self.kw
+
+    def end(self, result) -> None:
+        self.result = result
+        self.done.set()
+
+
+class Batcher:
+    """Continuous batching (--max_batch > 1): one worker thread owns the engine and its BatchSession. Between two
+    windows it takes the next request: a batchable one is prefilled into a free KV slot and joins the running batch
+    (one newcomer at a time, one prefill chunk of it a window, so running streams keep flowing), one that needs the
+    engine alone (a grammar) runs through generate there, whole, while the batch waits (never during an admission,
+    whose rows the engine's cache holds); then one window of every live request. A request leaves
+    the batch at its stop (a stop token, a stop string, max_tokens, a client gone) and its slot takes the next."""
+
+    def __init__(self, server: "Server"):
+        self.server, self.engine = server, server.engine
+        self.session = self.engine.batch_session()
+        self.cond = threading.Condition()
+        self.pending: list[Job] = []
+        self.running: dict[int, Job] = {}  # id(its loops.Request) -> the job
+        self.finishing: list[Job] = []  # left the batch, their logprobs pass waiting for the engine's cache
+        self.thread = threading.Thread(target=self.loop, name="strata-batch", daemon=True)
+        self.thread.start()
+
+    def run(self, job: Job) -> Outcome:
+        """Queue the job and wait for its outcome (in the caller's thread)."""
+        with self.cond:
+            self.pending.append(job)
+            self.cond.notify()
+        job.done.wait()
+        if isinstance(job.result, BaseException):
+            raise job.result
+        return job.result
+
+    def loop(self) -> None:
+        while True:
+            try:
+                self.turn()
+            except BaseException as e:  # noqa: BLE001 (a bug here: the requests in the batch end, the worker goes on)
+                self.server.log(f"batch worker: {type(e).__name__}: {e}".splitlines()[0])
+                jobs, self.running, self.finishing = list(self.running.values()) + self.finishing, {}, []
+                for job in jobs:
+                    job.end(e)
+                try:
+                    self.session = self.engine.batch_session()
+                except BaseException as again:  # noqa: BLE001
+                    self.server.log(f"batch worker stopped: {again}")
+                    with self.cond:
+                        for job in self.pending:
+                            job.end(again)
+                        self.pending = []
+                    return
+
+    def turn(self) -> None:
+        """Between two windows: the next request in, a prefill chunk, one window, the outcomes of those that left."""
+        with self.cond:
+            while not self.pending and not self.session.active and self.session.admitting is None:
+                self.cond.wait()
+            job = None
+            if self.session.admitting is None and self.pending and (self.pending[0].alone or self.session.free):
+                job = self.pending.pop(0)
+        if job is not None and job.alone:
+            self.alone(job)
+        elif job is not None:
+            self.begin(job)
+        if self.session.admitting is not None:
+            self.advance()  # one prefill chunk of the newcomer, then a window of the others
+        if self.session.active:
+            self.step()
+        if self.session.admitting is None:  # the engine's cache is free again: the logprobs passes
+            finishing, self.finishing = self.finishing, []
+            for job in finishing:
+                self.complete(job)
+
+    def alone(self, job: Job) -> None:
+        try:
+            job.end(self.server.run_alone(job.ids, job.kw, job.reply, job.top_logprobs))
+        except BaseException as e:  # noqa: BLE001 (handed to the request's thread)
+            job.end(e)
+
+    def begin(self, job: Job) -> None:
+        try:
+            job.request = self.session.request(job.ids, on_token=job.reply.on_token, **job.kw)
+            self.running[id(job.request)] = job
+            if not self.session.begin(job.request):
+                self.left(self.running.pop(id(job.request)))
+        except BaseException as e:  # noqa: BLE001
+            self.running.pop(id(job.request), None)
+            job.end(e)
+            self.recover()
+
+    def advance(self) -> None:
+        request = self.session.admitting
+        try:
+            live = self.session.advance()
+        except BaseException as e:  # noqa: BLE001
+            job = self.running.pop(id(request), None)
+            if job is not None:
+                job.end(e)
+            self.recover()
+            return
+        if live is False:
+            self.left(self.running.pop(id(request)))
+
+    def step(self) -> None:
+        try:
+            left = self.session.step()
+        except BaseException as e:  # noqa: BLE001 (every live request ends with it)
+            jobs, self.running = list(self.running.values()), {}
+            for job in jobs:
+                job.end(e)
+            self.recover()
+            return
+        for r in left:
+            self.left(self.running.pop(id(r)))
+
+    def left(self, job: Job) -> None:
+        """A request that left the batch: its outcome now, or (a logprobs pass, which writes the engine's cache)
+        once no admission holds the engine's cache."""
+        if job.top_logprobs is not None and self.session.admitting is not None:
+            self.finishing.append(job)
+        else:
+            self.complete(job)
+
+    def recover(self) -> None:
+        """A broken session (a failed window, or caches reset by a failed request): a fresh one."""
+        if self.session.broken is not None or self.engine._resets != self.session.resets:
+            for job in self.running.values():
+                job.end(StrataError("the batch failed: the request ended"))
+            self.running = {}
+            self.session = self.engine.batch_session()
+
+    def complete(self, job: Job) -> None:
+        try:
+            r = job.request
+            if job.top_logprobs is not None and job.reply.outcome.ids:
+                job.reply.outcome.logprobs = token_logprobs(self.engine, job.ids, job.reply.outcome.ids,
+                                                            job.top_logprobs)
+            job.end(job.reply.finish(r.out, r.stats.cached_tokens))
+        except BaseException as e:  # noqa: BLE001
+            job.end(e)
+
+
 class Server:
-    """The engine, its queue and its counters."""
+    """The engine, its queue and its counters; with max_batch > 1 the Batcher."""
 
     def __init__(self, engine: Engine, model_name: str, log=print):
         self.engine, self.model_name, self.log = engine, model_name, log
@@ -214,18 +430,40 @@ class Server:
         self.waiting = 0  # requests admitted and not finished
         self.served = 0
         self.history: list[dict] = []  # the last requests: tokens, finish reason, disconnected (tests, metrics)
+        self.batch_size = engine.options.max_batch if engine.options.max_batch > 1 and \
+            engine._batch_refusal() is None else 1
+        self.batcher = Batcher(self) if self.batch_size > 1 else None
+
+    def batching_line(self) -> str:
+        """The start-up line: how concurrent requests run."""
+        if self.batcher is None:
+            why = (f"max_batch={self.engine.options.max_batch}" if self.engine.options.max_batch <= 1
+                   else self.engine._batch_refusal())
+            return f"batching: off ({why}): one request at a time, the others queue (--max_batch > 1 batches them)"
+        return (f"batching: up to {self.batch_size} sequences a window (continuous: requests join and leave between "
+                "windows, n > 1 choices as sequences of one batch, no drafts); requests with a grammar (json "
+                "response_format, tool_choice required / named) run alone between the batch's windows")
 
     def admit(self) -> int:
         with self._count:
             ahead = self.waiting
             self.waiting += 1
-        if ahead:
-            self.log(f"request queued behind {ahead} (one engine: requests run one at a time)")
+        if ahead >= self.batch_size:
+            self.log(f"request queued behind {ahead} (" + ("one engine: requests run one at a time)"
+                                                          if self.batch_size == 1 else
+                                                          f"max_batch={self.batch_size} sequences at once)"))
         return ahead
 
     def release(self) -> None:
         with self._count:
             self.waiting -= 1
+
+    def record(self, outcome: Outcome, max_tokens: int, disconnected: bool) -> None:
+        with self._count:
+            self.served += 1
+            self.history = (self.history + [dict(tokens=outcome.tokens, max_tokens=max_tokens,
+                                                 finish_reason=outcome.finish_reason, disconnected=disconnected,
+                                                 cached_tokens=outcome.cached_tokens)])[-100:]
 
     def sampling(self, req: _Sampling, prompt_tokens: int) -> dict:
         eng = self.engine
@@ -244,45 +482,33 @@ class Server:
                 kw[name] = getattr(req, name)
         return kw
 
+    @staticmethod
+    def choices(kw: dict, n: int) -> list[dict]:
+        """The generate options of each of n choices: choice i draws with seed (the request's seed, or 0) + i
+        (mod 2**32), so each choice is the same request alone with that seed."""
+        if n == 1:
+            return [kw]
+        base = kw.get("seed", 0)
+        return [{**kw, "seed": (base + i) % 2**32} for i in range(n)]
+
     def run(self, ids: list[int], kw: dict, stops: list[str], emit=None, cancelled: threading.Event | None = None,
             drop_eos: bool = False, top_logprobs: int | None = None) -> Outcome:
-        """Generate in this (worker) thread; emit(text) gets each safe piece as it is accepted."""
-        eng = self.engine
-        text, stop = TextStream(eng.decode), StopStrings(stops)
-        eos = eng.end_of_turn_ids
-        outcome = Outcome(prompt_tokens=len(ids))
+        """Generate (the caller's thread waits); emit(text) gets each safe piece as it is accepted. With the
+        Batcher the request joins the batch (or runs alone between its windows), else generate here."""
+        reply = Reply(self, ids, kw, stops, emit, cancelled, drop_eos)
+        if self.batcher is not None:
+            return self.batcher.run(Job(ids, kw, reply, top_logprobs))
+        return self.run_alone(ids, kw, reply, top_logprobs)
 
-        def on_token(token: int) -> None:
-            if cancelled is not None and cancelled.is_set():
-                raise StopRequest
-            outcome.tokens += 1
-            if drop_eos and token in eos and not kw.get("ignore_eos"):
-                return
-            outcome.ids.append(int(token))
-            piece = stop.add(text.push(token))
-            if piece and emit:
-                emit(piece)
-            if stop.hit:
-                raise StopRequest
+    def run_alone(self, ids: list[int], kw: dict, reply: Reply, top_logprobs: int | None = None) -> Outcome:
+        """The request through generate, the engine's other callers waiting."""
+        eng = self.engine
         with eng._lock:  # this request's stats are read before the next request starts
-            out = eng.generate(ids, on_token=on_token, **kw)
+            out = eng.generate(ids, on_token=reply.on_token, **kw)
             stats = eng.stats.last
-            if top_logprobs is not None and outcome.ids:
-                outcome.logprobs = token_logprobs(eng, ids, outcome.ids, top_logprobs)
-        if not stop.hit:
-            piece = stop.add(text.flush()) + stop.rest()
-            if piece and emit:
-                emit(piece)
-        outcome.text = stop.text
-        outcome.cached_tokens = stats.cached_tokens
-        stopped_by_eos = bool(out) and out[-1] in eos and not kw.get("ignore_eos")
-        outcome.finish_reason = "stop" if stop.hit or stopped_by_eos else "length"
-        disconnected = cancelled is not None and cancelled.is_set()
-        self.served += 1
-        self.history = (self.history + [dict(tokens=outcome.tokens, max_tokens=kw["max_new_tokens"],
-                                             finish_reason=outcome.finish_reason, disconnected=disconnected,
-                                             cached_tokens=outcome.cached_tokens)])[-100:]
-        return outcome
+            if top_logprobs is not None and reply.outcome.ids:
+                reply.outcome.logprobs = token_logprobs(eng, ids, reply.outcome.ids, top_logprobs)
+        return reply.finish(out, stats.cached_tokens)
 
 
 # ---- the app -------------------------------------------------------------------------------------------------------
@@ -343,6 +569,7 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
     app.add_middleware(AccessLog, log=log)  # added last: outermost, so refused requests are logged too
     server = Server(engine, model_name, log)
     app.state.server = server
+    log(server.batching_line())
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError):
@@ -394,7 +621,9 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                  "strata_prompt_tokens_total": total.prompt_tokens, "strata_cached_tokens_total": total.cached_tokens,
                  "strata_generated_tokens_total": total.generated_tokens,
                  "strata_decode_tokens_per_second": round(total.decode_tok_s, 3),
-                 "strata_prefill_tokens_per_second": round(total.prefill_tok_s, 3)}
+                 "strata_prefill_tokens_per_second": round(total.prefill_tok_s, 3),
+                 "strata_batch_size": server.batch_size, "strata_batch_windows_total": engine.stats.batch_windows,
+                 "strata_batch_rows_max": engine.stats.batch_rows_max}
         if engine.placement:
             lines["strata_expert_hit_rate"] = round(total.decode_experts.hit_rate, 4)
             lines["strata_expert_pcie_bytes_total"] = total.decode_experts.pcie_bytes
@@ -513,27 +742,40 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                 while not await request.is_disconnected():
                     await anyio.sleep(0.1)
                 cancelled.set()
+            outcomes: list = [None] * req.n
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(watch)
                     try:
-                        outcome = await anyio.to_thread.run_sync(
-                            lambda: server.run(ids, kw, stops, cancelled=cancelled, drop_eos=drop_eos,
-                                               top_logprobs=wanted_logprobs(req)))
+                        async with anyio.create_task_group() as runs:  # n > 1: the choices run at once
+                            for i, choice_kw in enumerate(server.choices(kw, req.n)):
+                                async def one(i=i, choice_kw=choice_kw):
+                                    try:
+                                        outcomes[i] = await anyio.to_thread.run_sync(
+                                            lambda: server.run(ids, choice_kw, stops, cancelled=cancelled,
+                                                               drop_eos=drop_eos, top_logprobs=wanted_logprobs(req)))
+                                    except Exception as e:  # noqa: BLE001 (raised below, as it is)
+                                        outcomes[i] = e
+                                runs.start_soon(one)
                     finally:
                         tg.cancel_scope.cancel()
             finally:
                 server.release()
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
             if tools:
-                outcome = with_tool_calls(outcome)
-            return JSONResponse(headers=headers, content=body(kind, rid, created, outcome))
+                outcomes = [with_tool_calls(o) for o in outcomes]
+            return JSONResponse(headers=headers, content=body(kind, rid, created, outcomes))
         return EventSourceResponse(stream(kind, rid, created, ids, kw, stops, drop_eos, req, tools), headers=headers,
                                    ping=15)
 
-    def usage(outcome: Outcome) -> dict:
-        return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.tokens,
-                "total_tokens": outcome.prompt_tokens + outcome.tokens,
-                "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
+    def usage(outcomes: list[Outcome]) -> dict:
+        """One request's usage: its prompt once, the tokens of every choice."""
+        first, made = outcomes[0], sum(o.tokens for o in outcomes)
+        return {"prompt_tokens": first.prompt_tokens, "completion_tokens": made,
+                "total_tokens": first.prompt_tokens + made,
+                "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
     def wanted_logprobs(req: _Sampling) -> int | None:
         """How many most likely tokens a request wants beside each chosen one (None: no logprobs)."""
@@ -567,90 +809,109 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
         return {"tokens": tokens, "token_logprobs": [float(v) for v in chosen], "text_offset": offsets,
                 "top_logprobs": [{piece(i)[0]: float(v) for i, v in zip(ids, lps)} for ids, lps in zip(top, top_lp)]}
 
-    def body(kind: str, rid: str, created: int, outcome: Outcome) -> dict:
-        if kind == "chat.completion":
-            message = {"role": "assistant", "content": outcome.text}
-            if outcome.tool_calls:
-                message.update(content=outcome.text or None, tool_calls=outcome.tool_calls)
-            choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason,
-                      "logprobs": logprobs_of(kind, outcome)}
-        else:
-            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason,
-                      "logprobs": logprobs_of(kind, outcome)}
-        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                "usage": usage(outcome)}
+    def body(kind: str, rid: str, created: int, outcomes: list[Outcome]) -> dict:
+        choices = []
+        for index, outcome in enumerate(outcomes):
+            if kind == "chat.completion":
+                message = {"role": "assistant", "content": outcome.text}
+                if outcome.tool_calls:
+                    message.update(content=outcome.text or None, tool_calls=outcome.tool_calls)
+                choices.append({"index": index, "message": message, "finish_reason": outcome.finish_reason,
+                                "logprobs": logprobs_of(kind, outcome)})
+            else:
+                choices.append({"index": index, "text": outcome.text, "finish_reason": outcome.finish_reason,
+                                "logprobs": logprobs_of(kind, outcome)})
+        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
+                "usage": usage(outcomes)}
 
-    def chunk(kind: str, rid: str, created: int, piece: str | None, finish: str | None, role: bool = False) -> dict:
+    def chunk(kind: str, rid: str, created: int, piece: str | None, finish: str | None, role: bool = False,
+              index: int = 0) -> dict:
         if kind == "chat.completion":
             delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": piece or "", "finish_reason": finish, "logprobs": None}
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
 
     async def stream(kind, rid, created, ids, kw, stops, drop_eos, req, tools=False):
+        """Server-sent events: each choice's pieces as its tokens come (n > 1: interleaved, by index), each
+        choice's end when it ends, then the usage and [DONE]."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
         done = object()
-        hold = ToolCallHold() if tools else None  # content goes out as it comes; a tool call once it is whole
+        choice_kws = server.choices(kw, req.n)
+        holds = [ToolCallHold() if tools else None for _ in choice_kws]  # content as it comes; a call once whole
+        left = [len(choice_kws)]
 
-        def put(piece: str) -> None:
-            if hold is not None:
-                piece = hold.add(piece)
-            if piece:
-                loop.call_soon_threadsafe(pieces.put_nowait, piece)
+        def work(index: int, choice_kw: dict):
+            hold = holds[index]
 
-        def work():
+            def put(piece: str) -> None:
+                if hold is not None:
+                    piece = hold.add(piece)
+                if piece:
+                    loop.call_soon_threadsafe(pieces.put_nowait, (index, piece))
             try:
-                outcome = server.run(ids, kw, stops, emit=put, cancelled=cancelled, drop_eos=drop_eos,
+                outcome = server.run(ids, choice_kw, stops, emit=put, cancelled=cancelled, drop_eos=drop_eos,
                                      top_logprobs=wanted_logprobs(req))
-                loop.call_soon_threadsafe(pieces.put_nowait, (done, outcome))
+                loop.call_soon_threadsafe(pieces.put_nowait, (done, index, outcome))
             except BaseException as e:  # noqa: BLE001 (sent to the client as an error event)
-                loop.call_soon_threadsafe(pieces.put_nowait, (done, e))
+                loop.call_soon_threadsafe(pieces.put_nowait, (done, index, e))
             finally:
-                server.release()
+                with server._count:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    server.release()
 
-        worker = threading.Thread(target=work, name="strata-serve", daemon=True)
-        worker.start()
+        for index, choice_kw in enumerate(choice_kws):
+            threading.Thread(target=work, args=(index, choice_kw), name="strata-serve", daemon=True).start()
         try:
             if kind == "chat.completion":
-                yield json.dumps(chunk(kind, rid, created, None, None, role=True))
-            while True:
+                for index in range(len(choice_kws)):
+                    yield json.dumps(chunk(kind, rid, created, None, None, role=True, index=index))
+            results: dict[int, Any] = {}
+            while len(results) < len(choice_kws):
                 item = await pieces.get()
-                if isinstance(item, tuple) and item and item[0] is done:
-                    result = item[1]
-                    break
-                yield json.dumps(chunk(kind, rid, created, item, None))
-            if isinstance(result, BaseException):
-                message = str(result) if isinstance(result, StrataError) else f"internal error: {result!r}"
-                yield json.dumps({"error": {"message": message, "type": "server_error", "param": None,
-                                            "code": None}})
-                return
-            if hold is not None:
-                sent = hold.text[:hold.sent]
-                result = with_tool_calls(result)
-                if result.tool_calls:
-                    after = result.text[len(sent.strip()):].strip() if result.text.startswith(sent.strip()) else ""
-                    if after:
-                        yield json.dumps(chunk(kind, rid, created, after, None))
-                    delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(result.tool_calls)]}
-                    yield json.dumps({**chunk(kind, rid, created, None, None),
-                                      "choices": [{"index": 0, "delta": delta, "finish_reason": None,
-                                                   "logprobs": None}]})
-                elif (held := hold.rest()):
-                    yield json.dumps(chunk(kind, rid, created, held, None))
-            if result.logprobs is not None:  # every token's, in one chunk after the text (one teacher-forced
-                # pass after the request, as without stream)
-                last = chunk(kind, rid, created, None, None)
-                last["choices"][0]["logprobs"] = logprobs_of(kind, result)
-                yield json.dumps(last)
-            yield json.dumps(chunk(kind, rid, created, None, result.finish_reason))
+                if item[0] is not done:
+                    yield json.dumps(chunk(kind, rid, created, item[1], None, index=item[0]))
+                    continue
+                _, index, result = item
+                results[index] = result
+                if isinstance(result, BaseException):
+                    message = str(result) if isinstance(result, StrataError) else f"internal error: {result!r}"
+                    yield json.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                                "code": None}})
+                    return
+                hold = holds[index]
+                if hold is not None:
+                    sent = hold.text[:hold.sent]
+                    result = results[index] = with_tool_calls(result)
+                    if result.tool_calls:
+                        after = (result.text[len(sent.strip()):].strip() if result.text.startswith(sent.strip())
+                                 else "")
+                        if after:
+                            yield json.dumps(chunk(kind, rid, created, after, None, index=index))
+                        delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(result.tool_calls)]}
+                        yield json.dumps({**chunk(kind, rid, created, None, None, index=index),
+                                          "choices": [{"index": index, "delta": delta, "finish_reason": None,
+                                                       "logprobs": None}]})
+                    elif (held := hold.rest()):
+                        yield json.dumps(chunk(kind, rid, created, held, None, index=index))
+                if result.logprobs is not None:  # every token's, in one chunk after the text (one teacher-forced
+                    # pass after the request, as without stream)
+                    last = chunk(kind, rid, created, None, None, index=index)
+                    last["choices"][0]["logprobs"] = logprobs_of(kind, result)
+                    yield json.dumps(last)
+                yield json.dumps(chunk(kind, rid, created, None, result.finish_reason, index=index))
             if (req.stream_options or {}).get("include_usage"):
+                outcomes = [results[i] for i in range(len(choice_kws))]
                 yield json.dumps({"id": rid, "object": chunk(kind, rid, created, None, None)["object"],
-                                  "created": created, "model": model_name, "choices": [], "usage": usage(result)})
+                                  "created": created, "model": model_name, "choices": [],
+                                  "usage": usage(outcomes)})
             yield "[DONE]"
         finally:
             cancelled.set()  # a client gone (the generator closed early): the request ends at its next token
@@ -731,8 +992,17 @@ def main(argv: list[str]) -> None:
                                             lifespan="off"))
 
     def load() -> None:  # the engine in a thread: the server answers (503) while it loads and compiles
+        options = {k: getattr(opts, k) for k in opts.__dataclass_fields__}
         try:
-            engine = Engine.from_pretrained(FLAGS.model, **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
+            try:
+                engine = Engine.from_pretrained(FLAGS.model, **options)
+            except StrataError as e:
+                if options["max_batch"] <= 1 or not str(e).startswith(f"max_batch={options['max_batch']}:"):
+                    raise
+                # an engine that cannot batch (offload, several devices, Qwen3-Next): served one at a time
+                print(f"batching: off ({str(e).split(': ', 1)[1]}); loading again with max_batch=1",
+                      file=sys.stderr, flush=True)
+                engine = Engine.from_pretrained(FLAGS.model, **{**options, "max_batch": 1})
         except StrataError as e:
             failed.append(str(e))
             server.should_exit = True

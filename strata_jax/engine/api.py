@@ -175,6 +175,7 @@ class Engine:
 
     def _reset_state(self) -> None:
         """Fresh caches (also after a failed request, whose donated buffers are gone)."""
+        self._resets = getattr(self, "_resets", -1) + 1  # a BatchSession's slots are gone after a reset
         length = self.plan.kv_length
         copies = plan_mod.kv_copies(self.options)  # the engine's cache and the batch's slots
         self.state.batch = None  # (a failed batch donated it)
@@ -604,7 +605,9 @@ class Engine:
         self._take_expert_stats(new_request=True)
         self._kv_tokens = []  # the engine's cache will hold the last prompt's rows
         try:
-            self._guarded(loops.run_batch, self._graphs(), self.state, rows)
+            decoder = self._guarded(loops.run_batch, self._graphs(), self.state, rows)
+            self.stats.batch_windows += decoder.windows_run
+            self.stats.batch_rows_max = max(self.stats.batch_rows_max, decoder.most_rows)
         finally:
             for r in rows:
                 r.stats.generated_tokens = len(r.out)
@@ -661,6 +664,14 @@ class Engine:
                                 logits=[] if return_logits else None)
         box.append(request)
         return request
+
+    def batch_session(self) -> "BatchSession":
+        """Continuous batching (the server's, --max_batch > 1): a BatchSession, whose requests join and leave a
+        running batch between windows. Refused in one line where batched windows cannot run (_batch_refusal)."""
+        refusal = self._batch_refusal()
+        if refusal:
+            raise StrataError(f"batching: {refusal}")
+        return BatchSession(self)
 
     def stream(self, token_ids: Sequence[int], **request) -> Iterator[int]:
         """`generate` as a generator: each new token id as soon as it is accepted (same options, same tokens).
@@ -736,7 +747,8 @@ class Engine:
             else None,
             context=self.context, vocab_size=self.cfg.vocab_size,
             batch_windows=c.batch_windows_for, put_slot=c.put_slot,
-            form_samplers=lambda form: c.samplers[form].sample)
+            form_samplers=lambda form: c.samplers[form].sample, batch_slots=self.options.max_batch,
+            prefill_sizes=lambda n: plan_mod.chunk_sizes_for(n, self.chunks))
 
     @_serialized
     def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:
@@ -826,6 +838,156 @@ class Engine:
         if self.tokenizer is None:
             raise StrataError(f"no tokenizer.json in {self.model_dir}")
         return self.tokenizer.decode(check_token_ids(ids, self.cfg.vocab_size, "decode").tolist())
+
+
+class BatchSession:
+    """Requests that join and leave a running batch between windows (loops.BatchDecoder over an engine's batch
+    cache, `Engine.batch_session()`): `request` makes one (generate_batch's options, checked and defaulted as
+    there; its on_token(token) sees each token, StopRequest from it ends that request alone), `admit` prefills it
+    alone into a free KV slot (prefix reuse as generate: the engine's cache keeps the last prompt's rows) and hands
+    its first token to on_token, `step` runs one window of every live request and returns those that left. Each
+    request's tokens are those of generate(spec=0) alone, whoever runs beside it and whenever it joined.
+
+    Each call holds the engine's lock only for itself (and `begin` until the admission's last `advance`): between
+    two calls the engine serves its other calls (generate, score, ...), which use the engine's own cache, never
+    the batch's slots. One thread drives a session. A failed window, or a reset of the engine's caches by another call's failure, ends every live
+    request: the call raises and the session is `broken` (start another)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        with engine._lock:
+            if engine.state.batch is None:
+                engine.state.batch = engine._init_batch_cache()
+            self.decoder = loops.BatchDecoder(engine._graphs(), engine.state)
+            self.resets = engine._resets
+        self.broken: str | None = None
+        self._counted = 0  # the decoder's windows already added to engine.stats.batch_windows
+
+    @property
+    def free(self) -> int:
+        """KV slots no live request owns: how many more requests admit takes now."""
+        return len(self.decoder.free)
+
+    @property
+    def active(self) -> bool:
+        """Whether step has work (a live request, or a window in flight)."""
+        return self.decoder.active
+
+    @property
+    def live(self) -> list[loops.Request]:
+        return list(self.decoder.live.values())
+
+    def request(self, prompt, on_token: Callable[[int], None] | None = None, **options) -> loops.Request:
+        unknown = sorted(set(options) - set(Engine.BATCH_OPTIONS))
+        if unknown:
+            raise StrataError(f"a batched request got unknown option(s) {', '.join(unknown)} (its options: "
+                              f"{', '.join(Engine.BATCH_OPTIONS)})")
+        return self.engine._batch_request(prompt, 0, None if on_token is None else (lambda i, t: on_token(t)),
+                                          False, **options)
+
+    def _check(self) -> None:
+        if self.broken is None and self.engine._resets != self.resets:
+            self.broken = "the engine's caches were reset (another call failed): the batch's requests are lost"
+        if self.broken is not None:
+            raise StrataError(f"batch session: {self.broken}")
+
+    def _call(self, fn, *args, keeps: tuple = ()):
+        """fn under the engine's lock and failure recovery; a failure breaks the session, except those of `keeps`
+        (a request's own failure before it touched the batch cache)."""
+        e = self.engine
+        with e._lock:
+            self._check()
+            try:
+                return e._guarded(fn, *args)
+            except keeps:
+                raise
+            except BaseException as exc:
+                self.broken = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                if self.decoder.admitting is not None:  # a window failed during an admission: begin's lock goes
+                    self.decoder.admitting = None
+                    e._lock.release()
+                if e.state.batch is None and e._resets == self.resets:  # the donated batch cache is gone
+                    e._reset_state()
+                raise
+            finally:
+                e.stats.batch_windows += self.decoder.windows_run - self._counted
+                self._counted = self.decoder.windows_run
+                e.stats.batch_rows_max = max(e.stats.batch_rows_max, self.decoder.most_rows)
+
+    def admit(self, request: loops.Request) -> bool:
+        """Prefill `request` into a free KV slot (every chunk now), its first token to its on_token: True when it
+        decodes on in the batch, False when it has ended (its first token stopped it, or max_new_tokens is 0; its
+        stats counted)."""
+        if not self.begin(request):
+            return False
+        while (live := self.advance()) is None:
+            pass
+        return live
+
+    @property
+    def admitting(self) -> loops.Request | None:
+        """The request being admitted chunk by chunk (begin / advance), or None."""
+        return None if self.decoder.admitting is None else self.decoder.admitting[0]
+
+    def begin(self, request: loops.Request) -> bool:
+        """Start admitting `request` into a free KV slot: its prefill chunks then run one an `advance`, between
+        windows. The engine's lock stays held by this thread until the admission ends (the engine's cache holds its
+        rows meanwhile; this thread must not call the engine otherwise until then). False: nothing to run
+        (max_new_tokens 0; its stats counted)."""
+        e = self.engine
+        with e._lock:
+            self._check()
+            if self.decoder.admitting is not None:
+                raise StrataError("batch session: an admission is running (advance it first)")
+            if not self.decoder.free:
+                raise StrataError(f"batch session: every KV slot is taken (max_batch={e.options.max_batch})")
+            reuse = e._reusable(request.ids) if request.budget > 0 else 0
+            request.reuse = request.stats.cached_tokens = reuse
+            if not self.decoder.begin(request):
+                self._done(request)
+                return False
+            e._kv_tokens = []  # the engine's cache will hold this prompt's rows
+            e._lock.acquire()  # held until the admission ends (advance)
+        return True
+
+    def advance(self):
+        """The admission's next prefill chunk; after the last: True when the request decodes on in the batch,
+        False when it has ended at its first token; None while chunks remain."""
+        e = self.engine
+        request = self.admitting
+        if request is None:
+            raise StrataError("batch session: no admission is running (begin one)")
+        ended = True
+        try:
+            # non-finite logits in its prefill: this request's failure (the batch cache is touched after)
+            live = self._call(self.decoder.advance, keeps=(StrataError,))
+            ended = live is not None
+        finally:
+            if ended:
+                e._lock.release()  # begin's
+        if live is None:
+            return None
+        e._kv_tokens = request.ids.tolist() if request.out else []  # the prefill's rows, not the output's
+        if not live:
+            self._done(request)
+        return live
+
+    def step(self) -> list[loops.Request]:
+        """One window of every live request (and the read of the oldest one in flight): the requests that left."""
+        left = self._call(self.decoder.step)
+        for r in left:
+            self._done(r)
+        return left
+
+    def drop(self, request: loops.Request) -> None:
+        """End a live request now (a consumer gone); its tokens in flight are dropped."""
+        with self.engine._lock:
+            self.decoder.drop(request)
+        self._done(request)
+
+    def _done(self, r: loops.Request) -> None:
+        r.stats.generated_tokens = len(r.out)
+        self.engine.stats.add(r.stats)
 
 
 class StopRequest(Exception):

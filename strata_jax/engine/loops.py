@@ -3,7 +3,9 @@
     run(graphs, state, request) prefill, the first token, then the loop the request asks for
       prefill                   the prompt through the prefill chunks; the first new token
     run_batch(graphs, state, requests)  several requests at once: each prefilled alone into its KV slot, then
-      decode_batch              T=1 windows of every live sequence together, read one window late
+      BatchDecoder              continuous batching: requests admitted into free KV slots (prefilled alone) and
+                                T=1 windows of every live one together (step), read one window late; a
+                                request leaves at its stop and its slot is free for the next
       decode_tokens             picks and times one of the loops:
         decode_pipelined        spec 0: one token a window, read one window late (the next window already queued)
         decode_verify           verify windows: out[-1] + up to `spec` drafts, accept what the target agrees with;
@@ -67,6 +69,8 @@ class Graphs:
     batch_windows: Callable[[str | None], Mapping[int, Callable]] | None = None  # filter form -> bucket B -> graph
     put_slot: Callable | None = None  # (batch cache, the engine's cache, slot) -> batch cache
     form_samplers: Callable[[str], Mapping[int, Callable]] | None = None  # a filter form's `sample` table
+    batch_slots: int = 1  # the batch cache's KV slots (max_batch)
+    prefill_sizes: Callable[[int], list[int]] | None = None  # n prompt tokens -> the prefill's chunk sizes
 
 
 @dataclasses.dataclass
@@ -393,82 +397,220 @@ def decode_device(g: Graphs, s: State, r: Request) -> None:
 
 # ---- several requests at once -------------------------------------------------------------------------------------
 
-def run_batch(g: Graphs, s: State, rows: list[Request]) -> None:
+def run_batch(g: Graphs, s: State, rows: list[Request]) -> BatchDecoder:
     """Requests decoded together (Engine.generate_batch: spec 0, no grammar): each prompt's prefill alone through
-    the prefill chunks into the engine's cache, copied into KV slot i of the batch cache (rows[i]'s), then
-    decode_batch. A request whose first token ends it leaves before the first batched window."""
-    for slot, r in enumerate(rows):
-        if r.budget < 1:
-            continue  # max_new_tokens 0: not prefilled, no row
-        first = prefill(dataclasses.replace(g, sample=g.form_samplers(r.form)) if r.sampled else g, s, r)
-        s.batch = g.put_slot(s.batch, s.cache, jnp.int32(slot))
-        if r.on_token:
-            r.on_token(first)
-    decode_batch(g, s, rows)
+    the prefill chunks into the engine's cache, copied into KV slot i of the batch cache (rows[i]'s), then T=1
+    windows of every live request until all have stopped (a BatchDecoder with a fixed set of requests). A request
+    whose first token ends it leaves before the first batched window. Returns the decoder (its counters)."""
+    decoder = BatchDecoder(g, s)
+    decoder.windows(batch_form(rows))  # compile_graphs=ahead: every bucket compiled here, before the timed part
+    for r in rows:
+        decoder.admit(r)
+    while decoder.active:
+        decoder.step()
     experts = g.take_expert_stats()
     for r in rows:
         r.stats.decode_experts = experts
+    return decoder
 
 
 def decode_batch(g: Graphs, s: State, rows: list[Request]) -> None:
-    """T=1 windows of every live request together: row b of a window is one request (its token, position and KV
-    slot), the window the smallest bucket that holds them, the rest padding (routed nowhere, written into a slot
-    no live request owns). Each window's tokens feed the next window on the device and are read one window late,
-    as decode_pipelined. A request that stops (a stop token, its budget, StopRequest from on_token) leaves: its
-    tokens still in flight are dropped and the next window runs without its row."""
-    sampled = [r for r in rows if r.sampled]
-    forms = {r.form for r in sampled}
-    form = None if not sampled else forms.pop() if len(forms) == 1 else "sorted"  # "sorted" serves any setting
-    windows = g.batch_windows(form)  # compile_graphs=ahead: every bucket compiled here, before the timed part
-    buckets = sorted(windows.sizes)
-    t0 = time.perf_counter()
-    live = [i for i, r in enumerate(rows) if r.out and r.out[-1] not in r.stops and len(r.out) < r.budget]
-    queued = {i: 0 for i in live}  # tokens in flight per request
-    in_flight: list[tuple[list[int], jax.Array, jax.Array]] = []  # (the window's requests, tokens [B], logits)
-    cur, cur_rows = None, []  # the last window's tokens [B] and the request of each row
-    params, params_rows = None, None  # the rows' SamplingParams ([B] leaves), for the requests params_rows
-    while live or in_flight:
-        members = [i for i in live if len(rows[i].out) + queued[i] < rows[i].budget]
+    """T=1 windows of prefilled requests together, request i in KV slot i (its rows already there), until all
+    have stopped: a BatchDecoder holding them from the start."""
+    decoder = BatchDecoder(g, s)
+    decoder.windows(batch_form(rows))
+    for slot, r in enumerate(rows):
+        if r.out and r.out[-1] not in r.stops and len(r.out) < r.budget:
+            decoder.join(r, slot)
+    while decoder.active:
+        decoder.step()
+
+
+def batch_form(rows: list[Request]) -> str | None:
+    """The filter form of a window of these requests: None (greedy rows only), their one form, or "sorted" (right
+    for any setting) when their forms differ."""
+    forms = {r.form for r in rows if r.sampled}
+    return None if not forms else forms.pop() if len(forms) == 1 else "sorted"
+
+
+class BatchDecoder:
+    """Continuous batching: requests join and leave a running batch between T=1 windows.
+
+    It owns the batch cache's KV slots (`free`): `admit` prefills a request alone through the prefill chunks into
+    the engine's cache, copies it into a free slot (put_slot) and hands its first token to on_token (or `begin`,
+    then `advance` one chunk at a time between windows, so a long prompt does not stall the others); `step` runs
+    one window of every live request that still needs tokens, as the rows of the smallest bucket that holds them
+    (the rest padding: routed nowhere, written into a slot no live request owns), and reads the oldest window in
+    flight; a request that stops (a stop token, its budget, StopRequest turned into budget = len(out) by its
+    on_token) leaves there and its slot is free again (a window still in flight may write into it: the next
+    owner's put_slot comes after it on the device, and rewrites the whole slot). Each window's tokens feed the next
+    window on the device and are read one window late, as decode_pipelined; a request that joins gets its first
+    token from the host. Each row is its request's T=1 window alone (its own slot, position, sampling and key per
+    seed and position), so its tokens do not depend on who runs beside it or when it joined.
+
+    One thread drives it (the engine's lock is the caller's business); `step` returns the requests that left."""
+
+    def __init__(self, g: Graphs, s: State):
+        self.g, self.s, self.slots = g, s, g.batch_slots
+        self.free = list(range(self.slots))  # KV slots no live request owns
+        self.live: dict[int, Request] = {}  # key -> a request still decoding (admission order)
+        self.slot: dict[int, int] = {}  # key -> its KV slot
+        self.queued: dict[int, int] = {}  # key -> its tokens in flight
+        self.started: dict[int, float] = {}  # key -> when its first batched window was dispatched
+        self.in_flight: list[tuple[list[int], jax.Array, jax.Array]] = []  # (the window's keys, tokens [B], logits)
+        self.cur, self.cur_rows = None, []  # the last window's tokens [B] (on the device) and each row's key
+        self.params, self.params_rows = None, None  # the rows' SamplingParams ([B] leaves), for params_rows
+        self.admitting: tuple[Request, int, float] | None = None  # (the request, its slot, prefill seconds so far)
+        self.next_key = 0
+        self.windows_run = 0  # windows dispatched
+        self.most_rows = 0  # the most live rows one window ran
+
+    def windows(self, form: str | None):
+        return self.g.batch_windows(form)
+
+    @property
+    def active(self) -> bool:
+        """Whether a request is live or a window is in flight (step has work)."""
+        return bool(self.live or self.in_flight)
+
+    def admit(self, r: Request) -> bool:
+        """Prefill `r` alone into a free KV slot (all its chunks now) and hand its first token to on_token; True
+        when it then decodes in the batch (False: it ended at its first token, or has no budget). Needs a free
+        slot."""
+        if not self.begin(r):
+            return False
+        while (live := self.advance()) is None:
+            pass
+        return live
+
+    def begin(self, r: Request) -> bool:
+        """Start admitting `r` (one admission at a time): a free KV slot reserved for it, its prefill chunks then
+        run one an `advance` (between windows, so the live requests' windows go on). False: nothing to run
+        (max_new_tokens 0). The engine's cache holds the admission's rows until it ends: nothing else may write it
+        meanwhile."""
+        if r.budget < 1:
+            return False  # max_new_tokens 0: not prefilled, no row
+        if self.admitting is not None:
+            raise ValueError("BatchDecoder.begin: an admission is running")
+        if not self.free:
+            raise ValueError("BatchDecoder.begin: no free KV slot")
+        self.admitting = (r, self.free.pop(0), 0.0)
+        return True
+
+    def advance(self) -> bool | None:
+        """The admission's next prefill chunk (dispatched, not waited for); after the last one its first token
+        (read), its rows into the slot (put_slot) and on_token: True when it decodes on in the batch, False when it
+        ended there; None while chunks remain. The chunks are those of its prefill alone (g.prefill_sizes of what
+        remains: the same graphs on the same rows), so its tokens are too."""
+        r, slot, spent = self.admitting
+        try:
+            sizes = self.g.prefill_sizes(r.ids.size - r.reuse) if self.g.prefill_sizes else [0]
+            if len(sizes) > 1:
+                t0 = time.perf_counter()
+                end = r.reuse + sizes[0]
+                self.g.prefill(r.ids[:end], first=r.reuse, mtp=None)  # its rows written; its token not needed
+                r.reuse = end  # the rows the last chunk starts after
+                self.admitting = (r, slot, spent + time.perf_counter() - t0)
+                return None
+            self.admitting = None
+            g = dataclasses.replace(self.g, sample=self.g.form_samplers(r.form)) if r.sampled else self.g
+            first = prefill(g, self.s, r)
+            r.stats.prefill_s += spent
+            self.s.batch = self.g.put_slot(self.s.batch, self.s.cache, jnp.int32(slot))
+        except BaseException:
+            self.admitting = None
+            self.free = sorted(self.free + [slot])
+            raise
+        if r.on_token:
+            r.on_token(first)
+        if first in r.stops or len(r.out) >= r.budget:
+            self.free = sorted(self.free + [slot])
+            return False
+        self.join(r, slot)
+        return True
+
+    def join(self, r: Request, slot: int) -> int:
+        """A request whose prompt is in KV slot `slot` (and r.out its first token) joins the batch: its key."""
+        if slot in self.free:
+            self.free.remove(slot)
+        key, self.next_key = self.next_key, self.next_key + 1
+        self.live[key], self.slot[key], self.queued[key] = r, slot, 0
+        return key
+
+    def leave(self, key: int) -> None:
+        r = self.live.pop(key)
+        self.queued.pop(key)
+        self.free.append(self.slot.pop(key))
+        self.free.sort()
+        if key in self.started:
+            r.stats.decode_s = time.perf_counter() - self.started.pop(key)
+
+    def drop(self, r: Request) -> None:
+        """End a live request now (its tokens in flight are dropped)."""
+        for key, other in list(self.live.items()):
+            if other is r:
+                self.leave(key)
+
+    def step(self) -> list[Request]:
+        """Dispatch one window of the live requests that need tokens; read the oldest window in flight once two
+        are queued (or when none was dispatched). Returns the requests that left at the tokens read."""
+        g, s = self.g, self.s
+        members = [k for k, r in self.live.items() if len(r.out) + self.queued[k] < r.budget]
         if members:
-            b = next(size for size in buckets if size >= len(members))
+            windows = self.windows(batch_form([self.live[k] for k in members]))
+            b = next(size for size in sorted(windows.sizes) if size >= len(members))
             pad = b - len(members)
-            if cur is not None and cur_rows[:len(members)] == members and cur.shape[0] == b:
-                tokens = cur  # the same rows as the last window: its tokens as they are, on the device
-            elif cur is None:
-                tokens = jnp.asarray([rows[i].out[-1] for i in members] + [0] * pad, jnp.int32)
-            else:  # requests left: the others' tokens gathered on the device
-                tokens = jnp.take(cur, jnp.asarray([cur_rows.index(i) for i in members] + [0] * pad, jnp.int32))
-            free = min(set(range(buckets[-1])) - set(members)) if pad else 0  # padding writes only there
-            pos = [rows[i].ids.size + len(rows[i].out) - 1 + queued[i] for i in members] + [0] * pad
-            if params_rows != (members, b):
-                params, params_rows = batch_sampling([rows[i].sampling for i in members], pad), (members, b)
-            cur, logits, s.batch = windows[b](s.weights, s.batch, tokens, jnp.asarray(pos, jnp.int32),
-                                              jnp.asarray(members + [free] * pad, jnp.int32),
-                                              jnp.int32(len(members)), params)
-            cur_rows = members
-            in_flight.append((members, cur, logits))
-            for i in members:
-                queued[i] += 1
-                rows[i].stats.windows += 1
-                rows[i].stats.window_tokens += 1
-        if in_flight and (len(in_flight) >= 2 or not members):
-            done, tokens_w, logits_w = in_flight.pop(0)
-            new = np.asarray(tokens_w)
-            rows_logits = np.asarray(logits_w) if any(rows[i].logits is not None for i in done) else None
-            for row, i in enumerate(done):
-                queued[i] -= 1
-                if i not in live:
+            if self.cur is not None and self.cur_rows == members and self.cur.shape[0] == b:
+                tokens = self.cur  # the same rows as the last window: its tokens as they are, on the device
+            elif self.cur is None or not any(k in self.cur_rows for k in members):
+                tokens = jnp.asarray([self.live[k].out[-1] for k in members] + [0] * pad, jnp.int32)
+            else:  # rows left or joined: the others' tokens gathered on the device, a newcomer's from the host
+                at = [self.cur_rows.index(k) if k in self.cur_rows else 0 for k in members] + [0] * pad
+                new = [k not in self.cur_rows for k in members] + [False] * pad
+                host = [self.live[k].out[-1] if k not in self.cur_rows else 0 for k in members] + [0] * pad
+                tokens = jnp.where(jnp.asarray(new), jnp.asarray(host, jnp.int32),
+                                   jnp.take(self.cur, jnp.asarray(at, jnp.int32)))
+            owned = {self.slot[k] for k in self.live}
+            spare = sorted(set(range(self.slots)) - owned) or sorted(set(range(self.slots)) -
+                                                                     {self.slot[k] for k in members})
+            slots = [self.slot[k] for k in members] + [spare[0] if pad else 0] * pad
+            pos = [self.live[k].ids.size + len(self.live[k].out) - 1 + self.queued[k] for k in members] + [0] * pad
+            if self.params_rows != (members, b):
+                self.params = batch_sampling([self.live[k].sampling for k in members], pad)
+                self.params_rows = (members, b)
+            now = time.perf_counter()
+            for k in members:
+                self.started.setdefault(k, now)
+            self.cur, logits, s.batch = windows[b](s.weights, s.batch, tokens, jnp.asarray(pos, jnp.int32),
+                                                   jnp.asarray(slots, jnp.int32), jnp.int32(len(members)),
+                                                   self.params)
+            self.cur_rows = members
+            self.in_flight.append((members, self.cur, logits))
+            self.windows_run += 1
+            self.most_rows = max(self.most_rows, len(members))
+            for k in members:
+                self.queued[k] += 1
+                self.live[k].stats.windows += 1
+                self.live[k].stats.window_tokens += 1
+        left: list[Request] = []
+        if self.in_flight and (len(self.in_flight) >= 2 or not members):
+            done, tokens_w, logits_w = self.in_flight.pop(0)
+            new_tokens = np.asarray(tokens_w)
+            rows_logits = None
+            if any(k in self.live and self.live[k].logits is not None for k in done):
+                rows_logits = np.asarray(logits_w)
+            for row, k in enumerate(done):
+                if k not in self.live:
                     continue  # left after this window was queued
-                r = rows[i]
-                token = g.checked(int(new[row]), r.ids.size + len(r.out))
+                self.queued[k] -= 1
+                r = self.live[k]
+                token = g.checked(int(new_tokens[row]), r.ids.size + len(r.out))
                 if r.logits is not None:
                     r.logits.append(rows_logits[row].astype(np.float32))
                 if r.emit(token) or len(r.out) >= r.budget:
-                    live.remove(i)
-                    r.stats.decode_s = time.perf_counter() - t0
-    for r in rows:
-        if not r.stats.decode_s and r.stats.windows:
-            r.stats.decode_s = time.perf_counter() - t0
+                    self.leave(k)
+                    left.append(r)
+        return left
 
 
 def batch_sampling(params: list[SamplingParams], pad: int) -> SamplingParams:

@@ -134,6 +134,8 @@ class Stats:
     requests: int = 0
     compile_s: float = 0.0
     batch: list[RequestStats] = dataclasses.field(default_factory=list)  # the last generate_batch's, per prompt
+    batch_windows: int = 0  # batched windows run (generate_batch, BatchSession)
+    batch_rows_max: int = 0  # the most live sequences one batched window ran
 
     def add(self, r: RequestStats) -> None:
         self.last = r

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server (strata_jax/serve.py) on a loopback port, driven by the official `openai` client:
 streamed chat, a second turn that reuses the first, plain completion, stop strings, bad requests, a client that
-disconnects mid-stream, two clients at once; the chat page."""
+disconnects mid-stream, two clients at once; the chat page; continuous batching (--max_batch > 1): concurrent
+streams as one batch, each its solo answer, n > 1 choices, a grammar request beside the batch."""
 from __future__ import annotations
 
 import json
@@ -551,3 +552,120 @@ def test_logprobs_are_the_models_own(engine, client):
                                                  logprobs=3, stream=True, extra_body={"ignore_eos": True}))
     lp_stream = next(ch.choices[0].logprobs for ch in text_chunks if ch.choices and ch.choices[0].logprobs)
     assert lp_stream.token_logprobs == lp.token_logprobs and lp_stream.tokens == lp.tokens
+
+
+# ---- continuous batching (--max_batch > 1) --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def batch_engine(engine_factory):
+    """The embedded model as `embedded_engine`, with 4 KV slots for batched windows (test_batch's options)."""
+    return engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all", max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def batch_server(batch_engine):
+    yield from serving(batch_engine)
+
+
+def solo_text(engine, prompt, stop=None, **options):
+    """What one completion request alone gives: generate(spec=0), the end-of-turn token dropped, cut before the
+    stop string."""
+    out = engine.generate(engine.encode(prompt), spec=0, **options)
+    text = engine.decode([t for t in out if t not in engine.end_of_turn_ids])
+    return text[:text.index(stop)] if stop and stop in text else text
+
+
+def test_concurrent_streams_run_as_one_batch(batch_engine, batch_server):
+    """Four streaming completions at once, each its own length, seed, sampling, max_tokens and stop string, one
+    joining while the others run: every stream completes as the same request alone, and the windows were shared."""
+    engine, (url, srv) = batch_engine, batch_server
+    assert any(line.startswith("batching: up to 4 sequences") for line in srv.lines), srv.lines[:3]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    requests = [dict(prompt="def f(x):", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}),
+                dict(prompt="import numpy as np", max_tokens=14, temperature=0.8, seed=5),
+                dict(prompt="class A:", max_tokens=18, temperature=0.7, seed=9, extra_body={"ignore_eos": True}),
+                dict(prompt="for i in", max_tokens=20, temperature=0)]
+    want = []
+    for r in requests:
+        options = dict(max_new_tokens=r["max_tokens"], temperature=r["temperature"], seed=r.get("seed", 0),
+                       ignore_eos=bool(r.get("extra_body")))
+        want.append(solo_text(engine, r["prompt"], **options))
+    # request 3 cuts at a stop string from the middle of its text
+    text3 = want[3]
+    stop = next((text3[i:i + 2] for i in range(3, len(text3) - 1) if text3[i:i + 2] not in text3[:i + 1]), None)
+    if stop is not None:
+        requests[3]["stop"] = stop
+        want[3] = text3[:text3.index(stop)]
+    first_chunks = threading.Event()
+
+    def run(i):
+        if i == 3:
+            assert first_chunks.wait(60)  # joins while the others stream
+        pieces = []
+        for chunk in client.completions.create(model="tiny", stream=True, **requests[i]):
+            pieces.append(chunk.choices[0].text)
+            if i == 0 and len(pieces) == 3:
+                first_chunks.set()
+        return pieces
+    windows = engine.stats.batch_windows
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(run, range(4)))
+    assert ["".join(p) for p in got] == want
+    assert all(len([p for p in pieces if p]) > 1 for pieces in got[:3])  # tokens as they were made
+    assert engine.stats.batch_rows_max >= 3 and engine.stats.batch_windows > windows
+    metrics = httpx.get(url + "/metrics").text
+    assert "strata_batch_rows_max " in metrics and "strata_batch_size 4" in metrics
+
+
+def test_n_choices_are_seeded_solo_runs(batch_engine, batch_server):
+    """n=2: two choices, choice i the request alone with seed + i; streamed the same, by index."""
+    engine, client = batch_engine, openai.OpenAI(base_url=batch_server[0] + "/v1", api_key="unused",
+                                                 max_retries=0, timeout=120)
+    prompt = "def g(a, b):"
+    want = [solo_text(engine, prompt, max_new_tokens=12, temperature=0.9, seed=7 + i, ignore_eos=True)
+            for i in range(2)]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0.9, seed=7, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want and want[0] != want[1]
+    assert r.usage.completion_tokens == 24
+    streamed = ["", ""]
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0.9, seed=7,
+                                           n=2, stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == want
+
+
+def test_a_grammar_request_runs_alone_beside_the_batch(batch_engine, batch_server, monkeypatch):
+    """A JSON response_format (T=1 masked windows: generate alone, between the batch's windows) while a stream
+    runs in the batch: both complete, the grammar's first (the batch waits for it), the stream as it runs alone."""
+    from strata_jax import serve
+    engine, client = batch_engine, openai.OpenAI(base_url=batch_server[0] + "/v1", api_key="unused",
+                                                 max_retries=0, timeout=120)
+    want = solo_text(engine, "x = [", max_new_tokens=40, temperature=0, ignore_eos=True)
+    push = serve.TextStream.push
+
+    def slow_push(self, token):  # 20 ms a token: the stream outlives the grammar request's arrival
+        time.sleep(0.02)
+        return push(self, token)
+    monkeypatch.setattr(serve.TextStream, "push", slow_push)
+    started = threading.Event()
+
+    def long_stream():
+        pieces = []
+        for chunk in client.completions.create(model="tiny", prompt="x = [", max_tokens=40, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            pieces.append(chunk.choices[0].text)
+            started.set()
+        return "".join(pieces), time.perf_counter()
+
+    def constrained():
+        assert started.wait(60)
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json"}],
+                                               max_tokens=30, temperature=0, response_format={"type": "json_object"})
+        return reply, time.perf_counter()
+    with ThreadPoolExecutor(2) as ex:
+        streamed, answered = ex.submit(long_stream), ex.submit(constrained)
+        (text, stream_end), (reply, reply_end) = streamed.result(), answered.result()
+    assert text == want and reply.choices[0].message.content.startswith("{")
+    assert reply_end < stream_end  # it ran while the batch was running

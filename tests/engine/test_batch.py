@@ -93,3 +93,62 @@ def test_bad_input_one_line(engine, embedded_engine):
     # the engine still serves a batch after the refusals
     assert engine.generate_batch(prompts[:1], max_new_tokens=2, stop_token_ids=[]) == \
         [engine.generate(prompts[0], 2, stop_token_ids=[], spec=0)]
+
+
+def test_session_requests_join_and_leave_between_windows(engine):
+    """Engine.batch_session (the server's continuous batching): requests admitted while others decode, mixed
+    greedy and seeded sampled settings, each its own budget; a StopRequest ends one alone; each request's tokens
+    are its tokens alone, and the windows were shared."""
+    prompts = random_prompts(engine, (5, 9, 13, 7), seed=21)
+    settings = [dict(max_new_tokens=12), dict(max_new_tokens=8, temperature=0.9, seed=3),
+                dict(max_new_tokens=10, temperature=0.7, top_k=20, seed=5), dict(max_new_tokens=6)]
+    alone = [engine.generate(p, spec=0, stop_token_ids=[], **o) for p, o in zip(prompts, settings)]
+    session = engine.batch_session()
+    seen: dict[int, list] = {i: [] for i in range(4)}
+
+    def on_token(i):
+        def see(token):
+            seen[i].append(token)
+            if i == 0 and len(seen[0]) == 9:
+                raise StopRequest  # request 0 ends here, the others go on
+        return see
+    requests = []
+
+    def admit(i):
+        requests.append(session.request(prompts[i], on_token=on_token(i), stop_token_ids=[], **settings[i]))
+        session.admit(requests[-1])
+    admit(0), admit(1)
+    steps, rows = 0, 0
+    while session.active or len(requests) < 4:
+        if len(requests) < 4 and steps in (3, 6):
+            admit(len(requests))  # joins the running batch
+        session.step()
+        rows = max(rows, len(session.live))
+        steps += 1
+    assert [r.out for r in requests] == [alone[0][:9]] + alone[1:]
+    assert [seen[i] for i in range(4)] == [r.out for r in requests]
+    assert rows >= 3 and engine.stats.batch_rows_max >= 3 and session.free == MAX_BATCH
+
+
+def test_session_admits_a_long_prompt_chunk_by_chunk(engine_factory):
+    """A newcomer's prefill runs one chunk a window (begin / advance), the live request's windows going on between
+    its chunks; both get their tokens alone."""
+    engine = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all", max_batch=2,
+                            prefill_chunk=8)
+    prompts = random_prompts(engine, (6, 21), seed=31)  # the second: chunks of 8, 8 and 5 (padded)
+    alone = [engine.generate(p, 16, stop_token_ids=[], spec=0) for p in prompts]
+    session = engine.batch_session()
+    first, second = (session.request(p, max_new_tokens=16, stop_token_ids=[]) for p in prompts)
+    assert session.admit(first)
+    for _ in range(3):
+        session.step()
+    assert session.begin(second) and session.admitting is second and session.free == 0
+    during = []
+    while (live := session.advance()) is None:
+        before = len(first.out)
+        session.step()
+        during.append(len(first.out) - before)
+    assert live and len(during) == 2 and sum(during) >= 1  # the first request's tokens kept coming
+    while session.active:
+        session.step()
+    assert [first.out, second.out] == alone and second.stats.cached_tokens == 0
