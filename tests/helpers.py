@@ -161,3 +161,17 @@ def split_experts(tensors):
         else:
             out[name] = x
     return out
+
+
+def engine_with_gpu_paths(monkeypatch, path, cache_dir, **options):
+    """An engine whose expert paths are chosen as on a GPU (expert_kernel=pallas is a GPU-only choice, refused on the
+    CPU for speed, not arithmetic), so the Pallas expert kernel runs here, interpreted, inside the engine's graphs."""
+    from strata_jax.engine import api as engine_mod
+    real_paths = engine_mod.Engine._expert_paths
+
+    def paths_as_on_a_gpu(self):
+        with monkeypatch.context() as m:
+            m.setattr(engine_mod.jax, "default_backend", lambda: "gpu")
+            return real_paths(self)
+    monkeypatch.setattr(engine_mod.Engine, "_expert_paths", paths_as_on_a_gpu)
+    return engine_mod.Engine.from_pretrained(path, verbose=False, cache_dir=str(cache_dir), **options)

@@ -8,7 +8,7 @@ import pytest
 
 from strata_jax.offload.slots import layer_states
 
-from helpers import rel_fro
+from helpers import engine_with_gpu_paths, rel_fro
 from strata_jax.model import quant
 
 
@@ -268,20 +268,12 @@ def test_quantized_experts_under_the_kernel_scan_offloaded(engine_factory, cache
     row holds the expert. Its decode windows' logits are all resident's (the XLA path) within bf16 rounding, with
     fetches and the pool in the windows. On the CPU the kernel runs in interpret mode; the engine refuses
     expert_kernel=pallas off a GPU (for speed, not arithmetic), so that check is passed here for this engine."""
-    from strata_jax.engine import api as engine_mod
     ids = list(b"class Stack:\n    def __init__(self):\n        self.items = []\n")
     common = dict(dtype="bfloat16", window=4, context=64, expert_dtype=fmt)
     resident = engine_factory(None, expert_cache_slots="all", expert_kernel="xla", **common)
     want = resident.score(ids)
-    real_paths = engine_mod.Engine._expert_paths
-
-    def paths_as_on_a_gpu(self):
-        with monkeypatch.context() as m:
-            m.setattr(engine_mod.jax, "default_backend", lambda: "gpu")
-            return real_paths(self)
-    monkeypatch.setattr(engine_mod.Engine, "_expert_paths", paths_as_on_a_gpu)
-    eng = engine_mod.Engine.from_pretrained(None, verbose=False, cache_dir=str(cache_dir), expert_cache_slots="4",
-                                            pcie_frac="0.5", cpu_threads=2, expert_kernel="pallas", **common)
+    eng = engine_with_gpu_paths(monkeypatch, None, cache_dir, expert_cache_slots="4",
+                                pcie_frac="0.5", cpu_threads=2, expert_kernel="pallas", **common)
     assert eng.expert_kernel == "pallas" and eng.decode_expert_path.kernel
     assert eng.scanned_offload and eng.placement.native
     assert layer_states(eng.cache.experts)[0].gate.dtype == quant.storage_dtype(fmt)  # the slots hold q
