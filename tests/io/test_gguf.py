@@ -184,52 +184,6 @@ def test_quantized_weights_and_logits(tmp_path, base_hub, engine_factory, cache_
 K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS)
 
 
-def test_k_and_iq_types_dequantize_at_load(tmp_path, cache_dir):
-    """The K and IQ types (no quantizer in gguf-py: random blocks whose half-precision scales stay finite, bytes
-    below 0x40) load as gguf.quants.dequantize gives them; 256-wide rows, as those types need."""
-    raw = dict(json.loads((BASE / "config.json").read_text()), hidden_size=256, head_dim=128, num_attention_heads=2,
-               num_key_value_heads=1, moe_intermediate_size=256, num_local_experts=2, num_experts_per_tok=1,
-               num_hidden_layers=1)
-    hub = stacked(random_checkpoint(raw, seed=3), 1, 2)
-    rng = np.random.default_rng(5)
-    kinds = {}
-    path = tmp_path / "k.gguf"
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    for key, value in (("block_count", 1), ("context_length", 512), ("embedding_length", 256),
-                       ("attention.head_count", 2), ("attention.head_count_kv", 1), ("attention.key_length", 128),
-                       ("attention.layer_norm_rms_epsilon", 1e-6), ("expert_count", 2), ("expert_used_count", 1),
-                       ("expert_feed_forward_length", 256)):
-        (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"qwen3moe.{key}", value)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, 1)
-    matrices = 0
-    for name, x in hub.items():
-        g = names.get_name(name, try_suffixes=(".weight",))
-        if x.ndim == 1:
-            w.add_tensor(g, x)
-            kinds[name] = x
-            continue
-        qtype = K_TYPES[matrices % len(K_TYPES)]  # every type at least once
-        matrices += 1
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        data = rng.integers(0, 0x40, (*x.shape[:-1], x.shape[-1] // block * size), dtype=np.uint8)
-        w.add_tensor(g, data, raw_dtype=qtype)
-        kinds[name] = gguf.quants.dequantize(data, qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    folder = gguf_file.gguf_model_folder(path, cache_dir)
-    cfg = load_config(folder)
-    dequantized = tmp_path / "dequantized"
-    dequantized.mkdir()
-    (dequantized / "config.json").write_text((folder / "config.json").read_text())
-    save_file(unstacked(kinds), str(dequantized / "model.safetensors"))
-    assert_same_weights(checkpoint.load_weights(folder, cfg, jnp.float32),
-                        checkpoint.load_weights(dequantized, cfg, jnp.float32))
-    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
-    assert set(t for family in source["types"].values() for t in family) == {"F32"} | {q.name for q in K_TYPES}
-
-
 def quantized_gguf(path: Path, types: tuple, experts: int, replace=None) -> dict[str, np.ndarray]:
     """A one-layer qwen3moe GGUF of 256-wide rows (as the K types need) with `experts` experts, its matrices in
     `types` in turn (gguf.quants' quantizer where it has one, else random blocks whose half-precision scales stay
@@ -271,6 +225,28 @@ def quantized_gguf(path: Path, types: tuple, experts: int, replace=None) -> dict
     return want
 
 
+def test_k_and_iq_types_dequantize_at_load(tmp_path, cache_dir):
+    """The K and IQ types (no quantizer in gguf-py: random blocks whose half-precision scales stay finite, bytes
+    below 0x40) load as gguf.quants.dequantize gives them; 256-wide rows, as those types need."""
+    path = tmp_path / "k.gguf"
+    want = quantized_gguf(path, K_TYPES, experts=2)
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    cfg = load_config(folder)
+    assert_same_weights(checkpoint.load_weights(folder, cfg, jnp.float32),
+                        checkpoint.load_weights(dequantized_folder(tmp_path, folder, want), cfg, jnp.float32))
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    assert set(t for family in source["types"].values() for t in family) == {"F32"} | {q.name for q in K_TYPES}
+
+
+def dequantized_folder(tmp_path: Path, folder: Path, want: dict) -> Path:
+    """A Hugging Face folder beside the GGUF's: its config.json and `want` (quantized_gguf's values) as safetensors."""
+    dequantized = tmp_path / "dequantized"
+    dequantized.mkdir()
+    (dequantized / "config.json").write_text((folder / "config.json").read_text())
+    save_file(unstacked(want), str(dequantized / "model.safetensors"))
+    return dequantized
+
+
 def test_threaded_dequantization_is_bit_identical(tmp_path, cache_dir, monkeypatch):
     """The load's dequantization in threads (rows cut in jobs, the next experts read ahead) gives
     gguf.quants.dequantize's values of each whole tensor, bit for bit, as the one-thread load does; a damaged expert
@@ -278,11 +254,8 @@ def test_threaded_dequantization_is_bit_identical(tmp_path, cache_dir, monkeypat
     types = (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q5_K, Q.IQ4_XS)
     path = tmp_path / "mixed.gguf"
     want = quantized_gguf(path, types, experts=5)
-    dequantized = tmp_path / "dequantized"
-    dequantized.mkdir()
     folder = gguf_file.gguf_model_folder(path, cache_dir)
-    (dequantized / "config.json").write_text((folder / "config.json").read_text())
-    save_file(unstacked(want), str(dequantized / "model.safetensors"))
+    dequantized = dequantized_folder(tmp_path, folder, want)
     cfg = load_config(folder)
     source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
     assert {t for family in source["types"].values() for t in family} == {"F32"} | {q.name for q in types}
