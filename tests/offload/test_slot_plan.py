@@ -98,15 +98,21 @@ def random_route(rng, t):
     return moe.make_route(jnp.asarray(ids), jnp.asarray(w), CFG, jnp.asarray(valid), jnp.float32)
 
 
+def xla_plan_and_update(r, state):
+    """The XLA forms the reference and the kernel are held against: a graph with the host pool and the expert
+    kernel's plan_window, then update_slots (the slot arrays as they were)."""
+    self = SimpleNamespace(pool=object(), kernel=True, approx=approx.OFF)
+    p = OffloadedExperts.plan_window(self, r, state)
+    return p, slots_mod.update_slots(state, r, p, (state.gate, state.up, state.down), {})
+
+
 @pytest.mark.parametrize("policy", ["lru", "static"])
 def test_plan_and_update_equal_the_sort_and_scatter_forms(policy):
     rng = np.random.default_rng()
-    self = SimpleNamespace(pool=object(), kernel=True, approx=approx.OFF)
 
     @jax.jit
     def both(r, state):
-        p = OffloadedExperts.plan_window(self, r, state)
-        new = slots_mod.update_slots(state, r, p, (state.gate, state.up, state.down), {})
+        p, new = xla_plan_and_update(r, state)
         kind, slot = plan_reference(r, state)
         insert, dest = victims_reference(kind, slot, state)
         return p, new, (kind, slot, insert, dest), update_reference(state, r, kind, slot, insert, dest)
@@ -206,14 +212,7 @@ def test_the_slot_plan_kernel_equals_the_xla_forms(policy):
     the XLA forms give (plan_window, update_slots), on random states and routes."""
     from strata_jax.pallas_kernels.slot_plan import slot_plan, slot_plan_reference
     rng = np.random.default_rng()
-    self = SimpleNamespace(pool=object(), kernel=True, approx=approx.OFF)
-
-    @jax.jit
-    def xla(r, state):
-        p = OffloadedExperts.plan_window(self, r, state)
-        new = slots_mod.update_slots(state, r, p, (state.gate, state.up, state.down), {})
-        return p, new
-
+    xla = jax.jit(xla_plan_and_update)
     args = lambda r, s: (r.expert_ids, r.combine, r.entry_counts, s.table, s.expert_of, s.last_use, s.usage,  # noqa
                          s.pcie_frac, s.clock, s.lru)
     for trial in range(24):
