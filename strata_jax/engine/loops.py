@@ -414,18 +414,6 @@ def run_batch(g: Graphs, s: State, rows: list[Request]) -> BatchDecoder:
     return decoder
 
 
-def decode_batch(g: Graphs, s: State, rows: list[Request]) -> None:
-    """T=1 windows of prefilled requests together, request i in KV slot i (its rows already there), until all
-    have stopped: a BatchDecoder holding them from the start."""
-    decoder = BatchDecoder(g, s)
-    decoder.windows(batch_form(rows))
-    for slot, r in enumerate(rows):
-        if r.out and r.out[-1] not in r.stops and len(r.out) < r.budget:
-            decoder.join(r, slot)
-    while decoder.active:
-        decoder.step()
-
-
 def batch_form(rows: list[Request]) -> str | None:
     """The filter form of a window of these requests: None (greedy rows only), their one form, or "sorted" (right
     for any setting) when their forms differ."""
@@ -519,12 +507,12 @@ class BatchDecoder:
             self.s.batch = self.g.put_slot(self.s.batch, self.s.cache, jnp.int32(slot))
         except BaseException:
             self.admitting = None
-            self.free = sorted(self.free + [slot])
+            self.release(slot)
             raise
         if r.on_token:
             r.on_token(first)
         if first in r.stops or len(r.out) >= r.budget:
-            self.free = sorted(self.free + [slot])
+            self.release(slot)
             return False
         self.join(r, slot)
         return True
@@ -537,11 +525,14 @@ class BatchDecoder:
         self.live[key], self.slot[key], self.queued[key] = r, slot, 0
         return key
 
+    def release(self, slot: int) -> None:
+        """KV slot `slot` free again (the free list kept in order: the lowest slot is taken first)."""
+        self.free = sorted(self.free + [slot])
+
     def leave(self, key: int) -> None:
         r = self.live.pop(key)
         self.queued.pop(key)
-        self.free.append(self.slot.pop(key))
-        self.free.sort()
+        self.release(self.slot.pop(key))
         if key in self.started:
             r.stats.decode_s = time.perf_counter() - self.started.pop(key)
 
