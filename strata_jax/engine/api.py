@@ -440,6 +440,12 @@ class Engine:
         self._kv_tokens = []  # these rows will hold other tokens
         return self._guarded(lambda: self._prefill_all(ids, want_logits=True))
 
+    def _sampling_settings(self, temperature, top_p, top_k) -> tuple:
+        """A request's temperature, top_p and top_k, those left None from the model's generation_config.json."""
+        defaults = self.generation_defaults.request_defaults()
+        return (defaults["temperature"] if temperature is None else temperature,
+                defaults["top_p"] if top_p is None else top_p, defaults["top_k"] if top_k is None else top_k)
+
     @_serialized
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 64, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, seed: int = 0, draft: str = "auto",
@@ -467,10 +473,7 @@ class Engine:
             known = [p for p in inspect.signature(Engine.generate).parameters if p not in ("self", "unknown")]
             raise StrataError(f"generate() got unknown option(s) {', '.join(sorted(unknown))} "
                               f"(its options: {', '.join(known[1:])})")
-        sampling_defaults = self.generation_defaults.request_defaults()
-        temperature = sampling_defaults["temperature"] if temperature is None else temperature
-        top_p = sampling_defaults["top_p"] if top_p is None else top_p
-        top_k = sampling_defaults["top_k"] if top_k is None else top_k
+        temperature, top_p, top_k = self._sampling_settings(temperature, top_p, top_k)
         if not isinstance(draft, str) and not (callable(getattr(draft, "propose", None))
                                                 and callable(getattr(draft, "observe", None))):
             raise StrataError(f"draft must be 'auto', 'ngram', 'none', 'device', 'mtp' or an object with propose() and observe() "
@@ -591,11 +594,7 @@ class Engine:
                                        or not all(isinstance(p, dict) for p in per_prompt)):
             raise StrataError(f"generate_batch: per_prompt must be a list of {len(prompts)} dicts, one per prompt")
         for given in [request] + list(per_prompt or []):
-            unknown = sorted(set(given) - set(self.BATCH_OPTIONS))
-            if unknown:
-                raise StrataError(f"generate_batch() got unknown option(s) {', '.join(unknown)} (its options: "
-                                  f"{', '.join(self.BATCH_OPTIONS)}; batched windows run without drafts or "
-                                  "grammars)")
+            check_batch_options("generate_batch()", given)
         rows = []
         for i, prompt in enumerate(prompts):
             options = {**request, **(per_prompt[i] if per_prompt else {})}
@@ -633,11 +632,9 @@ class Engine:
                        ignore_eos: bool = False) -> loops.Request:
         """One prompt of generate_batch as a loops.Request (spec 0), its options checked and defaulted as generate
         does."""
-        defaults = self.generation_defaults.request_defaults()
-        req = build(RequestOptions, dict(
-            max_new_tokens=max_new_tokens, temperature=defaults["temperature"] if temperature is None else temperature,
-            top_p=defaults["top_p"] if top_p is None else top_p, top_k=defaults["top_k"] if top_k is None else top_k,
-            seed=seed, ignore_eos=ignore_eos))
+        temperature, top_p, top_k = self._sampling_settings(temperature, top_p, top_k)
+        req = build(RequestOptions, dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                         top_k=top_k, seed=seed, ignore_eos=ignore_eos))
         ids = check_token_ids(prompt, self.cfg.vocab_size, f"prompt {index}")
         if ids.size == 0 or ids.size >= self.context:
             raise StrataError(f"prompt {index} has {ids.size} tokens: it needs 1..{self.context - 1} (the context "
@@ -840,6 +837,14 @@ class Engine:
         return self.tokenizer.decode(check_token_ids(ids, self.cfg.vocab_size, "decode").tolist())
 
 
+def check_batch_options(what: str, given: dict) -> None:
+    """One line naming the options a batched request does not take (Engine.BATCH_OPTIONS are those it takes)."""
+    unknown = sorted(set(given) - set(Engine.BATCH_OPTIONS))
+    if unknown:
+        raise StrataError(f"{what} got unknown option(s) {', '.join(unknown)} (its options: "
+                          f"{', '.join(Engine.BATCH_OPTIONS)}; batched windows run without drafts or grammars)")
+
+
 class BatchSession:
     """Requests that join and leave a running batch between windows (loops.BatchDecoder over an engine's batch
     cache, `Engine.batch_session()`): `request` makes one (generate_batch's options, checked and defaulted as
@@ -878,10 +883,7 @@ class BatchSession:
         return list(self.decoder.live.values())
 
     def request(self, prompt, on_token: Callable[[int], None] | None = None, **options) -> loops.Request:
-        unknown = sorted(set(options) - set(Engine.BATCH_OPTIONS))
-        if unknown:
-            raise StrataError(f"a batched request got unknown option(s) {', '.join(unknown)} (its options: "
-                              f"{', '.join(Engine.BATCH_OPTIONS)})")
+        check_batch_options("a batched request", options)
         return self.engine._batch_request(prompt, 0, None if on_token is None else (lambda i, t: on_token(t)),
                                           False, **options)
 
