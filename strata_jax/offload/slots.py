@@ -266,6 +266,21 @@ def set_at(base: jax.Array, *updates) -> jax.Array:
     return jnp.where(last > 0, value[jnp.maximum(last - 1, 0)], base)
 
 
+def lru_victims(state: SlotCache, kept: jax.Array, wanted: jax.Array, rank: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Where each wanted expert [M] goes, by its rank [M] among the wanted (0, 1, ...): (insert [M], dest [M]). The
+    victims are the slots not `kept` [S+1], least recently used (empty ones first), the trash row S never; under
+    lru the wanted one of rank j takes the j-th victim while there is one, else (and under static) the trash row S.
+    In sort order without a sort: slot t is the victim of the rank equal to t's rank."""
+    s = state.slots
+    rows = jnp.arange(s + 1, dtype=jnp.int32)
+    kept = kept | (rows == s)
+    victim_rank = stable_ranks(jnp.where(kept, jnp.iinfo(jnp.int32).max, state.last_use))  # [S+1]
+    n_victims = jnp.where(state.lru, s - jnp.sum(kept[:s]), 0)
+    insert = wanted & (rank < n_victims)
+    victim = jnp.sum(jnp.where(victim_rank[None, :] == rank[:, None], rows[None, :], 0), axis=1)
+    return insert, jnp.where(insert, victim, s).astype(jnp.int32)  # the trash row s when not kept
+
+
 def plan(r: moe.Route, state: SlotCache, cpu: bool = True, tail_skip: int = 0) -> tuple[jax.Array, jax.Array]:
     """Kinds [N] (NONE / RESIDENT / FETCH / CPU / SKIP) and slots [N] of the window's distinct experts. cpu=False
     (a graph built without the host pool): every miss is fetched, whatever state.pcie_frac says. tail_skip=R > 0:
@@ -486,7 +501,7 @@ class OffloadedExperts:
         with jax.named_scope("moe_combine"):
             y = (y + y_cpu).astype(x.dtype)
         with jax.named_scope("moe_slot_table"):
-            state = update_slots(state, r, p, slots, extra)
+            state = update_slots(state, r, p, slots, extra, self.prefetch > 0)
         return moe.ExpertsOut(y, state, pending)
 
     def prefetch_plan(self, x: jax.Array, router: jax.Array, valid: jax.Array, state: SlotCache,
@@ -512,15 +527,8 @@ class OffloadedExperts:
         want = picked & (state.table < 0) & active
         _, ids = jax.lax.top_k(jnp.where(want, mass, -1.0), m)  # [M]: the wanted first (a prefix), heaviest first
         ids = ids.astype(jnp.int32)
-        rows = jnp.arange(s + 1, dtype=jnp.int32)
-        holds_picked = (state.expert_of >= 0) & picked[jnp.maximum(state.expert_of, 0)]
-        kept = (rows == s) | holds_picked  # [S+1]: never a victim
-        victim_rank = stable_ranks(jnp.where(kept, jnp.iinfo(jnp.int32).max, state.last_use))  # [S+1]
-        n_victims = jnp.where(state.lru, s - jnp.sum(kept[:s]), 0)
-        rank = jnp.arange(m, dtype=jnp.int32)
-        insert = want[ids] & (rank < n_victims)  # [M]
-        dest = jnp.sum(jnp.where(victim_rank[None, :] == rank[:, None], rows[None, :], 0), axis=1)
-        dest = jnp.where(insert, dest, s).astype(jnp.int32)
+        holds_picked = (state.expert_of >= 0) & picked[jnp.maximum(state.expert_of, 0)]  # [S+1]: never a victim
+        insert, dest = lru_victims(state, holds_picked, want[ids], jnp.arange(m, dtype=jnp.int32))
         evicted = state.expert_of[dest]
         at = COUNTERS.index("prefetched")
         state = state.replace(
@@ -563,7 +571,7 @@ class OffloadedExperts:
         with jax.named_scope("moe_combine"):
             y = y.astype(x.dtype)
         with jax.named_scope("moe_slot_table"):
-            state = update_slots(state, r, p, slots, extra)
+            state = update_slots(state, r, p, slots, extra, self.prefetch > 0)
         return moe.ExpertsOut(y, state, None)
 
     def native_deferred(self, layer, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan,
@@ -599,7 +607,7 @@ class OffloadedExperts:
         with jax.named_scope("moe_combine"):
             y = y.astype(x.dtype)
         with jax.named_scope("moe_slot_table"):
-            state = update_slots(state, r, p, slots, extra)
+            state = update_slots(state, r, p, slots, extra, self.prefetch > 0)
         return moe.ExpertsOut(y, state, token)
 
     def native_block(self, layer, x: jax.Array, w: moe.MoEWeights, r: moe.Route, p: WindowPlan, state: SlotCache,
@@ -661,18 +669,10 @@ class OffloadedExperts:
     def plan_window(self, r: moe.Route, state: SlotCache) -> WindowPlan:
         """plan(), then where each fetched expert goes: a victim slot (lru) or the trash row."""
         kind, slot = plan(r, state, cpu=self.pool is not None, tail_skip=self.approx.tail_skip)
-        s = state.slots
-        # Victims: slots not read by this window, least recently used (empty ones first); the trash row last. In
-        # sort order without a sort: slot t is the victim of the fetch whose rank equals t's rank.
-        rows = jnp.arange(s + 1, dtype=jnp.int32)
-        read = (rows == s) | jnp.any((kind == RESIDENT)[None, :] & (slot[None, :] == rows[:, None]), axis=1)
-        victim_rank = stable_ranks(jnp.where(read, jnp.iinfo(jnp.int32).max, state.last_use))  # [S+1]
-        n_victims = jnp.where(state.lru, s - jnp.sum(read[:s]), 0)
+        rows = jnp.arange(state.slots + 1, dtype=jnp.int32)
+        read = jnp.any((kind == RESIDENT)[None, :] & (slot[None, :] == rows[:, None]), axis=1)  # [S+1]
         fetch = kind == FETCH
-        fetch_rank = prefix_counts(fetch) - 1  # [N]
-        insert = fetch & (fetch_rank < n_victims)
-        victim = jnp.sum(jnp.where(victim_rank[None, :] == fetch_rank[:, None], rows[None, :], 0), axis=1)
-        dest = jnp.where(insert, victim, s).astype(jnp.int32)  # [N], trash row s when not kept
+        insert, dest = lru_victims(state, read, fetch, prefix_counts(fetch) - 1)
         # The XLA blocks run the resident and fetched experts; with the Pallas kernel they run only the fetched
         # ones that found no slot (overflow, staged in the block), the kernel reads the rest in their slots.
         block_kind = jnp.where(fetch & ~insert, FETCH, NONE) if self.kernel else kind
@@ -753,16 +753,19 @@ class OffloadedExperts:
         return y, y_cpu
 
 
-def update_slots(state: SlotCache, r: moe.Route, p: WindowPlan, slots: tuple, extra: dict) -> SlotCache:
+def update_slots(state: SlotCache, r: moe.Route, p: WindowPlan, slots: tuple, extra: dict,
+                 prefetch: bool = False) -> SlotCache:
     """The state after a window: the slot weights and table with the inserted experts, the clock, the routing
-    usage and the counters."""
+    usage and the counters. prefetch: the engine prefetches (without it no slot is ever flagged, so the flags'
+    bookkeeping is left out of the layer body)."""
     extra = dict(extra)
     updated = extra.pop("_updated", None)
-    # prefetched experts read for the first time (counted once), and the flags left: a slot read or refilled is no
-    # longer a prefetched expert waiting
-    resident = p.kind == RESIDENT
-    extra["prefetch_used"] = jnp.sum(jnp.where(resident, state.prefetched[jnp.where(resident, p.slot, 0)], 0))
-    state = state.replace(prefetched=set_at(state.prefetched, (resident, p.slot, 0), (p.insert, p.dest, 0)))
+    if prefetch:
+        # prefetched experts read for the first time (counted once), and the flags left: a slot read or refilled
+        # is no longer a prefetched expert waiting
+        resident = p.kind == RESIDENT
+        extra["prefetch_used"] = jnp.sum(jnp.where(resident, state.prefetched[jnp.where(resident, p.slot, 0)], 0))
+        state = state.replace(prefetched=set_at(state.prefetched, (resident, p.slot, 0), (p.insert, p.dest, 0)))
     if updated is not None:  # plan_and_update's kernel made the small leaves already
         sums = updated["sums"]  # entries, distinct of RESIDENT, FETCH, CPU, SKIP
         values = dict(distinct_skipped=sums[7], entries_skipped=sums[3], **extra)
