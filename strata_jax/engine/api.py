@@ -294,7 +294,7 @@ class Engine:
     def reconfigure(self, pcie_frac: float | None = None, cache_policy: str | None = None) -> None:
         """Change the PCIe/CPU split or the cache policy; the expert cache starts empty. Both are data in the graphs:
         the graphs are recompiled only when the split moves to or from 1 (placement_mod.needs_cpu_path: the host
-        pool's callback comes or goes)."""
+        pool's callback comes or goes) or the policy changes (lru's decode windows leave the staging out)."""
         if not self.placement:
             raise StrataError("offload is off (expert_cache_slots=all): nothing to reconfigure")
         opts = build(EngineOptions, dict(pcie_frac=self.placement.pcie_frac if pcie_frac is None else pcie_frac,

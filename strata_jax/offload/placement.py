@@ -52,8 +52,9 @@ class Placement:
         return fills_from_prefill(self.policy, self.pcie_frac)
 
     def reconfigure(self, pcie_frac: float, policy: str) -> bool:
-        """Take a new split and policy; whether the graphs must be rebuilt (the split crossed 1: needs_cpu_path)."""
-        rebuild = needs_cpu_path(pcie_frac) != self.cpu_path
+        """Take a new split and policy; whether the graphs must be rebuilt (the split crossed 1: needs_cpu_path; or
+        the policy changed: the decode windows under lru are built without staging, OffloadedExperts.can_stage)."""
+        rebuild = needs_cpu_path(pcie_frac) != self.cpu_path or policy != self.policy
         self.pcie_frac, self.policy = pcie_frac, policy
         return rebuild
 
@@ -453,12 +454,13 @@ def expert_paths(cfg: ModelConfig, placement: Placement, route: approx.RouteAppr
     the decode windows' experts a token prefetched for the next layer (prefetch_setting: 0 where not served)."""
     pool = placement.pool if placement.cpu_path else None
     native = placement.native_offload()
-    exact = slots_mod.OffloadedExperts(cfg, pool, native=native)
+    lru = placement.policy == "lru"
+    exact = slots_mod.OffloadedExperts(cfg, pool, native=native, lru=lru)
     if not (route.active or defer_cpu.active or kernel or plan_kernel or prefetch):
         return exact, exact
     return exact, slots_mod.OffloadedExperts(cfg, pool, route=route, defer_cpu=defer_cpu, kernel=kernel,
                                              block_ends=block_ends, native=native, native_defer=native_defer,
-                                             plan_kernel=plan_kernel, prefetch=prefetch)
+                                             plan_kernel=plan_kernel, prefetch=prefetch, lru=lru)
 
 
 def prefetch_setting(opts: EngineOptions, placement: Placement | None, scanned_offload: bool,

@@ -364,8 +364,13 @@ class OffloadedExperts:
     def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
                  defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False, block_ends: tuple = (),
                  native: NativeOffload | None = None, native_defer: bool = False, plan_kernel: bool = False,
-                 prefetch: int = 0):
+                 prefetch: int = 0, lru: bool = False):
         self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
+        # lru: the cache policy is lru for these graphs' lifetime (Placement.reconfigure rebuilds them when it
+        # changes). A window of at most S distinct experts then finds every fetch a victim slot (lru_victims: S less
+        # the slots it reads >= its fetches), so nothing stages and the native windows leave the staging rows'
+        # expert-kernel call out (can_stage): two kernels a layer fewer in decode.
+        self.lru = lru
         self.native = native  # the native offload calls (NativeOffload), or None: the graph path
         self.no_defer = frozenset(block_ends) | {cfg.num_layers - 1}
         # kernel: the Pallas expert FFN (pallas_kernels/expert_ffn.py) reads resident and fetched experts in their
@@ -621,6 +626,7 @@ class OffloadedExperts:
         fetch, insert, dest, slot = p.fetch[sel], p.insert[sel], p.dest[sel], p.slot[sel]
         n, s = ids.shape[0], state.slots
         cpu = kind == CPU
+        stages = self.can_stage(r, state)
         staged = fetch & ~insert  # [n] fetched with no victim slot: into staging row j
         with jax.named_scope("moe_offload_begin"):
             slots, stage, token = offload_begin(
@@ -641,11 +647,12 @@ class OffloadedExperts:
                 by_position = jnp.arange(n, dtype=jnp.int32) if w.scales else None
                 y = expert_ffn_kernel(x, *slots, slot_ids, combine, *scales, scale_ids=by_position,
                                       interpret=interpret)
-                y = y + expert_ffn_kernel(x, *stage, stage_ids, combine, *scales, scale_ids=by_position,
-                                          interpret=interpret)
+                if stages:
+                    y = y + expert_ffn_kernel(x, *stage, stage_ids, combine, *scales, scale_ids=by_position,
+                                              interpret=interpret)
             else:  # every gpu expert of the block gathered at once (slot or staging row), the rest weighted 0
                 rows = jnp.where(slot_ids >= 0, slot_ids, state.base + s)
-                block = tuple(jnp.where(staged.reshape(-1, *([1] * (a.ndim - 1))), st, a[rows])
+                block = tuple(jnp.where(staged.reshape(-1, *([1] * (a.ndim - 1))), st, a[rows]) if stages else a[rows]
                               for a, st in zip(slots, stage))
                 gpu = (slot_ids >= 0) | staged
                 y = moe.expert_ffn(x, *block, combine * gpu[None, :], *scales)
@@ -653,6 +660,12 @@ class OffloadedExperts:
             with jax.named_scope("moe_offload_collect"):
                 y = y + offload_collect(self.native.pool, layer, token, y)
         return y, slots, token
+
+    def can_stage(self, r: moe.Route, state: SlotCache) -> bool:
+        """Whether a fetch of this window may find no victim slot and go to a staging row (static: the shapes decide):
+        always under the static policy (no fetch enters a slot), under lru only for windows of more distinct experts
+        than slots (a prefill chunk)."""
+        return not (self.lru and r.expert_ids.shape[0] <= state.slots)
 
     def plan_and_update(self, r: moe.Route, state: SlotCache) -> tuple[WindowPlan, dict]:
         """plan_window and update_slots' small leaves in one Pallas kernel (pallas_kernels/slot_plan.py): the plan's

@@ -2,6 +2,8 @@
 error as their bits and groups say."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -283,6 +285,28 @@ def test_quantized_experts_under_the_kernel_scan_offloaded(engine_factory, cache
     begins = eng.compiled.decode[4].as_text().count('custom_call_target="strata_offload_begin')
     assert begins == 1, begins  # one scanned body, not a call a layer
     assert len(eng.generate(ids[:20], 8, stop_token_ids=[])) == 8
+
+
+def test_lru_windows_without_staging_under_the_kernel(engine_factory, cache_dir, monkeypatch):
+    """Under lru the decode windows of at most S distinct experts leave the staging rows' expert-kernel call out
+    (OffloadedExperts.can_stage: every fetch has a victim slot), wider windows keep it, and the static policy (a
+    rebuild by reconfigure) stages again: each gives all resident's logits within bf16 rounding, fetching."""
+    ids = list(b"def push(self, item):\n    self.items.append(item)\n    return item\n")
+    common = dict(dtype="bfloat16", window=4, context=96)
+    want = engine_factory(None, expert_cache_slots="all", expert_kernel="xla", **common).score(ids)
+    eng = engine_with_gpu_paths(monkeypatch, None, cache_dir, expert_cache_slots="8", pcie_frac="1",
+                                expert_kernel="pallas", **common)
+    path, k = eng.decode_expert_path, eng.cfg.num_experts_per_tok
+    assert path.kernel and path.lru and eng.scanned_offload
+    window = lambda t: SimpleNamespace(expert_ids=np.zeros(t * k))  # noqa: E731  (a window's distinct-expert bound)
+    stages = [path.can_stage(window(t), SimpleNamespace(slots=8)) for t in (1, 2, 4)]
+    assert stages == [False, False, True]  # T=4: 16 experts > 8 slots
+    for w in (1, 4):
+        assert rel_fro(eng.score(ids, window=w), want) < 2e-2
+        assert eng.stats.last.decode_experts.distinct_fetched > 0
+    eng.reconfigure(cache_policy="static")
+    assert not eng.decode_expert_path.lru
+    assert rel_fro(eng.score(ids, window=1), want) < 2e-2
 
 
 def test_device_int8_is_the_same_numbers():

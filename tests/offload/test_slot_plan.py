@@ -141,6 +141,29 @@ def test_plan_and_update_equal_the_sort_and_scatter_forms(policy):
         assert inserted > 20  # the victims' path was taken, not only the all-resident one
 
 
+def test_lru_windows_no_wider_than_the_slots_never_stage():
+    """What OffloadedExperts.can_stage rests on: under lru a window of at most S distinct experts finds every fetch a
+    victim slot (insert == fetch), whatever the slots hold and read, so its graphs leave the staging call out; a
+    wider one, or the static policy, may stage."""
+    rng = np.random.default_rng()
+    staged_wide = 0
+    for trial in range(60):
+        t = int(rng.choice([1, 2, 3, 4]))
+        r = random_route(rng, t)
+        n = r.expert_ids.shape[0]
+        s = int(rng.integers(n, CFG.num_experts + 1))
+        state = random_state(rng, s, "lru", float(rng.choice([0.3, 0.5, 1.0])))
+        p, _ = xla_plan_and_update(r, state)
+        np.testing.assert_array_equal(p.insert, p.fetch)
+        assert not OffloadedExperts.can_stage(SimpleNamespace(lru=True), r, state)
+        assert OffloadedExperts.can_stage(SimpleNamespace(lru=False), r, state)
+        narrow = random_state(rng, int(rng.integers(0, n)), "lru", 1.0)  # fewer slots than the window's experts
+        p, _ = xla_plan_and_update(r, narrow)
+        staged_wide += int(np.sum(np.asarray(p.fetch & ~p.insert)))
+        assert OffloadedExperts.can_stage(SimpleNamespace(lru=True), r, narrow)
+    assert staged_wide > 0  # the narrow caches did stage: the rule is not vacuous
+
+
 def test_stable_ranks_is_argsorts_inverse_on_ties():
     rng = np.random.default_rng()
     for m in (1, 5, 33, 129):
