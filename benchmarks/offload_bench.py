@@ -353,8 +353,9 @@ def run(s) -> dict:
     finally:
         pool.close()
     result["bandwidth"]["in_graph_fetch"] = dict(
-        method="placement.measure_costs: fetch loops of 8 and 1 experts inside jit (to_device of "
-               "dynamic_index_in_dim of each pinned expert array), (8-1) experts' bytes / the time difference",
+        method=f"placement.measure_costs: {placement_mod.CALLS_A_GRAPH} fetch loops of 8 and of 1 experts, one "
+               "after the other inside one jit (to_device of dynamic_index_in_dim of each pinned expert array), "
+               "(8-1) experts' bytes / the time difference a loop",
         GBps=costs["pcie_gbs"], fixed_ms=costs["pcie_call_s"] * 1e3)
     result["costs"] = costs
     save()

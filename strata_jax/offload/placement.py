@@ -231,30 +231,42 @@ class HostExperts:
         return HostExpertStore(layers, compute_dtype=self.compute_dtype)
 
 
+# Calls a timing graph makes one after the other (a fori_loop): a window's layers reach the fetch and the pool as
+# many times, so the cost of dispatching the graph, which a lone call pays in full, counts 1/CALLS_A_GRAPH of it.
+CALLS_A_GRAPH = 12
+
+
 def measure_costs(cfg: ModelConfig, weights: Weights, pool, repeats: int = 5, native: bool = False) -> dict:
     """PCIe GB/s and fixed cost of an in-graph fetch, host pool GB/s, and the cost of one pool call from a graph (the
     FFI call or io_callback the decode graphs make, with no expert to compute). native: the fetch and the pool call
     as the native offload calls make them (bridge.offload_begin / offload_collect; the layers' pinned experts
-    registered)."""
+    registered). Each figure is timed as CALLS_A_GRAPH calls in one graph, one after the other, as a decode window's
+    layers make them: timed alone, a call also paid the graph's dispatch (0.2-0.9 ms "a call" on a GPU host, against
+    0.025 ms a layer in the decode graphs), which made the model shun the pool."""
     layer = cfg.sparse_layers.index(True)
     w = weights.layers[layer].ffn
     ebytes = sum(a.nbytes for a in (w.gate, w.up, w.down)) // cfg.num_experts  # stored bytes (int4: packed)
     n = min(8, cfg.num_experts)
+    e = cfg.num_experts
+    loops = CALLS_A_GRAPH
 
     def fetch_graph(count):
-        """The decode graph's copy (slots.copy_experts) of `count` experts into n device rows (the same buffers
-        whatever the count, so the two graphs differ by the copies only)."""
+        """CALLS_A_GRAPH of the decode graph's copies (slots.copy_experts, or the native begin) of `count` experts
+        into n device rows, each call's rows feeding the next (the same buffers whatever the count, so the two
+        graphs differ by the copies only)."""
         @jax.jit
         def fetch(g, u, d, ids):
-            dest = tuple(jnp.zeros((n, *a.shape[1:]), a.dtype) for a in (g, u, d))
-            if native:
-                src = jnp.where(jnp.arange(n) < count, ids, -1)
-                rows, _, _ = offload_begin(pool, layer, jnp.zeros((1, cfg.hidden_size), jnp.float32),
-                                           jnp.full((n,), -1, jnp.int32), jnp.zeros((1, n), jnp.float32), src,
-                                           jnp.arange(n, dtype=jnp.int32), dest, cpu=False)
+            def one(i, dest):
+                if native:
+                    src = jnp.where(jnp.arange(n) < count, ids, -1)
+                    rows, _, _ = offload_begin(pool, layer, jnp.zeros((1, cfg.hidden_size), jnp.float32),
+                                               jnp.full((n,), -1, jnp.int32), jnp.zeros((1, n), jnp.float32), src,
+                                               jnp.arange(n, dtype=jnp.int32), dest, cpu=False)
+                    return rows
+                (rows,) = slots_mod.copy_experts([(dest, jnp.arange(n, dtype=jnp.int32))], (g, u, d), ids, count)
                 return rows
-            (rows,) = slots_mod.copy_experts([(dest, jnp.arange(n, dtype=jnp.int32))], (g, u, d), ids, count)
-            return rows
+            dest = tuple(jnp.zeros((n, *a.shape[1:]), a.dtype) for a in (g, u, d))
+            return jax.lax.fori_loop(0, loops, one, dest)
         return fetch
 
     def timed(fn, *args):  # median seconds of `repeats` calls after one warm-up
@@ -267,8 +279,8 @@ def measure_costs(cfg: ModelConfig, weights: Weights, pool, repeats: int = 5, na
         return float(np.median(times))
 
     ids = jnp.arange(n, dtype=jnp.int32)
-    t_n = timed(fetch_graph(n), w.gate, w.up, w.down, ids)
-    t_1 = timed(fetch_graph(1), w.gate, w.up, w.down, ids)
+    t_n = timed(fetch_graph(n), w.gate, w.up, w.down, ids) / loops
+    t_1 = timed(fetch_graph(1), w.gate, w.up, w.down, ids) / loops
     # The bytes' share of the time is t_n - t_1; where the fixed cost swamps it (small experts, a CPU: timing noise
     # can even make it negative) it counts as at least 5% of one call, so the rate stays finite and plausible
     # (it printed 1,032,192 GB/s once) and the fixed cost takes the rest.
@@ -279,28 +291,36 @@ def measure_costs(cfg: ModelConfig, weights: Weights, pool, repeats: int = 5, na
     x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
     k = min(4, cfg.num_experts)
     pw = rng.random((1, k)).astype(np.float32)
-    e = cfg.num_experts
     # Other experts each repeat (as a decode's misses are), so the timing does not read them from the CPU's caches.
     turns = iter(range(1, 1 << 30))
     pool_gbs = k * ebytes / timed(lambda: pool.compute(
         layer, x, ((next(turns) * k + np.arange(k)) % e).astype(np.int32), pw)) / 1e9
 
-    # The cost of reaching the pool as the decode graphs do (FFI or io_callback) beyond its bytes: one expert's job
-    # (the threads woken, the job's phases) less that expert's bytes at pool_gbs, and at least an empty call's.
-    @jax.jit
-    def pool_call(v, ids):  # ids [k]: the cpu experts (-1: none)
-        weights = jnp.where(ids >= 0, 1.0, 0.0)[None, :].astype(jnp.float32)
-        if native:
-            dest = tuple(jnp.zeros((1, *a.shape[1:]), a.dtype) for a in (w.gate, w.up, w.down))
-            none = jnp.full((k,), -1, jnp.int32)
-            _, _, token = offload_begin(pool, layer, v, ids, weights, none, none, dest, cpu=True)
-            return offload_collect(pool, layer, token, v)
-        return cpu_expert_rows(pool, layer, v, ids, weights)
+    # The cost of reaching the pool as the decode graphs do (FFI or io_callback) beyond its bytes: CALLS_A_GRAPH
+    # jobs of one expert each (other experts a call, as a decode's layers meet them) less their bytes at pool_gbs,
+    # and at least an empty call's.
+    def pool_graph(experts: int):
+        @jax.jit
+        def pool_calls(v, start):
+            def one(i, v):
+                first = (start + i * k) % e
+                call_ids = jnp.where(jnp.arange(k) < experts, (first + jnp.arange(k)) % e, -1).astype(jnp.int32)
+                weights = jnp.where(call_ids >= 0, 1.0, 0.0)[None, :].astype(jnp.float32)
+                if native:
+                    dest = tuple(jnp.zeros((1, *a.shape[1:]), a.dtype) for a in (w.gate, w.up, w.down))
+                    none = jnp.full((k,), -1, jnp.int32)
+                    _, _, token = offload_begin(pool, layer, v, call_ids, weights, none, none, dest, cpu=True)
+                    rows = offload_collect(pool, layer, token, v)
+                else:
+                    rows = cpu_expert_rows(pool, layer, v, call_ids, weights)
+                return v + 0.0 * rows  # the next call waits for this one's rows, as the next layer does
+            return jax.lax.fori_loop(0, loops, one, v)
+        return pool_calls
 
     xv = jnp.asarray(x)
-    callback_empty = timed(pool_call, xv, jnp.full((k,), -1, jnp.int32))
-    one_ids = lambda: jnp.asarray(np.where(np.arange(k) == 0, next(turns) % e, -1).astype(np.int32))
-    one_s = timed(lambda: pool_call(xv, one_ids()))
+    callback_empty = timed(pool_graph(0), xv, jnp.int32(0)) / loops
+    one_graph = pool_graph(1)
+    one_s = timed(lambda: one_graph(xv, jnp.int32(next(turns) * loops * k))) / loops
     callback_s = max(one_s - ebytes / (pool_gbs * 1e9), callback_empty)
     pool.stats.reset()
     host_read_gbs = None
