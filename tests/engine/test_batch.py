@@ -152,3 +152,19 @@ def test_session_admits_a_long_prompt_chunk_by_chunk(engine_factory):
     while session.active:
         session.step()
     assert [first.out, second.out] == alone and second.stats.cached_tokens == 0
+
+
+@pytest.mark.parametrize("variant", [dict(attention_kernel="pallas"), dict(kv_dtype="int8")],
+                         ids=["pallas", "kv-int8"])
+def test_batch_attention_forms_equal_alone(engine_factory, variant):
+    """The batched attention's other forms: the Pallas kernel's batched form (interpret mode here: one kernel for
+    every row, each over its own slot up to its own position) and int8 KV slots (the rows' K/V quantized as written
+    by the one scatter): each prompt of a padded batch gives its tokens and logits alone (1e-5)."""
+    engine = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all", max_batch=4,
+                            **variant)
+    prompts = random_prompts(engine, (5, 17, 9), seed=43)
+    alone = [engine.generate(p, 6, stop_token_ids=[], spec=0) for p in prompts]
+    outs, logits = engine.generate_batch(prompts, max_new_tokens=6, stop_token_ids=[], return_logits=True)
+    assert outs == alone
+    for prompt, out, rows in zip(prompts, outs, logits):
+        assert rel_fro(rows, alone_logits(engine, prompt, out)) <= 1e-5
