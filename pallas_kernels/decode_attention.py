@@ -60,6 +60,19 @@ scales in place and widens to q.dtype in registers (exact: |int8| <= 127); the K
 the V scales the f32 exp(score - max) before its cast to q.dtype (the row sum l stays unscaled). The reference
 does the same on the whole cache (scores times K scales; normalised probabilities times V scales, then the cast).
 
+Batched windows (`batch_decode_attention` and `batch_decode_attention_reference`; model/batch.py, issue 38):
+- q [B, Nq, D]: B sequences' one token each; k_cache, v_cache [R, S, Nkv, D]: a stack of R caches (the batch cache's
+  (layer, slot) rows, layer l's slot s at row l*M + s); rows, pos [B] int32: batch row b's key and value are already
+  written at cache row rows[b], position pos[b], and row b attends over keys 0..pos[b] of that cache row alone:
+  decode_attention's semantics for a T=1 window at pos[b] over k_cache[rows[b]] (the reference gathers the B cache
+  rows and runs one masked batched einsum).
+- Kernel: one pallas_call for the batch, grid (B * Nkv, splits); program (b * Nkv + g, j) reads a [2] int32 block
+  (rows[b], pos[b]), its [Mp, D] q tile (row b's r query heads of kv head g, zero-padded to Mp = max(16,
+  next_pow2(r))), and kv head g's [R, S, D] view of the caches in place, at cache row rows[b], up to pos[b]: the
+  same split loop as a single-tile decode window (`_split_attention`), so positions past pos[b] and every other
+  cache row are never read. Splits: `auto_splits(B * Nkv)` (the (row, kv head) pairs counted as kv heads); a split
+  past a row's position does no work. int8 caches as above, scales [R, S, Nkv].
+
 Triton constraints: every in-kernel array has a power-of-2 element count (Mp, block_k and D are powers of 2: D must
 be a power of 2 >= 16, else a ValueError) and tl.dot needs dims >= 16. Both dots run at Precision.HIGHEST, so
 float32 inputs use IEEE f32 (not TF32) on the GPU; bf16 inputs are unaffected.
