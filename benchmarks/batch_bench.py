@@ -10,6 +10,11 @@ tokens (no stop token). Aggregate tok/s = the batch's decoded tokens (each promp
 prefill, as RequestStats.decode_tok_s counts) over the batched decode's wall time; per-stream tok/s = aggregate / B.
 The 'alone' row is the T=1 loop of generate(spec=0) on the first prompt: what B=1 of the batched graph costs
 beside it. Random weights route near-uniformly: a batch's rows share fewer experts than a trained model's would.
+
+--attention_share: for each B also one layer's batched attention alone (`attention_layer_ms`: the rows' K/V scatter
+and model/batch.batch_attend_cache, the engine's attention kernel, without the q/k/v and o products), timed back to
+back on a fresh batch cache at the decode's middle position, and its share of a window: layers x that / ms/window
+(ms/window includes the host loop, so the share is a floor on the device's).
 """
 from __future__ import annotations
 
@@ -34,11 +39,46 @@ flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_
 flags.DEFINE_float("embed_scale", 50.0, "The random embedding scaled by this (Engine.from_random: 50 spreads the "
                    "routing over most experts, as a trained model's).", flag_values=FLAGS)
 flags.DEFINE_string("cache_dir", "", "The engine's cache_dir ('' = its default).", flag_values=FLAGS)
+flags.DEFINE_bool("attention_share", False, "Also time one layer's batched attention alone (K/V scatter + "
+                  "attention, per B) and print its share of a window.", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
 runner.define_output_flag(FLAGS)
 
 HEADERS = ["B", "aggregate tok/s", "per-stream tok/s", "ms/window", "x alone"]
 TIMING = "wall time of the batched decode (after each prompt's prefill), host loop included"
+ATTENTION_HEADERS = ["attn ms/layer", "attn share"]
+
+
+def attention_layer_ms(engine, b: int, position: int, iters: int = 50) -> float:
+    """One layer's batched attention as batch_attention runs it, without the q/k/v and o products: B rows' K/V
+    scattered into slots 0..B-1 of layer 0 at `position`, then batch_attend_cache over them (the engine's attention
+    kernel) -> ms per call, back to back, a fresh batch cache donated and threaded from call to call (in place)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from strata_jax.model.batch import batch_attend_cache
+    from strata_jax.model.kv_cache import _scatter_rows
+    cfg = engine.cfg
+    kernel = engine.plan.attention_kernel == "pallas"
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def step(q, k_all, v_all, rows, pos, kv):
+        k_all, v_all = _scatter_rows(k_all, rows, pos, kv), _scatter_rows(v_all, rows, pos, kv)
+        return batch_attend_cache(q, k_all, v_all, rows, pos, kernel), k_all, v_all
+
+    keys = jax.random.split(jax.random.key(b), 2)
+    q = jax.random.normal(keys[0], (b, cfg.num_heads, cfg.head_dim), engine.dtype)  # [B, Nq, D]
+    kv = jax.random.normal(keys[1], (b, cfg.num_kv_heads, cfg.head_dim), engine.dtype)  # [B, Nkv, D]
+    rows, pos = jnp.arange(b, dtype=jnp.int32), jnp.full((b,), position, jnp.int32)
+    cache = engine._init_batch_cache()  # [L*M, S, Nkv, D]
+    state = [cache.k, cache.v]
+
+    def call(_):
+        out, state[0], state[1] = step(q, state[0], state[1], rows, pos, kv)
+        return out, state[0]
+    jax.block_until_ready(call(0))  # compiles
+    return common.time_pipelined(call, iters) * 1e3
 
 
 def run(s) -> dict:
@@ -71,7 +111,9 @@ def run(s) -> dict:
     alone = engine.stats.last
     alone_tok_s = alone.decode_tok_s
     result["alone"] = dict(tok_s=alone_tok_s, ms_window=alone.decode_s / max(alone.windows, 1) * 1e3)
-    cells = [["alone (generate, spec=0)", alone_tok_s, alone_tok_s, result["alone"]["ms_window"], 1.0]]
+    headers = HEADERS + (ATTENTION_HEADERS if s.attention_share else [])
+    cells = [["alone (generate, spec=0)", alone_tok_s, alone_tok_s, result["alone"]["ms_window"], 1.0]
+             + (["-", "-"] if s.attention_share else [])]
     for b in batches:
         engine.generate_batch(prompts[:b], **request)  # warm-up: the bucket's graph compiles
         engine.generate_batch(prompts[:b], **request)
@@ -81,13 +123,17 @@ def run(s) -> dict:
         row = dict(batch=b, aggregate_tok_s=tok_s, per_stream_tok_s=tok_s / b,
                    ms_window=last.decode_s / max(last.windows, 1) * 1e3,
                    vs_alone=tok_s / alone_tok_s if alone_tok_s else None)
-        result["rows"].append(row)
         cells.append([b, tok_s, tok_s / b, row["ms_window"], row["vs_alone"]])
+        if s.attention_share:
+            row["attention_ms_layer"] = attention_layer_ms(engine, b, s.prompt + s.new_tokens // 2)
+            row["attention_share"] = cfg.num_layers * row["attention_ms_layer"] / row["ms_window"]
+            cells[-1] += [row["attention_ms_layer"], row["attention_share"]]
+        result["rows"].append(row)
         common.progress(f"B={b}: {tok_s:,.1f} tok/s aggregate")
-    result["table"] = runner.table(s, "batch_bench", HEADERS, cells, params=["B"], timing=TIMING,
+    result["table"] = runner.table(s, "batch_bench", headers, cells, params=["B"], timing=TIMING,
                                    fixed=dict(model=s.model, layers=cfg.num_layers, dtype=s.dtype, prompt=s.prompt,
                                               new_tokens=s.new_tokens),
-                                   units={"ms/window": "ms", "x alone": "x"}, result=result)
+                                   units={"ms/window": "ms", "x alone": "x", "attn ms/layer": "ms"}, result=result)
     if s.json:
         common.write_json(s.json, result)
         common.say(f"json: {s.json}")

@@ -13,11 +13,13 @@ from jax.sharding import AxisType
 DEVICE_KIND = "NVIDIA H200"  # maps to compute capability 9.0 in Pallas' Triton backend
 
 
-def lower_for_cuda(fn, *args, device_kind: str = DEVICE_KIND) -> str:
-    """fn: a Python function of arrays (it is jitted here); args: jax.ShapeDtypeStruct (or arrays) of its inputs.
-    Returns the lowered StableHLO text (it embeds the Triton kernels); raises where a kernel cannot lower."""
-    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,),
+def lower_for_cuda(fn, *args, device_kind: str = DEVICE_KIND, axis_type: AxisType = AxisType.Explicit) -> str:
+    """fn: a Python function of arrays (it is jitted here); args: jax.ShapeDtypeStruct (or arrays, or pytrees of
+    them) of its inputs. Returns the lowered StableHLO text (it embeds the Triton kernels); raises where a kernel
+    cannot lower. axis_type: AxisType.Auto for a whole model graph (under Explicit, a padded product's update and
+    operand carry different shardings)."""
+    mesh = AbstractMesh((1,), ("x",), axis_types=(axis_type,),
                         abstract_device=AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda"))
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), list(args))
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()

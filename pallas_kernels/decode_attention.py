@@ -60,6 +60,19 @@ scales in place and widens to q.dtype in registers (exact: |int8| <= 127); the K
 the V scales the f32 exp(score - max) before its cast to q.dtype (the row sum l stays unscaled). The reference
 does the same on the whole cache (scores times K scales; normalised probabilities times V scales, then the cast).
 
+Batched windows (`batch_decode_attention` and `batch_decode_attention_reference`; model/batch.py, issue 38):
+- q [B, Nq, D]: B sequences' one token each; k_cache, v_cache [R, S, Nkv, D]: a stack of R caches (the batch cache's
+  (layer, slot) rows, layer l's slot s at row l*M + s); rows, pos [B] int32: batch row b's key and value are already
+  written at cache row rows[b], position pos[b], and row b attends over keys 0..pos[b] of that cache row alone:
+  decode_attention's semantics for a T=1 window at pos[b] over k_cache[rows[b]] (the reference gathers the B cache
+  rows and runs one masked batched einsum).
+- Kernel: one pallas_call for the batch, grid (B * Nkv, splits); program (b * Nkv + g, j) reads a [2] int32 block
+  (rows[b], pos[b]), its [Mp, D] q tile (row b's r query heads of kv head g, zero-padded to Mp = max(16,
+  next_pow2(r))), and kv head g's [R, S, D] view of the caches in place, at cache row rows[b], up to pos[b]: the
+  same split loop as a single-tile decode window (`_split_attention`), so positions past pos[b] and every other
+  cache row are never read. Splits: `auto_splits(B * Nkv)` (the (row, kv head) pairs counted as kv heads); a split
+  past a row's position does no work. int8 caches as above, scales [R, S, Nkv].
+
 Triton constraints: every in-kernel array has a power-of-2 element count (Mp, block_k and D are powers of 2: D must
 be a power of 2 >= 16, else a ValueError) and tl.dot needs dims >= 16. Both dots run at Precision.HIGHEST, so
 float32 inputs use IEEE f32 (not TF32) on the GPU; bf16 inputs are unaffected.
@@ -118,7 +131,7 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, *rest, t: int, r: int
     f32 (unnormalised), l [Mp] f32 (row sums), m [Mp] f32 (row maxima)."""
     ks_ref, vs_ref, o_ref, l_ref, m_ref = rest if quant else (None, None, *rest)
     j = pl.program_id(1)
-    mp, d = q_ref.shape
+    mp = q_ref.shape[0]
     seq = k_ref.shape[1 if stacked else 0]
     split_len = blocks_per_split * block_k
     pos, layer = pos_ref[0], pos_ref[1]
@@ -136,6 +149,21 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, *rest, t: int, r: int
     row_token = jnp.minimum(row // r, t - 1)  # [Mp, 1]; padding rows: T - 1
     row_limit = pos + row_token  # [Mp, 1]: row i sees keys <= pos + t_i
 
+    o, l, m = _split_attention(q_ref, k_ref, v_ref, ks_ref, vs_ref, layer, start, last, row_limit,
+                               block_k=block_k, blocks_per_split=blocks_per_split, sm_scale=sm_scale,
+                               stacked=stacked, quant=quant)
+    o_ref[...] = o
+    l_ref[...] = l
+    m_ref[...] = m
+
+
+def _split_attention(q_ref, k_ref, v_ref, ks_ref, vs_ref, layer, start, last, row_limit, *, block_k: int,
+                     blocks_per_split: int, sm_scale: float, stacked: bool, quant: bool):
+    """One program's split of the cache positions [start, start + split_len): flash attention of its [Mp, D] q tile
+    over the blocks up to `last` (the last key any of its rows needs), row i seeing keys <= row_limit[i] ([Mp, 1], or
+    a scalar for all rows) -> (o [Mp, D], l [Mp], m [Mp]) f32, o unnormalised. k_ref / v_ref: a kv head's [L, S, D]
+    view read at `layer` (stacked) or its [S, D] view; ks_ref / vs_ref the int8 caches' scale views (quant)."""
+    mp, d = q_ref.shape
     o0 = jnp.zeros((mp, d), jnp.float32)
     l0 = jnp.zeros((mp,), jnp.float32)
     m0 = jnp.full((mp,), M_INIT, jnp.float32)
@@ -172,10 +200,7 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, *rest, t: int, r: int
 
         return lax.fori_loop(0, n_blocks, body, state)
 
-    o, l, m = lax.cond(start > last, lambda state: state, compute, (o0, l0, m0))
-    o_ref[...] = o
-    l_ref[...] = l
-    m_ref[...] = m
+    return lax.cond(start > last, lambda state: state, compute, (o0, l0, m0))
 
 
 def _block_k(seq: int, want: int) -> int:
@@ -280,16 +305,21 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
         name="decode_attention",
     )(pos_arr, qg, k_cache, v_cache, *scales)
 
-    # The final round of flash: rescale every split to the global row maximum and normalise.
-    m_all = m.max(axis=0)  # [Nkv * nb, Mp]
-    m_all = lax.optimization_barrier(m_all)  # as decode_attn_unbatched (b/389925439)
-    correction = jnp.exp(m - m_all[None])  # [splits, Nkv * nb, Mp]; 0 for a split that saw nothing
-    l_all = (l * correction).sum(axis=0)  # [Nkv * nb, Mp] > 0 for every row (key 0 is visible to all)
-    out = (o * correction[..., None]).sum(axis=0) / l_all[..., None]  # [Nkv * nb, Mp, D] f32
+    out = _combine_splits(o, l, m)  # [Nkv * nb, Mp, D] f32
     if nb > 1:
         out = out.reshape(nkv, nb * mp, d)
     out = out[:, :t * r].reshape(nkv, t, r, d).transpose(1, 0, 2, 3).reshape(t, nq, d)
     return out.astype(q.dtype)
+
+
+def _combine_splits(o: jax.Array, l: jax.Array, m: jax.Array) -> jax.Array:
+    """The final round of flash: o [splits, P, Mp, D], l, m [splits, P, Mp] of P programs' splits -> [P, Mp, D] f32,
+    every split rescaled to the global row maximum and normalised."""
+    m_all = m.max(axis=0)  # [P, Mp]
+    m_all = lax.optimization_barrier(m_all)  # as decode_attn_unbatched (b/389925439)
+    correction = jnp.exp(m - m_all[None])  # [splits, P, Mp]; 0 for a split that saw nothing
+    l_all = (l * correction).sum(axis=0)  # [P, Mp] > 0 for every row (key 0 is visible to all)
+    return (o * correction[..., None]).sum(axis=0) / l_all[..., None]
 
 
 @jax.jit
@@ -312,3 +342,118 @@ def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     if v_scale is not None:
         probs = probs * v_scale.astype(jnp.float32).T[None, :, None, :]
     return jnp.einsum("tgrs,sgd->tgrd", probs.astype(q.dtype), v_cache.astype(q.dtype)).reshape(t, nq, d)
+
+
+# Batched windows (model/batch.py, issue 38): B sequences' T=1 rows, each over its own row of a stacked cache.
+
+def _batch_decode_attention_kernel(meta_ref, q_ref, k_ref, v_ref, *rest, block_k: int, blocks_per_split: int,
+                                   sm_scale: float, quant: bool):
+    """Program (b * Nkv + g, j). meta [2] int32 (batch row b's cache row, its position); q block [Mp, D] (batch row
+    b's r query heads of kv head g, zero-padded); k, v blocks [R, S, D] (kv head g's strided view of the stacked
+    cache, the cache row picked in-kernel); quant: the scale blocks ks, vs [R, S]; outputs for split j as
+    _decode_attention_kernel's."""
+    ks_ref, vs_ref, o_ref, l_ref, m_ref = rest if quant else (None, None, *rest)
+    cache_row, pos = meta_ref[0], meta_ref[1]
+    last = jnp.minimum(pos, k_ref.shape[1] - 1)  # one token: every q row sees keys 0..pos
+    start = pl.program_id(1) * (blocks_per_split * block_k)
+    o, l, m = _split_attention(q_ref, k_ref, v_ref, ks_ref, vs_ref, cache_row, start, last, last,
+                               block_k=block_k, blocks_per_split=blocks_per_split, sm_scale=sm_scale,
+                               stacked=True, quant=quant)
+    o_ref[...] = o
+    l_ref[...] = l
+    m_ref[...] = m
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "k_splits", "num_warps", "num_stages", "interpret"))
+def batch_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, rows: jax.Array, pos: jax.Array,
+                           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, *, block_k: int = 64,
+                           k_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                           interpret: bool = False) -> jax.Array:
+    """q [B, Nq, D]: B sequences' one token each; k_cache / v_cache [R, S, Nkv, D] stacked caches (the batch cache's
+    R = L*M (layer, slot) rows); rows, pos [B] int32: batch row b attends over cache row rows[b], keys 0..pos[b]
+    (its key already written at pos[b]) -> out [B, Nq, D] (q.dtype). k_scale / v_scale [R, S, Nkv] float32: int8
+    caches. One kernel for the batch: grid (B * Nkv, splits), program (b * Nkv + g, j) reads only cache row rows[b]'s
+    kv head g, in place, up to pos[b]. See the module docstring ("Batched windows")."""
+    quant = k_scale is not None
+    b, nq, d = q.shape
+    n_rows, seq, nkv, d_k = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"batch_decode_attention: v_cache {v_cache.shape} must have k_cache's shape {k_cache.shape}")
+    if quant != (v_scale is not None) or (quant and not (k_scale.shape == v_scale.shape == k_cache.shape[:-1])):
+        raise ValueError(f"batch_decode_attention: an int8 cache needs k_scale and v_scale of shape "
+                         f"{k_cache.shape[:-1]}")
+    if rows.shape != (b,) or pos.shape != (b,):
+        raise ValueError(f"batch_decode_attention: rows {rows.shape} and pos {pos.shape} must be [B] = ({b},)")
+    if d_k != d:
+        raise ValueError(f"batch_decode_attention: head_dim of q ({d}) and of the cache ({d_k}) differ")
+    if nq % nkv:
+        raise ValueError(f"batch_decode_attention: Nq={nq} is not a multiple of Nkv={nkv}")
+    if d < MIN_DOT or d & (d - 1):
+        raise ValueError(f"batch_decode_attention: head_dim D={d} must be a power of 2 >= {MIN_DOT} (Triton blocks)")
+    if k_splits is not None and k_splits < 1:
+        raise ValueError(f"batch_decode_attention: k_splits must be >= 1, got {k_splits}")
+    r = nq // nkv
+    mp = max(MIN_DOT, _next_pow2(r))  # one tile: a row's r query heads of a kv head
+    bk = _block_k(seq, block_k)
+    total_blocks = seq // bk
+    # B * Nkv programs a split: auto_splits counts the (batch row, kv head) pairs as it counts kv heads
+    blocks_per_split = _next_pow2(pl.cdiv(total_blocks, k_splits or auto_splits(b * nkv)))
+    splits = pl.cdiv(total_blocks, blocks_per_split)
+    programs = b * nkv
+
+    qg = jnp.pad(q.reshape(b, nkv, r, d), ((0, 0), (0, 0), (0, mp - r), (0, 0))).reshape(programs, mp, d)
+    meta = jnp.stack([rows.astype(jnp.int32), pos.astype(jnp.int32)], axis=1)  # [B, 2]: (cache row, position)
+
+    kernel = functools.partial(_batch_decode_attention_kernel, block_k=bk, blocks_per_split=blocks_per_split,
+                               sm_scale=d ** -0.5, quant=quant)
+    cache_spec = pl.BlockSpec((n_rows, seq, None, d), lambda p, j: (0, 0, p % nkv, 0))  # kv head's [R, S, D] view
+    scale_spec = pl.BlockSpec((n_rows, seq, None), lambda p, j: (0, 0, p % nkv))
+    scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quant else ()
+    o, l, m = pl.pallas_call(
+        kernel,
+        grid=(programs, splits),
+        in_specs=[
+            pl.BlockSpec((None, 2), lambda p, j: (p // nkv, 0)),
+            pl.BlockSpec((None, mp, d), lambda p, j: (p, 0, 0)),
+            cache_spec,
+            cache_spec,
+            *([scale_spec, scale_spec] if quant else []),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, mp, d), lambda p, j: (j, p, 0, 0)),
+            pl.BlockSpec((None, None, mp), lambda p, j: (j, p, 0)),
+            pl.BlockSpec((None, None, mp), lambda p, j: (j, p, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, programs, mp, d), jnp.float32),  # o
+            jax.ShapeDtypeStruct((splits, programs, mp), jnp.float32),  # l
+            jax.ShapeDtypeStruct((splits, programs, mp), jnp.float32),  # m
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="batch_decode_attention",
+    )(meta, qg, k_cache, v_cache, *scales)
+    out = _combine_splits(o, l, m)  # [B * Nkv, Mp, D] f32
+    return out.reshape(b, nkv, mp, d)[:, :, :r].reshape(b, nq, d).astype(q.dtype)
+
+
+@jax.jit
+def batch_decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, rows: jax.Array,
+                                     pos: jax.Array, k_scale: jax.Array | None = None,
+                                     v_scale: jax.Array | None = None) -> jax.Array:
+    """batch_decode_attention in plain jnp: each batch row's cache row gathered ([B, S, Nkv, D]), one masked
+    batched einsum (row b sees keys <= pos[b]), decode_attention_reference's arithmetic per row."""
+    b, nq, d = q.shape
+    nkv = k_cache.shape[2]
+    k_rows, v_rows = k_cache[rows], v_cache[rows]  # [B, S, Nkv, D]
+    qg = q.reshape(b, nkv, nq // nkv, d)
+    scores = jnp.einsum("bgrd,bsgd->bgrs", qg, k_rows.astype(q.dtype), preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        scores = scores * k_scale[rows].astype(jnp.float32).transpose(0, 2, 1)[:, :, None, :]  # [B, Nkv, 1, S]
+    scores = scores * (d ** -0.5)
+    visible = jnp.arange(k_cache.shape[1], dtype=jnp.int32)[None, :] <= pos[:, None]  # [B, S]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if v_scale is not None:
+        probs = probs * v_scale[rows].astype(jnp.float32).transpose(0, 2, 1)[:, :, None, :]
+    return jnp.einsum("bgrs,bsgd->bgrd", probs.astype(q.dtype), v_rows.astype(q.dtype)).reshape(b, nq, d)

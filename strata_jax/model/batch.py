@@ -3,8 +3,11 @@
 Everything of a window but the attention is row-wise already (norms, products, the MoE block, the head), so the
 rows of a batch run as the rows of one window of T=B tokens (the weights read once for all of them; the MoE block
 routes each row and reads each distinct expert once). The attention is each sequence's own: row b writes its key
-and value at its own position pos[b] into its own KV slot slots[b] and attends over that slot alone, exactly as a
-T=1 window of the sequence alone (the same code: transformer.attention_rows / attend_cache / attention_out).
+and value at its own position pos[b] into its own KV slot slots[b] and attends over that slot alone, as a T=1
+window of the sequence alone: the same q/k/v and output pieces (transformer.attention_rows / attention_out), all B
+rows' K/V written in one scatter, and their attention one computation (batch_attend_cache: the Pallas kernel's
+batched form, pallas_kernels/decode_attention.batch_decode_attention, or the single-sequence XLA attention vmapped
+over the rows' gathered slots).
 
 The cache (kv_cache.init_batch_cache) is stacked [L*M, S, Nkv, D], M slots a layer: layer l's slot s is row
 l*M + s, which the attention reads as the scanned body reads layer l of the engine's own cache. Rows b >= n_active
@@ -18,9 +21,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from strata_jax.pallas_kernels.decode_attention import batch_decode_attention
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.kv_cache import KVCache, _write_rows
-from strata_jax.model.transformer import (attend_cache, attention_out, attention_rows, head_logits, product_stack,
+from strata_jax.model.kv_cache import KVCache, QuantKV, _scatter_rows
+from strata_jax.model.transformer import (_xla_attention, attention_out, attention_rows, head_logits, product_stack,
                                           rms_norm, scan_layers)
 from strata_jax.model.weights import LayerWeights, Weights
 
@@ -29,20 +33,39 @@ def batch_attention(h: jax.Array, layer: LayerWeights, stack: LayerWeights, k_al
                     pos: jax.Array, cfg: ModelConfig, attention_kernel: bool, dense_kernel: bool, *,
                     slots: jax.Array, slots_per_layer: int):
     """scan_layers' attention half for a batch: h [B, H], pos [B] and slots [B] int32, k_all / v_all the batch
-    cache [L*M, S, Nkv, D] -> (h + attention, the FFN's input x, k_all, v_all)."""
+    cache [L*M, S, Nkv, D] -> (h + attention, the FFN's input x, k_all, v_all). The B rows' keys and values go in
+    with one scatter a cache, and their attention is one computation (batch_attend_cache), no loop over B."""
     x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
     w = layer.attn
     w_stack, product_layer = product_stack(w, i, stack.attn if dense_kernel else None, dense_kernel)
     q, k, v, gate = attention_rows(x, w, pos, cfg, w_stack, product_layer)  # [B, Nq, D], [B, Nkv, D] x 2
-    rows = []
-    for b in range(h.shape[0]):  # each sequence over its own slot: B small (the buckets), unrolled
-        row = i * slots_per_layer + slots[b]  # (layer i, slot) in the [L*M, ...] stack
-        k_all = _write_rows(k_all, k[b:b + 1][None], (row, pos[b], 0, 0))
-        v_all = _write_rows(v_all, v[b:b + 1][None], (row, pos[b], 0, 0))
-        rows.append(attend_cache(q[b:b + 1], k_all, v_all, pos[b], pos[b:b + 1], row, attention_kernel))
-    out = attention_out(jnp.concatenate(rows), gate, w, w_stack, product_layer, x.dtype)  # [B, H]
-    h = h + out
+    rows = i * slots_per_layer + slots  # [B]: each sequence's (layer i, slot) row of the [L*M, ...] stack
+    # Padding rows may share a (row, position) with each other (never with a real row): they write the same key
+    # and value there (token 0 at position 0), so whichever write the scatter keeps is the same.
+    k_all = _scatter_rows(k_all, rows, pos, k)
+    v_all = _scatter_rows(v_all, rows, pos, v)
+    out = batch_attend_cache(q, k_all, v_all, rows, pos, attention_kernel)  # [B, Nq*D]
+    h = h + attention_out(out, gate, w, w_stack, product_layer, x.dtype)
     return h, rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps), k_all, v_all
+
+
+def batch_attend_cache(q: jax.Array, k_all, v_all, rows: jax.Array, pos: jax.Array, kernel: bool) -> jax.Array:
+    """q [B, Nq, D], row b at position pos[b] over cache row rows[b] of the stacked [R, S, Nkv, D] caches (plain or
+    QuantKV), its own key already written -> [B, Nq*D]. kernel: pallas_kernels' batch_decode_attention (one kernel,
+    each row's cache row read in place up to pos[b]); else XLA: the rows' caches gathered [B, S, Nkv, D] and the
+    single-sequence _xla_attention vmapped over them (one masked batched einsum, each row's arithmetic as alone)."""
+    b, nq, d = q.shape
+    if kernel:
+        interpret = jax.default_backend() != "gpu"
+        if isinstance(k_all, QuantKV):
+            out = batch_decode_attention(q, k_all.q, v_all.q, rows, pos, k_all.scale, v_all.scale,
+                                         interpret=interpret)
+        else:
+            out = batch_decode_attention(q, k_all, v_all, rows, pos, interpret=interpret)
+        return out.reshape(b, nq * d)
+    k_rows, v_rows = (jax.tree.map(lambda a: jnp.take(a, rows, axis=0), c) for c in (k_all, v_all))  # [B, S, ..]
+    one = lambda q1, k1, v1, p1: _xla_attention(q1[None], k1, v1, p1[None])[0]  # a T=1 window at p1
+    return jax.vmap(one)(q, k_rows, v_rows, pos)
 
 
 def forward_batch(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.Array, slots: jax.Array,

@@ -47,6 +47,16 @@ def _write_rows(cache, rows: jax.Array, start: tuple):
     return jax.lax.dynamic_update_slice(cache, rows.astype(cache.dtype), start)
 
 
+def _scatter_rows(cache, rows: jax.Array, pos: jax.Array, new: jax.Array):
+    """new [B, Nkv, D]: row b into cache[rows[b], pos[b]] of a stacked [R, S, Nkv, D] cache (plain or QuantKV,
+    quantized as written), all B rows in one scatter (model/batch.py: each sequence at its own (layer, slot) row
+    and position)."""
+    if isinstance(cache, QuantKV):
+        q = quantize_kv(new)
+        return QuantKV(q=cache.q.at[rows, pos].set(q.q), scale=cache.scale.at[rows, pos].set(q.scale))
+    return cache.at[rows, pos].set(new.astype(cache.dtype))
+
+
 def _layer_of(cache, layer: jax.Array):
     """Layer `layer` of a stacked cache (plain or QuantKV)."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), cache)

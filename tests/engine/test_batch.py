@@ -152,3 +152,48 @@ def test_session_admits_a_long_prompt_chunk_by_chunk(engine_factory):
     while session.active:
         session.step()
     assert [first.out, second.out] == alone and second.stats.cached_tokens == 0
+
+
+@pytest.mark.parametrize("variant", [dict(attention_kernel="pallas"), dict(kv_dtype="int8")],
+                         ids=["pallas", "kv-int8"])
+def test_batch_attention_forms_equal_alone(engine_factory, variant):
+    """The batched attention's other forms: the Pallas kernel's batched form (interpret mode here: one kernel for
+    every row, each over its own slot up to its own position) and int8 KV slots (the rows' K/V quantized as written
+    by the one scatter): each prompt of a padded batch gives its tokens and logits alone (1e-5)."""
+    engine = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all", max_batch=4,
+                            **variant)
+    prompts = random_prompts(engine, (5, 17, 9), seed=43)
+    alone = [engine.generate(p, 6, stop_token_ids=[], spec=0) for p in prompts]
+    outs, logits = engine.generate_batch(prompts, max_new_tokens=6, stop_token_ids=[], return_logits=True)
+    assert outs == alone
+    for prompt, out, rows in zip(prompts, outs, logits):
+        assert rel_fro(rows, alone_logits(engine, prompt, out)) <= 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_batch_window_lowers_for_cuda(monkeypatch, kv_dtype):
+    """The batched window's graph (forward_batch, the Qwen3-30B-A3B shape cut to 2 layers, B = 8 over a batch cache
+    of 8 slots, bf16, the Pallas kernels) lowers for CUDA with one batch_decode_attention in the scanned layer body
+    and the rows' K/V written by one scatter a cache (int8: rows and scales), no loop over the rows."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from strata_jax.model.batch import forward_batch
+    from strata_jax.model.config import preset
+    from strata_jax.model.kv_cache import init_batch_cache
+    from strata_jax.model.weights import random_weights
+    from strata_jax.pallas_kernels.cuda_lowering import lower_for_cuda
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the model's dispatch: compiled kernels, not interpret
+    cfg, b = preset("qwen3-30b-a3b", layers=2), 8
+    weights = jax.eval_shape(lambda: random_weights(cfg, 0, jnp.bfloat16, stacked=True))
+    cache = jax.eval_shape(lambda: init_batch_cache(cfg, b, 2112, jnp.bfloat16, kv_dtype))
+    ints = jax.ShapeDtypeStruct((b,), jnp.int32)
+    text = lower_for_cuda(lambda w, c, t, p, s: forward_batch(w, c, t, p, s, jnp.int32(b), cfg, None, True, True),
+                          weights, cache, ints, ints, ints, axis_type=jax.sharding.AxisType.Auto)
+    kernels = re.findall(r'name = "(\w+)"', text)
+    assert kernels.count("batch_decode_attention") == 1 and "decode_attention" not in kernels
+    # the rows' K/V writes: scatters into the cache carried by the scan, indexed by (cache row, position)
+    writes = re.findall(r'"stablehlo.scatter"\(%iterArg[^\n]*scatter_dims_to_operand_dims = \[0, 1\]', text)
+    assert len(writes) == (4 if kv_dtype == "int8" else 2)  # k, v (int8: their rows and their scales)
+    assert "dynamic_update_slice" not in text.split("stablehlo.while")[1]  # no per-row writes in the layer body

@@ -20,7 +20,8 @@ import pytest
 
 from helpers import rel_fro, with_garbage
 from strata_jax.pallas_kernels.cuda_lowering import lower_for_cuda
-from strata_jax.pallas_kernels.decode_attention import _block_k, decode_attention, decode_attention_reference
+from strata_jax.pallas_kernels.decode_attention import (_block_k, batch_decode_attention, batch_decode_attention_reference,
+                                                        decode_attention, decode_attention_reference)
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -401,3 +402,121 @@ def test_prefill_chunk_with_the_kernel_matches_the_xla_path(stacked):
     assert rel_fro(a1, b1) < 1e-5 and rel_fro(a2, b2) < 1e-5
     for x, y in zip(jax.tree.leaves((ca.k, ca.v)), jax.tree.leaves((cb.k, cb.v))):
         assert rel_fro(np.asarray(x)[..., :198, :, :], np.asarray(y)[..., :198, :, :]) < 1e-5
+
+
+# Batched windows (model/batch.py, issue 38): B sequences' T=1 rows in one kernel, row b over cache row rows[b] of a
+# stacked [R, S, Nkv, D] cache (the batch cache's (layer, slot) rows), up to its own position pos[b].
+BATCH_CASES = {  # (B, Nq, Nkv, D, R, S, rows, pos)
+    "b4_mixed": (4, 8, 2, 32, 6, 128, (5, 0, 3, 1), (0, 127, 64, 30)),  # position 0, S - 1, a block's first, mid
+    "b3_r4_s192": (3, 8, 2, 32, 4, 192, (2, 3, 0), (150, 1, 190)),  # r = 4, near S
+    "b1": (1, 4, 2, 16, 2, 128, (1,), (77,)),
+    "qwen3_b4_s2112": (4, 32, 4, 128, 9, 2112, (8, 1, 4, 6), (0, 2111, 1000, 63)),  # the Qwen3-30B-A3B shape
+}
+
+
+def make_batch_case(seed: int, b: int, nq: int, nkv: int, d: int, n_rows: int, s: int, rows, pos, dtype,
+                    int8: bool = False):
+    """Random q [B, Nq, D], clean caches [R, S, Nkv, D] (int8: QuantKV of random rows, scales [R, S, Nkv]) and their
+    garbage twins: in cache row rows[b] every position past pos[b], and every row no batch row reads, replaced by
+    huge / NaN / inf values (int8: random int8 rows, NaN / inf scales)."""
+    from strata_jax.model.kv_cache import QuantKV, quantize_kv
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, nq, d)), dtype)
+    shape = (n_rows, s, nkv, d)
+    if int8:
+        k = quantize_kv(jnp.asarray(rng.standard_normal(shape) * 2.0 * rng.uniform(0.2, 3, (*shape[:-1], 1)),
+                                    jnp.float32))
+        v = quantize_kv(jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.2, 3, (*shape[:-1], 1)), jnp.float32))
+    else:
+        k = jnp.asarray(rng.standard_normal(shape) * 2.0, dtype)
+        v = jnp.asarray(rng.standard_normal(shape), dtype)
+    first_bad = np.zeros(n_rows, int)  # per cache row: where its garbage starts (0: all of it)
+    first_bad[list(rows)] = np.asarray(pos) + 1
+
+    def spoil(c, seed):
+        if int8:
+            rows_q = [c.q[i].at[f:].set(jnp.asarray(rng.integers(-128, 128, c.q[i, f:].shape), jnp.int8))
+                      for i, f in enumerate(first_bad)]
+            rows_s = [with_garbage(c.scale[i][..., None], int(f), seed + i)[..., 0] for i, f in enumerate(first_bad)]
+            return QuantKV(q=jnp.stack(rows_q), scale=jnp.stack(rows_s))
+        return jnp.stack([with_garbage(c[i], int(f), seed + i) for i, f in enumerate(first_bad)])
+    return (q, k, v, spoil(k, 100), spoil(v, 200), jnp.asarray(rows, jnp.int32), jnp.asarray(pos, jnp.int32))
+
+
+def _batch_args(k, v):
+    """The kernel's cache arguments: (k, v) or, for QuantKV, (k.q, v.q) and the scales."""
+    return ((k.q, v.q), dict(k_scale=k.scale, v_scale=v.scale)) if hasattr(k, "scale") else ((k, v), {})
+
+
+@pytest.mark.parametrize("kv", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("name", BATCH_CASES.keys())
+def test_batch_kernel_matches_reference(name, kv):
+    """Each row over its own cache row up to its own position: the kernel (interpreted) against the batched
+    reference within the single-sequence bounds; with garbage past every row's position and in every cache row no
+    batch row reads, the same output bit for bit (never read)."""
+    dtype = jnp.bfloat16 if kv == "bf16" else jnp.float32
+    b, nq, nkv, d, n_rows, s, rows, pos = BATCH_CASES[name]
+    q, k, v, kg, vg, r, p = make_batch_case(len(name) + 300, *BATCH_CASES[name], dtype, int8=kv == "int8")
+    (kc, vc), scales = _batch_args(k, v)
+    out = batch_decode_attention(q, kc, vc, r, p, **scales, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = batch_decode_attention_reference(q, kc, vc, r, p, **scales)
+    assert rel_fro(out, ref) < RTOL[dtype]
+    (kgc, vgc), garbage_scales = _batch_args(kg, vg)
+    garbage = np.asarray(batch_decode_attention(q, kgc, vgc, r, p, **garbage_scales, interpret=True))
+    assert np.isfinite(garbage.astype(np.float32)).all()
+    np.testing.assert_array_equal(garbage, np.asarray(out))
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_batch_reference_is_each_row_alone(kv):
+    """The batched reference is decode_attention_reference of each row over its own cache row (T=1 at pos[b])."""
+    q, k, v, _, _, rows, pos = make_batch_case(31, *BATCH_CASES["b4_mixed"], jnp.float32, int8=kv == "int8")
+    (kc, vc), scales = _batch_args(k, v)
+    got = batch_decode_attention_reference(q, kc, vc, rows, pos, **scales)
+    for i in range(q.shape[0]):
+        row = int(rows[i])
+        alone = decode_attention_reference(q[i:i + 1], kc[row], vc[row], pos[i],
+                                           *([scales["k_scale"][row], scales["v_scale"][row]] if scales else []))
+        assert rel_fro(got[i:i + 1], alone) < 1e-6
+
+
+@pytest.mark.parametrize("tuning", [dict(block_k=16, k_splits=1), dict(block_k=32, k_splits=5),
+                                    dict(block_k=256, k_splits=2)])
+def test_batch_blocks_and_splits(tuning):
+    q, k, v, kg, vg, rows, pos = make_batch_case(37, *BATCH_CASES["b3_r4_s192"], jnp.float32)
+    out = batch_decode_attention(q, kg, vg, rows, pos, interpret=True, **tuning)
+    assert rel_fro(out, batch_decode_attention_reference(q, k, v, rows, pos)) < RTOL[jnp.float32]
+
+
+def test_batch_bad_shapes():
+    q, k, v, _, _, rows, pos = make_batch_case(41, *BATCH_CASES["b1"], jnp.float32)
+    with pytest.raises(ValueError, match="must be \\[B\\]"):
+        batch_decode_attention(q, k, v, jnp.concatenate([rows, rows]), pos, interpret=True)
+    with pytest.raises(ValueError, match="int8 cache needs"):
+        batch_decode_attention(q, k, v, rows, pos, k_scale=k[..., 0], interpret=True)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_batch_lowers_for_cuda(kv):
+    """The Qwen3-30B-A3B shape, B = 8 rows over a batch cache of 48 layers x 8 slots: one Triton kernel, grid_x =
+    B * Nkv = 32, the caches (and scales) straight from the arguments, no [.., S, ..] copy."""
+    spec = jax.ShapeDtypeStruct
+    b, nq, nkv, d, s, n_rows = 8, 32, 4, 128, 2112, 48 * 8
+    ints = spec((b,), jnp.int32)
+    if kv == "int8":
+        text = lower_for_cuda(lambda q, kc, vc, r, p, ks, vs: batch_decode_attention(q, kc, vc, r, p, ks, vs),
+                              spec((b, nq, d), jnp.bfloat16), spec((n_rows, s, nkv, d), jnp.int8),
+                              spec((n_rows, s, nkv, d), jnp.int8), ints, ints, spec((n_rows, s, nkv), jnp.float32),
+                              spec((n_rows, s, nkv), jnp.float32))
+        assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2, %arg5, %arg6\)", text)
+    else:
+        text = lower_for_cuda(batch_decode_attention, spec((b, nq, d), jnp.bfloat16),
+                              spec((n_rows, s, nkv, d), jnp.bfloat16), spec((n_rows, s, nkv, d), jnp.bfloat16), ints,
+                              ints)
+        assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2\)", text)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert re.search(rf"grid_x = {b * nkv} : i32", text)
+    # the only arrays with an S axis: the caches and scales as given (no gathered [B, S, ..] copy)
+    with_s = set(re.findall(rf"tensor<(\d+x{s}x[\dx]*\d)x(?:bf16|i8|f32)>", text))
+    assert with_s == ({f"{n_rows}x{s}x{nkv}x{d}", f"{n_rows}x{s}x{nkv}"} if kv == "int8" else {f"{n_rows}x{s}x{nkv}x{d}"})

@@ -16,14 +16,16 @@ import pytest
 
 from helpers import rel_fro, with_garbage
 from strata_jax.pallas_kernels.copy_rows import copy_rows_by_weight, copy_rows_by_weight_reference, copy_rows_from_mapped, copy_rows_from_mapped_reference
-from strata_jax.pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+from strata_jax.pallas_kernels.decode_attention import (batch_decode_attention, batch_decode_attention_reference,
+                                                        decode_attention, decode_attention_reference)
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
 from strata_jax.pallas_kernels.route_prior import route_prior, route_prior_reference
+from test_decode_attention import BATCH_CASES as ATTN_BATCH_CASES
 from test_decode_attention import CASES as ATTN_CASES
 from test_decode_attention import PREFILL_CASES as ATTN_PREFILL_CASES
 from test_decode_attention import DTYPES as ATTN_DTYPES
 from test_decode_attention import RTOL as ATTN_RTOL
-from test_decode_attention import make_case
+from test_decode_attention import _batch_args, make_batch_case, make_case
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]
@@ -175,6 +177,28 @@ def test_prefill_attention_matches_reference(name, dtype):
     if pos + t < s:
         kg, vg = with_garbage(k, pos + t, seed=1), with_garbage(v, pos + t, seed=2)
         np.testing.assert_array_equal(np.asarray(decode_attention(q, kg, vg, p, interpret=False)), np.asarray(out))
+
+
+# Batched windows (issue 38): B rows, each over its own cache row up to its own position, in one compiled kernel;
+# the CPU test's cases plus B = 8 at the Qwen3 shape over a 48-layer x 8-slot batch cache's rows.
+@pytest.mark.parametrize("kv", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("name", [*ATTN_BATCH_CASES, "qwen3_b8"])
+def test_batch_decode_attention_matches_reference(name, kv):
+    dtype = jnp.bfloat16 if kv == "bf16" else jnp.float32
+    case = ((8, 32, 4, 128, 16, 2112, (9, 0, 15, 3, 4, 12, 6, 1), (0, 2111, 1000, 63, 64, 500, 2047, 7))
+            if name == "qwen3_b8" else ATTN_BATCH_CASES[name])
+    for draw in range(DRAWS):
+        q, k, v, kg, vg, rows, pos = make_batch_case(100 * draw + len(name), *case, dtype, int8=kv == "int8")
+        (kc, vc), scales = _batch_args(k, v)
+        out = batch_decode_attention(q, kc, vc, rows, pos, **scales, interpret=False)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        with jax.default_matmul_precision("highest"):
+            ref = batch_decode_attention_reference(q, kc, vc, rows, pos, **scales)
+        assert rel_fro(out, ref) < ATTN_RTOL[dtype]
+        (kgc, vgc), garbage_scales = _batch_args(kg, vg)
+        np.testing.assert_array_equal(
+            np.asarray(batch_decode_attention(q, kgc, vgc, rows, pos, **garbage_scales, interpret=False)),
+            np.asarray(out))
 
 
 # ---------------------------------------------------------------------------------------------------- stacked_linear
