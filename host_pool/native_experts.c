@@ -12,6 +12,10 @@
    int4-q4k (FMT_INT4K, GGUF Q4_K's blocks: w = s * nibble - mn per group of 32): int4's loops with the scales s
    (a scale row holds the G scales, then the G minima), plus sum_g (8 s_g - mn_g) * sum(x over group g), the
    group sums of x (and of h) taken once per job: the dot with s * nibble - mn up to float32 rounding.
+   int8-g (FMT_INT8G, GGUF types kept as read, strata_jax/model/quant.py: Q8_0, Q6_K, Q3_K; FMT_INT8GM with minima:
+   Q5_K, Q2_K): int8 q with a float32 scale per group of `group` inputs (and a minimum: a scale row holds the G
+   scales, then the G minima); each weight is dequantized in registers, fma(q, s, -mn) = s q - mn rounded once
+   (s q is exact), gguf's float32 value, then dotted as float32 weights are.
    Each output element is written by one thread, units in order: a fixed summation order, no locks. Plain layer
    jobs give every entry of a token the same output row (the weighted sum), split jobs one row per entry, weight 1.
 
@@ -47,7 +51,7 @@
 #include <omp.h>
 #endif
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT4K = 4 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT4K = 4, FMT_INT8G = 5, FMT_INT8GM = 6 };
 enum { TOKENS = 4 };      /* token rows read per pass over a weight row */
 /* weight rows per work item of phase 1 / phase 2 (-D to try others: host_pool/measure.py --variants) */
 #ifndef ROWS_UP
@@ -302,6 +306,52 @@ static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t
         out[t] = v_sum((acc[t] + acc[NT + t]) + (acc[2 * NT + t] + acc[3 * NT + t])) + tail[t];
 }
 
+/* out[t] = dequantized int8-g row . xs[t]: q [n] int8, scales [G] (minima: [2G], the scales then the minima);
+   each weight fma(q, s, -mn), exactly gguf's value; groups of a multiple of VL inputs go by vectors, others by a
+   scalar loop (the same values). Two chains per token. */
+static inline __attribute__((always_inline)) void dot_rows_int8g_nt(const int8_t *q, const float *scales, long n,
+                                                                    long group, int minima, const float *const *xs,
+                                                                    float *out, const int NT)
+{
+    vf acc[2 * TOKENS];
+    _Pragma("GCC unroll 16")
+    for (int a = 0; a < 2 * NT; a++) acc[a] = v_zero();
+    float tail[TOKENS] = {0};
+    const long G = n / group;
+    for (long g = 0; g < G; g++) {
+        const float s = scales[g], mn = minima ? scales[G + g] : 0.0f;
+        const long g0 = g * group;
+        if (group % VL == 0) {
+            prefetch_ahead((const char *)(q + g0), group);
+            const vf vs = v_set1(s), vmn = v_set1(-mn);
+            for (long b = 0; b < group; b += VL) {
+                const int chain = (int)(b / VL % 2);
+                const vf w = v_fma(v_int8(q + g0 + b), vs, vmn);
+                _Pragma("GCC unroll 16")
+                for (int t = 0; t < NT; t++) acc[chain * NT + t] = v_fma(w, v_load(xs[t] + g0 + b), acc[chain * NT + t]);
+            }
+        } else {
+            for (long b = 0; b < group; b++) {
+                const float w = fmaf((float)q[g0 + b], s, -mn);
+                for (int t = 0; t < NT; t++) tail[t] += w * xs[t][g0 + b];
+            }
+        }
+    }
+    _Pragma("GCC unroll 16")
+    for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]) + tail[t];
+}
+
+static void dot_rows_int8g(const int8_t *q, const float *scales, long n, long group, int minima,
+                           const float *const *xs, int nt, float *out)
+{
+    switch (nt) {
+    case 1: dot_rows_int8g_nt(q, scales, n, group, minima, xs, out, 1); break;
+    case 2: dot_rows_int8g_nt(q, scales, n, group, minima, xs, out, 2); break;
+    case 3: dot_rows_int8g_nt(q, scales, n, group, minima, xs, out, 3); break;
+    default: dot_rows_int8g_nt(q, scales, n, group, minima, xs, out, 4); break;
+    }
+}
+
 static void dot_rows(int fmt, const void *row, long n, const float *const *xs, int nt, float *out)
 {
     switch (nt) {
@@ -379,6 +429,11 @@ static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, lo
                            float *out)
 {
     const long row = expert * m->rows + r;
+    if (fmt == FMT_INT8G) {
+        dot_rows_int8g((const int8_t *)m->weights + row * m->n, m->scales + row * (m->n / group) * (1 + m->minima),
+                       m->n, group, m->minima, xs, nt, out);
+        return;
+    }
     if (fmt == FMT_INT4) {
         dot_rows_int4((const uint8_t *)m->weights + row * (m->n / 2),
                       m->scales + row * (m->n / group) * (1 + m->minima), m->n, group, xs, nt, out);
@@ -687,8 +742,10 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
     long long *entered = timed ? calloc(TIMELINE_THREADS, sizeof *entered) : NULL;  /* each thread's entry */
     const int minima = fmt == FMT_INT4K;  /* int4-q4k: int4's loops, and the minima's term */
     if (minima) fmt = FMT_INT4;
-    const matrix mg = {gate, gate_scale, I, H, minima}, mu = {up, up_scale, I, H, minima},
-                 md = {down, down_scale, H, I, minima};
+    const int held_minima = minima || fmt == FMT_INT8GM;  /* scale rows of 2G: the scales, then the minima */
+    if (fmt == FMT_INT8GM) fmt = FMT_INT8G;  /* int8-g dequantizes with its minima in registers */
+    const matrix mg = {gate, gate_scale, I, H, held_minima}, mu = {up, up_scale, I, H, held_minima},
+                 md = {down, down_scale, H, I, held_minima};
     /* int4-q4k: the group sums of x's token rows (phase 1) and of h's rows (phase 2, after phase 1) */
     float *x_sums = NULL, *h_sums = NULL;
     if (minima) {

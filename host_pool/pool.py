@@ -48,7 +48,12 @@ MIN_ROWS_PER_JOB = 16
 # Tokens per expert up to which a job runs in the C kernel: it reads each weight row once per 4 tokens from cache,
 # so past a few dozen tokens BLAS's blocked products are the faster path.
 NATIVE_MAX_TOKENS = 16
-_FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4-q4k": 4}  # native_experts.c's FMT_*
+def _format_code(store) -> int:
+    """native_experts.c's FMT_* of a store (int8-g with minima: FMT_INT8GM)."""
+    return 6 if store.format == "int8-g" and store.minima else _FORMAT_CODES[store.format]
+
+
+_FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4-q4k": 4, "int4-m": 4, "int8-g": 5}  # native_experts.c's FMT_*
 
 
 class HostPoolError(RuntimeError):
@@ -141,7 +146,7 @@ class HostPool:
     def __init__(self, store: HostExpertStore, threads: int | None = None,
                  timeout_s: float = 20.0, blas_threads: int | None = 1, native_calls: bool = True):
         native.mode()  # a bad STRATA_POOL_NATIVE fails here, not in a job
-        if store.format in ("int4", "int4-q4k"):
+        if store.format in ("int4", "int4-q4k", "int4-m"):
             native.int4_kernel()  # compiled now (once per machine), not inside the first job's timeout
         native.experts_kernel()  # the same
         self.store = store
@@ -204,7 +209,7 @@ class HostPool:
                 [store.hidden_size(i) for i in range(L)], [store.intermediate_size(i) for i in range(L)],
                 [store.group(i) for i in range(L)],
                 [store.num_experts(i) for i in range(L)], [store.nbytes(i, 0) for i in range(L)])]
-            pool_id = library.register(_FORMAT_CODES[store.format], int(self.round_bf16), self.threads, L,
+            pool_id = library.register(_format_code(store), int(self.round_bf16), self.threads, L,
                                        *pointers, *ints)
             self._ffi = (library, pool_id, [0, 0, 0, 0])
         return self._ffi[1]
@@ -528,7 +533,7 @@ class HostPool:
         group = store.group(layer)
         ptr = lambda a: 0 if a is None else a.ctypes.data
         threads = kernel.job(
-            _FORMAT_CODES[store.format], int(self.round_bf16), H, I, group, ptr(gate), ptr(up), ptr(down),
+            _format_code(store), int(self.round_bf16), H, I, group, ptr(gate), ptr(up), ptr(down),
             *map(ptr, scales), ptr(x), len(experts), ptr(experts), ptr(unit_start), ptr(entry_token),
             ptr(entry_out), ptr(entry_weight), ptr(h), ptr(out), self.threads)
         seconds = time.perf_counter() - t0

@@ -66,6 +66,12 @@ class HostExpertStore:
         d and dmin), decoded here once into float32 [E, O, 2G]: the G scales
         s = d sc, then the G minima mn = dmin m (exact); w = s q - mn with q
         the nibble (0..15). `format` "int4-q4k", `minima` True.
+      * GGUF types kept as read with float32 group scales (quant.py "int8-g32",
+        ...): int8 q [E, O, in] with scales [E, O, G] (w = s q), or [E, O, 2, G]
+        (w = s q - mn: scales, then minima), kept as [E, O, G] / [E, O, 2G];
+        `format` "int8-g", `minima` for the second. int4 packed with float32
+        scales and minima [E, O, 2, G] (Q4_1): as int4-q4k's decoded form,
+        `format` "int4-m". (Q4_0's float32 scales are plain int4.)
     `compute_dtype` (float32 or bfloat16; default bf16 for quantized experts)
     says how the pool rounds, as the device's graphs do.
     """
@@ -81,7 +87,8 @@ class HostExpertStore:
         self.up_scale: list[np.ndarray | None] = []
         self.down_scale: list[np.ndarray | None] = []
         dtypes = set()
-        minima = set()  # int4-q4k layers (codes given) and plain int4 ones
+        minima = set()  # layers with minima (int4-q4k's codes, [E, O, 2, G] float32) and without
+        grouped = set()  # int8 layers with group scales (int8-g) and with row ones
         for index, (gate, up, down, *scales) in enumerate(layers):
             if gate.dtype not in (F32, BF16, I8, U8):
                 raise TypeError(f"layer {index}: expert dtype {gate.dtype}, want float32, bfloat16, int8 or "
@@ -105,9 +112,21 @@ class HostExpertStore:
                 codes = [np.asarray(x).dtype == np.uint16 for x in scales]
                 if any(codes) and (not all(codes) or gate.dtype != U8):
                     raise TypeError(f"layer {index}: int4-q4k experts are uint8 with three uint16 code arrays")
-                if gate.dtype == U8:
-                    minima.add(all(codes))
-                if all(codes):
+                ranks = {np.ndim(x) for x in scales}
+                if len(ranks) != 1 and (4 in ranks or (gate.dtype == I8 and 3 in ranks)):
+                    raise ValueError(f"layer {index}: scale ranks {[np.ndim(x) for x in scales]} differ")
+                rank = np.ndim(scales[0])
+                if gate.dtype == I8:
+                    grouped.add(rank > 2)
+                minima.add(all(codes) or rank == 4)
+                if rank == 4:  # [E, O, 2, G] float32: scales, then minima -> [E, O, 2G]
+                    scales = [np.ascontiguousarray(x, F32).reshape(*x.shape[:2], -1) for x in scales]
+                    half = [x[..., : x.shape[-1] // 2] for x in scales]
+                    _check_scales(index, U8 if gate.dtype == U8 else "int8-g", half, E, I, H)
+                elif gate.dtype == I8 and rank == 3:
+                    scales = [np.ascontiguousarray(x, F32) for x in scales]
+                    _check_scales(index, "int8-g", scales, E, I, H)
+                elif all(codes):
                     scales = [q4k_scale_min(np.asarray(x)) for x in scales]  # [E, O, 2G] float32
                     _check_scales(index, gate.dtype, [x[..., : x.shape[-1] // 2] for x in scales], E, I, H)
                 else:
@@ -124,18 +143,20 @@ class HostExpertStore:
             dtypes.add(self.gate[-1].dtype)
         if len(dtypes) > 1:
             raise TypeError(f"layers mix dtypes {sorted(map(str, dtypes))}")
-        if len(minima) > 1:
-            raise TypeError("layers mix int4 and int4-q4k experts")
+        if len(minima) > 1 or len(grouped) > 1:
+            raise TypeError("layers mix experts with and without minima, or int8 with group and row scales")
         self.dtype: np.dtype = dtypes.pop() if dtypes else F32  # as stored: uint8 for int4
-        self.minima = minima == {True}  # int4-q4k: scales [E, O, 2G], s then mn
-        self.format = "int4-q4k" if self.minima else {F32: "float32", BF16: "bfloat16", I8: "int8",
-                                                       U8: "int4"}[self.dtype]
+        self.minima = minima == {True}  # scales [E, O, 2G], s then mn
+        self.grouped = grouped == {True}  # int8-g: scales per group of inputs
+        self.format = ("int8-g" if self.grouped else
+                       ("int4-q4k" if codes_seen(layers) else "int4-m") if self.minima else
+                       {F32: "float32", BF16: "bfloat16", I8: "int8", U8: "int4"}[self.dtype])
         self.compute_dtype = np.dtype(compute_dtype) if compute_dtype is not None else (
             BF16 if self.dtype in (I8, U8) else self.dtype)
 
     def group(self, layer: int) -> int:
-        """int4's inputs per scale (int4-q4k: 32), 0 for other formats."""
-        if self.dtype != U8:
+        """int4's and int8-g's inputs per scale (int4-q4k: 32), 0 for other formats."""
+        if self.dtype != U8 and not self.grouped:
             return 0
         return self.hidden_size(layer) // (self.gate_scale[layer].shape[2] // (2 if self.minima else 1))
 
@@ -172,9 +193,21 @@ class HostExpertStore:
         return scales + sum(g.nbytes + u.nbytes + d.nbytes for g, u, d in zip(self.gate, self.up, self.down))
 
 
-def _check_scales(index: int, dtype: np.dtype, scales: list[np.ndarray], E: int, I: int, H: int) -> None:
+def codes_seen(layers) -> bool:
+    """Whether the layers' scales are int4-q4k's uint16 codes."""
+    return any(np.asarray(x).dtype == np.uint16 for _, _, _, *scales in layers for x in scales)
+
+
+def _check_scales(index: int, dtype, scales: list[np.ndarray], E: int, I: int, H: int) -> None:
     """int8: a scale per output row; int4: per (output row, group), groups of a multiple of 16 inputs (whole
-    8-byte words of packed nibbles per half group, see `_dequantize_int4`)."""
+    8-byte words of packed nibbles per half group, see `_dequantize_int4`); "int8-g": per (output row, group)."""
+    if dtype == "int8-g":
+        for name, scale, (out_dim, in_dim) in zip(("gate", "up", "down"), scales, ((I, H), (I, H), (H, I))):
+            groups = scale.shape[2] if scale.ndim == 3 else 0
+            if scale.shape[:2] != (E, out_dim) or groups == 0 or in_dim % groups:
+                raise ValueError(f"layer {index}: int8-g {name}_scale shape {scale.shape}, want [{E}, {out_dim}, G] "
+                                 f"with G dividing the {in_dim} inputs")
+        return
     if dtype == I8:
         if [x.shape for x in scales] != [(E, I), (E, I), (E, H)]:
             raise ValueError(f"layer {index}: int8 scale shapes {[x.shape for x in scales]}, want "
@@ -212,9 +245,14 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: b
       * int4-q4k (minima; scales [R, 2G]: s then mn): the block holds
         s * nibble - mn, exactly gguf's values (((nibble - 8) s + 8 s) is
         s * nibble, exact; one rounding for the minimum, as gguf's).
+      * int8-g (rows int8, scales [R, G], or [R, 2G] with minima): the block
+        holds s q (- mn), gguf's values; None comes back.
     """
     if rows.dtype == F32:
         yield 0, rows, None
+        return
+    if rows.dtype == I8 and scales is not None and scales.ndim == 2:
+        yield from _int8g_chunks(rows, scales, minima)
         return
     R = rows.shape[0]
     int4 = rows.dtype == U8
@@ -245,6 +283,26 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: b
                 np.copyto(block, rows[r0 : r0 + step], casting="unsafe")  # bf16 / int8 -> f32, exact
                 yield r0, block, None if scales is None else scales[r0 : r0 + len(block), None]
     finally:  # also when the caller drops the generator early (zip stops at the shorter one)
+        work.give_back()
+
+
+def _int8g_chunks(rows: np.ndarray, scales: np.ndarray, minima: bool):
+    """row_chunks_f32 of int8-g rows [R, in] with scales [R, G] ([R, 2G]: s, then mn): blocks of s q (- mn)."""
+    R, C = rows.shape
+    G = scales.shape[1] // (2 if minima else 1)
+    step = max(1, CHUNK_FLOATS // C)
+    work = _ChunkWork.take(min(step, R), C, int4_steps=False)
+    try:
+        for r0 in range(0, R, step):
+            block = work.block[: min(step, R - r0)]
+            c = len(block)
+            np.copyto(block, rows[r0:r0 + c], casting="unsafe")  # int8 -> f32, exact
+            grouped = block.reshape(c, G, -1)
+            grouped *= scales[r0:r0 + c, :G, None]  # exact
+            if minima:
+                grouped -= scales[r0:r0 + c, G:, None]  # one rounding, as gguf's
+            yield r0, block, None
+    finally:
         work.give_back()
 
 

@@ -37,6 +37,13 @@ each group's sc | m << 6, then each 256-input super-block's fp16 d, then its dmi
 int4's do and decode the group's s = d sc and mn = dmin m in registers (exact in float32); the group adds
 s (x_g . (q - 8)) + (8 s - mn) sum(x_g), the dot with the exactly dequantized weights up to float32 rounding.
 
+int8-g experts and int4 with float32 scales (GGUF types kept as read, `strata_jax/model/quant.py` "int8-g32",
+"int8-g16", "int8-g32m", "int8-g16m", "int4-g32f", "int4-g32m"): w = s q (- mn) per group of g inputs (16 or 32),
+s and mn float32. int8-g: gate/up/down int8 as int8's, with group-major scales [R, H/g, I], [R, H/g, I],
+[R, I/g, H]; with minima one more axis: [R, 2, H/g, I] (scales, then minima). The loops step groups: the group's
+q widened to bf16 (exact: |q| <= 128) dotted with its g inputs, times s, minus mn sum(x_g); int4 with minima adds
+(8 s - mn) sum(x_g) to s (x_g . (q - 8)). The scales' rank and dtype say the form (`_scale_form`).
+
 Where the scales are: program n (the window's expert n) reads its weights at row slot_ids[n] and its scales at row
 scale_ids[n] of the scale arrays ([R, ...], read in place like the weights). scale_ids defaults to slot_ids: the
 scales stored row for row beside the weights (the resident experts, [E, ...] or stacked [L*E, ...], R = S). The
@@ -61,6 +68,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .blocks import MIN_DOT, block_or_error
 
+INT8_GROUPS = (32, 16)  # int8-g inputs per scale (GGUF Q8_0 / Q5_K: 32; Q6_K / Q3_K / Q2_K: 16)
 GROUPS = (128, 64, 32)  # int4 inputs per scale (strata_jax/model/quant.py "int4-g128", "int4", "int4-g32"): from the scales' shape
 
 
@@ -85,13 +93,31 @@ def _q4k_scale(codes_ref, srow, grp, rows, groups: int):
     return scale[None, :], (8.0 * scale - minimum)[None, :]
 
 
+def _int8_group(x_at, w_ref, slot, rows, k, group: int):
+    """Group k's f32 partial product [Tp, BO] of int8 rows `rows` of w with x_at(cols) [Tp, group]."""
+    w = w_ref[slot, rows, pl.ds(k * group, group)].astype(jnp.bfloat16)  # [BO, group]: exact
+    return plgpu.dot(x_at(pl.ds(k * group, group)), w, trans_b=True)
+
+
+def _group_scale(s_ref, srow, grp, rows, groups: int, form: str, int4: bool):
+    """Group grp's scale [1, BO] f32 and the factor of sum(x_g) [1, BO] (None: no such term) for rows `rows`:
+    int4's s (x . (q - 8)) + (8 s - mn) sum(x), int8's s (x . q) - mn sum(x)."""
+    if form == "q4k":
+        return _q4k_scale(s_ref, srow, grp, rows, groups)
+    if form == "group_min":  # [R, 2, G, O] float32: scales, then minima
+        scale = s_ref[srow, 0, grp, rows].astype(jnp.float32)
+        minimum = s_ref[srow, 1, grp, rows].astype(jnp.float32)
+        return scale[None, :], ((8.0 * scale - minimum) if int4 else -minimum)[None, :]
+    return s_ref[srow, grp, rows].astype(jnp.float32)[None, :], None
+
+
 def _x_sum(x_at, k, group: int):
     """sum(x_g) [Tp, 1] f32 over group k's inputs."""
     return jnp.sum(x_at(pl.ds(k * group, group)).astype(jnp.float32), axis=1, keepdims=True)
 
 
 def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None, group: int,
-                    minima: bool = False):
+                    form: str | None = None):
     """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8, or [S, I, H/2] int4 (whole arrays, indexed
     by slot); quantized ("int8" / "int4"): then scale ids [Np] and gate/up scales [R, I] / [R, H/g, I] (indexed by
     scale id); h block [Tp, BI]."""
@@ -106,23 +132,20 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
     def _():
         srow = sids_ref[n] if quantized else None  # the expert's row of the scale arrays
 
-        def body_int4(k, carry):  # block_k / 64 groups per step, each scaled as it is added
+        def body_grouped(k, carry):  # block_k / group groups per step, each scaled as it is added
             g, u = carry
+            product = _int4_group if quantized == "int4" else _int8_group
             for j in range(block_k // group):
                 grp = k * (block_k // group) + j
                 x_at = lambda c: x_ref[:, c]
-                if minima:  # int4-q4k: s (x . (q - 8)) + (8 s - mn) sum(x)
-                    groups = hidden // group
+                g_scale, g_bias = _group_scale(gs_ref, srow, grp, rows, hidden // group, form, quantized == "int4")
+                u_scale, u_bias = _group_scale(us_ref, srow, grp, rows, hidden // group, form, quantized == "int4")
+                g += product(x_at, gate_ref, slot, rows, grp, group) * g_scale
+                u += product(x_at, up_ref, slot, rows, grp, group) * u_scale
+                if g_bias is not None:  # minima: their term over the group's sum of x
                     xs = _x_sum(x_at, grp, group)
-                    g_scale, g_bias = _q4k_scale(gs_ref, srow, grp, rows, groups)
-                    u_scale, u_bias = _q4k_scale(us_ref, srow, grp, rows, groups)
-                    g += _int4_group(x_at, gate_ref, slot, rows, grp, group) * g_scale + xs * g_bias
-                    u += _int4_group(x_at, up_ref, slot, rows, grp, group) * u_scale + xs * u_bias
-                    continue
-                g_scale = gs_ref[srow, grp, rows].astype(jnp.float32)[None, :]  # [1, BI]
-                u_scale = us_ref[srow, grp, rows].astype(jnp.float32)[None, :]
-                g += _int4_group(x_at, gate_ref, slot, rows, grp, group) * g_scale
-                u += _int4_group(x_at, up_ref, slot, rows, grp, group) * u_scale
+                    g += xs * g_bias
+                    u += xs * u_bias
             return g, u
 
         def body(k, carry):
@@ -137,8 +160,8 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
             return g, u
 
         zero = jnp.zeros((tp, bi), jnp.float32)
-        g, u = jax.lax.fori_loop(0, hidden // block_k, body_int4 if quantized == "int4" else body, (zero, zero))
-        if quantized == "int8":  # each output row's scale, before the rounding below
+        g, u = jax.lax.fori_loop(0, hidden // block_k, body_grouped if group else body, (zero, zero))
+        if form == "row":  # each output row's scale, before the rounding below
             g = g * gs_ref[srow, rows].astype(jnp.float32)[None, :]
             u = u * us_ref[srow, rows].astype(jnp.float32)[None, :]
         # The XLA path's einsums return bf16 g and u; round them the same way before the SwiGLU.
@@ -148,7 +171,7 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
 
 
 def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: str | None, group: int,
-                 minima: bool = False):
+                 form: str | None = None):
     """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 or int8, or [S, H, I/2] int4 (whole); quantized: then
     scale ids [Np] and down scales [R, H] (int8) or [R, I/g, H] (int4); comb [Np, Tp] f32; out block [Tp, BH] f32."""
     sids_ref, ds_ref, comb_ref, out_ref = refs if quantized else (None, None, *refs)
@@ -164,16 +187,15 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
         def contribute(acc):
             srow = sids_ref[n] if quantized else None  # the expert's row of the scale arrays
 
-            def body_int4(k, y):
+            def body_grouped(k, y):
+                product = _int4_group if quantized == "int4" else _int8_group
                 for j in range(block_i // group):
                     grp = k * (block_i // group) + j
                     h_at = lambda c: h_ref[n, :, c]
-                    part = _int4_group(h_at, down_ref, slot, cols, grp, group)
-                    if minima:  # int4-q4k
-                        d_scale, d_bias = _q4k_scale(ds_ref, srow, grp, cols, inter // group)
-                        y += part * d_scale + _x_sum(h_at, grp, group) * d_bias
-                    else:
-                        y += part * ds_ref[srow, grp, cols].astype(jnp.float32)[None, :]
+                    d_scale, d_bias = _group_scale(ds_ref, srow, grp, cols, inter // group, form, quantized == "int4")
+                    y += product(h_at, down_ref, slot, cols, grp, group) * d_scale
+                    if d_bias is not None:
+                        y += _x_sum(h_at, grp, group) * d_bias
                 return y
 
             def body(k, y):
@@ -184,9 +206,9 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
                 # [Tp, BI] x [BH, BI]^T -> [Tp, BH] f32
                 return y + plgpu.dot(h_ref[n, :, ik], w, trans_b=True)
 
-            y = jax.lax.fori_loop(0, inter // block_i, body_int4 if quantized == "int4" else body,
+            y = jax.lax.fori_loop(0, inter // block_i, body_grouped if group else body,
                                   jnp.zeros((tp, bh), jnp.float32))
-            if quantized == "int8":
+            if form == "row":
                 y = y * ds_ref[srow, cols].astype(jnp.float32)[None, :]
             y = y.astype(jnp.bfloat16).astype(jnp.float32)  # each expert's output rounded to bf16, as the XLA path
             return acc + comb_ref[n, :][:, None] * y  # [Tp, 1] * [Tp, BH]
@@ -194,6 +216,30 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
         return jax.lax.cond(slot >= 0, contribute, lambda a: a, acc)
 
     out_ref[...] = jax.lax.fori_loop(0, per_split, expert, jnp.zeros((tp, bh), jnp.float32))
+
+
+def _scale_form(quantized: str | None, scales: tuple) -> str | None:
+    """How the scales are held: "row" (int8, [R, O]), "group" ([R, G, O]), "group_min" ([R, 2, G, O] float32:
+    scales, then minima), "q4k" (int4-q4k's uint16 codes [R, 5G/4, O]); None for bf16 experts."""
+    if not quantized:
+        return None
+    codes = [sc.dtype == jnp.uint16 for sc in scales]
+    if any(codes):
+        if quantized != "int4" or not all(codes):
+            raise ValueError("expert_ffn: int4-q4k experts take uint16 codes for all three scales")
+        return "q4k"
+    ranks = {sc.ndim for sc in scales}
+    if len(ranks) != 1 or scales[0].ndim not in ((2, 3, 4) if quantized == "int8" else (3, 4)):
+        raise ValueError(f"expert_ffn: {quantized} scales of ranks {[sc.ndim for sc in scales]} (int8: [R, O] per "
+                         "row, [R, G, O] per group, [R, 2, G, O] with minima; int4: the last two)")
+    return {2: "row", 3: "group", 4: "group_min"}[scales[0].ndim]
+
+
+def _name_tail(quantized: str | None, form: str | None) -> str:
+    if not quantized:
+        return ""
+    return f"_{quantized}" + {"row": "", "group": "", "group_min": "_min", "q4k": "_q4k"}[form] + (
+        "_g" if quantized == "int8" and form != "row" else "")
 
 
 def _block(dim: int, want: int, what: str) -> int:
@@ -243,24 +289,27 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     if scale_ids is not None and (not quantized or scale_ids.shape != slot_ids.shape):
         raise ValueError(f"expert_ffn: scale_ids {scale_ids.shape} go with quantized experts, one per slot id "
                          f"{slot_ids.shape}")
-    group = 0
-    minima = quantized == "int4" and all(sc.dtype == jnp.uint16 for sc in scales)  # int4-q4k's codes
-    if quantized == "int4" and minima != any(sc.dtype == jnp.uint16 for sc in scales):
-        raise ValueError("expert_ffn: int4-q4k experts take uint16 codes for all three scales")
-    if minima:
+    group, form = 0, _scale_form(quantized, scales)
+    if form == "q4k":
         group = 32
         if hidden % 256 or inter % 256:
             raise ValueError(f"expert_ffn: int4-q4k experts need H and I multiples of 256 (got H {hidden}, I {inter})")
-    elif quantized == "int4":  # the group: inputs per scale, from the scales' shape
-        group = hidden // gate_scale.shape[1] if gate_scale.ndim == 3 and gate_scale.shape[1] else 0
-        if group not in GROUPS or hidden % group or inter % group:
-            raise ValueError(f"expert_ffn: int4 experts need groups of {' or '.join(map(str, GROUPS))} inputs "
-                             f"dividing H and I (got H {hidden}, I {inter}, gate_scale {gate_scale.shape})")
+    elif form in ("group", "group_min"):  # the group: inputs per scale, from the scales' shape
+        groups = gate_scale.shape[-2]
+        group = hidden // groups if groups else 0
+        allowed = GROUPS if quantized == "int4" else INT8_GROUPS
+        if group not in allowed or hidden % group or inter % group:
+            raise ValueError(f"expert_ffn: {quantized} experts with group scales need groups of "
+                             f"{' or '.join(map(str, allowed))} inputs dividing H and I (got H {hidden}, I {inter}, "
+                             f"gate_scale {gate_scale.shape})")
+        if quantized == "int4" and form == "group_min" and gate_scale.dtype != jnp.float32:
+            raise ValueError("expert_ffn: int4 experts with minima take float32 scales")
     if quantized:
         r = gate_scale.shape[0] if scale_ids is not None else s  # scale rows: the weights' own unless scale_ids
-        rows = (lambda n: 5 * (n // group) // 4) if minima else (lambda n: n // group)  # scale rows per matrix
-        want = (((r, inter),) * 2 + ((r, hidden),) if quantized == "int8" else
-                ((r, rows(hidden), inter),) * 2 + ((r, rows(inter), hidden),))
+        rows = (lambda n: 5 * (n // group) // 4) if form == "q4k" else (lambda n: n // group)  # scale rows a matrix
+        lead = (r, 2) if form == "group_min" else (r,)
+        want = (((r, inter),) * 2 + ((r, hidden),) if form == "row" else
+                ((*lead, rows(hidden), inter),) * 2 + ((*lead, rows(inter), hidden),))
         if tuple(sc.shape for sc in scales) != want:
             raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not "
                              f"match gate/up {want[0]}, down {want[2]}")
@@ -268,7 +317,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
         raise ValueError(f"expert_ffn: combine {combine.shape} is not [T, N] = {(t, n)}")
     bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
     bh, bid = _block(hidden, block_h, "H"), _block(inter, block_i_down, "I")
-    if quantized == "int4":  # the loops step whole groups
+    if group:  # the loops step whole groups
         bk, bid = max(bk, group), max(bid, group)
     tp = _padded_tokens(t)
     splits = max(1, min(n_split, n))
@@ -288,25 +337,25 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # the full array, indexed in-kernel
     gu_scales = (*sids, gate_scale, up_scale) if quantized else ()
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized, group=group, minima=minima),
+        functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized, group=group, form=form),
         grid=(np_, inter // bi),
         in_specs=[whole((np_,)), whole((tp, hidden)), whole(gate.shape), whole(up.shape),
                   *(whole(sc.shape) for sc in gu_scales)],
         out_specs=pl.BlockSpec((None, tp, bi), lambda i, j: (i, 0, j)),
         out_shape=jax.ShapeDtypeStruct((np_, tp, inter), jnp.bfloat16),  # [Np, Tp, I]
-        compiler_params=params, interpret=interpret, name="expert_ffn_gate_up" + (f"_{quantized}" if quantized else "") + ("_q4k" if minima else ""),
+        compiler_params=params, interpret=interpret, name="expert_ffn_gate_up" + _name_tail(quantized, form),
     )(ids, xp, gate, up, *gu_scales)
 
     d_scales = (*sids, down_scale) if quantized else ()
     partials = pl.pallas_call(
         functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized, group=group,
-                          minima=minima),
+                          form=form),
         grid=(hidden // bh, splits),
         in_specs=[whole((np_,)), whole(h.shape), whole(down.shape), *(whole(sc.shape) for sc in d_scales),
                   whole(comb.shape)],
         out_specs=pl.BlockSpec((None, tp, bh), lambda b, sp: (sp, 0, b)),
         out_shape=jax.ShapeDtypeStruct((splits, tp, hidden), jnp.float32),  # [n_split, Tp, H]
-        compiler_params=params, interpret=interpret, name="expert_ffn_down" + (f"_{quantized}" if quantized else "") + ("_q4k" if minima else ""),
+        compiler_params=params, interpret=interpret, name="expert_ffn_down" + _name_tail(quantized, form),
     )(ids, h, down, *d_scales, comb)
     return partials.sum(axis=0)[:t]  # [T, H]
 
@@ -351,6 +400,21 @@ def _scaled_product_reference(spec: str, a: jax.Array, q: jax.Array, scale: jax.
         w = jnp.concatenate([p & 0xF, p >> 4], axis=-1).astype(jnp.float32)  # [N, O, G, 32]: q in 0..15
         w = (w * jnp.swapaxes(s, 1, 2)[..., None] - jnp.swapaxes(mn, 1, 2)[..., None]).reshape(n, o, 2 * half)
         acc = jnp.einsum(spec, a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+        return acc.astype(a.dtype)
+    if scale.ndim == 4 or (q.dtype == jnp.int8 and scale.ndim == 3):  # float32 groups: s q (- mn), exact
+        minima = scale.ndim == 4
+        s = jnp.swapaxes(scale[:, 0] if minima else scale, 1, 2).astype(jnp.float32)  # [N, O, G]
+        n, o, width = q.shape
+        groups = s.shape[-1]
+        if q.dtype == jnp.uint8:
+            p = q.reshape(n, o, groups, -1).astype(jnp.int32)
+            v = jnp.concatenate([p & 0xF, p >> 4], axis=-1) - (0 if minima else 8)  # [N, O, G, g]
+        else:
+            v = q.reshape(n, o, groups, -1)
+        w = v.astype(jnp.float32) * s[..., None]
+        if minima:
+            w = w - jnp.swapaxes(scale[:, 1], 1, 2).astype(jnp.float32)[..., None]
+        acc = jnp.einsum(spec, a.astype(jnp.float32), w.reshape(n, o, -1), precision=jax.lax.Precision.HIGHEST)
         return acc.astype(a.dtype)
     if q.dtype == jnp.uint8:
         n, o, half = q.shape

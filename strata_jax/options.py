@@ -138,11 +138,14 @@ class EngineOptions:
                             "(quantized at load: symmetric, one bf16 scale per output row: a byte a weight) or int4 "
                             "(symmetric, one bf16 scale per 64 inputs, two weights a byte) or int4-q4k (GGUF Q4_K's "
                             "blocks: groups of 32 with 6-bit scales and minima, 4.625 bits a weight; a GGUF's Q4_K "
-                            "experts are kept as read, others quantized at load). auto keeps a GGUF's experts in "
-                            "int4-q4k where all of them are Q4_K. Host RAM, slots, PCIe "
+                            "experts are kept as read, others quantized at load); GGUF types kept as read with "
+                            "float32 group scales: int4-g32f (Q4_0), int4-g32m (Q4_1), int8-g32 (Q8_0), int8-g16 "
+                            "(Q6_K, Q3_K), int8-g32m (Q5_K), int8-g16m (Q2_K). auto keeps a GGUF's experts as read "
+                            "where one of these formats holds every expert tensor's type. Host RAM, slots, PCIe "
                             "fetches and the host pool hold the quantized form; the expert FFNs dequantize in their "
                             "products (strata_jax/model/quant.py).",
-                            _choice("auto", "int8", "int4", "int4-q4k"))
+                            _choice("auto", "int8", "int4", "int4-q4k", "int4-g32f", "int4-g32m", "int8-g32",
+                                    "int8-g16", "int8-g32m", "int8-g16m"))
     kv_dtype: str = opt("auto", "How the KV cache is stored: auto (in `dtype`) or int8 (symmetric, one float32 scale "
                         "per (position, kv head) for K and one for V, absmax/127; quantized as rows are written, read "
                         "in place by the XLA attention and the Pallas decode-attention kernel; about half the bf16 "

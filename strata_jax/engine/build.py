@@ -94,7 +94,7 @@ def load(engine_cls, path: str | Path | None = None, verbose: bool = True, **opt
     cfg = config_from_dict(raw, where=str(cfg_path))
     if opts.expert_dtype == "auto" and any(cfg.sparse_layers):
         from strata_jax.io.gguf_file import kept_expert_format
-        kept = kept_expert_format(path)  # a GGUF whose experts are all Q4_K: kept packed (int4-q4k)
+        kept = kept_expert_format(path)  # a GGUF whose experts one format holds as read (int4-q4k, int8-g32, ...)
         if kept:
             opts = dataclasses.replace(opts, expert_dtype=kept)
     if not checkpoint.is_state_dir(path):

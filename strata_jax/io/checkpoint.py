@@ -197,7 +197,8 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     routed experts (not the MTP layer's) are quantized as they are read; `place_experts` then receives q (int8, or
     int4 packed in uint8) and `place_scales` (default `place`) the bf16 scales, [E, O] per row (int8) or group-major
     [E, I/g, O] (int4) (names `layers.{i}.experts.{gate,up,down}_scale`). "int4-q4k": a GGUF's Q4_K expert stacks
-    are kept as read (their nibbles moved, uint16 codes [E, 5G/4, O]), other experts quantized at load.
+    are kept as read (their nibbles moved, uint16 codes [E, 5G/4, O]), other experts quantized at load; likewise the
+    float32-scaled formats of quant.GGUF_KEPT (int8-g32: Q8_0, ...; scales [E, G, O] or [E, 2, G, O]).
     """
     reader = open_reader(folder)
     place_experts = place_experts or place
@@ -247,11 +248,13 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
             if not leaf.expert:
                 return get(leaf)
             name = f"{experts_name}.{leaf.expert}"
-            if expert_format == quant.Q4K and not mtp and hasattr(reader, "q4k_experts"):
-                kept = reader.q4k_experts(leaf.hf.format(j=0))  # a GGUF's Q4_K stack, not dequantized
+            if expert_format in quant.GGUF_KEPT.values() and not mtp and hasattr(reader, "kept_experts"):
+                kept = reader.kept_experts(leaf.hf.format(j=0), expert_format)  # a GGUF's stack, not dequantized
                 if kept is not None:
-                    q, codes = kept
-                    return put(name, q), place_scales(name + "_scale", np.ascontiguousarray(np.swapaxes(codes, -1, -2)))
+                    q, scale = kept  # int4-q4k's codes [E, O, 5G/4]; float32 scales [E, O, (2,) G]
+                    device = (np.ascontiguousarray(np.swapaxes(scale, -1, -2)) if scale.dtype == np.uint16 else
+                              quant.engine_scale_of(scale))
+                    return put(name, q), place_scales(name + "_scale", device)
             if not stacks:
                 stacks.update(expert_stacks(spec, p))
             w = stacks.pop(leaf.expert)

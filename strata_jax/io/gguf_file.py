@@ -436,17 +436,23 @@ def tensor_table(files: GGUFFiles) -> dict:
 
 
 def kept_expert_format(folder: str | Path) -> str | None:
-    """The engine format a GGUF's routed experts are kept in as read (expert_dtype=auto): int4-q4k where every
-    expert tensor is Q4_K; None for other files and folders (their experts dequantized at load)."""
+    """The engine format a GGUF's routed experts are kept in as read (expert_dtype=auto; strata_jax/model/quant.py
+    GGUF_KEPT): the one format that holds every expert tensor's type (int4-q4k for Q4_K, int8-g32 for Q8_0,
+    int8-g16 for Q6_K and Q3_K, ...); None for other files (mixed formats: their experts dequantized at load) and
+    folders."""
+    from strata_jax.model.quant import GGUF_KEPT
     path = Path(folder) / SOURCE_FILE
     if not path.is_file():
         return None
     types = json.loads(path.read_text())["types"].get("experts") or {}
-    return "int4-q4k" if set(types) == {"Q4_K"} else None
+    formats = {GGUF_KEPT.get(t) for t in types}
+    return formats.pop() if len(formats) == 1 and None not in formats else None
 
 
 def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
-    """One line: per family the GGUF types read (bits per weight) and what the engine holds."""
+    """One line: per family the GGUF types read (bits per weight) and what the engine holds (the experts: the
+    format keeping their type as read, with its bits per weight)."""
+    from strata_jax.model.quant import GGUF_KEPT, QK_K, get_format
     short = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
     held = short.get(dtype, dtype)
     parts = []
@@ -457,17 +463,20 @@ def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
         weights = sum(n for n, _ in types.values())
         bpw = 8 * sum(b for _, b in types.values()) / weights
         quantized = any(t not in EXACT_TYPES for t in types)
-        if family == "experts" and expert_format == "int4-q4k" and "Q4_K" in types:
-            others = "" if set(types) == {"Q4_K"} else ", the other types requantized at load from their values"
-            to = f"int4-q4k (4.62 bpw: Q4_K's blocks as stored{others})"
+        kept = sorted(t for t in types if GGUF_KEPT.get(t) == expert_format)
+        if family == "experts" and expert_format and kept:
+            others = "" if len(kept) == len(types) else ", the other types requantized at load from their values"
+            bits = get_format(expert_format).bits_per_weight(QK_K)
+            to = f"{expert_format} ({bits:.2f} bpw: {'+'.join(kept)}'s blocks as stored{others})"
         elif family == "experts" and expert_format:
             to = f"{expert_format} (requantized at load from the {'dequantized' if quantized else 'read'} values)"
         else:
             to = held + (" (dequantized at load)" if quantized else "")
         parts.append(f"{family} {'+'.join(sorted(types))} ({bpw:.2f} bpw) -> {to}")
     n = len(source["files"])
-    packed = ("the experts (int4-q4k)" if expert_format == "int4-q4k" else
-              "Q4_K experts with expert_dtype=int4-q4k, other types not yet")
+    packed = (f"the experts ({expert_format})" if expert_format in GGUF_KEPT.values() else
+              f"experts of {', '.join(GGUF_KEPT)} (expert_dtype=auto where one format holds them all), other "
+              "types not yet")
     return (f"gguf: {source['files'][0]} ({source['arch']}, {n} file{'s' if n > 1 else ''}): {', '.join(parts)}; "
             f"packed on the device: {packed}")
 
@@ -762,11 +771,13 @@ class GGUFTensors:
             if (gname, i) not in self._ahead:
                 self._ahead[(gname, i)] = self._pool.submit(self.dequantized, gname, i)
 
-    def q4k_experts(self, hub: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """The expert stack that Hub tensor `hub` (an expert of it) is read from, as int4-q4k from its Q4_K bytes,
-        not dequantized: (packed [E, O, I/2] uint8, codes [E, O, 5G/4] uint16; strata_jax/model/quant.py
-        q4k_from_blocks); None where the stack is not Q4_K (the loader then reads values). Its fp16 d and dmin
-        are checked (the loader's check: a non-finite one makes non-finite weights)."""
+    def kept_experts(self, hub: str, expert_format: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The expert stack that Hub tensor `hub` (an expert of it) is read from, kept in `expert_format` as read
+        from its bytes where its type is one that format holds (strata_jax/model/quant.py GGUF_KEPT), not
+        dequantized: int4-q4k (packed [E, O, I/2] uint8, codes [E, O, 5G/4] uint16; q4k_from_blocks), the others
+        (q, float32 scales [E, O, G] or [E, O, 2, G]; gguf_kept). None where the stack is of another type (the
+        loader then reads values). Its fp16 d (and dmin, m) are checked (the loader's check: a non-finite one makes
+        non-finite weights)."""
         from strata_jax.model import quant
         r = self.recipes.get(hub)
         if r is None or r.expert is None or r.op not in ("plain", "rows"):
@@ -775,17 +786,21 @@ class GGUFTensors:
         if gname not in self.tensors:
             raise StrataError(f"GGUF tensor {gname!r} (the Hub's {hub!r}) is missing from {self.path}")
         part, qtype, got, offset, size = self.tensors[gname]
-        if qtype != "Q4_K":
+        if quant.GGUF_KEPT.get(qtype) != expert_format:
             return None
         if tuple(got) != r.shapes[0]:
             raise StrataError(f"GGUF tensor {gname!r} has shape {list(got)} (numpy order), expected {list(r.shapes[0])}")
         raw = self.maps[part][offset:offset + size].reshape(got[0], got[1], -1)
         if r.op == "rows":  # --fuse-gate-up-exps: gate's or up's rows
             raw = raw[:, r.arg[0]:r.arg[1]]
-        q, codes = quant.q4k_from_blocks(raw)
-        g = codes.shape[-1] * 4 // 5
-        self.check(gname, np.ascontiguousarray(codes[..., g:]).view(np.float16))
-        return q, codes
+        if qtype == "Q4_K":
+            q, codes = quant.q4k_from_blocks(raw)
+            g = codes.shape[-1] * 4 // 5
+            self.check(gname, np.ascontiguousarray(codes[..., g:]).view(np.float16))
+            return q, codes
+        q, scale = quant.gguf_kept(raw, qtype)
+        self.check(gname, scale)
+        return q, scale
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.recipes:

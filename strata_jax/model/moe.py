@@ -17,7 +17,7 @@ from flax import struct
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.linear import linear
-from strata_jax.model.quant import dequantize_engine_int4
+from strata_jax.model.quant import dequantize_engine_int4, dequantize_engine_grouped
 
 
 @struct.dataclass
@@ -100,7 +100,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, co
     [N, H] their rows' scales; each product is accumulated in float32 over q widened to x's dtype (exact), scaled
     per output row, then rounded as the float path rounds (the Pallas kernel and the host pool do the same).
     int4 experts ("int4"): q packed in uint8 with scales [N, O, In/64]; each product is the float32 dot with the
-    exactly dequantized weights (q * scale is exact in float32), then rounded the same way.
+    exactly dequantized weights (q * scale is exact in float32), then rounded the same way; int8-g ("int8-g32", ...:
+    GGUF types kept as read) likewise, q int8 with float32 group scales [N, G, O] or [N, 2, G, O] (minima).
     """
     if gate_scale is None:
         g = jnp.einsum("th,nih->nti", x, gate)
@@ -123,9 +124,11 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, co
 def _scaled_product(spec: str, a: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     """einsum(spec, a, w) in float32, rounded to a's dtype, for quantized w: int8 q [N, O, In] with per-row scale
     [N, O] (the product of q widened, times the scale), or int4 packed q [N, O, In/2] with group-major scale
-    [N, In/g, O]."""
-    if q.dtype == jnp.uint8:  # int4: float32 weights, exact; HIGHEST keeps the GPU's dot from rounding them (TF32)
-        w = dequantize_engine_int4(q, scale, jnp.float32)
+    [N, In/g, O]; int8-g: int8 q with group-major scales [N, G, O] or [N, 2, G, O] (with minima)."""
+    if q.dtype == jnp.uint8 or scale.ndim > 2:  # int4 / int8-g: float32 weights, exact; HIGHEST keeps the GPU's dot
+        # from rounding them (TF32)
+        w = (dequantize_engine_int4(q, scale, jnp.float32) if q.dtype == jnp.uint8 else
+             dequantize_engine_grouped(q, scale, jnp.float32))
         acc = jnp.einsum(spec, a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
         return acc.astype(a.dtype)
     acc = jnp.einsum(spec, a, q.astype(a.dtype), preferred_element_type=jnp.float32)  # [N, T, O]

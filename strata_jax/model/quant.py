@@ -26,6 +26,18 @@ mn = dmin * m are exact in float32 (11 bits times 6), and so is s * q (+4 bits):
 gguf.quants.dequantize's float32 values bit for bit. 4 + 20/32 = 4.625 bits a weight (Q4_K's file: 4.5). Kernels
 compute it as int4: sum_g s_g (x_g . (q - 8)) + (8 s_g - mn_g) sum(x_g). `q4k_from_blocks` reads a GGUF tensor's
 bytes; `q4k_blocks` writes Q4_K bytes (tests write GGUFs with it: gguf.quants cannot quantize Q4_K).
+
+GGUF types kept as read with float32 group scales (issue 36; `GGUF_KEPT`, `gguf_kept`): every type whose values are
+a small integer q times a group scale s, minus a group minimum mn for some, w = s q (- mn), with s and mn exact in
+float32 (fp16 d times a small integer) and s q exact too, so dequantizing gives gguf.quants.dequantize's float32
+values bit for bit (one rounding for the minimum, as gguf's):
+  "int4-g32f": Q4_0 (s = d, q = nibble - 8): int4's packing is Q4_0's, so the nibbles are copied as they are;
+  "int4-g32m": Q4_1 (s = d, mn = -m, q the nibble);
+  "int8-g32": Q8_0 (s = d); "int8-g16": Q6_K (s = d sc, q in -32..31), Q3_K (s = d (sc - 32), q in -4..3);
+  "int8-g32m": Q5_K (s = d sc, mn = dmin m, q in 0..31); "int8-g16m": Q2_K (s = d sc, mn = dmin m, q in 0..3).
+int8-g holds q one a byte (int8, [..., O, I]). Their scales on the device are float32, group-major [..., G, O] (no
+minima) or [..., 2, G, O] (scales, then minima; the extra axis says minima are held); the host pool keeps
+[..., O, G] / [..., O, 2, G] (`pool_scale`). Kernels compute sum_g s_g (x_g . q_g) - mn_g sum(x_g).
 """
 from __future__ import annotations
 
@@ -46,6 +58,7 @@ class Format:
     bits: int
     group: int  # inputs per scale; 0 = the whole input row (per output channel)
     symmetric: bool
+    scale_bits: int = 16  # bf16 scales (and minima); 32: float32 ones (the GGUF types kept as read)
 
     def groups(self, in_dim: int) -> int:
         return 1 if self.group == 0 else in_dim // self.group
@@ -54,7 +67,7 @@ class Format:
         """Stored bits per weight, scales (and minima) included."""
         if self.name == Q4K:
             return 4 + 16 * 5 / 4 / 32
-        per_group = 16 * (1 if self.symmetric else 2)
+        per_group = self.scale_bits * (1 if self.symmetric else 2)
         return self.bits + per_group * self.groups(in_dim) / in_dim
 
 
@@ -65,6 +78,12 @@ FORMATS = {f.name: f for f in (
     Format("int4-g128", 4, 128, True),
     Format("int4-asym", 4, 32, False),
     Format("int4-q4k", 4, 32, False),  # GGUF Q4_K's blocks (module docstring)
+    Format("int4-g32f", 4, 32, True, 32),  # GGUF Q4_0 as read (module docstring)
+    Format("int4-g32m", 4, 32, False, 32),  # GGUF Q4_1
+    Format("int8-g32", 8, 32, True, 32),  # GGUF Q8_0
+    Format("int8-g16", 8, 16, True, 32),  # GGUF Q6_K, Q3_K
+    Format("int8-g32m", 8, 32, False, 32),  # GGUF Q5_K
+    Format("int8-g16m", 8, 16, False, 32),  # GGUF Q2_K
     Format("int3", 3, 32, False),  # stretch formats: quality studies only
     Format("int2", 2, 32, False),
 )}
@@ -105,19 +124,21 @@ def quantize(w: np.ndarray, fmt: Format | str) -> Quantized:
         packed, codes = q4k_from_blocks(q4k_blocks(w))
         return Quantized(fmt, packed, codes, None, w.shape[-1])
     x = _grouped(w, fmt)  # [..., O, G, n]
+    sdt = np.float32 if fmt.scale_bits == 32 else BF16
     if fmt.symmetric:
         top = 2 ** (fmt.bits - 1) - 1
-        scale = (np.max(np.abs(x), axis=-1) / top).astype(BF16)  # [..., O, G]
+        scale = (np.max(np.abs(x), axis=-1) / top).astype(sdt)  # [..., O, G]
         s = scale.astype(np.float32)[..., None]
         q = np.clip(np.rint(np.divide(x, s, out=np.zeros_like(x), where=s > 0)), -top, top).astype(np.int8)
         minimum = None
     else:
-        top = 2 ** fmt.bits - 1
+        top = 2 ** fmt.bits - 1 if fmt.bits < 8 else 127  # int8-g's q is int8: 0..127
         lo, hi = np.min(x, axis=-1), np.max(x, axis=-1)
-        minimum = lo.astype(BF16)
-        scale = ((hi - minimum.astype(np.float32)) / top).astype(BF16)
+        minimum = lo.astype(sdt)
+        scale = ((hi - minimum.astype(np.float32)) / top).astype(sdt)
         s, m = scale.astype(np.float32)[..., None], minimum.astype(np.float32)[..., None]
-        q = np.clip(np.rint(np.divide(x - m, s, out=np.zeros_like(x), where=s > 0)), 0, top).astype(np.uint8)
+        q = np.clip(np.rint(np.divide(x - m, s, out=np.zeros_like(x), where=s > 0)), 0, top)
+        q = q.astype(np.int8 if fmt.bits == 8 else np.uint8)
     q = q.reshape(w.shape)
     if fmt.bits == 4:
         q = pack_int4(q, fmt.group)
@@ -238,6 +259,115 @@ def q4k_blocks(w: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, nb * Q4K_BLOCK_BYTES)
 
 
+# ---- GGUF types kept as read: int4 / int8 groups with float32 scales (and minima) ----------------------------------
+
+GGUF_KEPT = {"Q4_0": "int4-g32f", "Q4_1": "int4-g32m", "Q8_0": "int8-g32", "Q6_K": "int8-g16", "Q3_K": "int8-g16",
+             "Q5_K": "int8-g32m", "Q2_K": "int8-g16m", "Q4_K": Q4K}  # GGUF type -> the engine format keeping it
+GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q6_K": (QK_K, 210), "Q3_K": (QK_K, 110),
+               "Q5_K": (QK_K, 176), "Q2_K": (QK_K, 84), "Q4_K": (QK_K, Q4K_BLOCK_BYTES)}  # (inputs, bytes) a block
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float32 (fp16 bits: exact)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _split_blocks(raw: np.ndarray, qtype: str) -> tuple[tuple, int, np.ndarray]:
+    """[..., O, bytes] -> (lead [..., O], blocks a row, [N, block bytes])."""
+    raw = np.asarray(raw, np.uint8)
+    lead, nbytes = raw.shape[:-1], raw.shape[-1]
+    _, size = GGUF_BLOCKS[qtype]
+    if nbytes % size:
+        raise ValueError(f"{qtype} rows of {nbytes} bytes are not whole {size}-byte blocks")
+    return lead, nbytes // size, raw.reshape(-1, size)
+
+
+def gguf_kept(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """A GGUF tensor's bytes [..., O, bytes] of a type in GGUF_KEPT (not Q4_K: q4k_from_blocks) -> (q, scale): q
+    int8 [..., O, I] (int8-g) or int4 packed uint8 [..., O, I/2]; scale float32 [..., O, G] (no minima) or
+    [..., O, 2, G] (s, then mn), the pool's layout. Moves bits and multiplies fp16 d by small integers (exact); the
+    steps are gguf.quants' dequantize_blocks' own."""
+    lead, nb, b = _split_blocks(raw, qtype)
+    n = b.shape[0]
+    minima = None
+    if qtype in ("Q4_0", "Q4_1"):  # int4's packing is Q4_0's: byte j holds inputs j and j + 16 of the block
+        s = _f16(b[:, 0:2])[:, None]  # [N, 1]
+        at = 2 if qtype == "Q4_0" else 4
+        if qtype == "Q4_1":
+            minima = -_f16(b[:, 2:4])[:, None]  # w = d q + m = s q - (-m)
+        q = b[:, at:]  # [N, 16] packed as they are
+    elif qtype == "Q8_0":
+        s, q = _f16(b[:, 0:2])[:, None], b[:, 2:].view(np.int8)
+    elif qtype == "Q6_K":
+        ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(np.int8), _f16(b[:, 208:210])
+        s = d[:, None] * sc.astype(np.float32)  # [N, 16]
+        ql = ((ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)
+        qh = ((qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(n, 8, 32)
+        q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
+    elif qtype == "Q3_K":
+        hmask, qs, scales, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
+        lo = (scales[:, :8].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+        hi = (scales[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+        sc = ((lo & 0x0F) | ((hi & 3) << 4)).astype(np.int8) - np.int8(32)
+        s = d[:, None] * sc.astype(np.float32)  # [N, 16]
+        ql = ((qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(n, 16, 16)
+        qh = hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        qh = (qh.reshape(n, 16, 16) & 1) ^ np.uint8(1)  # the offset 4 applies where the mask bit is 0
+        q = ql.astype(np.int8) - (qh << 2).astype(np.int8)
+    elif qtype == "Q5_K":
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, m = _q4k_scale_min(b[:, 4:16])  # [N, 8]
+        s, minima = d[:, None] * sc.astype(np.float32), dmin[:, None] * m.astype(np.float32)
+        qh, qs = b[:, 16:48], b[:, 48:]
+        ql = ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)
+        qh = ((qh.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1).reshape(n, 8, 32)
+        q = (ql | (qh << 4)).astype(np.int8)
+    elif qtype == "Q2_K":
+        scales, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b[:, 80:82]), _f16(b[:, 82:84])
+        s = d[:, None] * (scales & 0xF).astype(np.float32)  # [N, 16]
+        minima = dmin[:, None] * (scales >> 4).astype(np.float32)
+        q = ((qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).astype(np.int8)
+    else:
+        raise ValueError(f"gguf_kept: GGUF type {qtype} is not kept as read (kept: {', '.join(GGUF_KEPT)})")
+    q = np.ascontiguousarray(q).reshape(*lead, -1)
+    s = s.reshape(*lead, -1)
+    if minima is not None:
+        s = np.stack([s, minima.reshape(*lead, -1)], axis=-2)  # [..., O, 2, G]
+    return q, np.ascontiguousarray(s, np.float32)
+
+
+def kept_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The reference of the float32-scaled grouped formats (numpy, pool layout): q int8 [..., O, I] or int4 packed
+    uint8 [..., O, I/2], scale [..., O, G] or [..., O, 2, G] -> float32 [..., O, I] = s q (- mn), gguf.quants' values."""
+    minima = scale.ndim == q.ndim + 1
+    s = scale[..., 0, :] if minima else scale  # [..., O, G]
+    g = s.shape[-1]
+    if q.dtype == np.uint8:
+        q = unpack_int4(q, 2 * q.shape[-1] // g, signed=not minima)
+    x = q.astype(np.float32).reshape(*q.shape[:-1], g, -1) * s[..., None]
+    if minima:
+        x = x - scale[..., 1, :, None]
+    return x.reshape(q.shape)
+
+
+def gguf_blocks_random(qtype: str, shape: tuple[int, ...], seed: int = 0, d_scale: float = 1e-3) -> np.ndarray:
+    """Valid bytes [..., O, I / inputs * bytes] of a GGUF block type for tests: random bits, each block's fp16 d (and
+    dmin / m) drawn finite, about d_scale (gguf.quants cannot quantize the K types; their values need not be
+    close to any weights to test that they are read exactly)."""
+    rng = np.random.default_rng(seed)
+    inputs, size = GGUF_BLOCKS[qtype]
+    *lead, n = shape
+    if n % inputs:
+        raise ValueError(f"{qtype} needs rows of a multiple of {inputs} inputs (got {n})")
+    b = rng.integers(0, 256, (*lead, n // inputs, size), dtype=np.uint8)
+    half = lambda: (rng.uniform(0.5, 1.5, (*lead, n // inputs)) * d_scale).astype(np.float16)[..., None].view(np.uint8)
+    fields = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q6_K": (208,), "Q3_K": (108,), "Q5_K": (0, 2),
+              "Q2_K": (80, 82), "Q4_K": (0, 2)}[qtype]
+    for at in fields:
+        b[..., at:at + 2] = half()
+    return b.reshape(*lead, -1)
+
+
 def q4k_scales_device(codes, groups: int):
     """q4k_scales on the device (jnp): codes [..., 5G/4, O] group-major (the engine's) -> (s, mn) float32
     [..., G, O]."""
@@ -318,10 +448,56 @@ def dequantize_int4_device(packed, scale, dtype):
     return w.reshape(*packed.shape[:-1], -1).astype(dtype)
 
 
+def quantize_grouped_device(w, fmt: "Format"):
+    """The float32-scaled grouped formats on the device (random weights; saved states' shapes): w [..., O, I] ->
+    (q int8 [..., O, I] or int4 packed [..., O, I/2], engine scale float32 [..., G, O] or [..., 2, G, O]): absmax
+    (or min / max) per group, q nearest."""
+    import jax.numpy as jnp
+    g = fmt.group
+    x = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // g, g)  # [..., O, G, g]
+    div = lambda a, b: jnp.where(b > 0, a / jnp.where(b > 0, b, 1.0), 0.0)
+    if fmt.symmetric:
+        top = 2 ** (fmt.bits - 1) - 1
+        s = jnp.max(jnp.abs(x), axis=-1) / top  # [..., O, G]
+        q = jnp.clip(jnp.round(div(x, s[..., None])), -top, top).astype(jnp.int32)
+        scale = jnp.swapaxes(s, -1, -2)
+    else:
+        top = 15 if fmt.bits == 4 else 127
+        lo, hi = x.min(-1), x.max(-1)
+        s = (hi - lo) / top
+        q = jnp.clip(jnp.round(div(x - lo[..., None], s[..., None])), 0, top).astype(jnp.int32)
+        scale = jnp.stack([jnp.swapaxes(s, -1, -2), -jnp.swapaxes(lo, -1, -2)], axis=-3)  # mn = -min
+    if fmt.bits == 8:
+        return q.astype(jnp.int8).reshape(w.shape), scale
+    q = q + (8 if fmt.symmetric else 0)
+    packed = (q[..., : g // 2] | (q[..., g // 2:] << 4)).astype(jnp.uint8)
+    return packed.reshape(*w.shape[:-1], w.shape[-1] // 2), scale
+
+
+def dequantize_engine_grouped(q, scale, dtype):
+    """The float32-scaled grouped formats on the device: q int8 [..., O, I] or int4 packed [..., O, I/2], engine
+    scale [..., G, O] or [..., 2, G, O] -> [..., O, I] = s q (- mn) (float32: exact)."""
+    import jax.numpy as jnp
+    minima = scale.ndim == q.ndim + 1
+    s = jnp.swapaxes(scale[..., 0, :, :] if minima else scale, -1, -2).astype(jnp.float32)  # [..., O, G]
+    g = s.shape[-1]
+    if q.dtype == jnp.uint8:
+        p = q.reshape(*q.shape[:-1], g, -1).astype(jnp.int32)  # [..., O, G, group/2]
+        v = jnp.concatenate([p & 0xF, p >> 4], axis=-1) - (0 if minima else 8)
+    else:
+        v = q.reshape(*q.shape[:-1], g, -1)
+    w = v.astype(jnp.float32) * s[..., None]
+    if minima:
+        w = w - jnp.swapaxes(scale[..., 1, :, :], -1, -2).astype(jnp.float32)[..., None]
+    return w.reshape(*q.shape[:-2], q.shape[-2], -1).astype(dtype)
+
+
 # The engine's expert formats, and how their experts are stored: int8 q one a byte, int4 packed two a byte (uint8,
 # the input dimension halved), with scales on the device: [E, O] (int8), or group-major [E, I/group, O] for int4 (a
 # group's scales of consecutive rows are then one contiguous load in the kernel; the host pool keeps [E, O, G]).
-ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K)
+ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
+                  "int8-g16m")
+KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f.endswith(("f", "m")) or f.startswith("int8-g"))  # GGUF as read
 
 
 def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
@@ -332,6 +508,12 @@ def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
             raise ValueError(f"expert_dtype={Q4K} holds Q4_K super-blocks of {QK_K} inputs: the experts' widths "
                              f"{' and '.join(map(str, widths))} are not multiples of {QK_K}")
         return Q4K
+    if expert_dtype in KEPT_FORMATS:
+        group = get_format(expert_dtype).group
+        if any(w % group for w in widths):
+            raise ValueError(f"expert_dtype={expert_dtype} holds groups of {group} inputs: the experts' widths "
+                             f"{' and '.join(map(str, widths))} are not multiples of {group}")
+        return expert_dtype
     if expert_dtype not in ("int8", "int4"):
         return None
     if expert_dtype == "int8" or not any(w % 64 for w in widths):
@@ -343,7 +525,7 @@ def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
 
 
 def storage_dtype(expert_format: str) -> np.dtype:
-    return np.dtype(np.int8) if expert_format == "int8" else np.dtype(np.uint8)
+    return np.dtype(np.int8) if expert_format.startswith("int8") else np.dtype(np.uint8)
 
 
 def stored_in_dim(in_dim: int, dtype) -> int:
@@ -353,12 +535,26 @@ def stored_in_dim(in_dim: int, dtype) -> int:
 
 def engine_scale(qa: Quantized) -> np.ndarray:
     """The scales the engine keeps on the device: [..., O] for per-row int8, group-major [..., G, O] for grouped
-    formats."""
-    return qa.scale[..., 0] if qa.fmt.group == 0 else np.ascontiguousarray(np.swapaxes(qa.scale, -1, -2))
+    formats; [..., 2, G, O] (scales, then minima mn = -minimum) for the float32-scaled formats with minima."""
+    if qa.fmt.group == 0:
+        return qa.scale[..., 0]
+    if qa.minimum is not None and qa.fmt.scale_bits == 32:
+        return engine_scale_of(np.stack([qa.scale, -qa.minimum], axis=-2))
+    return np.ascontiguousarray(np.swapaxes(qa.scale, -1, -2))
+
+
+def engine_scale_of(pool: np.ndarray) -> np.ndarray:
+    """A grouped pool-layout scale array [E, O, G] / [E, O, 2, G] as the device keeps it: [E, G, O] / [E, 2, G, O]."""
+    if pool.ndim == 4:
+        return np.ascontiguousarray(np.transpose(pool, (0, 2, 3, 1)))
+    return np.ascontiguousarray(np.swapaxes(pool, -1, -2))
 
 
 def pool_scale(scale: np.ndarray) -> np.ndarray:
-    """A device scale array as the host pool keeps it: int4's group-major [E, G, O] back to [E, O, G]."""
+    """A device scale array as the host pool keeps it: int4's group-major [E, G, O] back to [E, O, G]; with minima
+    [E, 2, G, O] -> [E, O, 2, G]."""
+    if scale.ndim == 4:
+        return np.ascontiguousarray(np.transpose(scale, (0, 3, 1, 2)))
     return np.ascontiguousarray(np.swapaxes(scale, -1, -2)) if scale.ndim == 3 else scale
 
 
@@ -367,6 +563,8 @@ def dequantize_engine_int4(packed, scale, dtype):
     import jax.numpy as jnp
     if scale.dtype == jnp.uint16:
         return dequantize_engine_q4k(packed, scale, dtype)
+    if scale.dtype == jnp.float32 and scale.ndim == packed.ndim + 1:  # int4-g32m: minima
+        return dequantize_engine_grouped(packed, scale, dtype)
     return dequantize_int4_device(packed, jnp.swapaxes(scale, -1, -2), dtype)
 
 
@@ -376,5 +574,7 @@ def quantize_device(w, expert_format: str):
         return quantize_int8_device(w)
     if expert_format == Q4K:
         return quantize_q4k_device(w)
+    if expert_format in KEPT_FORMATS:
+        return quantize_grouped_device(w, get_format(expert_format))
     q, scale = quantize_int4_device(w, get_format(expert_format).group)
     return q, scale.swapaxes(-1, -2)  # group-major, as engine_scale

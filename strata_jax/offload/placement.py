@@ -91,10 +91,11 @@ def non_expert_bytes(cfg: ModelConfig, itemsize: int, expert_format: str | None 
     rest = total - cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
     if expert_format:
         h, f = cfg.hidden_size, cfg.moe_intermediate_size
-        group = quant.get_format(expert_format).group
+        fmt = quant.get_format(expert_format)
+        group = fmt.group
         per_expert = (2 * f + h if expert_format == "int8" else 3 * f * h // group * 5 // 4 if expert_format == quant.Q4K
-                      else 3 * f * h // group)  # bf16 scales (int4-q4k: uint16 codes)
-        rest += cfg.num_sparse_layers * cfg.num_experts * per_expert * 2
+                      else 3 * f * h // group * (1 if fmt.symmetric else 2))  # scales (and minima); int4-q4k: codes
+        rest += cfg.num_sparse_layers * cfg.num_experts * per_expert * fmt.scale_bits // 8
     return rest
 
 
@@ -118,7 +119,8 @@ def expert_storage(opts: EngineOptions) -> np.dtype:
 
 def expert_itemsize(opts: EngineOptions) -> float:
     """Bytes a stored expert weight takes (0.5 for int4)."""
-    return 0.5 if opts.expert_dtype in ("int4", quant.Q4K) else expert_storage(opts).itemsize
+    fmt = expert_format(opts)
+    return 0.5 if fmt and quant.get_format(fmt).bits == 4 else expert_storage(opts).itemsize
 
 
 def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int, devices: int = 1) -> tuple[int | None, str]:
@@ -210,6 +212,8 @@ class HostExperts:
     def store(self, cfg: ModelConfig):
         layers = []
         q4k = any(x.dtype == np.uint16 for d in self.numpy.values() for x in d.values())  # int4-q4k's codes
+        some = next(iter(self.numpy.values()), {})
+        rank = np.ndim(some.get("gate_scale"))  # float32 groups: 3 ([E, O, G], int8-g) or 4 ([E, O, 2, G], minima)
         for i in range(cfg.num_layers):
             if i in self.numpy:
                 d = self.numpy[i]
@@ -220,6 +224,11 @@ class HostExperts:
                 if dtype == np.uint8 and q4k:  # int4-q4k: 256 inputs, codes all zero: w = 0
                     q = np.full((1, 256, 128), 0x88, np.uint8)
                     layers.append((q, q, q, *(np.zeros((1, 256, 10), np.uint16),) * 3))
+                    continue
+                if rank == 4 or (dtype == np.int8 and rank == 3):  # float32 groups: 32 inputs, one group, w = 0
+                    q = np.zeros((1, 32, 16 if dtype == np.uint8 else 32), dtype)
+                    sc = np.zeros((1, 32, 2, 1) if rank == 4 else (1, 32, 1), np.float32)
+                    layers.append((q, q, q, sc, sc, sc))
                     continue
                 if dtype == np.uint8:  # int4: 64 inputs, one group, packed in 32 bytes
                     q = np.full((1, 64, 32), 0x88, np.uint8)  # q = 0 everywhere
@@ -453,9 +462,15 @@ def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_h
     how = {"int8": "one bf16 scale per output row", "int4": "one bf16 scale per 64 inputs, two weights a byte",
            "int4-g32": "one bf16 scale per 32 inputs, two weights a byte",
            quant.Q4K: "GGUF Q4_K's blocks: 6-bit scales and minima per 32 inputs, fp16 d and dmin per 256, two "
-                      "weights a byte"}
+                      "weights a byte",
+           "int4-g32f": "GGUF Q4_0's blocks: one float32 scale per 32 inputs, two weights a byte",
+           "int4-g32m": "GGUF Q4_1's blocks: a float32 scale and minimum per 32 inputs, two weights a byte",
+           "int8-g32": "GGUF Q8_0's blocks: one float32 scale per 32 inputs, a byte a weight",
+           "int8-g16": "GGUF Q6_K / Q3_K's blocks: one float32 scale per 16 inputs, a byte a weight",
+           "int8-g32m": "GGUF Q5_K's blocks: a float32 scale and minimum per 32 inputs, a byte a weight",
+           "int8-g16m": "GGUF Q2_K's blocks: a float32 scale and minimum per 16 inputs, a byte a weight"}
     full = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(jnp.dtype(opts.dtype).itemsize)
-    at_load = "read as stored or quantized at load" if fmt == quant.Q4K else "quantized at load"
+    at_load = "read as stored or quantized at load" if fmt in quant.GGUF_KEPT.values() else "quantized at load"
     return (f"experts: {fmt}, {how[fmt]} ({at_load}): {q_bytes / 2**20:.1f} MiB "
             f"{'in host memory' if on_host else 'on the device'} + {scale_bytes / 2**20:.1f} MiB of scales on the "
             f"device ({full / 2**20:.1f} MiB as {opts.dtype})")

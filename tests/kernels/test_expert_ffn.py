@@ -292,9 +292,10 @@ def f64_quant_model(x, gate, up, down, slot_ids, combine, gs, us, ds) -> np.ndar
     scaled per row, the same numbers), then the bf16 roundings."""
     from strata_jax.model import quant
     x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-    if gate.dtype == jnp.uint8:  # int4: dequantize (exact), unit row scales
-        mats = [np.asarray(quant.dequantize_engine_int4(q, sc, jnp.float32), np.float64)
-                for q, sc in ((gate, gs), (up, us), (down, ds))]
+    if gate.dtype == jnp.uint8 or gs.ndim > 2:  # int4 / int8-g: dequantize (exact), unit row scales
+        deq = lambda q, sc: (quant.dequantize_engine_int4(q, sc, jnp.float32) if q.dtype == jnp.uint8 else
+                             quant.dequantize_engine_grouped(q, sc, jnp.float32))
+        mats = [np.asarray(deq(q, sc), np.float64) for q, sc in ((gate, gs), (up, us), (down, ds))]
         gs, us, ds = (np.ones(m.shape[:2]) for m in mats)
     else:
         mats = [np.asarray(a, np.float64) for a in (gate, up, down)]
@@ -483,6 +484,99 @@ def test_q4k_lowers_for_cuda(t, n, by_position):
              sd((s, h, i // 2), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
              sd((rows, 5 * h // 128, i), jnp.uint16), sd((rows, 5 * h // 128, i), jnp.uint16),
              sd((rows, 5 * i // 128, h), jnp.uint16))
+    if by_position:
+        text = lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
+    else:
+        text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+# ---- GGUF types kept as read: int8-g (Q8_0, Q6_K, Q3_K, Q5_K, Q2_K) and int4 with float32 scales (Q4_0, Q4_1) --------
+
+# d of random blocks so that |w| stays ~0.05 (the largest |s q| per d of each type)
+KEPT_D = {"Q8_0": 0.05 / 127, "Q6_K": 0.05 / 4000, "Q3_K": 0.05 / 128, "Q5_K": 0.05 / 2000, "Q2_K": 0.05 / 45,
+          "Q4_0": 0.05 / 8, "Q4_1": 0.05 / 15}
+
+
+def make_kept_case(name: str, qtype: str, **overrides):
+    """CASES / QUANT_CASES[name]'s x, ids and combine with experts of random valid `qtype` blocks, kept as read
+    (quant.gguf_kept): q and float32 engine scales [S, G, O] / [S, 2, G, O]; and the blocks' gguf values."""
+    from strata_jax.model import quant
+    case = {**(QUANT_CASES.get(name) or CASES[name]), **overrides}
+    x, gate, up, down, ids, combine = make_case(**case)
+    out, scales, values = [x], [], []
+    for k, w in enumerate((gate, up, down)):
+        raw = quant.gguf_blocks_random(qtype, w.shape, seed=100 + k, d_scale=KEPT_D[qtype])
+        q, sc = quant.gguf_kept(raw, qtype)
+        out.append(jnp.asarray(q))
+        scales.append(jnp.asarray(quant.engine_scale_of(sc)))
+        values.append((raw, w.shape))
+    return (*out, ids, combine, *scales), values
+
+
+KEPT_KERNEL_CASES = [("Q8_0", "t3_unused_repeat_pad"), ("Q8_0", "t8_padded"), ("Q6_K", "t3_h256_i256"),
+                     ("Q3_K", "t1_h512_i256"), ("Q5_K", "t3_h256_i256"), ("Q2_K", "t3_h256_i256"),
+                     ("Q4_0", "t3_unused_repeat_pad"), ("Q4_1", "t8_padded")]
+
+
+@pytest.mark.parametrize("qtype,name", KEPT_KERNEL_CASES)
+def test_kept_kernel_matches_reference(qtype, name):
+    """The kernel (interpret mode) against its reference and the float64 model; the weights both read are
+    gguf.quants.dequantize's values of the same blocks, bit for bit."""
+    import gguf
+    from strata_jax.model import quant
+    args, values = make_kept_case(name, qtype)
+    assert args[-3].dtype == jnp.float32 and args[-3].ndim == (4 if qtype in ("Q4_1", "Q5_K", "Q2_K") else 3)
+    out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if name == "t8_padded" else {}))
+    assert out.shape == args[0].shape and out.dtype == jnp.float32
+    assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
+    assert rel_fro(out, f64_quant_model(*args)) < MODEL_RTOL
+    (raw, shape), q, sc = values[0], args[1], args[-3]
+    want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, qtype)).reshape(shape)
+    deq = quant.dequantize_engine_int4 if q.dtype == jnp.uint8 else quant.dequantize_engine_grouped
+    np.testing.assert_array_equal(np.asarray(deq(q, sc, jnp.float32)).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_K"])
+def test_kept_scales_by_window_position(qtype):
+    (x, gate, up, down, ids, combine, *by_slot), _ = make_kept_case(
+        "t3_h256_i256", qtype, seed=None, slot_ids=[3, 0, 6, -1, 1, 7, 2, 4])
+    window = [sc[jnp.maximum(ids, 0)] for sc in by_slot]
+    positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    out = expert_ffn(x, gate, up, down, ids, combine, *window, scale_ids=positions, interpret=True)
+    assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine, *by_slot)) < REF_RTOL
+    wrong = expert_ffn_reference(x, gate, up, down, ids, combine, *window)
+    assert rel_fro(wrong, out) > 5 * REF_RTOL
+
+
+def test_kept_refusals():
+    (x, gate, up, down, ids, combine, gs, us, ds), _ = make_kept_case("t3_h256_i256", "Q6_K")
+    with pytest.raises(ValueError, match="do not match"):
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
+    with pytest.raises(ValueError, match="ranks"):
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, None], interpret=True)
+    with pytest.raises(ValueError, match="groups of 32 or 16"):  # groups of 8 inputs
+        expert_ffn(x, gate, up, down, ids, combine, *(jnp.repeat(sc, 2, axis=1) for sc in (gs, us, ds)),
+                   interpret=True)
+
+
+@pytest.mark.parametrize("fmt,t,n,by_position", [("int8-g32", 1, 8, False), ("int8-g16", 8, 64, True),
+                                                 ("int8-g32m", 1, 8, True), ("int8-g16m", 4, 32, False),
+                                                 ("int4-g32f", 1, 8, True), ("int4-g32m", 8, 64, True)])
+def test_kept_lowers_for_cuda(fmt, t, n, by_position):
+    """The int8-g and float32-scaled int4 kernels at the Qwen3-30B-A3B shape (H 2048, I 768) compile for CUDA."""
+    from strata_jax.model import quant
+    f = quant.get_format(fmt)
+    s, h, i = 64, 2048, 768
+    sd = jax.ShapeDtypeStruct
+    rows = n if by_position else s
+    per = 2 if f.bits == 4 else 1
+    wt = jnp.uint8 if f.bits == 4 else jnp.int8
+    lead = (rows,) if f.symmetric else (rows, 2)
+    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // per), wt), sd((s, i, h // per), wt),
+             sd((s, h, i // per), wt), sd((n,), jnp.int32), sd((t, n), jnp.float32),
+             sd((*lead, h // f.group, i), jnp.float32), sd((*lead, h // f.group, i), jnp.float32),
+             sd((*lead, i // f.group, h), jnp.float32))
     if by_position:
         text = lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
     else:
