@@ -92,8 +92,9 @@ class Request:
     # give logits and the samplers alone draw (several devices, draft=mtp)
     sampled_windows: Mapping[int, Callable] | None = None
     sampled: bool = dataclasses.field(init=False)  # temperature > 0
-    # The built-in n-gram drafter's pauses after rejected windows (drafts.DraftGate); None for other drafters (an
-    # API Drafter object is asked at every window, as its author expects; MTP drafts come from the window graph)
+    # The built-in n-gram drafter's pauses after rejected windows (drafts.DraftGate; a sampled request's watches
+    # before its first window); None for other drafters (an API Drafter object is asked at every window, as its
+    # author expects; MTP drafts come from the window graph)
     gate: DraftGate | None = dataclasses.field(init=False)
     # The output's grammar (strata_jax/grammar.py: JSON, a schema), or None: each token drawn among the ones it allows
     grammar: JsonConstraint | None = None
@@ -102,7 +103,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.sampled = float(self.sampling.temperature) > 0
-        self.gate = DraftGate() if isinstance(self.drafter, NgramDrafter) else None
+        self.gate = DraftGate(watch=self.sampled) if isinstance(self.drafter, NgramDrafter) else None
         if not self.sampled:
             self.form, self.sampled_windows = None, None
         elif self.form is None:
@@ -178,6 +179,8 @@ def decode_tokens(g: Graphs, s: State, r: Request) -> None:
     else:
         decode_pipelined(g, s, r)
     r.stats.decode_s = time.perf_counter() - t0
+    if r.gate is not None:
+        r.stats.shadow_drafts, r.stats.shadow_hits = r.gate.shadow_drafts, r.gate.shadow_hits
 
 
 def constrained_token(g: Graphs, s: State, r: Request, logits, position: int) -> int:
@@ -311,6 +314,8 @@ def queued_windows(g: Graphs, s: State, r: Request, context: list[int] | None) -
                 return None
             if context is not None:
                 k = min(r.spec, r.budget - len(r.out) - len(in_flight) - 1)
+                if r.gate is not None:  # a watching gate's shadow draft: settled by this token, the next asked
+                    r.gate.shadow(context, r.drafter, len(r.out))
                 proposes = proposes or (k > 0 and r.drafting() and bool(r.drafter.propose(context, k)))
                 if proposes and not in_flight:
                     return read

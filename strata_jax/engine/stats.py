@@ -77,6 +77,9 @@ class RequestStats:
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     draft_pauses: int = 0  # rejected verify windows after which the n-gram drafter paused (drafts.DraftGate)
+    # A sampled request's n-gram drafts checked against the next token instead of run (DraftGate.shadow), and hits
+    shadow_drafts: int = 0
+    shadow_hits: int = 0
     # Verify windows: host time from one window's result to the next window's dispatch (the device idles then;
     # the T=1 loop without drafts queues the next window before it reads, so it has no such gap).
     host_gap_s: float = 0.0
@@ -121,6 +124,8 @@ class RequestStats:
         gap = (f"; host time between windows {self.host_gap_s / self.host_gaps * 1e3:.2f} ms (mean of "
                f"{self.host_gaps})" if self.host_gaps else "")
         pauses = f", paused {self.draft_pauses} times after a rejected window" if self.draft_pauses else ""
+        if self.shadow_drafts:
+            pauses += f", {self.shadow_hits}/{self.shadow_drafts} shadow drafts right"
         return (f"drafts: proposed {self.drafts_proposed}, accepted {self.drafts_accepted} ({rate:.0%}){pauses}; "
                 f"{self.windows} windows, mean accepted per window {self.mean_accepted:.2f}, "
                 f"mean window size {self.mean_window:.2f}{gap}")

@@ -72,22 +72,54 @@ class DraftGate:
     rejected costs a window of T > 1 and breaks the queue of T=1 windows (the host reads every verify window before
     the next one goes), for no token more. After such a window the loops run `pause` tokens without drafts (T=1
     windows queued ahead), the pause doubling from FIRST_PAUSE up to LONGEST_PAUSE with each further rejected window
-    and halving (down to FIRST_PAUSE) with each window that accepts a draft: a drafter right once in many windows
-    (sampled text, where a match of the context is one candidate among top_k) stays mostly paused, one that keeps
-    being right keeps drafting. Sampled text that quotes nothing (most chat) then decodes as spec=0 does, and greedy
-    text that repeats itself keeps its drafts. Placement of tokens only: the output is the
-    same (greedy: the same tokens; sampled: the same key per position)."""
+    and halving (down to FIRST_PAUSE) with each window that accepts a draft: a drafter that keeps being right keeps
+    drafting. Placement of tokens only: greedy output is the same (the same tokens); a sampled request's seed
+    reproduces its run.
+
+    A sampled request's gate watches first (watch=True): a rejected window there costs several T=1 windows of time
+    (the queue drained, a synced T > 1 window, the queue started again: ~3-6 ms a window on an H100, issue 39) and
+    a match of the context is one candidate among top_k, so it opens only on evidence that costs no window. While
+    closed for want of it (not within a pause), the loops still ask the drafter after each token read (host work,
+    the next window already queued: `shadow`) and check its first draft against the token that then came: a hit
+    has probability p(draft), the first draft's chance of acceptance. SHADOW_HITS hits in a row open the gate
+    (text that quotes its context); a window that accepts nothing closes it again, behind its pause. Sampled text
+    that quotes nothing then runs no verify window: spec=0's windows and tokens."""
     FIRST_PAUSE = 4
     LONGEST_PAUSE = 128
+    SHADOW_HITS = 2
 
-    def __init__(self) -> None:
+    def __init__(self, watch: bool = False) -> None:
         self.pause = self.FIRST_PAUSE
         self.quiet_until = 0  # no drafts until the request has made this many tokens
         self.pauses = 0  # rejected windows that started a pause
+        self.watch = watch
+        self.trusted = not watch  # watching: whether the shadow drafts earned the drafter its windows
+        self.pending: tuple[int, int] | None = None  # (context length, first draft) of the shadow draft unresolved
+        self.hits_in_row = 0
+        self.shadow_drafts = 0  # shadow drafts resolved, and how many of them the next token matched
+        self.shadow_hits = 0
 
     def open(self, made: int) -> bool:
-        """Whether to ask the drafter, the request having made `made` tokens."""
-        return made >= self.quiet_until
+        """Whether to ask the drafter for a window, the request having made `made` tokens."""
+        return made >= self.quiet_until and self.trusted
+
+    def shadow(self, context: Sequence[int], drafter: "Drafter", made: int) -> None:
+        """After a token read (`context`: everything so far): settle the last shadow draft against the token that
+        followed it, then, still watching and not within a pause, ask the drafter for the next one."""
+        if not self.watch:
+            return
+        if self.pending is not None and len(context) > self.pending[0]:
+            hit = context[self.pending[0]] == self.pending[1]
+            self.pending = None
+            self.shadow_drafts += 1
+            self.shadow_hits += hit
+            self.hits_in_row = self.hits_in_row + 1 if hit else 0
+            self.trusted = self.hits_in_row >= self.SHADOW_HITS
+        if self.trusted or made < self.quiet_until:
+            return
+        drafts = drafter.propose(context, 1)
+        if drafts:
+            self.pending = (len(context), int(drafts[0]))
 
     def after_window(self, made: int, proposed: int, accepted: int) -> None:
         """A verify window of `proposed` drafts accepted `accepted`; the request has now made `made` tokens."""
@@ -99,6 +131,8 @@ class DraftGate:
         self.quiet_until = made + self.pause
         self.pause = min(2 * self.pause, self.LONGEST_PAUSE)
         self.pauses += 1
+        if self.watch:  # after the pause: evidence again before the next window
+            self.trusted, self.hits_in_row, self.pending = False, 0, None
 
 
 def make_drafter(name: str) -> Drafter:

@@ -56,7 +56,7 @@ def exact_mass_before(scaled: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("t,v,scale", [(1, 7, 3.0), (5, 50, 0.1), (5, 50, 2.0), (4, 3000, 0.5), (4, 3000, 6.0),
                                        (2, 40000, 1.0)])
 def test_threshold_filter_keeps_what_the_sort_keeps(t, v, scale):
-    """The "top_p" form (a threshold by bisection, no sort) keeps the sorted filter's tokens with its values, tied
+    """The "top_p" form (a threshold by radix select, no sort) keeps the sorted filter's tokens with its values, tied
     logits included (settled by id, as the stable sort), and the seeded draws after it are the same tokens."""
     rng = np.random.default_rng(v + t + int(scale * 10))
     logits = jnp.asarray(logit_rows(rng, t, v, scale))
@@ -76,6 +76,19 @@ def test_threshold_filter_keeps_what_the_sort_keeps(t, v, scale):
             rows = ~differ.any(axis=1)  # the draws after identical filtered rows are the same tokens
             assert np.array_equal(np.asarray(jit_sample(logits, positions, params, "top_p"))[rows],
                                   np.asarray(jit_sample(logits, positions, params, "sorted"))[rows])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8])
+def test_threshold_filter_keeps_the_same_set_whatever_the_radix(monkeypatch, bits):
+    """The radix select's threshold is the smallest key whose mass above is below top_p, whatever the digit width:
+    the same filtered rows as RADIX_BITS' own."""
+    rng = np.random.default_rng(bits)
+    logits = jnp.asarray(logit_rows(rng, 4, 300, 1.0))
+    want = [np.asarray(threshold_rows(logits, SamplingParams.make(1.0, top_p))) for top_p in (0.0, 0.3, 0.9, 1.0)]
+    monkeypatch.setattr(sampling, "RADIX_BITS", bits)
+    rows = jax.jit(jax.vmap(sampling._threshold_filter, in_axes=(0, None)))  # traced again with this width
+    for top_p, w in zip((0.0, 0.3, 0.9, 1.0), want):
+        np.testing.assert_array_equal(np.asarray(rows(logits, SamplingParams.make(1.0, top_p))), w)
 
 
 def test_threshold_filter_keeps_rank_zero_and_the_lower_ids_of_a_tie():

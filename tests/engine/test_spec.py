@@ -65,11 +65,15 @@ def test_window_one_engine_never_drafts(engine_factory, prompt):
 
 
 def test_sampled_output_is_reproducible(engine_factory, prompt):
+    """A seed reproduces its run, with the default drafter (its gate watches before it drafts) and with an n-gram
+    drafter asked at every window (an API object: verify windows whose drafts are accepted and rejected)."""
     eng = resident(engine_factory)
-    a = eng.generate(prompt, 30, temperature=0.9, top_p=0.95, seed=11, stop_token_ids=[])
-    assert eng.stats.last.drafts_proposed > 0
-    assert eng.generate(prompt, 30, temperature=0.9, top_p=0.95, seed=11, stop_token_ids=[]) == a
-    assert eng.generate(prompt, 30, temperature=0.9, top_p=0.95, seed=12, stop_token_ids=[]) != a
+    for draft in ("auto", NgramDrafter()):
+        a = eng.generate(prompt, 30, temperature=0.9, top_p=0.95, seed=11, draft=draft, stop_token_ids=[])
+        if draft != "auto":
+            assert eng.stats.last.drafts_proposed > 0
+        assert eng.generate(prompt, 30, temperature=0.9, top_p=0.95, seed=11, draft=draft, stop_token_ids=[]) == a
+        assert eng.generate(prompt, 30, temperature=0.9, top_p=0.95, seed=12, draft=draft, stop_token_ids=[]) != a
 
 
 def test_rollback_leaves_the_cache_of_a_run_without_the_rejected_drafts(engine_factory, prompt):
@@ -325,11 +329,41 @@ def test_the_draft_gate_pauses_after_rejected_windows():
     assert gate.quiet_until == made + DraftGate.FIRST_PAUSE and gate.pauses == 10
 
 
+def test_a_sampled_requests_gate_opens_on_shadow_hits():
+    """watch=True (a sampled request): closed until SHADOW_HITS shadow drafts in a row matched the next token; a
+    rejected window closes it again behind its pause; a greedy request's gate never watches."""
+    drafter = NgramDrafter()
+    gate = DraftGate(watch=True)
+    context = [1, 2, 3, 1, 2]  # the drafter proposes 3 after "1 2"
+    assert not gate.open(0)
+    gate.shadow(context, drafter, 0)
+    assert gate.pending == (5, 3)
+    gate.shadow(context + [9], drafter, 1)  # missed
+    assert not gate.open(1) and gate.hits_in_row == 0 and gate.shadow_drafts == 1
+    context = [5, 6, 7, 5, 6, 7, 5, 6]  # quoting: every shadow draft right
+    gate.shadow(context, drafter, 2)
+    for made, token in ((3, 7), (4, 5)):
+        context = context + [token]
+        gate.shadow(context, drafter, made)
+    assert gate.open(4) and gate.shadow_hits == 2 and gate.shadow_drafts == 3
+    gate.after_window(8, 3, 2)  # accepted: stays open
+    assert gate.open(8)
+    gate.after_window(12, 3, 0)  # rejected: paused, then watching again
+    assert not gate.open(12 + DraftGate.FIRST_PAUSE) and gate.pauses == 1
+    gate.shadow(context, drafter, 13)  # within the pause: nothing asked
+    assert gate.pending is None
+    greedy = DraftGate()
+    greedy.shadow(context, drafter, 0)
+    assert greedy.open(0) and greedy.pending is None and greedy.shadow_drafts == 0
+
+
 def test_the_ngram_drafter_pauses_after_rejected_windows_with_the_same_tokens(engine_factory, prompt):
-    """Sampled text that quotes nothing: the built-in drafter's rejected windows pause it (T=1 windows queued ahead
-    meanwhile), so the request runs fewer verify windows than one that asks the same drafter at every window (an
-    API Drafter object is never paused). Greedy: every run gives the spec=0 loop's tokens; sampled: a seed
-    reproduces its run (a rejected draft's residual draw is a draw of its own, so runs with other windows differ)."""
+    """Sampled text that quotes nothing: the built-in drafter's gate watches (its drafts checked against the
+    tokens that came, no window) and pauses after rejected windows (T=1 windows queued ahead meanwhile), so the
+    request runs fewer verify windows than one that asks the same drafter at every window (an API Drafter object is
+    never paused). Greedy: every run gives the spec=0 loop's tokens; sampled: a seed reproduces its run (a rejected
+    draft's residual draw is a draw of its own, so runs with other windows differ), and a run whose gate never
+    opened is the spec=0 loop's."""
     eng = resident(engine_factory)
     rng = np.random.default_rng(21)
     fresh = rng.permutation(256)[:24].tolist()
@@ -348,8 +382,10 @@ def test_the_ngram_drafter_pauses_after_rejected_windows_with_the_same_tokens(en
         assert a.draft_pauses == 0 and g.window_tokens == g.windows + g.drafts_proposed
         if sampling:  # drafts of the prompt's motif on sampled text: mostly rejected
             assert a.drafts_proposed - a.drafts_accepted > 3 * a.drafts_accepted, (sampling, a)
-            assert g.draft_pauses > 0 and "paused" in g.draft_summary()
+            assert g.shadow_drafts > 0 and "shadow drafts" in g.draft_summary()
             assert g.drafts_proposed <= a.drafts_proposed and g.host_gaps <= a.host_gaps, (sampling, g, a)
+            if g.drafts_proposed == 0:
+                assert gated == plain, sampling
             fewer += a.drafts_proposed - g.drafts_proposed
         else:
             assert g.drafts_accepted > 0  # the motif repeats under greedy: the drafts keep working
