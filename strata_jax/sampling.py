@@ -66,8 +66,14 @@ def _candidate_filter(scaled: jax.Array, params: SamplingParams) -> tuple[jax.Ar
 # round one fused masked sum over [V] for 2^RADIX_BITS candidate thresholds at once. On a GPU the rounds are the
 # cost (each a dependent reduction; the 32-step bisection before this took ~0.27 ms a token on an H100): 4 bits
 # gives 8 rounds of 16 x V; 8 bits would be 4 rounds of 256 x V, 16x the reads. The CPU backend writes the
-# [16, V] masks out before its reduce, so there this form takes ~2x the bisection's time at T=1.
-RADIX_BITS = 4
+# [16, V] masks out before its reduce, so there this form takes ~2x the bisection's time at T=1 (6x at T=4): off
+# a GPU the rounds take 2 bits (about the bisection's time there). None: by the backend (radix_bits); a number: that.
+RADIX_BITS = None
+
+
+def radix_bits() -> int:
+    """The digit width of the top_p form's radix select on this backend (RADIX_BITS where set)."""
+    return RADIX_BITS or (4 if jax.default_backend() == "gpu" else 2)
 
 
 def _order_key(x: jax.Array) -> jax.Array:
@@ -81,7 +87,7 @@ def _order_key(x: jax.Array) -> jax.Array:
 
 def _threshold_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     """top-p with top-k off, without a sort: keeps the tokens whose logit is at least a threshold, found by a radix
-    select over the logits' order keys (32 / RADIX_BITS rounds, each one masked sum over [V] for 2^RADIX_BITS
+    select over the logits' order keys (32 / radix_bits() rounds, each one masked sum over [V] for 2^radix_bits()
     candidates), then settles the tokens tied at the threshold by token id.
 
     The rule is the sorted filter's: rank r is kept while the mass of the ranks before it is below top_p (rank 0
@@ -104,10 +110,11 @@ def _threshold_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     # digit whose smallest value (lower bits 0) still has mass above >= top_p (mass above does not grow with the
     # key, so digit 0, the prefix itself, qualifies; where even key 0 does not (top_p above the whole mass), m stays
     # 0 and every token is kept). The threshold is m + 1: the smallest key whose mass above is below top_p.
-    digits = jnp.arange(1 << RADIX_BITS, dtype=jnp.uint32)
+    bits = radix_bits()
+    digits = jnp.arange(1 << bits, dtype=jnp.uint32)
     m = jnp.uint32(0)
-    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):  # unrolled: a device loop reads its predicate on the host
-        candidates = m | (digits << shift)  # [2^RADIX_BITS]
+    for shift in range(32 - bits, -1, -bits):  # unrolled: a device loop reads its predicate on the host
+        candidates = m | (digits << shift)  # [2^bits]
         reaches = mass_above(candidates) >= params.top_p
         m = m | (jnp.max(jnp.where(reaches, digits, 0)) << shift)
     threshold = jnp.where(m == jnp.uint32(0xFFFFFFFF), m, m + 1)  # top_p <= 0: nothing above it, rank 0 alone

@@ -78,10 +78,10 @@ def test_threshold_filter_keeps_what_the_sort_keeps(t, v, scale):
                                   np.asarray(jit_sample(logits, positions, params, "sorted"))[rows])
 
 
-@pytest.mark.parametrize("bits", [1, 2, 8])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_threshold_filter_keeps_the_same_set_whatever_the_radix(monkeypatch, bits):
     """The radix select's threshold is the smallest key whose mass above is below top_p, whatever the digit width:
-    the same filtered rows as RADIX_BITS' own."""
+    the same filtered rows as the backend's own width (radix_bits)."""
     rng = np.random.default_rng(bits)
     logits = jnp.asarray(logit_rows(rng, 4, 300, 1.0))
     want = [np.asarray(threshold_rows(logits, SamplingParams.make(1.0, top_p))) for top_p in (0.0, 0.3, 0.9, 1.0)]
