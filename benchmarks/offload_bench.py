@@ -569,7 +569,7 @@ def run(s) -> dict:
             else "no read bandwidth (no native build)")],
         ["host read, all threads", (bw.get("read") or {}).get("GBps") or float("nan"),
          (bw.get("read") or {}).get("method", "not measured")],
-        ["pool (engine cost model)", costs["pool_gbs"], "measure_costs: 4 experts repeated (may sit in cache)"],
+        ["pool (engine cost model)", costs["pool_gbs"], f"measure_costs: {placement_mod.CALLS_A_GRAPH} jobs of 4 and of 1 experts in one graph, the 3 more experts' bytes over the time they add"],
         ["host memcpy", bw["memcpy"]["GBps"], f"np.copyto, {common.fmt_bytes(copy_bytes)} array"],
     ]
     bw_table = common.format_table(["copy", "GB/s", "measured"], bw_rows)

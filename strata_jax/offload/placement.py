@@ -250,7 +250,7 @@ def measure_costs(cfg: ModelConfig, weights: Weights, pool, repeats: int = 5, na
     FFI call or io_callback the decode graphs make, with no expert to compute). native: the fetch and the pool call
     as the native offload calls make them (bridge.offload_begin / offload_collect; the layers' pinned experts
     registered). Each figure is timed as CALLS_A_GRAPH calls in one graph, one after the other, as a decode window's
-    layers make them: timed alone, a call also paid the graph's dispatch (0.2-0.9 ms "a call" on a GPU host, against
+    layers make them (the pool's rate too: jobs of 4 and of 1 experts, as the graphs reach it): timed alone, a call also paid the graph's dispatch (0.2-0.9 ms "a call" on a GPU host, against
     0.025 ms a layer in the decode graphs), which made the model shun the pool."""
     layer = cfg.sparse_layers.index(True)
     w = weights.layers[layer].ffn
@@ -299,16 +299,12 @@ def measure_costs(cfg: ModelConfig, weights: Weights, pool, repeats: int = 5, na
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
     k = min(4, cfg.num_experts)
-    pw = rng.random((1, k)).astype(np.float32)
-    # Other experts each repeat (as a decode's misses are), so the timing does not read them from the CPU's caches.
+    # Other experts each call (as a decode's layers meet them), so the timing does not read them from the CPU's caches.
     turns = iter(range(1, 1 << 30))
-    pool_gbs = k * ebytes / timed(lambda: pool.compute(
-        layer, x, ((next(turns) * k + np.arange(k)) % e).astype(np.int32), pw)) / 1e9
 
-    # The cost of reaching the pool as the decode graphs do (FFI or io_callback) beyond its bytes: CALLS_A_GRAPH
-    # jobs of one expert each (other experts a call, as a decode's layers meet them) less their bytes at pool_gbs,
-    # and at least an empty call's.
     def pool_graph(experts: int):
+        """CALLS_A_GRAPH pool jobs of `experts` experts each (FFI or io_callback, as the decode graphs reach the
+        pool), each waiting for the last one's rows, as the next layer does."""
         @jax.jit
         def pool_calls(v, start):
             def one(i, v):
@@ -322,15 +318,18 @@ def measure_costs(cfg: ModelConfig, weights: Weights, pool, repeats: int = 5, na
                     rows = offload_collect(pool, layer, token, v)
                 else:
                     rows = cpu_expert_rows(pool, layer, v, call_ids, weights)
-                return v + 0.0 * rows  # the next call waits for this one's rows, as the next layer does
+                return v + 0.0 * rows
             return jax.lax.fori_loop(0, loops, one, v)
-        return pool_calls
+        return lambda v: pool_calls(v, jnp.int32(next(turns) * loops * k))
 
     xv = jnp.asarray(x)
-    callback_empty = timed(pool_graph(0), xv, jnp.int32(0)) / loops
-    one_graph = pool_graph(1)
-    one_s = timed(lambda: one_graph(xv, jnp.int32(next(turns) * loops * k))) / loops
-    callback_s = max(one_s - ebytes / (pool_gbs * 1e9), callback_empty)
+    t_empty = timed(pool_graph(0), xv) / loops
+    p_1 = timed(pool_graph(1), xv) / loops
+    p_k = timed(pool_graph(k), xv) / loops
+    # The pool's rate is the (k-1) more experts' bytes over the time they add (a floor as for the fetch above); the
+    # cost of reaching it beyond its compute is one expert's job less that expert's bytes, at least an empty call's.
+    pool_gbs = (k - 1) * ebytes / max(p_k - p_1, 0.05 * p_1, 1e-9) / 1e9
+    callback_s = max(p_1 - ebytes / (pool_gbs * 1e9), t_empty)
     pool.stats.reset()
     host_read_gbs = None
     if native:  # what the host's cores read together: the fetches and the pool share it
