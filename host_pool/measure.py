@@ -254,8 +254,13 @@ def main() -> None:
                       f"{gbps:7.2f} {share:>8s} {ratio:>8s} {jobs:5d}", flush=True)
                 if timeline is not None:
                     t = timeline.timeline(False)
+                    cut = [timeline.blocks(n, args.threads, phase) for phase, n in enumerate((args.experts * I, H))]
+                    text = ", ".join(f"phase {k + 1} {len(c)} blocks of {min(c)}" + (f"-{max(c)}" if max(c) > min(c)
+                                     else "") + " rows" for k, c in enumerate(cut))
+                    print(f"{'':20s} {'':{width}s} {text}")
                     print(f"{'':20s} {'':{width}s} timeline, mean of {t['jobs']} jobs (us): setup {t['setup']:.1f}, "
-                          f"threads in {t['first_in']:.1f} .. {t['last_in']:.1f}, phase 1 {t['phase1']:.1f}, "
+                          f"{t['threads']:.1f} threads in {t['first_in']:.1f} .. {t['last_in']:.1f}, "
+                          f"phase 1 {t['phase1']:.1f}, "
                           f"phase 2 {t['job'] - t['phase1']:.1f}, region {t['job']:.1f}", flush=True)
             pool.close()
             native.experts_kernel = default_kernel

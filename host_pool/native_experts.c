@@ -1,10 +1,12 @@
 /* One host pool layer job in native code: every CPU expert of a window, for its tokens, in one call.
    host_pool/native.py compiles it (-O3 -march=native -fopenmp where the compiler takes them) and host_pool/pool.py
-   calls `experts_job` from its driver thread; ctypes releases the GIL for the call, OpenMP runs the threads.
+   calls `experts_job` from its driver thread; ctypes releases the GIL for the call. The threads: a team kept between
+   jobs (see "the team" below; -DTEAM_OMP: an OpenMP region per job, as before), phase 1 and phase 2 rows in blocks
+   sized to the job (see cut_blocks).
 
    Work: units u = (expert e_u, its entries j in [unit_start[u], unit_start[u+1])); entry j is one token row of x,
    an output row and a weight:
-     phase 1, threads over (unit, block of I rows):  h[j, i] = r(silu(g) * u),  g = r(s_g * gate[e, i] . x[tok_j]),
+     phase 1, threads over blocks of (unit, I) rows: h[j, i] = r(silu(g) * u),  g = r(s_g * gate[e, i] . x[tok_j]),
                                                       u = r(s_u * up[e, i] . x[tok_j])
      phase 2, threads over blocks of H rows:         out[out_j, r] += w_j * r(s_d * down[e, r] . h[j])
    r() rounds to bf16 (round to nearest even) when `round_bf16`, as the device's graphs round; s_* are int8's row
@@ -43,6 +45,13 @@
 #include <math.h>
 #include <sched.h>
 #include <stdint.h>
+#ifdef __linux__  /* the kept team (pthreads, futexes) */
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -666,11 +675,12 @@ static int bf16_copy(const float *rows, long count, long n, const int32_t *posit
 #endif
 
 /* The job's timeline (host_pool/measure.py --timeline; off unless experts_timeline turns it on): each job adds, in
-   ns, its setup (x's bf16 copy, the scratch) before the parallel region, the first and the last thread's entry into
-   the region after it opened (the team's wake-up), phase 1 to its barrier and phase 2 to the region's end, all from
-   the region's opening except setup; what a small job (one or two experts) spends beside its bytes. */
+   ns, its setup (x's bf16 copy, the scratch) before the job is posted to the threads, the first and the last
+   thread's first phase-1 block after that (the team's wake-up; threads with no phase-1 block are not counted),
+   phase 1 to its last block's end and phase 2 to the job's end, all from the posting except setup; and the threads
+   that took phase-1 blocks. What a small job (one or two experts) spends beside its bytes. */
 static int timeline_on;
-static long long timeline_sums[6];  /* setup, first in, last in, phase 1 end, region end, jobs */
+static long long timeline_sums[7];  /* setup, first in, last in, phase 1 end, job end, jobs, threads in phase 1 */
 #define TIMELINE_THREADS 1024
 
 static long long now_ns(void)
@@ -680,10 +690,10 @@ static long long now_ns(void)
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-/* on: whether later jobs keep the timeline; out [6] (or NULL): the sums since the last call (then zeroed) */
+/* on: whether later jobs keep the timeline; out [7] (or NULL): the sums since the last call (then zeroed) */
 void experts_timeline(int on, long long *out)
 {
-    for (int k = 0; k < 6; k++) {
+    for (int k = 0; k < 7; k++) {
         const long long v = __atomic_exchange_n(&timeline_sums[k], 0, __ATOMIC_SEQ_CST);
         if (out) out[k] = v;
     }
@@ -710,12 +720,14 @@ typedef struct {
     long rows2, blocks2, fixed2;    /* phase 2: the rows of H */
     long long *entered;             /* timeline: each thread's entry (ns), or NULL */
     long long t_phase1;             /* timeline: when the last thread finished phase 1 */
-    long long patience_ns;          /* how long a thread spins on the job's barrier before yielding its core */
-    long next1 __attribute__((aligned(64)));  /* blocks handed out past the first round, per phase */
+    long long patience_ns;          /* how long a thread spins on a wait of the job before it sleeps */
+    long next1 __attribute__((aligned(64)));  /* blocks handed out, per phase */
     long next2 __attribute__((aligned(64)));
-    int arrived __attribute__((aligned(64)));  /* the barrier between the phases: threads in, then open */
+    int done1 __attribute__((aligned(64)));   /* phase 1's blocks done; phase 2 opens at blocks1 */
     int open;
-    int finished __attribute__((aligned(64)));  /* the team's workers done with the job */
+    int open_sleepers;
+    int done2 __attribute__((aligned(64)));   /* phase 2's blocks done: the job's end at blocks2 */
+    int done2_sleepers;
 } job_t;
 
 /* Blocks sized to the job: a phase's n rows cut into a multiple of the thread count of blocks of about `target`
@@ -744,6 +756,17 @@ static inline long block_start(long n, long blocks, long fixed, long k)
 {
     if (fixed) return k * fixed < n ? k * fixed : n;
     return k >= blocks ? n : k * (n / QUANTUM) / blocks * QUANTUM;
+}
+
+/* The cut of n rows for `threads` threads (phase 1: target ROWS_UP, n = experts * I; phase 2: ROWS_DOWN, n = H, given
+   as phase 0 and 1): the block count, and the first `most` blocks' first rows into starts (host_pool/measure.py
+   prints the cut; tests check it). */
+long experts_blocks(long n, int threads, int phase, long *starts, long most)
+{
+    long fixed;
+    const long blocks = cut_blocks(n, threads < 1 ? 1 : threads, phase ? ROWS_DOWN : ROWS_UP, &fixed);
+    for (long k = 0; k < most && k <= blocks; k++) starts[k] = block_start(n, blocks, fixed, k);
+    return blocks;
 }
 
 /* Phase 1 of unit u's rows i0 .. i1 - 1 (all its entries): h = silu(gate . x) * (up . x). */
@@ -856,32 +879,8 @@ static void phase2_rows(const job_t *J, long r0, long r1)
         }
 }
 
-/* Thread `me` of n in a phase: the next unclaimed block from the phase's counter until none is left; every block is
-   one thread's, in any order (the rows are independent). No block waits for a given thread: one woken late, or
-   descheduled, takes fewer. */
-static void phase1_share(job_t *J, int me, int n)
-{
-    (void)me, (void)n;
-    for (long b; (b = __atomic_fetch_add(&J->next1, 1, __ATOMIC_RELAXED)) < J->blocks1;) {
-        long f = block_start(J->rows1, J->blocks1, J->fixed1, b);
-        const long f1 = block_start(J->rows1, J->blocks1, J->fixed1, b + 1);
-        while (f < f1) {  /* a block may run over from one unit into the next */
-            const long u = f / J->I, i0 = f % J->I, i1 = i0 + (f1 - f) < J->I ? i0 + (f1 - f) : J->I;
-            phase1_rows(J, u, i0, i1);
-            f += i1 - i0;
-        }
-    }
-}
-
-static void phase2_share(job_t *J, int me, int n)
-{
-    (void)me, (void)n;
-    for (long b; (b = __atomic_fetch_add(&J->next2, 1, __ATOMIC_RELAXED)) < J->blocks2;)
-        phase2_rows(J, block_start(J->rows2, J->blocks2, J->fixed2, b),
-                    block_start(J->rows2, J->blocks2, J->fixed2, b + 1));
-}
-
-/* Between the phases, on one thread (the last in): int4-q4k's group sums of h (h complete by then), the timeline. */
+/* Between the phases, on one thread (the one finishing phase 1's last block): int4-q4k's group sums of h (h is
+   complete then), the timeline. */
 static void between_phases(job_t *J)
 {
     if (J->minima) group_sums(J->h, J->unit_start[J->units], J->I, J->group, J->h_sums);
@@ -897,60 +896,105 @@ static inline void cpu_relax(void)
 #endif
 }
 
-/* Spin until *word >= want (acquire). Inside a job the others are computing: a short wait, so spin; past
-   `patience_ns` (a thread of the job descheduled: the host runs other threads too; 0 with more threads than cores)
-   yield the core at each look. */
-static void wait_at_least(const int *word, int want, long long patience_ns)
+/* Wait until *word >= want (at_most: <= want) (acquire): spin `patience_ns` (a short wait is the usual one), then sleep on a futex,
+   counted in *sleepers (the waker's change of the word before its look at sleepers, the sleeper's count before its
+   look at the word, all seq_cst: either the waker sees the sleeper and wakes the futex, or the sleeper sees the
+   word). Not sched_yield: on Linux 6.x (EEVDF) a yielding thread gave its core to another process for ~0.3 ms. */
+static void wait_for(int *word, int want, int at_most, int *sleepers, long long patience_ns)
 {
-    long long since = 0;
-    for (unsigned spins = 1; __atomic_load_n(word, __ATOMIC_ACQUIRE) < want; spins++) {
+#define WAIT_NOT_YET(v) (at_most ? (v) > want : (v) < want)
+    const long long start = now_ns();
+    for (unsigned spins = 1; WAIT_NOT_YET(__atomic_load_n(word, __ATOMIC_ACQUIRE)); spins++) {
         cpu_relax();
-        if (spins % 64 == 0) {
-            const long long t = now_ns();
-            if (!since) since = t;
-            if (t - since >= patience_ns) sched_yield();
+        if (spins % 64 == 0 && now_ns() - start >= patience_ns) {
+            __atomic_add_fetch(sleepers, 1, __ATOMIC_SEQ_CST);
+            for (int seen; WAIT_NOT_YET(seen = __atomic_load_n(word, __ATOMIC_SEQ_CST));) {
+#ifdef __linux__
+                syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+#else
+                sched_yield();
+#endif
+            }
+            __atomic_sub_fetch(sleepers, 1, __ATOMIC_SEQ_CST);
+            return;
+        }
+    }
+#undef WAIT_NOT_YET
+}
+
+/* after a seq_cst change of *word: wake its sleepers, if any */
+static void wake_sleepers(int *word, int *sleepers)
+{
+    if (__atomic_load_n(sleepers, __ATOMIC_SEQ_CST)) {
+#ifdef __linux__
+        syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+#else
+        (void)word;
+#endif
+    }
+}
+
+/* A thread's part of a phase: the next unclaimed block from the phase's counter until none is left, each counted
+   done after; every block is one thread's, in any order (the rows are independent). No block waits for a given
+   thread, and the phases' ends count blocks, not threads: a thread woken late (or descheduled before its first
+   claim) takes fewer blocks or none, and the job does not wait for it (the caller alone finishes a job whose
+   workers share its core). The thread finishing phase 1's last block runs between_phases, then opens phase 2: the
+   job's one barrier. */
+static void phase1_share(job_t *J, int me)
+{
+    for (long b; (b = __atomic_fetch_add(&J->next1, 1, __ATOMIC_RELAXED)) < J->blocks1;) {
+        if (J->entered && me < TIMELINE_THREADS && !J->entered[me]) J->entered[me] = now_ns();  /* its first block */
+        long f = block_start(J->rows1, J->blocks1, J->fixed1, b);
+        const long f1 = block_start(J->rows1, J->blocks1, J->fixed1, b + 1);
+        while (f < f1) {  /* a block may run over from one unit into the next */
+            const long u = f / J->I, i0 = f % J->I, i1 = i0 + (f1 - f) < J->I ? i0 + (f1 - f) : J->I;
+            phase1_rows(J, u, i0, i1);
+            f += i1 - i0;
+        }
+        if (__atomic_add_fetch(&J->done1, 1, __ATOMIC_ACQ_REL) == J->blocks1) {  /* acquires every h row */
+            between_phases(J);
+            __atomic_store_n(&J->open, 1, __ATOMIC_SEQ_CST);
+            wake_sleepers(&J->open, &J->open_sleepers);
         }
     }
 }
 
-/* The one barrier of a job's own team: the last thread in computes what lies between the phases, then opens it. */
-static void phases_barrier(job_t *J)
+static void phase2_share(job_t *J)
 {
-    if (__atomic_add_fetch(&J->arrived, 1, __ATOMIC_ACQ_REL) == J->threads) {
-        between_phases(J);
-        __atomic_store_n(&J->open, 1, __ATOMIC_RELEASE);
-    } else {
-        wait_at_least(&J->open, 1, J->patience_ns);
+    for (long b; (b = __atomic_fetch_add(&J->next2, 1, __ATOMIC_RELAXED)) < J->blocks2;) {
+        phase2_rows(J, block_start(J->rows2, J->blocks2, J->fixed2, b),
+                    block_start(J->rows2, J->blocks2, J->fixed2, b + 1));
+        if (__atomic_add_fetch(&J->done2, 1, __ATOMIC_SEQ_CST) == J->blocks2)
+            wake_sleepers(&J->done2, &J->done2_sleepers);
     }
 }
 
-static __attribute__((unused)) void job_share(job_t *J, int me, int n)
+static __attribute__((unused)) void job_share(job_t *J, int me)
 {
-    if (J->entered && me < TIMELINE_THREADS) J->entered[me] = now_ns();
-    phase1_share(J, me, n);
-    phases_barrier(J);
-    phase2_share(J, me, n);
+    phase1_share(J, me);
+    wait_for(&J->open, 1, 0, &J->open_sleepers, J->patience_ns);
+    phase2_share(J);
 }
 
 /* ---- the team: threads kept between jobs ------------------------------------------------------------------------
    An OpenMP parallel region per job paid, on a 16-core host, 0.14-0.26 ms a small job beside its bytes: the team's
-   wake-up, the loops' barriers (two, three with int4-q4k). The team here is started once and kept: the caller posts a
-   job by bumping a word (the job's number and its thread count), the workers spin on that word for TEAM_SPIN_US
-   (200) after their last job (the next layer's job within a decode step finds them awake), then sleep on it (a futex: no
-   core kept busy between steps; the XLA runtime's threads share the host); the caller is thread 0 and waits for the
-   workers' done count. One barrier a job (between the phases). Linux OpenMP builds (-fopenmp links the threads);
-   -DTEAM_OMP, non-Linux builds: the OpenMP region per job as before. Callers at once (pools, the FFI's worker
-   threads) each take a free team, a new one if none is; a team grows to the threads asked for. */
+   wake-up, the loops' barriers (two, three with int4-q4k), each waiting for every thread. The team here is started
+   once and kept: the caller posts a job by bumping a word (the job's number and its thread count), the workers spin
+   on that word for TEAM_SPIN_US (200) after their last job (the next layer's job within a decode step finds them
+   awake), then sleep on it (a futex: no core kept busy between steps; the XLA runtime's threads share the host).
+   The caller is a thread of the job too; it waits for phase 2's last block, then closes the job and waits only for
+   the workers still inside it (a worker enters by counting itself inside, then looking whether the job is still
+   open; so one that wakes after the close never touches it). One barrier a job (phase 1's blocks done), and no
+   wait for a thread that has not started. Linux OpenMP builds (-fopenmp links the threads); -DTEAM_OMP, non-Linux
+   builds: the OpenMP region per job as before. Callers at once (pools, the FFI's worker threads) each take a free
+   team, a new one if none is; a team grows to the threads asked for. */
 #if defined(_OPENMP) && defined(__linux__) && !defined(TEAM_OMP)
 #define OWN_TEAM 1
-#include <linux/futex.h>
-#include <pthread.h>
-#include <sched.h>
-#include <signal.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #ifndef TEAM_SPIN_US
 #define TEAM_SPIN_US 200
+#endif
+#ifndef JOB_SPIN_US
+#define JOB_SPIN_US 50
 #endif
 #define TEAM_SPIN_STR(v) #v
 #define TEAM_SPIN_XSTR(v) TEAM_SPIN_STR(v)
@@ -964,6 +1008,9 @@ typedef struct team {
     job_t *job;  /* the posted job: written before the word, read by the workers taking part */
     uint32_t word __attribute__((aligned(64)));  /* job number << 16 | threads taking part (the caller too) */
     int sleepers __attribute__((aligned(64)));   /* workers in (or going into) the futex wait */
+    int inside __attribute__((aligned(64)));    /* workers inside the posted job */
+    int inside_sleepers;                          /* the caller asleep on it */
+    uint32_t closed;                              /* the word of the last job closed */
     long long spin_ns;  /* how long an idle worker spins: 0 once the team outnumbers the cores it may run on */
 } team_t;
 
@@ -1012,10 +1059,13 @@ static void *team_worker(void *arg)
     for (uint32_t word = start.seen;;) {
         word = wait_word(T, word);
         const int n = (int)(word & 0xffff);
-        if (start.id < n) {  /* taking part: the caller waits for this thread, so T->job stays its job */
-            job_t *J = T->job;
-            job_share(J, start.id, n);
-            __atomic_add_fetch(&J->finished, 1, __ATOMIC_RELEASE);  /* the last touch of J */
+        if (start.id < n) {
+            /* inside, then the look (seq_cst, against the caller's close, then its look at inside): the job still
+               posted and not closed, the caller waits for this thread, so T->job is its job until it leaves */
+            __atomic_add_fetch(&T->inside, 1, __ATOMIC_SEQ_CST);
+            if (__atomic_load_n(&T->word, __ATOMIC_SEQ_CST) == word && __atomic_load_n(&T->closed, __ATOMIC_SEQ_CST) != word)
+                job_share(T->job, start.id);
+            if (__atomic_sub_fetch(&T->inside, 1, __ATOMIC_SEQ_CST) == 0) wake_sleepers(&T->inside, &T->inside_sleepers);
         }
     }
     return NULL;
@@ -1064,7 +1114,7 @@ static team_t *team_take(int workers)
             pthread_sigmask(SIG_SETMASK, &old, NULL);
         }
         /* more threads than cores (libgomp drops its spin then too): a spinning thread would take the core of one
-           with work; so no idle spin, and the job's waits yield at once */
+           with work; so no idle spin, and the job's waits sleep after 5 us */
         cpu_set_t cores;
         const int count = sched_getaffinity(0, sizeof cores, &cores) == 0 ? CPU_COUNT(&cores) : 1;
         __atomic_store_n(&T->spin_ns, T->size + 1 > count ? 0 : TEAM_SPIN_US * 1000LL, __ATOMIC_RELAXED);
@@ -1080,18 +1130,21 @@ static void team_give(team_t *T)
     pthread_mutex_unlock(&teams_lock);
 }
 
-/* J on the caller and J->threads - 1 workers of T */
+/* J on the caller and up to J->threads - 1 workers of T */
 static void team_run(team_t *T, job_t *J)
 {
-    const int workers = J->threads - 1;
-    J->patience_ns = T->spin_ns ? 50000 : 0;  /* before the word: the workers read it after */
+    /* the job's own waits (phase 1's last block, phase 2's, the workers inside) are for blocks being computed:
+       short, unless the thread computing one lost its core, maybe to the waiter itself; so JOB_SPIN_US (5 us with
+       more threads than cores), then sleep. Set before the word: the workers read it after. */
+    J->patience_ns = T->spin_ns ? JOB_SPIN_US * 1000LL : 5000;
     T->job = J;
     const uint32_t word = ((T->word >> 16) + 1) << 16 | (uint32_t)J->threads;
     __atomic_store_n(&T->word, word, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&T->sleepers, __ATOMIC_SEQ_CST))
-        syscall(SYS_futex, &T->word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);  /* all: any may take part */
-    job_share(J, 0, J->threads);
-    wait_at_least(&J->finished, workers, J->patience_ns);
+    wake_sleepers((int *)&T->word, &T->sleepers);  /* all: any may take part */
+    job_share(J, 0);
+    wait_for(&J->done2, (int)J->blocks2, 0, &J->done2_sleepers, J->patience_ns);
+    __atomic_store_n(&T->closed, word, __ATOMIC_SEQ_CST);
+    wait_for(&T->inside, 0, 1, &T->inside_sleepers, J->patience_ns);
 }
 #endif
 
@@ -1186,7 +1239,7 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
         team_run(team, &J);
         team_give(team);
     } else {
-        job_share(&J, 0, 1);
+        job_share(&J, 0);
     }
 #elif defined(_OPENMP)
     /* the OpenMP region per job (-DTEAM_OMP: the former team, for comparison; non-Linux builds) */
@@ -1196,31 +1249,25 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
 #pragma omp single nowait
         ran = n;
         if (entered && me < TIMELINE_THREADS) entered[me] = now_ns();
-        phase1_share(&J, me, n);
+        phase1_share(&J, me);  /* its last block's thread runs between_phases */
 #pragma omp barrier
-#pragma omp master
-        between_phases(&J);
-        if (J.minima) {  /* h's group sums before phase 2 reads them */
-#pragma omp barrier
-        }
-        phase2_share(&J, me, n);
+        phase2_share(&J);
     }
 #else
-    job_share(&J, 0, 1);
+    job_share(&J, 0);
 #endif
     if (timed) {
         const long long t_end = now_ns();
-        long long first = 0, last = 0;
-        if (entered) {
-            first = entered[0], last = entered[0];
-            for (int k = 1; k < ran && k < TIMELINE_THREADS; k++) {
-                first = entered[k] && entered[k] < first ? entered[k] : first;
+        long long first = 0, last = 0, in = 0;
+        for (int k = 0; entered && k < ran && k < TIMELINE_THREADS; k++)
+            if (entered[k]) {
+                first = !first || entered[k] < first ? entered[k] : first;
                 last = entered[k] > last ? entered[k] : last;
+                in++;
             }
-        }
-        const long long add[6] = {t_region - t_entry, first ? first - t_region : 0, last ? last - t_region : 0,
-                                  J.t_phase1 - t_region, t_end - t_region, 1};
-        for (int k = 0; k < 6; k++) __atomic_fetch_add(&timeline_sums[k], add[k], __ATOMIC_SEQ_CST);
+        const long long add[7] = {t_region - t_entry, first ? first - t_region : 0, last ? last - t_region : 0,
+                                  J.t_phase1 - t_region, t_end - t_region, 1, in};
+        for (int k = 0; k < 7; k++) __atomic_fetch_add(&timeline_sums[k], add[k], __ATOMIC_SEQ_CST);
     }
     free(entered);
     free(x16);
