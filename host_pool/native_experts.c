@@ -1112,12 +1112,13 @@ static team_t *team_take(int workers)
                 T->size++;
             }
             pthread_sigmask(SIG_SETMASK, &old, NULL);
+            /* more threads than cores (libgomp drops its spin then too): a spinning thread would take the core of
+               one with work; so no idle spin, and the job's waits sleep after 5 us. Looked at as the team grows (a
+               syscall: not each job) */
+            cpu_set_t cores;
+            const int count = sched_getaffinity(0, sizeof cores, &cores) == 0 ? CPU_COUNT(&cores) : 1;
+            __atomic_store_n(&T->spin_ns, T->size + 1 > count ? 0 : TEAM_SPIN_US * 1000LL, __ATOMIC_RELAXED);
         }
-        /* more threads than cores (libgomp drops its spin then too): a spinning thread would take the core of one
-           with work; so no idle spin, and the job's waits sleep after 5 us */
-        cpu_set_t cores;
-        const int count = sched_getaffinity(0, sizeof cores, &cores) == 0 ? CPU_COUNT(&cores) : 1;
-        __atomic_store_n(&T->spin_ns, T->size + 1 > count ? 0 : TEAM_SPIN_US * 1000LL, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&teams_lock);
     return T;
