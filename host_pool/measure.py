@@ -2,7 +2,7 @@
 
     python -m strata_jax.host_pool.measure [--threads N] [--experts 8] [--formats bf16,int8,int4] [--paths C,numpy]
                                 [--read_mb 2048] [--variants "default PREFETCH_BYTES=0 ROWS_UP=64,ROWS_DOWN=32"]
-                                [--x bf16|float32] [--hot-intermediate -1] [--timeline]
+                                [--x bf16|float32] [--hot-intermediate -1] [--timeline] [--gap-us 0]
 
 One row per format, path and window size T: ms per layer job, ms per expert (the job's wall time / its experts),
 GB/s = expert weight bytes read (q and scales for int8 / int4) / wall time, that GB/s as a share of the machine's
@@ -12,7 +12,11 @@ of 5; the one-thread `np.copyto` rate is printed beside it. Path "C" is the expe
 (native_experts.c, one call per job), "numpy" the BLAS thread jobs (STRATA_POOL_NATIVE=0). Experts are drawn from
 a larger store (--store-experts) so weights come from DRAM, not cache. int8 and int4 weights are random q and scales
 (the arithmetic's speed does not depend on their values). --variants: path "C" once per build of the kernel, each
-with its -D macros (comma-separated; "default": none), side by side; "vs bf16" compares with bf16 of the same build.
+with its -D macros (comma-separated; "default": none), side by side; "vs bf16" compares with bf16 of the same build;
+"TEAM_OMP,BLOCKS_FIXED" is the former job (an OpenMP region per job, fixed blocks of 32 / 16 rows), "TEAM_OMP" the
+job-sized blocks in it, "TEAM_SPIN_US=50" the kept team's idle spin shorter. --timeline: the mean job's setup, its
+threads' entry after the job was posted (the team's wake-up), phase 1 and phase 2; --gap-us: a busy wait between
+jobs (a decode step's device share of a layer), so the team's idle spin (or sleep) shows.
 x: rounded to bf16 by default, as a bf16 model's device sends it (the C kernel takes bf16 dot products where x is
 exactly bf16, else float32 ones; --x float32 measures the latter).
 
@@ -69,8 +73,9 @@ def read_gbps(nbytes: int, threads: int, repeats: int = 5) -> float | None:
     return words.nbytes / best / 1e9
 
 
-def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int, rounds: int = 3):
-    """Best round of `repeats` layer jobs: (ms per job, GB/s, thread jobs per layer job)."""
+def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int, rounds: int = 3, gap_us: float = 0):
+    """Best round of `repeats` layer jobs: (ms per job, GB/s, thread jobs per layer job); `gap_us` of busy wait
+    before each job (outside its time), as a decode step's device share of a layer between two pool jobs."""
     store_experts = pool.store.num_experts(0)
     x = rng.standard_normal((T, H), dtype=np.float32).astype(X_DTYPE).astype(np.float32)  # [T, H]
     pool.compute(0, x, np.arange(n_experts), np.ones((T, n_experts), np.float32))  # warm up
@@ -80,6 +85,10 @@ def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int, 
         for _ in range(repeats):
             ids = rng.choice(store_experts, n_experts, replace=False)   # [N]
             w = rng.random((T, n_experts), dtype=np.float32)             # [T, N]
+            if gap_us:
+                until = time.perf_counter() + gap_us * 1e-6
+                while time.perf_counter() < until:
+                    pass
             pool.compute(0, x, ids, w)
         stats = dataclasses.replace(pool.stats)
         if best is None or stats.wall_seconds < best.wall_seconds:
@@ -171,6 +180,9 @@ def main() -> None:
     parser.add_argument("--timeline", action="store_true",
                         help="path C: under each row, the mean job's timeline (setup, the team's wake-up, phase 1, "
                              "phase 2) in microseconds")
+    parser.add_argument("--gap-us", type=float, default=0,
+                        help="busy wait before each job (not timed): the device's share of a decode layer between "
+                             "two pool jobs (the kept team's workers spin 200 us, then sleep)")
     parser.add_argument("--variants", default="default",
                         help='space-separated builds of path C: "default" or comma-separated -D macros of '
                              'native_experts.c, e.g. "default PREFETCH_BYTES=0 ROWS_UP=64,ROWS_DOWN=32"')
@@ -192,7 +204,8 @@ def main() -> None:
 
     print(f"threads {args.threads}, BLAS threads {blas_threads or 'default'}, "
           f"{args.experts} experts of H={H} I={I}, jobs/thread {args.jobs_per_thread}, "
-          f"conversion chunk {args.chunk_kb} KB", flush=True)
+          f"conversion chunk {args.chunk_kb} KB" + (f", {args.gap_us:g} us between jobs" if args.gap_us else ""),
+          flush=True)
     switch = os.environ.get(native.ENV, "")
     print(native.describe_experts())
     print(native.describe())
@@ -232,7 +245,7 @@ def main() -> None:
             for T in windows:
                 if timeline is not None:
                     timeline.timeline(True)
-                ms, gbps, jobs = pool_row(pool, rng, T, args.experts, H, args.repeats)
+                ms, gbps, jobs = pool_row(pool, rng, T, args.experts, H, args.repeats, gap_us=args.gap_us)
                 if fmt == "bf16":
                     bf16_ms[path, T] = ms
                 share = f"{gbps / read:7.1%}" if read else "n/a"
@@ -241,8 +254,13 @@ def main() -> None:
                       f"{gbps:7.2f} {share:>8s} {ratio:>8s} {jobs:5d}", flush=True)
                 if timeline is not None:
                     t = timeline.timeline(False)
+                    cut = [timeline.blocks(n, args.threads, phase) for phase, n in enumerate((args.experts * I, H))]
+                    text = ", ".join(f"phase {k + 1} {len(c)} blocks of {min(c)}" + (f"-{max(c)}" if max(c) > min(c)
+                                     else "") + " rows" for k, c in enumerate(cut))
+                    print(f"{'':20s} {'':{width}s} {text}")
                     print(f"{'':20s} {'':{width}s} timeline, mean of {t['jobs']} jobs (us): setup {t['setup']:.1f}, "
-                          f"threads in {t['first_in']:.1f} .. {t['last_in']:.1f}, phase 1 {t['phase1']:.1f}, "
+                          f"{t['threads']:.1f} threads in {t['first_in']:.1f} .. {t['last_in']:.1f}, "
+                          f"phase 1 {t['phase1']:.1f}, "
                           f"phase 2 {t['job'] - t['phase1']:.1f}, region {t['job']:.1f}", flush=True)
             pool.close()
             native.experts_kernel = default_kernel

@@ -14,8 +14,9 @@ name and renames it, so processes building at once do not see each other's half-
 ctypes.CDLL functions release the GIL while they run, so pool threads dequantize in parallel.
 
 The expert kernel (native_experts.c, `experts_kernel`): a whole layer job (or a split job's phase) in one call,
-threads over experts and output rows inside it (OpenMP), the weights widened in registers, for float32, bf16, int8
-and int4 experts; the pool's numpy / BLAS jobs remain for windows of many tokens and where it does not build. It is
+threads over experts and output rows inside it (a kept thread team in -fopenmp builds on Linux, else an OpenMP
+region per job), the weights widened in registers, for float32, bf16, int8 and int4 experts; the pool's numpy / BLAS
+jobs remain for windows of many tokens and where it does not build. It is
 built the same way, under the same switch (STRATA_POOL_NATIVE=0: numpy for both), with -fopenmp where the compiler
 takes it (without: one thread, which its line says).
 """
@@ -130,19 +131,32 @@ class ExpertsKernel:
         self.read_words.restype = ctypes.c_uint64
         library.experts_build.restype = ctypes.c_char_p
         self.build = library.experts_build().decode()
+        self._blocks = library.experts_blocks
+        self._blocks.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+        self._blocks.restype = ctypes.c_long
         self._timeline = library.experts_timeline
         self._timeline.argtypes = [ctypes.c_int, ctypes.c_void_p]
         self._timeline.restype = None
 
+    def blocks(self, rows: int, threads: int, phase: int) -> list[int]:
+        """The rows of each block a job of `threads` threads cuts `rows` into in phase 1 (rows = experts * I) or 2
+        (rows = H): job-sized (a multiple of the threads of blocks), or the fixed ones of a -DBLOCKS_FIXED build."""
+        count = self._blocks(rows, threads, phase, None, 0)
+        starts = np.zeros(count + 1, np.int64)
+        self._blocks(rows, threads, phase, starts.ctypes.data, count + 1)
+        return np.diff(starts).tolist()
+
     def timeline(self, on: bool) -> dict[str, float]:
         """The jobs' timeline since the last call (then zeroed; `on`: whether later jobs keep one), as the mean
-        microseconds a job: setup (before the threads), first_in / last_in (the first and the last thread inside,
-        after the region opened), phase1 (to phase 1's barrier), job (to the region's end); and jobs."""
-        sums = (ctypes.c_longlong * 6)()
+        microseconds a job: setup (before the job is posted to the threads), first_in / last_in (the first and the
+        last thread's first phase-1 block, after the posting), phase1 (to phase 1's end), job (to the job's end);
+        jobs; threads (the mean count of threads that took phase-1 blocks)."""
+        sums = (ctypes.c_longlong * 7)()
         self._timeline(int(on), sums)
         jobs = sums[5]
         names = ("setup", "first_in", "last_in", "phase1", "job")
-        return dict({k: sums[i] / jobs / 1e3 if jobs else 0.0 for i, k in enumerate(names)}, jobs=jobs)
+        return dict({k: sums[i] / jobs / 1e3 if jobs else 0.0 for i, k in enumerate(names)}, jobs=jobs,
+                    threads=sums[6] / jobs if jobs else 0.0)
 
 
 def experts_kernel() -> ExpertsKernel | None:

@@ -1,10 +1,12 @@
 /* One host pool layer job in native code: every CPU expert of a window, for its tokens, in one call.
    host_pool/native.py compiles it (-O3 -march=native -fopenmp where the compiler takes them) and host_pool/pool.py
-   calls `experts_job` from its driver thread; ctypes releases the GIL for the call, OpenMP runs the threads.
+   calls `experts_job` from its driver thread; ctypes releases the GIL for the call. The threads: a team kept between
+   jobs (see "the team" below; -DTEAM_OMP: an OpenMP region per job, as before), phase 1 and phase 2 rows in blocks
+   sized to the job (see cut_blocks).
 
    Work: units u = (expert e_u, its entries j in [unit_start[u], unit_start[u+1])); entry j is one token row of x,
    an output row and a weight:
-     phase 1, threads over (unit, block of I rows):  h[j, i] = r(silu(g) * u),  g = r(s_g * gate[e, i] . x[tok_j]),
+     phase 1, threads over blocks of (unit, I) rows: h[j, i] = r(silu(g) * u),  g = r(s_g * gate[e, i] . x[tok_j]),
                                                       u = r(s_u * up[e, i] . x[tok_j])
      phase 2, threads over blocks of H rows:         out[out_j, r] += w_j * r(s_d * down[e, r] . h[j])
    r() rounds to bf16 (round to nearest even) when `round_bf16`, as the device's graphs round; s_* are int8's row
@@ -41,8 +43,19 @@
    (dot16_pays): widening int8 to bf16 costs what the bf16 products save. Measured on the 2-core EPYC (Zen 4), one
    thread, one expert (H 2048, I 768) recomputed from cache: int4 T=1 31-32 G weights/s (float path ~21), T=4 12-13
    (6.5-7.8); bf16 T=4 12-13 (6-7); int8 T=4 11.4 (7-8). benchmarks/results/cpu-2026-12-05-pool-kernels.md. */
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE  /* pthread_setname_np, syscall (the team's futex) */
+#endif
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
+#ifdef __linux__  /* the kept team (pthreads, futexes) */
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -414,13 +427,27 @@ static inline float q4k_bias(const matrix *m, long group, long row, const float 
     return acc;
 }
 
-/* sums[k * G + g] = the sum of rows[k]'s inputs g*group .. (g+1)*group - 1, k < count */
+/* sums[k * G + g] = the sum of rows[k]'s inputs g*group .. (g+1)*group - 1, k < count. Eight lanes a step where
+   the group is a multiple of 8 (a fixed order; one scalar chain took ~3 us for x's 2048 inputs, and h's sums run on
+   one thread between the phases) */
 static void group_sums(const float *rows, long count, long n, long group, float *sums)
 {
+    typedef float v8 __attribute__((vector_size(32)));
     for (long k = 0; k < count; k++)
         for (long g = 0; g < n / group; g++) {
+            const float *p = rows + k * n + g * group;
             float acc = 0.0f;
-            for (long i = 0; i < group; i++) acc += rows[k * n + g * group + i];
+            if (group % 8 == 0) {
+                v8 a = {0};
+                for (long i = 0; i < group; i += 8) {
+                    v8 v;
+                    memcpy(&v, p + i, sizeof v);
+                    a += v;
+                }
+                acc = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+            } else {
+                for (long i = 0; i < group; i++) acc += p[i];
+            }
             sums[k * (n / group) + g] = acc;
         }
 }
@@ -703,11 +730,12 @@ static int bf16_copy(const float *rows, long count, long n, const int32_t *posit
 #endif
 
 /* The job's timeline (host_pool/measure.py --timeline; off unless experts_timeline turns it on): each job adds, in
-   ns, its setup (x's bf16 copy, the scratch) before the parallel region, the first and the last thread's entry into
-   the region after it opened (the team's wake-up), phase 1 to its barrier and phase 2 to the region's end, all from
-   the region's opening except setup; what a small job (one or two experts) spends beside its bytes. */
+   ns, its setup (x's bf16 copy, the scratch) before the job is posted to the threads, the first and the last
+   thread's first phase-1 block after that (the team's wake-up; threads with no phase-1 block are not counted),
+   phase 1 to its last block's end and phase 2 to the job's end, all from the posting except setup; and the threads
+   that took phase-1 blocks. What a small job (one or two experts) spends beside its bytes. */
 static int timeline_on;
-static long long timeline_sums[6];  /* setup, first in, last in, phase 1 end, region end, jobs */
+static long long timeline_sums[7];  /* setup, first in, last in, phase 1 end, job end, jobs, threads in phase 1 */
 #define TIMELINE_THREADS 1024
 
 static long long now_ns(void)
@@ -717,15 +745,464 @@ static long long now_ns(void)
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-/* on: whether later jobs keep the timeline; out [6] (or NULL): the sums since the last call (then zeroed) */
+/* on: whether later jobs keep the timeline; out [7] (or NULL): the sums since the last call (then zeroed) */
 void experts_timeline(int on, long long *out)
 {
-    for (int k = 0; k < 6; k++) {
+    for (int k = 0; k < 7; k++) {
         const long long v = __atomic_exchange_n(&timeline_sums[k], 0, __ATOMIC_SEQ_CST);
         if (out) out[k] = v;
     }
     timeline_on = on;
 }
+
+/* ---- a layer job: its arguments, how its rows are cut into blocks, what each thread does ---------------------- */
+
+/* The job as every thread of it sees it; the counters it shares live on cache lines of their own. */
+typedef struct {
+    int fmt, round_bf16_out, minima;
+    long H, I, group;
+    matrix mg, mu, md;
+    const float *x;
+    long units;
+    const int64_t *unit_expert, *unit_start, *entry_token, *entry_out;
+    const float *entry_weight;
+    float *h, *out, *x_sums, *h_sums;
+    const uint16_t *x16;
+    uint16_t *h16;
+    const int32_t *h_position;
+    int threads;                    /* the threads taking part */
+    long rows1, blocks1, fixed1;    /* phase 1: the flat rows (unit, row of I), units * I, cut in blocks1 blocks */
+    long rows2, blocks2, fixed2;    /* phase 2: the rows of H */
+    long long *entered;             /* timeline: each thread's entry (ns), or NULL */
+    long long t_phase1;             /* timeline: when the last thread finished phase 1 */
+    long long patience_ns;          /* how long a thread spins on a wait of the job before it sleeps */
+    long next1 __attribute__((aligned(64)));  /* blocks handed out, per phase */
+    long next2 __attribute__((aligned(64)));
+    int done1 __attribute__((aligned(64)));   /* phase 1's blocks done; phase 2 opens at blocks1 */
+    int open;
+    int open_sleepers;
+    int done2 __attribute__((aligned(64)));   /* phase 2's blocks done: the job's end at blocks2 */
+    int done2_sleepers;
+} job_t;
+
+/* Blocks sized to the job: a phase's n rows cut into a multiple of the thread count of blocks of about `target`
+   rows (n / (threads * rounds), rounds = n / (threads * target) rounded up), their bounds on multiples of QUANTUM
+   rows (the row loops take 2 or 4 rows a step; sizes then differ by QUANTUM at most). So a small job spreads evenly
+   over all threads: one expert's 768 phase-1 rows on 16 threads are 32 blocks of 24, where the former fixed blocks
+   of 32 rows made 24 (a second round of 8 with half the team idle). -DBLOCKS_FIXED: the former cut (blocks of
+   `target` rows, host_pool/measure.py --variants compares them). Returns the count; *fixed: 0, or that size. */
+enum { QUANTUM = 4 };
+static long cut_blocks(long n, int threads, long target, long *fixed)
+{
+#ifdef BLOCKS_FIXED
+    (void)threads;
+    *fixed = target;
+    return (n + target - 1) / target;
+#else
+    *fixed = 0;
+    const long rounds = (n + threads * target - 1) / (threads * target), quanta = n / QUANTUM;
+    const long blocks = threads * rounds;
+    return blocks < quanta ? blocks : quanta > 0 ? quanta : 1;
+#endif
+}
+
+/* block k's first row (k == blocks: n) */
+static inline long block_start(long n, long blocks, long fixed, long k)
+{
+    if (fixed) return k * fixed < n ? k * fixed : n;
+    return k >= blocks ? n : k * (n / QUANTUM) / blocks * QUANTUM;
+}
+
+/* The cut of n rows for `threads` threads (phase 1: target ROWS_UP, n = experts * I; phase 2: ROWS_DOWN, n = H, given
+   as phase 0 and 1): the block count, and the first `most` blocks' first rows into starts (host_pool/measure.py
+   prints the cut; tests check it). */
+long experts_blocks(long n, int threads, int phase, long *starts, long most)
+{
+    long fixed;
+    const long blocks = cut_blocks(n, threads < 1 ? 1 : threads, phase ? ROWS_DOWN : ROWS_UP, &fixed);
+    for (long k = 0; k < most && k <= blocks; k++) starts[k] = block_start(n, blocks, fixed, k);
+    return blocks;
+}
+
+/* Phase 1 of unit u's rows i0 .. i1 - 1 (all its entries): h = silu(gate . x) * (up . x). */
+static void phase1_rows(const job_t *J, long u, long i0, long i1)
+{
+    const int fmt = J->fmt, round_bf16_out = J->round_bf16_out, minima = J->minima;
+    const long H = J->H, I = J->I, group = J->group, e = J->unit_expert[u];
+    const int64_t *unit_start = J->unit_start, *entry_token = J->entry_token;
+    const float *x = J->x, *x_sums = J->x_sums;
+    const uint16_t *x16 = J->x16;
+    uint16_t *h16 = J->h16;
+    float *h = J->h;
+    (void)x16;
+    for (long j0 = unit_start[u]; j0 < unit_start[u + 1]; j0 += TOKENS) {
+        const int nt = unit_start[u + 1] - j0 < TOKENS ? (int)(unit_start[u + 1] - j0) : TOKENS;
+        const float *xs[TOKENS];
+        const uint16_t *x16s[TOKENS];  /* NULL without BF16_DOT */
+        for (int t = 0; t < nt; t++) {
+            xs[t] = x + entry_token[j0 + t] * H;
+            x16s[t] = x16 ? x16 + entry_token[j0 + t] * padded(H) : NULL;
+        }
+        (void)x16s;  /* unused without BF16_DOT */
+        for (long i = i0; i < i1;) {
+            /* gate and up of `count` rows: gu[(2 c) * TOKENS + t] gate, gu[(2 c + 1) * TOKENS + t] up */
+            float gu[MAX_ROWS * TOKENS];
+            long count = 1;
+#ifdef BF16_DOT
+            if (x16 && dot16_pays(fmt, nt)) {  /* gate and up rows together: one read of x for all */
+                count = dot16_rows_for(fmt, nt, 2 * (i1 - i)) >= 4 ? 2 : 1;
+                const matrix *const ms[MAX_ROWS] = {&J->mg, &J->mu, &J->mg, &J->mu};
+                const long es[MAX_ROWS] = {e, e, e, e}, rs[MAX_ROWS] = {i, i, i + 1, i + 1};
+                dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, x16s, nt, gu);
+            } else
+#endif
+            {
+                dot_matrix_row(fmt, group, &J->mg, e, i, xs, nt, gu);
+                dot_matrix_row(fmt, group, &J->mu, e, i, xs, nt, gu + TOKENS);
+            }
+            if (minima)
+                for (long c = 0; c < count; c++)
+                    for (int t = 0; t < nt; t++) {
+                        const float *sums = x_sums + entry_token[j0 + t] * (H / group);
+                        gu[2 * c * TOKENS + t] += q4k_bias(&J->mg, group, e * I + i + c, sums);
+                        gu[(2 * c + 1) * TOKENS + t] += q4k_bias(&J->mu, group, e * I + i + c, sums);
+                    }
+            for (long c = 0; c < count; c++, i++)
+                for (int t = 0; t < nt; t++) {
+                    float gt = gu[2 * c * TOKENS + t], ut = gu[(2 * c + 1) * TOKENS + t];
+                    if (round_bf16_out) { gt = round_bf16(gt); ut = round_bf16(ut); }
+                    /* silu(g) = g * sigmoid(g) in the tanh form, as pool.py: it does not overflow */
+                    float ht = gt * (0.5f + 0.5f * tanhf(0.5f * gt)) * ut;
+                    h[(j0 + t) * I + i] = round_bf16_out ? round_bf16(ht) : ht;
+                    if (h16) {  /* exact: ht is rounded to bf16 */
+                        uint32_t bits;
+                        memcpy(&bits, &h[(j0 + t) * I + i], sizeof bits);
+                        h16[(j0 + t) * padded(I) + J->h_position[i]] = (uint16_t)(bits >> 16);
+                    }
+                }
+        }
+    }
+}
+
+/* Phase 2 of the output rows r0 .. r1 - 1: out[out_j, r] += w_j * (down[e_j, r] . h[j]) over every unit. */
+static void phase2_rows(const job_t *J, long r0, long r1)
+{
+    const int fmt = J->fmt, round_bf16_out = J->round_bf16_out, minima = J->minima;
+    const long H = J->H, I = J->I, group = J->group;
+    const int64_t *unit_start = J->unit_start, *unit_expert = J->unit_expert, *entry_out = J->entry_out;
+    const float *h = J->h, *entry_weight = J->entry_weight;
+    const uint16_t *h16 = J->h16;
+    float *out = J->out;
+    (void)fmt;
+    /* unit by unit over the block's rows: the unit's h rows stay in the core's L1 meanwhile; each output element
+       still sums the units in order */
+    for (long u = 0; u < J->units; u++)
+        for (long j0 = unit_start[u]; j0 < unit_start[u + 1]; j0 += TOKENS) {
+            const int nt = unit_start[u + 1] - j0 < TOKENS ? (int)(unit_start[u + 1] - j0) : TOKENS;
+            const float *hs[TOKENS];
+            const uint16_t *h16s[TOKENS];
+            for (int t = 0; t < nt; t++) {
+                hs[t] = h + (j0 + t) * I;
+                h16s[t] = h16 ? h16 + (j0 + t) * padded(I) : NULL;
+            }
+            (void)h16s;
+            for (long r = r0; r < r1; r++) {
+                float y[MAX_ROWS * TOKENS];
+                int R = 1;
+#ifdef BF16_DOT
+                if (h16 && dot16_pays(fmt, nt)) {  /* several rows at once: one read of h for all */
+                    R = dot16_rows_for(fmt, nt, r1 - r);
+                    const matrix *const ms[MAX_ROWS] = {&J->md, &J->md, &J->md, &J->md};
+                    const long e = unit_expert[u], es[MAX_ROWS] = {e, e, e, e};
+                    const long rs[MAX_ROWS] = {r, r + 1, r + 2, r + 3};
+                    dot16_matrix_rows(fmt, group, R, R, ms, es, rs, h16s, nt, y);
+                } else
+#endif
+                    dot_matrix_row(fmt, group, &J->md, unit_expert[u], r, hs, nt, y);
+                if (minima)
+                    for (int k = 0; k < R; k++)
+                        for (int t = 0; t < nt; t++)
+                            y[k * TOKENS + t] += q4k_bias(&J->md, group, unit_expert[u] * H + r + k,
+                                                          J->h_sums + (j0 + t) * (I / group));
+                for (int k = 0; k < R; k++)
+                    for (int t = 0; t < nt; t++) {
+                        const float yt = round_bf16_out ? round_bf16(y[k * TOKENS + t]) : y[k * TOKENS + t];
+                        out[entry_out[j0 + t] * H + r + k] += entry_weight[j0 + t] * yt;
+                    }
+                r += R - 1;
+            }
+        }
+}
+
+/* Between the phases, on one thread (the one finishing phase 1's last block): int4-q4k's group sums of h (h is
+   complete then), the timeline. */
+static void between_phases(job_t *J)
+{
+    if (J->minima) group_sums(J->h, J->unit_start[J->units], J->I, J->group, J->h_sums);
+    if (J->entered) J->t_phase1 = now_ns();
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Wait until *word >= want (at_most: <= want) (acquire): spin `patience_ns` (a short wait is the usual one), then sleep on a futex,
+   counted in *sleepers (the waker's change of the word before its look at sleepers, the sleeper's count before its
+   look at the word, all seq_cst: either the waker sees the sleeper and wakes the futex, or the sleeper sees the
+   word). Not sched_yield: on Linux 6.x (EEVDF) a yielding thread gave its core to another process for ~0.3 ms. */
+static void wait_for(int *word, int want, int at_most, int *sleepers, long long patience_ns)
+{
+#define WAIT_NOT_YET(v) (at_most ? (v) > want : (v) < want)
+    const long long start = now_ns();
+    for (unsigned spins = 1; WAIT_NOT_YET(__atomic_load_n(word, __ATOMIC_ACQUIRE)); spins++) {
+        cpu_relax();
+        if (spins % 64 == 0 && now_ns() - start >= patience_ns) {
+            __atomic_add_fetch(sleepers, 1, __ATOMIC_SEQ_CST);
+            for (int seen; WAIT_NOT_YET(seen = __atomic_load_n(word, __ATOMIC_SEQ_CST));) {
+#ifdef __linux__
+                syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+#else
+                sched_yield();
+#endif
+            }
+            __atomic_sub_fetch(sleepers, 1, __ATOMIC_SEQ_CST);
+            return;
+        }
+    }
+#undef WAIT_NOT_YET
+}
+
+/* after a seq_cst change of *word: wake its sleepers, if any */
+static void wake_sleepers(int *word, int *sleepers)
+{
+    if (__atomic_load_n(sleepers, __ATOMIC_SEQ_CST)) {
+#ifdef __linux__
+        syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+#else
+        (void)word;
+#endif
+    }
+}
+
+/* A thread's part of a phase: the next unclaimed block from the phase's counter until none is left, each counted
+   done after; every block is one thread's, in any order (the rows are independent). No block waits for a given
+   thread, and the phases' ends count blocks, not threads: a thread woken late (or descheduled before its first
+   claim) takes fewer blocks or none, and the job does not wait for it (the caller alone finishes a job whose
+   workers share its core). The thread finishing phase 1's last block runs between_phases, then opens phase 2: the
+   job's one barrier. */
+static void phase1_share(job_t *J, int me)
+{
+    for (long b; (b = __atomic_fetch_add(&J->next1, 1, __ATOMIC_RELAXED)) < J->blocks1;) {
+        if (J->entered && me < TIMELINE_THREADS && !J->entered[me]) J->entered[me] = now_ns();  /* its first block */
+        long f = block_start(J->rows1, J->blocks1, J->fixed1, b);
+        const long f1 = block_start(J->rows1, J->blocks1, J->fixed1, b + 1);
+        while (f < f1) {  /* a block may run over from one unit into the next */
+            const long u = f / J->I, i0 = f % J->I, i1 = i0 + (f1 - f) < J->I ? i0 + (f1 - f) : J->I;
+            phase1_rows(J, u, i0, i1);
+            f += i1 - i0;
+        }
+        if (__atomic_add_fetch(&J->done1, 1, __ATOMIC_ACQ_REL) == J->blocks1) {  /* acquires every h row */
+            between_phases(J);
+            __atomic_store_n(&J->open, 1, __ATOMIC_SEQ_CST);
+            wake_sleepers(&J->open, &J->open_sleepers);
+        }
+    }
+}
+
+static void phase2_share(job_t *J)
+{
+    for (long b; (b = __atomic_fetch_add(&J->next2, 1, __ATOMIC_RELAXED)) < J->blocks2;) {
+        phase2_rows(J, block_start(J->rows2, J->blocks2, J->fixed2, b),
+                    block_start(J->rows2, J->blocks2, J->fixed2, b + 1));
+        if (__atomic_add_fetch(&J->done2, 1, __ATOMIC_SEQ_CST) == J->blocks2)
+            wake_sleepers(&J->done2, &J->done2_sleepers);
+    }
+}
+
+static __attribute__((unused)) void job_share(job_t *J, int me)
+{
+    phase1_share(J, me);
+    wait_for(&J->open, 1, 0, &J->open_sleepers, J->patience_ns);
+    phase2_share(J);
+}
+
+/* ---- the team: threads kept between jobs ------------------------------------------------------------------------
+   An OpenMP parallel region per job paid, on a 16-core host, 0.14-0.26 ms a small job beside its bytes: the team's
+   wake-up, the loops' barriers (two, three with int4-q4k), each waiting for every thread. The team here is started
+   once and kept: the caller posts a job by bumping a word (the job's number and its thread count), the workers spin
+   on that word for TEAM_SPIN_US (200) after their last job (the next layer's job within a decode step finds them
+   awake), then sleep on it (a futex: no core kept busy between steps; the XLA runtime's threads share the host).
+   The caller is a thread of the job too; it waits for phase 2's last block, then closes the job and waits only for
+   the workers still inside it (a worker enters by counting itself inside, then looking whether the job is still
+   open; so one that wakes after the close never touches it). One barrier a job (phase 1's blocks done), and no
+   wait for a thread that has not started. Linux OpenMP builds (-fopenmp links the threads); -DTEAM_OMP, non-Linux
+   builds: the OpenMP region per job as before. Callers at once (pools, the FFI's worker threads) each take a free
+   team, a new one if none is; a team grows to the threads asked for. */
+#if defined(_OPENMP) && defined(__linux__) && !defined(TEAM_OMP)
+#define OWN_TEAM 1
+#ifndef TEAM_SPIN_US
+#define TEAM_SPIN_US 200
+#endif
+#ifndef JOB_SPIN_US
+#define JOB_SPIN_US 50
+#endif
+#define TEAM_SPIN_STR(v) #v
+#define TEAM_SPIN_XSTR(v) TEAM_SPIN_STR(v)
+#define TEAM_SPIN_TEXT TEAM_SPIN_XSTR(TEAM_SPIN_US)
+enum { TEAM_MAX = 1023 };  /* workers a team (the word keeps 16 bits for the thread count) */
+
+typedef struct team {
+    struct team *next_team;
+    int busy;    /* a caller holds it (teams_lock) */
+    int size;    /* workers started (ids 1 .. size) */
+    job_t *job;  /* the posted job: written before the word, read by the workers taking part */
+    uint32_t word __attribute__((aligned(64)));  /* job number << 16 | threads taking part (the caller too) */
+    int sleepers __attribute__((aligned(64)));   /* workers in (or going into) the futex wait */
+    int inside __attribute__((aligned(64)));    /* workers inside the posted job */
+    int inside_sleepers;                          /* the caller asleep on it */
+    uint32_t closed;                              /* the word of the last job closed */
+    long long spin_ns;  /* how long an idle worker spins: 0 once the team outnumbers the cores it may run on */
+} team_t;
+
+typedef struct {
+    team_t *team;
+    int id;
+    uint32_t seen;
+} worker_start;
+
+static pthread_mutex_t teams_lock = PTHREAD_MUTEX_INITIALIZER;
+static team_t *teams;  /* the list, oldest first: a lone caller keeps taking the first, whose workers spin */
+static pthread_once_t teams_once = PTHREAD_ONCE_INIT;
+
+static void teams_forget(void)  /* a forked child has none of the threads: fresh teams there */
+{
+    teams = NULL;
+    pthread_mutex_init(&teams_lock, NULL);
+}
+static void teams_init(void) { pthread_atfork(NULL, NULL, teams_forget); }
+
+/* the word once it differs from `seen`: spin TEAM_SPIN_US, then sleep on the futex */
+static uint32_t wait_word(team_t *T, uint32_t seen)
+{
+    uint32_t word;
+    const long long start = now_ns();
+    for (unsigned spins = 1;; spins++) {
+        if ((word = __atomic_load_n(&T->word, __ATOMIC_ACQUIRE)) != seen) return word;
+        cpu_relax();
+        if (spins % 64 == 0 && now_ns() - start >= __atomic_load_n(&T->spin_ns, __ATOMIC_RELAXED)) break;
+    }
+    /* sleepers before the look at the word, the caller's word before its look at sleepers (both seq_cst): either
+       the caller sees a sleeper and wakes the futex, or this look sees its word; the futex wait itself returns at
+       once if the word moved since */
+    __atomic_add_fetch(&T->sleepers, 1, __ATOMIC_SEQ_CST);
+    while ((word = __atomic_load_n(&T->word, __ATOMIC_SEQ_CST)) == seen)
+        syscall(SYS_futex, &T->word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+    __atomic_sub_fetch(&T->sleepers, 1, __ATOMIC_SEQ_CST);
+    return word;
+}
+
+static void *team_worker(void *arg)
+{
+    const worker_start start = *(worker_start *)arg;
+    free(arg);
+    team_t *T = start.team;
+    for (uint32_t word = start.seen;;) {
+        word = wait_word(T, word);
+        const int n = (int)(word & 0xffff);
+        if (start.id < n) {
+            /* inside, then the look (seq_cst, against the caller's close, then its look at inside): the job still
+               posted and not closed, the caller waits for this thread, so T->job is its job until it leaves */
+            __atomic_add_fetch(&T->inside, 1, __ATOMIC_SEQ_CST);
+            if (__atomic_load_n(&T->word, __ATOMIC_SEQ_CST) == word && __atomic_load_n(&T->closed, __ATOMIC_SEQ_CST) != word)
+                job_share(T->job, start.id);
+            if (__atomic_sub_fetch(&T->inside, 1, __ATOMIC_SEQ_CST) == 0) wake_sleepers(&T->inside, &T->inside_sleepers);
+        }
+    }
+    return NULL;
+}
+
+/* a free team with up to `workers` workers (fewer if threads cannot be started), held until team_give */
+static team_t *team_take(int workers)
+{
+    pthread_once(&teams_once, teams_init);
+    pthread_mutex_lock(&teams_lock);
+    team_t **at = &teams;
+    while (*at && (*at)->busy) at = &(*at)->next_team;
+    if (!*at) {
+        team_t *T = NULL;
+        if (posix_memalign((void **)&T, 64, sizeof *T) == 0) {
+            memset(T, 0, sizeof *T);
+            *at = T;
+        }
+    }
+    team_t *T = *at;
+    if (T) {
+        T->busy = 1;
+        workers = workers < TEAM_MAX ? workers : TEAM_MAX;
+        if (T->size < workers) {
+            sigset_t all, old;  /* the workers take no signals: the process's handlers run where they did */
+            sigfillset(&all);
+            pthread_sigmask(SIG_SETMASK, &all, &old);
+            while (T->size < workers) {
+                worker_start *s = malloc(sizeof *s);
+                pthread_t thread;
+                pthread_attr_t attr;
+                if (!s) break;
+                *s = (worker_start){T, T->size + 1, T->word};
+                pthread_attr_init(&attr);
+                pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+                pthread_attr_setstacksize(&attr, 1 << 20);
+                const int failed = pthread_create(&thread, &attr, team_worker, s);
+                pthread_attr_destroy(&attr);
+                if (failed) {
+                    free(s);
+                    break;
+                }
+                pthread_setname_np(thread, "strata-experts");
+                T->size++;
+            }
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            /* more threads than cores (libgomp drops its spin then too): a spinning thread would take the core of
+               one with work; so no idle spin, and the job's waits sleep after 5 us. Looked at as the team grows (a
+               syscall: not each job) */
+            cpu_set_t cores;
+            const int count = sched_getaffinity(0, sizeof cores, &cores) == 0 ? CPU_COUNT(&cores) : 1;
+            __atomic_store_n(&T->spin_ns, T->size + 1 > count ? 0 : TEAM_SPIN_US * 1000LL, __ATOMIC_RELAXED);
+        }
+    }
+    pthread_mutex_unlock(&teams_lock);
+    return T;
+}
+
+static void team_give(team_t *T)
+{
+    pthread_mutex_lock(&teams_lock);
+    T->busy = 0;
+    pthread_mutex_unlock(&teams_lock);
+}
+
+/* J on the caller and up to J->threads - 1 workers of T */
+static void team_run(team_t *T, job_t *J)
+{
+    /* the job's own waits (phase 1's last block, phase 2's, the workers inside) are for blocks being computed:
+       short, unless the thread computing one lost its core, maybe to the waiter itself; so JOB_SPIN_US (5 us with
+       more threads than cores), then sleep. Set before the word: the workers read it after. */
+    J->patience_ns = T->spin_ns ? JOB_SPIN_US * 1000LL : 5000;
+    T->job = J;
+    const uint32_t word = ((T->word >> 16) + 1) << 16 | (uint32_t)J->threads;
+    __atomic_store_n(&T->word, word, __ATOMIC_SEQ_CST);
+    wake_sleepers((int *)&T->word, &T->sleepers);  /* all: any may take part */
+    job_share(J, 0);
+    wait_for(&J->done2, (int)J->blocks2, 0, &J->done2_sleepers, J->patience_ns);
+    __atomic_store_n(&T->closed, word, __ATOMIC_SEQ_CST);
+    wait_for(&T->inside, 0, 1, &T->inside_sleepers, J->patience_ns);
+}
+#endif
 
 /* See the comment at the top. gate, up: [E, I, H] (int4 [E, I, H/2]); down: [E, H, I] (int4 [E, H, I/2]);
    x [T, H]; h scratch [J, I]; out [*, H], added to. Returns the threads that ran (1 without OpenMP). */
@@ -738,14 +1215,16 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
 {
     const int timed = timeline_on;
     const long long t_entry = timed ? now_ns() : 0;
-    long long t_region = 0, t_phase1 = 0;
+    long long t_region = 0;
     long long *entered = timed ? calloc(TIMELINE_THREADS, sizeof *entered) : NULL;  /* each thread's entry */
     const int minima = fmt == FMT_INT4K;  /* int4-q4k: int4's loops, and the minima's term */
     if (minima) fmt = FMT_INT4;
     const int held_minima = minima || fmt == FMT_INT8GM;  /* scale rows of 2G: the scales, then the minima */
     if (fmt == FMT_INT8GM) fmt = FMT_INT8G;  /* int8-g dequantizes with its minima in registers */
-    const matrix mg = {gate, gate_scale, I, H, held_minima}, mu = {up, up_scale, I, H, held_minima},
-                 md = {down, down_scale, H, I, held_minima};
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    threads = threads < 1 ? 1 : threads;
     /* int4-q4k: the group sums of x's token rows (phase 1) and of h's rows (phase 2, after phase 1) */
     float *x_sums = NULL, *h_sums = NULL;
     if (minima) {
@@ -759,8 +1238,6 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
         }
         group_sums(x, tokens, H, group, x_sums);
     }
-    const long blocks_up = (I + ROWS_UP - 1) / ROWS_UP, blocks_down = (H + ROWS_DOWN - 1) / ROWS_DOWN;
-    int ran = 1;
     /* the bf16 path (see dot16_rows_nt): bf16 copies of x (phase 1) if its values are all bf16, and of h (phase 2)
        if h is rounded to bf16; NULL: the float path */
     uint16_t *x16 = NULL, *h16 = NULL;
@@ -793,146 +1270,62 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
         }
     }
 #endif
+    job_t J;
+    memset(&J, 0, sizeof J);
+    J.fmt = fmt, J.round_bf16_out = round_bf16_out, J.minima = minima;
+    J.H = H, J.I = I, J.group = group;
+    J.mg = (matrix){gate, gate_scale, I, H, held_minima};
+    J.mu = (matrix){up, up_scale, I, H, held_minima};
+    J.md = (matrix){down, down_scale, H, I, held_minima};
+    J.x = x, J.units = units, J.unit_expert = unit_expert, J.unit_start = unit_start;
+    J.entry_token = entry_token, J.entry_out = entry_out, J.entry_weight = entry_weight;
+    J.h = h, J.out = out, J.x_sums = x_sums, J.h_sums = h_sums, J.x16 = x16, J.h16 = h16, J.h_position = h_position;
+    J.entered = entered;
+    int ran = 1;
+#ifdef OWN_TEAM
+    team_t *team = threads > 1 ? team_take(threads - 1) : NULL;
+    ran = team ? 1 + (team->size < threads - 1 ? team->size : threads - 1) : 1;
+#elif defined(_OPENMP)
+    ran = threads;  /* what the blocks are cut for; the region may give fewer (OMP_THREAD_LIMIT), then says so */
+#endif
+    J.threads = ran;
+    J.rows1 = units * I, J.blocks1 = cut_blocks(J.rows1, ran, ROWS_UP, &J.fixed1);
+    J.rows2 = H, J.blocks2 = cut_blocks(H, ran, ROWS_DOWN, &J.fixed2);
     if (timed) t_region = now_ns();
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
-#endif
-    {
-        if (entered) {
-#ifdef _OPENMP
-            const int me = omp_get_thread_num();
-#else
-            const int me = 0;
-#endif
-            if (me < TIMELINE_THREADS) entered[me] = now_ns();
-        }
-#ifdef _OPENMP
-#pragma omp single nowait
-        ran = omp_get_num_threads();
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (long item = 0; item < units * blocks_up; item++) {
-            const long u = item / blocks_up, i0 = item % blocks_up * ROWS_UP;
-            const long i1 = i0 + ROWS_UP < I ? i0 + ROWS_UP : I, e = unit_expert[u];
-            for (long j0 = unit_start[u]; j0 < unit_start[u + 1]; j0 += TOKENS) {
-                const int nt = unit_start[u + 1] - j0 < TOKENS ? (int)(unit_start[u + 1] - j0) : TOKENS;
-                const float *xs[TOKENS];
-                const uint16_t *x16s[TOKENS];  /* NULL without BF16_DOT */
-                for (int t = 0; t < nt; t++) {
-                    xs[t] = x + entry_token[j0 + t] * H;
-                    x16s[t] = x16 ? x16 + entry_token[j0 + t] * padded(H) : NULL;
-                }
-                (void)x16s;  /* unused without BF16_DOT */
-                for (long i = i0; i < i1;) {
-                    /* gate and up of `count` rows: gu[(2 c) * TOKENS + t] gate, gu[(2 c + 1) * TOKENS + t] up */
-                    float gu[MAX_ROWS * TOKENS];
-                    long count = 1;
-#ifdef BF16_DOT
-                    if (x16 && dot16_pays(fmt, nt)) {  /* gate and up rows together: one read of x for all */
-                        count = dot16_rows_for(fmt, nt, 2 * (i1 - i)) >= 4 ? 2 : 1;
-                        const matrix *const ms[MAX_ROWS] = {&mg, &mu, &mg, &mu};
-                        const long es[MAX_ROWS] = {e, e, e, e}, rs[MAX_ROWS] = {i, i, i + 1, i + 1};
-                        dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, x16s, nt, gu);
-                    } else
-#endif
-                    {
-                        dot_matrix_row(fmt, group, &mg, e, i, xs, nt, gu);
-                        dot_matrix_row(fmt, group, &mu, e, i, xs, nt, gu + TOKENS);
-                    }
-                    if (minima)
-                        for (long c = 0; c < count; c++)
-                            for (int t = 0; t < nt; t++) {
-                                const float *sums = x_sums + entry_token[j0 + t] * (H / group);
-                                gu[2 * c * TOKENS + t] += q4k_bias(&mg, group, e * I + i + c, sums);
-                                gu[(2 * c + 1) * TOKENS + t] += q4k_bias(&mu, group, e * I + i + c, sums);
-                            }
-                    for (long c = 0; c < count; c++, i++)
-                        for (int t = 0; t < nt; t++) {
-                            float gt = gu[2 * c * TOKENS + t], ut = gu[(2 * c + 1) * TOKENS + t];
-                            if (round_bf16_out) { gt = round_bf16(gt); ut = round_bf16(ut); }
-                            /* silu(g) = g * sigmoid(g) in the tanh form, as pool.py: it does not overflow */
-                            float ht = gt * (0.5f + 0.5f * tanhf(0.5f * gt)) * ut;
-                            h[(j0 + t) * I + i] = round_bf16_out ? round_bf16(ht) : ht;
-                            if (h16) {  /* exact: ht is rounded to bf16 */
-                                uint32_t bits;
-                                memcpy(&bits, &h[(j0 + t) * I + i], sizeof bits);
-                                h16[(j0 + t) * padded(I) + h_position[i]] = (uint16_t)(bits >> 16);
-                            }
-                        }
-                }
-            }
-        }
-        /* the implicit barrier of the loop above: every h row is written before phase 2 reads it */
-        if (timed) {
-#ifdef _OPENMP
-#pragma omp master
-#endif
-            t_phase1 = now_ns();
-        }
-        if (minima) {
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-            for (long j = 0; j < unit_start[units]; j++) group_sums(h + j * I, 1, I, group, h_sums + j * (I / group));
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (long item = 0; item < blocks_down; item++) {
-            const long r0 = item * ROWS_DOWN, r1 = r0 + ROWS_DOWN < H ? r0 + ROWS_DOWN : H;
-            /* unit by unit over the block's rows: the unit's h rows stay in the core's L1 meanwhile; each output
-               element still sums the units in order */
-            for (long u = 0; u < units; u++)
-                for (long j0 = unit_start[u]; j0 < unit_start[u + 1]; j0 += TOKENS) {
-                    const int nt = unit_start[u + 1] - j0 < TOKENS ? (int)(unit_start[u + 1] - j0) : TOKENS;
-                    const float *hs[TOKENS];
-                    const uint16_t *h16s[TOKENS];
-                    for (int t = 0; t < nt; t++) {
-                        hs[t] = h + (j0 + t) * I;
-                        h16s[t] = h16 ? h16 + (j0 + t) * padded(I) : NULL;
-                    }
-                    (void)h16s;
-                    for (long r = r0; r < r1; r++) {
-                        float y[MAX_ROWS * TOKENS];
-                        int R = 1;
-#ifdef BF16_DOT
-                        if (h16 && dot16_pays(fmt, nt)) {  /* several rows at once: one read of h for all */
-                            R = dot16_rows_for(fmt, nt, r1 - r);
-                            const matrix *const ms[MAX_ROWS] = {&md, &md, &md, &md};
-                            const long e = unit_expert[u], es[MAX_ROWS] = {e, e, e, e};
-                            const long rs[MAX_ROWS] = {r, r + 1, r + 2, r + 3};
-                            dot16_matrix_rows(fmt, group, R, R, ms, es, rs, h16s, nt, y);
-                        } else
-#endif
-                            dot_matrix_row(fmt, group, &md, unit_expert[u], r, hs, nt, y);
-                        if (minima)
-                            for (int k = 0; k < R; k++)
-                                for (int t = 0; t < nt; t++)
-                                    y[k * TOKENS + t] += q4k_bias(&md, group, unit_expert[u] * H + r + k,
-                                                                  h_sums + (j0 + t) * (I / group));
-                        for (int k = 0; k < R; k++)
-                            for (int t = 0; t < nt; t++) {
-                                const float yt = round_bf16_out ? round_bf16(y[k * TOKENS + t]) : y[k * TOKENS + t];
-                                out[entry_out[j0 + t] * H + r + k] += entry_weight[j0 + t] * yt;
-                            }
-                        r += R - 1;
-                    }
-                }
-        }
+#ifdef OWN_TEAM
+    if (team) {
+        team_run(team, &J);
+        team_give(team);
+    } else {
+        job_share(&J, 0);
     }
+#elif defined(_OPENMP)
+    /* the OpenMP region per job (-DTEAM_OMP: the former team, for comparison; non-Linux builds) */
+#pragma omp parallel num_threads(threads)
+    {
+        const int me = omp_get_thread_num(), n = omp_get_num_threads();
+#pragma omp single nowait
+        ran = n;
+        if (entered && me < TIMELINE_THREADS) entered[me] = now_ns();
+        phase1_share(&J, me);  /* its last block's thread runs between_phases */
+#pragma omp barrier
+        phase2_share(&J);
+    }
+#else
+    job_share(&J, 0);
+#endif
     if (timed) {
         const long long t_end = now_ns();
-        long long first = 0, last = 0;
-        if (entered) {
-            first = entered[0], last = entered[0];
-            for (int k = 1; k < ran && k < TIMELINE_THREADS; k++) {
-                first = entered[k] && entered[k] < first ? entered[k] : first;
+        long long first = 0, last = 0, in = 0;
+        for (int k = 0; entered && k < ran && k < TIMELINE_THREADS; k++)
+            if (entered[k]) {
+                first = !first || entered[k] < first ? entered[k] : first;
                 last = entered[k] > last ? entered[k] : last;
+                in++;
             }
-        }
-        const long long add[6] = {t_region - t_entry, first ? first - t_region : 0, last ? last - t_region : 0,
-                                  t_phase1 - t_region, t_end - t_region, 1};
-        for (int k = 0; k < 6; k++) __atomic_fetch_add(&timeline_sums[k], add[k], __ATOMIC_SEQ_CST);
+        const long long add[7] = {t_region - t_entry, first ? first - t_region : 0, last ? last - t_region : 0,
+                                  J.t_phase1 - t_region, t_end - t_region, 1, in};
+        for (int k = 0; k < 7; k++) __atomic_fetch_add(&timeline_sums[k], add[k], __ATOMIC_SEQ_CST);
     }
     free(entered);
     free(x16);
@@ -978,7 +1371,9 @@ uint64_t read_words(const uint64_t *buf, long words, int threads)
 #endif
 const char *experts_build(void)
 {
-#ifdef _OPENMP
+#if defined(OWN_TEAM)
+    return DOTS ", OpenMP, a kept team (spin " TEAM_SPIN_TEXT " us, then sleep)";
+#elif defined(_OPENMP)
     return DOTS ", OpenMP";
 #else
     return DOTS ", one thread (no OpenMP)";

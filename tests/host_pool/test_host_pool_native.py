@@ -135,6 +135,91 @@ def test_threads_do_not_change_the_bits(kernel, monkeypatch):
     np.testing.assert_array_equal(outs[0], outs[2])
 
 
+def former_kernel():
+    """The build with the former job: an OpenMP region per job, fixed blocks (measure.py's comparison)."""
+    former, line = native.experts_variant(("TEAM_OMP", "BLOCKS_FIXED"))
+    if former is None:
+        pytest.skip(line)
+    return former
+
+
+@pytest.mark.parametrize("fmt,compute", CASES)
+def test_the_former_team_and_blocks_give_the_same_bits(kernel, monkeypatch, fmt, compute):
+    """The kept team with job-sized blocks and the former OpenMP region with fixed blocks: the blocks only decide
+    which thread computes an element, so 1 to 4 threads (more than this machine's cores too), one expert (a block
+    running from one unit into the next) and several, give the former job's bits."""
+    former = former_kernel()
+    rng = rng_for(f"native-former-{fmt}-{compute}")
+    _, store = make_store(rng, fmt, compute)
+    monkeypatch.setenv(native.ENV, "1")
+    for T, ids in ((1, [4]), (3, [1, 4, 5, 0]), (6, [6, 2, -1])):
+        x = rng.standard_normal((T, store.hidden_size(0))).astype(BF16).astype(np.float32)
+        ids = np.array(ids, np.int32)
+        w = (rng.random((T, ids.size)) * (ids >= 0)).astype(np.float32)
+        for threads in (1, 2, 3, 4):
+            with HostPool(store, threads=threads) as pool:
+                y_new = pool.compute(1, x, ids, w)
+                with monkeypatch.context() as m:
+                    m.setattr(native, "experts_kernel", lambda: former)
+                    y_former = pool.compute(1, x, ids, w)
+            np.testing.assert_array_equal(y_new, y_former)
+
+
+@pytest.mark.parametrize("rows,threads,phase", [(768, 16, 0), (1536, 16, 0), (2304, 16, 0), (6144, 16, 0),
+                                               (768, 2, 0), (2048, 16, 1), (2048, 3, 1), (320, 3, 0), (77, 2, 0),
+                                               (6, 4, 1)])
+def test_blocks_are_sized_to_the_job(kernel, rows, threads, phase):
+    """Every row in one block; a multiple of the threads of blocks (when the rows allow), of near-equal sizes on
+    4-row multiples (the last takes a ragged tail): one expert's 768 phase-1 rows on 16 threads are 32 blocks of 24
+    (the former 24 of 32 gave half the team a second round); the former build's fixed blocks of 32 and 16 rows."""
+    sizes = kernel.blocks(rows, threads, phase)
+    assert sum(sizes) == rows and min(sizes) > 0
+    if rows >= 4 * threads:
+        assert len(sizes) % threads == 0
+        assert all(size % 4 == 0 for size in sizes[:-1]) and max(sizes[:-1]) - min(sizes) <= 4
+    assert (rows, threads, phase) != (768, 16, 0) or sizes == [24] * 32
+    assert (rows, threads, phase) != (2048, 16, 1) or sizes == [16] * 128
+    former = former_kernel()
+    fixed = 32 if phase == 0 else 16
+    assert former.blocks(rows, threads, phase) == [fixed] * (rows // fixed) + ([rows % fixed] if rows % fixed else [])
+
+
+def test_callers_at_once_each_take_a_team(kernel, monkeypatch):
+    """Pools whose jobs run at once (each its own driver thread) each take a free team (a new one if none is): the
+    same bits as one at a time, no job lost or mixed."""
+    import threading
+    rng = rng_for("native-callers")
+    _, store = make_store(rng, "bfloat16")
+    monkeypatch.setenv(native.ENV, "1")
+    jobs = []
+    for k in range(3):
+        T = 1 + k
+        x = rng.standard_normal((T, store.hidden_size(0))).astype(np.float32)
+        ids = np.array([k, k + 2, 6 - k], np.int32)
+        jobs.append((x, ids, rng.random((T, 3)).astype(np.float32)))
+    pools = [HostPool(store, threads=2) for _ in jobs]
+    try:
+        alone = [pool.compute(0, *job) for pool, job in zip(pools, jobs)]
+        results = [[] for _ in jobs]
+
+        def run(k):
+            for _ in range(40):
+                results[k].append(pools[k].compute(0, *jobs[k]))
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for k, outs in enumerate(results):
+            assert len(outs) == 40
+            for out in outs:
+                np.testing.assert_array_equal(out, alone[k])
+    finally:
+        for pool in pools:
+            pool.close()
+
+
 def test_windows_past_the_limit_run_the_blas_jobs(kernel, monkeypatch):
     rng = rng_for("native-limit")
     reference, store = make_store(rng, "float32")

@@ -89,6 +89,31 @@ def test_c_kernel_matches_numpy(make_pool, monkeypatch):
     assert rel_fro(out["1"], reference_ffn(layers[0][0], x, ids, w, rounding("float32"))) < 1e-6
 
 
+def test_the_former_team_and_blocks_give_the_same_bits(make_pool, monkeypatch):
+    """int4-q4k's h group sums (now on the last thread into the job's one barrier) and job-sized blocks: the bits of
+    the former job (an OpenMP region, fixed blocks, -DTEAM_OMP -DBLOCKS_FIXED) for 1 to 3 threads."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    if native.experts_kernel() is None:
+        pytest.skip(native.describe_experts())
+    former, line = native.experts_variant(("TEAM_OMP", "BLOCKS_FIXED"))
+    if former is None:
+        pytest.skip(line)
+    rng = rng_for("q4k-former")
+    layers = make_layers(rng)
+    monkeypatch.setenv(native.ENV, "1")
+    for compute_dtype in ("float32", "bfloat16"):
+        for threads, T, ids in ((1, 1, [2]), (2, 1, [3, 1]), (3, 5, [3, -1, 0, 2])):
+            ids = np.array(ids, np.int32)
+            x = rng.standard_normal((T, H)).astype(np.float32)
+            w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
+            pool = make_pool([s for _, s in layers], compute_dtype, threads=threads)
+            y_new = pool.compute(1, x, ids, w)
+            with monkeypatch.context() as m:
+                m.setattr(native, "experts_kernel", lambda: former)
+                y_former = pool.compute(1, x, ids, w)
+            np.testing.assert_array_equal(y_new, y_former)
+
+
 def test_store_refuses_mixed_scales():
     rng = rng_for("q4k-mixed")
     (_, layer), = make_layers(rng)[:1]
