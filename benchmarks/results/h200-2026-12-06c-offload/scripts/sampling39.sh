@@ -27,6 +27,6 @@ for t in (1, 4):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((t, 151936)).astype(np.float32) * 3)
     f(x, p).block_until_ready(); t0 = time.perf_counter()
     for _ in range(200): y = f(x, p)
-    y.block_until_ready(); print(f"top_p filter T={t}: {(time.perf_counter() - t0) / 200 * 1e6:.0f} us (radix {sampling.RADIX_BITS} bits)")
+    y.block_until_ready(); print(f"top_p filter T={t}: {(time.perf_counter() - t0) / 200 * 1e6:.0f} us (radix {sampling.radix_bits()} bits)")
 PY
 echo "done at $((SECONDS-T0)) s"
