@@ -1056,6 +1056,20 @@ static __attribute__((unused)) void job_share(job_t *J, int me)
 #define TEAM_SPIN_TEXT TEAM_SPIN_XSTR(TEAM_SPIN_US)
 enum { TEAM_MAX = 1023 };  /* workers a team (the word keeps 16 bits for the thread count) */
 
+/* STRATA_POOL_SPIN_US (read once): the idle spin in microseconds instead of TEAM_SPIN_US, for A/Bs in the engine
+   (the gap between a decode step's layer jobs is the GPU's share of a layer: ~0.1-0.4 ms) */
+static long long team_spin_us(void)
+{
+    static long long us = -1;
+    if (us < 0) {
+        const char *e = getenv("STRATA_POOL_SPIN_US");
+        char *end = NULL;
+        long long v = e && *e ? strtoll(e, &end, 10) : -1;
+        us = e && *e && end && !*end && v >= 0 ? v : TEAM_SPIN_US;
+    }
+    return us;
+}
+
 typedef struct team {
     struct team *next_team;
     int busy;    /* a caller holds it (teams_lock) */
@@ -1172,7 +1186,7 @@ static team_t *team_take(int workers)
                syscall: not each job) */
             cpu_set_t cores;
             const int count = sched_getaffinity(0, sizeof cores, &cores) == 0 ? CPU_COUNT(&cores) : 1;
-            __atomic_store_n(&T->spin_ns, T->size + 1 > count ? 0 : TEAM_SPIN_US * 1000LL, __ATOMIC_RELAXED);
+            __atomic_store_n(&T->spin_ns, T->size + 1 > count ? 0 : team_spin_us() * 1000LL, __ATOMIC_RELAXED);
         }
     }
     pthread_mutex_unlock(&teams_lock);
