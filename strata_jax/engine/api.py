@@ -214,18 +214,21 @@ class Engine:
                                 self.options.kv_dtype)
 
     def _batch_refusal(self) -> str | None:
-        """Why this engine cannot run batched windows, or None. They run the scanned all-resident body: with
-        offload the slot caches and the host pool serve one sequence's windows (not wired for a batch's rows)."""
-        if self.placement is not None:
-            return (f"offload is on (expert_cache_slots={self.options.expert_cache_slots}: "
-                    f"{self.placement.slots} of {self.cfg.num_experts} experts a layer on the device); batched "
-                    "windows need every expert resident (expert_cache_slots=all)")
+        """Why this engine cannot run batched windows, or None. They run a scanned layer body on one device: the
+        all-resident one, or with offload the scanned offload body (the native offload calls; the rows of a window
+        share its plan, fetches and pool job)."""
         if self.parallel is not None:
             return f"devices={self.options.devices}: batched windows run on one device"
         if not self.scanned:
             why = ("its layers are of mixed kinds (Qwen3-Next's DeltaNet layers keep one sequence's state)"
-                   if not can_stack(self.cfg) else "layer_loop=unrolled")
-            return f"batched windows run the scanned layer loop; this model runs unrolled: {why}"
+                   if not can_stack(self.cfg) else "layer_loop=unrolled" if self.options.layer_loop == "unrolled"
+                   else "offload without the native offload calls (pool_calls=auto where their FFI handler builds)"
+                   if self.placement is not None and not self.placement.native
+                   else "the deferral (STRATA_VERIFY_DEFER_CPU) of windows this wide")
+            return f"batched windows run the scanned layer loop; this engine runs unrolled: {why}"
+        if self.placement is not None and self.defer.active:
+            return ("the deferral (STRATA_VERIFY_DEFER_CPU) is on: batched windows with offload run without it "
+                    "(unset it, or pcie_frac=1)")
         return None
 
     def kv_cache_line(self) -> str:

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from strata_jax.pallas_kernels.decode_attention import batch_decode_attention
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kv_cache import KVCache, QuantKV, _scatter_rows
-from strata_jax.model.transformer import (_xla_attention, attention_out, attention_rows, head_logits, product_stack,
-                                          rms_norm, scan_layers)
+from strata_jax.model.transformer import (_xla_attention, attention_out, attention_rows, head_logits,
+                                          offload_layers, product_stack, rms_norm, scan_layers)
 from strata_jax.model.weights import LayerWeights, Weights
 
 
@@ -72,11 +72,15 @@ def forward_batch(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.
                   n_active: jax.Array, cfg: ModelConfig, experts=None, attention_kernel: bool = False,
                   dense_kernel: bool = False) -> tuple[jax.Array, KVCache]:
     """tokens [B] of B sequences, row b at position pos[b] of KV slot slots[b]; the first n_active rows real ->
-    float32 logits [B, V] and the updated batch cache. Stacked weights (the scanned all-resident engine)."""
-    assert weights.stacked and cache.experts is None, "batched windows: the scanned all-resident layer loop"
+    float32 logits [B, V] and the updated batch cache. Stacked weights: the scanned all-resident body, or with
+    offload (cache.experts: the engine's stacked slot cache, carried in the batch cache for the window) the scanned
+    offload body (transformer.offload_layers), whose MoE half runs the B rows as one window's: the union of their
+    experts planned once, each fetched once, the pool's job over all the rows."""
+    assert weights.stacked, "batched windows: the scanned layer loop"
     slots_per_layer = cache.k.shape[0] // cfg.num_layers
     attend = functools.partial(batch_attention, slots=slots, slots_per_layer=slots_per_layer)
     h = weights.embed[tokens]  # [B, H]
-    h, cache = scan_layers(weights.layers, cache, h, pos, n_active, cfg, experts, attention_kernel, dense_kernel,
-                           attend=attend)
+    run = scan_layers if cache.experts is None else offload_layers
+    h, cache = run(weights.layers, cache, h, pos, n_active, cfg, experts, attention_kernel, dense_kernel,
+                   attend=attend)
     return head_logits(weights, h, cfg), cache
