@@ -114,6 +114,28 @@ def test_blocks_of_experts_past_one_pair_of_native_calls(engine_factory):
         assert text.count('custom_call_target="strata_offload_begin') == 2  # one scanned body, two blocks
 
 
+@pytest.mark.parametrize("variant", [dict(cache_policy="static", pcie_frac=0.5), dict(prefetch=2, pcie_frac=1.0),
+                                     dict(verify_defer_cpu="check", pcie_frac=0.5)],
+                         ids=["static", "prefetch", "defer-check"])
+def test_offload_variants_batch_equals_alone(engine_factory, variant):
+    """The static policy (slots filled from each prompt's prefill), prefetch=N (layer l+1's experts predicted on the
+    window's rows) and the deferral's bookkeeping mode (the late job over the window's rows, joined in its layer):
+    each prompt's tokens and logits alone."""
+    engine = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, cpu_threads=2,
+                            max_batch=MAX_BATCH, **variant)
+    assert engine.scanned_offload and engine._batch_refusal() is None
+    assert_each_alone(engine, random_prompts(engine.cfg.vocab_size, (6, 13, 9), seed=13), 6)
+    d = engine.stats.batch[0].decode_experts
+    assert (d.prefetched > 0) == ("prefetch" in variant) and (d.distinct_cpu > 0) == (variant["pcie_frac"] < 1)
+
+
 def test_what_still_is_not_batched_is_refused_in_one_line():
     one_line_refusal(Engine.from_pretrained, None, verbose=False, dtype="float32", context=64, max_batch=2,
                      expert_cache_slots=4, layer_loop="unrolled", match="max_batch=2: .*layer_loop=unrolled")
+    one_line_refusal(Engine.from_pretrained, None, verbose=False, dtype="float32", context=64, max_batch=2,
+                     expert_cache_slots=4, pool_calls="layer", match="max_batch=2: .*without the native offload calls")
+    # the reference model's top-8: a window of 8 rows may route 64 distinct experts, more than the deferral's one
+    # pair of native calls takes
+    one_line_refusal(Engine.from_pretrained, "reference", verbose=False, dtype="float32", context=64, window=4,
+                     max_batch=8, expert_cache_slots=12, pcie_frac=0.5, verify_defer_cpu="1",
+                     match="max_batch=8: the deferral .* one pair of native offload calls")
