@@ -13,6 +13,13 @@ The cache (kv_cache.init_batch_cache) is stacked [L*M, S, Nkv, D], M slots a lay
 l*M + s, which the attention reads as the scanned body reads layer l of the engine's own cache. Rows b >= n_active
 are padding: they route to no expert (the MoE's valid mask) and write into a slot no active row owns (the caller
 points them there), whose rows its next sequence rewrites before it reads them.
+
+With offload the batch cache carries the engine's stacked slot cache for the window (kv_cache.with_slot_caches) and
+the rows run through the scanned offload body (transformer.offload_layers with the same attention hook): the MoE
+half is OffloadedExperts' window of T=B rows, so moe.make_route gives the union of the rows' experts, the plan
+fetches each missed expert of the union once, and the pool's job computes every row's cpu entries; a window of
+more distinct experts than one pair of native calls takes (B * K > 32) runs its expert list in blocks of 32, as a
+prefill chunk does (OffloadedExperts.native_window).
 """
 from __future__ import annotations
 
