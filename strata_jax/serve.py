@@ -12,7 +12,9 @@ between two windows (its prompt prefilled alone, a chunk between two windows) an
 stop strings, stop tokens and max_tokens, its tokens those of the same request alone through generate(spec=0);
 `n` > 1 choices run as n sequences of the batch, choice i with seed + i. Requests with a grammar (a JSON
 response_format, tool_choice required or named) run alone through generate between the batch's windows; an engine
-that cannot batch (offload, several devices, Qwen3-Next) is loaded with max_batch=1 (the start-up line says so).
+that cannot batch (several devices, Qwen3-Next, layer_loop=unrolled, offload without the native offload calls or
+with the deferral) is loaded with max_batch=1 (the start-up line says so); offloaded engines batch too, a window's
+rows sharing its fetches and pool job.
 
 A request that starts with the previous one's tokens (a chat's next turn) prefills only the
 new part: `usage.prompt_tokens_details.cached_tokens` counts the rest. A bad request gets a 4xx with OpenAI's error

@@ -214,19 +214,30 @@ class Engine:
                                 self.options.kv_dtype)
 
     def _batch_refusal(self) -> str | None:
-        """Why this engine cannot run batched windows, or None. They run the scanned all-resident body: with
-        offload the slot caches and the host pool serve one sequence's windows (not wired for a batch's rows)."""
-        if self.placement is not None:
-            return (f"offload is on (expert_cache_slots={self.options.expert_cache_slots}: "
-                    f"{self.placement.slots} of {self.cfg.num_experts} experts a layer on the device); batched "
-                    "windows need every expert resident (expert_cache_slots=all)")
+        """Why this engine cannot run batched windows, or None. They run a scanned layer body on one device: the
+        all-resident one, or with offload the scanned offload body through the native offload calls (the rows of a
+        window share its plan, its fetches and its pool job). One line each for what is not served."""
         if self.parallel is not None:
             return f"devices={self.options.devices}: batched windows run on one device"
         if not self.scanned:
-            why = ("its layers are of mixed kinds (Qwen3-Next's DeltaNet layers keep one sequence's state)"
-                   if not can_stack(self.cfg) else "layer_loop=unrolled")
-            return f"batched windows run the scanned layer loop; this model runs unrolled: {why}"
+            return f"batched windows run the scanned layer loop; this engine runs unrolled: {self._unrolled_why()}"
+        if self.defer.active and not slots_mod.native_defer_fits(self.cfg, self.options.max_batch):
+            # the scanned body carries a layer's late job to the next layer: one pair of native calls a window
+            return (f"the deferral (STRATA_VERIFY_DEFER_CPU) is on and a window of max_batch="
+                    f"{self.options.max_batch} rows may route more distinct experts than one pair of native offload "
+                    "calls takes (32): lower max_batch, or unset the deferral")
         return None
+
+    def _unrolled_why(self) -> str:
+        """Why this engine's layers run unrolled (_batch_refusal's line)."""
+        if not can_stack(self.cfg):
+            return "its layers are of mixed kinds (Qwen3-Next's DeltaNet layers keep one sequence's state)"
+        if self.options.layer_loop == "unrolled":
+            return "layer_loop=unrolled"
+        if self.placement is not None and not self.placement.native:
+            return (f"offload without the native offload calls (pool_calls={self.options.pool_calls}, or their FFI "
+                    "handler did not build)")
+        return "the deferral (STRATA_VERIFY_DEFER_CPU) of windows this wide"
 
     def kv_cache_line(self) -> str:
         """The start-up line: how the KV cache is stored and its size."""

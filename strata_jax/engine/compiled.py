@@ -18,7 +18,7 @@ from strata_jax.engine.build import log
 from strata_jax.engine.loops import State
 from strata_jax.engine.plan import Plan
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.kv_cache import put_slot
+from strata_jax.model.kv_cache import put_slot, with_slot_caches
 from strata_jax.offload import slots as slots_mod
 from strata_jax.options import EngineOptions
 from strata_jax.sampling import FORMS, SamplingParams
@@ -134,7 +134,8 @@ class CompiledGraphs:
     def batch_windows_for(self, form: str | None) -> graphs.GraphTable:
         """The batched T=1 windows (graphs.batch_window) of every bucket for filter form `form` (None: greedy
         rows only), compiled by the first batch of that form (ahead: every bucket then, in threads; lazy: each
-        bucket on first use). Lowered against the batch cache (state.batch)."""
+        bucket on first use). Lowered against the batch cache (state.batch; with offload carrying the engine's slot
+        caches, kv_cache.with_slot_caches)."""
         if form not in self.batch_windows:
             t0 = time.perf_counter()
             fn = graphs.jit_batch_window(self.cfg, form, self.decode_expert_path, **self.plan.window_kernels())
@@ -143,7 +144,8 @@ class CompiledGraphs:
                 rows = jnp.zeros((b,), jnp.int32)
                 sampling = SamplingParams(temperature=jnp.zeros((b,), jnp.float32), top_p=jnp.ones((b,), jnp.float32),
                                           top_k=rows, seed=jnp.zeros((b,), jnp.uint32))
-                return self.aot(fn, self.state.weights, self.state.batch, rows, rows, rows, jnp.int32(b), sampling)
+                batch = with_slot_caches(self.state.batch, self.state.cache)  # offload: the slot caches ride along
+                return self.aot(fn, self.state.weights, batch, rows, rows, rows, jnp.int32(b), sampling)
             ahead = self.options.compile_graphs == "ahead"
             self.batch_windows[form] = graphs.GraphTable(self.batch_buckets(), window, ahead)
             if self.verbose and ahead:

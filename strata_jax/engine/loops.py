@@ -31,6 +31,7 @@ import numpy as np
 from strata_jax import grammar as grammar_mod
 from strata_jax.speculative import mtp as mtp_mod
 from strata_jax.speculative.drafters import DraftGate, NgramDrafter
+from strata_jax.model.kv_cache import split_slot_caches, with_slot_caches
 from strata_jax.sampling import SamplingParams, form_of
 from strata_jax.engine.stats import RequestStats
 
@@ -577,9 +578,12 @@ class BatchDecoder:
             now = time.perf_counter()
             for k in members:
                 self.started.setdefault(k, now)
-            self.cur, logits, s.batch = windows[b](s.weights, s.batch, tokens, jnp.asarray(pos, jnp.int32),
-                                                   jnp.asarray(slots, jnp.int32), jnp.int32(len(members)),
-                                                   self.params)
+            # offload: the window carries the engine's slot caches (the union of its rows' experts planned and
+            # fetched there once) and hands them back
+            self.cur, logits, batch = windows[b](s.weights, with_slot_caches(s.batch, s.cache), tokens,
+                                                 jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32),
+                                                 jnp.int32(len(members)), self.params)
+            s.batch, s.cache = split_slot_caches(batch, s.cache)
             self.cur_rows = members
             self.in_flight.append((members, self.cur, logits))
             self.windows_run += 1

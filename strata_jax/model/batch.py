@@ -13,6 +13,13 @@ The cache (kv_cache.init_batch_cache) is stacked [L*M, S, Nkv, D], M slots a lay
 l*M + s, which the attention reads as the scanned body reads layer l of the engine's own cache. Rows b >= n_active
 are padding: they route to no expert (the MoE's valid mask) and write into a slot no active row owns (the caller
 points them there), whose rows its next sequence rewrites before it reads them.
+
+With offload the batch cache carries the engine's stacked slot cache for the window (kv_cache.with_slot_caches) and
+the rows run through the scanned offload body (transformer.offload_layers with the same attention hook): the MoE
+half is OffloadedExperts' window of T=B rows, so moe.make_route gives the union of the rows' experts, the plan
+fetches each missed expert of the union once, and the pool's job computes every row's cpu entries; a window of
+more distinct experts than one pair of native calls takes (B * K > 32) runs its expert list in blocks of 32, as a
+prefill chunk does (OffloadedExperts.native_window).
 """
 from __future__ import annotations
 
@@ -24,8 +31,8 @@ import jax.numpy as jnp
 from strata_jax.pallas_kernels.decode_attention import batch_decode_attention
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.kv_cache import KVCache, QuantKV, _scatter_rows
-from strata_jax.model.transformer import (_xla_attention, attention_out, attention_rows, head_logits, product_stack,
-                                          rms_norm, scan_layers)
+from strata_jax.model.transformer import (_xla_attention, attention_out, attention_rows, head_logits,
+                                          offload_layers, product_stack, rms_norm, scan_layers)
 from strata_jax.model.weights import LayerWeights, Weights
 
 
@@ -72,11 +79,15 @@ def forward_batch(weights: Weights, cache: KVCache, tokens: jax.Array, pos: jax.
                   n_active: jax.Array, cfg: ModelConfig, experts=None, attention_kernel: bool = False,
                   dense_kernel: bool = False) -> tuple[jax.Array, KVCache]:
     """tokens [B] of B sequences, row b at position pos[b] of KV slot slots[b]; the first n_active rows real ->
-    float32 logits [B, V] and the updated batch cache. Stacked weights (the scanned all-resident engine)."""
-    assert weights.stacked and cache.experts is None, "batched windows: the scanned all-resident layer loop"
+    float32 logits [B, V] and the updated batch cache. Stacked weights: the scanned all-resident body, or with
+    offload (cache.experts: the engine's stacked slot cache, carried in the batch cache for the window) the scanned
+    offload body (transformer.offload_layers), whose MoE half runs the B rows as one window's: the union of their
+    experts planned once, each fetched once, the pool's job over all the rows."""
+    assert weights.stacked, "batched windows: the scanned layer loop"
     slots_per_layer = cache.k.shape[0] // cfg.num_layers
     attend = functools.partial(batch_attention, slots=slots, slots_per_layer=slots_per_layer)
     h = weights.embed[tokens]  # [B, H]
-    h, cache = scan_layers(weights.layers, cache, h, pos, n_active, cfg, experts, attention_kernel, dense_kernel,
-                           attend=attend)
+    run = scan_layers if cache.experts is None else offload_layers
+    h, cache = run(weights.layers, cache, h, pos, n_active, cfg, experts, attention_kernel, dense_kernel,
+                   attend=attend)
     return head_logits(weights, h, cfg), cache

@@ -127,3 +127,18 @@ def put_slot(batch: KVCache, one: KVCache, slot: jax.Array) -> KVCache:
         view = b.reshape(n_layers, b.shape[0] // n_layers, *b.shape[1:])  # [L, M, S, ...]: a bitcast
         return jax.lax.dynamic_update_slice_in_dim(view, o[:, None], slot, axis=1).reshape(b.shape)
     return batch.replace(k=jax.tree.map(put, batch.k, one.k), v=jax.tree.map(put, batch.v, one.v))
+
+
+def with_slot_caches(batch: KVCache, one: KVCache) -> KVCache:
+    """The batch cache carrying the engine's slot caches (one.experts) into a batched window: with offload the
+    window plans, fetches and counts in the slot caches the engine's own windows use (one set for every sequence);
+    without offload (one.experts None) the batch cache as it is."""
+    return batch if one.experts is None else batch.replace(experts=one.experts)
+
+
+def split_slot_caches(batch: KVCache, one: KVCache) -> tuple[KVCache, KVCache]:
+    """A batched window's cache back apart: (the batch cache without the slot caches, the engine's cache with
+    them, as the window left them)."""
+    if batch.experts is None:
+        return batch, one
+    return batch.replace(experts=None), one.replace(experts=batch.experts)

@@ -307,7 +307,7 @@ def _stacked_attention(h, layer: LayerWeights, stack: LayerWeights, k_all, v_all
 
 def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.Array, n_valid: jax.Array,
                    cfg: ModelConfig, experts, attention_kernel: bool = False,
-                   dense_kernel: bool = False) -> tuple[jax.Array, KVCache]:
+                   dense_kernel: bool = False, attend: Callable | None = None) -> tuple[jax.Array, KVCache]:
     """scan_layers with offloaded experts: the routed experts of `stack` are tuples of the layers' host arrays
     (stack_layers(keep_experts=True)), cache.experts every layer's slot cache in one (experts/slots.py
     init_stacked_slot_cache), `experts` the offloaded expert path (it gives layer l's view of that cache).
@@ -315,7 +315,10 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
     With the native offload calls (experts.runs_native: decode windows, and prefill chunks in blocks of experts) one
     layer body runs in a `lax.scan`, the layer index traced: the calls name the layer in their plan and address the
     stacked slot arrays by absolute rows, so nothing in the body depends on the layer statically. Without them (the
-    graph path's copy loops read layer l's host arrays) the same body unrolls, l a Python int."""
+    graph path's copy loops read layer l's host arrays) the same body unrolls, l a Python int.
+    attend: the body's attention half, as scan_layers' (model/batch.py's batched windows: the rows of one window
+    are B sequences, each at its own position and KV slot; the MoE half runs them as one window's rows)."""
+    attend = attend or _stacked_attention
     t = h.shape[0]
     valid = jnp.arange(t) < n_valid  # [T]
     f = stack.ffn
@@ -330,8 +333,8 @@ def offload_layers(stack: LayerWeights, cache: KVCache, h: jax.Array, pos: jax.A
     def body(carry, i, host=None):
         h, k_all, v_all, state, late = carry
         layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), dense_part)
-        h, x, k_all, v_all = _stacked_attention(h, layer, stack, k_all, v_all, jnp.asarray(i, jnp.int32), pos, cfg,
-                                                attention_kernel, dense_kernel)
+        h, x, k_all, v_all = attend(h, layer, stack, k_all, v_all, jnp.asarray(i, jnp.int32), pos, cfg,
+                                    attention_kernel, dense_kernel)
         if deferring:  # pre(l): the last layer's late rows, after this layer's mixer, before its FFN half
             h = experts.join_late(h, late)
             x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)

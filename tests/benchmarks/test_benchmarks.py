@@ -386,3 +386,18 @@ def test_batch_bench_tiny(tmp_path, capsys, cache_dir):
         assert r["aggregate_tok_s"] > 0 and r["per_stream_tok_s"] == pytest.approx(r["aggregate_tok_s"] / r["batch"])
     table_lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
     assert len(table_lines) == 2 + 3 and "aggregate tok/s" in table_lines[0]  # alone, B=1, B=3
+
+
+def test_batch_bench_tiny_offload(tmp_path, capsys, cache_dir):
+    """--expert_cache_slots=25% (4 of 16) --pcie_frac=0.5: the batched windows with offload, and the offload columns
+    (a window's fetched and pooled distinct experts, the hit rate) from the counters."""
+    from benchmarks import batch_bench
+    result = batch_bench.main(["batch_bench", "--model=tiny", "--batch=1,3", "--prompt=5", "--new_tokens=4",
+                               "--dtype=float32", "--expert_cache_slots=25%", "--pcie_frac=0.5",
+                               f"--cache_dir={cache_dir}"])
+    assert [r["batch"] for r in result["rows"]] == [1, 3]
+    for r in result["rows"]:
+        assert r["aggregate_tok_s"] > 0 and r["fetched_per_window"] + r["pool_per_window"] > 0
+        assert 0 <= r["hit_rate"] <= 1
+    table_lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
+    assert "fetched/window" in table_lines[0] and len(table_lines) == 2 + 3
