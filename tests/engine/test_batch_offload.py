@@ -51,6 +51,17 @@ def test_offloaded_greedy_batch_equals_alone(engine_factory, pcie_frac):
     assert (d.distinct_cpu > 0) == (pcie_frac < 1)
 
 
+def test_a_batch_wider_than_half_the_slots_is_said(engine_factory):
+    """max_batch x K routed experts a layer past half the slots: the start-up says the windows may thrash the
+    slots (measured slower than one sequence on a GPU); within them, nothing is said."""
+    engine = offload_engine(engine_factory, 1.0)  # 5 slots, K = 4: any batch of 2 rows passes half of them
+    (line,) = engine._batch_slots_lines()
+    assert f"max_batch={MAX_BATCH}" in line and "against 5 slots" in line
+    roomy = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=16, pcie_frac=1.0,
+                           cpu_threads=2, max_batch=2)  # 2 rows x 4 experts: half of 16 slots
+    assert roomy._batch_slots_lines() == []
+
+
 def test_offloaded_sampled_batch_equals_alone(engine_factory):
     engine = offload_engine(engine_factory, 0.5)
     prompts = random_prompts(engine.cfg.vocab_size, (7, 12, 4), seed=5)
