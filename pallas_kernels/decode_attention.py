@@ -290,16 +290,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
             cache_spec,
             *([scale_spec, scale_spec] if quant else []),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, mp, d), lambda g, j: (j, g, 0, 0)),
-            pl.BlockSpec((None, None, mp), lambda g, j: (j, g, 0)),
-            pl.BlockSpec((None, None, mp), lambda g, j: (j, g, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((splits, programs, mp, d), jnp.float32),  # o
-            jax.ShapeDtypeStruct((splits, programs, mp), jnp.float32),  # l
-            jax.ShapeDtypeStruct((splits, programs, mp), jnp.float32),  # m
-        ],
+        **_split_outputs(splits, programs, mp, d),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_attention",
@@ -310,6 +301,22 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: 
         out = out.reshape(nkv, nb * mp, d)
     out = out[:, :t * r].reshape(nkv, t, r, d).transpose(1, 0, 2, 3).reshape(t, nq, d)
     return out.astype(q.dtype)
+
+
+def _split_outputs(splits: int, programs: int, mp: int, d: int) -> dict:
+    """The pallas_call outputs of a split attention, grid (programs, splits): each program's partial o [Mp, D], row
+    sums l and maxima m [Mp] per split, float32, for _combine_splits."""
+    return dict(
+        out_specs=[
+            pl.BlockSpec((None, None, mp, d), lambda p, j: (j, p, 0, 0)),
+            pl.BlockSpec((None, None, mp), lambda p, j: (j, p, 0)),
+            pl.BlockSpec((None, None, mp), lambda p, j: (j, p, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, programs, mp, d), jnp.float32),  # o
+            jax.ShapeDtypeStruct((splits, programs, mp), jnp.float32),  # l
+            jax.ShapeDtypeStruct((splits, programs, mp), jnp.float32),  # m
+        ])
 
 
 def _combine_splits(o: jax.Array, l: jax.Array, m: jax.Array) -> jax.Array:
@@ -419,16 +426,7 @@ def batch_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             cache_spec,
             *([scale_spec, scale_spec] if quant else []),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, mp, d), lambda p, j: (j, p, 0, 0)),
-            pl.BlockSpec((None, None, mp), lambda p, j: (j, p, 0)),
-            pl.BlockSpec((None, None, mp), lambda p, j: (j, p, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((splits, programs, mp, d), jnp.float32),  # o
-            jax.ShapeDtypeStruct((splits, programs, mp), jnp.float32),  # l
-            jax.ShapeDtypeStruct((splits, programs, mp), jnp.float32),  # m
-        ],
+        **_split_outputs(splits, programs, mp, d),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="batch_decode_attention",
