@@ -222,32 +222,17 @@ class HostExperts:
 
     def store(self, cfg: ModelConfig):
         layers = []
-        q4k = any(x.dtype == np.uint16 for d in self.numpy.values() for x in d.values())  # int4-q4k's codes
-        some = next(iter(self.numpy.values()), {})
-        rank = np.ndim(some.get("gate_scale"))  # float32 groups: 3 ([E, O, G], int8-g) or 4 ([E, O, 2, G], minima)
+        some = next(iter(self.numpy.values()), {})  # a sparse layer's arrays: the formats of every family
         for i in range(cfg.num_layers):
             if i in self.numpy:
                 d = self.numpy[i]
                 scales = tuple(d[f"{w}_scale"] for w in ("gate", "up", "down") if f"{w}_scale" in d)
                 layers.append((d["gate"], d["up"], d["down"], *scales))
-            else:  # a dense layer: a 1-expert placeholder keeps the pool's layer numbers the model's
-                dtype = next(iter(self.numpy.values()))["gate"].dtype
-                if dtype == np.uint8 and q4k:  # int4-q4k: 256 inputs, codes all zero: w = 0
-                    q = np.full((1, 256, 128), 0x88, np.uint8)
-                    layers.append((q, q, q, *(np.zeros((1, 256, 10), np.uint16),) * 3))
-                    continue
-                if rank == 4 or (dtype == np.int8 and rank == 3):  # float32 groups: 32 inputs, one group, w = 0
-                    q = np.zeros((1, 32, 16 if dtype == np.uint8 else 32), dtype)
-                    sc = np.zeros((1, 32, 2, 1) if rank == 4 else (1, 32, 1), np.float32)
-                    layers.append((q, q, q, sc, sc, sc))
-                    continue
-                if dtype == np.uint8:  # int4: 64 inputs, one group, packed in 32 bytes
-                    q = np.full((1, 64, 32), 0x88, np.uint8)  # q = 0 everywhere
-                    layers.append((q, q, q, *(np.ones((1, 64, 1), np.float32),) * 3))
-                    continue
-                ones = np.ones((1, 1, 1), dtype)
-                scales = (np.ones((1, 1), np.float32),) * 3 if dtype == np.int8 else ()
-                layers.append((ones, ones, ones, *scales))
+            else:  # a dense layer: a 1-expert placeholder keeps the pool's layer numbers the model's; zeros in
+                # each family's own format (zero scales, zero codes: w = 0), so the store sees one format a family
+                names = ("gate", "up", "down") + tuple(f"{w}_scale" for w in ("gate", "up", "down")
+                                                       if f"{w}_scale" in some)
+                layers.append(tuple(np.zeros_like(some[name][:1]) for name in names))
         return HostExpertStore(layers, compute_dtype=self.compute_dtype)
 
 
@@ -416,7 +401,8 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: Weights, host: HostExp
     lines = [f"expert cache: {slots} of {cfg.num_experts} slots per MoE layer ({why}), policy {opts.cache_policy}, "
              f"{slot_bytes(cfg, slots, itemsize) / 2**20:.1f} MiB on the device; experts in "
              f"{host.kind} memory; host pool: {threads} threads ({native.describe_experts(short=True)}; "
-             f"{blas.describe()}" + (f"; {native.describe()}" if pool.store.dtype == np.uint8 else "")
+             f"{blas.describe()}" + (f"; {native.describe()}" if np.uint8 in (pool.store.dtype_of("gate"), pool.store.dtype_of("down"))
+                                  else "")
              + f"), reached by {'XLA FFI' if native_calls(pool) else 'io_callback'}"]
     native_offload, why_not = False, f"pool_calls={opts.pool_calls}"
     if opts.pool_calls == "auto":
