@@ -198,7 +198,8 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     int4 packed in uint8) and `place_scales` (default `place`) the bf16 scales, [E, O] per row (int8) or group-major
     [E, I/g, O] (int4) (names `layers.{i}.experts.{gate,up,down}_scale`). "int4-q4k": a GGUF's Q4_K expert stacks
     are kept as read (their nibbles moved, uint16 codes [E, 5G/4, O]), other experts quantized at load; likewise the
-    float32-scaled formats of quant.GGUF_KEPT (int8-g32: Q8_0, ...; scales [E, G, O] or [E, 2, G, O]).
+    float32-scaled formats of quant.GGUF_KEPT (int8-g32: Q8_0, ...; scales [E, G, O] or [E, 2, G, O]). A pair
+    "gate_up/down" (per-family formats, quant.family_formats): gate and up read in the first, down in the second.
     """
     reader = open_reader(folder)
     place_experts = place_experts or place
