@@ -172,3 +172,26 @@ def test_saved_state_keeps_both_families(mixed_models, engine_factory, tmp_path,
                                   expert_cache_slots="3", pcie_frac="0.5", expert_dtype="int4-q4k/int8-g16")
     assert back.placement.pool.store.format == "int4-q4k/int8-g"
     assert rel_fro(back.prefill_logits(IDS), src.prefill_logits(IDS)) < 1e-5
+
+
+def test_mixed_experts_under_the_kernel_scan_offloaded(mixed_models, engine_factory, cache_dir, monkeypatch):
+    """The Q4_K/Q6_K experts offloaded to 3 slots with expert_kernel=pallas (bf16, interpret mode on the CPU; the
+    engine's GPU-only check passed here as test_quant does): the scanned offload graph, the kernels each reading
+    its family's scales by window position (codes for gate/up, float32 groups for down), fetches into slots of two
+    storages and the pool's C kernel (phase 1 FMT_INT4K, phase 2 FMT_INT8G), within bf16 rounding of all resident
+    through the XLA path."""
+    from helpers import engine_with_gpu_paths
+    from strata_jax.offload.slots import layer_states
+    path, _, _ = mixed_models("Q6_K")
+    common = dict(dtype="bfloat16", window=4, context=64)
+    want = engine_factory(path, expert_cache_slots="all", expert_kernel="xla", **common).score(IDS)
+    eng = engine_with_gpu_paths(monkeypatch, path, cache_dir, expert_cache_slots="3",
+                                pcie_frac="0.5", cpu_threads=2, expert_kernel="pallas", **common)
+    assert eng.expert_kernel == "pallas" and eng.decode_expert_path.kernel and eng.scanned_offload
+    first = layer_states(eng.cache.experts)[0]
+    assert first.gate.dtype == np.uint8 and first.down.dtype == np.int8
+    assert eng.placement.pool.store.format == "int4-q4k/int8-g"
+    assert rel_fro(eng.score(IDS), want) < 2e-2
+    d = eng.stats.last.decode_experts
+    assert d.distinct_fetched > 0 and d.distinct_cpu > 0
+    assert len(eng.generate(IDS, 6, stop_token_ids=[])) == 6
