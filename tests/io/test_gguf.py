@@ -833,7 +833,7 @@ def test_cli_decodes_a_gguf(tmp_path, cache_dir, engine_factory):
                    "--expert_cache_slots=all", f"--save_state={state}"], cache_dir)
     err = out.stderr.decode()
     assert out.returncode == 0, err
-    assert "gguf: " in err and "experts Q8_0 (8.50 bpw) -> f32 (dequantized at load)" in err, err
+    assert "gguf: " in err and "experts Q8_0 (8.50 bpw) -> int8-g32 (9.00 bpw: Q8_0's blocks as stored)" in err, err
     assert re.search(r"^loading: layer 3/3 \(\d+\.\d s\)$", err, re.MULTILINE), err  # the time spent
     assert out.stdout.startswith(b"def fib(n):") and len(out.stdout) > len(b"def fib(n):"), out.stdout
     # --save_state of a GGUF engine: the converted weights, the tokenizer and the chat template come back
