@@ -109,9 +109,9 @@ def hot_rate(kernel, store: HostExpertStore, T: int, x_dtype, rng, units: int = 
     h = np.empty((units * T, I), np.float32)
     out = np.zeros((T, H), np.float32)
     scales = [getattr(store, name)[0] for name in ("gate_scale", "up_scale", "down_scale")]
-    group = store.group(0)
     ptr = lambda a: 0 if a is None else a.ctypes.data
-    args = (pool_module._format_code(store), int(store.compute_dtype == BF16), H, I, group,
+    args = (pool_module._format_code(store, "gate"), pool_module._format_code(store, "down"),
+            int(store.compute_dtype == BF16), H, I, store.group(0, "gate"), store.group(0, "down"),
             *map(ptr, (store.gate[0], store.up[0], store.down[0], *scales, x)), units, *map(ptr, (
                 experts, unit_start, entry_token, entry_token, entry_weight, h, out)), 1)
     kernel.job(*args)  # warm up: weights into cache

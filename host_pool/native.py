@@ -123,7 +123,8 @@ class ExpertsKernel:
     def __init__(self, path: Path):
         library = ctypes.CDLL(str(path))  # CDLL: the GIL is released during each call
         self.job = library.experts_job
-        self.job.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_long]
+        # fmt (phase 1: gate/up), fmt_down (phase 2), round, H, I, group (gate/up's), group_down, ...
+        self.job.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 7 + [ctypes.c_long]
                              + [ctypes.c_void_p] * 7 + [ctypes.c_int])
         self.job.restype = ctypes.c_int
         self.read_words = library.read_words
@@ -220,7 +221,7 @@ class FfiLibrary:
         import jax
         library = ctypes.CDLL(str(path))
         self.register = library.pool_register
-        self.register.argtypes = [ctypes.c_int] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 11
+        self.register.argtypes = [ctypes.c_int] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 12
         self.register.restype = ctypes.c_int64
         self.release = library.pool_release
         self.release.argtypes = [ctypes.c_int64]

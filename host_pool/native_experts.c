@@ -18,6 +18,9 @@
    Q5_K, Q2_K): int8 q with a float32 scale per group of `group` inputs (and a minimum: a scale row holds the G
    scales, then the G minima); each weight is dequantized in registers, fma(q, s, -mn) = s q - mn rounded once
    (s q is exact), gguf's float32 value, then dotted as float32 weights are.
+   Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside Q6_K down, each kept as read): a job's phase 1
+   reads gate/up in `fmt` with groups of `group`, phase 2 reads down in `fmt_down` with `group_down`; each phase's
+   minima, group sums and bf16 path follow its own format.
    Each output element is written by one thread, units in order: a fixed summation order, no locks. Plain layer
    jobs give every entry of a token the same output row (the weighted sum), split jobs one row per entry, weight 1.
 
@@ -759,8 +762,9 @@ void experts_timeline(int on, long long *out)
 
 /* The job as every thread of it sees it; the counters it shares live on cache lines of their own. */
 typedef struct {
-    int fmt, round_bf16_out, minima;
-    long H, I, group;
+    int fmt, round_bf16_out, minima;     /* phase 1's (gate/up) format, and whether it is int4-q4k's */
+    int fmt_down, minima_down;           /* phase 2's (down) */
+    long H, I, group, group_down;        /* inputs per scale: gate/up's (of H), down's (of I) */
     matrix mg, mu, md;
     const float *x;
     long units;
@@ -887,8 +891,8 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
 /* Phase 2 of the output rows r0 .. r1 - 1: out[out_j, r] += w_j * (down[e_j, r] . h[j]) over every unit. */
 static void phase2_rows(const job_t *J, long r0, long r1)
 {
-    const int fmt = J->fmt, round_bf16_out = J->round_bf16_out, minima = J->minima;
-    const long H = J->H, I = J->I, group = J->group;
+    const int fmt = J->fmt_down, round_bf16_out = J->round_bf16_out, minima = J->minima_down;
+    const long H = J->H, I = J->I, group = J->group_down;
     const int64_t *unit_start = J->unit_start, *unit_expert = J->unit_expert, *entry_out = J->entry_out;
     const float *h = J->h, *entry_weight = J->entry_weight;
     const uint16_t *h16 = J->h16;
@@ -938,7 +942,7 @@ static void phase2_rows(const job_t *J, long r0, long r1)
    complete then), the timeline. */
 static void between_phases(job_t *J)
 {
-    if (J->minima) group_sums(J->h, J->unit_start[J->units], J->I, J->group, J->h_sums);
+    if (J->minima_down) group_sums(J->h, J->unit_start[J->units], J->I, J->group_down, J->h_sums);
     if (J->entered) J->t_phase1 = now_ns();
 }
 
@@ -1220,7 +1224,7 @@ static void team_run(team_t *T, job_t *J)
 
 /* See the comment at the top. gate, up: [E, I, H] (int4 [E, I, H/2]); down: [E, H, I] (int4 [E, H, I/2]);
    x [T, H]; h scratch [J, I]; out [*, H], added to. Returns the threads that ran (1 without OpenMP). */
-int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
+int experts_job(int fmt, int fmt_down, int round_bf16_out, long H, long I, long group, long group_down,
                 const void *gate, const void *up, const void *down,
                 const float *gate_scale, const float *up_scale, const float *down_scale,
                 const float *x, long units, const int64_t *unit_expert, const int64_t *unit_start,
@@ -1231,26 +1235,30 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
     const long long t_entry = timed ? now_ns() : 0;
     long long t_region = 0;
     long long *entered = timed ? calloc(TIMELINE_THREADS, sizeof *entered) : NULL;  /* each thread's entry */
-    const int minima = fmt == FMT_INT4K;  /* int4-q4k: int4's loops, and the minima's term */
+    const int minima = fmt == FMT_INT4K, minima_down = fmt_down == FMT_INT4K;  /* int4-q4k: int4's loops, and the
+                                                                                 minima's term */
     if (minima) fmt = FMT_INT4;
-    const int held_minima = minima || fmt == FMT_INT8GM;  /* scale rows of 2G: the scales, then the minima */
+    if (minima_down) fmt_down = FMT_INT4;
+    /* scale rows of 2G: the scales, then the minima */
+    const int held_minima = minima || fmt == FMT_INT8GM, held_minima_down = minima_down || fmt_down == FMT_INT8GM;
     if (fmt == FMT_INT8GM) fmt = FMT_INT8G;  /* int8-g dequantizes with its minima in registers */
+    if (fmt_down == FMT_INT8GM) fmt_down = FMT_INT8G;
 #ifndef _OPENMP
     threads = 1;
 #endif
     threads = threads < 1 ? 1 : threads;
     /* int4-q4k: the group sums of x's token rows (phase 1) and of h's rows (phase 2, after phase 1) */
     float *x_sums = NULL, *h_sums = NULL;
-    if (minima) {
+    if (minima || minima_down) {
         long tokens = 0;
         for (long j = 0; j < unit_start[units]; j++) tokens = entry_token[j] + 1 > tokens ? entry_token[j] + 1 : tokens;
-        x_sums = malloc((size_t)(tokens * (H / group) + 1) * sizeof *x_sums);
-        h_sums = malloc((size_t)(unit_start[units] * (I / group) + 1) * sizeof *h_sums);
-        if (!x_sums || !h_sums) {  /* a few KB: the process is out of memory */
+        x_sums = minima ? malloc((size_t)(tokens * (H / group) + 1) * sizeof *x_sums) : NULL;
+        h_sums = minima_down ? malloc((size_t)(unit_start[units] * (I / group_down) + 1) * sizeof *h_sums) : NULL;
+        if ((minima && !x_sums) || (minima_down && !h_sums)) {  /* a few KB: the process is out of memory */
             fprintf(stderr, "host pool: out of memory for int4-q4k's group sums\n");
             abort();
         }
-        group_sums(x, tokens, H, group, x_sums);
+        if (minima) group_sums(x, tokens, H, group, x_sums);
     }
     /* the bf16 path (see dot16_rows_nt): bf16 copies of x (phase 1) if its values are all bf16, and of h (phase 2)
        if h is rounded to bf16; NULL: the float path */
@@ -1258,7 +1266,8 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
     int32_t *h_position = NULL;
 #ifdef BF16_DOT
     const long entries = unit_start[units];
-    if ((fmt == FMT_BF16 || fmt == FMT_INT8 || (fmt == FMT_INT4 && int4_dot16_ok(group / 2))) && entries > 0) {
+#define DOT16_OK(f, g) ((f) == FMT_BF16 || (f) == FMT_INT8 || ((f) == FMT_INT4 && int4_dot16_ok((g) / 2)))
+    if (DOT16_OK(fmt, group) && entries > 0) {
         long tokens = 0;
         for (long j = 0; j < entries; j++) tokens = entry_token[j] + 1 > tokens ? entry_token[j] + 1 : tokens;
         int32_t *x_position = malloc((size_t)H * sizeof *x_position);
@@ -1271,26 +1280,28 @@ int experts_job(int fmt, int round_bf16_out, long H, long I, long group,
             x16 = NULL;
         }
         free(x_position);
-        if (round_bf16_out) {
-            h_position = malloc((size_t)I * sizeof *h_position);
-            h16 = calloc((size_t)(entries * padded(I)), sizeof *h16);  /* the padding stays zero */
-            if (h_position && h16) {
-                dot16_positions(fmt, I, group / 2, h_position);
-            } else {
-                free(h_position);
-                free(h16);
-                h_position = NULL, h16 = NULL;
-            }
+    }
+    if (DOT16_OK(fmt_down, group_down) && entries > 0 && round_bf16_out) {  /* phase 2's own format decides */
+        h_position = malloc((size_t)I * sizeof *h_position);
+        h16 = calloc((size_t)(entries * padded(I)), sizeof *h16);  /* the padding stays zero */
+        if (h_position && h16) {
+            dot16_positions(fmt_down, I, group_down / 2, h_position);
+        } else {
+            free(h_position);
+            free(h16);
+            h_position = NULL, h16 = NULL;
         }
     }
+#undef DOT16_OK
 #endif
     job_t J;
     memset(&J, 0, sizeof J);
     J.fmt = fmt, J.round_bf16_out = round_bf16_out, J.minima = minima;
-    J.H = H, J.I = I, J.group = group;
+    J.fmt_down = fmt_down, J.minima_down = minima_down;
+    J.H = H, J.I = I, J.group = group, J.group_down = group_down;
     J.mg = (matrix){gate, gate_scale, I, H, held_minima};
     J.mu = (matrix){up, up_scale, I, H, held_minima};
-    J.md = (matrix){down, down_scale, H, I, held_minima};
+    J.md = (matrix){down, down_scale, H, I, held_minima_down};
     J.x = x, J.units = units, J.unit_expert = unit_expert, J.unit_start = unit_start;
     J.entry_token = entry_token, J.entry_out = entry_out, J.entry_weight = entry_weight;
     J.h = h, J.out = out, J.x_sums = x_sums, J.h_sums = h_sums, J.x16 = x16, J.h16 = h16, J.h_position = h_position;

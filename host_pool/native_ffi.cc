@@ -37,8 +37,8 @@
 
 namespace ffi = xla::ffi;
 
-extern "C" int experts_job(int fmt, int round_bf16_out, long H, long I, long group, const void *gate, const void *up,
-                           const void *down, const float *gate_scale, const float *up_scale,
+extern "C" int experts_job(int fmt, int fmt_down, int round_bf16_out, long H, long I, long group, long group_down,
+                           const void *gate, const void *up, const void *down, const float *gate_scale, const float *up_scale,
                            const float *down_scale, const float *x, long units, const int64_t *unit_expert,
                            const int64_t *unit_start, const int64_t *entry_token, const int64_t *entry_out,
                            const float *entry_weight, float *h, float *out, int threads);
@@ -48,7 +48,7 @@ namespace {
 struct Layer {
   const void *gate, *up, *down;
   const float *gate_scale, *up_scale, *down_scale;
-  long hidden, intermediate, group, experts, expert_bytes;
+  long hidden, intermediate, group, group_down, experts, expert_bytes;  // group: gate/up's inputs per scale
 };
 
 struct Staging;
@@ -56,7 +56,7 @@ struct Offload;
 struct Prefetch;
 
 struct Pool {
-  int fmt, round_bf16, threads;
+  int fmt, fmt_down, round_bf16, threads;  // fmt: gate/up's FMT_* (a job's phase 1), fmt_down: down's (phase 2)
   std::vector<Layer> layers;
   std::atomic<int64_t> calls{0}, experts_run{0}, bytes{0}, nanos{0};
   std::atomic<int64_t> fetch_calls{0}, fetched{0}, fetch_bytes{0};
@@ -114,8 +114,9 @@ void run_job(Pool *pool, int64_t layer_index, const float *x, const int32_t *ids
   if (units == 0) return;  // a window with no cpu expert in this layer: zeros, not counted as a job
   {
     s.h.resize(s.entry_token.size() * layer.intermediate);
-    experts_job(pool->fmt, pool->round_bf16, layer.hidden, layer.intermediate, layer.group, layer.gate, layer.up,
-                layer.down, layer.gate_scale, layer.up_scale, layer.down_scale, x, units, s.unit_expert.data(),
+    experts_job(pool->fmt, pool->fmt_down, pool->round_bf16, layer.hidden, layer.intermediate, layer.group,
+                layer.group_down, layer.gate, layer.up, layer.down, layer.gate_scale, layer.up_scale,
+                layer.down_scale, x, units, s.unit_expert.data(),
                 s.unit_start.data(), s.entry_token.data(), s.entry_token.data(), s.entry_weight.data(),
                 s.h.data(), y, pool->threads);
   }
@@ -1511,18 +1512,20 @@ extern "C" {
 
 // A pool over `layers` layers of stacked experts (pointers stay valid until pool_release: the caller keeps the
 // arrays); returns its id.
-int64_t pool_register(int fmt, int round_bf16, int threads, int64_t layers, const void *const *gate,
+int64_t pool_register(int fmt, int fmt_down, int round_bf16, int threads, int64_t layers, const void *const *gate,
                       const void *const *up, const void *const *down, const float *const *gate_scale,
                       const float *const *up_scale, const float *const *down_scale, const int64_t *hidden,
-                      const int64_t *intermediate, const int64_t *group, const int64_t *experts,
-                      const int64_t *expert_bytes) {
+                      const int64_t *intermediate, const int64_t *group, const int64_t *group_down,
+                      const int64_t *experts, const int64_t *expert_bytes) {
   auto *pool = new Pool();
   pool->fmt = fmt;
+  pool->fmt_down = fmt_down;
   pool->round_bf16 = round_bf16;
   pool->threads = threads;
   for (int64_t l = 0; l < layers; l++)
     pool->layers.push_back({gate[l], up[l], down[l], gate_scale[l], up_scale[l], down_scale[l], (long)hidden[l],
-                            (long)intermediate[l], (long)group[l], (long)experts[l], (long)expert_bytes[l]});
+                            (long)intermediate[l], (long)group[l], (long)group_down[l], (long)experts[l],
+                            (long)expert_bytes[l]});
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry.push_back(pool);
   return (int64_t)registry.size() - 1;

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import native
 from .blas import set_blas_threads
-from .store import BF16
+from .store import BF16, U8
 from .store import HostExpertStore, row_chunks_f32
 
 # Thread jobs per thread and phase: >1 evens out uneven job times, more costs
@@ -48,9 +48,11 @@ MIN_ROWS_PER_JOB = 16
 # Tokens per expert up to which a job runs in the C kernel: it reads each weight row once per 4 tokens from cache,
 # so past a few dozen tokens BLAS's blocked products are the faster path.
 NATIVE_MAX_TOKENS = 16
-def _format_code(store) -> int:
-    """native_experts.c's FMT_* of a store (int8-g with minima: FMT_INT8GM)."""
-    return 6 if store.format == "int8-g" and store.minima else _FORMAT_CODES[store.format]
+def _format_code(store, which: str = "gate") -> int:
+    """native_experts.c's FMT_* of a store's matrix `which` (gate/up's, or down's: a job's phase 1 and phase 2 may
+    differ; int8-g with minima: FMT_INT8GM)."""
+    fmt = store.format_of(which)
+    return 6 if fmt == "int8-g" and store.minima_of(which) else _FORMAT_CODES[fmt]
 
 
 _FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4-q4k": 4, "int4-m": 4, "int8-g": 5}  # native_experts.c's FMT_*
@@ -146,7 +148,7 @@ class HostPool:
     def __init__(self, store: HostExpertStore, threads: int | None = None,
                  timeout_s: float = 20.0, blas_threads: int | None = 1, native_calls: bool = True):
         native.mode()  # a bad STRATA_POOL_NATIVE fails here, not in a job
-        if store.format in ("int4", "int4-q4k", "int4-m"):
+        if U8 in (store.dtype_of("gate"), store.dtype_of("down")):  # int4, int4-q4k, int4-m
             native.int4_kernel()  # compiled now (once per machine), not inside the first job's timeout
         native.experts_kernel()  # the same
         self.store = store
@@ -207,10 +209,10 @@ class HostPool:
             pointers = [(ctypes.c_void_p * L)(*[0 if a is None else a.ctypes.data for a in arr]) for arr in arrays]
             ints = [(ctypes.c_int64 * L)(*values) for values in (
                 [store.hidden_size(i) for i in range(L)], [store.intermediate_size(i) for i in range(L)],
-                [store.group(i) for i in range(L)],
+                [store.group(i, "gate") for i in range(L)], [store.group(i, "down") for i in range(L)],
                 [store.num_experts(i) for i in range(L)], [store.nbytes(i, 0) for i in range(L)])]
-            pool_id = library.register(_format_code(store), int(self.round_bf16), self.threads, L,
-                                       *pointers, *ints)
+            pool_id = library.register(_format_code(store, "gate"), _format_code(store, "down"),
+                                       int(self.round_bf16), self.threads, L, *pointers, *ints)
             self._ffi = (library, pool_id, [0, 0, 0, 0])
         return self._ffi[1]
 
@@ -530,10 +532,10 @@ class HostPool:
         h = np.empty((len(entry_token), I), np.float32)  # [J, I] SwiGLU activations
         gate, up, down = store.gate[layer], store.up[layer], store.down[layer]
         scales = [getattr(store, name)[layer] for name in ("gate_scale", "up_scale", "down_scale")]
-        group = store.group(layer)
         ptr = lambda a: 0 if a is None else a.ctypes.data
-        threads = kernel.job(
-            _format_code(store), int(self.round_bf16), H, I, group, ptr(gate), ptr(up), ptr(down),
+        threads = kernel.job(  # phase 1 in gate/up's format, phase 2 in down's
+            _format_code(store, "gate"), _format_code(store, "down"), int(self.round_bf16), H, I,
+            store.group(layer, "gate"), store.group(layer, "down"), ptr(gate), ptr(up), ptr(down),
             *map(ptr, scales), ptr(x), len(experts), ptr(experts), ptr(unit_start), ptr(entry_token),
             ptr(entry_out), ptr(entry_weight), ptr(h), ptr(out), self.threads)
         seconds = time.perf_counter() - t0
@@ -628,7 +630,7 @@ class HostPool:
         gate_rows = self.store.expert_rows("gate", layer, expert, r0, r1)  # [R, H] (int4 [R, H/2]), scales
         up_rows = self.store.expert_rows("up", layer, expert, r0, r1)      # [R, H] (int4 [R, H/2]), scales
         out = hT_n[r0:r1]                                                   # [R, T] view
-        minima = self.store.minima
+        minima = self.store.minima_of("gate")
         for (c0, gate, gate_s), (_, up, up_s) in zip(row_chunks_f32(*gate_rows, minima=minima),
                                                      row_chunks_f32(*up_rows, minima=minima)):
             g = self._round(_scaled(gate @ xT, gate_s))  # [c, T]
@@ -645,7 +647,7 @@ class HostPool:
         for n, (expert, hT) in enumerate(hTs):
             down_rows = self.store.expert_rows("down", layer, expert, r0, r1)  # [R, I] (int4 [R, I/2]), scales
             nbytes += _nbytes(down_rows)
-            for c0, down, scale in row_chunks_f32(*down_rows, minima=self.store.minima):
+            for c0, down, scale in row_chunks_f32(*down_rows, minima=self.store.minima_of("down")):
                 put(n, r0 + c0, r0 + c0 + len(down), self._round(_scaled(down @ hT, scale)))
         return time.perf_counter() - t0, nbytes
 

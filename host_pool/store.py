@@ -72,6 +72,12 @@ class HostExpertStore:
         `format` "int8-g", `minima` for the second. int4 packed with float32
         scales and minima [E, O, 2, G] (Q4_1): as int4-q4k's decoded form,
         `format` "int4-m". (Q4_0's float32 scales are plain int4.)
+    Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up and Q6_K down
+    kept as read): gate and up share one format, down may hold another
+    (both quantized); each matrix's is `format_of` / `dtype_of` /
+    `minima_of` / `group(layer, which)`, and `format` is "gate_up/down"
+    (e.g. "int4-q4k/int8-g") where they differ (`dtype`, `minima`, `grouped`:
+    gate/up's).
     `compute_dtype` (float32 or bfloat16; default bf16 for quantized experts)
     says how the pool rounds, as the device's graphs do.
     """
@@ -86,16 +92,18 @@ class HostExpertStore:
         self.gate_scale: list[np.ndarray | None] = []
         self.up_scale: list[np.ndarray | None] = []
         self.down_scale: list[np.ndarray | None] = []
-        dtypes = set()
-        minima = set()  # layers with minima (int4-q4k's codes, [E, O, 2, G] float32) and without
-        grouped = set()  # int8 layers with group scales (int8-g) and with row ones
+        # Per family (gate/up, down: issue 36's per-family formats, Q4_K_M's Q4_K gate/up and Q6_K down), what
+        # each layer's matrices are: (format name, dtype, minima, grouped), one value per family over the layers.
+        seen: dict[str, set] = {"gate_up": set(), "down": set()}
         for index, (gate, up, down, *scales) in enumerate(layers):
-            if gate.dtype not in (F32, BF16, I8, U8):
-                raise TypeError(f"layer {index}: expert dtype {gate.dtype}, want float32, bfloat16, int8 or "
-                                "uint8 (packed int4)")
-            if not gate.dtype == up.dtype == down.dtype:
-                raise TypeError(f"layer {index}: gate/up/down dtypes differ")
+            for a in (gate, up, down):
+                if a.dtype not in (F32, BF16, I8, U8):
+                    raise TypeError(f"layer {index}: expert dtype {a.dtype}, want float32, bfloat16, int8 or "
+                                    "uint8 (packed int4)")
             quantized = gate.dtype in (I8, U8)
+            if gate.dtype != up.dtype or (down.dtype != gate.dtype and not (quantized and down.dtype in (I8, U8))):
+                raise TypeError(f"layer {index}: gate/up/down dtypes differ ({gate.dtype}, {up.dtype}, {down.dtype}; "
+                                "only quantized families may differ: gate/up one format, down another)")
             if quantized != (len(scales) == 3):
                 raise TypeError(f"layer {index}: int8 and int4 experts come with three scale arrays (and float "
                                 "ones with none)")
@@ -103,35 +111,19 @@ class HostExpertStore:
                 raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}, "
                                  "want [E, out, in]")
             E, I, H = gate.shape[0], gate.shape[1], down.shape[1]
-            packed = 2 if gate.dtype == U8 else 1  # inputs per stored element
-            if (gate.shape[2] * packed != H or up.shape != gate.shape
-                    or down.shape != (E, H, I // packed) or I % packed):
+            packed_gu, packed_d = (2 if a.dtype == U8 else 1 for a in (gate, down))  # inputs per stored element
+            if (gate.shape[2] * packed_gu != H or up.shape != gate.shape
+                    or down.shape != (E, H, I // packed_d) or I % packed_d):
                 raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}"
-                                 + (" (int4: packed [E, out, in/2])" if packed == 2 else ""))
+                                 + (" (int4: packed [E, out, in/2])" if 2 in (packed_gu, packed_d) else ""))
             if quantized:
-                codes = [np.asarray(x).dtype == np.uint16 for x in scales]
-                if any(codes) and (not all(codes) or gate.dtype != U8):
-                    raise TypeError(f"layer {index}: int4-q4k experts are uint8 with three uint16 code arrays")
-                ranks = {np.ndim(x) for x in scales}
-                if len(ranks) != 1 and (4 in ranks or (gate.dtype == I8 and 3 in ranks)):
-                    raise ValueError(f"layer {index}: scale ranks {[np.ndim(x) for x in scales]} differ")
-                rank = np.ndim(scales[0])
-                if gate.dtype == I8:
-                    grouped.add(rank > 2)
-                minima.add(all(codes) or rank == 4)
-                if rank == 4:  # [E, O, 2, G] float32: scales, then minima -> [E, O, 2G]
-                    scales = [np.ascontiguousarray(x, F32).reshape(*x.shape[:2], -1) for x in scales]
-                    half = [x[..., : x.shape[-1] // 2] for x in scales]
-                    _check_scales(index, U8 if gate.dtype == U8 else "int8-g", half, E, I, H)
-                elif gate.dtype == I8 and rank == 3:
-                    scales = [np.ascontiguousarray(x, F32) for x in scales]
-                    _check_scales(index, "int8-g", scales, E, I, H)
-                elif all(codes):
-                    scales = [q4k_scale_min(np.asarray(x)) for x in scales]  # [E, O, 2G] float32
-                    _check_scales(index, gate.dtype, [x[..., : x.shape[-1] // 2] for x in scales], E, I, H)
-                else:
-                    scales = [np.ascontiguousarray(x, F32) for x in scales]
-                    _check_scales(index, gate.dtype, scales, E, I, H)
+                gu_scales, gu_kind = _family_scales(index, gate.dtype, scales[:2], ("gate", "up"), E, (I, H))
+                d_scales, d_kind = _family_scales(index, down.dtype, scales[2:], ("down",), E, (H, I))
+                scales = [*gu_scales, *d_scales]
+            else:
+                gu_kind = d_kind = (_FLOAT_NAMES[gate.dtype], gate.dtype, False, False)
+            seen["gate_up"].add(gu_kind)
+            seen["down"].add(d_kind)
             for lst, x in zip((self.gate_scale, self.up_scale, self.down_scale), scales or (None,) * 3):
                 lst.append(x)
             if bf16_as_f32 and gate.dtype == BF16:
@@ -140,25 +132,44 @@ class HostExpertStore:
             self.gate.append(np.ascontiguousarray(gate))
             self.up.append(np.ascontiguousarray(up))
             self.down.append(np.ascontiguousarray(down))
-            dtypes.add(self.gate[-1].dtype)
-        if len(dtypes) > 1:
-            raise TypeError(f"layers mix dtypes {sorted(map(str, dtypes))}")
-        if len(minima) > 1 or len(grouped) > 1:
-            raise TypeError("layers mix experts with and without minima, or int8 with group and row scales")
-        self.dtype: np.dtype = dtypes.pop() if dtypes else F32  # as stored: uint8 for int4
-        self.minima = minima == {True}  # scales [E, O, 2G], s then mn
-        self.grouped = grouped == {True}  # int8-g: scales per group of inputs
-        self.format = ("int8-g" if self.grouped else
-                       ("int4-q4k" if codes_seen(layers) else "int4-m") if self.minima else
-                       {F32: "float32", BF16: "bfloat16", I8: "int8", U8: "int4"}[self.dtype])
+        for family, kinds in seen.items():
+            if len({k[1] for k in kinds}) > 1:
+                raise TypeError(f"layers mix dtypes {sorted(str(k[1]) for k in kinds)}")
+            if len(kinds) > 1:
+                raise TypeError("layers mix experts with and without minima, or int8 with group and row scales")
+        empty = ("float32", F32, False, False)
+        gu_kind, d_kind = (seen[f].pop() if seen[f] else empty for f in ("gate_up", "down"))
+        if bf16_as_f32 and gu_kind[1] == BF16:
+            gu_kind = d_kind = empty
+        # (format, stored dtype, minima: scales [E, O, 2G] s then mn, grouped: int8-g's group scales) per matrix
+        self._kinds = {"gate": gu_kind, "up": gu_kind, "down": d_kind}
+        self.dtype: np.dtype = gu_kind[1]  # as stored: uint8 for int4 (gate/up's; `dtype_of` per matrix)
+        self.minima = gu_kind[2]  # gate/up's (`minima_of` per matrix)
+        self.grouped = gu_kind[3]  # gate/up's
+        # one name where the families agree, else "gate_up/down" (e.g. "int4-q4k/int8-g")
+        self.format = gu_kind[0] if gu_kind[0] == d_kind[0] else f"{gu_kind[0]}/{d_kind[0]}"
+        quantized = self.dtype in (I8, U8)
         self.compute_dtype = np.dtype(compute_dtype) if compute_dtype is not None else (
-            BF16 if self.dtype in (I8, U8) else self.dtype)
+            BF16 if quantized else self.dtype)
 
-    def group(self, layer: int) -> int:
-        """int4's and int8-g's inputs per scale (int4-q4k: 32), 0 for other formats."""
-        if self.dtype != U8 and not self.grouped:
+    def format_of(self, which: str) -> str:
+        """Matrix `which`'s ("gate", "up", "down") format: "int4-q4k", "int8-g", "bfloat16", ..."""
+        return self._kinds[which][0]
+
+    def dtype_of(self, which: str) -> np.dtype:
+        """Matrix `which`'s stored dtype (uint8: int4 packed)."""
+        return self._kinds[which][1]
+
+    def minima_of(self, which: str) -> bool:
+        """Whether matrix `which`'s scales hold minima ([E, O, 2G]: s, then mn)."""
+        return self._kinds[which][2]
+
+    def group(self, layer: int, which: str = "gate") -> int:
+        """int4's and int8-g's inputs per scale of matrix `which` (int4-q4k: 32), 0 for other formats."""
+        if self.dtype_of(which) != U8 and not self._kinds[which][3]:
             return 0
-        return self.hidden_size(layer) // (self.gate_scale[layer].shape[2] // (2 if self.minima else 1))
+        width = self.hidden_size(layer) if which != "down" else self.intermediate_size(layer)
+        return width // (getattr(self, which + "_scale")[layer].shape[2] // (2 if self.minima_of(which) else 1))
 
     def expert_rows(self, which: str, layer: int, expert: int, r0: int, r1: int):
         """Rows r0:r1 of one expert's "gate", "up" or "down" weight: (stored rows [R, in] (int4: [R, in/2]),
@@ -184,7 +195,7 @@ class HostExpertStore:
         """Bytes of weights one expert's FFN reads (gate + up + down; quantized: q and the scales, float32 here)."""
         scales = sum(x[layer][expert].nbytes for x in (self.gate_scale, self.up_scale, self.down_scale)
                      if x[layer] is not None)
-        return self.gate[layer][expert].nbytes * 3 + scales
+        return sum(x[layer][expert].nbytes for x in (self.gate, self.up, self.down)) + scales
 
     @property
     def total_nbytes(self) -> int:
@@ -193,29 +204,60 @@ class HostExpertStore:
         return scales + sum(g.nbytes + u.nbytes + d.nbytes for g, u, d in zip(self.gate, self.up, self.down))
 
 
-def codes_seen(layers) -> bool:
-    """Whether the layers' scales are int4-q4k's uint16 codes."""
-    return any(np.asarray(x).dtype == np.uint16 for _, _, _, *scales in layers for x in scales)
+_FLOAT_NAMES = {F32: "float32", BF16: "bfloat16"}
 
 
-def _check_scales(index: int, dtype, scales: list[np.ndarray], E: int, I: int, H: int) -> None:
-    """int8: a scale per output row; int4: per (output row, group), groups of a multiple of 16 inputs (whole
-    8-byte words of packed nibbles per half group, see `_dequantize_int4`); "int8-g": per (output row, group)."""
-    if dtype == "int8-g":
-        for name, scale, (out_dim, in_dim) in zip(("gate", "up", "down"), scales, ((I, H), (I, H), (H, I))):
-            groups = scale.shape[2] if scale.ndim == 3 else 0
+def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple) -> tuple[list, tuple]:
+    """One family's (gate and up, or down) scales of layer `index` as the store keeps them (float32; int4-q4k's codes
+    decoded into [E, O, 2G]; [E, O, 2, G] minima -> [E, O, 2G]), checked, and the family's (format, dtype, minima,
+    grouped). dims: the family's (out, in) widths."""
+    codes = [np.asarray(x).dtype == np.uint16 for x in scales]
+    if any(codes) and (not all(codes) or dtype != U8):
+        raise TypeError(f"layer {index}: int4-q4k experts are uint8 with uint16 code arrays")
+    ranks = {np.ndim(x) for x in scales}
+    if len(ranks) != 1 and (4 in ranks or (dtype == I8 and 3 in ranks)):  # else the shape check below says more
+        raise ValueError(f"layer {index}: scale ranks {[np.ndim(x) for x in scales]} differ")
+    rank = np.ndim(scales[0])
+    if rank == 4 and any(np.shape(x)[2] != 2 for x in scales):
+        raise ValueError(f"layer {index}: {'/'.join(names)} scales with minima are [E, O, 2, G] (got "
+                         f"{[np.shape(x) for x in scales]})")
+    grouped = dtype == I8 and rank > 2
+    minima = all(codes) or rank == 4
+    if rank == 4:  # [E, O, 2, G] float32: scales, then minima -> [E, O, 2G]
+        scales = [np.ascontiguousarray(x, F32).reshape(*x.shape[:2], -1) for x in scales]
+        half = [x[..., : x.shape[-1] // 2] for x in scales]
+        _check_scales(index, U8 if dtype == U8 else "int8-g", half, E, names, dims)
+    elif grouped:
+        scales = [np.ascontiguousarray(x, F32) for x in scales]
+        _check_scales(index, "int8-g", scales, E, names, dims)
+    elif all(codes):
+        scales = [q4k_scale_min(np.asarray(x)) for x in scales]  # [E, O, 2G] float32
+        _check_scales(index, dtype, [x[..., : x.shape[-1] // 2] for x in scales], E, names, dims)
+    else:
+        scales = [np.ascontiguousarray(x, F32) for x in scales]
+        _check_scales(index, dtype, scales, E, names, dims)
+    name = ("int8-g" if grouped else ("int4-q4k" if all(codes) else "int4-m") if minima else
+            {I8: "int8", U8: "int4"}[dtype])
+    return scales, (name, dtype, minima, grouped)
+
+
+def _check_scales(index: int, dtype, scales: list[np.ndarray], E: int, names: tuple, dims: tuple) -> None:
+    """One family's scales (names: ("gate", "up") or ("down",); dims its (out, in) widths). int8: a scale per output
+    row; int4: per (output row, group), groups of a multiple of 16 inputs (whole 8-byte words of packed nibbles per
+    half group, see `_dequantize_int4`); "int8-g": per (output row, group)."""
+    out_dim, in_dim = dims
+    if dtype == I8:
+        if any(x.shape != (E, out_dim) for x in scales):
+            raise ValueError(f"layer {index}: int8 {'/'.join(names)} scale shapes {[x.shape for x in scales]}, want "
+                             f"{(E, out_dim)}")
+        return
+    for name, scale in zip(names, scales):
+        groups = scale.shape[2] if scale.ndim == 3 else 0
+        if dtype == "int8-g":
             if scale.shape[:2] != (E, out_dim) or groups == 0 or in_dim % groups:
                 raise ValueError(f"layer {index}: int8-g {name}_scale shape {scale.shape}, want [{E}, {out_dim}, G] "
                                  f"with G dividing the {in_dim} inputs")
-        return
-    if dtype == I8:
-        if [x.shape for x in scales] != [(E, I), (E, I), (E, H)]:
-            raise ValueError(f"layer {index}: int8 scale shapes {[x.shape for x in scales]}, want "
-                             f"{[(E, I), (E, I), (E, H)]}")
-        return
-    for name, scale, (out_dim, in_dim) in zip(("gate", "up", "down"), scales, ((I, H), (I, H), (H, I))):
-        groups = scale.shape[2] if scale.ndim == 3 else 0
-        if scale.shape[:2] != (E, out_dim) or groups == 0 or in_dim % groups or (in_dim // groups) % 16:
+        elif scale.shape[:2] != (E, out_dim) or groups == 0 or in_dim % groups or (in_dim // groups) % 16:
             raise ValueError(f"layer {index}: int4 {name}_scale shape {scale.shape}, want [{E}, {out_dim}, G] "
                              f"with G groups of a multiple of 16 of the {in_dim} inputs")
 

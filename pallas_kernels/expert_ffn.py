@@ -44,6 +44,10 @@ s and mn float32. int8-g: gate/up/down int8 as int8's, with group-major scales [
 q widened to bf16 (exact: |q| <= 128) dotted with its g inputs, times s, minus mn sum(x_g); int4 with minima adds
 (8 s - mn) sum(x_g) to s (x_g . (q - 8)). The scales' rank and dtype say the form (`_scale_form`).
 
+Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside its Q6_K down, each kept as read): gate and up
+share one format, down may hold another (both quantized); the gate/up kernel takes gate/up's dtype, scales and
+form, the down kernel down's (`_family_form`), so e.g. int4-q4k codes feed the first and int8-g16 scales the second.
+
 Where the scales are: program n (the window's expert n) reads its weights at row slot_ids[n] and its scales at row
 scale_ids[n] of the scale arrays ([R, ...], read in place like the weights). scale_ids defaults to slot_ids: the
 scales stored row for row beside the weights (the resident experts, [E, ...] or stacked [L*E, ...], R = S). The
@@ -226,13 +230,36 @@ def _scale_form(quantized: str | None, scales: tuple) -> str | None:
     codes = [sc.dtype == jnp.uint16 for sc in scales]
     if any(codes):
         if quantized != "int4" or not all(codes):
-            raise ValueError("expert_ffn: int4-q4k experts take uint16 codes for all three scales")
+            raise ValueError("expert_ffn: int4-q4k experts take uint16 codes for the scales of a whole family")
         return "q4k"
     ranks = {sc.ndim for sc in scales}
     if len(ranks) != 1 or scales[0].ndim not in ((2, 3, 4) if quantized == "int8" else (3, 4)):
         raise ValueError(f"expert_ffn: {quantized} scales of ranks {[sc.ndim for sc in scales]} (int8: [R, O] per "
                          "row, [R, G, O] per group, [R, 2, G, O] with minima; int4: the last two)")
     return {2: "row", 3: "group", 4: "group_min"}[scales[0].ndim]
+
+
+def _family_form(quantized: str | None, scales: tuple, in_dim: int, out_dim: int, what: str) -> tuple:
+    """(form, group) of one family's matrices (gate and up, or down) of `in_dim` inputs: `_scale_form`'s form and the
+    inputs per scale (0: per row, or bf16); ValueError where the kernel does not take them."""
+    form = _scale_form(quantized, scales)
+    if form == "q4k":
+        if in_dim % 256 or out_dim % 256:
+            raise ValueError(f"expert_ffn: int4-q4k experts need H and I multiples of 256 (got {what} inputs "
+                             f"{in_dim}, outputs {out_dim})")
+        return form, 32
+    if form in ("group", "group_min"):  # the group: inputs per scale, from the scales' shape
+        groups = scales[0].shape[-2]
+        group = in_dim // groups if groups else 0
+        allowed = GROUPS if quantized == "int4" else INT8_GROUPS
+        if group not in allowed or in_dim % group or out_dim % group:
+            raise ValueError(f"expert_ffn: {quantized} experts with group scales need groups of "
+                             f"{' or '.join(map(str, allowed))} inputs dividing H and I (got {what} inputs {in_dim}, "
+                             f"outputs {out_dim}, scale {scales[0].shape})")
+        if quantized == "int4" and form == "group_min" and scales[0].dtype != jnp.float32:
+            raise ValueError("expert_ffn: int4 experts with minima take float32 scales")
+        return form, group
+    return form, 0
 
 
 def _name_tail(quantized: str | None, form: str | None) -> str:
@@ -274,51 +301,43 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     t, hidden = x.shape
     s, inter, _ = gate.shape
     n = slot_ids.shape[0]
-    weights = {gate.dtype, up.dtype, down.dtype}
-    quantized = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "int4"}.get(jnp.dtype(gate.dtype))
-    if x.dtype != jnp.bfloat16 or len(weights) != 1 or gate.dtype not in (jnp.bfloat16, jnp.int8, jnp.uint8):
-        raise ValueError(f"expert_ffn: x must be bfloat16 and the experts all bfloat16, all int8 or all int4 (uint8) "
-                         f"(got x {x.dtype}, gate {gate.dtype}, up {up.dtype}, down {down.dtype})")
-    per = 2 if quantized == "int4" else 1  # weights a stored element holds
-    if gate.shape != (s, inter, hidden // per) or up.shape != gate.shape or down.shape != (s, hidden, inter // per):
+    kinds = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "int4"}
+    quantized, quantized_down = kinds.get(jnp.dtype(gate.dtype)), kinds.get(jnp.dtype(down.dtype))
+    floats = {gate.dtype, up.dtype, down.dtype} == {jnp.dtype(jnp.bfloat16)}
+    if x.dtype != jnp.bfloat16 or up.dtype != gate.dtype or not (floats or (quantized and quantized_down)):
+        raise ValueError(f"expert_ffn: x must be bfloat16 and the experts all bfloat16, or quantized (int8, or int4 "
+                         f"as uint8; gate/up one format, down its own) (got x {x.dtype}, gate {gate.dtype}, up "
+                         f"{up.dtype}, down {down.dtype})")
+    per, per_down = (2 if q == "int4" else 1 for q in (quantized, quantized_down))  # weights a stored element holds
+    if gate.shape != (s, inter, hidden // per) or up.shape != gate.shape or down.shape != (s, hidden, inter // per_down):
         raise ValueError(f"expert_ffn: shapes x {x.shape}, gate {gate.shape}, up {up.shape}, down {down.shape} do "
-                         f"not match x [T, H], gate/up [S, I, H{'/2' * (per - 1)}], down [S, H, I{'/2' * (per - 1)}]")
+                         f"not match x [T, H], gate/up [S, I, H{'/2' * (per - 1)}], down [S, H, "
+                         f"I{'/2' * (per_down - 1)}]")
     scales = (gate_scale, up_scale, down_scale)
     if bool(quantized) != all(sc is not None for sc in scales) or (not quantized and any(sc is not None for sc in scales)):
         raise ValueError("expert_ffn: int8 and int4 experts take gate_scale, up_scale and down_scale (bf16 ones none)")
     if scale_ids is not None and (not quantized or scale_ids.shape != slot_ids.shape):
         raise ValueError(f"expert_ffn: scale_ids {scale_ids.shape} go with quantized experts, one per slot id "
                          f"{slot_ids.shape}")
-    group, form = 0, _scale_form(quantized, scales)
-    if form == "q4k":
-        group = 32
-        if hidden % 256 or inter % 256:
-            raise ValueError(f"expert_ffn: int4-q4k experts need H and I multiples of 256 (got H {hidden}, I {inter})")
-    elif form in ("group", "group_min"):  # the group: inputs per scale, from the scales' shape
-        groups = gate_scale.shape[-2]
-        group = hidden // groups if groups else 0
-        allowed = GROUPS if quantized == "int4" else INT8_GROUPS
-        if group not in allowed or hidden % group or inter % group:
-            raise ValueError(f"expert_ffn: {quantized} experts with group scales need groups of "
-                             f"{' or '.join(map(str, allowed))} inputs dividing H and I (got H {hidden}, I {inter}, "
-                             f"gate_scale {gate_scale.shape})")
-        if quantized == "int4" and form == "group_min" and gate_scale.dtype != jnp.float32:
-            raise ValueError("expert_ffn: int4 experts with minima take float32 scales")
+    # Each family's own format (issue 36's per-family formats: a Q4_K_M file's Q4_K gate/up beside Q6_K down): the
+    # gate/up kernel reads gate/up's, the down kernel down's.
+    form, group = _family_form(quantized, (gate_scale, up_scale), hidden, inter, "gate/up")
+    form_down, group_down = _family_form(quantized_down, (down_scale,), inter, hidden, "down")
     if quantized:
         r = gate_scale.shape[0] if scale_ids is not None else s  # scale rows: the weights' own unless scale_ids
-        rows = (lambda n: 5 * (n // group) // 4) if form == "q4k" else (lambda n: n // group)  # scale rows a matrix
-        lead = (r, 2) if form == "group_min" else (r,)
-        want = (((r, inter),) * 2 + ((r, hidden),) if form == "row" else
-                ((*lead, rows(hidden), inter),) * 2 + ((*lead, rows(inter), hidden),))
-        if tuple(sc.shape for sc in scales) != want:
+        want = []
+        for f, g, (out_dim, in_dim) in ((form, group, (inter, hidden)),) * 2 + ((form_down, group_down,
+                                                                                  (hidden, inter)),):
+            rows = 5 * (in_dim // 32) // 4 if f == "q4k" else in_dim // max(g, 1)  # scale rows a matrix
+            want.append((r, out_dim) if f == "row" else ((r, 2) if f == "group_min" else (r,)) + (rows, out_dim))
+        if tuple(sc.shape for sc in scales) != tuple(want):
             raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not "
                              f"match gate/up {want[0]}, down {want[2]}")
     if combine.shape != (t, n):
         raise ValueError(f"expert_ffn: combine {combine.shape} is not [T, N] = {(t, n)}")
     bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
     bh, bid = _block(hidden, block_h, "H"), _block(inter, block_i_down, "I")
-    if group:  # the loops step whole groups
-        bk, bid = max(bk, group), max(bid, group)
+    bk, bid = max(bk, group), max(bid, group_down)  # the loops step whole groups (0: not grouped)
     tp = _padded_tokens(t)
     splits = max(1, min(n_split, n))
     per_split = -(-n // splits)
@@ -336,7 +355,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
 
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # the full array, indexed in-kernel
     gu_scales = (*sids, gate_scale, up_scale) if quantized else ()
-    h = pl.pallas_call(
+    h = pl.pallas_call(  # gate/up in their family's format
         functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized, group=group, form=form),
         grid=(np_, inter // bi),
         in_specs=[whole((np_,)), whole((tp, hidden)), whole(gate.shape), whole(up.shape),
@@ -347,15 +366,15 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     )(ids, xp, gate, up, *gu_scales)
 
     d_scales = (*sids, down_scale) if quantized else ()
-    partials = pl.pallas_call(
-        functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized, group=group,
-                          form=form),
+    partials = pl.pallas_call(  # down in its own
+        functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized_down,
+                          group=group_down, form=form_down),
         grid=(hidden // bh, splits),
         in_specs=[whole((np_,)), whole(h.shape), whole(down.shape), *(whole(sc.shape) for sc in d_scales),
                   whole(comb.shape)],
         out_specs=pl.BlockSpec((None, tp, bh), lambda b, sp: (sp, 0, b)),
         out_shape=jax.ShapeDtypeStruct((splits, tp, hidden), jnp.float32),  # [n_split, Tp, H]
-        compiler_params=params, interpret=interpret, name="expert_ffn_down" + _name_tail(quantized, form),
+        compiler_params=params, interpret=interpret, name="expert_ffn_down" + _name_tail(quantized_down, form_down),
     )(ids, h, down, *d_scales, comb)
     return partials.sum(axis=0)[:t]  # [T, H]
 

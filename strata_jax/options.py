@@ -21,6 +21,18 @@ def _choice(*allowed):
     return check
 
 
+EXPERT_FORMATS = ("int8", "int4", "int4-q4k", "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
+                  "int8-g16m")
+
+
+def _expert_dtype_check(v):
+    """auto, one expert format, or a pair gate_up/down (strata_jax/model/quant.py family_formats)."""
+    parts = v.split("/") if isinstance(v, str) else [v]
+    if v == "auto" or (len(parts) in (1, 2) and all(p in EXPERT_FORMATS for p in parts)):
+        return None
+    return f"must be auto, one of {', '.join(EXPERT_FORMATS)}, or a pair gate_up/down of them (int4-q4k/int8-g16)"
+
+
 INT32_MAX = 2**31 - 1  # the graphs hold counts and positions in int32
 
 
@@ -143,9 +155,10 @@ class EngineOptions:
                             "(Q6_K, Q3_K), int8-g32m (Q5_K), int8-g16m (Q2_K). auto keeps a GGUF's experts as read "
                             "where one of these formats holds every expert tensor's type. Host RAM, slots, PCIe "
                             "fetches and the host pool hold the quantized form; the expert FFNs dequantize in their "
-                            "products (strata_jax/model/quant.py).",
-                            _choice("auto", "int8", "int4", "int4-q4k", "int4-g32f", "int4-g32m", "int8-g32",
-                                    "int8-g16", "int8-g32m", "int8-g16m"))
+                            "products (strata_jax/model/quant.py). Per family: gate_up/down, e.g. int4-q4k/int8-g16 "
+                            "(a Q4_K_M GGUF's Q4_K gate/up and Q6_K down, each kept as read); auto picks each "
+                            "family's format where one holds all of that family's tensors.",
+                            _expert_dtype_check)
     kv_dtype: str = opt("auto", "How the KV cache is stored: auto (in `dtype`) or int8 (symmetric, one float32 scale "
                         "per (position, kv head) for K and one for V, absmax/127; quantized as rows are written, read "
                         "in place by the XLA attention and the Pallas decode-attention kernel; about half the bf16 "

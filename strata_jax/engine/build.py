@@ -92,6 +92,9 @@ def load(engine_cls, path: str | Path | None = None, verbose: bool = True, **opt
     except (OSError, ValueError) as e:
         raise StrataError(f"{cfg_path}: malformed config.json: {e}") from None
     cfg = config_from_dict(raw, where=str(cfg_path))
+    if opts.expert_dtype == "auto" and checkpoint.is_state_dir(path):  # auto: the form the state was saved in (a
+        # GGUF's experts kept as read, per family)
+        opts = dataclasses.replace(opts, expert_dtype=checkpoint.read_state_meta(path).get("expert_dtype", "auto"))
     if opts.expert_dtype == "auto" and any(cfg.sparse_layers):
         from strata_jax.io.gguf_file import kept_expert_format
         kept = kept_expert_format(path)  # a GGUF whose experts one format holds as read (int4-q4k, int8-g32, ...)

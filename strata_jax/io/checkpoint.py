@@ -198,7 +198,8 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     int4 packed in uint8) and `place_scales` (default `place`) the bf16 scales, [E, O] per row (int8) or group-major
     [E, I/g, O] (int4) (names `layers.{i}.experts.{gate,up,down}_scale`). "int4-q4k": a GGUF's Q4_K expert stacks
     are kept as read (their nibbles moved, uint16 codes [E, 5G/4, O]), other experts quantized at load; likewise the
-    float32-scaled formats of quant.GGUF_KEPT (int8-g32: Q8_0, ...; scales [E, G, O] or [E, 2, G, O]).
+    float32-scaled formats of quant.GGUF_KEPT (int8-g32: Q8_0, ...; scales [E, G, O] or [E, 2, G, O]). A pair
+    "gate_up/down" (per-family formats, quant.family_formats): gate and up read in the first, down in the second.
     """
     reader = open_reader(folder)
     place_experts = place_experts or place
@@ -248,8 +249,9 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
             if not leaf.expert:
                 return get(leaf)
             name = f"{experts_name}.{leaf.expert}"
-            if expert_format in quant.GGUF_KEPT.values() and not mtp and hasattr(reader, "kept_experts"):
-                kept = reader.kept_experts(leaf.hf.format(j=0), expert_format)  # a GGUF's stack, not dequantized
+            fmt = quant.matrix_format(expert_format, leaf.expert)  # this matrix's family's format
+            if fmt in quant.GGUF_KEPT.values() and not mtp and hasattr(reader, "kept_experts"):
+                kept = reader.kept_experts(leaf.hf.format(j=0), fmt)  # a GGUF's stack, not dequantized
                 if kept is not None:
                     q, scale = kept  # int4-q4k's codes [E, O, 5G/4]; float32 scales [E, O, (2,) G]
                     device = (np.ascontiguousarray(np.swapaxes(scale, -1, -2)) if scale.dtype == np.uint16 else
@@ -260,7 +262,7 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
             w = stacks.pop(leaf.expert)
             if not expert_format or mtp:
                 return put(name, w)
-            qa = quant.quantize(w, expert_format)  # q [E, O, I] int8 (int4: [E, O, I/2] uint8)
+            qa = quant.quantize(w, fmt)  # q [E, O, I] int8 (int4: [E, O, I/2] uint8)
             del w
             return put(name, qa.q), place_scales(name + "_scale", quant.engine_scale(qa))
         return build_layer(spec, make)

@@ -435,24 +435,71 @@ def tensor_table(files: GGUFFiles) -> dict:
             for name, (t, part) in files.tensors.items()}
 
 
+EXPERT_FAMILIES = ("gate_up", "down")  # the expert families a format is picked for: gate and up share one
+
+
+def expert_family_types(source: dict) -> dict[str, dict[str, list[int]]]:
+    """{"gate_up": {type: [weights, bytes]}, "down": {...}}: the routed experts' tensor types per family (the MTP
+    block's experts left out: they stay unquantized)."""
+    table: dict = {family: {} for family in EXPERT_FAMILIES}
+    for name, (_, qtype, shape, _, nbytes) in source.get("tensors", {}).items():
+        if family_of(name, source.get("mtp_block")) != "experts":
+            continue
+        family = table["down" if "down_exps" in name else "gate_up"]
+        n, b = family.setdefault(qtype, [0, 0])
+        family[qtype] = [n + int(np.prod(shape)), b + int(nbytes)]
+    return table
+
+
+def family_format(types: dict[str, list[int]]) -> str | None:
+    """The engine format one expert family is held in under expert_dtype=auto (strata_jax/model/quant.py GGUF_KEPT):
+    the one format that holds every type of the family, as read; where the family mixes types of several formats
+    (a Q4_K_M file's down stacks: Q6_K, some layers Q4_K), the format of the type holding most of its weights (ties:
+    the more bits), the other stacks requantized into it at load; None where a type is not kept (F16, IQ types, ...):
+    the experts are dequantized."""
+    from strata_jax.model.quant import GGUF_KEPT, QK_K, get_format
+    if not types or any(t not in GGUF_KEPT for t in types):
+        return None
+    weights: dict = {}
+    for t, (n, _) in types.items():
+        weights[GGUF_KEPT[t]] = weights.get(GGUF_KEPT[t], 0) + n
+    return max(weights, key=lambda f: (weights[f], get_format(f).bits_per_weight(QK_K)))
+
+
 def kept_expert_format(folder: str | Path) -> str | None:
     """The engine format a GGUF's routed experts are kept in as read (expert_dtype=auto; strata_jax/model/quant.py
-    GGUF_KEPT): the one format that holds every expert tensor's type (int4-q4k for Q4_K, int8-g32 for Q8_0,
-    int8-g16 for Q6_K and Q3_K, ...); None for other files (mixed formats: their experts dequantized at load) and
-    folders."""
-    from strata_jax.model.quant import GGUF_KEPT
+    GGUF_KEPT), per family (`family_format`): one name where gate/up and down agree (int4-q4k for Q4_K, int8-g32 for
+    Q8_0, int8-g16 for Q6_K and Q3_K, ...), else the pair "gate_up/down" (a Q4_K_M file: "int4-q4k/int8-g16"); None
+    where a family holds a type no format keeps (its experts dequantized at load) and for other folders."""
+    from strata_jax.model.quant import pair_format
     path = Path(folder) / SOURCE_FILE
     if not path.is_file():
         return None
-    types = json.loads(path.read_text())["types"].get("experts") or {}
-    formats = {GGUF_KEPT.get(t) for t in types}
-    return formats.pop() if len(formats) == 1 and None not in formats else None
+    families = expert_family_types(json.loads(path.read_text()))
+    formats = [family_format(families[f]) for f in EXPERT_FAMILIES]
+    return None if None in formats else pair_format(*formats)
+
+
+def _experts_held(types: dict, expert_format: str, quantized: bool) -> str:
+    """What the engine holds of experts of `types` in `expert_format`: the types kept as read, the others
+    requantized."""
+    from strata_jax.model.quant import GGUF_KEPT, QK_K, get_format
+    kept = sorted(t for t in types if GGUF_KEPT.get(t) == expert_format)
+    if kept:
+        others = "" if len(kept) == len(types) else ", the other types requantized at load from their values"
+        bits = get_format(expert_format).bits_per_weight(QK_K)
+        return f"{expert_format} ({bits:.2f} bpw: {'+'.join(kept)}'s blocks as stored{others})"
+    return f"{expert_format} (requantized at load from the {'dequantized' if quantized else 'read'} values)"
+
+
+def _bpw(types: dict) -> float:
+    return 8 * sum(b for _, b in types.values()) / sum(n for n, _ in types.values())
 
 
 def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
     """One line: per family the GGUF types read (bits per weight) and what the engine holds (the experts: the
-    format keeping their type as read, with its bits per weight)."""
-    from strata_jax.model.quant import GGUF_KEPT, QK_K, get_format
+    format keeping their type as read, with its bits per weight; per-family formats: gate/up's and down's, each)."""
+    from strata_jax.model.quant import FAMILY_SEP, GGUF_KEPT, family_formats
     short = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
     held = short.get(dtype, dtype)
     parts = []
@@ -460,23 +507,25 @@ def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
         types = source["types"].get(family)
         if not types:
             continue
-        weights = sum(n for n, _ in types.values())
-        bpw = 8 * sum(b for _, b in types.values()) / weights
         quantized = any(t not in EXACT_TYPES for t in types)
-        kept = sorted(t for t in types if GGUF_KEPT.get(t) == expert_format)
-        if family == "experts" and expert_format and kept:
-            others = "" if len(kept) == len(types) else ", the other types requantized at load from their values"
-            bits = get_format(expert_format).bits_per_weight(QK_K)
-            to = f"{expert_format} ({bits:.2f} bpw: {'+'.join(kept)}'s blocks as stored{others})"
-        elif family == "experts" and expert_format:
-            to = f"{expert_format} (requantized at load from the {'dequantized' if quantized else 'read'} values)"
+        if family == "experts" and expert_format and FAMILY_SEP in expert_format:  # a format per family
+            by_family = expert_family_types(source)
+            for label, sub, fmt in zip(("gate/up", "down"), EXPERT_FAMILIES, family_formats(expert_format)):
+                sub_types = by_family[sub]
+                sub_quantized = any(t not in EXACT_TYPES for t in sub_types)
+                parts.append(f"experts {label} {'+'.join(sorted(sub_types))} ({_bpw(sub_types):.2f} bpw) -> "
+                             + _experts_held(sub_types, fmt, sub_quantized))
+            continue
+        if family == "experts" and expert_format:
+            to = _experts_held(types, expert_format, quantized)
         else:
             to = held + (" (dequantized at load)" if quantized else "")
-        parts.append(f"{family} {'+'.join(sorted(types))} ({bpw:.2f} bpw) -> {to}")
+        parts.append(f"{family} {'+'.join(sorted(types))} ({_bpw(types):.2f} bpw) -> {to}")
     n = len(source["files"])
-    packed = (f"the experts ({expert_format})" if expert_format in GGUF_KEPT.values() else
-              f"experts of {', '.join(GGUF_KEPT)} (expert_dtype=auto where one format holds them all), other "
-              "types not yet")
+    kept = expert_format and all(f in GGUF_KEPT.values() for f in family_formats(expert_format))
+    packed = (f"the experts ({expert_format})" if kept else
+              f"experts of {', '.join(GGUF_KEPT)} (expert_dtype=auto: a format per family, gate/up and down, "
+              "where one holds each family's types), other types not yet")
     return (f"gguf: {source['files'][0]} ({source['arch']}, {n} file{'s' if n > 1 else ''}): {', '.join(parts)}; "
             f"packed on the device: {packed}")
 

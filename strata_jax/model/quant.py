@@ -502,7 +502,10 @@ KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f.endswith(("f", "m")) or f.st
 
 def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
     """The format of the engine option expert_dtype (auto: None) for experts of these input widths (hidden,
-    intermediate): int4 takes groups of 64 where both are multiples of 64, else of 32; ValueError if neither."""
+    intermediate): int4 takes groups of 64 where both are multiples of 64, else of 32; ValueError if neither. A pair
+    "gate_up/down" (per-family formats): each family's, the pair's name back."""
+    if FAMILY_SEP in expert_dtype:
+        return pair_format(*(engine_format(f, widths) for f in family_formats(expert_dtype)))
     if expert_dtype == Q4K:
         if any(w % QK_K for w in widths):
             raise ValueError(f"expert_dtype={Q4K} holds Q4_K super-blocks of {QK_K} inputs: the experts' widths "
@@ -526,6 +529,48 @@ def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
 
 def storage_dtype(expert_format: str) -> np.dtype:
     return np.dtype(np.int8) if expert_format.startswith("int8") else np.dtype(np.uint8)
+
+
+# Per-family expert formats (issue 36, Q4_K_M's mix): the gate/up family and the down family may be held in two
+# formats, written "gate_up/down" (e.g. "int4-q4k/int8-g16"); one name means both. Every consumer asks per matrix.
+FAMILY_SEP = "/"
+MATRICES = ("gate", "up", "down")
+
+
+def family_formats(expert_format: str | None) -> tuple[str | None, str | None]:
+    """(gate/up format, down format) of an engine format or a pair "gate_up/down"; (None, None) for None."""
+    if not expert_format:
+        return None, None
+    gate_up, _, down = expert_format.partition(FAMILY_SEP)
+    return gate_up, down or gate_up
+
+
+def pair_format(gate_up: str | None, down: str | None) -> str | None:
+    """The engine format name of two families' formats: one name where they agree, else "gate_up/down"."""
+    if gate_up is None and down is None:
+        return None
+    if gate_up is None or down is None:
+        raise ValueError("expert formats: both families quantized, or neither")
+    return gate_up if gate_up == down else f"{gate_up}{FAMILY_SEP}{down}"
+
+
+def matrix_format(expert_format: str | None, which: str) -> str | None:
+    """The format of matrix `which` ("gate", "up", "down", or a Hub / leaf name holding one of them)."""
+    gate_up, down = family_formats(expert_format)
+    return down if "down" in which else gate_up
+
+
+def is_engine_format(expert_dtype: str) -> bool:
+    """Whether an expert_dtype value names engine formats: one of ENGINE_FORMATS' option names, or a pair of them."""
+    names = ("int8", "int4", *(f for f in ENGINE_FORMATS if f not in ("int4-g32",)))
+    parts = expert_dtype.split(FAMILY_SEP)
+    return len(parts) in (1, 2) and all(p in names for p in parts)
+
+
+def formats_bits(expert_format: str, in_dim: int = QK_K) -> float:
+    """Stored bits per weight of an expert of this format (a pair: gate and up at theirs, down at its own)."""
+    gate_up, down = family_formats(expert_format)
+    return (2 * get_format(gate_up).bits_per_weight(in_dim) + get_format(down).bits_per_weight(in_dim)) / 3
 
 
 def stored_in_dim(in_dim: int, dtype) -> int:
@@ -569,7 +614,8 @@ def dequantize_engine_int4(packed, scale, dtype):
 
 
 def quantize_device(w, expert_format: str):
-    """The engine formats on the device (random weights): w [..., O, I] -> (q, engine scale)."""
+    """The engine formats on the device (random weights): w [..., O, I] -> (q, engine scale). One format (a pair's
+    family: matrix_format)."""
     if expert_format == "int8":
         return quantize_int8_device(w)
     if expert_format == Q4K:

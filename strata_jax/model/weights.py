@@ -170,8 +170,8 @@ def random_weights(cfg: ModelConfig, seed: int, dtype=jnp.bfloat16, scale: float
             name = f"layers.{i}.experts.{leaf.expert}"
             if not expert_format:
                 return place_experts(name, x)
-            from strata_jax.model.quant import quantize_device
-            q, q_scale = quantize_device(x, expert_format)
+            from strata_jax.model.quant import matrix_format, quantize_device
+            q, q_scale = quantize_device(x, matrix_format(expert_format, leaf.expert))  # per family
             return place_experts(name, q), place_scales(name + "_scale", q_scale)
         return leaf_of
 
@@ -451,7 +451,7 @@ def abstract_weights(cfg: ModelConfig, dtype, expert_format: str | None = None, 
     """jax.ShapeDtypeStruct per leaf (an orbax restore's target): every leaf in `dtype` on `sharding`, the expert
     stacks on expert_sharding (default `sharding`); quantized experts: q and its scales as quant.quantize_device
     makes them (the scales on `sharding`)."""
-    from strata_jax.model.quant import quantize_device
+    from strata_jax.model.quant import matrix_format, quantize_device
     expert_sharding = expert_sharding or sharding
 
     def make(leaf: Leaf):
@@ -459,7 +459,8 @@ def abstract_weights(cfg: ModelConfig, dtype, expert_format: str | None = None, 
             return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding)
         if not expert_format:
             return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=expert_sharding)
-        q, s = jax.eval_shape(lambda w: quantize_device(w, expert_format), jax.ShapeDtypeStruct(leaf.shape, dtype))
+        fmt = matrix_format(expert_format, leaf.expert)  # per family: gate/up's, down's
+        q, s = jax.eval_shape(lambda w: quantize_device(w, fmt), jax.ShapeDtypeStruct(leaf.shape, dtype))
         return (jax.ShapeDtypeStruct(q.shape, q.dtype, sharding=expert_sharding),
                 jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding))
 

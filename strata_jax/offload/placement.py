@@ -59,7 +59,8 @@ class Placement:
         return rebuild
 
     def init_state(self, cfg: ModelConfig, dtype) -> list:
-        """Each sparse layer's slot cache; dtype: how the experts are stored (int8 with expert_dtype=int8)."""
+        """Each sparse layer's slot cache; dtype: how the experts are stored (int8 with expert_dtype=int8; a pair
+        (gate/up's, down's) for per-family formats of two storages)."""
         return [slots_mod.init_slot_cache(cfg, self.slots, dtype, self.policy, self.pcie_frac) if sparse else None
                 for sparse in cfg.sparse_layers]
 
@@ -91,11 +92,13 @@ def non_expert_bytes(cfg: ModelConfig, itemsize: int, expert_format: str | None 
     rest = total - cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(itemsize)
     if expert_format:
         h, f = cfg.hidden_size, cfg.moe_intermediate_size
-        fmt = quant.get_format(expert_format)
-        group = fmt.group
-        per_expert = (2 * f + h if expert_format == "int8" else 3 * f * h // group * 5 // 4 if expert_format == quant.Q4K
-                      else 3 * f * h // group * (1 if fmt.symmetric else 2))  # scales (and minima); int4-q4k: codes
-        rest += cfg.num_sparse_layers * cfg.num_experts * per_expert * fmt.scale_bits // 8
+        for name, rows in zip(quant.MATRICES, (f, f, h)):  # each matrix at its family's format
+            one = quant.matrix_format(expert_format, name)
+            fmt = quant.get_format(one)
+            group = fmt.group
+            per_matrix = (rows if one == "int8" else f * h // group * 5 // 4 if one == quant.Q4K
+                          else f * h // group * (1 if fmt.symmetric else 2))  # scales (and minima); int4-q4k: codes
+            rest += cfg.num_sparse_layers * cfg.num_experts * per_matrix * fmt.scale_bits // 8
     return rest
 
 
@@ -110,17 +113,25 @@ def expert_format(opts: EngineOptions, cfg: ModelConfig | None = None) -> str | 
         raise StrataError(str(e)) from None
 
 
-def expert_storage(opts: EngineOptions) -> np.dtype:
+def expert_storage(opts: EngineOptions) -> np.dtype | tuple[np.dtype, np.dtype]:
     """How a routed expert's weights are stored in host memory and the slots: int8 q (expert_dtype=int8), int4
-    packed two a byte in uint8 (int4), else the compute dtype. The scales sit on the device (a fraction of a slot)."""
+    packed two a byte in uint8 (int4), else the compute dtype. The scales sit on the device (a fraction of a slot).
+    Per-family formats of two storages ("int4-q4k/int8-g16"): the pair (gate/up's, down's)."""
     fmt = expert_format(opts)
-    return jnp.dtype(quant.storage_dtype(fmt)) if fmt else jnp.dtype(opts.dtype)
+    if not fmt:
+        return jnp.dtype(opts.dtype)
+    gate_up, down = (jnp.dtype(quant.storage_dtype(f)) for f in quant.family_formats(fmt))
+    return gate_up if gate_up == down else (gate_up, down)
 
 
 def expert_itemsize(opts: EngineOptions) -> float:
-    """Bytes a stored expert weight takes (0.5 for int4)."""
+    """Bytes a stored expert weight takes (0.5 for int4; per-family formats: the mean over gate, up and down)."""
     fmt = expert_format(opts)
-    return 0.5 if fmt and quant.get_format(fmt).bits == 4 else expert_storage(opts).itemsize
+    if not fmt:
+        return jnp.dtype(opts.dtype).itemsize
+    sizes = [0.5 if quant.get_format(f).bits == 4 else quant.storage_dtype(f).itemsize
+             for f in (quant.matrix_format(fmt, m) for m in quant.MATRICES)]
+    return sum(sizes) / 3
 
 
 def decide_slots(cfg: ModelConfig, opts: EngineOptions, kv_bytes: int, devices: int = 1) -> tuple[int | None, str]:
@@ -211,32 +222,17 @@ class HostExperts:
 
     def store(self, cfg: ModelConfig):
         layers = []
-        q4k = any(x.dtype == np.uint16 for d in self.numpy.values() for x in d.values())  # int4-q4k's codes
-        some = next(iter(self.numpy.values()), {})
-        rank = np.ndim(some.get("gate_scale"))  # float32 groups: 3 ([E, O, G], int8-g) or 4 ([E, O, 2, G], minima)
+        some = next(iter(self.numpy.values()), {})  # a sparse layer's arrays: the formats of every family
         for i in range(cfg.num_layers):
             if i in self.numpy:
                 d = self.numpy[i]
                 scales = tuple(d[f"{w}_scale"] for w in ("gate", "up", "down") if f"{w}_scale" in d)
                 layers.append((d["gate"], d["up"], d["down"], *scales))
-            else:  # a dense layer: a 1-expert placeholder keeps the pool's layer numbers the model's
-                dtype = next(iter(self.numpy.values()))["gate"].dtype
-                if dtype == np.uint8 and q4k:  # int4-q4k: 256 inputs, codes all zero: w = 0
-                    q = np.full((1, 256, 128), 0x88, np.uint8)
-                    layers.append((q, q, q, *(np.zeros((1, 256, 10), np.uint16),) * 3))
-                    continue
-                if rank == 4 or (dtype == np.int8 and rank == 3):  # float32 groups: 32 inputs, one group, w = 0
-                    q = np.zeros((1, 32, 16 if dtype == np.uint8 else 32), dtype)
-                    sc = np.zeros((1, 32, 2, 1) if rank == 4 else (1, 32, 1), np.float32)
-                    layers.append((q, q, q, sc, sc, sc))
-                    continue
-                if dtype == np.uint8:  # int4: 64 inputs, one group, packed in 32 bytes
-                    q = np.full((1, 64, 32), 0x88, np.uint8)  # q = 0 everywhere
-                    layers.append((q, q, q, *(np.ones((1, 64, 1), np.float32),) * 3))
-                    continue
-                ones = np.ones((1, 1, 1), dtype)
-                scales = (np.ones((1, 1), np.float32),) * 3 if dtype == np.int8 else ()
-                layers.append((ones, ones, ones, *scales))
+            else:  # a dense layer: a 1-expert placeholder keeps the pool's layer numbers the model's; zeros in
+                # each family's own format (zero scales, zero codes: w = 0), so the store sees one format a family
+                names = ("gate", "up", "down") + tuple(f"{w}_scale" for w in ("gate", "up", "down")
+                                                       if f"{w}_scale" in some)
+                layers.append(tuple(np.zeros_like(some[name][:1]) for name in names))
         return HostExpertStore(layers, compute_dtype=self.compute_dtype)
 
 
@@ -405,7 +401,8 @@ def build(cfg: ModelConfig, opts: EngineOptions, weights: Weights, host: HostExp
     lines = [f"expert cache: {slots} of {cfg.num_experts} slots per MoE layer ({why}), policy {opts.cache_policy}, "
              f"{slot_bytes(cfg, slots, itemsize) / 2**20:.1f} MiB on the device; experts in "
              f"{host.kind} memory; host pool: {threads} threads ({native.describe_experts(short=True)}; "
-             f"{blas.describe()}" + (f"; {native.describe()}" if pool.store.dtype == np.uint8 else "")
+             f"{blas.describe()}" + (f"; {native.describe()}" if np.uint8 in (pool.store.dtype_of("gate"), pool.store.dtype_of("down"))
+                                  else "")
              + f"), reached by {'XLA FFI' if native_calls(pool) else 'io_callback'}"]
     native_offload, why_not = False, f"pool_calls={opts.pool_calls}"
     if opts.pool_calls == "auto":
@@ -457,7 +454,7 @@ def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_h
     moe_ffns = [layer.ffn for layer in weights.layers if isinstance(layer.ffn, moe.MoEWeights)]
     q_bytes = sum(a.nbytes for f in moe_ffns for a in (f.gate, f.up, f.down))
     scale_bytes = sum(a.nbytes for f in moe_ffns for a in f.scales)
-    fmt = expert_format(opts, cfg)
+    formats = quant.family_formats(expert_format(opts, cfg))
     how = {"int8": "one bf16 scale per output row", "int4": "one bf16 scale per 64 inputs, two weights a byte",
            "int4-g32": "one bf16 scale per 32 inputs, two weights a byte",
            quant.Q4K: "GGUF Q4_K's blocks: 6-bit scales and minima per 32 inputs, fp16 d and dmin per 256, two "
@@ -469,8 +466,11 @@ def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_h
            "int8-g32m": "GGUF Q5_K's blocks: a float32 scale and minimum per 32 inputs, a byte a weight",
            "int8-g16m": "GGUF Q2_K's blocks: a float32 scale and minimum per 16 inputs, a byte a weight"}
     full = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(jnp.dtype(opts.dtype).itemsize)
-    at_load = "read as stored or quantized at load" if fmt in quant.GGUF_KEPT.values() else "quantized at load"
-    return (f"experts: {fmt}, {how[fmt]} ({at_load}): {q_bytes / 2**20:.1f} MiB "
+    kept = all(f in quant.GGUF_KEPT.values() for f in formats)
+    at_load = "read as stored or quantized at load" if kept else "quantized at load"
+    held = (f"{formats[0]}, {how[formats[0]]}" if formats[0] == formats[1] else  # per family: each its own
+            f"gate/up {formats[0]}, {how[formats[0]]}; down {formats[1]}, {how[formats[1]]}")
+    return (f"experts: {held} ({at_load}): {q_bytes / 2**20:.1f} MiB "
             f"{'in host memory' if on_host else 'on the device'} + {scale_bytes / 2**20:.1f} MiB of scales on the "
             f"device ({full / 2**20:.1f} MiB as {opts.dtype})")
 

@@ -85,13 +85,15 @@ def host_memory_kind() -> str:
 
 
 def init_slot_cache(cfg: ModelConfig, slots: int, dtype, policy: str = "lru", pcie_frac: float = 1.0) -> SlotCache:
-    """dtype: how the experts are stored (uint8: int4 packed two a byte along the input dimension)."""
+    """dtype: how the experts are stored (uint8: int4 packed two a byte along the input dimension); a pair (gate/up's,
+    down's) where the two families are held in formats of different storage (int4-q4k/int8-g16)."""
     assert policy in POLICIES and 0.0 <= pcie_frac <= 1.0
     e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    fi, hi = quant.stored_in_dim(f, dtype), quant.stored_in_dim(h, dtype)
+    gu_dtype, down_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+    fi, hi = quant.stored_in_dim(f, down_dtype), quant.stored_in_dim(h, gu_dtype)
     return SlotCache(
-        gate=jnp.zeros((slots + 1, f, hi), dtype), up=jnp.zeros((slots + 1, f, hi), dtype),
-        down=jnp.zeros((slots + 1, h, fi), dtype),
+        gate=jnp.zeros((slots + 1, f, hi), gu_dtype), up=jnp.zeros((slots + 1, f, hi), gu_dtype),  # [S+1, I, H']
+        down=jnp.zeros((slots + 1, h, fi), down_dtype),  # [S+1, H, I']
         table=jnp.full((e,), -1, jnp.int32), expert_of=jnp.full((slots + 1,), -1, jnp.int32),
         last_use=jnp.full((slots + 1,), -1, jnp.int32), clock=jnp.int32(0),
         usage=jnp.zeros((e,), jnp.int32), counters=jnp.zeros((len(COUNTERS),), jnp.int32),

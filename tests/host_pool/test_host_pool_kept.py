@@ -91,7 +91,9 @@ def test_c_kernel_matches_numpy(make_pool, monkeypatch, qtype, T):
 def test_store_refuses_mixed_scales():
     (_, layer), = make_layers("Q8_0", 4)[:1]
     q, u, d, gs, us, ds = layer
-    with pytest.raises(ValueError, match="ranks"):
+    with pytest.raises(ValueError, match="ranks"):  # gate and up: one family, one format
+        store_module.HostExpertStore([(q, u, d, gs, us[..., None, :], ds)])
+    with pytest.raises(ValueError, match=r"2, G\]"):  # down may hold another format, but a whole one
         store_module.HostExpertStore([(q, u, d, gs, us, ds[..., None, :])])
     (_, plain), = make_layers("Q5_K", 5)[:1]
     with pytest.raises(TypeError, match="minima"):

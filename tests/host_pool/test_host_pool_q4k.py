@@ -118,5 +118,7 @@ def test_store_refuses_mixed_scales():
     rng = rng_for("q4k-mixed")
     (_, layer), = make_layers(rng)[:1]
     q, u, d, gs, us, ds = layer
-    with pytest.raises(TypeError, match="int4-q4k"):
+    with pytest.raises(TypeError, match="int4-q4k"):  # gate and up: one family, one format
+        store_module.HostExpertStore([(q, u, d, gs, us.astype(np.float32), ds)])
+    with pytest.raises(ValueError, match="down_scale"):  # down's own format, checked as such (codes' shape)
         store_module.HostExpertStore([(q, u, d, gs, us, ds.astype(np.float32))])

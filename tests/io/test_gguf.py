@@ -174,10 +174,11 @@ def test_quantized_weights_and_logits(tmp_path, base_hub, engine_factory, cache_
 
     engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), **EXACT)
     line = next(l for l in capfd.readouterr().err.splitlines() if l.startswith("gguf:"))
-    assert "experts Q4_0+Q8_0 (" in line and "-> f32 (dequantized at load)" in line, line
+    # expert_dtype=auto: a format per family, each kept as read (Q4_0 gate/up, Q8_0 down)
+    assert "experts gate/up Q4_0 (" in line and "-> int4-g32f (5.00 bpw: Q4_0's blocks as stored)" in line, line
+    assert "experts down Q8_0 (" in line and "-> int8-g32 (9.00 bpw: Q8_0's blocks as stored)" in line, line
     assert "router F16 (16.00 bpw) -> f32," in line and "embeddings BF16+Q4_1" in line, line
-    assert ("packed on the device: experts of Q4_0, Q4_1, Q8_0, Q6_K, Q3_K, Q5_K, Q2_K, Q4_K (expert_dtype=auto where "
-            "one format holds them all), other types not yet") in line, line
+    assert "packed on the device: the experts (int4-g32f/int8-g32)" in line, line
     ref = engine_factory(dequantized, **EXACT).prefill_logits(IDS)
     assert rel_fro(engine.prefill_logits(IDS), ref) < 1e-5
 
@@ -832,7 +833,7 @@ def test_cli_decodes_a_gguf(tmp_path, cache_dir, engine_factory):
                    "--expert_cache_slots=all", f"--save_state={state}"], cache_dir)
     err = out.stderr.decode()
     assert out.returncode == 0, err
-    assert "gguf: " in err and "experts Q8_0 (8.50 bpw) -> f32 (dequantized at load)" in err, err
+    assert "gguf: " in err and "experts Q8_0 (8.50 bpw) -> int8-g32 (9.00 bpw: Q8_0's blocks as stored)" in err, err
     assert re.search(r"^loading: layer 3/3 \(\d+\.\d s\)$", err, re.MULTILINE), err  # the time spent
     assert out.stdout.startswith(b"def fib(n):") and len(out.stdout) > len(b"def fib(n):"), out.stdout
     # --save_state of a GGUF engine: the converted weights, the tokenizer and the chat template come back

@@ -116,9 +116,10 @@ def test_logits_equal_the_dequantized_model(kept_models, engine_factory, cache_d
 
 
 def test_mixed_types_and_refusals(kept_models, tmp_path, cache_dir):
-    """Experts of types no one format holds (Q8_0 gate/up, Q6_K down) stay dequantized under auto, and
-    expert_dtype=int8-g32 keeps the Q8_0 stacks, requantizing the rest (the line says so); a format whose groups do
-    not divide the experts' widths is one line; a type no reader handles is one line naming it (test_gguf)."""
+    """Experts of types no one format holds (Q8_0 gate/up, Q6_K down) are kept per family under auto
+    (int8-g32/int8-g16: tests/io/test_gguf_mixed.py), and expert_dtype=int8-g32 keeps the Q8_0 stacks, requantizing
+    the rest (the line says so); a format whose groups do not divide the experts' widths is one line; a type no
+    reader handles is one line naming it (test_gguf)."""
     raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
                moe_intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=1)
     hub = test_gguf.stacked(random_checkpoint(raw, seed=41), 1, 4)
@@ -133,7 +134,7 @@ def test_mixed_types_and_refusals(kept_models, tmp_path, cache_dir):
     finally:
         mp.undo()
     folder = gguf_file.gguf_model_folder(path, cache_dir)
-    assert gguf_file.kept_expert_format(folder) is None
+    assert gguf_file.kept_expert_format(folder) == "int8-g32/int8-g16"
     source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
     line = gguf_file.formats_line(source, "bfloat16", "int8-g32")
     assert "-> int8-g32 (9.00 bpw: Q8_0's blocks as stored, the other types requantized at load" in line, line

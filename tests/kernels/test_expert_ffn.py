@@ -390,7 +390,7 @@ def test_quantized_needs_its_scales(fmt):
         expert_ffn(x, gate, up, down, ids, combine, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         expert_ffn(x, gate, up, down, ids, combine, gs, us, gs, interpret=True)
-    with pytest.raises(ValueError, match="all bfloat16, all int8 or all int4"):
+    with pytest.raises(ValueError, match="all bfloat16, or quantized"):
         expert_ffn(x, gate, up, down.astype(jnp.bfloat16), ids, combine, gs, us, ds, interpret=True)
 
 
@@ -468,7 +468,9 @@ def test_q4k_scales_by_window_position():
 
 def test_q4k_refusals():
     x, gate, up, down, ids, combine, gs, us, ds = make_quant_case("t3_h256_i256", "int4-q4k")
-    with pytest.raises(ValueError, match="uint16 codes for all three"):
+    with pytest.raises(ValueError, match="uint16 codes for the scales of a whole family"):  # gate and up: one
+        expert_ffn(x, gate, up, down, ids, combine, gs, us.astype(jnp.bfloat16), ds, interpret=True)
+    with pytest.raises(ValueError, match="groups of 128 or 64 or 32"):  # down's own format: codes' shape as int4's
         expert_ffn(x, gate, up, down, ids, combine, gs, us, ds.astype(jnp.bfloat16), interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
@@ -551,9 +553,11 @@ def test_kept_scales_by_window_position(qtype):
 
 def test_kept_refusals():
     (x, gate, up, down, ids, combine, gs, us, ds), _ = make_kept_case("t3_h256_i256", "Q6_K")
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match="do not match|groups of 32 or 16"):  # down's groups: from its own scales
         expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
-    with pytest.raises(ValueError, match="ranks"):
+    with pytest.raises(ValueError, match="ranks"):  # gate and up: one family, one format
+        expert_ffn(x, gate, up, down, ids, combine, gs, us[:, None], ds, interpret=True)
+    with pytest.raises(ValueError, match="do not match"):  # down's own, but a whole one ([R, 2, G, O])
         expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, None], interpret=True)
     with pytest.raises(ValueError, match="groups of 32 or 16"):  # groups of 8 inputs
         expert_ffn(x, gate, up, down, ids, combine, *(jnp.repeat(sc, 2, axis=1) for sc in (gs, us, ds)),
@@ -576,6 +580,70 @@ def test_kept_lowers_for_cuda(fmt, t, n, by_position):
     specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // per), wt), sd((s, i, h // per), wt),
              sd((s, h, i // per), wt), sd((n,), jnp.int32), sd((t, n), jnp.float32),
              sd((*lead, h // f.group, i), jnp.float32), sd((*lead, h // f.group, i), jnp.float32),
+             sd((*lead, i // f.group, h), jnp.float32))
+    if by_position:
+        text = lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
+    else:
+        text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+# ---- per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside Q6_K / Q8_0 down, each kept as read) ----------
+
+def make_mixed_case(name: str, down_type: str, **overrides):
+    """QUANT_CASES[name] with gate/up int4-q4k (Q4_K's blocks) and down kept as read from random `down_type` blocks
+    (int8-g16 for Q6_K, int8-g32 for Q8_0, int8-g32m for Q5_K): each family in its own format."""
+    x, gate, up, _, ids, combine, gs, us, _ = make_quant_case(name, "int4-q4k", **overrides)
+    (_, _, _, down, _, _, _, _, ds), _ = make_kept_case(name, down_type, **overrides)
+    return x, gate, up, down, ids, combine, gs, us, ds
+
+
+@pytest.mark.parametrize("down_type,name", [("Q6_K", "t3_h256_i256"), ("Q8_0", "t1_h512_i256"),
+                                            ("Q5_K", "t3_h256_i256")])
+def test_mixed_kernel_matches_reference(down_type, name):
+    """The kernel (interpret mode) with gate/up int4-q4k and down int8-g against its reference (which dequantizes
+    each matrix in its own format) and the float64 model."""
+    args = make_mixed_case(name, down_type)
+    assert args[1].dtype == jnp.uint8 and args[-3].dtype == jnp.uint16 and args[3].dtype == jnp.int8
+    out = expert_ffn(*args, interpret=True)
+    assert out.shape == args[0].shape and out.dtype == jnp.float32
+    assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
+    assert rel_fro(out, f64_quant_model(*args)) < MODEL_RTOL
+
+
+def test_mixed_scales_by_window_position():
+    x, gate, up, down, ids, combine, *by_slot = make_mixed_case("t3_h256_i256", "Q6_K", seed=None,
+                                                                 slot_ids=[3, 0, 6, -1, 1, 7, 2, 4])
+    window = [sc[jnp.maximum(ids, 0)] for sc in by_slot]
+    positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    out = expert_ffn(x, gate, up, down, ids, combine, *window, scale_ids=positions, interpret=True)
+    assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine, *by_slot)) < REF_RTOL
+
+
+def test_mixed_refusals():
+    x, gate, up, down, ids, combine, gs, us, ds = make_mixed_case("t3_h256_i256", "Q6_K")
+    with pytest.raises(ValueError, match="all bfloat16, or quantized"):  # one family quantized, the other not
+        expert_ffn(x, gate, up, down.astype(jnp.bfloat16), ids, combine, gs, us, ds, interpret=True)
+    with pytest.raises(ValueError, match="do not match|groups of 32 or 16"):
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
+    with pytest.raises(ValueError, match="do not match"):  # down's scales by slot, gate/up's by another count
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :, :-1], interpret=True)
+
+
+@pytest.mark.parametrize("down_fmt,t,n,by_position", [("int8-g16", 1, 8, False), ("int8-g16", 8, 64, True),
+                                                      ("int8-g32", 1, 8, True), ("int8-g32m", 4, 32, False)])
+def test_mixed_lowers_for_cuda(down_fmt, t, n, by_position):
+    """gate/up int4-q4k with down int8-g (Q4_K_M's mix) at the Qwen3-30B-A3B shape (H 2048, I 768) compile for CUDA:
+    two Triton kernels, each of its family's format."""
+    from strata_jax.model import quant
+    f = quant.get_format(down_fmt)
+    s, h, i = 64, 2048, 768
+    sd = jax.ShapeDtypeStruct
+    rows = n if by_position else s
+    lead = (rows,) if f.symmetric else (rows, 2)
+    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // 2), jnp.uint8), sd((s, i, h // 2), jnp.uint8),
+             sd((s, h, i), jnp.int8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
+             sd((rows, 5 * h // 128, i), jnp.uint16), sd((rows, 5 * h // 128, i), jnp.uint16),
              sd((*lead, i // f.group, h), jnp.float32))
     if by_position:
         text = lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))

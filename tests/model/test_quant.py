@@ -206,7 +206,8 @@ def test_quantized_engine_is_placement_independent(engine_factory, cache_dir, ca
 
 def test_quantized_state_saves_and_restores(engine_factory, tmp_path):
     """--save_state of int4 experts saves q and the scales; the state restores with expert_dtype=int4 (offloaded:
-    the pool gets the scales too) to the same logits, and with another expert_dtype it is refused with one line."""
+    the pool gets the scales too) to the same logits, and with auto (the saved form); with another expert_dtype it
+    is refused with one line."""
     from strata_jax import Engine, StrataError
     ids = list(b"for key in table:\n    print(key)\n")
     src = engine_factory(None, dtype="float32", expert_cache_slots="all", expert_dtype="int4")
@@ -216,8 +217,10 @@ def test_quantized_state_saves_and_restores(engine_factory, tmp_path):
                                   expert_dtype="int4")
     assert back.placement.pool.store.dtype == np.uint8
     assert rel_fro(back.prefill_logits(ids), src.prefill_logits(ids)) < 1e-5
-    with pytest.raises(StrataError, match="expert_dtype=int4 experts, but expert_dtype=auto"):
-        Engine.from_pretrained(state, verbose=False, dtype="float32")
+    # expert_dtype=auto restores the form the state was saved in; another is refused with one line
+    assert Engine.from_pretrained(state, verbose=False, dtype="float32").options.expert_dtype == "int4"
+    with pytest.raises(StrataError, match="expert_dtype=int4 experts, but expert_dtype=int8"):
+        Engine.from_pretrained(state, verbose=False, dtype="float32", expert_dtype="int8")
 
 
 def test_a_vram_budget_holds_about_four_times_the_int4_slots(monkeypatch):

@@ -1,0 +1,197 @@
+"""Per-family expert formats (issue 36: the GGUF files users have). A Q4_K_M Qwen3-MoE GGUF holds its expert gate
+and up stacks Q4_K and its down stacks Q6_K (some layers' down Q4_K): expert_dtype=auto keeps each family in the
+format holding its type as read ("int4-q4k/int8-g16"), a family of mixed types in the format of most of its weights
+(the others requantized, the line says so). A tiny GGUF written with gguf's writer (Q4_K blocks by quant.q4k_blocks,
+Q6_K as random valid blocks, quant.gguf_blocks_random; Q8_0 by gguf.quants.quantize), the rest F32: the engine's
+weights equal gguf.quants.dequantize per family bit for bit, and its logits equal those of a safetensors checkpoint
+of the dequantized values (float32, within 1e-5), resident and offloaded, with the same greedy tokens."""
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import save_file
+
+import test_gguf
+from helpers import rel_fro
+from strata_jax import Engine
+from strata_jax.io import checkpoint, gguf_file
+from strata_jax.io.embedded import random_checkpoint
+from strata_jax.model import quant
+from strata_jax.model.config import load_config
+
+EXACT = dict(dtype="float32", expert_cache_slots="all")
+IDS = test_gguf.IDS
+D = {"Q6_K": 0.05 / 4000}  # random blocks: |w| ~ 0.05
+HELD = {"Q6_K": "int4-q4k/int8-g16", "Q8_0": "int4-q4k/int8-g32"}
+
+
+def write_mixed_model(tmp, down_types: tuple[str, ...], seed: int = 51):
+    """A 2-layer GGUF with Q4_K gate/up experts and layer l's down experts of down_types[l]: (the GGUF, a
+    safetensors folder of its dequantized values, the written values by Hub name)."""
+    raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
+               num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=256, num_local_experts=8,
+               num_experts_per_tok=2, num_hidden_layers=2)
+    hub = test_gguf.stacked(random_checkpoint(raw, seed=seed), 2, 8)
+    rng = np.random.default_rng(seed + 1)
+    for name in hub:  # experts of a trained model's spread, with an offset: the minima matter
+        if ".mlp.experts." in name:
+            hub[name] = (rng.standard_normal(hub[name].shape) * 0.05 + 0.01).astype(np.float32)
+    counter = iter(range(1000))
+    original = test_gguf.encode
+
+    def encode(x, t):
+        if t == Q.Q4_K:
+            return quant.q4k_blocks(x)
+        if t.name in D:
+            return quant.gguf_blocks_random(t.name, x.shape, seed=seed * 1000 + next(counter), d_scale=D[t.name])
+        return original(x, t)
+
+    def types(g: str) -> Q:
+        if "_exps" not in g:
+            return Q.F32
+        return Q[down_types[int(g.split(".")[1])]] if "down_exps" in g else Q.Q4_K
+
+    path = tmp / f"mixed-{'-'.join(down_types)}.gguf"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(test_gguf, "encode", encode)
+    try:
+        written = test_gguf.write_gguf(path, raw, hub, types=types)
+    finally:
+        mp.undo()
+    dequantized = tmp / "dequantized"
+    dequantized.mkdir()
+    (dequantized / "config.json").write_text(json.dumps(raw))
+    save_file(test_gguf.unstacked(written), str(dequantized / "model.safetensors"))
+    return path, dequantized, written
+
+
+@pytest.fixture(scope="module")
+def mixed_models(tmp_path_factory):
+    """{down type: write_mixed_model's triple} (every layer's down of that type), written on first use."""
+    made = {}
+
+    def get(down_type):
+        if down_type not in made:
+            made[down_type] = write_mixed_model(tmp_path_factory.mktemp(down_type), (down_type,) * 2)
+        return made[down_type]
+    return get
+
+
+def dequantized(q, scale):
+    """The engine's weights of one stack in its own format, float32."""
+    deq = quant.dequantize_engine_int4 if q.dtype == jnp.uint8 else quant.dequantize_engine_grouped
+    return np.asarray(deq(q, scale, jnp.float32))
+
+
+@pytest.mark.parametrize("down_type", ["Q6_K", "Q8_0"])
+def test_families_are_kept_and_dequantize_to_gguf_values(mixed_models, cache_dir, down_type):
+    path, _, written = mixed_models(down_type)
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    fmt = HELD[down_type]
+    assert gguf_file.kept_expert_format(folder) == fmt
+    w = checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format=fmt)
+    for i, layer in enumerate(w.layers):
+        ffn = layer.ffn
+        assert ffn.gate.dtype == ffn.up.dtype == jnp.uint8 and ffn.gate_scale.dtype == jnp.uint16
+        assert ffn.down.dtype == jnp.int8 and ffn.down_scale.dtype == jnp.float32
+        for which in ("gate", "up", "down"):
+            got = dequantized(getattr(ffn, which), getattr(ffn, which + "_scale"))
+            want = written[f"model.layers.{i}.mlp.experts.{which}_proj.weight"]
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+PLACEMENTS = [dict(expert_cache_slots="all"), dict(expert_cache_slots="3", pcie_frac="0.5", cpu_threads=2),
+              dict(expert_cache_slots="3", pcie_frac="1")]
+
+
+@pytest.mark.parametrize("down_type,placement", [("Q6_K", p) for p in PLACEMENTS] + [("Q8_0", PLACEMENTS[1])])
+def test_logits_equal_the_dequantized_model(mixed_models, engine_factory, cache_dir, down_type, placement, capfd):
+    path, deq_folder, _ = mixed_models(down_type)
+    fmt = HELD[down_type]
+    down_fmt = quant.family_formats(fmt)[1]
+    ref = engine_factory(deq_folder, **EXACT)
+    engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), dtype="float32", **placement)
+    err = capfd.readouterr().err
+    assert engine.options.expert_dtype == fmt
+    line = next(l for l in err.splitlines() if l.startswith("gguf:"))
+    down_bits = quant.get_format(down_fmt).bits_per_weight(256)
+    assert "experts gate/up Q4_K (4.50 bpw) -> int4-q4k (4.62 bpw: Q4_K's blocks as stored)" in line, line
+    assert f"experts down {down_type} (" in line and (
+        f"-> {down_fmt} ({down_bits:.2f} bpw: {down_type}'s blocks as stored)") in line, line
+    assert f"packed on the device: the experts ({fmt})" in line, line
+    assert f"experts: gate/up int4-q4k, GGUF Q4_K's blocks" in err and f"; down {down_fmt}, GGUF " in err, err
+    if placement.get("expert_cache_slots") == "3":
+        state = engine.cache.experts
+        from strata_jax.offload.slots import layer_states
+        first = layer_states(state)[0]
+        assert first.gate.dtype == np.uint8 and first.down.dtype == np.int8
+    if placement.get("pcie_frac") == "0.5":
+        store = engine.placement.pool.store
+        assert store.format == "int4-q4k/int8-g" and store.format_of("down") == "int8-g"
+    assert rel_fro(engine.prefill_logits(IDS), ref.prefill_logits(IDS)) < 1e-5
+    assert engine.generate(IDS, max_new_tokens=4) == ref.generate(IDS, max_new_tokens=4)
+
+
+def test_a_family_of_mixed_types_is_requantized(tmp_path, cache_dir):
+    """Q4_K_M's down stacks of layers Q6_K and Q4_K: the down family is held in int8-g16 (Q6_K's format: as many
+    weights, more bits), its Q4_K stack requantized from its values (close, not exact); gate/up stay int4-q4k."""
+    path, _, written = write_mixed_model(tmp_path, ("Q6_K", "Q4_K"))
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    assert gguf_file.kept_expert_format(folder) == "int4-q4k/int8-g16"
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    line = gguf_file.formats_line(source, "bfloat16", "int4-q4k/int8-g16")
+    assert ("experts down Q4_K+Q6_K (" in line and "-> int8-g16 (10.00 bpw: Q6_K's blocks as stored, the other "
+            "types requantized at load from their values)") in line, line
+    w = checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format="int4-q4k/int8-g16")
+    for i in range(2):
+        ffn = w.layers[i].ffn
+        for which in ("gate", "up"):
+            np.testing.assert_array_equal(dequantized(getattr(ffn, which), getattr(ffn, which + "_scale")),
+                                          written[f"model.layers.{i}.mlp.experts.{which}_proj.weight"])
+    down = [dequantized(w.layers[i].ffn.down, w.layers[i].ffn.down_scale) for i in range(2)]
+    want = [written[f"model.layers.{i}.mlp.experts.down_proj.weight"] for i in range(2)]
+    np.testing.assert_array_equal(down[0], want[0])
+    assert 0 < rel_fro(down[1], want[1]) < 0.02
+    assert quant.engine_format("int4-q4k/int8-g16", (256, 256)) == "int4-q4k/int8-g16"
+    with pytest.raises(ValueError, match="groups of 32 inputs: the experts' widths 256 and 48"):
+        quant.engine_format("int8-g16/int8-g32", (256, 48))  # each family checked
+
+
+def test_saved_state_keeps_both_families(mixed_models, engine_factory, tmp_path, cache_dir):
+    """--save_state of per-family formats saves each family's q and scales; the state restores with
+    expert_dtype=int4-q4k/int8-g16 (offloaded: the pool gets both families) to the same logits."""
+    path, _, _ = mixed_models("Q6_K")
+    src = engine_factory(path, **EXACT)
+    state = tmp_path / "state"
+    src.save_state(state)
+    back = Engine.from_pretrained(state, verbose=False, cache_dir=str(cache_dir), dtype="float32",
+                                  expert_cache_slots="3", pcie_frac="0.5", expert_dtype="int4-q4k/int8-g16")
+    assert back.placement.pool.store.format == "int4-q4k/int8-g"
+    assert rel_fro(back.prefill_logits(IDS), src.prefill_logits(IDS)) < 1e-5
+
+
+def test_mixed_experts_under_the_kernel_scan_offloaded(mixed_models, engine_factory, cache_dir, monkeypatch):
+    """The Q4_K/Q6_K experts offloaded to 3 slots with expert_kernel=pallas (bf16, interpret mode on the CPU; the
+    engine's GPU-only check passed here as test_quant does): the scanned offload graph, the kernels each reading
+    its family's scales by window position (codes for gate/up, float32 groups for down), fetches into slots of two
+    storages and the pool's C kernel (phase 1 FMT_INT4K, phase 2 FMT_INT8G), within bf16 rounding of all resident
+    through the XLA path."""
+    from helpers import engine_with_gpu_paths
+    from strata_jax.offload.slots import layer_states
+    path, _, _ = mixed_models("Q6_K")
+    common = dict(dtype="bfloat16", window=4, context=64)
+    want = engine_factory(path, expert_cache_slots="all", expert_kernel="xla", **common).score(IDS)
+    eng = engine_with_gpu_paths(monkeypatch, path, cache_dir, expert_cache_slots="3",
+                                pcie_frac="0.5", cpu_threads=2, expert_kernel="pallas", **common)
+    assert eng.expert_kernel == "pallas" and eng.decode_expert_path.kernel and eng.scanned_offload
+    first = layer_states(eng.cache.experts)[0]
+    assert first.gate.dtype == np.uint8 and first.down.dtype == np.int8
+    assert eng.placement.pool.store.format == "int4-q4k/int8-g"
+    assert rel_fro(eng.score(IDS), want) < 2e-2
+    d = eng.stats.last.decode_experts
+    assert d.distinct_fetched > 0 and d.distinct_cpu > 0
+    assert len(eng.generate(IDS, 6, stop_token_ids=[])) == 6
