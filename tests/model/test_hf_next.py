@@ -258,8 +258,9 @@ def test_mtp_drafts_keep_greedy_and_follow_the_module(engine_factory, mtp_folder
     for spec in (1, W - 1):
         firsts.clear()
         assert engine.generate(prompt, 20, spec=spec, draft="mtp", stop_token_ids=[]) == plain, spec
-        # every window drafted but the last (one token left to make: nothing to draft)
-        assert engine.stats.last.drafts_proposed > 0 and len(firsts) == engine.stats.last.windows - 1
+        # every window drafted but a last one with one token left to make (nothing to draft); whether the request
+        # ends on such a window depends on the drafts accepted before it (the MTP module's weights are drawn fresh)
+        assert engine.stats.last.drafts_proposed > 0 and engine.stats.last.windows - len(firsts) in (0, 1)
     # Sampled: the host loop's drafter (the window graphs return their hidden states); seeded, so reproducible.
     sampled = [engine.generate(prompt, 12, temperature=0.8, seed=3, draft="mtp", stop_token_ids=[])
                for _ in range(2)]
