@@ -175,3 +175,24 @@ def engine_with_gpu_paths(monkeypatch, path, cache_dir, **options):
             return real_paths(self)
     monkeypatch.setattr(engine_mod.Engine, "_expert_paths", paths_as_on_a_gpu)
     return engine_mod.Engine.from_pretrained(path, verbose=False, cache_dir=str(cache_dir), **options)
+
+
+def gguf_kernel_offload_check(engine_factory, monkeypatch, cache_dir, path, ids, gate_dtype, down_dtype, store_format):
+    """A GGUF's kept experts offloaded to 3 slots with expert_kernel=pallas (bf16; interpreted on the CPU, the engine's
+    GPU-only check passed as engine_with_gpu_paths does): the scanned offload graph, the kernel reading each
+    family's scales by window position, fetches and the pool's C kernel in the windows (pcie_frac 0.5), its logits
+    within bf16 rounding of all resident through the XLA path; the slots and the pool hold the kept form."""
+    import numpy as np
+    from strata_jax.offload.slots import layer_states
+    common = dict(dtype="bfloat16", window=4, context=64)
+    want = engine_factory(path, expert_cache_slots="all", expert_kernel="xla", **common).score(ids)
+    eng = engine_with_gpu_paths(monkeypatch, path, cache_dir, expert_cache_slots="3",
+                                pcie_frac="0.5", cpu_threads=2, expert_kernel="pallas", **common)
+    assert eng.expert_kernel == "pallas" and eng.decode_expert_path.kernel and eng.scanned_offload
+    first = layer_states(eng.cache.experts)[0]
+    assert first.gate.dtype == gate_dtype and first.down.dtype == down_dtype
+    assert eng.placement.pool.store.format == store_format
+    assert rel_fro(eng.score(ids), want) < 2e-2
+    d = eng.stats.last.decode_experts
+    assert d.distinct_fetched > 0 and d.distinct_cpu > 0
+    assert len(eng.generate(ids, 6, stop_token_ids=[])) == 6

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import save_file
 
 import test_gguf
-from helpers import rel_fro
+from helpers import gguf_kernel_offload_check, rel_fro
 from strata_jax import Engine
 from strata_jax.io import checkpoint, gguf_file
 from strata_jax.io.embedded import random_checkpoint
@@ -167,17 +167,5 @@ def test_kept_experts_under_the_kernel_scan_offloaded(kept_models, engine_factor
     engine's GPU-only check passed here as test_quant does): the scanned offload graph, the kernel reading the
     float32 group scales (and minima) by window position, fetches and the pool's C kernel (FMT_INT8G / FMT_INT8GM),
     within bf16 rounding of all resident through the XLA path."""
-    from helpers import engine_with_gpu_paths
-    from strata_jax.offload.slots import layer_states
     path, _, _ = kept_models(qtype)
-    common = dict(dtype="bfloat16", window=4, context=64)
-    want = engine_factory(path, expert_cache_slots="all", expert_kernel="xla", **common).score(IDS)
-    eng = engine_with_gpu_paths(monkeypatch, path, cache_dir, expert_cache_slots="3",
-                                pcie_frac="0.5", cpu_threads=2, expert_kernel="pallas", **common)
-    assert eng.expert_kernel == "pallas" and eng.decode_expert_path.kernel and eng.scanned_offload
-    assert layer_states(eng.cache.experts)[0].gate.dtype == np.int8
-    assert eng.placement.pool.store.format == "int8-g"
-    assert rel_fro(eng.score(IDS), want) < 2e-2
-    d = eng.stats.last.decode_experts
-    assert d.distinct_fetched > 0 and d.distinct_cpu > 0
-    assert len(eng.generate(IDS, 6, stop_token_ids=[])) == 6
+    gguf_kernel_offload_check(engine_factory, monkeypatch, cache_dir, path, IDS, np.int8, np.int8, "int8-g")

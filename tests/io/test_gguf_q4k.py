@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import save_file
 
 import test_gguf
-from helpers import engine_with_gpu_paths, one_line_refusal, rel_fro
+from helpers import gguf_kernel_offload_check, one_line_refusal, rel_fro
 from strata_jax import Engine
 from strata_jax.errors import StrataError
 from strata_jax.io import checkpoint, gguf_file
@@ -122,19 +122,8 @@ def test_q4k_experts_under_the_kernel_scan_offloaded(q4k_model, engine_factory, 
     engine's GPU-only check passed here as test_quant does): the scanned offload graph, the kernel reading the
     codes by window position, fetches and the pool's C kernel (FMT_INT4K) in the windows, within bf16 rounding of
     all resident through the XLA path."""
-    from strata_jax.offload.slots import layer_states
     path, _, _ = q4k_model
-    common = dict(dtype="bfloat16", window=4, context=64)
-    want = engine_factory(path, expert_cache_slots="all", expert_kernel="xla", **common).score(IDS)
-    eng = engine_with_gpu_paths(monkeypatch, path, cache_dir, expert_cache_slots="3",
-                                pcie_frac="0.5", cpu_threads=2, expert_kernel="pallas", **common)
-    assert eng.expert_kernel == "pallas" and eng.decode_expert_path.kernel and eng.scanned_offload
-    assert layer_states(eng.cache.experts)[0].gate.dtype == np.uint8
-    assert eng.placement.pool.store.format == "int4-q4k"
-    assert rel_fro(eng.score(IDS), want) < 2e-2
-    d = eng.stats.last.decode_experts
-    assert d.distinct_fetched > 0 and d.distinct_cpu > 0
-    assert len(eng.generate(IDS, 6, stop_token_ids=[])) == 6
+    gguf_kernel_offload_check(engine_factory, monkeypatch, cache_dir, path, IDS, np.uint8, np.uint8, "int4-q4k")
 
 
 def test_random_weights_for_benchmarks(cache_dir):
