@@ -55,10 +55,12 @@ def encode(x: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def write_gguf(path: Path, raw: dict, hub: dict[str, np.ndarray], types=None, arch: str = "qwen3moe",
-               metadata=None, drop=(), replace=None, split_max_tensors: int = 0) -> dict[str, np.ndarray]:
+               metadata=None, drop=(), replace=None, split_max_tensors: int = 0,
+               encoder=None) -> dict[str, np.ndarray]:
     """A GGUF of a Hub config + (stacked) tensors; types(gguf name) -> its GGUF type (default F32; 1-D tensors
     stay F32, as llama.cpp keeps them); metadata(writer): more keys (a tokenizer); drop: GGUF names left out;
-    replace: {GGUF name: array written instead, or added}. Returns the dequantized values written, by Hub name."""
+    replace: {GGUF name: array written instead, or added}; encoder(x, type): a tensor's bytes (default `encode`;
+    the K types' tests write random valid blocks). Returns the dequantized values written, by Hub name."""
     n_layers = raw["num_hidden_layers"]
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     w.add_block_count(n_layers)
@@ -83,7 +85,7 @@ def write_gguf(path: Path, raw: dict, hub: dict[str, np.ndarray], types=None, ar
         if g in drop or g in (replace or {}):
             continue
         qtype = (types or (lambda _: Q.F32))(g) if x.ndim > 1 else Q.F32
-        data = encode(x, qtype)
+        data = (encoder or encode)(x, qtype)
         w.add_tensor(g, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
         written[name] = gguf.quants.dequantize(data, qtype).reshape(x.shape)
     for g, x in (replace or {}).items():  # in place of a tensor, or beside them
@@ -157,10 +159,7 @@ def test_quantized_weights_and_logits(tmp_path, base_hub, engine_factory, cache_
     raw, hub = base_hub
     path = tmp_path / "base-q.gguf"
     written = write_gguf(path, raw, hub, types=quantized_types)
-    dequantized = tmp_path / "dequantized"
-    dequantized.mkdir()
-    (dequantized / "config.json").write_text(json.dumps(raw))
-    save_file(unstacked(written), str(dequantized / "model.safetensors"))
+    dequantized = dequantized_folder(tmp_path, raw, written)
 
     folder = gguf_file.gguf_model_folder(path, cache_dir)
     cfg = load_config(folder)
@@ -240,11 +239,13 @@ def test_k_and_iq_types_dequantize_at_load(tmp_path, cache_dir):
     assert set(t for family in source["types"].values() for t in family) == {"F32"} | {q.name for q in K_TYPES}
 
 
-def dequantized_folder(tmp_path: Path, folder: Path, want: dict) -> Path:
-    """A Hugging Face folder beside the GGUF's: its config.json and `want` (quantized_gguf's values) as safetensors."""
+def dequantized_folder(tmp_path: Path, config: Path | dict, want: dict) -> Path:
+    """A Hugging Face folder beside the GGUF's: its config (a folder's config.json, or the raw dict) and `want` (the
+    values written) as safetensors."""
     dequantized = tmp_path / "dequantized"
     dequantized.mkdir()
-    (dequantized / "config.json").write_text((folder / "config.json").read_text())
+    text = json.dumps(config) if isinstance(config, dict) else (config / "config.json").read_text()
+    (dequantized / "config.json").write_text(text)
     save_file(unstacked(want), str(dequantized / "model.safetensors"))
     return dequantized
 

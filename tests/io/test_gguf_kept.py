@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from safetensors.numpy import save_file
 
 import test_gguf
 from helpers import gguf_kernel_offload_check, rel_fro
@@ -45,19 +44,11 @@ def write_kept_model(tmp, qtype: str, seed: int = 31):
     def encode(x, t):
         if t.name in D:
             return quant.gguf_blocks_random(t.name, x.shape, seed=seed * 1000 + next(counter), d_scale=D[t.name])
-        return original(x, t)
-    original = test_gguf.encode
+        return test_gguf.encode(x, t)
     path = tmp / f"{qtype}.gguf"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(test_gguf, "encode", encode)
-    try:
-        written = test_gguf.write_gguf(path, raw, hub, types=lambda g: Q[qtype] if "_exps" in g else Q.F32)
-    finally:
-        mp.undo()
-    dequantized = tmp / "dequantized"
-    dequantized.mkdir()
-    (dequantized / "config.json").write_text(json.dumps(raw))
-    save_file(test_gguf.unstacked(written), str(dequantized / "model.safetensors"))
+    written = test_gguf.write_gguf(path, raw, hub, types=lambda g: Q[qtype] if "_exps" in g else Q.F32,
+                                   encoder=encode)
+    dequantized = test_gguf.dequantized_folder(tmp, raw, written)
     return path, dequantized, written
 
 
@@ -123,16 +114,11 @@ def test_mixed_types_and_refusals(kept_models, tmp_path, cache_dir):
     raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
                moe_intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=1)
     hub = test_gguf.stacked(random_checkpoint(raw, seed=41), 1, 4)
-    original = test_gguf.encode
-    mp = pytest.MonkeyPatch()
-    mp.setattr(test_gguf, "encode", lambda x, t: quant.gguf_blocks_random("Q6_K", x.shape, 5, D["Q6_K"])
-               if t == Q.Q6_K else original(x, t))
     path = tmp_path / "mix.gguf"
-    try:
-        written = test_gguf.write_gguf(path, raw, hub, types=lambda g: (Q.Q6_K if "down_exps" in g else Q.Q8_0)
-                                       if "_exps" in g else Q.F32)
-    finally:
-        mp.undo()
+    written = test_gguf.write_gguf(path, raw, hub, types=lambda g: (Q.Q6_K if "down_exps" in g else Q.Q8_0)
+                                   if "_exps" in g else Q.F32,
+                                   encoder=lambda x, t: quant.gguf_blocks_random("Q6_K", x.shape, 5, D["Q6_K"])
+                                   if t == Q.Q6_K else test_gguf.encode(x, t))
     folder = gguf_file.gguf_model_folder(path, cache_dir)
     assert gguf_file.kept_expert_format(folder) == "int8-g32/int8-g16"
     source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from safetensors.numpy import save_file
 
 import test_gguf
 from helpers import gguf_kernel_offload_check, rel_fro
@@ -41,14 +40,13 @@ def write_mixed_model(tmp, down_types: tuple[str, ...], seed: int = 51):
         if ".mlp.experts." in name:
             hub[name] = (rng.standard_normal(hub[name].shape) * 0.05 + 0.01).astype(np.float32)
     counter = iter(range(1000))
-    original = test_gguf.encode
 
     def encode(x, t):
         if t == Q.Q4_K:
             return quant.q4k_blocks(x)
         if t.name in D:
             return quant.gguf_blocks_random(t.name, x.shape, seed=seed * 1000 + next(counter), d_scale=D[t.name])
-        return original(x, t)
+        return test_gguf.encode(x, t)
 
     def types(g: str) -> Q:
         if "_exps" not in g:
@@ -56,16 +54,8 @@ def write_mixed_model(tmp, down_types: tuple[str, ...], seed: int = 51):
         return Q[down_types[int(g.split(".")[1])]] if "down_exps" in g else Q.Q4_K
 
     path = tmp / f"mixed-{'-'.join(down_types)}.gguf"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(test_gguf, "encode", encode)
-    try:
-        written = test_gguf.write_gguf(path, raw, hub, types=types)
-    finally:
-        mp.undo()
-    dequantized = tmp / "dequantized"
-    dequantized.mkdir()
-    (dequantized / "config.json").write_text(json.dumps(raw))
-    save_file(test_gguf.unstacked(written), str(dequantized / "model.safetensors"))
+    written = test_gguf.write_gguf(path, raw, hub, types=types, encoder=encode)
+    dequantized = test_gguf.dequantized_folder(tmp, raw, written)
     return path, dequantized, written
 
 

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from safetensors.numpy import save_file
 
 import test_gguf
 from helpers import gguf_kernel_offload_check, one_line_refusal, rel_fro
@@ -33,10 +32,8 @@ def q4k_types(g: str) -> Q:
 
 
 def encode(x: np.ndarray, qtype: Q) -> np.ndarray:
-    return quant.q4k_blocks(x) if qtype == Q.Q4_K else ORIGINAL_ENCODE(x, qtype)
+    return quant.q4k_blocks(x) if qtype == Q.Q4_K else test_gguf.encode(x, qtype)
 
-
-ORIGINAL_ENCODE = test_gguf.encode
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +49,8 @@ def q4k_model(tmp_path_factory):
             hub[name] = (rng.standard_normal(hub[name].shape) * 0.05 + 0.01).astype(np.float32)
     tmp = tmp_path_factory.mktemp("q4k")
     path = tmp / "q4k.gguf"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(test_gguf, "encode", encode)
-    try:
-        written = test_gguf.write_gguf(path, raw, hub, types=q4k_types)
-    finally:
-        mp.undo()
-    dequantized = tmp / "dequantized"
-    dequantized.mkdir()
-    (dequantized / "config.json").write_text(json.dumps(raw))
-    save_file(test_gguf.unstacked(written), str(dequantized / "model.safetensors"))
+    written = test_gguf.write_gguf(path, raw, hub, types=q4k_types, encoder=encode)
+    dequantized = test_gguf.dequantized_folder(tmp, raw, written)
     return path, dequantized, written
 
 
@@ -156,13 +145,8 @@ def test_q4k_m_mix_with_expert_dtype_int4_q4k(tmp_path, cache_dir):
             return rng.integers(0, 0x40, (*x.shape[:-1], x.shape[-1] // block * size), dtype=np.uint8)
         return encode(x, qtype)
     path = tmp_path / "q4k_m.gguf"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(test_gguf, "encode", encode_mix)
-    try:
-        written = test_gguf.write_gguf(path, raw, hub, types=lambda g: (Q.Q6_K if "down_exps" in g else Q.Q4_K)
-                                       if "_exps" in g else Q.F32)
-    finally:
-        mp.undo()
+    written = test_gguf.write_gguf(path, raw, hub, types=lambda g: (Q.Q6_K if "down_exps" in g else Q.Q4_K)
+                                   if "_exps" in g else Q.F32, encoder=encode_mix)
     folder = gguf_file.gguf_model_folder(path, cache_dir)
     assert gguf_file.kept_expert_format(folder) == "int4-q4k/int8-g16"
     source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
