@@ -235,6 +235,9 @@ class FfiLibrary:
         self.device_fetch = library.pool_device_fetch
         self.device_fetch.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
         self.device_fetch.restype = ctypes.c_int
+        self.signal_mode = library.pool_signal_mode
+        self.signal_mode.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
+        self.signal_mode.restype = ctypes.c_int
         self._capture_supported = library.offload_capture_supported
         self._capture_supported.argtypes = []
         self._capture_supported.restype = ctypes.c_int

@@ -283,6 +283,7 @@ struct OffloadStaging {
   void *memory = nullptr;
   std::vector<float> plain;            // CPU: ordinary memory
   float *in = nullptr, *y = nullptr;  // in: x [T*H], w [T*N], then int32 ids [N], src [M], dst [M]
+  CUdeviceptr in_dev = 0, y_dev = 0;  // CUDA: their device-mapped addresses (0: none; the signal kernels pass)
   Scratch scratch;
   ~OffloadStaging() {
     if (memory) driver().host_free(memory);
@@ -452,6 +453,131 @@ std::string fetch_ptx() {
   return replace_all(kFetchPtx, "@COPIES@", copies);
 }
 
+// The signal kernels (capture path, the default where they load; STRATA_OFFLOAD_SIGNAL=memops: the stream memory
+// operations and copies instead). A begin with work for the worker posts it with one kernel where it used a copy of
+// the plan into pinned staging and a flag write, and the collect waits and copies y back with one kernel where it
+// used a flag wait, a flag write and a copy: each is one node of the layer's command buffer instead of two or three.
+//   strata_post_plan (one block): the packed plan (device) into the staging's mapped `in`, then, after the block's
+//     barrier, one thread: fence.sc.sys (the block's writes seen by the host before the flag) and POSTED = id.
+//   strata_collect_y (one block): one thread polls DONE (acquire, system scope) until the worker sets it, clears it,
+//     then the block copies y from the staging's mapped memory, not cached (ld.cv), into the call's output.
+// Words: p_quads 16-byte steps, then single words up to p_words (p_quads 0 where either side is not 16-byte aligned).
+// Used for plans and y of at most kSignalBytes (decode windows); a larger prefill chunk keeps the copies, which one
+// block writing over PCIe would not match.
+const char *kSignalPtx = R"PTX(
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry strata_post_plan(
+    .param .u64 p_src, .param .u64 p_dst, .param .u64 p_quads, .param .u64 p_words,
+    .param .u64 p_flag, .param .u32 p_value)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<24>;
+
+    ld.param.u64 %rd1, [p_src];
+    ld.param.u64 %rd2, [p_dst];
+    ld.param.u64 %rd3, [p_quads];
+    ld.param.u64 %rd4, [p_words];
+    mov.u32 %r1, %tid.x;
+    mov.u32 %r2, %ntid.x;
+    cvt.u64.u32 %rd5, %r1;
+    cvt.u64.u32 %rd6, %r2;
+    mov.u64 %rd7, %rd5;
+$QUAD:
+    setp.ge.u64 %p1, %rd7, %rd3;
+    @%p1 bra $QUAD_END;
+    shl.b64 %rd8, %rd7, 4;
+    add.s64 %rd9, %rd1, %rd8;
+    add.s64 %rd10, %rd2, %rd8;
+    ld.global.v4.u32 {%r3, %r4, %r5, %r6}, [%rd9];
+    st.global.v4.u32 [%rd10], {%r3, %r4, %r5, %r6};
+    add.s64 %rd7, %rd7, %rd6;
+    bra.uni $QUAD;
+$QUAD_END:
+    shl.b64 %rd11, %rd3, 2;
+    add.s64 %rd12, %rd11, %rd5;
+$WORD:
+    setp.ge.u64 %p2, %rd12, %rd4;
+    @%p2 bra $WORD_END;
+    shl.b64 %rd13, %rd12, 2;
+    add.s64 %rd14, %rd1, %rd13;
+    add.s64 %rd15, %rd2, %rd13;
+    ld.global.u32 %r7, [%rd14];
+    st.global.u32 [%rd15], %r7;
+    add.s64 %rd12, %rd12, %rd6;
+    bra.uni $WORD;
+$WORD_END:
+    bar.sync 0;
+    setp.ne.u32 %p3, %r1, 0;
+    @%p3 bra $POST_END;
+    fence.sc.sys;
+    ld.param.u64 %rd16, [p_flag];
+    ld.param.u32 %r8, [p_value];
+    st.relaxed.sys.global.u32 [%rd16], %r8;
+$POST_END:
+    ret;
+}
+
+.visible .entry strata_collect_y(
+    .param .u64 p_src, .param .u64 p_dst, .param .u64 p_quads, .param .u64 p_words, .param .u64 p_flag)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<24>;
+
+    mov.u32 %r1, %tid.x;
+    setp.ne.u32 %p3, %r1, 0;
+    @%p3 bra $WAITED;
+    ld.param.u64 %rd16, [p_flag];
+$SPIN:
+    ld.acquire.sys.global.u32 %r8, [%rd16];
+    setp.ne.u32 %p1, %r8, 1;
+    @%p1 bra $SPIN;
+    st.relaxed.sys.global.u32 [%rd16], 0;
+$WAITED:
+    bar.sync 0;
+    fence.acq_rel.gpu;
+    ld.param.u64 %rd1, [p_src];
+    ld.param.u64 %rd2, [p_dst];
+    ld.param.u64 %rd3, [p_quads];
+    ld.param.u64 %rd4, [p_words];
+    mov.u32 %r2, %ntid.x;
+    cvt.u64.u32 %rd5, %r1;
+    cvt.u64.u32 %rd6, %r2;
+    mov.u64 %rd7, %rd5;
+$QUAD:
+    setp.ge.u64 %p1, %rd7, %rd3;
+    @%p1 bra $QUAD_END;
+    shl.b64 %rd8, %rd7, 4;
+    add.s64 %rd9, %rd1, %rd8;
+    add.s64 %rd10, %rd2, %rd8;
+    ld.global.cv.v4.u32 {%r3, %r4, %r5, %r6}, [%rd9];
+    st.global.v4.u32 [%rd10], {%r3, %r4, %r5, %r6};
+    add.s64 %rd7, %rd7, %rd6;
+    bra.uni $QUAD;
+$QUAD_END:
+    shl.b64 %rd11, %rd3, 2;
+    add.s64 %rd12, %rd11, %rd5;
+$WORD:
+    setp.ge.u64 %p2, %rd12, %rd4;
+    @%p2 bra $WORD_END;
+    shl.b64 %rd13, %rd12, 2;
+    add.s64 %rd14, %rd1, %rd13;
+    add.s64 %rd15, %rd2, %rd13;
+    ld.global.cv.u32 %r7, [%rd14];
+    st.global.u32 [%rd15], %r7;
+    add.s64 %rd12, %rd12, %rd6;
+    bra.uni $WORD;
+$WORD_END:
+    ret;
+}
+)PTX";
+constexpr size_t kSignalBytes = 64 << 10;
+constexpr unsigned kSignalThreads = 512;
+
 struct Offload {
   Pool *pool = nullptr;
   void *flag_memory = nullptr;
@@ -486,6 +612,10 @@ struct Offload {
   void *fetch_fn = nullptr;
   uint64_t *fetch_table = nullptr;
   CUdeviceptr fetch_table_dev = 0;
+  // The signal kernels (kSignalPtx), loaded on the first capture-path begin: 0 not tried, 1 ready, -1 unavailable.
+  int signal = 0;
+  std::string signal_why;
+  void *post_fn = nullptr, *collect_fn = nullptr;
 
   ~Offload() {
     stop = true;
@@ -805,6 +935,52 @@ bool device_fetch_ready(Offload *o, CUcontext ctx) {
   return o->device_fetch > 0;
 }
 
+// The signal kernels of this pool's offload calls, loaded once (under o->mutex; off this thread, which may be
+// capturing): whether they serve. STRATA_OFFLOAD_SIGNAL=memops keeps the copies and stream memory operations.
+bool signal_ready(Offload *o, CUcontext ctx) {
+  if (o->signal) return o->signal > 0;
+  o->signal = -1;
+  const Driver &d = driver();
+  const char *env = std::getenv("STRATA_OFFLOAD_SIGNAL");
+  std::string &why = o->signal_why;
+  if (env && std::string(env) == "memops") {
+    why = "STRATA_OFFLOAD_SIGNAL=memops";
+  } else if (!d.module_load || !d.module_function || !d.launch_kernel) {
+    why = "libcuda.so.1 lacks cuModuleLoadDataEx / cuLaunchKernel";
+  } else {
+    CUresult failed = off_thread(ctx, [&]() -> CUresult {
+      static char log[4096];
+      int options[2] = {5 /* CU_JIT_ERROR_LOG_BUFFER */, 6 /* CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES */};
+      void *values[2] = {log, (void *)(uintptr_t)sizeof(log)};
+      void *module = nullptr;
+      CUresult r = d.module_load(&module, kSignalPtx, 2, options, values);
+      if (r) {
+        why = std::string("the signal kernels did not load: ") + log;
+        return r;
+      }
+      if ((r = d.module_function(&o->post_fn, module, "strata_post_plan")) ||
+          (r = d.module_function(&o->collect_fn, module, "strata_collect_y")))
+        why = "cuModuleGetFunction failed";
+      return r;
+    });
+    if (!failed) o->signal = 1;
+    else if (why.empty()) why = "setup failed (error " + std::to_string(failed) + ")";
+  }
+  if (o->signal < 0 && !(env && std::string(env) == "memops"))
+    std::fprintf(stderr, "[offload] the pool's calls signal with copies and stream memory operations: %s\n",
+                 why.c_str());
+  return o->signal > 0;
+}
+
+// One of the signal kernels on `stream`: `bytes` from `src` to `dst` (one of them mapped host memory), and the flag.
+// value: POSTED's (strata_post_plan), or nullptr (strata_collect_y, which has no such parameter).
+CUresult launch_signal(void *fn, CUstream stream, CUdeviceptr src, CUdeviceptr dst, size_t bytes, CUdeviceptr flag,
+                       uint32_t *value) {
+  uint64_t words = bytes / 4, quads = (src % 16 == 0 && dst % 16 == 0) ? words / 4 : 0;
+  void *params[] = {&src, &dst, &quads, &words, &flag, value};  // the collect kernel reads the first five
+  return driver().launch_kernel(fn, 1, 1, 1, kSignalThreads, 1, 1, 0, stream, params, nullptr);
+}
+
 // The fetch kernel on `stream` for a capture-path begin: src / dst (and, traced, the layer) read from the packed plan
 // on the device.
 CUresult launch_fetch(Offload *o, CUstream stream, const OffloadJob &job, const float *packed, int64_t H) {
@@ -836,13 +1012,19 @@ OffloadStaging *offload_staging(Offload *o, int64_t layer, int64_t T, int64_t N,
   const size_t inb = padded(sizeof(float) * packed_floats(T, H, N, M, layer < 0));
   const size_t yb = padded(sizeof(float) * T * H);
   if (cuda) {
-    auto alloc = [&] { return driver().host_alloc(&s->memory, inb + yb, 0); };
+    // mapped (DEVICEMAP): the signal kernels write the plan and read y through the device addresses
+    auto alloc = [&] { return driver().host_alloc(&s->memory, inb + yb, 0x01 | 0x02 /* PORTABLE | DEVICEMAP */); };
     if ((alloc_ctx ? off_thread(alloc_ctx, alloc) : alloc()) != 0) {
       error = "cuMemHostAlloc failed";
       o->staging.erase({layer, T, N, M});
       return nullptr;
     }
     s->in = static_cast<float *>(s->memory);
+    CUdeviceptr dev = 0;
+    if (driver().host_device_pointer && driver().host_device_pointer(&dev, s->memory, 0) == 0 && dev) {
+      s->in_dev = dev;
+      s->y_dev = dev + inb;
+    }
   } else {
     s->plain.resize((inb + yb) / sizeof(float));
     s->in = s->plain.data();
@@ -1001,6 +1183,7 @@ ffi::Error OffloadBeginCaptureCuda(void *stream, int64_t pool_id, int64_t layer,
   }
   uint32_t id = 0;
   bool kernel_fetch = false;  // the fetch by the device kernel on this stream: the worker computes only
+  bool signal_post = false;   // the plan and POSTED by strata_post_plan, not a copy and a flag write
   {
     std::lock_guard<std::mutex> lock(o->mutex);
     job.staging = offload_staging(o, layer, T, N, M, true, why, job.ctx);
@@ -1009,6 +1192,8 @@ ffi::Error OffloadBeginCaptureCuda(void *stream, int64_t pool_id, int64_t layer,
                    job.slot_row_bytes[1] % 16 == 0 && job.slot_row_bytes[2] % 16 == 0;
     if (kernel_fetch) job.fetch = false;
     id = descriptor_for(o, job);
+    signal_post = (job.cpu || job.fetch) && packed.size_bytes() <= kSignalBytes && job.staging->in_dev &&
+                  packed.size_bytes() % 4 == 0 && signal_ready(o, job.ctx);
   }
   if (!id)
     return ffi::Error::Internal("strata_offload_begin_v2: too many distinct offload calls recorded for this pool");
@@ -1020,12 +1205,16 @@ ffi::Error OffloadBeginCaptureCuda(void *stream, int64_t pool_id, int64_t layer,
     failed = launch_fetch(o, stream, fetch_job, static_cast<const float *>(packed.untyped_data()),
                           plan_hidden(pool, layer));
   }
-  // the worker reads the plan only for its own part (its cpu experts, or the copies without the kernel)
-  if (!failed && (job.cpu || job.fetch))
+  // the worker reads the plan only for its own part (its cpu experts, or the copies without the kernel); nothing
+  // left to the worker: nothing to post (and no collect follows)
+  if (!failed && signal_post) {
+    failed = launch_signal(o->post_fn, stream, (CUdeviceptr)(uintptr_t)packed.untyped_data(), job.staging->in_dev,
+                           packed.size_bytes(), o->flag_device(layer, POSTED), &id);
+  } else if (!failed && (job.cpu || job.fetch)) {
     failed = d.memcpy_dtoh(job.staging->in, (CUdeviceptr)(uintptr_t)packed.untyped_data(), packed.size_bytes(),
                            stream);
-  // nothing left to the worker: nothing to post (and no collect follows)
-  if (!failed && (job.cpu || job.fetch)) failed = d.write_value(stream, o->flag_device(layer, POSTED), id, 0);
+    if (!failed) failed = d.write_value(stream, o->flag_device(layer, POSTED), id, 0);
+  }
   if (!failed && job.fetch)
     failed = d.wait_value(stream, o->flag_device(layer, FETCHED), 1, 0x1 /* CU_STREAM_WAIT_VALUE_EQ */);
   if (!failed && job.fetch) failed = d.write_value(stream, o->flag_device(layer, FETCHED), 0, 0);
@@ -1073,9 +1262,21 @@ ffi::Error OffloadCollectCaptureCuda(void *stream, int64_t pool_id, int64_t laye
     return ffi::Error::InvalidArgument("strata_offload_collect_v2: this pool's begin ran the sequence path");
   OFFLOAD_TRACE("collect_v2: layer %ld T %ld N %ld (recorded or run)\n", (long)layer, (long)after.dimensions()[0],
                 (long)n);
+  const size_t y_bytes = sizeof(float) * after.element_count();
+  bool signal_collect = false;  // as the begin chose: a loaded kernel, mapped staging, a decode window's y
+  {
+    std::lock_guard<std::mutex> lock(o->mutex);
+    signal_collect = o->signal > 0 && s->y_dev && y_bytes <= kSignalBytes;
+  }
+  if (signal_collect) {
+    if (launch_signal(o->collect_fn, stream, s->y_dev, (CUdeviceptr)(uintptr_t)y->untyped_data(), y_bytes,
+                      o->flag_device(layer, DONE), nullptr))
+      return ffi::Error::Internal("strata_offload_collect_v2: the collect kernel failed to launch");
+    return ffi::Error::Success();
+  }
   if (d.wait_value(stream, o->flag_device(layer, DONE), 1, 0x1 /* CU_STREAM_WAIT_VALUE_EQ */) ||
       d.write_value(stream, o->flag_device(layer, DONE), 0, 0) ||
-      d.memcpy_htod((CUdeviceptr)(uintptr_t)y->untyped_data(), s->y, sizeof(float) * after.element_count(), stream))
+      d.memcpy_htod((CUdeviceptr)(uintptr_t)y->untyped_data(), s->y, y_bytes, stream))
     return ffi::Error::Internal("strata_offload_collect_v2: a CUDA copy or stream flag operation failed");
   return ffi::Error::Success();
 }
@@ -1578,6 +1779,19 @@ int pool_device_fetch(int64_t id, char *why, int64_t size) {
   std::lock_guard<std::mutex> inner(o->mutex);
   if (why && size > 0) std::snprintf(why, (size_t)size, "%s", o->fetch_why.c_str());
   return o->device_fetch;
+}
+
+// How this pool's capture-path offload calls signal the worker: 1 the signal kernels, -1 the copies and stream memory
+// operations (why: into `why`), 0 not decided yet (no begin with pool work recorded, or no offload calls on a GPU).
+int pool_signal_mode(int64_t id, char *why, int64_t size) {
+  Pool *pool = find_pool(id);
+  if (!pool) return 0;
+  std::lock_guard<std::mutex> lock(pool->offload_mutex);
+  Offload *o = pool->offload.get();
+  if (!o) return 0;
+  std::lock_guard<std::mutex> inner(o->mutex);
+  if (why && size > 0) std::snprintf(why, (size_t)size, "%s", o->signal_why.c_str());
+  return o->signal;
 }
 
 // Layer `layer`'s experts in pinned host memory (what strata_offload_begin fetches from; rows laid out as the slot

@@ -236,6 +236,17 @@ class HostPool:
         mode = library.device_fetch(pool_id, why, len(why))
         return {1: "kernel", -1: f"worker: {why.value.decode(errors='replace')}"}.get(mode, "")
 
+    def signal_mode(self) -> str:
+        """How the native offload calls reach the worker on a GPU: "kernel" (a begin posts its plan and a collect
+        waits for y with one kernel each), "memops: <why>" (copies and stream memory operations), or "" (not
+        decided: no begin with pool work recorded yet, or no GPU)."""
+        if self._ffi is None:
+            return ""
+        library, pool_id, _ = self._ffi
+        why = ctypes.create_string_buffer(256)
+        mode = library.signal_mode(pool_id, why, len(why))
+        return {1: "kernel", -1: f"memops: {why.value.decode(errors='replace')}"}.get(mode, "")
+
     def fetch_counters(self) -> tuple[int, int, int]:
         """(offload calls that fetched, experts fetched, bytes fetched) by the native offload calls' host copies so
         far: the CPU handler's, and on a GPU the worker's (STRATA_OFFLOAD_FETCH=worker, or where the device fetch

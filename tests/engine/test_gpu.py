@@ -47,6 +47,8 @@ def test_offload_is_exact_on_gpu(engine_factory, tokens, frac, pool_calls):
         assert d.entries == d.entries_resident + d.entries_fetched + d.entries_cpu > 0
     if pool_calls == "auto" and frac > 0:  # the fetches ran as the device kernel on the graph's stream
         assert eng.placement.pool.fetch_mode() == "kernel"
+    if pool_calls == "auto" and frac < 1:  # the pool's jobs posted and collected by the signal kernels
+        assert eng.placement.pool.signal_mode() == "kernel"
 
 
 def test_prefill_chunks_in_blocks_of_experts_are_exact_on_gpu(engine_factory):
@@ -80,6 +82,20 @@ def test_offload_fetch_by_the_worker_is_exact_on_gpu(engine_factory, tokens, mon
         for w in (1, 4):
             assert rel_fro(eng.score(tokens, window=w), ref.score(tokens, window=w)) <= 1e-5, policy
     assert eng.placement.pool.fetch_mode() == "worker: STRATA_OFFLOAD_FETCH=worker"
+
+
+def test_offload_signal_by_memops_is_exact_on_gpu(engine_factory, tokens, monkeypatch):
+    """STRATA_OFFLOAD_SIGNAL=memops: the pool's jobs posted by a copy and a stream flag write and collected by a
+    flag wait and a copy (the way before the signal kernels) give the same logits and tokens."""
+    monkeypatch.setenv("STRATA_OFFLOAD_SIGNAL", "memops")  # read once per pool: an engine of its own (context 72)
+    ref = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all")
+    eng = engine_factory(None, dtype="float32", window=4, context=72, expert_cache_slots=5, pcie_frac=0.5)
+    for policy in ("lru", "static"):
+        eng.reconfigure(pcie_frac=0.5, cache_policy=policy)
+        for w in (1, 4):
+            assert rel_fro(eng.score(tokens, window=w), ref.score(tokens, window=w)) <= 1e-5, policy
+        assert eng.generate(tokens[:9], 10, stop_token_ids=[]) == ref.generate(tokens[:9], 10, stop_token_ids=[])
+    assert eng.placement.pool.signal_mode() == "memops: STRATA_OFFLOAD_SIGNAL=memops"
 
 
 def test_pool_failure_on_gpu_is_one_line_and_recovers(engine_factory, tokens):
