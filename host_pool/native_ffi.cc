@@ -18,6 +18,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <initializer_list>
+#include <utility>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -464,6 +466,43 @@ std::string fetch_ptx() {
 // Words: p_quads 16-byte steps, then single words up to p_words (p_quads 0 where either side is not 16-byte aligned).
 // Used for plans and y of at most kSignalBytes (decode windows); a larger prefill chunk keeps the copies, which one
 // block writing over PCIe would not match.
+// One block's copy of p_words words from %rd1 to %rd2 (p_quads of them in 16-byte steps first), loads by @LD@; labels
+// suffixed @L@. Registers as both kernels below declare them.
+const char *kBlockCopyPtx = R"PTX(
+    ld.param.u64 %rd1, [p_src];
+    ld.param.u64 %rd2, [p_dst];
+    ld.param.u64 %rd3, [p_quads];
+    ld.param.u64 %rd4, [p_words];
+    mov.u32 %r2, %ntid.x;
+    cvt.u64.u32 %rd5, %r1;
+    cvt.u64.u32 %rd6, %r2;
+    mov.u64 %rd7, %rd5;
+$QUAD@L@:
+    setp.ge.u64 %p1, %rd7, %rd3;
+    @%p1 bra $QUAD_END@L@;
+    shl.b64 %rd8, %rd7, 4;
+    add.s64 %rd9, %rd1, %rd8;
+    add.s64 %rd10, %rd2, %rd8;
+    @LD@.v4.u32 {%r3, %r4, %r5, %r6}, [%rd9];
+    st.global.v4.u32 [%rd10], {%r3, %r4, %r5, %r6};
+    add.s64 %rd7, %rd7, %rd6;
+    bra.uni $QUAD@L@;
+$QUAD_END@L@:
+    shl.b64 %rd11, %rd3, 2;
+    add.s64 %rd12, %rd11, %rd5;
+$WORD@L@:
+    setp.ge.u64 %p2, %rd12, %rd4;
+    @%p2 bra $WORD_END@L@;
+    shl.b64 %rd13, %rd12, 2;
+    add.s64 %rd14, %rd1, %rd13;
+    add.s64 %rd15, %rd2, %rd13;
+    @LD@.u32 %r7, [%rd14];
+    st.global.u32 [%rd15], %r7;
+    add.s64 %rd12, %rd12, %rd6;
+    bra.uni $WORD@L@;
+$WORD_END@L@:
+)PTX";
+
 const char *kSignalPtx = R"PTX(
 .version 7.0
 .target sm_70
@@ -477,39 +516,8 @@ const char *kSignalPtx = R"PTX(
     .reg .b32 %r<12>;
     .reg .b64 %rd<24>;
 
-    ld.param.u64 %rd1, [p_src];
-    ld.param.u64 %rd2, [p_dst];
-    ld.param.u64 %rd3, [p_quads];
-    ld.param.u64 %rd4, [p_words];
     mov.u32 %r1, %tid.x;
-    mov.u32 %r2, %ntid.x;
-    cvt.u64.u32 %rd5, %r1;
-    cvt.u64.u32 %rd6, %r2;
-    mov.u64 %rd7, %rd5;
-$QUAD:
-    setp.ge.u64 %p1, %rd7, %rd3;
-    @%p1 bra $QUAD_END;
-    shl.b64 %rd8, %rd7, 4;
-    add.s64 %rd9, %rd1, %rd8;
-    add.s64 %rd10, %rd2, %rd8;
-    ld.global.v4.u32 {%r3, %r4, %r5, %r6}, [%rd9];
-    st.global.v4.u32 [%rd10], {%r3, %r4, %r5, %r6};
-    add.s64 %rd7, %rd7, %rd6;
-    bra.uni $QUAD;
-$QUAD_END:
-    shl.b64 %rd11, %rd3, 2;
-    add.s64 %rd12, %rd11, %rd5;
-$WORD:
-    setp.ge.u64 %p2, %rd12, %rd4;
-    @%p2 bra $WORD_END;
-    shl.b64 %rd13, %rd12, 2;
-    add.s64 %rd14, %rd1, %rd13;
-    add.s64 %rd15, %rd2, %rd13;
-    ld.global.u32 %r7, [%rd14];
-    st.global.u32 [%rd15], %r7;
-    add.s64 %rd12, %rd12, %rd6;
-    bra.uni $WORD;
-$WORD_END:
+@POST_COPY@
     bar.sync 0;
     setp.ne.u32 %p3, %r1, 0;
     @%p3 bra $POST_END;
@@ -540,41 +548,17 @@ $SPIN:
 $WAITED:
     bar.sync 0;
     fence.acq_rel.gpu;
-    ld.param.u64 %rd1, [p_src];
-    ld.param.u64 %rd2, [p_dst];
-    ld.param.u64 %rd3, [p_quads];
-    ld.param.u64 %rd4, [p_words];
-    mov.u32 %r2, %ntid.x;
-    cvt.u64.u32 %rd5, %r1;
-    cvt.u64.u32 %rd6, %r2;
-    mov.u64 %rd7, %rd5;
-$QUAD:
-    setp.ge.u64 %p1, %rd7, %rd3;
-    @%p1 bra $QUAD_END;
-    shl.b64 %rd8, %rd7, 4;
-    add.s64 %rd9, %rd1, %rd8;
-    add.s64 %rd10, %rd2, %rd8;
-    ld.global.cv.v4.u32 {%r3, %r4, %r5, %r6}, [%rd9];
-    st.global.v4.u32 [%rd10], {%r3, %r4, %r5, %r6};
-    add.s64 %rd7, %rd7, %rd6;
-    bra.uni $QUAD;
-$QUAD_END:
-    shl.b64 %rd11, %rd3, 2;
-    add.s64 %rd12, %rd11, %rd5;
-$WORD:
-    setp.ge.u64 %p2, %rd12, %rd4;
-    @%p2 bra $WORD_END;
-    shl.b64 %rd13, %rd12, 2;
-    add.s64 %rd14, %rd1, %rd13;
-    add.s64 %rd15, %rd2, %rd13;
-    ld.global.cv.u32 %r7, [%rd14];
-    st.global.u32 [%rd15], %r7;
-    add.s64 %rd12, %rd12, %rd6;
-    bra.uni $WORD;
-$WORD_END:
+@COLLECT_COPY@
     ret;
 }
 )PTX";
+
+std::string signal_ptx() {
+  const std::string copy = kBlockCopyPtx;
+  return replace_all(replace_all(kSignalPtx, "@POST_COPY@",
+                                 replace_all(replace_all(copy, "@L@", "_POST"), "@LD@", "ld.global")),
+                     "@COLLECT_COPY@", replace_all(replace_all(copy, "@L@", "_COLLECT"), "@LD@", "ld.global.cv"));
+}
 constexpr size_t kSignalBytes = 64 << 10;
 constexpr unsigned kSignalThreads = 512;
 
@@ -875,6 +859,27 @@ Offload *offload_for(Pool *pool, bool cuda, bool capture, CUcontext ctx, std::st
   return pool->offload.get();
 }
 
+// A PTX module JIT-compiled by the driver and its kernels by name (in the current context; off a capturing thread).
+CUresult load_kernels(const std::string &ptx, std::initializer_list<std::pair<const char *, void **>> kernels,
+                      const char *what, std::string &why) {
+  const Driver &d = driver();
+  static char log[4096];
+  int options[2] = {5 /* CU_JIT_ERROR_LOG_BUFFER */, 6 /* CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES */};
+  void *values[2] = {log, (void *)(uintptr_t)sizeof(log)};
+  void *module = nullptr;
+  CUresult r = d.module_load(&module, ptx.c_str(), 2, options, values);
+  if (r) {
+    why = std::string(what) + " did not load: " + log;
+    return r;
+  }
+  for (const auto &kernel : kernels)
+    if ((r = d.module_function(kernel.second, module, kernel.first))) {
+      why = "cuModuleGetFunction failed";
+      return r;
+    }
+  return 0;
+}
+
 // x [T, H], w [T, N], ids [N], src [M], dst [M], and for a traced layer (attribute -1) the layer index last.
 // The device fetch of this pool's offload calls, set up once (under o->mutex; the module load and allocation off
 // this thread, which may be capturing): whether the kernel serves. STRATA_OFFLOAD_FETCH=worker keeps the worker's
@@ -894,20 +899,8 @@ bool device_fetch_ready(Offload *o, CUcontext ctx) {
   } else {
     std::string why;
     CUresult failed = off_thread(ctx, [&]() -> CUresult {
-      static char log[4096];
-      int options[2] = {5 /* CU_JIT_ERROR_LOG_BUFFER */, 6 /* CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES */};
-      void *values[2] = {log, (void *)(uintptr_t)sizeof(log)};
-      void *module = nullptr;
-      const std::string ptx = fetch_ptx();
-      CUresult r = d.module_load(&module, ptx.c_str(), 2, options, values);
-      if (r) {
-        why = std::string("the fetch kernel did not load: ") + log;
-        return r;
-      }
-      if ((r = d.module_function(&o->fetch_fn, module, "strata_fetch_experts"))) {
-        why = "cuModuleGetFunction failed";
-        return r;
-      }
+      CUresult r = load_kernels(fetch_ptx(), {{"strata_fetch_experts", &o->fetch_fn}}, "the fetch kernel", why);
+      if (r) return r;
       void *table = nullptr;
       if ((r = d.host_alloc(&table, sizeof(uint64_t) * 3 * o->layers, 0x01 | 0x02 /* PORTABLE | DEVICEMAP */)) ||
           (r = d.host_device_pointer(&o->fetch_table_dev, table, 0))) {
@@ -949,19 +942,8 @@ bool signal_ready(Offload *o, CUcontext ctx) {
     why = "libcuda.so.1 lacks cuModuleLoadDataEx / cuLaunchKernel";
   } else {
     CUresult failed = off_thread(ctx, [&]() -> CUresult {
-      static char log[4096];
-      int options[2] = {5 /* CU_JIT_ERROR_LOG_BUFFER */, 6 /* CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES */};
-      void *values[2] = {log, (void *)(uintptr_t)sizeof(log)};
-      void *module = nullptr;
-      CUresult r = d.module_load(&module, kSignalPtx, 2, options, values);
-      if (r) {
-        why = std::string("the signal kernels did not load: ") + log;
-        return r;
-      }
-      if ((r = d.module_function(&o->post_fn, module, "strata_post_plan")) ||
-          (r = d.module_function(&o->collect_fn, module, "strata_collect_y")))
-        why = "cuModuleGetFunction failed";
-      return r;
+      return load_kernels(signal_ptx(), {{"strata_post_plan", &o->post_fn}, {"strata_collect_y", &o->collect_fn}},
+                          "the signal kernels", why);
     });
     if (!failed) o->signal = 1;
     else if (why.empty()) why = "setup failed (error " + std::to_string(failed) + ")";
@@ -1768,30 +1750,33 @@ void pool_counters(int64_t id, int64_t *out) {
   out[6] = pool ? pool->fetch_bytes.load() : 0;
 }
 
-// How this pool's capture-path offload calls fetch: 1 the device kernel, -1 the worker's copies (why: into
-// `why`, `size` bytes), 0 not decided yet (no fetching begin recorded, or no offload calls on a GPU).
-int pool_device_fetch(int64_t id, char *why, int64_t size) {
+}  // extern "C"
+
+namespace {
+// A kernel's mode of this pool's offload calls (Offload::device_fetch or ::signal) and why it is not the kernel.
+int offload_mode(int64_t id, char *why, int64_t size, int Offload::*mode, std::string Offload::*reason) {
   Pool *pool = find_pool(id);
   if (!pool) return 0;
   std::lock_guard<std::mutex> lock(pool->offload_mutex);
   Offload *o = pool->offload.get();
   if (!o) return 0;
   std::lock_guard<std::mutex> inner(o->mutex);
-  if (why && size > 0) std::snprintf(why, (size_t)size, "%s", o->fetch_why.c_str());
-  return o->device_fetch;
+  if (why && size > 0) std::snprintf(why, (size_t)size, "%s", (o->*reason).c_str());
+  return o->*mode;
+}
+}  // namespace
+
+extern "C" {
+// How this pool's capture-path offload calls fetch: 1 the device kernel, -1 the worker's copies (why: into
+// `why`, `size` bytes), 0 not decided yet (no fetching begin recorded, or no offload calls on a GPU).
+int pool_device_fetch(int64_t id, char *why, int64_t size) {
+  return offload_mode(id, why, size, &Offload::device_fetch, &Offload::fetch_why);
 }
 
 // How this pool's capture-path offload calls signal the worker: 1 the signal kernels, -1 the copies and stream memory
 // operations (why: into `why`), 0 not decided yet (no begin with pool work recorded, or no offload calls on a GPU).
 int pool_signal_mode(int64_t id, char *why, int64_t size) {
-  Pool *pool = find_pool(id);
-  if (!pool) return 0;
-  std::lock_guard<std::mutex> lock(pool->offload_mutex);
-  Offload *o = pool->offload.get();
-  if (!o) return 0;
-  std::lock_guard<std::mutex> inner(o->mutex);
-  if (why && size > 0) std::snprintf(why, (size_t)size, "%s", o->signal_why.c_str());
-  return o->signal;
+  return offload_mode(id, why, size, &Offload::signal, &Offload::signal_why);
 }
 
 // Layer `layer`'s experts in pinned host memory (what strata_offload_begin fetches from; rows laid out as the slot

@@ -226,26 +226,25 @@ class HostPool:
         self._ffi[0].register_fetch(pool_id, int(layer), gate, up, down)
         return True
 
-    def fetch_mode(self) -> str:
-        """How the native offload calls fetch on a GPU: "kernel" (the begin call's stream copies with the device
-        fetch kernel), "worker: <why>" (the worker's copies), or "" (not decided: no fetch recorded yet, or no GPU)."""
+    def _native_mode(self, query: str, other: str) -> str:
+        """"kernel", "<other>: <why>" or "" from the native library's mode query `query` (1, -1 and why, 0)."""
         if self._ffi is None:
             return ""
         library, pool_id, _ = self._ffi
         why = ctypes.create_string_buffer(256)
-        mode = library.device_fetch(pool_id, why, len(why))
-        return {1: "kernel", -1: f"worker: {why.value.decode(errors='replace')}"}.get(mode, "")
+        mode = getattr(library, query)(pool_id, why, len(why))
+        return {1: "kernel", -1: f"{other}: {why.value.decode(errors='replace')}"}.get(mode, "")
+
+    def fetch_mode(self) -> str:
+        """How the native offload calls fetch on a GPU: "kernel" (the begin call's stream copies with the device
+        fetch kernel), "worker: <why>" (the worker's copies), or "" (not decided: no fetch recorded yet, or no GPU)."""
+        return self._native_mode("device_fetch", "worker")
 
     def signal_mode(self) -> str:
         """How the native offload calls reach the worker on a GPU: "kernel" (a begin posts its plan and a collect
         waits for y with one kernel each), "memops: <why>" (copies and stream memory operations), or "" (not
         decided: no begin with pool work recorded yet, or no GPU)."""
-        if self._ffi is None:
-            return ""
-        library, pool_id, _ = self._ffi
-        why = ctypes.create_string_buffer(256)
-        mode = library.signal_mode(pool_id, why, len(why))
-        return {1: "kernel", -1: f"memops: {why.value.decode(errors='replace')}"}.get(mode, "")
+        return self._native_mode("signal_mode", "memops")
 
     def fetch_counters(self) -> tuple[int, int, int]:
         """(offload calls that fetched, experts fetched, bytes fetched) by the native offload calls' host copies so

@@ -71,31 +71,23 @@ def test_prefill_chunks_in_blocks_of_experts_are_exact_on_gpu(engine_factory):
     assert eng.placement.pool.fetch_mode() == "kernel"
 
 
-def test_offload_fetch_by_the_worker_is_exact_on_gpu(engine_factory, tokens, monkeypatch):
-    """STRATA_OFFLOAD_FETCH=worker: the native calls' fetches by the worker's copies (the way before the device
-    kernel) give the same logits."""
-    monkeypatch.setenv("STRATA_OFFLOAD_FETCH", "worker")
+@pytest.mark.parametrize("switch, value, mode, context", [
+    ("STRATA_OFFLOAD_FETCH", "worker", "fetch_mode", 64),
+    ("STRATA_OFFLOAD_SIGNAL", "memops", "signal_mode", 72)])
+def test_the_native_calls_former_ways_are_exact_on_gpu(engine_factory, tokens, monkeypatch, switch, value, mode,
+                                                       context):
+    """The ways before the kernels, each read once per pool (so an engine of its own: the context): the fetches by
+    the worker's copies (STRATA_OFFLOAD_FETCH=worker), and the pool's jobs posted by a copy and a stream flag write
+    and collected by a flag wait and a copy (STRATA_OFFLOAD_SIGNAL=memops); the same logits and tokens."""
+    monkeypatch.setenv(switch, value)
     ref = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all")
-    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, pcie_frac=0.5)
-    for policy in ("lru", "static"):
-        eng.reconfigure(pcie_frac=0.5, cache_policy=policy)
-        for w in (1, 4):
-            assert rel_fro(eng.score(tokens, window=w), ref.score(tokens, window=w)) <= 1e-5, policy
-    assert eng.placement.pool.fetch_mode() == "worker: STRATA_OFFLOAD_FETCH=worker"
-
-
-def test_offload_signal_by_memops_is_exact_on_gpu(engine_factory, tokens, monkeypatch):
-    """STRATA_OFFLOAD_SIGNAL=memops: the pool's jobs posted by a copy and a stream flag write and collected by a
-    flag wait and a copy (the way before the signal kernels) give the same logits and tokens."""
-    monkeypatch.setenv("STRATA_OFFLOAD_SIGNAL", "memops")  # read once per pool: an engine of its own (context 72)
-    ref = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all")
-    eng = engine_factory(None, dtype="float32", window=4, context=72, expert_cache_slots=5, pcie_frac=0.5)
+    eng = engine_factory(None, dtype="float32", window=4, context=context, expert_cache_slots=5, pcie_frac=0.5)
     for policy in ("lru", "static"):
         eng.reconfigure(pcie_frac=0.5, cache_policy=policy)
         for w in (1, 4):
             assert rel_fro(eng.score(tokens, window=w), ref.score(tokens, window=w)) <= 1e-5, policy
         assert eng.generate(tokens[:9], 10, stop_token_ids=[]) == ref.generate(tokens[:9], 10, stop_token_ids=[])
-    assert eng.placement.pool.signal_mode() == "memops: STRATA_OFFLOAD_SIGNAL=memops"
+    assert getattr(eng.placement.pool, mode)() == f"{'worker' if value == 'worker' else 'memops'}: {switch}={value}"
 
 
 def test_pool_failure_on_gpu_is_one_line_and_recovers(engine_factory, tokens):
