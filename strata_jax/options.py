@@ -353,12 +353,19 @@ def parse_number(text: str, kind=float):
     return v if v == v else None  # NaN is not a number here
 
 
+# Variables read outside the options: the host pool's native code (diagnostics and A/Bs: WORKSPACE.md's host_pool
+# rows) and the server's API key. Known, so the start-up lines do not call them ignored.
+OTHER_VARIABLES = ("STRATA_OFFLOAD_CAPTURE", "STRATA_OFFLOAD_FETCH", "STRATA_OFFLOAD_SIGNAL", "STRATA_OFFLOAD_SPIN_US",
+                   "STRATA_OFFLOAD_TRACE", "STRATA_POOL_MEMOPS", "STRATA_POOL_SPIN_US", "STRATA_PREFETCH_BLOCKS",
+                   "STRATA_API_KEY")
+
+
 def unknown_switches(environ=None) -> list[str]:
     """One start-up line for each STRATA_* variable that is no switch (a typo would otherwise be ignored silently)."""
     import difflib
     import os
     environ = os.environ if environ is None else environ
-    known = [env_name(n) for n in (*ROUTE_SWITCHES, *DEFER_SWITCHES, "logpos", "pool_native")]
+    known = [env_name(n) for n in (*ROUTE_SWITCHES, *DEFER_SWITCHES, "logpos", "pool_native")] + list(OTHER_VARIABLES)
     lines = []
     for name in sorted(v for v in environ if v.startswith("STRATA_") and v not in known):
         close = difflib.get_close_matches(name, known, n=1)

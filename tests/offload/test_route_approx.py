@@ -250,7 +250,8 @@ def test_an_unknown_strata_variable_is_named_at_start_up():
     silently; the switches themselves are not flagged."""
     from strata_jax.options import unknown_switches
     lines = unknown_switches({"STRATA_DEFER_CPU": "1", "STRATA_ROUTE_PRIOR": "0.5", "STRATA_LOGPOS": "x",
-                              "STRATA_WHATEVER": "2", "HOME": "/root"})
+                              "STRATA_WHATEVER": "2", "HOME": "/root", "STRATA_OFFLOAD_SIGNAL": "memops",
+                              "STRATA_POOL_SPIN_US": "1000"})  # the last two: read by the pool's native code
     assert len(lines) == 2, lines
     assert lines[0].startswith("STRATA_DEFER_CPU: not a strata_jax switch") and "STRATA_VERIFY_DEFER_CPU" in lines[0]
     assert lines[1].startswith("STRATA_WHATEVER:")
