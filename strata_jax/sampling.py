@@ -24,8 +24,8 @@ class SamplingParams:
                               top_k=jnp.int32(top_k), seed=jnp.uint32(seed))
 
 
-# Candidates of the sort-free filter ("top_k" form): lax.top_k of this many tokens, then top-k / top-p among them,
-# exact whenever top_k <= this (Qwen3's generation config asks for 20).
+# The largest top_k the sort-free "top_k" form serves (_top_k_filter): its kept set is compacted into this many
+# slots before top-p (Qwen3's generation config asks for 20).
 TOP_CANDIDATES = 64
 
 
@@ -43,31 +43,14 @@ def _sorted_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.full((v,), -jnp.inf, scaled.dtype).at[order].set(jnp.where(keep, sorted_logits, -jnp.inf))
 
 
-def _candidate_filter(scaled: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
-    """The same filter over the TOP_CANDIDATES most likely tokens (lax.top_k; ties to the lower id, as the stable
-    sort): ([V] filtered logits, whether the kept set ends inside the candidates, i.e. the result is exact)."""
-    v = scaled.shape[-1]
-    k = min(TOP_CANDIDATES, v)
-    vals, idx = jax.lax.top_k(scaled, k)  # [k], descending
-    rank = jnp.arange(k)
-    on = params.top_k > 0
-    keep = jnp.where(on, rank < params.top_k, True)
-    kept = jnp.where(keep, vals, -jnp.inf)
-    # probabilities as the sorted filter normalises them: over the top-k when it is on, else over the vocabulary
-    norm = jnp.where(on, jax.nn.logsumexp(kept), jax.nn.logsumexp(scaled))
-    probs = jnp.exp(kept - norm)
-    mass_before = jnp.cumsum(probs) - probs
-    keep = keep & ((mass_before < params.top_p) | (rank == 0) | (params.top_p >= 1.0))
-    fits = jnp.where(on, params.top_k <= k, (params.top_p < 1.0) & (jnp.sum(probs) >= params.top_p))
-    return jnp.full((v,), -jnp.inf, scaled.dtype).at[idx].set(jnp.where(keep, vals, -jnp.inf)), fits
-
-
-# Radix select of the "top_p" form: the threshold's float32 order key (32 bits) settled RADIX_BITS a round, each
-# round one fused masked sum over [V] for 2^RADIX_BITS candidate thresholds at once. On a GPU the rounds are the
-# cost (each a dependent reduction; the 32-step bisection before this took ~0.27 ms a token on an H100): 4 bits
-# gives 8 rounds of 16 x V; 8 bits would be 4 rounds of 256 x V, 16x the reads. The CPU backend writes the
-# [16, V] masks out before its reduce, so there this form takes ~2x the bisection's time at T=1 (6x at T=4): off
-# a GPU the rounds take 2 bits (about the bisection's time there). None: by the backend (radix_bits); a number: that.
+# Radix select of the "top_p" form (a mass above each candidate) and the "top_k" form (a count of the keys at least
+# each): the threshold's float32 order key (32 bits) settled RADIX_BITS a round, each round one fused masked sum
+# over [V] for 2^RADIX_BITS candidate thresholds at once. On a GPU the rounds are the cost (each a dependent
+# reduction; the 32-step bisection before this took ~0.27 ms a token on an H100): 4 bits gives 8 rounds of 16 x V;
+# 8 bits would be 4 rounds of 256 x V, 16x the reads. The CPU backend writes the [16, V] masks out before its
+# reduce, so there the top_p form takes ~2x the bisection's time at T=1 (6x at T=4): off a GPU the rounds take 2
+# bits (about the bisection's time there; the top_k form there is ~4x lax.top_k's time, which XLA's CPU serves
+# well). None: by the backend (radix_bits); a number: that.
 RADIX_BITS = None
 
 
@@ -126,11 +109,67 @@ def _threshold_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(keep, scaled, -jnp.inf)
 
 
+def _top_k_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+    """top-k, then top-p, without a sort of the vocabulary, for 1 <= top_k <= TOP_CANDIDATES (a top_k outside is
+    clipped into that range: this form serves no other, form_of never picks it for one).
+
+    The key of the top_k-th largest logit is found by a radix select over the logits' order keys with counts (32 /
+    radix_bits() rounds, each one masked sum over [V] for 2^radix_bits() candidates: how many keys are >= each).
+    Every token above it is kept (fewer than top_k), then the tokens tied at it in id order until top_k are taken:
+    the stable sort's top-k set. One cumsum over [V] gives both the ties' rank and each kept token's slot, and a
+    scatter compacts the set into TOP_CANDIDATES slots; those are sorted as the stable sort orders them (value
+    descending, then id) and top-p runs over them as _sorted_filter does over its ranks (probabilities normalised
+    over the top-k set, a rank kept while the mass before it is below top_p, rank 0 always, top_p >= 1 keeps all).
+    The same kept set and values as _sorted_filter; the masses' float32 sums run over the slots where the sorted
+    filter's run over [V] (zeros after the top-k), so a different summation order could decide a token whose exact
+    mass before lies within float32 rounding of top_p differently. No device loop, no lax.top_k (XLA's GPU TopK
+    serves k <= 16: top_k(64) over [V] fell back to a slow path, ~130 us a token on an H100)."""
+    v = scaled.shape[-1]
+    assert v < 1 << 23, v  # the packed cumsum below holds the ties' count in 23 bits
+    k = jnp.clip(params.top_k, 1, min(TOP_CANDIDATES, v))
+    key = _order_key(scaled)  # [V]
+
+    def count_at_least(c):  # how many keys are >= each of c [...]
+        return jnp.sum((key >= c[..., None]).astype(jnp.int32), axis=-1)
+
+    # The largest key whose count at least reaches k (the k-th largest key), most significant digit first: each
+    # round keeps the largest digit whose smallest value (lower bits 0) still counts k keys at least (the count
+    # does not grow with the key, so digit 0, the prefix itself, qualifies).
+    bits = radix_bits()
+    digits = jnp.arange(1 << bits, dtype=jnp.uint32)
+    kth = jnp.uint32(0)
+    for shift in range(32 - bits, -1, -bits):  # unrolled: a device loop reads its predicate on the host
+        candidates = kth | (digits << shift)  # [2^bits]
+        reaches = count_at_least(candidates) >= k
+        kth = kth | (jnp.max(jnp.where(reaches, digits, 0)) << shift)
+    above = key > kth  # [V]: fewer than k tokens
+    tied = key == kth  # [V]: at least k minus those above
+    # One pass for both counts: the tokens above before each (inclusive) in the low 8 bits (< k <= 64), the tied
+    # ones (the ties' rank, from 1) above them.
+    counts = jnp.cumsum(above.astype(jnp.int32) + (tied.astype(jnp.int32) << 8))  # [V]
+    above_before, tie_rank = counts & 0xFF, counts >> 8  # [V], [V]
+    ties_taken = k - (counts[-1] & 0xFF)  # the lowest ids of the tie fill the top-k set
+    in_top_k = above | (tied & (tie_rank <= ties_taken))  # [V]: k tokens
+    slot = above_before + jnp.minimum(tie_rank, ties_taken) - 1  # [V]: kept tokens before each, in id order
+    ids = jnp.full((TOP_CANDIDATES,), v, jnp.int32).at[jnp.where(in_top_k, slot, TOP_CANDIDATES)].set(
+        jnp.arange(v, dtype=jnp.int32), mode="drop")  # [TOP_CANDIDATES]: v in the slots past k
+    vals = scaled.at[ids].get(mode="fill", fill_value=-jnp.inf)  # [TOP_CANDIDATES]
+    # in the stable sort's order: the larger key first (-0.0 and +0.0 one key), then the lower id; empty slots
+    # (id v) last
+    _, ids, vals = jax.lax.sort((~_order_key(vals), ids, vals), num_keys=2)
+    rank = jnp.arange(TOP_CANDIDATES)
+    probs = jax.nn.softmax(vals)  # normalised over the top-k set, as the sorted filter's with top-k on
+    mass_before = jnp.cumsum(probs) - probs
+    keep = (rank < k) & ((mass_before < params.top_p) | (rank == 0) | (params.top_p >= 1.0))
+    return jnp.full((v,), -jnp.inf, scaled.dtype).at[ids].set(jnp.where(keep, vals, -jnp.inf), mode="drop")
+
+
 # The filter's forms, picked on the host per request (form_of) so that no graph branches on the data (a lax.cond
 # in a graph makes the GPU stream wait for the host): "plain" (top-k and top-p off: nothing to filter), "top_k"
-# (1 <= top_k <= TOP_CANDIDATES: the kept set lies inside the candidates whatever the logits, no sort), "top_p"
-# (top-p alone: a threshold logit found by a radix select, _threshold_filter, no sort), "sorted" (a top_k beyond the
-# candidates, with or without top-p: a sort of the vocabulary). The same tokens and values in each.
+# (1 <= top_k <= TOP_CANDIDATES, with or without top-p: the k-th largest logit by a radix select, the top-k set
+# compacted into TOP_CANDIDATES slots, top-p over those, _top_k_filter, no sort of the vocabulary), "top_p" (top-p
+# alone: a threshold logit found by a radix select, _threshold_filter, no sort), "sorted" (a top_k beyond
+# TOP_CANDIDATES, with or without top-p: a sort of the vocabulary). The same tokens and values in each.
 FORMS = ("plain", "top_k", "top_p", "sorted")
 
 
@@ -143,16 +182,16 @@ def form_of(top_k: int, top_p: float) -> str:
 
 def filter_rows(logits: jax.Array, params: SamplingParams, form: str = "sorted") -> jax.Array:
     """Temperature, then top-k, then top-p, for every row: [T, V] -> [T, V], in the given form (FORMS; form_of
-    picks it from the settings; "sorted" is right for any). "top_k": among the TOP_CANDIDATES most likely tokens
-    (lax.top_k), exact only for 1 <= top_k <= TOP_CANDIDATES; "top_p": a threshold by radix select, exact only with
-    top-k off; "plain": the scaled logits (exact only with top-k and top-p off)."""
+    picks it from the settings; "sorted" is right for any). "top_k": the top-k set by radix select, then top-p over
+    it (_top_k_filter), exact only for 1 <= top_k <= TOP_CANDIDATES; "top_p": a threshold by radix select, exact
+    only with top-k off; "plain": the scaled logits (exact only with top-k and top-p off)."""
     if form not in FORMS:
         raise ValueError(f"filter form {form!r} is not one of {FORMS}")
     scaled = logits / jnp.maximum(params.temperature, 1e-6)
     if form == "plain":
         return scaled
     if form == "top_k":
-        return jax.vmap(_candidate_filter, in_axes=(0, None))(scaled, params)[0]
+        return jax.vmap(_top_k_filter, in_axes=(0, None))(scaled, params)
     if form == "top_p":
         return jax.vmap(_threshold_filter, in_axes=(0, None))(scaled, params)
     return jax.vmap(_sorted_filter, in_axes=(0, None))(scaled, params)

@@ -124,8 +124,9 @@ def test_filtered_logits_matches_numpy(v, seed, temperature, top_k, top_p):
 def test_every_filter_form_keeps_what_the_sort_keeps(scale):
     """filter_rows in the form a request's settings get (sampling.form_of) keeps the same tokens with the same
     values as a sort of the whole vocabulary, and the seeded draws are the same tokens: "top_k" (1 <= top_k <= 64:
-    among the TOP_CANDIDATES most likely tokens, no sort), "top_p" (top-k off: a threshold by radix select, no sort;
-    tests/engine/test_sampling.py checks it on ties), "plain" (top-k and top-p off: nothing filtered)."""
+    the top-k set by radix select, top-p over it, no sort), "top_p" (top-k off: a threshold by radix select, no
+    sort), "plain" (top-k and top-p off: nothing filtered); tests/engine/test_sampling.py checks both radix selects
+    on ties."""
     from strata_jax import sampling
     v, t = 3000, 3
     logits = jnp.asarray(np.random.default_rng(int(scale * 10)).standard_normal((t, v)).astype(np.float32) * scale)

@@ -99,6 +99,83 @@ def test_threshold_filter_keeps_rank_zero_and_the_lower_ids_of_a_tie():
         assert np.isfinite(got).tolist() == [True] * kept + [False] * (10 - kept), top_p
 
 
+def tied_rows(rng, t: int, v: int, scale: float) -> np.ndarray:
+    """[t, v] float32 rows for the "top_k" form, none zero: random, then (where t allows) logits rounded to halves
+    (a few tokens above the k-th value, many tied at it), four values (hundreds tied at the top: the top-k set all
+    one tie, settled by id alone) and all one value."""
+    x = rng.standard_normal((t, v)).astype(np.float32) * scale + np.float32(0.3)  # [T, V]
+    if t > 1:
+        x[1] = np.round(x[1] * 2) / 2 + np.float32(0.25)
+    if t > 2:
+        x[2] = rng.integers(1, 5, v).astype(np.float32) * np.float32(0.75)
+    if t > 3:
+        x[3] = np.float32(-1.5)
+    return x
+
+
+def assert_top_k_form_is_the_sort(logits: np.ndarray, top_ks, top_ps, temperature: float = 1.0,
+                                  draws: bool = True) -> None:
+    """filter_rows "top_k" keeps exactly _sorted_filter's tokens with its values (the same -inf pattern), and (draws)
+    the seeded draws after it are the same tokens."""
+    logits = jnp.asarray(logits)
+    t = logits.shape[0]
+    positions = jnp.arange(t, dtype=jnp.int32) + 29
+    for top_k in top_ks:
+        for top_p in top_ps:
+            params = SamplingParams.make(temperature, top_p, top_k, seed=9)
+            assert sampling.form_of(top_k, top_p) == "top_k"
+            got = np.asarray(top_k_rows(logits, params))
+            want = np.asarray(sorted_rows(logits / temperature, params))
+            what = f"v={logits.shape[1]} top_k={top_k} top_p={top_p}"
+            np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=what)
+            np.testing.assert_array_equal(got, want, err_msg=what)
+            if draws:
+                assert np.array_equal(np.asarray(jit_sample(logits, positions, params, "top_k")),
+                                      np.asarray(jit_sample(logits, positions, params, "sorted"))), what
+
+
+top_k_rows = jax.jit(functools.partial(sampling.filter_rows, form="top_k"))
+TOP_KS, TOP_PS = (1, 2, 20, 64), (0.5, 0.8, 0.95, 1.0)
+
+
+@pytest.mark.parametrize("t,v,scale", [(4, 7, 2.0), (4, 100, 0.5), (4, 3000, 3.0), (3, 3000, 0.2)])
+def test_top_k_filter_keeps_what_the_sort_keeps(t, v, scale):
+    """The "top_k" form (the k-th largest logit by radix select, the top-k set compacted, top-p over it; no sort of
+    the vocabulary) keeps the sorted filter's tokens with its values, heavy ties at the k-th value included (the
+    lower ids first, as the stable sort); a vocabulary under top_k keeps it whole, as the sort does."""
+    rng = np.random.default_rng(1000 + v + t + int(scale * 10))
+    assert_top_k_form_is_the_sort(tied_rows(rng, t, v, scale), TOP_KS, TOP_PS, temperature=0.7)
+
+
+def test_top_k_filter_keeps_what_the_sort_keeps_over_qwen3s_vocabulary():
+    """The same at Qwen3's vocabulary (151,936 tokens): a random row and one of many ties (the filtered rows only:
+    two sorts of this vocabulary a setting would double the test's time)."""
+    rng = np.random.default_rng(151936)
+    assert_top_k_form_is_the_sort(tied_rows(rng, 2, 151936, 2.0), TOP_KS, TOP_PS, draws=False)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_top_k_filter_keeps_the_same_set_whatever_the_radix(monkeypatch, bits):
+    """The radix select's k-th key is exact whatever the digit width (4 on a GPU, 2 on this CPU)."""
+    monkeypatch.setattr(sampling, "RADIX_BITS", bits)
+    rows = jax.jit(jax.vmap(sampling._top_k_filter, in_axes=(0, None)))  # traced again with this width
+    logits = jnp.asarray(tied_rows(np.random.default_rng(40 + bits), 4, 500, 1.0))
+    for top_k, top_p in ((1, 1.0), (2, 0.5), (20, 0.8), (64, 0.95)):
+        params = SamplingParams.make(1.0, top_p, top_k)
+        np.testing.assert_array_equal(np.asarray(rows(logits, params)), np.asarray(sorted_rows(logits, params)))
+
+
+def test_top_k_filter_takes_the_lower_ids_of_a_tie():
+    """Among equal logits at the k-th value, the lower ids fill the top-k set; top-p then counts them in id order."""
+    row = np.full((1, 12), 0.5, np.float32)
+    row[0, 9] = 2.0  # one token above the tie
+    for top_k, top_p, kept in ((1, 1.0, [9]), (3, 1.0, [0, 1, 9]), (5, 1.0, [0, 1, 2, 3, 9]), (12, 1.0, range(12)),
+                               (64, 1.0, range(12)), (5, 1e-9, [9])):
+        got = np.asarray(top_k_rows(jnp.asarray(row), SamplingParams.make(1.0, top_p, top_k)))[0]
+        assert np.flatnonzero(np.isfinite(got)).tolist() == list(kept), (top_k, top_p)
+        np.testing.assert_array_equal(got[list(kept)], row[0, list(kept)])
+
+
 # Settings of each form (form_of), on a vocabulary of V_STAT tokens.
 FORM_SETTINGS = {"plain": (1.0, 0, 1.0), "top_k": (0.8, 7, 0.9), "top_p": (1.2, 0, 0.8), "sorted": (0.9, 100, 0.7)}
 V_STAT, N_DRAWS, P_MIN = 50, 20_000, 1e-4
