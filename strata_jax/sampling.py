@@ -109,6 +109,32 @@ def _threshold_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(keep, scaled, -jnp.inf)
 
 
+def _candidate_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+    """The "top_k" form off a GPU (top_k_select() "lax"): the filter over the TOP_CANDIDATES most likely tokens
+    (lax.top_k, which XLA's CPU serves well; ties to the lower id, as the stable sort), exact for 1 <= top_k <=
+    TOP_CANDIDATES: top-k among them, probabilities normalised over the top-k, then top-p."""
+    v = scaled.shape[-1]
+    vals, idx = jax.lax.top_k(scaled, min(TOP_CANDIDATES, v))  # [k], descending
+    rank = jnp.arange(vals.shape[0])
+    keep = rank < params.top_k
+    kept = jnp.where(keep, vals, -jnp.inf)
+    probs = jax.nn.softmax(kept)
+    mass_before = jnp.cumsum(probs) - probs
+    keep = keep & ((mass_before < params.top_p) | (rank == 0) | (params.top_p >= 1.0))
+    return jnp.full((v,), -jnp.inf, scaled.dtype).at[idx].set(jnp.where(keep, vals, -jnp.inf))
+
+
+# How the "top_k" form finds the top-k set: "radix" (_top_k_filter: on a GPU, where lax.top_k of 64 over [V] takes
+# a slow path, XLA's TopK kernel serving k <= 16) or "lax" (_candidate_filter: elsewhere, where lax.top_k is ~4x
+# faster than the radix rounds). None: by the backend (top_k_select); a name: that.
+TOP_K_SELECT = None
+
+
+def top_k_select() -> str:
+    """The "top_k" form's way on this backend (TOP_K_SELECT where set)."""
+    return TOP_K_SELECT or ("radix" if jax.default_backend() == "gpu" else "lax")
+
+
 def _top_k_filter(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     """top-k, then top-p, without a sort of the vocabulary, for 1 <= top_k <= TOP_CANDIDATES (a top_k outside is
     clipped into that range: this form serves no other, form_of never picks it for one).
@@ -183,7 +209,7 @@ def form_of(top_k: int, top_p: float) -> str:
 def filter_rows(logits: jax.Array, params: SamplingParams, form: str = "sorted") -> jax.Array:
     """Temperature, then top-k, then top-p, for every row: [T, V] -> [T, V], in the given form (FORMS; form_of
     picks it from the settings; "sorted" is right for any). "top_k": the top-k set by radix select, then top-p over
-    it (_top_k_filter), exact only for 1 <= top_k <= TOP_CANDIDATES; "top_p": a threshold by radix select, exact
+    it (_top_k_filter; off a GPU lax.top_k's candidates, _candidate_filter), exact only for 1 <= top_k <= TOP_CANDIDATES; "top_p": a threshold by radix select, exact
     only with top-k off; "plain": the scaled logits (exact only with top-k and top-p off)."""
     if form not in FORMS:
         raise ValueError(f"filter form {form!r} is not one of {FORMS}")
@@ -191,7 +217,8 @@ def filter_rows(logits: jax.Array, params: SamplingParams, form: str = "sorted")
     if form == "plain":
         return scaled
     if form == "top_k":
-        return jax.vmap(_top_k_filter, in_axes=(0, None))(scaled, params)
+        one = _top_k_filter if top_k_select() == "radix" else _candidate_filter
+        return jax.vmap(one, in_axes=(0, None))(scaled, params)
     if form == "top_p":
         return jax.vmap(_threshold_filter, in_axes=(0, None))(scaled, params)
     return jax.vmap(_sorted_filter, in_axes=(0, None))(scaled, params)

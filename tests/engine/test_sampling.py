@@ -114,7 +114,7 @@ def tied_rows(rng, t: int, v: int, scale: float) -> np.ndarray:
 
 
 def assert_top_k_form_is_the_sort(logits: np.ndarray, top_ks, top_ps, temperature: float = 1.0,
-                                  draws: bool = True) -> None:
+                                  draws: bool = True, rows=None) -> None:
     """filter_rows "top_k" keeps exactly _sorted_filter's tokens with its values (the same -inf pattern), and (draws)
     the seeded draws after it are the same tokens."""
     logits = jnp.asarray(logits)
@@ -124,7 +124,7 @@ def assert_top_k_form_is_the_sort(logits: np.ndarray, top_ks, top_ps, temperatur
         for top_p in top_ps:
             params = SamplingParams.make(temperature, top_p, top_k, seed=9)
             assert sampling.form_of(top_k, top_p) == "top_k"
-            got = np.asarray(top_k_rows(logits, params))
+            got = np.asarray((rows or top_k_rows)(logits, params))
             want = np.asarray(sorted_rows(logits / temperature, params))
             what = f"v={logits.shape[1]} top_k={top_k} top_p={top_p}"
             np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=what)
@@ -151,7 +151,23 @@ def test_top_k_filter_keeps_what_the_sort_keeps_over_qwen3s_vocabulary():
     """The same at Qwen3's vocabulary (151,936 tokens): a random row and one of many ties (the filtered rows only:
     two sorts of this vocabulary a setting would double the test's time)."""
     rng = np.random.default_rng(151936)
-    assert_top_k_form_is_the_sort(tied_rows(rng, 2, 151936, 2.0), TOP_KS, TOP_PS, draws=False)
+    radix = jax.jit(lambda x, p: jax.vmap(sampling._top_k_filter, in_axes=(0, None))(x / p.temperature, p))
+    for rows in (None, radix):  # this backend's way, and the GPU's (the radix select) whatever this backend is
+        assert_top_k_form_is_the_sort(tied_rows(rng, 2, 151936, 2.0), TOP_KS, TOP_PS, draws=False, rows=rows)
+
+
+@pytest.mark.parametrize("select", ["radix", "lax"])
+def test_both_ways_of_the_top_k_form_keep_what_the_sort_keeps(select):
+    """The two ways of the "top_k" form, each traced here whatever this backend picks (top_k_select): the radix
+    select (GPU) and lax.top_k's candidates (elsewhere) keep the sorted filter's set on tie-heavy rows."""
+    one = sampling._top_k_filter if select == "radix" else sampling._candidate_filter
+    rows = jax.jit(jax.vmap(one, in_axes=(0, None)))
+    logits = jnp.asarray(tied_rows(np.random.default_rng(77), 4, 700, 1.5)) / 0.7
+    for top_k in TOP_KS:
+        for top_p in TOP_PS:
+            params = SamplingParams.make(1.0, top_p, top_k)
+            np.testing.assert_array_equal(np.asarray(rows(logits, params)), np.asarray(sorted_rows(logits, params)),
+                                          err_msg=f"{select} top_k={top_k} top_p={top_p}")
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
