@@ -22,4 +22,20 @@ for sig in kernel memops; do
   STRATA_OFFLOAD_SIGNAL=$sig timeout 70 $B --slot_fracs=1.0 --pcie_fracs=0,1 > $OUT/handshake_$sig.log 2>&1
   echo "handshake $sig rc=$? at $((SECONDS-T0)) s"; grep -E "^\| (S=|all)" $OUT/handshake_$sig.log | cut -c1-200
 done
+# the sampler's top_k form: the radix select (this GPU's way) against lax.top_k's 64 candidates, and top_p's
+timeout 60 python3 - <<'PY' 2>&1 | tail -6
+import time, jax, jax.numpy as jnp, numpy as np
+from strata_jax import sampling
+from strata_jax.sampling import SamplingParams
+for name, p in (("top_k 20 / top_p 0.8", SamplingParams.make(0.7, 0.8, 20, 0)), ("top_p 0.8", SamplingParams.make(0.7, 0.8, 0, 0))):
+  form = sampling.form_of(int(p.top_k), float(p.top_p))
+  for select in (("radix", "lax") if form == "top_k" else ("-",)):
+    sampling.TOP_K_SELECT = None if select == "-" else select
+    for t in (1, 4):
+      f = jax.jit(lambda x, p: sampling.filter_rows(x, p, form))
+      x = jnp.asarray(np.random.default_rng(0).standard_normal((t, 151936)).astype(np.float32) * 3)
+      f(x, p).block_until_ready(); t0 = time.perf_counter()
+      for _ in range(200): y = f(x, p)
+      y.block_until_ready(); print(f"{name} ({form}, {select}) T={t}: {(time.perf_counter() - t0) / 200 * 1e6:.0f} us")
+PY
 cd $OUT && tar czf call1.tgz *.log && rm -f *.log && echo "done at $((SECONDS-T0)) s"
