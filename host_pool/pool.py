@@ -241,9 +241,9 @@ class HostPool:
         return self._native_mode("device_fetch", "worker")
 
     def signal_mode(self) -> str:
-        """How the native offload calls reach the worker on a GPU: "kernel" (a begin posts its plan and a collect
-        waits for y with one kernel each), "memops: <why>" (copies and stream memory operations), or "" (not
-        decided: no begin with pool work recorded yet, or no GPU)."""
+        """How the native offload calls reach the worker on a GPU: "kernel" (STRATA_OFFLOAD_SIGNAL=kernel: a begin
+        posts its plan and a collect waits for y with one kernel each), "memops: <why>" (copies and stream memory
+        operations, the default), or "" (not decided: no begin with pool work recorded yet, or no GPU)."""
         return self._native_mode("signal_mode", "memops")
 
     def fetch_counters(self) -> tuple[int, int, int]:

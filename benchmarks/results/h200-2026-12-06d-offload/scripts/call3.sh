@@ -1,0 +1,3 @@
+# Call 3 (same machine): the host pool alone at 64 of 128 slots, the signal kernels against the stream memory
+# operations, one process each, alternated (the last run was a call of its own: STRATA_OFFLOAD_SIGNAL=kernel, ab_kernel2.log).
+export PYTHONPATH=. PYTHONUNBUFFERED=1; T0=$SECONDS; B="python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b --layers=12 --embed_scale=50 --new_tokens=64 --slot_fracs=0.5 --pcie_fracs=0"; for s in memops kernel memops; do STRATA_OFFLOAD_SIGNAL=$s timeout 60 $B > $OUT/ab_$s.$SECONDS.log 2>&1; echo "$s rc=$? at $((SECONDS-T0)) s: $(grep -E '^\| S=' $OUT/ab_$s.*.log | tail -1 | cut -c1-200)"; [ $((SECONDS-T0)) -gt 150 ] && break; done; uptime
