@@ -38,6 +38,13 @@ values bit for bit (one rounding for the minimum, as gguf's):
 int8-g holds q one a byte (int8, [..., O, I]). Their scales on the device are float32, group-major [..., G, O] (no
 minima) or [..., 2, G, O] (scales, then minima; the extra axis says minima are held); the host pool keeps
 [..., O, G] / [..., O, 2, G] (`pool_scale`). Kernels compute sum_g s_g (x_g . q_g) - mn_g sum(x_g).
+
+The IQ types kept as read in int8-g (`IQ_KEPT`; `_gguf_iq`): q the integer each weight is, s gguf's own float32
+group scale. "int8-g16": IQ2_XS, IQ2_S (s = d (0.5 + sc) / 4, q = grid x sign in +-{8, 25, 43}), IQ1_M
+(s = d (2 sc + 1) / 8, q = 8 (grid + delta) in +-{1, 7, 9}); "int8-g32": IQ2_XXS (as IQ2_XS), IQ3_XXS
+(s = d (0.5 + sc) / 2, q = grid x sign up to +-62), IQ3_S (s = d (1 + 2 sc), q odd up to +-15), IQ4_NL (s = d) and
+IQ4_XS (s = d (sc - 32)) with q the non-linear table's value in -127..113, IQ1_S (as IQ1_M). Every s and s q is exact
+in float32 (at most 11 + 5 + 7 bits), so s q is gguf.quants.dequantize's product of the same factors bit for bit.
 """
 from __future__ import annotations
 
@@ -265,6 +272,14 @@ GGUF_KEPT = {"Q4_0": "int4-g32f", "Q4_1": "int4-g32m", "Q8_0": "int8-g32", "Q6_K
              "Q5_K": "int8-g32m", "Q2_K": "int8-g16m", "Q4_K": Q4K}  # GGUF type -> the engine format keeping it
 GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q6_K": (QK_K, 210), "Q3_K": (QK_K, 110),
                "Q5_K": (QK_K, 176), "Q2_K": (QK_K, 84), "Q4_K": (QK_K, Q4K_BLOCK_BYTES)}  # (inputs, bytes) a block
+# The IQ types (issue 36): q the integer each weight is (a grid value times its sign, IQ4's table value, IQ1's
+# 8 (grid + delta)), s the group scale in gguf.quants' own float32 steps (`_gguf_iq`)
+IQ_KEPT = {"IQ2_XXS": "int8-g32", "IQ2_XS": "int8-g16", "IQ2_S": "int8-g16", "IQ3_XXS": "int8-g32",
+           "IQ3_S": "int8-g32", "IQ4_NL": "int8-g32", "IQ4_XS": "int8-g32", "IQ1_S": "int8-g32", "IQ1_M": "int8-g16"}
+GGUF_KEPT.update(IQ_KEPT)
+GGUF_BLOCKS.update({"IQ2_XXS": (QK_K, 66), "IQ2_XS": (QK_K, 74), "IQ2_S": (QK_K, 82), "IQ3_XXS": (QK_K, 98),
+                    "IQ3_S": (QK_K, 110), "IQ4_NL": (32, 18), "IQ4_XS": (QK_K, 136), "IQ1_S": (QK_K, 50),
+                    "IQ1_M": (QK_K, 56)})
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -327,6 +342,8 @@ def gguf_kept(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
         s = d[:, None] * (scales & 0xF).astype(np.float32)  # [N, 16]
         minima = dmin[:, None] * (scales >> 4).astype(np.float32)
         q = ((qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).astype(np.int8)
+    elif qtype in IQ_KEPT:
+        s, q = _gguf_iq(b, qtype)
     else:
         raise ValueError(f"gguf_kept: GGUF type {qtype} is not kept as read (kept: {', '.join(GGUF_KEPT)})")
     q = np.ascontiguousarray(q).reshape(*lead, -1)
@@ -334,6 +351,97 @@ def gguf_kept(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     if minima is not None:
         s = np.stack([s, minima.reshape(*lead, -1)], axis=-2)  # [..., O, 2, G]
     return q, np.ascontiguousarray(s, np.float32)
+
+
+_IQ_TABLES: dict = {}
+
+
+def _iq_tables(qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(gguf.quants' grid of an IQ type as int8 [N, 8 or 4] (IQ4: its 16 values [16, 1]), the ±1 signs [128, 8] of
+    IQ2_XXS.ksigns' bytes, bit k the sign of value k)."""
+    if qtype not in _IQ_TABLES:
+        import gguf
+        cls = getattr(gguf.quants, qtype if qtype != "IQ4_XS" else "IQ4_NL")
+        if hasattr(cls, "init_grid") and qtype not in ("IQ4_NL", "IQ4_XS"):
+            cls.init_grid()
+            grid = np.asarray(cls.grid, np.float32).reshape(-1, cls.grid.shape[-1])
+        else:
+            grid = np.asarray(cls.kvalues, np.float32).reshape(-1, 1)
+        assert np.array_equal(grid, np.rint(grid)) and np.abs(grid).max() <= 127, qtype
+        ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, np.uint8)
+        signs = np.where((ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1, -1, 1).astype(np.int8)
+        _IQ_TABLES[qtype] = (grid.astype(np.int8), signs)
+    return _IQ_TABLES[qtype]
+
+
+def _bits_signs(b: np.ndarray) -> np.ndarray:
+    """Sign bytes [N, k] -> ±1 int8 [N, 8k]: bit j of byte i the sign of value 8i + j (1: negative)."""
+    return np.where((b[..., None] >> np.arange(8, dtype=np.uint8)) & 1, -1, 1).astype(np.int8).reshape(b.shape[0], -1)
+
+
+def _gguf_iq(b: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """An IQ type's blocks [N, bytes] -> (s float32 [N, G], q int8 [N, 256 or 32]): gguf.quants' dequantize_blocks
+    (0.19) with its w = s x q split off. s is gguf's own float32 expression (fp16 d times (0.5 + sc) / 4 or / 2,
+    (1 + 2 sc), (sc - 32); IQ1: d (2 sc + 1) / 8, a power of two more), q an integer of at most 7 bits, so s q
+    is exact in float32 and equals gguf's product of the same factors (each exact too) bit for bit."""
+    n = b.shape[0]
+    grid, ksigns = _iq_tables(qtype)
+    f32 = np.float32
+    if qtype in ("IQ4_NL", "IQ4_XS"):  # byte j of 16: values j (low nibble) and j + 16 (high) of a group of 32
+        if qtype == "IQ4_NL":
+            s, qs = _f16(b[:, 0:2])[:, None], b[:, 2:].reshape(n, 1, 16)
+        else:
+            d, sh, sl, qs = _f16(b[:, 0:2]), b[:, 2:4].copy().view(np.uint16), b[:, 4:8], b[:, 8:].reshape(n, 8, 16)
+            lo = ((sl.reshape(n, 4, 1) >> np.array([0, 4], np.uint8)) & 0x0F).reshape(n, 8)
+            hi = ((sh >> np.arange(0, 16, 2, dtype=np.uint16)) & 3).astype(np.uint8)  # [N, 8]
+            s = d[:, None] * ((lo | (hi << 4)).astype(np.int8) - np.int8(32)).astype(f32)
+        nib = (qs[:, :, None, :] >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        return s, grid[nib.reshape(n, -1), 0]
+    d = _f16(b[:, 0:2])[:, None] if qtype != "IQ1_M" else None
+    if qtype == "IQ2_XXS":  # per 32: 4 grid bytes, then a uint32 of 4 x 7-bit sign indices and the 4-bit scale
+        qs = b[:, 2:].copy().view(np.uint32).reshape(n, 8, 2)
+        s = d * (f32(0.5) + (qs[..., 1] >> 28).astype(f32)) * f32(0.25)
+        idx = qs[..., 0].copy().view(np.uint8).reshape(n, 32)
+        sg = (qs[..., 1:2] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F  # [N, 8, 4]
+        return s, (grid[idx] * ksigns[sg.reshape(n, 32)]).reshape(n, -1)
+    if qtype == "IQ2_XS":  # per 8: a uint16 (9-bit grid index, 7-bit sign index); 4-bit scales per 16
+        qs, sc = b[:, 2:66].copy().view(np.uint16), b[:, 66:74]
+        sc = ((sc.reshape(n, 8, 1) >> np.array([0, 4], np.uint8)) & 0x0F).reshape(n, 16)
+        s = d * (f32(0.5) + sc.astype(f32)) * f32(0.25)
+        return s, (grid[qs & 511] * ksigns[qs >> 9]).reshape(n, -1)
+    if qtype == "IQ2_S":  # per 8: a grid byte with 2 high bits in qh, a sign byte; 4-bit scales per 16
+        qs, signs, qh, sc = b[:, 2:34], b[:, 34:66], b[:, 66:74], b[:, 74:82]
+        sc = ((sc.reshape(n, 8, 1) >> np.array([0, 4], np.uint8)) & 0x0F).reshape(n, 16)
+        s = d * (f32(0.5) + sc.astype(f32)) * f32(0.25)
+        hi = ((qh.reshape(n, 8, 1) >> np.array([0, 2, 4, 6], np.uint8)) & 3).reshape(n, 32)
+        return s, grid[qs.astype(np.uint16) | (hi.astype(np.uint16) << 8)].reshape(n, -1) * _bits_signs(signs)
+    if qtype == "IQ3_XXS":  # grid bytes of 4 values; per 32 a uint32 of 4 x 7-bit sign indices and the scale
+        qs, aux = b[:, 2:66], b[:, 66:98].copy().view(np.uint32)  # [N, 64], [N, 8]
+        s = d * (f32(0.5) + (aux >> 28).astype(f32)) * f32(0.5)
+        sg = (aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F  # [N, 8, 4]
+        return s, grid[qs].reshape(n, -1) * ksigns[sg.reshape(n, 32)].reshape(n, -1)
+    if qtype == "IQ3_S":  # grid bytes of 4 values with a high bit in qh, sign bits; 4-bit scales per 32
+        qs, qh, signs, sc = b[:, 2:66], b[:, 66:74], b[:, 74:106], b[:, 106:110]
+        sc = ((sc.reshape(n, 4, 1) >> np.array([0, 4], np.uint8)) & 0x0F).reshape(n, 8)
+        s = d * (1 + 2 * sc)  # gguf's: uint8 (1 + 2 sc) times float32 d
+        hi = ((qh.reshape(n, 8, 1) >> np.arange(8, dtype=np.uint8)) & 1).reshape(n, 64).astype(np.uint16)
+        return s, grid[qs.astype(np.uint16) | (hi << 8)].reshape(n, -1) * _bits_signs(signs)
+    # IQ1: w = dl (grid + delta), grid in {-1, 0, 1}, delta ±1/8: q = 8 (grid + delta), s = dl / 8 (exact)
+    if qtype == "IQ1_S":  # per 32: a uint16 of 4 x 3 high index bits, the 3-bit scale and the delta's sign
+        qs, qh = b[:, 2:34], b[:, 34:50].copy().view(np.uint16)  # [N, 32], [N, 8]
+        s = d * (2 * ((qh >> 12) & 7) + 1) * f32(0.125)
+        neg = np.repeat((qh & 0x8000) != 0, 4, axis=1)  # [N, 32]: per 8 values
+        hi = ((qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(n, 32)
+    else:  # IQ1_M: per 8 a nibble (3 high index bits, the delta's sign); 3-bit scales per 16; d in the top nibbles
+        qs, qh, sc = b[:, :32], b[:, 32:48], b[:, 48:56].copy().view(np.uint16)
+        dbits = (sc & np.uint16(0xF000)) >> np.array([12, 8, 4, 0], np.uint16)
+        d = (dbits[:, 0] | dbits[:, 1] | dbits[:, 2] | dbits[:, 3]).view(np.float16).astype(f32)[:, None]
+        scales = ((sc[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(n, 16)
+        s = d * (2 * scales + 1) * f32(0.125)
+        nib = (qh.reshape(n, 16, 1) >> np.array([0, 4], np.uint8)).reshape(n, 32)
+        neg, hi = (nib & 0x08) != 0, nib & 7
+    q = 8 * grid[qs.astype(np.uint16) | (hi.astype(np.uint16) << 8)] + np.where(neg, -1, 1).astype(np.int8)[..., None]
+    return s, q.astype(np.int8).reshape(n, -1)
 
 
 def kept_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -362,9 +470,14 @@ def gguf_blocks_random(qtype: str, shape: tuple[int, ...], seed: int = 0, d_scal
     b = rng.integers(0, 256, (*lead, n // inputs, size), dtype=np.uint8)
     half = lambda: (rng.uniform(0.5, 1.5, (*lead, n // inputs)) * d_scale).astype(np.float16)[..., None].view(np.uint8)
     fields = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q6_K": (208,), "Q3_K": (108,), "Q5_K": (0, 2),
-              "Q2_K": (80, 82), "Q4_K": (0, 2)}[qtype]
+              "Q2_K": (80, 82), "Q4_K": (0, 2), "IQ1_M": ()}.get(qtype, (0,))  # the IQ types: d first
     for at in fields:
         b[..., at:at + 2] = half()
+    if qtype == "IQ1_M":  # d's fp16 bits in the top nibbles of the 4 uint16 scales
+        d = half().view(np.uint16)  # [..., 1]
+        sc = b[..., 48:56].copy().view(np.uint16)
+        sc = (sc & np.uint16(0x0FFF)) | (((d >> np.array([0, 4, 8, 12], np.uint16)) & 0xF) << 12)
+        b[..., 48:56] = sc.view(np.uint8)
     return b.reshape(*lead, -1)
 
 

@@ -67,6 +67,32 @@ def test_q4k_format():
         quant.engine_format(quant.Q4K, (512, 96))
 
 
+
+@pytest.mark.parametrize("qtype", list(quant.IQ_KEPT))
+def test_iq_types_kept_exactly(qtype):
+    """The IQ types kept as read (issue 36): random valid blocks (their fp16 d from subnormal to large, of both
+    signs) -> gguf_kept's int8 q and float32 group scales, whose product (numpy, and on the device in the engine's
+    group-major layout) is gguf.quants.dequantize's float32 value bit for bit, in several shapes."""
+    import gguf
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    fmt = quant.get_format(quant.GGUF_KEPT[qtype])
+    assert quant.GGUF_BLOCKS[qtype] == gguf.GGML_QUANT_SIZES[t]
+    for k, (shape, d_scale) in enumerate([((3, 256), 1e-6), ((2, 5, 512), 1e-3), ((4, 1024), 3e3)]):
+        raw = quant.gguf_blocks_random(qtype, shape, seed=k, d_scale=d_scale)
+        if k == 1:  # negative d too: flip the sign bit of half the blocks' fp16 d
+            at = 48 + 7 if qtype == "IQ1_M" else 1  # the byte holding d's sign bit
+            b = raw.reshape(*shape[:-1], -1, quant.GGUF_BLOCKS[qtype][1])
+            b[..., ::2, at] ^= 0x80
+        want = gguf.quants.dequantize(raw, t)
+        assert want.shape == shape and np.isfinite(want).all() and np.count_nonzero(want) > want.size // 2
+        q, s = quant.gguf_kept(raw, qtype)
+        assert q.dtype == np.int8 and q.shape == shape and s.dtype == np.float32
+        assert s.shape == (*shape[:-1], shape[-1] // fmt.group) and fmt.bits == 8 and fmt.symmetric
+        np.testing.assert_array_equal(quant.kept_dequantize(q, s).view(np.uint32), want.view(np.uint32))
+        if k == 1:
+            dev = quant.dequantize_engine_grouped(jnp.asarray(q), jnp.asarray(np.swapaxes(s, -1, -2)), jnp.float32)
+            np.testing.assert_array_equal(np.asarray(dev).view(np.uint32), want.view(np.uint32))
+
 def test_error_follows_bits_and_groups():
     rng = np.random.default_rng()
     w = rng.standard_normal((4, 64, 256)).astype(np.float32)
