@@ -2,7 +2,8 @@
 Q5_K / Q2_K; int4 with float32 scales for Q4_0, and minima for Q4_1). The store keeps the float32 group scales (and
 minima); the numpy jobs dequantize row chunks to exactly gguf's values; the C expert kernel (native_experts.c
 FMT_INT8G / FMT_INT8GM, FMT_INT4 / FMT_INT4K) against the numpy jobs and the float64 reference over
-gguf.quants.dequantize's weights (tests/helpers.py's `reference_ffn`)."""
+gguf.quants.dequantize's weights (tests/helpers.py's `reference_ffn`). The IQ types IQ2_XS, IQ3_S and IQ4_XS are
+held as int8-g too (grid or table values up to +-127)."""
 
 import gguf
 import numpy as np
@@ -17,9 +18,10 @@ LAYERS, E, H, I = 2, 4, 256, 512  # whole K super-blocks
 TOL = {"float32": 1e-5, "bfloat16": 2.0**-8}
 D = {"Q8_0": 0.1 / 127, "Q6_K": 0.1 / 4000, "Q3_K": 0.1 / 128, "Q5_K": 0.1 / 2000, "Q2_K": 0.1 / 45,
      "Q4_0": 0.1 / 8, "Q4_1": 0.1 / 15}  # |w| ~ 0.1
+D.update({"IQ2_XS": 0.1 / 50, "IQ3_S": 0.1 / 128, "IQ4_XS": 0.1 / 1000})  # IQ types: int8-g16, int8-g32 (q to +-127)
 TYPES = list(D)
 FORMATS = {"Q8_0": "int8-g", "Q6_K": "int8-g", "Q3_K": "int8-g", "Q5_K": "int8-g", "Q2_K": "int8-g",
-           "Q4_0": "int4", "Q4_1": "int4-m"}
+           "Q4_0": "int4", "Q4_1": "int4-m", "IQ2_XS": "int8-g", "IQ3_S": "int8-g", "IQ4_XS": "int8-g"}
 
 
 def make_layers(qtype: str, seed: int):

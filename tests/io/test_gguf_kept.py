@@ -1,7 +1,8 @@
 """GGUF expert types kept as read with float32 group scales (issue 36; strata_jax/model/quant.py GGUF_KEPT): Q4_0
-(int4-g32f), Q4_1 (int4-g32m), Q8_0 (int8-g32), Q6_K and Q3_K (int8-g16), Q5_K (int8-g32m), Q2_K (int8-g16m). A tiny
+(int4-g32f), Q4_1 (int4-g32m), Q8_0 (int8-g32), Q6_K and Q3_K (int8-g16), Q5_K (int8-g32m), Q2_K (int8-g16m), the IQ
+types (int8-g16: IQ2_XS, IQ2_S, IQ1_M; int8-g32: IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, IQ1_S). A tiny
 Qwen3-MoE GGUF written with gguf's writer, its expert stacks of one type (Q4_0 / Q4_1 / Q8_0 by gguf.quants.quantize;
-the K types as random valid blocks, quant.gguf_blocks_random: gguf.quants cannot quantize them), the rest F32. The
+the K and IQ types as random valid blocks, quant.gguf_blocks_random: gguf.quants cannot quantize them), the rest F32. The
 engine keeps the experts as read (expert_dtype=auto), their values equal gguf.quants.dequantize's bit for bit, and
 its logits equal those of a safetensors checkpoint of the dequantized values, resident and offloaded."""
 from __future__ import annotations
@@ -26,7 +27,10 @@ EXACT = dict(dtype="float32", expert_cache_slots="all")
 IDS = test_gguf.IDS
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q8_0")  # gguf.quants.quantize writes these
 D = {"Q6_K": 0.05 / 4000, "Q3_K": 0.05 / 128, "Q5_K": 0.05 / 2000, "Q2_K": 0.05 / 45}  # random blocks: |w| ~ 0.05
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q3_K", "Q5_K", "Q2_K")
+IQ_D = {"IQ2_XS": 0.05 / 50, "IQ3_S": 0.05 / 128, "IQ2_XXS": 0.05 / 50, "IQ3_XXS": 0.05 / 120, "IQ4_XS": 0.05 / 1000,
+        "IQ4_NL": 0.05 / 60, "IQ2_S": 0.05 / 50, "IQ1_S": 0.05 / 5, "IQ1_M": 0.05 / 5}  # the IQ types (int8-g16/-g32)
+D.update(IQ_D)
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q3_K", "Q5_K", "Q2_K", *IQ_D)
 
 
 def write_kept_model(tmp, qtype: str, seed: int = 31):
@@ -87,7 +91,8 @@ PLACEMENTS = [dict(expert_cache_slots="all"), dict(expert_cache_slots="3", pcie_
 
 
 @pytest.mark.parametrize("qtype,placement", [("Q8_0", p) for p in PLACEMENTS] + [
-    (t, PLACEMENTS[1]) for t in ("Q4_0", "Q4_1", "Q6_K", "Q5_K", "Q2_K", "Q3_K")])
+    (t, PLACEMENTS[1]) for t in ("Q4_0", "Q4_1", "Q6_K", "Q5_K", "Q2_K", "Q3_K")] + [
+    (t, PLACEMENTS[0]) for t in ("IQ2_XS", "IQ3_S")] + [(t, PLACEMENTS[1]) for t in IQ_D])
 def test_logits_equal_the_dequantized_model(kept_models, engine_factory, cache_dir, qtype, placement, capfd):
     path, dequantized, _ = kept_models(qtype)
     fmt = quant.GGUF_KEPT[qtype]
