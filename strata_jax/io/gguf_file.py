@@ -29,7 +29,10 @@ leaves both out) runs without MTP, said in one start-up line. The layer types co
 
 Tensors: F32, F16 and BF16 are read as they are; every type `gguf.quants.dequantize` reads (Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, the K types Q2_K..Q6_K, the IQ types, ...) is dequantized to float32 at load and cast to the engine's
-dtype (keeping them packed on the device is a later step). The dequantization runs in LOAD_THREADS threads (default:
+dtype, but routed experts of a type strata_jax/model/quant.py's GGUF_KEPT holds (Q4_0, Q4_1, Q8_0, the K types, the
+IQ types IQ1_S..IQ4_XS: int8-g16 / int8-g32) are kept as read (`GGUFTensors.kept_experts`, expert_dtype=auto: one
+start-up line per family names the type read, the format held and its bits per weight), their values gguf's bit for
+bit. The dequantization runs in LOAD_THREADS threads (default:
 the cores this process may use; numpy lets go of the GIL in its loops): a tensor's rows are cut in jobs of about
 CHUNK_VALUES values, and the experts of a stack after the one the loader reads are dequantized (and checked) ahead,
 one job each, while the loader converts and places the last (at most 2 x threads ahead and READ_AHEAD_BYTES / 3 of
@@ -455,7 +458,7 @@ def family_format(types: dict[str, list[int]]) -> str | None:
     """The engine format one expert family is held in under expert_dtype=auto (strata_jax/model/quant.py GGUF_KEPT):
     the one format that holds every type of the family, as read; where the family mixes types of several formats
     (a Q4_K_M file's down stacks: Q6_K, some layers Q4_K), the format of the type holding most of its weights (ties:
-    the more bits), the other stacks requantized into it at load; None where a type is not kept (F16, IQ types, ...):
+    the more bits), the other stacks requantized into it at load; None where a type is not kept (F16, Q5_0, ...):
     the experts are dequantized."""
     from strata_jax.model.quant import GGUF_KEPT, QK_K, get_format
     if not types or any(t not in GGUF_KEPT for t in types):
