@@ -376,7 +376,8 @@ def _iq_tables(qtype: str) -> tuple[np.ndarray, np.ndarray]:
 
 def _bits_signs(b: np.ndarray) -> np.ndarray:
     """Sign bytes [N, k] -> ±1 int8 [N, 8k]: bit j of byte i the sign of value 8i + j (1: negative)."""
-    return np.where((b[..., None] >> np.arange(8, dtype=np.uint8)) & 1, -1, 1).astype(np.int8).reshape(b.shape[0], -1)
+    bits = (b[..., None] >> np.arange(8, dtype=np.uint8)) & np.uint8(1)
+    return (np.int8(1) - (bits << np.uint8(1)).view(np.int8)).reshape(b.shape[0], -1)
 
 
 def _gguf_iq(b: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
