@@ -34,7 +34,9 @@ TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q3_K", "Q5_K", "Q2_K", *IQ_D)
 
 
 def write_kept_model(tmp, qtype: str, seed: int = 31):
-    """(the GGUF, a safetensors folder of its dequantized values, the written values by Hub name)."""
+    """(the GGUF, a safetensors folder of its dequantized values, the written values by Hub name). qtype
+    "A/B": gate/up experts of type A, down experts of B."""
+    gate_up, _, down = qtype.partition("/")
     raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
                num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=256, num_local_experts=8,
                num_experts_per_tok=2, num_hidden_layers=2)
@@ -49,8 +51,9 @@ def write_kept_model(tmp, qtype: str, seed: int = 31):
         if t.name in D:
             return quant.gguf_blocks_random(t.name, x.shape, seed=seed * 1000 + next(counter), d_scale=D[t.name])
         return test_gguf.encode(x, t)
-    path = tmp / f"{qtype}.gguf"
-    written = test_gguf.write_gguf(path, raw, hub, types=lambda g: Q[qtype] if "_exps" in g else Q.F32,
+    path = tmp / f"{qtype.replace('/', '-')}.gguf"
+    written = test_gguf.write_gguf(path, raw, hub, types=lambda g: Q[down if down and "down_exps" in g else gate_up]
+                                   if "_exps" in g else Q.F32,
                                    encoder=encode)
     dequantized = test_gguf.dequantized_folder(tmp, raw, written)
     return path, dequantized, written
@@ -63,7 +66,7 @@ def kept_models(tmp_path_factory):
 
     def get(qtype):
         if qtype not in made:
-            made[qtype] = write_kept_model(tmp_path_factory.mktemp(qtype), qtype)
+            made[qtype] = write_kept_model(tmp_path_factory.mktemp(qtype.replace("/", "-")), qtype)
         return made[qtype]
     return get
 
@@ -152,7 +155,29 @@ def test_saved_state_keeps_the_blocks(kept_models, engine_factory, tmp_path, cac
     assert rel_fro(back.prefill_logits(IDS), src.prefill_logits(IDS)) < 1e-5
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_K"])
+def test_iq_families(kept_models, engine_factory, cache_dir, capfd):
+    """IQ2_XS gate/up beside IQ3_S down (an IQ file's mix of types): each family kept as read in its own format
+    (int8-g16/int8-g32) under auto, the values gguf's bit for bit, the logits the dequantized checkpoint's with the
+    experts offloaded to the pool."""
+    path, dequantized, written = kept_models("IQ2_XS/IQ3_S")
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    assert gguf_file.kept_expert_format(folder) == "int8-g16/int8-g32"
+    w = checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format="int8-g16/int8-g32")
+    for which in ("gate", "down"):
+        ffn = w.layers[1].ffn
+        got = quant.dequantize_engine_grouped(getattr(ffn, which), getattr(ffn, which + "_scale"), jnp.float32)
+        want = written[f"model.layers.1.mlp.experts.{which}_proj.weight"]
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
+    ref = engine_factory(dequantized, **EXACT)
+    engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), dtype="float32", **PLACEMENTS[1])
+    line = next(l for l in capfd.readouterr().err.splitlines() if l.startswith("gguf:"))
+    assert "experts gate/up IQ2_XS (" in line and "-> int8-g16 (10.00 bpw: IQ2_XS's blocks as stored)" in line, line
+    assert "experts down IQ3_S (" in line and "-> int8-g32 (9.00 bpw: IQ3_S's blocks as stored)" in line, line
+    assert engine.options.expert_dtype == "int8-g16/int8-g32"
+    assert rel_fro(engine.prefill_logits(IDS), ref.prefill_logits(IDS)) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_K", "IQ2_XS"])
 def test_kept_experts_under_the_kernel_scan_offloaded(kept_models, engine_factory, cache_dir, monkeypatch, qtype):
     """The GGUF's kept experts offloaded to 3 slots with expert_kernel=pallas (bf16, interpret mode on the CPU; the
     engine's GPU-only check passed here as test_quant does): the scanned offload graph, the kernel reading the
