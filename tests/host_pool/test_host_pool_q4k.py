@@ -17,17 +17,22 @@ LAYERS, E, H, I = 2, 4, 256, 512  # whole Q4_K super-blocks
 TOL = {"float32": 1e-5, "bfloat16": 2.0**-8}
 
 
-def make_layers(rng):
-    """Per layer: (gguf.quants.dequantize's weights of the Q4_K bytes, float64; the store's layer tuple (q, q, q,
-    codes, codes, codes))."""
+BLOCKS = {quant.Q4K: (quant.q4k_blocks, quant.q4k_from_blocks, gguf.GGMLQuantizationType.Q4_K),
+          quant.Q2K: (quant.q2k_blocks, quant.q2k_from_blocks, gguf.GGMLQuantizationType.Q2_K)}
+
+
+def make_layers(rng, fmt=quant.Q4K):
+    """Per layer: (gguf.quants.dequantize's weights of the Q4_K (fmt int2-q2k: Q2_K) bytes, float64; the store's
+    layer tuple (q, q, q, codes, codes, codes))."""
+    blocks, from_blocks, qtype = BLOCKS[fmt]
     layers = []
     for _ in range(LAYERS):
         ws, stored, codes = [], [], []
         for shape in ((E, I, H), (E, I, H), (E, H, I)):
             w = (rng.standard_normal(shape) * rng.uniform(0.05, 0.2, shape[:2] + (1,)) + 0.01).astype(np.float32)
-            raw = quant.q4k_blocks(w)
-            ws.append(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).astype(np.float64))
-            q, c = quant.q4k_from_blocks(raw)
+            raw = blocks(w)
+            ws.append(gguf.quants.dequantize(raw, qtype).astype(np.float64))
+            q, c = from_blocks(raw)
             stored.append(q)
             codes.append(c)
         layers.append((ws, (*stored, *codes)))
@@ -49,7 +54,7 @@ def test_chunks_are_gguf_values(monkeypatch, path):
     w = rng.standard_normal((2, 40, H)).astype(np.float32)
     raw = quant.q4k_blocks(w)
     q, codes = quant.q4k_from_blocks(raw)
-    scales = store_module.q4k_scale_min(codes[1, 3:38])  # [35, 2G]
+    scales = store_module.block_scale_min(codes[1, 3:38])  # [35, 2G]
     blocks = [(r0, b.copy()) for r0, b, s in store_module.row_chunks_f32(q[1, 3:38], scales, minima=True)]
     assert [r0 for r0, _ in blocks] == [0, 7, 14, 21, 28]
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)[1, 3:38]
