@@ -493,6 +493,74 @@ def test_q4k_lowers_for_cuda(t, n, by_position):
     assert text.count("__gpu$xla.gpu.triton") == 2
 
 
+# ---- int2-q2k (GGUF Q2_K's blocks: w = d sc q - dmin m, q four a byte; strata_jax/model/quant.py) -------------------
+
+@pytest.mark.parametrize("name,tuning", [("t3_h256_i256", {}), ("t3_h256_i256", "small"), ("t1_h512_i256", {})])
+def test_q2k_kernel_matches_reference(name, tuning):
+    """The kernel (interpret mode) against its reference and the float64 model of the exactly dequantized weights;
+    the reference's weights are gguf.quants.dequantize's of the same Q2_K bytes."""
+    import gguf
+    from strata_jax.model import quant
+    args = make_quant_case(name, quant.Q2K)
+    assert args[1].shape[-1] == args[0].shape[1] // 4
+    assert args[-3].dtype == jnp.uint8 and args[-3].shape[1] == 5 * (args[0].shape[1] // 16) // 4
+    out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if tuning == "small" else {}))
+    assert out.shape == args[0].shape and out.dtype == jnp.float32
+    assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
+    assert rel_fro(out, f64_quant_model(*args)) < MODEL_RTOL
+    w = np.asarray(make_case(**QUANT_CASES[name])[1], np.float32)
+    want = gguf.quants.dequantize(quant.q2k_blocks(w), gguf.GGMLQuantizationType.Q2_K)
+    got = np.asarray(jax.vmap(lambda q, sc: expert_ffn_reference_weights(q, sc))(args[1], args[-3]))
+    np.testing.assert_array_equal(got, want)
+
+
+def expert_ffn_reference_weights(q, codes):
+    """The weights expert_ffn_reference reads of one expert (its own dequantization: the kernel's file stands
+    alone): the product with the identity."""
+    from pallas_kernels.expert_ffn import _scaled_product_reference
+    eye = jnp.eye(q.shape[-1] * 4, dtype=jnp.float32)  # int2-q2k: four inputs a byte
+    return _scaled_product_reference("ki,noi->nko", eye, q[None], codes[None])[0].T
+
+
+def test_q2k_scales_by_window_position():
+    from strata_jax.model import quant
+    x, gate, up, down, ids, combine, *by_slot = make_quant_case("t3_h256_i256", quant.Q2K, seed=None,
+                                                                 slot_ids=[3, 0, 6, -1, 1, 7, 2, 4])
+    window = [sc[jnp.maximum(ids, 0)] for sc in by_slot]
+    positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    out = expert_ffn(x, gate, up, down, ids, combine, *window, scale_ids=positions, interpret=True)
+    assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine, *by_slot)) < REF_RTOL
+    assert rel_fro(out, f64_quant_model(x, gate, up, down, ids, combine, *by_slot)) < MODEL_RTOL_FRESH
+    wrong = expert_ffn_reference(x, gate, up, down, ids, combine, *window)
+    assert rel_fro(wrong, out) > 5 * REF_RTOL
+
+
+def test_q2k_refusals():
+    from strata_jax.model import quant
+    x, gate, up, down, ids, combine, gs, us, ds = make_quant_case("t3_h256_i256", quant.Q2K)
+    with pytest.raises(ValueError, match="uint8 codes for the scales of a whole family"):  # gate and up: one
+        expert_ffn(x, gate, up, down, ids, combine, gs, us.astype(jnp.uint16), ds, interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
+
+
+@pytest.mark.parametrize("t,n,by_position", [(1, 8, False), (8, 64, True)])
+def test_q2k_lowers_for_cuda(t, n, by_position):
+    """The int2-q2k kernels at the Qwen3-30B-A3B shape (H 2048, I 768: whole super-blocks) compile for CUDA."""
+    s, h, i = 64, 2048, 768
+    sd = jax.ShapeDtypeStruct
+    rows = n if by_position else s
+    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // 4), jnp.uint8), sd((s, i, h // 4), jnp.uint8),
+             sd((s, h, i // 4), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
+             sd((rows, 5 * h // 64, i), jnp.uint8), sd((rows, 5 * h // 64, i), jnp.uint8),
+             sd((rows, 5 * i // 64, h), jnp.uint8))
+    if by_position:
+        text = lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
+    else:
+        text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
 # ---- GGUF types kept as read: int8-g (Q8_0, Q6_K, Q3_K, Q5_K, Q2_K) and int4 with float32 scales (Q4_0, Q4_1) --------
 
 # d of random blocks so that |w| stays ~0.05 (the largest |s q| per d of each type)
