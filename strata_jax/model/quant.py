@@ -356,9 +356,15 @@ def q2k_blocks(w: np.ndarray) -> np.ndarray:
 # ---- GGUF types kept as read: int4 / int8 groups with float32 scales (and minima) ----------------------------------
 
 GGUF_KEPT = {"Q4_0": "int4-g32f", "Q4_1": "int4-g32m", "Q8_0": "int8-g32", "Q6_K": "int8-g16", "Q3_K": "int8-g16",
-             "Q5_K": "int8-g32m", "Q2_K": "int8-g16m", "Q4_K": Q4K}  # GGUF type -> the engine format keeping it
+             "Q5_K": "int8-g32m", "Q2_K": Q2K, "Q4_K": Q4K}  # GGUF type -> the engine format keeping it
 GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q6_K": (QK_K, 210), "Q3_K": (QK_K, 110),
                "Q5_K": (QK_K, 176), "Q2_K": (QK_K, 84), "Q4_K": (QK_K, Q4K_BLOCK_BYTES)}  # (inputs, bytes) a block
+
+
+def keeps(expert_format: str, qtype: str) -> bool:
+    """Whether `expert_format` holds GGUF type `qtype` as read: GGUF_KEPT's format, or int8-g16m for Q2_K (its one
+    byte a weight form before int2-q2k, kept for expert_dtype=int8-g16m)."""
+    return GGUF_KEPT.get(qtype) == expert_format or (expert_format, qtype) == ("int8-g16m", "Q2_K")
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -617,7 +623,7 @@ def dequantize_engine_grouped(q, scale, dtype):
 # The engine's expert formats, and how their experts are stored: int8 q one a byte, int4 packed two a byte (uint8,
 # the input dimension halved), with scales on the device: [E, O] (int8), or group-major [E, I/group, O] for int4 (a
 # group's scales of consecutive rows are then one contiguous load in the kernel; the host pool keeps [E, O, G]).
-ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
+ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, Q2K, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
                   "int8-g16m")
 KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f.endswith(("f", "m")) or f.startswith("int8-g"))  # GGUF as read
 
@@ -628,11 +634,12 @@ def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
     "gate_up/down" (per-family formats): each family's, the pair's name back."""
     if FAMILY_SEP in expert_dtype:
         return pair_format(*(engine_format(f, widths) for f in family_formats(expert_dtype)))
-    if expert_dtype == Q4K:
+    if expert_dtype in BLOCK_FORMATS:
         if any(w % QK_K for w in widths):
-            raise ValueError(f"expert_dtype={Q4K} holds Q4_K super-blocks of {QK_K} inputs: the experts' widths "
+            raise ValueError(f"expert_dtype={expert_dtype} holds {'Q4_K' if expert_dtype == Q4K else 'Q2_K'} "
+                             f"super-blocks of {QK_K} inputs: the experts' widths "
                              f"{' and '.join(map(str, widths))} are not multiples of {QK_K}")
-        return Q4K
+        return expert_dtype
     if expert_dtype in KEPT_FORMATS:
         group = get_format(expert_dtype).group
         if any(w % group for w in widths):
@@ -695,9 +702,17 @@ def formats_bits(expert_format: str, in_dim: int = QK_K) -> float:
     return (2 * get_format(gate_up).bits_per_weight(in_dim) + get_format(down).bits_per_weight(in_dim)) / 3
 
 
-def stored_in_dim(in_dim: int, dtype) -> int:
-    """The last dimension of a stored expert matrix of `in_dim` inputs: halved for int4 (uint8) storage."""
-    return in_dim // 2 if np.dtype(dtype) == np.uint8 else in_dim
+def stored_in_dim(in_dim: int, storage) -> int:
+    """The last dimension of a stored expert matrix of `in_dim` inputs: halved for int4 (uint8) storage, quartered
+    for int2-q2k's (storage: a dtype, or Q2K where the dtype alone (uint8) would say int4: `slot_storage`)."""
+    if isinstance(storage, str):  # Q2K
+        return in_dim // 4
+    return in_dim // 2 if np.dtype(storage) == np.uint8 else in_dim
+
+
+def slot_storage(expert_format: str) -> "np.dtype | str":
+    """How one family's experts sit in host memory and the slots: its storage dtype, or Q2K (uint8, four a byte)."""
+    return Q2K if expert_format == Q2K else np.dtype(storage_dtype(expert_format))
 
 
 def engine_scale(qa: Quantized) -> np.ndarray:
