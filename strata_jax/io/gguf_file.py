@@ -468,9 +468,10 @@ def family_format(types: dict[str, list[int]]) -> str | None:
 
 def kept_expert_format(folder: str | Path) -> str | None:
     """The engine format a GGUF's routed experts are kept in as read (expert_dtype=auto; strata_jax/model/quant.py
-    GGUF_KEPT), per family (`family_format`): one name where gate/up and down agree (int4-q4k for Q4_K, int8-g32 for
-    Q8_0, int8-g16 for Q6_K and Q3_K, ...), else the pair "gate_up/down" (a Q4_K_M file: "int4-q4k/int8-g16"); None
-    where a family holds a type no format keeps (its experts dequantized at load) and for other folders."""
+    GGUF_KEPT), per family (`family_format`): one name where gate/up and down agree (int4-q4k for Q4_K, int2-q2k for
+    Q2_K, int8-g32 for Q8_0, int8-g16 for Q6_K and Q3_K, ...), else the pair "gate_up/down" (a Q4_K_M file:
+    "int4-q4k/int8-g16"); None where a family holds a type no format keeps (its experts dequantized at load) and for
+    other folders."""
     from strata_jax.model.quant import pair_format
     path = Path(folder) / SOURCE_FILE
     if not path.is_file():
