@@ -104,7 +104,8 @@ static inline vf v_int8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvte
 static inline vf v_int2(const uint8_t *p, int shift)
 {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_set1_epi32(shift)), _mm512_set1_epi32(3)));
+    const __m512i crumbs = _mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_set1_epi32(shift)), _mm512_set1_epi32(3));
+    return _mm512_cvtepi32_ps(crumbs);
 }
 /* int4: a group's 16 weights (k - 8) * scale, k = 0..15, in the lanes of one register; a nibble is then one
    permute (its index, which reads the low 4 bits of each lane: no mask for the low nibble) */
@@ -145,7 +146,8 @@ static inline vf v_int8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvte
 static inline vf v_int2(const uint8_t *p, int shift)
 {
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_set1_epi32(shift)), _mm256_set1_epi32(3)));
+    const __m256i crumbs = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_set1_epi32(shift)), _mm256_set1_epi32(3));
+    return _mm256_cvtepi32_ps(crumbs);
 }
 /* int4: 8 lanes hold half a 16-entry table, so the nibble is converted and times the scale (exact) instead */
 typedef vf int4_table;
@@ -397,7 +399,10 @@ static inline __attribute__((always_inline)) void dot_rows_int2k_nt(const uint8_
                 const long g = 4 * c + s, at = 64 * c + 16 * s + b;
                 const vf w = v_fma(v_int2(packed + b, 2 * s), v_set1(scales[g]), v_set1(-scales[G + g]));
                 _Pragma("GCC unroll 16")
-                for (int t = 0; t < NT; t++) acc[(s % 2) * NT + t] = v_fma(w, v_load(xs[t] + at), acc[(s % 2) * NT + t]);
+                for (int t = 0; t < NT; t++) {
+                    vf *chain = &acc[(s % 2) * NT + t];
+                    *chain = v_fma(w, v_load(xs[t] + at), *chain);
+                }
             }
     }
     _Pragma("GCC unroll 16")

@@ -290,7 +290,8 @@ def block_scale_min(codes: np.ndarray) -> np.ndarray:
     halves = np.ascontiguousarray(codes[..., g:]).view(np.float16).astype(F32)  # [..., 2B]: d, then dmin
     nb = halves.shape[-1] // 2
     d, dmin = (np.repeat(h, g // nb, axis=-1) for h in (halves[..., :nb], halves[..., nb:]))
-    return np.ascontiguousarray(np.concatenate([d * (c & ((1 << bits) - 1)).astype(F32), dmin * (c >> bits).astype(F32)], -1))
+    scales, minima = d * (c & ((1 << bits) - 1)).astype(F32), dmin * (c >> bits).astype(F32)
+    return np.ascontiguousarray(np.concatenate([scales, minima], -1))
 
 
 def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: bool = False, int2: bool = False):

@@ -21,8 +21,8 @@ def _choice(*allowed):
     return check
 
 
-EXPERT_FORMATS = ("int8", "int4", "int4-q4k", "int2-q2k", "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
-                  "int8-g16m")
+EXPERT_FORMATS = ("int8", "int4", "int4-q4k", "int2-q2k", "int4-g32f", "int4-g32m", "int8-g32", "int8-g16",
+                  "int8-g32m", "int8-g16m")
 
 
 def _expert_dtype_check(v):
@@ -153,10 +153,10 @@ class EngineOptions:
                             "experts are kept as read, others quantized at load) or int2-q2k (GGUF Q2_K's blocks: "
                             "groups of 16 with 4-bit scales and minima, 2.625 bits a weight, likewise); GGUF types "
                             "kept as read with float32 group scales: int4-g32f (Q4_0), int4-g32m (Q4_1), int8-g32 "
-                            "(Q8_0), int8-g16 (Q6_K, Q3_K), int8-g32m (Q5_K), int8-g16m (Q2_K, a byte a weight). auto keeps a GGUF's experts as read "
-                            "where one of these formats holds every expert tensor's type. Host RAM, slots, PCIe "
-                            "fetches and the host pool hold the quantized form; the expert FFNs dequantize in their "
-                            "products (strata_jax/model/quant.py). Per family: gate_up/down, e.g. int4-q4k/int8-g16 "
+                            "(Q8_0), int8-g16 (Q6_K, Q3_K), int8-g32m (Q5_K), int8-g16m (Q2_K, a byte a weight). "
+                            "auto keeps a GGUF's experts as read where one of these formats holds every expert "
+                            "tensor's type. Host RAM, slots, PCIe fetches and the host pool hold the quantized form; "
+                            "the expert FFNs dequantize in their products (strata_jax/model/quant.py). Per family: gate_up/down, e.g. int4-q4k/int8-g16 "
                             "(a Q4_K_M GGUF's Q4_K gate/up and Q6_K down, each kept as read); auto picks each "
                             "family's format where one holds all of that family's tensors.",
                             _expert_dtype_check)
