@@ -69,9 +69,9 @@ runner.define_output_flag(FLAGS)
 flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mib", 0, "Array size of the device_put and memcpy bandwidth copies in MiB (0 = 1024 on an "
                      "accelerator, 64 on CPU).", lower_bound=0, flag_values=FLAGS)
-flags.DEFINE_enum("expert_dtype", "auto", ["auto", "int8", "int4", "int4-q4k"], "The engine option: int8 / int4 experts "
-                  "(quantized as the random weights are made: a byte / half a byte a weight in host memory, slots "
-                  "and PCIe fetches).",
+flags.DEFINE_enum("expert_dtype", "auto", ["auto", "int8", "int4", "int4-q4k", "int2-q2k"], "The engine option: "
+                  "int8 / int4 / int2-q2k experts (quantized as the random weights are made: a byte / half / a "
+                  "quarter of a byte a weight in host memory, slots and PCIe fetches).",
                   flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FFN of every engine (the engine option; "
                   "pallas: bf16 on a GPU).", flag_values=FLAGS)

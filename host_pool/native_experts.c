@@ -18,6 +18,10 @@
    Q5_K, Q2_K): int8 q with a float32 scale per group of `group` inputs (and a minimum: a scale row holds the G
    scales, then the G minima); each weight is dequantized in registers, fma(q, s, -mn) = s q - mn rounded once
    (s q is exact), gguf's float32 value, then dotted as float32 weights are.
+   int2-q2k (FMT_INT2K, GGUF Q2_K's blocks, quant.py "int2-q2k": q in 0..3 four a byte, in each chunk of 64 inputs
+   byte b holds inputs b, b + 16, b + 32, b + 48 at shifts 0, 2, 4, 6; a float32 scale and minimum per group of 16,
+   a scale row G scales then G minima): int8-g's way, each weight fma(q, s, -mn) in registers (gguf's value), the
+   crumbs widened from bytes by a shift and a mask (dot_rows_int2k_nt).
    Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside Q6_K down, each kept as read): a job's phase 1
    reads gate/up in `fmt` with groups of `group`, phase 2 reads down in `fmt_down` with `group_down`; each phase's
    minima, group sums and bf16 path follow its own format.
@@ -67,7 +71,8 @@
 #include <omp.h>
 #endif
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT4K = 4, FMT_INT8G = 5, FMT_INT8GM = 6 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT4K = 4, FMT_INT8G = 5, FMT_INT8GM = 6,
+       FMT_INT2K = 7 };
 enum { TOKENS = 4 };      /* token rows read per pass over a weight row */
 /* weight rows per work item of phase 1 / phase 2 (-D to try others: host_pool/measure.py --variants) */
 #ifndef ROWS_UP
@@ -95,6 +100,13 @@ static inline vf v_bf16(const uint16_t *p)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline vf v_int8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+/* int2: VL packed bytes -> their crumbs at `shift` (0, 2, 4, 6) as floats */
+static inline vf v_int2(const uint8_t *p, int shift)
+{
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i crumbs = _mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_set1_epi32(shift)), _mm512_set1_epi32(3));
+    return _mm512_cvtepi32_ps(crumbs);
+}
 /* int4: a group's 16 weights (k - 8) * scale, k = 0..15, in the lanes of one register; a nibble is then one
    permute (its index, which reads the low 4 bits of each lane: no mask for the low nibble) */
 typedef vf int4_table;
@@ -131,6 +143,12 @@ static inline vf v_bf16(const uint16_t *p)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 static inline vf v_int8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline vf v_int2(const uint8_t *p, int shift)
+{
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i crumbs = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_set1_epi32(shift)), _mm256_set1_epi32(3));
+    return _mm256_cvtepi32_ps(crumbs);
+}
 /* int4: 8 lanes hold half a 16-entry table, so the nibble is converted and times the scale (exact) instead */
 typedef vf int4_table;
 static inline int4_table v_int4_table(float scale) { return _mm256_set1_ps(scale); }
@@ -176,6 +194,12 @@ static inline vf v_int8(const int8_t *p)
 {
     vf f;
     for (int k = 0; k < VL; k++) f[k] = (float)p[k];
+    return f;
+}
+static inline vf v_int2(const uint8_t *p, int shift)
+{
+    vf f;
+    for (int k = 0; k < VL; k++) f[k] = (float)((p[k] >> shift) & 3);
     return f;
 }
 typedef float int4_table;
@@ -357,6 +381,45 @@ static inline __attribute__((always_inline)) void dot_rows_int8g_nt(const int8_t
     for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]) + tail[t];
 }
 
+/* out[t] = dequantized int2-q2k row . xs[t]: packed [n/4] bytes (n a multiple of 64), scales [2G] (G = n/16: the
+   scales, then the minima); each weight fma(q, s, -mn), exactly gguf's value. A chunk's VL bytes are read once for
+   its four groups (shift 2s: group 4c + s); two chains per token (even and odd groups). */
+static inline __attribute__((always_inline)) void dot_rows_int2k_nt(const uint8_t *packed, const float *scales, long n,
+                                                                    const float *const *xs, float *out, const int NT)
+{
+    vf acc[2 * TOKENS];
+    _Pragma("GCC unroll 16")
+    for (int a = 0; a < 2 * NT; a++) acc[a] = v_zero();
+    const long G = n / 16;
+    for (long c = 0; c < n / 64; c++, packed += 16) {
+        prefetch_ahead((const char *)packed, 16);
+        for (long b = 0; b < 16; b += VL)
+            _Pragma("GCC unroll 4")
+            for (int s = 0; s < 4; s++) {
+                const long g = 4 * c + s, at = 64 * c + 16 * s + b;
+                const vf w = v_fma(v_int2(packed + b, 2 * s), v_set1(scales[g]), v_set1(-scales[G + g]));
+                _Pragma("GCC unroll 16")
+                for (int t = 0; t < NT; t++) {
+                    vf *chain = &acc[(s % 2) * NT + t];
+                    *chain = v_fma(w, v_load(xs[t] + at), *chain);
+                }
+            }
+    }
+    _Pragma("GCC unroll 16")
+    for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]);
+}
+
+static void dot_rows_int2k(const uint8_t *packed, const float *scales, long n, const float *const *xs, int nt,
+                           float *out)
+{
+    switch (nt) {
+    case 1: dot_rows_int2k_nt(packed, scales, n, xs, out, 1); break;
+    case 2: dot_rows_int2k_nt(packed, scales, n, xs, out, 2); break;
+    case 3: dot_rows_int2k_nt(packed, scales, n, xs, out, 3); break;
+    default: dot_rows_int2k_nt(packed, scales, n, xs, out, 4); break;
+    }
+}
+
 static void dot_rows_int8g(const int8_t *q, const float *scales, long n, long group, int minima,
                            const float *const *xs, int nt, float *out)
 {
@@ -462,6 +525,11 @@ static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, lo
     if (fmt == FMT_INT8G) {
         dot_rows_int8g((const int8_t *)m->weights + row * m->n, m->scales + row * (m->n / group) * (1 + m->minima),
                        m->n, group, m->minima, xs, nt, out);
+        return;
+    }
+    if (fmt == FMT_INT2K) {  /* groups of 16, minima always */
+        dot_rows_int2k((const uint8_t *)m->weights + row * (m->n / 4), m->scales + row * 2 * (m->n / 16), m->n,
+                       xs, nt, out);
         return;
     }
     if (fmt == FMT_INT4) {
@@ -1240,7 +1308,8 @@ int experts_job(int fmt, int fmt_down, int round_bf16_out, long H, long I, long 
     if (minima) fmt = FMT_INT4;
     if (minima_down) fmt_down = FMT_INT4;
     /* scale rows of 2G: the scales, then the minima */
-    const int held_minima = minima || fmt == FMT_INT8GM, held_minima_down = minima_down || fmt_down == FMT_INT8GM;
+    const int held_minima = minima || fmt == FMT_INT8GM || fmt == FMT_INT2K,
+              held_minima_down = minima_down || fmt_down == FMT_INT8GM || fmt_down == FMT_INT2K;
     if (fmt == FMT_INT8GM) fmt = FMT_INT8G;  /* int8-g dequantizes with its minima in registers */
     if (fmt_down == FMT_INT8GM) fmt_down = FMT_INT8G;
 #ifndef _OPENMP

@@ -55,7 +55,8 @@ def _format_code(store, which: str = "gate") -> int:
     return 6 if fmt == "int8-g" and store.minima_of(which) else _FORMAT_CODES[fmt]
 
 
-_FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4-q4k": 4, "int4-m": 4, "int8-g": 5}  # native_experts.c's FMT_*
+_FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4-q4k": 4, "int4-m": 4, "int8-g": 5,
+                 "int2-q2k": 7}  # native_experts.c's FMT_*
 
 
 class HostPoolError(RuntimeError):
@@ -640,9 +641,9 @@ class HostPool:
         gate_rows = self.store.expert_rows("gate", layer, expert, r0, r1)  # [R, H] (int4 [R, H/2]), scales
         up_rows = self.store.expert_rows("up", layer, expert, r0, r1)      # [R, H] (int4 [R, H/2]), scales
         out = hT_n[r0:r1]                                                   # [R, T] view
-        minima = self.store.minima_of("gate")
-        for (c0, gate, gate_s), (_, up, up_s) in zip(row_chunks_f32(*gate_rows, minima=minima),
-                                                     row_chunks_f32(*up_rows, minima=minima)):
+        minima, int2 = self.store.minima_of("gate"), self.store.inputs_per_byte("gate") == 4
+        for (c0, gate, gate_s), (_, up, up_s) in zip(row_chunks_f32(*gate_rows, minima=minima, int2=int2),
+                                                     row_chunks_f32(*up_rows, minima=minima, int2=int2)):
             g = self._round(_scaled(gate @ xT, gate_s))  # [c, T]
             u = self._round(_scaled(up @ xT, up_s))      # [c, T]
             # silu(g) = g * sigmoid(g); tanh form does not overflow.
@@ -657,7 +658,8 @@ class HostPool:
         for n, (expert, hT) in enumerate(hTs):
             down_rows = self.store.expert_rows("down", layer, expert, r0, r1)  # [R, I] (int4 [R, I/2]), scales
             nbytes += _nbytes(down_rows)
-            for c0, down, scale in row_chunks_f32(*down_rows, minima=self.store.minima_of("down")):
+            for c0, down, scale in row_chunks_f32(*down_rows, minima=self.store.minima_of("down"),
+                                                  int2=self.store.inputs_per_byte("down") == 4):
                 put(n, r0 + c0, r0 + c0 + len(down), self._round(_scaled(down @ hT, scale)))
         return time.perf_counter() - t0, nbytes
 

@@ -72,6 +72,13 @@ class HostExpertStore:
         `format` "int8-g", `minima` for the second. int4 packed with float32
         scales and minima [E, O, 2, G] (Q4_1): as int4-q4k's decoded form,
         `format` "int4-m". (Q4_0's float32 scales are plain int4.)
+      * int2-q2k (GGUF Q2_K's blocks, quant.py "int2-q2k"): uint8 packed four
+        to a byte (in each chunk of 64 inputs byte b holds inputs b, b + 16,
+        b + 32, b + 48 at shifts 0, 2, 4, 6): gate, up [E, I, H/4], down
+        [E, H, I/4], with uint8 codes (pool layout [E, O, 5G/4], G = in/16:
+        per group sc | m << 4, then the super-blocks' fp16 d and dmin as byte
+        pairs), decoded once into float32 [E, O, 2G] as int4-q4k's; w = s q -
+        mn. `format` "int2-q2k", `minima` True.
     Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up and Q6_K down
     kept as read): gate and up share one format, down may hold another
     (both quantized); each matrix's is `format_of` / `dtype_of` /
@@ -111,11 +118,15 @@ class HostExpertStore:
                 raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}, "
                                  "want [E, out, in]")
             E, I, H = gate.shape[0], gate.shape[1], down.shape[1]
-            packed_gu, packed_d = (2 if a.dtype == U8 else 1 for a in (gate, down))  # inputs per stored element
+            # inputs per stored element: int2-q2k's (uint8 codes) 4, int4's 2
+            packed_gu, packed_d = (4 if quantized and np.asarray(s).dtype == U8 else 2 if a.dtype == U8 else 1
+                                   for a, s in ((gate, scales[0] if scales else None),
+                                                (down, scales[-1] if scales else None)))
             if (gate.shape[2] * packed_gu != H or up.shape != gate.shape
                     or down.shape != (E, H, I // packed_d) or I % packed_d):
                 raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}"
-                                 + (" (int4: packed [E, out, in/2])" if 2 in (packed_gu, packed_d) else ""))
+                                 + (" (int4: packed [E, out, in/2]; int2-q2k: [E, out, in/4])"
+                                    if {2, 4} & {packed_gu, packed_d} else ""))
             if quantized:
                 gu_scales, gu_kind = _family_scales(index, gate.dtype, scales[:2], ("gate", "up"), E, (I, H))
                 d_scales, d_kind = _family_scales(index, down.dtype, scales[2:], ("down",), E, (H, I))
@@ -164,8 +175,13 @@ class HostExpertStore:
         """Whether matrix `which`'s scales hold minima ([E, O, 2G]: s, then mn)."""
         return self._kinds[which][2]
 
+    def inputs_per_byte(self, which: str) -> int:
+        """Inputs a stored element of matrix `which` holds: 4 (int2-q2k), 2 (int4), else 1."""
+        return 4 if self.format_of(which) == "int2-q2k" else 2 if self.dtype_of(which) == U8 else 1
+
     def group(self, layer: int, which: str = "gate") -> int:
-        """int4's and int8-g's inputs per scale of matrix `which` (int4-q4k: 32), 0 for other formats."""
+        """int4's and int8-g's inputs per scale of matrix `which` (int4-q4k: 32, int2-q2k: 16), 0 for other
+        formats."""
         if self.dtype_of(which) != U8 and not self._kinds[which][3]:
             return 0
         width = self.hidden_size(layer) if which != "down" else self.intermediate_size(layer)
@@ -211,9 +227,9 @@ def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple)
     """One family's (gate and up, or down) scales of layer `index` as the store keeps them (float32; int4-q4k's codes
     decoded into [E, O, 2G]; [E, O, 2, G] minima -> [E, O, 2G]), checked, and the family's (format, dtype, minima,
     grouped). dims: the family's (out, in) widths."""
-    codes = [np.asarray(x).dtype == np.uint16 for x in scales]
-    if any(codes) and (not all(codes) or dtype != U8):
-        raise TypeError(f"layer {index}: int4-q4k experts are uint8 with uint16 code arrays")
+    codes = [np.asarray(x).dtype in (np.uint16, np.uint8) for x in scales]  # int4-q4k's, int2-q2k's
+    if any(codes) and (not all(codes) or dtype != U8 or len({np.asarray(x).dtype for x in scales}) > 1):
+        raise TypeError(f"layer {index}: int4-q4k / int2-q2k experts are uint8 with uint16 / uint8 code arrays")
     ranks = {np.ndim(x) for x in scales}
     if len(ranks) != 1 and (4 in ranks or (dtype == I8 and 3 in ranks)):  # else the shape check below says more
         raise ValueError(f"layer {index}: scale ranks {[np.ndim(x) for x in scales]} differ")
@@ -223,6 +239,7 @@ def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple)
                          f"{[np.shape(x) for x in scales]})")
     grouped = dtype == I8 and rank > 2
     minima = all(codes) or rank == 4
+    int2 = all(codes) and np.asarray(scales[0]).dtype == U8
     if rank == 4:  # [E, O, 2, G] float32: scales, then minima -> [E, O, 2G]
         scales = [np.ascontiguousarray(x, F32).reshape(*x.shape[:2], -1) for x in scales]
         half = [x[..., : x.shape[-1] // 2] for x in scales]
@@ -231,12 +248,13 @@ def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple)
         scales = [np.ascontiguousarray(x, F32) for x in scales]
         _check_scales(index, "int8-g", scales, E, names, dims)
     elif all(codes):
-        scales = [q4k_scale_min(np.asarray(x)) for x in scales]  # [E, O, 2G] float32
+        scales = [block_scale_min(np.asarray(x)) for x in scales]  # [E, O, 2G] float32
         _check_scales(index, dtype, [x[..., : x.shape[-1] // 2] for x in scales], E, names, dims)
     else:
         scales = [np.ascontiguousarray(x, F32) for x in scales]
         _check_scales(index, dtype, scales, E, names, dims)
-    name = ("int8-g" if grouped else ("int4-q4k" if all(codes) else "int4-m") if minima else
+    block = ("int2-q2k" if int2 else "int4-q4k") if all(codes) else "int4-m"
+    name = ("int8-g" if grouped else block if minima else
             {I8: "int8", U8: "int4"}[dtype])
     return scales, (name, dtype, minima, grouped)
 
@@ -262,17 +280,21 @@ def _check_scales(index: int, dtype, scales: list[np.ndarray], E: int, names: tu
                              f"with G groups of a multiple of 16 of the {in_dim} inputs")
 
 
-def q4k_scale_min(codes: np.ndarray) -> np.ndarray:
-    """int4-q4k codes [..., 5G/4] uint16 -> float32 [..., 2G]: the G scales d sc, then the G minima dmin m (exact;
-    strata_jax/model/quant.py q4k_scales, which this package may not import)."""
+def block_scale_min(codes: np.ndarray) -> np.ndarray:
+    """int4-q4k codes [..., 5G/4] uint16 (or int2-q2k's uint8: their fp16 d and dmin byte pairs) -> float32
+    [..., 2G]: the G scales d sc, then the G minima dmin m (exact; strata_jax/model/quant.py block_scales, which this
+    package may not import)."""
     g = codes.shape[-1] * 4 // 5
-    c = codes[..., :g]
-    d = np.repeat(np.ascontiguousarray(codes[..., g:g + g // 8]).view(np.float16).astype(F32), 8, axis=-1)
-    dmin = np.repeat(np.ascontiguousarray(codes[..., g + g // 8:]).view(np.float16).astype(F32), 8, axis=-1)
-    return np.ascontiguousarray(np.concatenate([d * (c & 0x3F).astype(F32), dmin * (c >> 6).astype(F32)], -1))
+    bits = 6 if codes.dtype == np.uint16 else 4
+    c = codes[..., :g].astype(np.uint16)
+    halves = np.ascontiguousarray(codes[..., g:]).view(np.float16).astype(F32)  # [..., 2B]: d, then dmin
+    nb = halves.shape[-1] // 2
+    d, dmin = (np.repeat(h, g // nb, axis=-1) for h in (halves[..., :nb], halves[..., nb:]))
+    scales, minima = d * (c & ((1 << bits) - 1)).astype(F32), dmin * (c >> bits).astype(F32)
+    return np.ascontiguousarray(np.concatenate([scales, minima], -1))
 
 
-def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: bool = False):
+def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: bool = False, int2: bool = False):
     """Yield (row_offset, float32 block [c, in], row scales [c, 1] or None) over a [R, ...] weight slice.
 
     float32 slices come back whole (BLAS reads them in place); bf16, int8 and
@@ -289,12 +311,14 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: b
         s * nibble, exact; one rounding for the minimum, as gguf's).
       * int8-g (rows int8, scales [R, G], or [R, 2G] with minima): the block
         holds s q (- mn), gguf's values; None comes back.
+      * int2-q2k (int2; rows uint8 [R, in/4], scales [R, 2G]): the block holds
+        s q - mn, gguf's values; None comes back.
     """
     if rows.dtype == F32:
         yield 0, rows, None
         return
-    if rows.dtype == I8 and scales is not None and scales.ndim == 2:
-        yield from _int8g_chunks(rows, scales, minima)
+    if int2 or (rows.dtype == I8 and scales is not None and scales.ndim == 2):
+        yield from _grouped_chunks(rows, scales, minima or int2, 4 if int2 else 1)
         return
     R = rows.shape[0]
     int4 = rows.dtype == U8
@@ -328,9 +352,10 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: b
         work.give_back()
 
 
-def _int8g_chunks(rows: np.ndarray, scales: np.ndarray, minima: bool):
-    """row_chunks_f32 of int8-g rows [R, in] with scales [R, G] ([R, 2G]: s, then mn): blocks of s q (- mn)."""
-    R, C = rows.shape
+def _grouped_chunks(rows: np.ndarray, scales: np.ndarray, minima: bool, per_byte: int):
+    """row_chunks_f32 of int8-g rows [R, in] (per_byte 1) or int2-q2k's [R, in/4] (4) with scales [R, G]
+    ([R, 2G]: s, then mn): blocks of s q (- mn)."""
+    R, C = rows.shape[0], rows.shape[1] * per_byte
     G = scales.shape[1] // (2 if minima else 1)
     step = max(1, CHUNK_FLOATS // C)
     work = _ChunkWork.take(min(step, R), C, int4_steps=False)
@@ -338,7 +363,11 @@ def _int8g_chunks(rows: np.ndarray, scales: np.ndarray, minima: bool):
         for r0 in range(0, R, step):
             block = work.block[: min(step, R - r0)]
             c = len(block)
-            np.copyto(block, rows[r0:r0 + c], casting="unsafe")  # int8 -> f32, exact
+            if per_byte == 4:  # chunk k of 64 inputs: byte b's shift 2s holds input 64 k + 16 s + b
+                crumbs = rows[r0:r0 + c].reshape(c, C // 64, 1, 16) >> np.array([0, 2, 4, 6], U8).reshape(4, 1)
+                np.copyto(block.reshape(c, C // 64, 4, 16), crumbs & 3, casting="unsafe")
+            else:
+                np.copyto(block, rows[r0:r0 + c], casting="unsafe")  # int8 -> f32, exact
             grouped = block.reshape(c, G, -1)
             grouped *= scales[r0:r0 + c, :G, None]  # exact
             if minima:

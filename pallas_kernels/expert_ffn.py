@@ -37,6 +37,13 @@ each group's sc | m << 6, then each 256-input super-block's fp16 d, then its dmi
 int4's do and decode the group's s = d sc and mn = dmin m in registers (exact in float32); the group adds
 s (x_g . (q - 8)) + (8 s - mn) sum(x_g), the dot with the exactly dequantized weights up to float32 rounding.
 
+int2-q2k experts (GGUF Q2_K's blocks, `strata_jax/model/quant.py` "int2-q2k": w = s q - mn, q in 0..3, four a
+byte: in each chunk of 64 inputs byte b holds inputs b, b + 16, b + 32, b + 48 at shifts 0, 2, 4, 6): gate/up
+[S, I, H/4], down [S, H, I/4] uint8 with uint8 codes, group-major [R, 5G/4, O] (G = In/16: rows 0..G-1 each group's
+sc | m << 4, then each super-block's fp16 d as two rows, low byte first, then its dmin likewise). The loops step
+groups of 16: group k is chunk k/4's 16 bytes shifted by 2 (k % 4), its crumbs widened to bf16 (exact) and dotted
+with the group's 16 inputs; the group adds s (x_g . q) - mn sum(x_g) with s and mn decoded in registers (exact).
+
 int8-g experts and int4 with float32 scales (GGUF types kept as read, `strata_jax/model/quant.py` "int8-g32",
 "int8-g16", "int8-g32m", "int8-g16m", "int4-g32f", "int4-g32m"): w = s q (- mn) per group of g inputs (16 or 32),
 s and mn float32. int8-g: gate/up/down int8 as int8's, with group-major scales [R, H/g, I], [R, H/g, I],
@@ -87,14 +94,31 @@ def _int4_group(x_at, w_ref, slot, rows, k, group: int):
     return plgpu.dot(x_lo, lo, trans_b=True) + plgpu.dot(x_hi, hi, trans_b=True)  # [Tp, BO]
 
 
-def _q4k_scale(codes_ref, srow, grp, rows, groups: int):
-    """int4-q4k: group grp's scale s and bias 8 s - mn [1, BO] f32 for rows `rows`, from the codes [R, 5G/4, O]."""
+def _int2_group(x_at, w_ref, slot, rows, k, group: int):
+    """Group k's f32 partial product [Tp, BO] of int2-q2k rows `rows` of w (group 16: chunk k // 4's 16 bytes,
+    shifted by 2 (k % 4)) with x_at(cols) [Tp, 16], the activations of its inputs."""
+    packed = w_ref[slot, rows, pl.ds((k // 4) * 16, 16)].astype(jnp.int32)  # [BO, 16]
+    shift = 2 * (k & 3)  # k & 3, not k % 4: Triton's lowering of a traced mod mistypes it (i1)
+    q = ((packed >> shift) & 3).astype(jnp.float32).astype(jnp.bfloat16)  # q in 0..3: exact in bf16
+    return plgpu.dot(x_at(pl.ds(k * group, group)), q, trans_b=True)  # [Tp, BO]
+
+
+def _block_scale(codes_ref, srow, grp, rows, groups: int, q4k: bool):
+    """int4-q4k / int2-q2k: group grp's scale s and the factor of sum(x_g) [1, BO] f32 for rows `rows`, from the
+    codes [R, 5G/4, O] (int4-q4k: uint16, 8 s - mn; int2-q2k: uint8, d and dmin two rows each, -mn)."""
     code = codes_ref[srow, grp, rows].astype(jnp.int32)
-    fp16 = lambda at: jax.lax.bitcast_convert_type(codes_ref[srow, at, rows], jnp.float16).astype(jnp.float32)
-    d, dmin = fp16(groups + grp // 8), fp16(groups + groups // 8 + grp // 8)
-    scale = d * (code & 0x3F).astype(jnp.float32)
-    minimum = dmin * (code >> 6).astype(jnp.float32)
-    return scale[None, :], (8.0 * scale - minimum)[None, :]
+    if q4k:
+        at, bits = lambda first: first + grp // 8, 6
+        half = lambda row: codes_ref[srow, row, rows]
+    else:  # fp16 bits from a low and a high byte row
+        at, bits = lambda first: first + 2 * (grp // 16), 4
+        half = lambda row: (codes_ref[srow, row, rows].astype(jnp.int32)
+                            | (codes_ref[srow, row + 1, rows].astype(jnp.int32) << 8)).astype(jnp.uint16)
+    fp16 = lambda row: jax.lax.bitcast_convert_type(half(row), jnp.float16).astype(jnp.float32)
+    d, dmin = fp16(at(groups)), fp16(at(groups + groups // 8))
+    scale = d * (code & ((1 << bits) - 1)).astype(jnp.float32)
+    minimum = dmin * (code >> bits).astype(jnp.float32)
+    return scale[None, :], ((8.0 * scale - minimum) if q4k else -minimum)[None, :]
 
 
 def _int8_group(x_at, w_ref, slot, rows, k, group: int):
@@ -106,13 +130,16 @@ def _int8_group(x_at, w_ref, slot, rows, k, group: int):
 def _group_scale(s_ref, srow, grp, rows, groups: int, form: str, int4: bool):
     """Group grp's scale [1, BO] f32 and the factor of sum(x_g) [1, BO] (None: no such term) for rows `rows`:
     int4's s (x . (q - 8)) + (8 s - mn) sum(x), int8's s (x . q) - mn sum(x)."""
-    if form == "q4k":
-        return _q4k_scale(s_ref, srow, grp, rows, groups)
+    if form in ("q4k", "q2k"):
+        return _block_scale(s_ref, srow, grp, rows, groups, form == "q4k")
     if form == "group_min":  # [R, 2, G, O] float32: scales, then minima
         scale = s_ref[srow, 0, grp, rows].astype(jnp.float32)
         minimum = s_ref[srow, 1, grp, rows].astype(jnp.float32)
         return scale[None, :], ((8.0 * scale - minimum) if int4 else -minimum)[None, :]
     return s_ref[srow, grp, rows].astype(jnp.float32)[None, :], None
+
+
+_PRODUCTS = {"int4": _int4_group, "int2": _int2_group, "int8": _int8_group}  # a group's product by storage
 
 
 def _x_sum(x_at, k, group: int):
@@ -138,7 +165,7 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
 
         def body_grouped(k, carry):  # block_k / group groups per step, each scaled as it is added
             g, u = carry
-            product = _int4_group if quantized == "int4" else _int8_group
+            product = _PRODUCTS[quantized]
             for j in range(block_k // group):
                 grp = k * (block_k // group) + j
                 x_at = lambda c: x_ref[:, c]
@@ -192,7 +219,7 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
             srow = sids_ref[n] if quantized else None  # the expert's row of the scale arrays
 
             def body_grouped(k, y):
-                product = _int4_group if quantized == "int4" else _int8_group
+                product = _PRODUCTS[quantized]
                 for j in range(block_i // group):
                     grp = k * (block_i // group) + j
                     h_at = lambda c: h_ref[n, :, c]
@@ -224,14 +251,16 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
 
 def _scale_form(quantized: str | None, scales: tuple) -> str | None:
     """How the scales are held: "row" (int8, [R, O]), "group" ([R, G, O]), "group_min" ([R, 2, G, O] float32:
-    scales, then minima), "q4k" (int4-q4k's uint16 codes [R, 5G/4, O]); None for bf16 experts."""
+    scales, then minima), "q4k" (int4-q4k's uint16 codes [R, 5G/4, O]), "q2k" (int2-q2k's uint8 codes); None for
+    bf16 experts."""
     if not quantized:
         return None
-    codes = [sc.dtype == jnp.uint16 for sc in scales]
-    if any(codes):
-        if quantized != "int4" or not all(codes):
-            raise ValueError("expert_ffn: int4-q4k experts take uint16 codes for the scales of a whole family")
-        return "q4k"
+    if quantized == "int2" or any(sc.dtype == jnp.uint16 for sc in scales):
+        dtype, name = (jnp.uint8, "int2-q2k") if quantized == "int2" else (jnp.uint16, "int4-q4k")
+        if quantized not in ("int4", "int2") or any(sc.dtype != dtype for sc in scales):
+            raise ValueError(f"expert_ffn: {name} experts take {jnp.dtype(dtype).name} codes for the scales of a "
+                             "whole family")
+        return "q2k" if quantized == "int2" else "q4k"
     ranks = {sc.ndim for sc in scales}
     if len(ranks) != 1 or scales[0].ndim not in ((2, 3, 4) if quantized == "int8" else (3, 4)):
         raise ValueError(f"expert_ffn: {quantized} scales of ranks {[sc.ndim for sc in scales]} (int8: [R, O] per "
@@ -243,11 +272,11 @@ def _family_form(quantized: str | None, scales: tuple, in_dim: int, out_dim: int
     """(form, group) of one family's matrices (gate and up, or down) of `in_dim` inputs: `_scale_form`'s form and the
     inputs per scale (0: per row, or bf16); ValueError where the kernel does not take them."""
     form = _scale_form(quantized, scales)
-    if form == "q4k":
+    if form in ("q4k", "q2k"):
         if in_dim % 256 or out_dim % 256:
-            raise ValueError(f"expert_ffn: int4-q4k experts need H and I multiples of 256 (got {what} inputs "
-                             f"{in_dim}, outputs {out_dim})")
-        return form, 32
+            raise ValueError(f"expert_ffn: int{4 if form == 'q4k' else 2}-{form} experts need H and I multiples of "
+                             f"256 (got {what} inputs {in_dim}, outputs {out_dim})")
+        return form, 32 if form == "q4k" else 16
     if form in ("group", "group_min"):  # the group: inputs per scale, from the scales' shape
         groups = scales[0].shape[-2]
         group = in_dim // groups if groups else 0
@@ -265,7 +294,7 @@ def _family_form(quantized: str | None, scales: tuple, in_dim: int, out_dim: int
 def _name_tail(quantized: str | None, form: str | None) -> str:
     if not quantized:
         return ""
-    return f"_{quantized}" + {"row": "", "group": "", "group_min": "_min", "q4k": "_q4k"}[form] + (
+    return f"_{quantized}" + {"row": "", "group": "", "group_min": "_min", "q4k": "_q4k", "q2k": "_q2k"}[form] + (
         "_g" if quantized == "int8" and form != "row" else "")
 
 
@@ -290,7 +319,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     int8 experts: gate/up/down int8 with gate_scale, up_scale [R, I] and down_scale [R, H] (float32 or bf16).
     int4 experts: gate/up [S, I, H/2], down [S, H, I/2] uint8 with group-major gate_scale, up_scale [R, H/g, I] and
     down_scale [R, I/g, H], g = 128, 64 or 32 inputs per scale; int4-q4k: the scales uint16 codes [R, 5H/128, I],
-    [R, 5H/128, I], [R, 5I/128, H] (H and I multiples of 256).
+    [R, 5H/128, I], [R, 5I/128, H] (H and I multiples of 256); int2-q2k: gate/up [S, I, H/4], down [S, H, I/4]
+    with uint8 codes [R, 5H/64, I], [R, 5H/64, I], [R, 5I/64, H].
     scale_ids [N] int32: expert n's row of the scale arrays (< R, not checked), read where slot_ids[n] >= 0; None:
     slot_ids (the scales row for row beside the weights, R = S). Scales gathered for the window ([N, ...]) take
     scale_ids = arange(N).
@@ -303,16 +333,19 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     n = slot_ids.shape[0]
     kinds = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "int4"}
     quantized, quantized_down = kinds.get(jnp.dtype(gate.dtype)), kinds.get(jnp.dtype(down.dtype))
+    int2 = lambda sc: sc is not None and sc.dtype == jnp.uint8  # uint8 codes: int2-q2k's q, four a byte
+    quantized = "int2" if quantized == "int4" and int2(gate_scale) else quantized
+    quantized_down = "int2" if quantized_down == "int4" and int2(down_scale) else quantized_down
     floats = {gate.dtype, up.dtype, down.dtype} == {jnp.dtype(jnp.bfloat16)}
     if x.dtype != jnp.bfloat16 or up.dtype != gate.dtype or not (floats or (quantized and quantized_down)):
         raise ValueError(f"expert_ffn: x must be bfloat16 and the experts all bfloat16, or quantized (int8, or int4 "
                          f"as uint8; gate/up one format, down its own) (got x {x.dtype}, gate {gate.dtype}, up "
                          f"{up.dtype}, down {down.dtype})")
-    per, per_down = (2 if q == "int4" else 1 for q in (quantized, quantized_down))  # weights a stored element holds
+    per, per_down = ({"int4": 2, "int2": 4}.get(q, 1) for q in (quantized, quantized_down))  # weights an element holds
     if gate.shape != (s, inter, hidden // per) or up.shape != gate.shape or down.shape != (s, hidden, inter // per_down):
+        over = lambda k: f"/{k}" if k > 1 else ""
         raise ValueError(f"expert_ffn: shapes x {x.shape}, gate {gate.shape}, up {up.shape}, down {down.shape} do "
-                         f"not match x [T, H], gate/up [S, I, H{'/2' * (per - 1)}], down [S, H, "
-                         f"I{'/2' * (per_down - 1)}]")
+                         f"not match x [T, H], gate/up [S, I, H{over(per)}], down [S, H, I{over(per_down)}]")
     scales = (gate_scale, up_scale, down_scale)
     if bool(quantized) != all(sc is not None for sc in scales) or (not quantized and any(sc is not None for sc in scales)):
         raise ValueError("expert_ffn: int8 and int4 experts take gate_scale, up_scale and down_scale (bf16 ones none)")
@@ -328,7 +361,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
         want = []
         for f, g, (out_dim, in_dim) in ((form, group, (inter, hidden)),) * 2 + ((form_down, group_down,
                                                                                   (hidden, inter)),):
-            rows = 5 * (in_dim // 32) // 4 if f == "q4k" else in_dim // max(g, 1)  # scale rows a matrix
+            rows = 5 * (in_dim // g) // 4 if f in ("q4k", "q2k") else in_dim // max(g, 1)  # scale rows a matrix
             want.append((r, out_dim) if f == "row" else ((r, 2) if f == "group_min" else (r,)) + (rows, out_dim))
         if tuple(sc.shape for sc in scales) != tuple(want):
             raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not "
@@ -407,17 +440,27 @@ def _scaled_product_reference(spec: str, a: jax.Array, q: jax.Array, scale: jax.
     """einsum(spec, a, w) for quantized w, in float32, rounded to a's dtype: int8 q [N, O, In] with row scales
     [N, O] (the product over q widened, times the scale); int4 packed q [N, O, In/2] (byte j of a group: inputs j
     and j + g/2, as GGUF's Q4_0) with group-major scales [N, In/g, O], dequantized exactly in float32; int4-q4k:
-    uint16 codes [N, 5G/4, O] (G = In/32), w = d sc q - dmin m, exact in float32."""
-    if q.dtype == jnp.uint8 and scale.dtype == jnp.uint16:
-        n, o, half = q.shape
+    uint16 codes [N, 5G/4, O] (G = In/32), w = d sc q - dmin m, exact in float32; int2-q2k: q [N, O, In/4] with
+    uint8 codes [N, 5G/4, O] (G = In/16, d and dmin two rows each), likewise."""
+    if q.dtype == jnp.uint8 and scale.dtype in (jnp.uint16, jnp.uint8):
+        q4k = scale.dtype == jnp.uint16
+        n, o, _ = q.shape
         groups = scale.shape[1] * 4 // 5
         code = scale[:, :groups].astype(jnp.int32)  # [N, G, O]
-        fp16 = lambda rows: jnp.repeat(jax.lax.bitcast_convert_type(rows, jnp.float16).astype(jnp.float32), 8, 1)
-        s = fp16(scale[:, groups:groups + groups // 8]) * (code & 0x3F).astype(jnp.float32)
-        mn = fp16(scale[:, groups + groups // 8:]) * (code >> 6).astype(jnp.float32)
-        p = q.reshape(n, o, groups, 16).astype(jnp.int32)  # [N, O, G, 16]
-        w = jnp.concatenate([p & 0xF, p >> 4], axis=-1).astype(jnp.float32)  # [N, O, G, 32]: q in 0..15
-        w = (w * jnp.swapaxes(s, 1, 2)[..., None] - jnp.swapaxes(mn, 1, 2)[..., None]).reshape(n, o, 2 * half)
+        halves = scale[:, groups:].astype(jnp.int32)  # [N, G/4, O]: d, then dmin (int2-q2k: low, high bytes)
+        halves = halves if q4k else halves[:, 0::2] | (halves[:, 1::2] << 8)
+        halves = jax.lax.bitcast_convert_type(halves.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+        nb, bits = halves.shape[1] // 2, 6 if q4k else 4
+        s = jnp.repeat(halves[:, :nb], groups // nb, 1) * (code & ((1 << bits) - 1)).astype(jnp.float32)
+        mn = jnp.repeat(halves[:, nb:], groups // nb, 1) * (code >> bits).astype(jnp.float32)
+        if q4k:
+            p = q.reshape(n, o, groups, 16).astype(jnp.int32)  # [N, O, G, 16]
+            w = jnp.concatenate([p & 0xF, p >> 4], axis=-1)  # [N, O, G, 32]: q in 0..15
+        else:
+            p = q.reshape(n, o, groups // 4, 1, 16).astype(jnp.int32)  # [N, O, chunks, 1, 16]
+            w = ((p >> jnp.array([0, 2, 4, 6]).reshape(4, 1)) & 3).reshape(n, o, groups, 16)  # q in 0..3
+        w = w.astype(jnp.float32) * jnp.swapaxes(s, 1, 2)[..., None] - jnp.swapaxes(mn, 1, 2)[..., None]
+        w = w.reshape(n, o, -1)
         acc = jnp.einsum(spec, a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
         return acc.astype(a.dtype)
     if scale.ndim == 4 or (q.dtype == jnp.int8 and scale.ndim == 3):  # float32 groups: s q (- mn), exact

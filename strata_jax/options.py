@@ -21,8 +21,8 @@ def _choice(*allowed):
     return check
 
 
-EXPERT_FORMATS = ("int8", "int4", "int4-q4k", "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
-                  "int8-g16m")
+EXPERT_FORMATS = ("int8", "int4", "int4-q4k", "int2-q2k", "int4-g32f", "int4-g32m", "int8-g32", "int8-g16",
+                  "int8-g32m", "int8-g16m")
 
 
 def _expert_dtype_check(v):
@@ -150,13 +150,15 @@ class EngineOptions:
                             "(quantized at load: symmetric, one bf16 scale per output row: a byte a weight) or int4 "
                             "(symmetric, one bf16 scale per 64 inputs, two weights a byte) or int4-q4k (GGUF Q4_K's "
                             "blocks: groups of 32 with 6-bit scales and minima, 4.625 bits a weight; a GGUF's Q4_K "
-                            "experts are kept as read, others quantized at load); GGUF types kept as read with "
-                            "float32 group scales: int4-g32f (Q4_0), int4-g32m (Q4_1), int8-g32 (Q8_0), int8-g16 "
-                            "(Q6_K, Q3_K), int8-g32m (Q5_K), int8-g16m (Q2_K); the IQ types as int8-g16 (IQ2_XS, "
-                            "IQ2_S, IQ1_M) or int8-g32 (the others). auto keeps a GGUF's experts as read "
-                            "where one of these formats holds every expert tensor's type. Host RAM, slots, PCIe "
-                            "fetches and the host pool hold the quantized form; the expert FFNs dequantize in their "
-                            "products (strata_jax/model/quant.py). Per family: gate_up/down, e.g. int4-q4k/int8-g16 "
+                            "experts are kept as read, others quantized at load) or int2-q2k (GGUF Q2_K's blocks: "
+                            "groups of 16 with 4-bit scales and minima, 2.625 bits a weight, likewise); GGUF types "
+                            "kept as read with float32 group scales: int4-g32f (Q4_0), int4-g32m (Q4_1), int8-g32 "
+                            "(Q8_0), int8-g16 (Q6_K, Q3_K), int8-g32m (Q5_K), int8-g16m (Q2_K, a byte a weight); "
+                            "the IQ types as int8-g16 (IQ2_XS, IQ2_S, IQ1_M) or int8-g32 (the others). auto keeps a "
+                            "GGUF's experts as read where one of these formats holds every expert tensor's type. "
+                            "Host RAM, slots, PCIe fetches and the host pool hold the quantized form; the expert FFNs "
+                            "dequantize in their products (strata_jax/model/quant.py). Per family: gate_up/down, e.g. "
+                            "int4-q4k/int8-g16 "
                             "(a Q4_K_M GGUF's Q4_K gate/up and Q6_K down, each kept as read); auto picks each "
                             "family's format where one holds all of that family's tensors.",
                             _expert_dtype_check)

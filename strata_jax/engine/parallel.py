@@ -528,7 +528,8 @@ class ExpertSplit:
             local_cfg = dataclasses.replace(self.cfg, num_experts=self.cfg.num_experts // n)
 
             def local(state):
-                fresh = slots_mod.init_slot_cache(local_cfg, state.slots // n, (state.gate.dtype, state.down.dtype),
+                storage = slots_mod.slot_storage_of(state, self.cfg)  # int2-q2k's uint8 says its width
+                fresh = slots_mod.init_slot_cache(local_cfg, state.slots // n, storage,
                                                   "lru" if bool(state.lru) else "static", float(state.pcie_frac))
                 return jax.tree.map(lambda a: to_global(np.stack([np.asarray(a)] * n), split), fresh)
             experts = [None if s is None else local(s) for s in experts]

@@ -197,7 +197,8 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
     routed experts (not the MTP layer's) are quantized as they are read; `place_experts` then receives q (int8, or
     int4 packed in uint8) and `place_scales` (default `place`) the bf16 scales, [E, O] per row (int8) or group-major
     [E, I/g, O] (int4) (names `layers.{i}.experts.{gate,up,down}_scale`). "int4-q4k": a GGUF's Q4_K expert stacks
-    are kept as read (their nibbles moved, uint16 codes [E, 5G/4, O]), other experts quantized at load; likewise the
+    are kept as read (their nibbles moved, uint16 codes [E, 5G/4, O]), other experts quantized at load; "int2-q2k"
+    likewise Q2_K's (q [E, O, I/4], uint8 codes [E, 5G/4, O]); likewise the
     float32-scaled formats of quant.GGUF_KEPT (int8-g32: Q8_0, ...; scales [E, G, O] or [E, 2, G, O]). A pair
     "gate_up/down" (per-family formats, quant.family_formats): gate and up read in the first, down in the second.
     """
@@ -250,11 +251,11 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32, place:
                 return get(leaf)
             name = f"{experts_name}.{leaf.expert}"
             fmt = quant.matrix_format(expert_format, leaf.expert)  # this matrix's family's format
-            if fmt in quant.GGUF_KEPT.values() and not mtp and hasattr(reader, "kept_experts"):
+            if fmt in quant.KEPT_FORMATS + quant.BLOCK_FORMATS and not mtp and hasattr(reader, "kept_experts"):
                 kept = reader.kept_experts(leaf.hf.format(j=0), fmt)  # a GGUF's stack, not dequantized
                 if kept is not None:
-                    q, scale = kept  # int4-q4k's codes [E, O, 5G/4]; float32 scales [E, O, (2,) G]
-                    device = (np.ascontiguousarray(np.swapaxes(scale, -1, -2)) if scale.dtype == np.uint16 else
+                    q, scale = kept  # int4-q4k's / int2-q2k's codes [E, O, 5G/4]; float32 scales [E, O, (2,) G]
+                    device = (np.ascontiguousarray(np.swapaxes(scale, -1, -2)) if scale.dtype != np.float32 else
                               quant.engine_scale_of(scale))
                     return put(name, q), place_scales(name + "_scale", device)
             if not stacks:

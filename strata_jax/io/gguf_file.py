@@ -471,9 +471,10 @@ def family_format(types: dict[str, list[int]]) -> str | None:
 
 def kept_expert_format(folder: str | Path) -> str | None:
     """The engine format a GGUF's routed experts are kept in as read (expert_dtype=auto; strata_jax/model/quant.py
-    GGUF_KEPT), per family (`family_format`): one name where gate/up and down agree (int4-q4k for Q4_K, int8-g32 for
-    Q8_0, int8-g16 for Q6_K and Q3_K, ...), else the pair "gate_up/down" (a Q4_K_M file: "int4-q4k/int8-g16"); None
-    where a family holds a type no format keeps (its experts dequantized at load) and for other folders."""
+    GGUF_KEPT), per family (`family_format`): one name where gate/up and down agree (int4-q4k for Q4_K, int2-q2k for
+    Q2_K, int8-g32 for Q8_0, int8-g16 for Q6_K and Q3_K, ...), else the pair "gate_up/down" (a Q4_K_M file:
+    "int4-q4k/int8-g16"); None where a family holds a type no format keeps (its experts dequantized at load) and for
+    other folders."""
     from strata_jax.model.quant import pair_format
     path = Path(folder) / SOURCE_FILE
     if not path.is_file():
@@ -486,8 +487,8 @@ def kept_expert_format(folder: str | Path) -> str | None:
 def _experts_held(types: dict, expert_format: str, quantized: bool) -> str:
     """What the engine holds of experts of `types` in `expert_format`: the types kept as read, the others
     requantized."""
-    from strata_jax.model.quant import GGUF_KEPT, QK_K, get_format
-    kept = sorted(t for t in types if GGUF_KEPT.get(t) == expert_format)
+    from strata_jax.model.quant import QK_K, get_format, keeps
+    kept = sorted(t for t in types if keeps(expert_format, t))
     if kept:
         others = "" if len(kept) == len(types) else ", the other types requantized at load from their values"
         bits = get_format(expert_format).bits_per_weight(QK_K)
@@ -502,7 +503,7 @@ def _bpw(types: dict) -> float:
 def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
     """One line: per family the GGUF types read (bits per weight) and what the engine holds (the experts: the
     format keeping their type as read, with its bits per weight; per-family formats: gate/up's and down's, each)."""
-    from strata_jax.model.quant import FAMILY_SEP, GGUF_KEPT, family_formats
+    from strata_jax.model.quant import BLOCK_FORMATS, FAMILY_SEP, GGUF_KEPT, KEPT_FORMATS, family_formats
     short = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
     held = short.get(dtype, dtype)
     parts = []
@@ -525,7 +526,7 @@ def formats_line(source: dict, dtype: str, expert_format: str | None) -> str:
             to = held + (" (dequantized at load)" if quantized else "")
         parts.append(f"{family} {'+'.join(sorted(types))} ({_bpw(types):.2f} bpw) -> {to}")
     n = len(source["files"])
-    kept = expert_format and all(f in GGUF_KEPT.values() for f in family_formats(expert_format))
+    kept = expert_format and all(f in KEPT_FORMATS + BLOCK_FORMATS for f in family_formats(expert_format))
     packed = (f"the experts ({expert_format})" if kept else
               f"experts of {', '.join(GGUF_KEPT)} (expert_dtype=auto: a format per family, gate/up and down, "
               "where one holds each family's types), other types not yet")
@@ -826,7 +827,8 @@ class GGUFTensors:
     def kept_experts(self, hub: str, expert_format: str) -> tuple[np.ndarray, np.ndarray] | None:
         """The expert stack that Hub tensor `hub` (an expert of it) is read from, kept in `expert_format` as read
         from its bytes where its type is one that format holds (strata_jax/model/quant.py GGUF_KEPT), not
-        dequantized: int4-q4k (packed [E, O, I/2] uint8, codes [E, O, 5G/4] uint16; q4k_from_blocks), the others
+        dequantized: int4-q4k (packed [E, O, I/2] uint8, codes [E, O, 5G/4] uint16; q4k_from_blocks), int2-q2k
+        (packed [E, O, I/4] uint8, codes [E, O, 5G/4] uint8; q2k_from_blocks), the others
         (q, float32 scales [E, O, G] or [E, O, 2, G]; gguf_kept). None where the stack is of another type (the
         loader then reads values). Its fp16 d (and dmin, m) are checked (the loader's check: a non-finite one makes
         non-finite weights)."""
@@ -838,15 +840,15 @@ class GGUFTensors:
         if gname not in self.tensors:
             raise StrataError(f"GGUF tensor {gname!r} (the Hub's {hub!r}) is missing from {self.path}")
         part, qtype, got, offset, size = self.tensors[gname]
-        if quant.GGUF_KEPT.get(qtype) != expert_format:
+        if not quant.keeps(expert_format, qtype):
             return None
         if tuple(got) != r.shapes[0]:
             raise StrataError(f"GGUF tensor {gname!r} has shape {list(got)} (numpy order), expected {list(r.shapes[0])}")
         raw = self.maps[part][offset:offset + size].reshape(got[0], got[1], -1)
         if r.op == "rows":  # --fuse-gate-up-exps: gate's or up's rows
             raw = raw[:, r.arg[0]:r.arg[1]]
-        if qtype == "Q4_K":
-            q, codes = quant.q4k_from_blocks(raw)
+        if expert_format in quant.BLOCK_FORMATS:  # packed q and codes (Q2_K's d and dmin: byte pairs)
+            q, codes = (quant.q4k_from_blocks if qtype == "Q4_K" else quant.q2k_from_blocks)(raw)
             g = codes.shape[-1] * 4 // 5
             self.check(gname, np.ascontiguousarray(codes[..., g:]).view(np.float16))
             return q, codes

@@ -27,6 +27,19 @@ gguf.quants.dequantize's float32 values bit for bit. 4 + 20/32 = 4.625 bits a we
 compute it as int4: sum_g s_g (x_g . (q - 8)) + (8 s_g - mn_g) sum(x_g). `q4k_from_blocks` reads a GGUF tensor's
 bytes; `q4k_blocks` writes Q4_K bytes (tests write GGUFs with it: gguf.quants cannot quantize Q4_K).
 
+"int2-q2k" (issue 36): GGUF Q2_K's blocks held as they are, as int4-q4k holds Q4_K's. A Q2_K super-block of 256
+inputs has 16 groups of 16, each a 4-bit scale sc and 4-bit minimum m, and fp16 d and dmin: w = (d sc) q - (dmin m),
+q in 0..3. q is packed four to a byte in chunks of 64 inputs: byte j of a chunk holds inputs j, j + 16, j + 32 and
+j + 48 in its bits 0-1, 2-3, 4-5, 6-7 (`pack_int2`), so a shift of 2s gives the chunk's group s whole, 16 contiguous
+inputs (Q2_K's own order puts inputs j and j + 32 of each 128 in one byte: the load moves crumbs, never values). Its
+codes are uint8, group-major [..., 5G/4, O] (G = I/16 groups): rows 0..G-1 each group's Q2_K scale byte
+sc | m << 4 as read, then the super-blocks' d (fp16, two rows a super-block: low byte, high byte), then their dmin
+likewise: the file's own bytes, 2 + 20/16 = 2.625 bits a weight, as Q2_K's. s = d sc, mn = dmin m and s q are exact
+in float32, so dequantizing gives gguf.quants.dequantize's float32 values bit for bit. The two share their code where
+they do the same thing (`_block_scales`, `_block_fields`); the codes' dtype says which (uint16: int4-q4k, uint8:
+int2-q2k). `q2k_from_blocks` reads a GGUF tensor's bytes, `q2k_blocks` writes Q2_K bytes (gguf.quants cannot
+quantize Q2_K).
+
 GGUF types kept as read with float32 group scales (issue 36; `GGUF_KEPT`, `gguf_kept`): every type whose values are
 a small integer q times a group scale s, minus a group minimum mn for some, w = s q (- mn), with s and mn exact in
 float32 (fp16 d times a small integer) and s q exact too, so dequantizing gives gguf.quants.dequantize's float32
@@ -34,7 +47,8 @@ values bit for bit (one rounding for the minimum, as gguf's):
   "int4-g32f": Q4_0 (s = d, q = nibble - 8): int4's packing is Q4_0's, so the nibbles are copied as they are;
   "int4-g32m": Q4_1 (s = d, mn = -m, q the nibble);
   "int8-g32": Q8_0 (s = d); "int8-g16": Q6_K (s = d sc, q in -32..31), Q3_K (s = d (sc - 32), q in -4..3);
-  "int8-g32m": Q5_K (s = d sc, mn = dmin m, q in 0..31); "int8-g16m": Q2_K (s = d sc, mn = dmin m, q in 0..3).
+  "int8-g32m": Q5_K (s = d sc, mn = dmin m, q in 0..31); "int8-g16m": Q2_K (s = d sc, mn = dmin m, q in 0..3) by
+  name only (expert_dtype=int8-g16m, `keeps`): GGUF_KEPT holds Q2_K packed as int2-q2k.
 int8-g holds q one a byte (int8, [..., O, I]). Their scales on the device are float32, group-major [..., G, O] (no
 minima) or [..., 2, G, O] (scales, then minima; the extra axis says minima are held); the host pool keeps
 [..., O, G] / [..., O, 2, G] (`pool_scale`). Kernels compute sum_g s_g (x_g . q_g) - mn_g sum(x_g).
@@ -57,6 +71,9 @@ BF16 = ml_dtypes.bfloat16
 Q4K = "int4-q4k"
 QK_K = 256  # inputs per Q4_K super-block
 Q4K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minima, 128 bytes of nibbles
+Q2K = "int2-q2k"
+Q2K_BLOCK_BYTES = 84  # 16 bytes of 4-bit scales and minima, 64 bytes of 2-bit q, fp16 d, fp16 dmin
+BLOCK_FORMATS = (Q4K, Q2K)  # GGUF K-quant blocks held as they are: packed q and codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +89,8 @@ class Format:
 
     def bits_per_weight(self, in_dim: int) -> float:
         """Stored bits per weight, scales (and minima) included."""
-        if self.name == Q4K:
-            return 4 + 16 * 5 / 4 / 32
+        if self.name in BLOCK_FORMATS:  # codes: 5G/4 of 16 (int4-q4k) or 8 (int2-q2k) bits
+            return self.bits + self.scale_bits * 5 / 4 / self.group
         per_group = self.scale_bits * (1 if self.symmetric else 2)
         return self.bits + per_group * self.groups(in_dim) / in_dim
 
@@ -85,6 +102,7 @@ FORMATS = {f.name: f for f in (
     Format("int4-g128", 4, 128, True),
     Format("int4-asym", 4, 32, False),
     Format("int4-q4k", 4, 32, False),  # GGUF Q4_K's blocks (module docstring)
+    Format("int2-q2k", 2, 16, False, 8),  # GGUF Q2_K's blocks: uint8 codes
     Format("int4-g32f", 4, 32, True, 32),  # GGUF Q4_0 as read (module docstring)
     Format("int4-g32m", 4, 32, False, 32),  # GGUF Q4_1
     Format("int8-g32", 8, 32, True, 32),  # GGUF Q8_0
@@ -99,8 +117,8 @@ FORMATS = {f.name: f for f in (
 @dataclasses.dataclass
 class Quantized:
     fmt: Format
-    q: np.ndarray  # [..., O, I] int8 / uint8, or int4 packed [..., O, I/2] uint8
-    scale: np.ndarray  # [..., O, G] bfloat16
+    q: np.ndarray  # [..., O, I] int8 / uint8, or int4 packed [..., O, I/2] uint8 (int2-q2k: [..., O, I/4])
+    scale: np.ndarray  # [..., O, G] bfloat16 (int4-q4k / int2-q2k: codes [..., O, 5G/4])
     minimum: np.ndarray | None  # [..., O, G] bfloat16 (asymmetric formats)
     in_dim: int
 
@@ -127,8 +145,8 @@ def _grouped(w: np.ndarray, fmt: Format) -> np.ndarray:
 def quantize(w: np.ndarray, fmt: Format | str) -> Quantized:
     """w [..., O, I] (any float dtype) -> Quantized."""
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
-    if fmt.name == Q4K:
-        packed, codes = q4k_from_blocks(q4k_blocks(w))
+    if fmt.name in BLOCK_FORMATS:
+        packed, codes = q4k_from_blocks(q4k_blocks(w)) if fmt.name == Q4K else q2k_from_blocks(q2k_blocks(w))
         return Quantized(fmt, packed, codes, None, w.shape[-1])
     x = _grouped(w, fmt)  # [..., O, G, n]
     sdt = np.float32 if fmt.scale_bits == 32 else BF16
@@ -155,8 +173,8 @@ def quantize(w: np.ndarray, fmt: Format | str) -> Quantized:
 def dequantize(qa: Quantized) -> np.ndarray:
     """The reference: Quantized -> float32 [..., O, I]."""
     fmt = qa.fmt
-    if fmt.name == Q4K:
-        return q4k_dequantize(qa.q, qa.scale)
+    if fmt.name in BLOCK_FORMATS:
+        return blocks_dequantize(qa.q, qa.scale)
     q = unpack_int4(qa.q, fmt.group, fmt.symmetric) if fmt.bits == 4 else qa.q
     x = _grouped(q.astype(np.float32), fmt) * qa.scale.astype(np.float32)[..., None]
     if qa.minimum is not None:
@@ -182,6 +200,56 @@ def unpack_int4(packed: np.ndarray, group: int, signed: bool) -> np.ndarray:
     return (out.astype(np.int16) - 8).astype(np.int8) if signed else out
 
 
+def pack_int2(q: np.ndarray) -> np.ndarray:
+    """2-bit values [..., I] (uint8 in [0, 3], I a multiple of 64) -> [..., I/4] uint8: in each chunk of 64 inputs,
+    byte j holds inputs j, j + 16, j + 32, j + 48 in bits 0-1, 2-3, 4-5, 6-7 (a shift of 2s: the chunk's s-th 16)."""
+    if q.shape[-1] % 64:
+        raise ValueError(f"int2 packing needs an input dimension of a multiple of 64 (got {q.shape[-1]})")
+    u = q.astype(np.uint8).reshape(*q.shape[:-1], q.shape[-1] // 64, 4, 16)  # [..., chunks, shift, 16]
+    return (u[..., 0, :] | (u[..., 1, :] << 2) | (u[..., 2, :] << 4) | (u[..., 3, :] << 6)).reshape(
+        *q.shape[:-1], q.shape[-1] // 4)
+
+
+def unpack_int2(packed: np.ndarray) -> np.ndarray:
+    """pack_int2's inverse: [..., I/4] uint8 -> [..., I] uint8 in [0, 3]."""
+    p = packed.reshape(*packed.shape[:-1], packed.shape[-1] // 16, 1, 16)  # [..., chunks, 1, 16]
+    out = (p >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [..., chunks, 4, 16]
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 4)
+
+
+def _block_fields(x: np.ndarray, q_max: int, code_max: int):
+    """A K-quant's codes of float weights x [..., nb, groups, n] (tests and random weights; llama.cpp's quantizers
+    search their scales, this does not): per group the scale (max - min) / q_max and minimum -min (0 if min > 0), per
+    super-block d = max scale / code_max and dmin = max minimum / code_max (fp16), sc and m the nearest multiples of
+    them, q the nearest of 0..q_max -> (d, dmin [..., nb] float16, sc, m [..., nb, groups] uint8, q [..., nb,
+    groups, n] uint8)."""
+    lo, hi = x.min(-1), x.max(-1)
+    scale = (hi - np.minimum(lo, 0)) / q_max  # [..., nb, groups]
+    mins = np.maximum(-lo, 0)
+    d = (scale.max(-1) / code_max).astype(np.float16)
+    dmin = (mins.max(-1) / code_max).astype(np.float16)
+    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    near = lambda a, b, top: np.clip(np.rint(np.divide(a, b, out=np.zeros_like(a), where=b > 0)), 0, top)
+    sc, m = near(scale, df, code_max).astype(np.uint8), near(mins, dmf, code_max).astype(np.uint8)
+    s, mn = df * sc, dmf * m  # [..., nb, groups]
+    q = near(x + mn[..., None], s[..., None], q_max).astype(np.uint8)
+    return d, dmin, sc, m, q
+
+
+def _superblocks(w: np.ndarray, qtype: str) -> tuple[np.ndarray, tuple, int]:
+    """float weights [..., O, I] -> (float32 [..., O, I/256, 256], lead [..., O], super-blocks a row)."""
+    w = np.asarray(w, np.float32)
+    lead, n = w.shape[:-1], w.shape[-1]
+    if n % QK_K:
+        raise ValueError(f"{qtype} needs rows of a multiple of {QK_K} inputs (got {n})")
+    return w.reshape(*lead, n // QK_K, QK_K), lead, n // QK_K
+
+
+def _f16_bytes(h: np.ndarray) -> np.ndarray:
+    """float16 [...] -> its bytes [..., 2] (little-endian, as GGUF stores them)."""
+    return np.ascontiguousarray(h)[..., None].view(np.uint8).reshape(*h.shape, 2)
+
+
 # ---- int4-q4k: GGUF Q4_K's blocks --------------------------------------------------------------------------------
 
 def _q4k_scale_min(raw12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -194,16 +262,20 @@ def _q4k_scale_min(raw12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _row_blocks(raw: np.ndarray, size: int, qtype: str) -> tuple[np.ndarray, tuple, int]:
+    """A tensor's bytes [..., O, nb * size] -> (its blocks [..., O, nb, size] uint8, lead [..., O], nb)."""
+    raw = np.asarray(raw, np.uint8)
+    lead, nbytes = raw.shape[:-1], raw.shape[-1]
+    if nbytes % size:
+        raise ValueError(f"{qtype} rows of {nbytes} bytes are not whole {size}-byte blocks")
+    return raw.reshape(*lead, nbytes // size, size), lead, nbytes // size
+
+
 def q4k_from_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A Q4_K tensor's bytes [..., O, I/256 * 144] uint8 -> (packed [..., O, I/2] uint8 in the int4 groups' order
     (groups of 32), codes [..., O, 5G/4] uint16: per row the G groups' sc | m << 6, then the super-blocks' d, then
     their dmin, as fp16 bits). Moves bits only."""
-    raw = np.asarray(raw, np.uint8)
-    lead, nbytes = raw.shape[:-1], raw.shape[-1]
-    if nbytes % Q4K_BLOCK_BYTES:
-        raise ValueError(f"Q4_K rows of {nbytes} bytes are not whole {Q4K_BLOCK_BYTES}-byte blocks")
-    nb = nbytes // Q4K_BLOCK_BYTES
-    b = raw.reshape(*lead, nb, Q4K_BLOCK_BYTES)
+    b, lead, nb = _row_blocks(raw, Q4K_BLOCK_BYTES, "Q4_K")
     d, dmin = b[..., 0:2].copy().view(np.uint16)[..., 0], b[..., 2:4].copy().view(np.uint16)[..., 0]  # [..., nb]
     sc, mn = _q4k_scale_min(b[..., 4:16])  # [..., nb, 8]
     qs = b[..., 16:].reshape(*lead, nb, 4, 32)  # 4 chunks of 64 inputs: byte j = input j (low) and j + 32 (high)
@@ -213,23 +285,35 @@ def q4k_from_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed, np.ascontiguousarray(codes)
 
 
-def q4k_scales(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """codes [..., 5G/4] (numpy, per row) -> (s, mn) float32 [..., G]: s = d * sc, mn = dmin * m (exact)."""
-    codes = np.asarray(codes, np.uint16)
+def _code_fields(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Per-row codes [..., 5G/4] (uint16: int4-q4k, uint8: int2-q2k) -> (group codes [..., G] uint16, d and dmin
+    [..., B] float32 per super-block, the group code's scale bits)."""
     g = codes.shape[-1] * 4 // 5
-    c, d, dmin = codes[..., :g], codes[..., g:g + g // 8], codes[..., g + g // 8:]
-    d = np.repeat(d.view(np.float16).astype(np.float32), 8, axis=-1)
-    dmin = np.repeat(dmin.view(np.float16).astype(np.float32), 8, axis=-1)
-    return d * (c & 0x3F).astype(np.float32), dmin * (c >> 6).astype(np.float32)
+    halves = np.ascontiguousarray(codes[..., g:]).view(np.float16).astype(np.float32)  # [..., 2B]: d, then dmin
+    nb = halves.shape[-1] // 2
+    return codes[..., :g].astype(np.uint16), halves[..., :nb], halves[..., nb:], 6 if codes.dtype == np.uint16 else 4
 
 
-def q4k_dequantize(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    """int4-q4k's reference: packed [..., O, I/2], codes [..., O, 5G/4] -> float32 [..., O, I] = s q - mn, in the
-    order gguf.quants computes it (the same float32 values)."""
-    s, mn = q4k_scales(codes)  # [..., O, G]
-    q = unpack_int4(packed, 32, signed=False).astype(np.float32)
-    x = q.reshape(*q.shape[:-1], s.shape[-1], 32) * s[..., None] - mn[..., None]
+def block_scales(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """codes [..., 5G/4] (numpy, per row; int4-q4k's uint16 or int2-q2k's uint8) -> (s, mn) float32 [..., G]:
+    s = d * sc, mn = dmin * m (exact)."""
+    c, d, dmin, bits = _code_fields(np.asarray(codes))
+    d, dmin = (np.repeat(x, c.shape[-1] // d.shape[-1], axis=-1) for x in (d, dmin))
+    return d * (c & ((1 << bits) - 1)).astype(np.float32), dmin * (c >> bits).astype(np.float32)
+
+
+def blocks_dequantize(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """int4-q4k's and int2-q2k's reference: packed [..., O, I/2] (int4) or [..., O, I/4] (int2), codes
+    [..., O, 5G/4] -> float32 [..., O, I] = s q - mn, in the order gguf.quants computes it (the same float32 values)."""
+    s, mn = block_scales(codes)  # [..., O, G]
+    g = s.shape[-1]
+    q = (unpack_int4(packed, 32, signed=False) if codes.dtype == np.uint16 else unpack_int2(packed))
+    x = q.astype(np.float32).reshape(*q.shape[:-1], g, -1) * s[..., None] - mn[..., None]
     return x.reshape(q.shape)
+
+
+q4k_scales = q2k_scales = block_scales
+q4k_dequantize = q2k_dequantize = blocks_dequantize
 
 
 def q4k_blocks(w: np.ndarray) -> np.ndarray:
@@ -238,38 +322,49 @@ def q4k_blocks(w: np.ndarray) -> np.ndarray:
     group of 32 the scale (max - min) / 15 and minimum -min (0 if min > 0), per super-block d = max scale / 63 and
     dmin = max minimum / 63 (fp16), sc and m the nearest 6-bit multiples, q the nearest of 0..15. The packing is
     llama.cpp's (block_q4_K; get_scale_min_k4's 12 bytes)."""
-    w = np.asarray(w, np.float32)
-    lead, n = w.shape[:-1], w.shape[-1]
-    if n % QK_K:
-        raise ValueError(f"Q4_K needs rows of a multiple of {QK_K} inputs (got {n})")
-    nb = n // QK_K
-    x = w.reshape(*lead, nb, 8, 32)
-    lo, hi = x.min(-1), x.max(-1)
-    scale = (hi - np.minimum(lo, 0)) / 15  # [..., nb, 8]
-    mins = np.maximum(-lo, 0)
-    d = (scale.max(-1) / 63).astype(np.float16)
-    dmin = (mins.max(-1) / 63).astype(np.float16)
-    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
-    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(np.divide(mins, dmf, out=np.zeros_like(mins), where=dmf > 0)), 0, 63).astype(np.uint8)
-    s, mn = df * sc, dmf * m  # [..., nb, 8]
-    q = np.clip(np.rint(np.divide(x + mn[..., None], s[..., None], out=np.zeros_like(x), where=s[..., None] > 0)),
-                0, 15).astype(np.uint8)
+    x, lead, nb = _superblocks(w, "Q4_K")
+    d, dmin, sc, m, q = _block_fields(x.reshape(*lead, nb, 8, 32), 15, 63)
     scales = np.empty((*lead, nb, 12), np.uint8)
     scales[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
     scales[..., 4:8] = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
     scales[..., 8:12] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
     q = q.reshape(*lead, nb, 4, 2, 32)  # chunk c: groups 2c (low nibbles) and 2c + 1 (high)
     qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*lead, nb, 128)
-    out = np.concatenate([d[..., None].view(np.uint8).reshape(*lead, nb, 2),
-                          dmin[..., None].view(np.uint8).reshape(*lead, nb, 2), scales, qs], axis=-1)
+    out = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=-1)
     return out.reshape(*lead, nb * Q4K_BLOCK_BYTES)
+
+
+# ---- int2-q2k: GGUF Q2_K's blocks --------------------------------------------------------------------------------
+
+def q2k_from_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q2_K tensor's bytes [..., O, I/256 * 84] uint8 -> (packed [..., O, I/4] uint8 in pack_int2's order, codes
+    [..., O, 5G/4] uint8 (G = I/16): per row the G groups' scale bytes sc | m << 4, then the super-blocks' d, then
+    their dmin, two bytes each (fp16, little-endian)). Moves bits only."""
+    b, lead, nb = _row_blocks(raw, Q2K_BLOCK_BYTES, "Q2_K")
+    # qs: 2 chunks of 32 bytes, byte j at shift 2s = input 128 c + 32 s + j (gguf's dequantize_blocks)
+    qs = b[..., 16:80].reshape(*lead, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    packed = pack_int2((qs & 3).reshape(*lead, nb * QK_K))  # [..., I] in input order, repacked
+    codes = np.concatenate([b[..., :16].reshape(*lead, nb * 16), b[..., 80:82].reshape(*lead, nb * 2),
+                            b[..., 82:84].reshape(*lead, nb * 2)], axis=-1)
+    return packed, np.ascontiguousarray(codes)
+
+
+def q2k_blocks(w: np.ndarray) -> np.ndarray:
+    """Q2_K bytes [..., O, I/256 * 84] of float weights [..., O, I] (I a multiple of 256), for tests and random
+    weights (gguf.quants cannot quantize Q2_K): _block_fields' rules with q in 0..3 and 4-bit sc and m; the packing
+    is llama.cpp's block_q2_K (scales[16] sc | m << 4, qs[64], d, dmin)."""
+    x, lead, nb = _superblocks(w, "Q2_K")
+    d, dmin, sc, m, q = _block_fields(x.reshape(*lead, nb, 16, 16), 3, 15)
+    q = q.reshape(*lead, nb, 2, 4, 32)  # chunk c of 128 inputs, shift s: its s-th 32
+    qs = (q[..., 0, :] | (q[..., 1, :] << 2) | (q[..., 2, :] << 4) | (q[..., 3, :] << 6)).reshape(*lead, nb, 64)
+    out = np.concatenate([sc | (m << 4), qs, _f16_bytes(d), _f16_bytes(dmin)], axis=-1)
+    return out.reshape(*lead, nb * Q2K_BLOCK_BYTES)
 
 
 # ---- GGUF types kept as read: int4 / int8 groups with float32 scales (and minima) ----------------------------------
 
 GGUF_KEPT = {"Q4_0": "int4-g32f", "Q4_1": "int4-g32m", "Q8_0": "int8-g32", "Q6_K": "int8-g16", "Q3_K": "int8-g16",
-             "Q5_K": "int8-g32m", "Q2_K": "int8-g16m", "Q4_K": Q4K}  # GGUF type -> the engine format keeping it
+             "Q5_K": "int8-g32m", "Q2_K": Q2K, "Q4_K": Q4K}  # GGUF type -> the engine format keeping it
 GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q6_K": (QK_K, 210), "Q3_K": (QK_K, 110),
                "Q5_K": (QK_K, 176), "Q2_K": (QK_K, 84), "Q4_K": (QK_K, Q4K_BLOCK_BYTES)}  # (inputs, bytes) a block
 # The IQ types (issue 36): q the integer each weight is (a grid value times its sign, IQ4's table value, IQ1's
@@ -280,6 +375,12 @@ GGUF_KEPT.update(IQ_KEPT)
 GGUF_BLOCKS.update({"IQ2_XXS": (QK_K, 66), "IQ2_XS": (QK_K, 74), "IQ2_S": (QK_K, 82), "IQ3_XXS": (QK_K, 98),
                     "IQ3_S": (QK_K, 110), "IQ4_NL": (32, 18), "IQ4_XS": (QK_K, 136), "IQ1_S": (QK_K, 50),
                     "IQ1_M": (QK_K, 56)})
+
+
+def keeps(expert_format: str, qtype: str) -> bool:
+    """Whether `expert_format` holds GGUF type `qtype` as read: GGUF_KEPT's format, or int8-g16m for Q2_K (its one
+    byte a weight form before int2-q2k, kept for expert_dtype=int8-g16m)."""
+    return GGUF_KEPT.get(qtype) == expert_format or (expert_format, qtype) == ("int8-g16m", "Q2_K")
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -482,48 +583,76 @@ def gguf_blocks_random(qtype: str, shape: tuple[int, ...], seed: int = 0, d_scal
     return b.reshape(*lead, -1)
 
 
-def q4k_scales_device(codes, groups: int):
-    """q4k_scales on the device (jnp): codes [..., 5G/4, O] group-major (the engine's) -> (s, mn) float32
-    [..., G, O]."""
+def block_scales_device(codes, groups: int):
+    """block_scales on the device (jnp): codes [..., 5G/4, O] group-major (the engine's; uint16: int4-q4k, uint8:
+    int2-q2k, its fp16 d and dmin two rows each, low byte first) -> (s, mn) float32 [..., G, O]."""
     import jax
     import jax.numpy as jnp
     c = codes[..., :groups, :].astype(jnp.int32)
-    half = lambda rows: jnp.repeat(jax.lax.bitcast_convert_type(rows, jnp.float16).astype(jnp.float32), 8, axis=-2)
-    d, dmin = half(codes[..., groups:groups + groups // 8, :]), half(codes[..., groups + groups // 8:, :])
-    return d * (c & 0x3F).astype(jnp.float32), dmin * (c >> 6).astype(jnp.float32)
+    rows = codes[..., groups:, :]
+    bits = 6 if codes.dtype == jnp.uint16 else 4
+    if codes.dtype == jnp.uint8:
+        r = rows.astype(jnp.uint16)
+        rows = r[..., 0::2, :] | (r[..., 1::2, :] << 8)
+    halves = jax.lax.bitcast_convert_type(rows, jnp.float16).astype(jnp.float32)  # [..., 2B, O]: d, then dmin
+    nb = halves.shape[-2] // 2
+    d, dmin = (jnp.repeat(h, groups // nb, axis=-2) for h in (halves[..., :nb, :], halves[..., nb:, :]))
+    return d * (c & ((1 << bits) - 1)).astype(jnp.float32), dmin * (c >> bits).astype(jnp.float32)
 
 
-def dequantize_engine_q4k(packed, codes, dtype):
-    """int4-q4k on the device: packed [..., O, I/2], engine codes [..., 5G/4, O] -> [..., O, I] (float32: exact)."""
+def dequantize_engine_blocks(packed, codes, dtype):
+    """int4-q4k / int2-q2k on the device: packed [..., O, I/2] / [..., O, I/4], engine codes [..., 5G/4, O] ->
+    [..., O, I] (float32: exact)."""
     import jax.numpy as jnp
     g = codes.shape[-2] * 4 // 5
-    s, mn = q4k_scales_device(codes, g)  # [..., G, O]
-    p = packed.reshape(*packed.shape[:-1], g, 16).astype(jnp.int32)  # [..., O, G, 16]
-    q = jnp.concatenate([p & 0xF, p >> 4], axis=-1).astype(jnp.float32)  # [..., O, G, 32]
-    w = q * jnp.swapaxes(s, -1, -2)[..., None] - jnp.swapaxes(mn, -1, -2)[..., None]
-    return w.reshape(*packed.shape[:-1], -1).astype(dtype)
+    s, mn = block_scales_device(codes, g)  # [..., G, O]
+    lead = packed.shape[:-1]
+    if codes.dtype == jnp.uint16:
+        p = packed.reshape(*lead, g, 16).astype(jnp.int32)  # [..., O, G, 16]
+        q = jnp.concatenate([p & 0xF, p >> 4], axis=-1)  # [..., O, G, 32]
+    else:
+        p = packed.reshape(*lead, g // 4, 1, 16).astype(jnp.int32)  # [..., O, chunks, 1, 16]
+        q = ((p >> jnp.array([0, 2, 4, 6]).reshape(4, 1)) & 3).reshape(*lead, g, 16)  # [..., O, G, 16]
+    w = q.astype(jnp.float32) * jnp.swapaxes(s, -1, -2)[..., None] - jnp.swapaxes(mn, -1, -2)[..., None]
+    return w.reshape(*lead, -1).astype(dtype)
 
 
-def quantize_q4k_device(w):
-    """int4-q4k on the device (jax; random weights for benchmarks): w [..., O, I] -> (packed [..., O, I/2], engine
-    codes [..., 5G/4, O]), the numbers of q4k_from_blocks(q4k_blocks(w)) (the same rules, in jnp)."""
+q4k_scales_device = block_scales_device
+dequantize_engine_q4k = dequantize_engine_q2k = dequantize_engine_blocks
+
+
+def quantize_blocks_device(w, expert_format: str):
+    """int4-q4k / int2-q2k on the device (jax; random weights for benchmarks): w [..., O, I] -> (packed, engine
+    codes [..., 5G/4, O]), the numbers of q4k_from_blocks(q4k_blocks(w)) / q2k_from_blocks(q2k_blocks(w)) (the same
+    rules, in jnp)."""
     import jax
     import jax.numpy as jnp
+    q4k = expert_format == Q4K
+    group, q_max, code_bits = (32, 15, 6) if q4k else (16, 3, 4)
     lead, n = w.shape[:-1], w.shape[-1]
     nb = n // QK_K
-    x = w.astype(jnp.float32).reshape(*lead, nb, 8, 32)
+    x = w.astype(jnp.float32).reshape(*lead, nb, QK_K // group, group)
     lo, hi = x.min(-1), x.max(-1)
-    scale, mins = (hi - jnp.minimum(lo, 0)) / 15, jnp.maximum(-lo, 0)
-    d, dmin = (scale.max(-1) / 63).astype(jnp.float16), (mins.max(-1) / 63).astype(jnp.float16)
+    scale, mins = (hi - jnp.minimum(lo, 0)) / q_max, jnp.maximum(-lo, 0)
+    code_max = (1 << code_bits) - 1
+    d, dmin = (scale.max(-1) / code_max).astype(jnp.float16), (mins.max(-1) / code_max).astype(jnp.float16)
     df, dmf = d.astype(jnp.float32)[..., None], dmin.astype(jnp.float32)[..., None]
     div = lambda a, b: jnp.where(b > 0, a / jnp.where(b > 0, b, 1.0), 0.0)
-    sc = jnp.clip(jnp.round(div(scale, df)), 0, 63).astype(jnp.int32)
-    m = jnp.clip(jnp.round(div(mins, dmf)), 0, 63).astype(jnp.int32)
+    sc = jnp.clip(jnp.round(div(scale, df)), 0, code_max).astype(jnp.int32)
+    m = jnp.clip(jnp.round(div(mins, dmf)), 0, code_max).astype(jnp.int32)
     s, mn = df * sc, dmf * m
-    q = jnp.clip(jnp.round(div(x + mn[..., None], s[..., None])), 0, 15).astype(jnp.int32)  # [..., nb, 8, 32]
-    packed = (q[..., :16] | (q[..., 16:] << 4)).astype(jnp.uint8).reshape(*lead, n // 2)
+    q = jnp.clip(jnp.round(div(x + mn[..., None], s[..., None])), 0, q_max).astype(jnp.int32)  # [..., nb, G/nb, g]
     bits = lambda h: jax.lax.bitcast_convert_type(h, jnp.uint16)
-    codes = jnp.concatenate([(sc | (m << 6)).astype(jnp.uint16).reshape(*lead, nb * 8), bits(d), bits(dmin)], -1)
+    group_codes = (sc | (m << code_bits)).reshape(*lead, n // group)
+    if q4k:
+        packed = (q[..., :16] | (q[..., 16:] << 4)).astype(jnp.uint8).reshape(*lead, n // 2)
+        codes = jnp.concatenate([group_codes.astype(jnp.uint16), bits(d), bits(dmin)], -1)
+    else:
+        c = q.reshape(*lead, n // 64, 4, 16)  # chunks of 64: a shift of 2s holds the chunk's s-th 16
+        packed = (c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6))
+        packed = packed.astype(jnp.uint8).reshape(*lead, n // 4)
+        le_bytes = lambda h: jnp.stack([bits(h) & 0xFF, bits(h) >> 8], -1).reshape(*lead, nb * 2)  # low byte first
+        codes = jnp.concatenate([group_codes, le_bytes(d), le_bytes(dmin)], -1).astype(jnp.uint8)
     return packed, jnp.swapaxes(codes, -1, -2)
 
 
@@ -609,7 +738,7 @@ def dequantize_engine_grouped(q, scale, dtype):
 # The engine's expert formats, and how their experts are stored: int8 q one a byte, int4 packed two a byte (uint8,
 # the input dimension halved), with scales on the device: [E, O] (int8), or group-major [E, I/group, O] for int4 (a
 # group's scales of consecutive rows are then one contiguous load in the kernel; the host pool keeps [E, O, G]).
-ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
+ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, Q2K, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
                   "int8-g16m")
 KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f.endswith(("f", "m")) or f.startswith("int8-g"))  # GGUF as read
 
@@ -620,11 +749,12 @@ def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
     "gate_up/down" (per-family formats): each family's, the pair's name back."""
     if FAMILY_SEP in expert_dtype:
         return pair_format(*(engine_format(f, widths) for f in family_formats(expert_dtype)))
-    if expert_dtype == Q4K:
+    if expert_dtype in BLOCK_FORMATS:
         if any(w % QK_K for w in widths):
-            raise ValueError(f"expert_dtype={Q4K} holds Q4_K super-blocks of {QK_K} inputs: the experts' widths "
+            raise ValueError(f"expert_dtype={expert_dtype} holds {'Q4_K' if expert_dtype == Q4K else 'Q2_K'} "
+                             f"super-blocks of {QK_K} inputs: the experts' widths "
                              f"{' and '.join(map(str, widths))} are not multiples of {QK_K}")
-        return Q4K
+        return expert_dtype
     if expert_dtype in KEPT_FORMATS:
         group = get_format(expert_dtype).group
         if any(w % group for w in widths):
@@ -687,9 +817,17 @@ def formats_bits(expert_format: str, in_dim: int = QK_K) -> float:
     return (2 * get_format(gate_up).bits_per_weight(in_dim) + get_format(down).bits_per_weight(in_dim)) / 3
 
 
-def stored_in_dim(in_dim: int, dtype) -> int:
-    """The last dimension of a stored expert matrix of `in_dim` inputs: halved for int4 (uint8) storage."""
-    return in_dim // 2 if np.dtype(dtype) == np.uint8 else in_dim
+def stored_in_dim(in_dim: int, storage) -> int:
+    """The last dimension of a stored expert matrix of `in_dim` inputs: halved for int4 (uint8) storage, quartered
+    for int2-q2k's (storage: a dtype, or Q2K where the dtype alone (uint8) would say int4: `slot_storage`)."""
+    if isinstance(storage, str):  # Q2K
+        return in_dim // 4
+    return in_dim // 2 if np.dtype(storage) == np.uint8 else in_dim
+
+
+def slot_storage(expert_format: str) -> "np.dtype | str":
+    """How one family's experts sit in host memory and the slots: its storage dtype, or Q2K (uint8, four a byte)."""
+    return Q2K if expert_format == Q2K else np.dtype(storage_dtype(expert_format))
 
 
 def engine_scale(qa: Quantized) -> np.ndarray:
@@ -718,10 +856,11 @@ def pool_scale(scale: np.ndarray) -> np.ndarray:
 
 
 def dequantize_engine_int4(packed, scale, dtype):
-    """dequantize_int4_device for the engine's group-major scales [..., G, O] (int4-q4k: uint16 codes)."""
+    """dequantize_int4_device for the engine's group-major scales [..., G, O] (int4-q4k: uint16 codes; int2-q2k's
+    packed q [..., O, I/4] with its uint8 codes too)."""
     import jax.numpy as jnp
-    if scale.dtype == jnp.uint16:
-        return dequantize_engine_q4k(packed, scale, dtype)
+    if scale.dtype in (jnp.uint16, jnp.uint8):
+        return dequantize_engine_blocks(packed, scale, dtype)
     if scale.dtype == jnp.float32 and scale.ndim == packed.ndim + 1:  # int4-g32m: minima
         return dequantize_engine_grouped(packed, scale, dtype)
     return dequantize_int4_device(packed, jnp.swapaxes(scale, -1, -2), dtype)
@@ -732,8 +871,8 @@ def quantize_device(w, expert_format: str):
     family: matrix_format)."""
     if expert_format == "int8":
         return quantize_int8_device(w)
-    if expert_format == Q4K:
-        return quantize_q4k_device(w)
+    if expert_format in BLOCK_FORMATS:
+        return quantize_blocks_device(w, expert_format)
     if expert_format in KEPT_FORMATS:
         return quantize_grouped_device(w, get_format(expert_format))
     q, scale = quantize_int4_device(w, get_format(expert_format).group)

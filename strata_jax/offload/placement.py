@@ -96,8 +96,8 @@ def non_expert_bytes(cfg: ModelConfig, itemsize: int, expert_format: str | None 
             one = quant.matrix_format(expert_format, name)
             fmt = quant.get_format(one)
             group = fmt.group
-            per_matrix = (rows if one == "int8" else f * h // group * 5 // 4 if one == quant.Q4K
-                          else f * h // group * (1 if fmt.symmetric else 2))  # scales (and minima); int4-q4k: codes
+            per_matrix = (rows if one == "int8" else f * h // group * 5 // 4 if one in quant.BLOCK_FORMATS
+                          else f * h // group * (1 if fmt.symmetric else 2))  # scales (and minima); q4k/q2k: codes
             rest += cfg.num_sparse_layers * cfg.num_experts * per_matrix * fmt.scale_bits // 8
     return rest
 
@@ -115,21 +115,23 @@ def expert_format(opts: EngineOptions, cfg: ModelConfig | None = None) -> str | 
 
 def expert_storage(opts: EngineOptions) -> np.dtype | tuple[np.dtype, np.dtype]:
     """How a routed expert's weights are stored in host memory and the slots: int8 q (expert_dtype=int8), int4
-    packed two a byte in uint8 (int4), else the compute dtype. The scales sit on the device (a fraction of a slot).
-    Per-family formats of two storages ("int4-q4k/int8-g16"): the pair (gate/up's, down's)."""
+    packed two a byte in uint8 (int4), four a byte for int2-q2k (quant.Q2K in place of its uint8: slot_storage), else
+    the compute dtype. The scales sit on the device (a fraction of a slot). Per-family formats of two storages
+    ("int4-q4k/int8-g16"): the pair (gate/up's, down's)."""
     fmt = expert_format(opts)
     if not fmt:
         return jnp.dtype(opts.dtype)
-    gate_up, down = (jnp.dtype(quant.storage_dtype(f)) for f in quant.family_formats(fmt))
+    gate_up, down = (quant.slot_storage(f) for f in quant.family_formats(fmt))
     return gate_up if gate_up == down else (gate_up, down)
 
 
 def expert_itemsize(opts: EngineOptions) -> float:
-    """Bytes a stored expert weight takes (0.5 for int4; per-family formats: the mean over gate, up and down)."""
+    """Bytes a stored expert weight takes (0.5 for int4, 0.25 for int2-q2k; per-family formats: the mean over gate,
+    up and down)."""
     fmt = expert_format(opts)
     if not fmt:
         return jnp.dtype(opts.dtype).itemsize
-    sizes = [0.5 if quant.get_format(f).bits == 4 else quant.storage_dtype(f).itemsize
+    sizes = [quant.get_format(f).bits / 8 if quant.get_format(f).bits < 8 else quant.storage_dtype(f).itemsize
              for f in (quant.matrix_format(fmt, m) for m in quant.MATRICES)]
     return sum(sizes) / 3
 
@@ -461,6 +463,8 @@ def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_h
     how = {"int8": "one bf16 scale per output row", "int4": "one bf16 scale per 64 inputs, two weights a byte",
            "int4-g32": "one bf16 scale per 32 inputs, two weights a byte",
            quant.Q4K: "GGUF Q4_K's blocks: 6-bit scales and minima per 32 inputs, fp16 d and dmin per 256, two "
+                      "weights a byte",
+           quant.Q2K: "GGUF Q2_K's blocks: 4-bit scales and minima per 16 inputs, fp16 d and dmin per 256, four "
                       "weights a byte",
            "int4-g32f": "GGUF Q4_0's blocks: one float32 scale per 32 inputs, two weights a byte",
            "int4-g32m": "GGUF Q4_1's blocks: a float32 scale and minimum per 32 inputs, two weights a byte",

@@ -84,13 +84,23 @@ def host_memory_kind() -> str:
     return "pinned_host" if "pinned_host" in kinds else "device"
 
 
+def slot_storage_of(state: SlotCache, cfg: ModelConfig) -> tuple:
+    """A slot cache's storage per family (gate/up's, down's) as init_slot_cache takes it: the dtype, or quant.Q2K
+    where a uint8 row holds four inputs (int2-q2k)."""
+    quarter = lambda a, width: a.dtype == jnp.uint8 and a.shape[-1] * 4 == width
+    return tuple(quant.Q2K if quarter(a, w) else a.dtype
+                 for a, w in ((state.gate, cfg.hidden_size), (state.down, cfg.moe_intermediate_size)))
+
+
 def init_slot_cache(cfg: ModelConfig, slots: int, dtype, policy: str = "lru", pcie_frac: float = 1.0) -> SlotCache:
-    """dtype: how the experts are stored (uint8: int4 packed two a byte along the input dimension); a pair (gate/up's,
-    down's) where the two families are held in formats of different storage (int4-q4k/int8-g16)."""
+    """dtype: how the experts are stored (uint8: int4 packed two a byte along the input dimension; quant.Q2K: uint8,
+    four a byte); a pair (gate/up's, down's) where the two families are held in formats of different storage
+    (int4-q4k/int8-g16)."""
     assert policy in POLICIES and 0.0 <= pcie_frac <= 1.0
     e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     gu_dtype, down_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
     fi, hi = quant.stored_in_dim(f, down_dtype), quant.stored_in_dim(h, gu_dtype)
+    gu_dtype, down_dtype = (jnp.uint8 if isinstance(d, str) else d for d in (gu_dtype, down_dtype))
     return SlotCache(
         gate=jnp.zeros((slots + 1, f, hi), gu_dtype), up=jnp.zeros((slots + 1, f, hi), gu_dtype),  # [S+1, I, H']
         down=jnp.zeros((slots + 1, h, fi), down_dtype),  # [S+1, H, I']

@@ -1,6 +1,7 @@
 """GGUF expert types kept as read with float32 group scales (issue 36; strata_jax/model/quant.py GGUF_KEPT): Q4_0
-(int4-g32f), Q4_1 (int4-g32m), Q8_0 (int8-g32), Q6_K and Q3_K (int8-g16), Q5_K (int8-g32m), Q2_K (int8-g16m), the IQ
-types (int8-g16: IQ2_XS, IQ2_S, IQ1_M; int8-g32: IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, IQ1_S). A tiny
+(int4-g32f), Q4_1 (int4-g32m), Q8_0 (int8-g32), Q6_K and Q3_K (int8-g16), Q5_K (int8-g32m), Q2_K (int8-g16m, by
+expert_dtype=int8-g16m: auto holds Q2_K packed as int2-q2k, tests/io/test_gguf_q2k.py), the IQ types (int8-g16:
+IQ2_XS, IQ2_S, IQ1_M; int8-g32: IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, IQ1_S). A tiny
 Qwen3-MoE GGUF written with gguf's writer, its expert stacks of one type (Q4_0 / Q4_1 / Q8_0 by gguf.quants.quantize;
 the K and IQ types as random valid blocks, quant.gguf_blocks_random: gguf.quants cannot quantize them), the rest F32. The
 engine keeps the experts as read (expert_dtype=auto), their values equal gguf.quants.dequantize's bit for bit, and
@@ -31,6 +32,7 @@ IQ_D = {"IQ2_XS": 0.05 / 50, "IQ3_S": 0.05 / 128, "IQ2_XXS": 0.05 / 50, "IQ3_XXS
         "IQ4_NL": 0.05 / 60, "IQ2_S": 0.05 / 50, "IQ1_S": 0.05 / 5, "IQ1_M": 0.05 / 5}  # the IQ types (int8-g16/-g32)
 D.update(IQ_D)
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q3_K", "Q5_K", "Q2_K", *IQ_D)
+KEPT_AS = {**quant.GGUF_KEPT, "Q2_K": "int8-g16m"}  # Q2_K's float32-scaled form, asked for by name
 
 
 def write_kept_model(tmp, qtype: str, seed: int = 31):
@@ -75,8 +77,8 @@ def kept_models(tmp_path_factory):
 def test_experts_are_kept_and_dequantize_to_gguf_values(kept_models, cache_dir, qtype):
     path, _, written = kept_models(qtype)
     folder = gguf_file.gguf_model_folder(path, cache_dir)
-    fmt = quant.GGUF_KEPT[qtype]
-    assert gguf_file.kept_expert_format(folder) == fmt
+    fmt = KEPT_AS[qtype]
+    assert gguf_file.kept_expert_format(folder) == quant.GGUF_KEPT[qtype]
     w = checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format=fmt)
     for i, layer in enumerate(w.layers):
         for which in ("gate", "up", "down"):
@@ -98,9 +100,11 @@ PLACEMENTS = [dict(expert_cache_slots="all"), dict(expert_cache_slots="3", pcie_
     (t, PLACEMENTS[0]) for t in ("IQ2_XS", "IQ3_S")] + [(t, PLACEMENTS[1]) for t in IQ_D])
 def test_logits_equal_the_dequantized_model(kept_models, engine_factory, cache_dir, qtype, placement, capfd):
     path, dequantized, _ = kept_models(qtype)
-    fmt = quant.GGUF_KEPT[qtype]
+    fmt = KEPT_AS[qtype]
     ref = engine_factory(dequantized, **EXACT)
-    engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), dtype="float32", **placement)
+    by_name = {} if fmt == quant.GGUF_KEPT[qtype] else dict(expert_dtype=fmt)
+    engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), dtype="float32", **placement,
+                                    **by_name)
     err = capfd.readouterr().err
     assert engine.options.expert_dtype == fmt
     line = next(l for l in err.splitlines() if l.startswith("gguf:"))

@@ -436,26 +436,39 @@ def test_int4_lowers_for_cuda(t, n, by_position):
 
 # ---- int4-q4k (GGUF Q4_K's blocks: w = d sc q - dmin m; strata_jax/model/quant.py) -------------------------------------
 
+# per block format: the GGUF type, the codes' dtype and inputs per group, inputs a stored byte
+BLOCKS = {"int4-q4k": ("Q4_K", jnp.uint16, 32, 2), "int2-q2k": ("Q2_K", jnp.uint8, 16, 4)}
+
+
+@pytest.mark.parametrize("fmt", list(BLOCKS))
 @pytest.mark.parametrize("name,tuning", [("t3_h256_i256", {}), ("t3_h256_i256", "small"), ("t1_h512_i256", {})])
-def test_q4k_kernel_matches_reference(name, tuning):
+def test_q4k_kernel_matches_reference(fmt, name, tuning):
     """The kernel (interpret mode) against its reference and the float64 model of the exactly dequantized weights;
-    the reference's weights are gguf.quants.dequantize's of the same Q4_K bytes."""
+    the weights both read (quant's dequantization and the reference's own) are gguf.quants.dequantize's of the same
+    Q4_K (Q2_K) bytes."""
     import gguf
+    from pallas_kernels.expert_ffn import _scaled_product_reference
     from strata_jax.model import quant
-    args = make_quant_case(name, "int4-q4k")
-    assert args[-3].dtype == jnp.uint16 and args[-3].shape[1] == 5 * (args[0].shape[1] // 32) // 4
+    qtype, codes_dtype, group, per_byte = BLOCKS[fmt]
+    args = make_quant_case(name, fmt)
+    assert args[1].shape[-1] == args[0].shape[1] // per_byte
+    assert args[-3].dtype == codes_dtype and args[-3].shape[1] == 5 * (args[0].shape[1] // group) // 4
     out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if tuning == "small" else {}))
     assert out.shape == args[0].shape and out.dtype == jnp.float32
     assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
     assert rel_fro(out, f64_quant_model(*args)) < MODEL_RTOL
-    # the weights both read: Q4_K's values
     w = np.asarray(make_case(**QUANT_CASES[name])[1], np.float32)
-    want = gguf.quants.dequantize(quant.q4k_blocks(w), gguf.GGMLQuantizationType.Q4_K)
+    want = gguf.quants.dequantize(quant.q4k_blocks(w) if qtype == "Q4_K" else quant.q2k_blocks(w),
+                                  gguf.GGMLQuantizationType[qtype])
     np.testing.assert_array_equal(np.asarray(quant.dequantize_engine_int4(args[1], args[-3], jnp.float32)), want)
+    eye = jnp.eye(args[0].shape[1], dtype=jnp.float32)  # the reference's weights: its product with the identity
+    own = jax.vmap(lambda q, c: _scaled_product_reference("ki,noi->nko", eye, q[None], c[None])[0].T)
+    np.testing.assert_array_equal(np.asarray(own(args[1], args[-3])), want)
 
 
-def test_q4k_scales_by_window_position():
-    x, gate, up, down, ids, combine, *by_slot = make_quant_case("t3_h256_i256", "int4-q4k", seed=None,
+@pytest.mark.parametrize("fmt", list(BLOCKS))
+def test_q4k_scales_by_window_position(fmt):
+    x, gate, up, down, ids, combine, *by_slot = make_quant_case("t3_h256_i256", fmt, seed=None,
                                                                  slot_ids=[3, 0, 6, -1, 1, 7, 2, 4])
     window = [sc[jnp.maximum(ids, 0)] for sc in by_slot]
     positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
@@ -476,21 +489,36 @@ def test_q4k_refusals():
         expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
 
 
+@pytest.mark.parametrize("fmt", list(BLOCKS))
 @pytest.mark.parametrize("t,n,by_position", [(1, 8, False), (8, 64, True)])
-def test_q4k_lowers_for_cuda(t, n, by_position):
-    """The int4-q4k kernels at the Qwen3-30B-A3B shape (H 2048, I 768: whole super-blocks) compile for CUDA."""
+def test_q4k_lowers_for_cuda(fmt, t, n, by_position):
+    """The int4-q4k (int2-q2k) kernels at the Qwen3-30B-A3B shape (H 2048, I 768: whole super-blocks) compile for
+    CUDA."""
+    _, codes, group, per_byte = BLOCKS[fmt]
     s, h, i = 64, 2048, 768
     sd = jax.ShapeDtypeStruct
     rows = n if by_position else s
-    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // 2), jnp.uint8), sd((s, i, h // 2), jnp.uint8),
-             sd((s, h, i // 2), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
-             sd((rows, 5 * h // 128, i), jnp.uint16), sd((rows, 5 * h // 128, i), jnp.uint16),
-             sd((rows, 5 * i // 128, h), jnp.uint16))
+    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // per_byte), jnp.uint8), sd((s, i, h // per_byte), jnp.uint8),
+             sd((s, h, i // per_byte), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
+             sd((rows, 5 * h // group // 4, i), codes), sd((rows, 5 * h // group // 4, i), codes),
+             sd((rows, 5 * i // group // 4, h), codes))
     if by_position:
         text = lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
     else:
         text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+# ---- int2-q2k (GGUF Q2_K's blocks: w = d sc q - dmin m, q four a byte; strata_jax/model/quant.py): the q4k tests
+# above run for it too (BLOCKS)
+
+def test_q2k_refusals():
+    from strata_jax.model import quant
+    x, gate, up, down, ids, combine, gs, us, ds = make_quant_case("t3_h256_i256", quant.Q2K)
+    with pytest.raises(ValueError, match="uint8 codes for the scales of a whole family"):  # gate and up: one
+        expert_ffn(x, gate, up, down, ids, combine, gs, us.astype(jnp.uint16), ds, interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
 
 
 # ---- GGUF types kept as read: int8-g (Q8_0, Q6_K, Q3_K, Q5_K, Q2_K) and int4 with float32 scales (Q4_0, Q4_1) --------

@@ -14,7 +14,7 @@ from helpers import engine_with_gpu_paths, rel_fro
 from strata_jax.model import quant
 
 
-@pytest.mark.parametrize("name", [n for n in quant.FORMATS if n != quant.Q4K])  # int4-q4k: test_q4k_format
+@pytest.mark.parametrize("name", [n for n in quant.FORMATS if n not in quant.BLOCK_FORMATS])  # test_q4k/q2k_format
 def test_dequantized_within_half_a_step(name):
     rng = np.random.default_rng()
     fmt = quant.FORMATS[name]
@@ -92,6 +92,43 @@ def test_iq_types_kept_exactly(qtype):
         if k == 1:
             dev = quant.dequantize_engine_grouped(jnp.asarray(q), jnp.asarray(np.swapaxes(s, -1, -2)), jnp.float32)
             np.testing.assert_array_equal(np.asarray(dev).view(np.uint32), want.view(np.uint32))
+def test_q2k_format():
+    """int2-q2k (GGUF Q2_K's blocks): random valid Q2_K blocks read into packed crumbs and uint8 codes dequantize
+    (numpy, and on the device) to gguf.quants.dequantize's float32 values exactly, in the file's bytes; q2k_blocks
+    writes bytes gguf reads, quantize and the device quantizer make the same numbers, within a step (and the 4-bit
+    minimum's) of the weights; 2.625 bits a weight."""
+    import gguf
+    import jax.numpy as jnp
+    raw = quant.gguf_blocks_random("Q2_K", (3, 8, 512), seed=5)  # every sc, m and q bit random
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q2_K)
+    packed, codes = quant.q2k_from_blocks(raw)
+    assert packed.shape == (3, 8, 128) and packed.dtype == np.uint8
+    assert codes.shape == (3, 8, 40) and codes.dtype == np.uint8
+    assert packed.nbytes + codes.nbytes == raw.nbytes  # the file's bytes, moved
+    np.testing.assert_array_equal(quant.q2k_dequantize(packed, codes), want)
+    device_codes = jnp.asarray(np.swapaxes(codes, -1, -2))  # group-major [..., 5G/4, O]
+    np.testing.assert_array_equal(np.asarray(quant.dequantize_engine_int4(jnp.asarray(packed), device_codes,
+                                                                          jnp.float32)), want)
+    rng = np.random.default_rng(6)
+    q = rng.integers(0, 4, (5, 256), dtype=np.uint8)
+    np.testing.assert_array_equal(quant.unpack_int2(quant.pack_int2(q)), q)
+
+    w = (rng.standard_normal((3, 8, 512)) * rng.uniform(0.01, 1.0, (3, 8, 1)) + 0.02).astype(np.float32)
+    w[1, 2] = 0.0
+    raw = quant.q2k_blocks(w)
+    assert raw.shape == (3, 8, 2 * 84) and raw.dtype == np.uint8
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q2_K)
+    qa = quant.quantize(w, quant.Q2K)
+    np.testing.assert_array_equal(quant.dequantize(qa), want)
+    q, c = quant.quantize_device(jnp.asarray(w), quant.Q2K)
+    np.testing.assert_array_equal(np.asarray(q), qa.q)
+    np.testing.assert_array_equal(np.asarray(c), quant.engine_scale(qa))
+    np.testing.assert_array_equal(want[1, 2], 0.0)
+    s, mn = quant.q2k_scales(qa.scale)
+    assert np.any(mn > 0)
+    assert np.all(np.abs(want - w) <= np.repeat(s + mn / 15, 16, axis=-1) + 1e-6)
+    assert quant.get_format(quant.Q2K).bits_per_weight(512) == 2.625
+
 
 def test_error_follows_bits_and_groups():
     rng = np.random.default_rng()
