@@ -45,6 +45,21 @@ def stacked(tensors: dict[str, np.ndarray], layers: int, experts: int) -> dict[s
     return out
 
 
+def block_checkpoint(seed: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """The quantized-expert tests' model: (config, Hub tensors with stacked experts) of a 2-layer Qwen3-MoE whose
+    widths are multiples of 256 (the K types' super-blocks), its experts drawn with a trained model's spread and an
+    offset (the minima matter)."""
+    raw = dict(json.loads((BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
+               num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=256, num_local_experts=8,
+               num_experts_per_tok=2, num_hidden_layers=2)
+    hub = stacked(random_checkpoint(raw, seed=seed), 2, 8)
+    rng = np.random.default_rng(seed + 1)
+    for name in hub:
+        if ".mlp.experts." in name:
+            hub[name] = (rng.standard_normal(hub[name].shape) * 0.05 + 0.01).astype(np.float32)
+    return raw, hub
+
+
 def encode(x: np.ndarray, qtype: Q) -> np.ndarray:
     """x in a GGUF type: F32 / F16 as numpy arrays, the rest as gguf.quants' bytes."""
     if qtype == Q.F32:

@@ -39,14 +39,7 @@ def write_kept_model(tmp, qtype: str, seed: int = 31):
     """(the GGUF, a safetensors folder of its dequantized values, the written values by Hub name). qtype
     "A/B": gate/up experts of type A, down experts of B."""
     gate_up, _, down = qtype.partition("/")
-    raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
-               num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=256, num_local_experts=8,
-               num_experts_per_tok=2, num_hidden_layers=2)
-    hub = test_gguf.stacked(random_checkpoint(raw, seed=seed), 2, 8)
-    rng = np.random.default_rng(seed + 1)
-    for name in hub:  # experts of a trained model's spread, with an offset: the minima matter
-        if ".mlp.experts." in name:
-            hub[name] = (rng.standard_normal(hub[name].shape) * 0.05 + 0.01).astype(np.float32)
+    raw, hub = test_gguf.block_checkpoint(seed)
     counter = iter(range(1000))
 
     def encode(x, t):

@@ -18,7 +18,6 @@ import test_gguf
 from helpers import gguf_kernel_offload_check, rel_fro
 from strata_jax import Engine
 from strata_jax.io import checkpoint, gguf_file
-from strata_jax.io.embedded import random_checkpoint
 from strata_jax.model import quant
 from strata_jax.model.config import load_config
 
@@ -31,14 +30,7 @@ HELD = {"Q6_K": "int4-q4k/int8-g16", "Q8_0": "int4-q4k/int8-g32"}
 def write_mixed_model(tmp, down_types: tuple[str, ...], seed: int = 51):
     """A 2-layer GGUF with Q4_K gate/up experts and layer l's down experts of down_types[l]: (the GGUF, a
     safetensors folder of its dequantized values, the written values by Hub name)."""
-    raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
-               num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=256, num_local_experts=8,
-               num_experts_per_tok=2, num_hidden_layers=2)
-    hub = test_gguf.stacked(random_checkpoint(raw, seed=seed), 2, 8)
-    rng = np.random.default_rng(seed + 1)
-    for name in hub:  # experts of a trained model's spread, with an offset: the minima matter
-        if ".mlp.experts." in name:
-            hub[name] = (rng.standard_normal(hub[name].shape) * 0.05 + 0.01).astype(np.float32)
+    raw, hub = test_gguf.block_checkpoint(seed)
     counter = iter(range(1000))
 
     def encode(x, t):

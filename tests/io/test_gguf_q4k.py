@@ -44,14 +44,7 @@ def encode(x: np.ndarray, qtype: Q) -> np.ndarray:
 def write_block_model(tmp, fmt: str, seed: int):
     """(the GGUF of experts in `fmt`'s type, a safetensors folder of its dequantized values, the written values by Hub
     name, fmt)."""
-    raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
-               num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=256, num_local_experts=8,
-               num_experts_per_tok=2, num_hidden_layers=2)
-    hub = test_gguf.stacked(random_checkpoint(raw, seed=seed), 2, 8)
-    rng = np.random.default_rng(seed + 1)
-    for name in hub:  # experts of a trained model's spread, with an offset: the minima matter
-        if ".mlp.experts." in name:
-            hub[name] = (rng.standard_normal(hub[name].shape) * 0.05 + 0.01).astype(np.float32)
+    raw, hub = test_gguf.block_checkpoint(seed)
     path = tmp / f"{fmt}.gguf"
     qtype = BLOCKS[fmt][0]
     written = test_gguf.write_gguf(path, raw, hub, types=lambda g: qtype if "_exps" in g else Q.F32, encoder=encode)

@@ -402,16 +402,22 @@ def test_int4_needs_whole_groups():
         expert_ffn(x, q(gate), q(up), q(down), ids, combine, sc(gate), sc(up), sc(down), interpret=True)
 
 
+def _lower_scaled(specs: tuple, n: int, by_position: bool) -> str:
+    """Lower the quantized kernels for CUDA: scales by slot, or by_position with scale_ids [N] (the offloaded path's
+    form)."""
+    if by_position:
+        return lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs,
+                              jax.ShapeDtypeStruct((n,), jnp.int32))
+    return lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
+
+
 def _lower_quantized(t: int, n: int, weights: tuple, scale_tail: tuple, by_position: bool) -> str:
-    """Lower the quantized kernels for CUDA: scales [S, ...] by slot, or by_position [N, ...] with scale_ids [N]
-    (the offloaded path's form)."""
+    """Lower the quantized kernels for CUDA: scales [S, ...] by slot, or by_position [N, ...]."""
     sd = jax.ShapeDtypeStruct
     rows = n if by_position else 64
     specs = (sd((t, 2048), jnp.bfloat16), *weights, sd((n,), jnp.int32), sd((t, n), jnp.float32),
              *(sd((rows, *tail), jnp.bfloat16) for tail in scale_tail))
-    if by_position:
-        return lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
-    return lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
+    return _lower_scaled(specs, n, by_position)
 
 
 @pytest.mark.parametrize("t,n,by_position", [(1, 8, False), (4, 32, False), (1, 8, True), (4, 32, True)])
@@ -502,11 +508,7 @@ def test_q4k_lowers_for_cuda(fmt, t, n, by_position):
              sd((s, h, i // per_byte), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
              sd((rows, 5 * h // group // 4, i), codes), sd((rows, 5 * h // group // 4, i), codes),
              sd((rows, 5 * i // group // 4, h), codes))
-    if by_position:
-        text = lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
-    else:
-        text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert _lower_scaled(specs, n, by_position).count("__gpu$xla.gpu.triton") == 2
 
 
 # ---- int2-q2k (GGUF Q2_K's blocks: w = d sc q - dmin m, q four a byte; strata_jax/model/quant.py): the q4k tests
@@ -609,11 +611,7 @@ def test_kept_lowers_for_cuda(fmt, t, n, by_position):
              sd((s, h, i // per), wt), sd((n,), jnp.int32), sd((t, n), jnp.float32),
              sd((*lead, h // f.group, i), jnp.float32), sd((*lead, h // f.group, i), jnp.float32),
              sd((*lead, i // f.group, h), jnp.float32))
-    if by_position:
-        text = lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
-    else:
-        text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert _lower_scaled(specs, n, by_position).count("__gpu$xla.gpu.triton") == 2
 
 
 # ---- per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside Q6_K / Q8_0 down, each kept as read) ----------
@@ -673,8 +671,4 @@ def test_mixed_lowers_for_cuda(down_fmt, t, n, by_position):
              sd((s, h, i), jnp.int8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
              sd((rows, 5 * h // 128, i), jnp.uint16), sd((rows, 5 * h // 128, i), jnp.uint16),
              sd((*lead, i // f.group, h), jnp.float32))
-    if by_position:
-        text = lower_for_cuda(lambda *a: expert_ffn(*a[:-1], scale_ids=a[-1]), *specs, sd((n,), jnp.int32))
-    else:
-        text = lower_for_cuda(lambda *a: expert_ffn(*a), *specs)
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert _lower_scaled(specs, n, by_position).count("__gpu$xla.gpu.triton") == 2
