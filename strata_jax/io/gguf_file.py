@@ -457,15 +457,18 @@ def expert_family_types(source: dict) -> dict[str, dict[str, list[int]]]:
 def family_format(types: dict[str, list[int]]) -> str | None:
     """The engine format one expert family is held in under expert_dtype=auto (strata_jax/model/quant.py GGUF_KEPT):
     the one format that holds every type of the family, as read; where the family mixes types of several formats
-    (a Q4_K_M file's down stacks: Q6_K, some layers Q4_K), the format of the type holding most of its weights (ties:
-    the more bits), the other stacks requantized into it at load; None where a type is not kept (F16, Q5_0, ...):
-    the experts are dequantized."""
-    from strata_jax.model.quant import GGUF_KEPT, QK_K, get_format
+    (a Q4_K_M file's down stacks: Q6_K, some layers Q4_K), int8-g16m, which holds each of them exactly (a scale
+    and a minimum per 16 inputs: quant.widen), or where one does not fit it (Q4_0 beside Q6_K), the format of the
+    type holding most of its weights (ties: the more bits), the other stacks requantized into it at load; None where
+    a type is not kept (F16, Q5_0, ...): the experts are dequantized."""
+    from strata_jax.model.quant import GGUF_KEPT, QK_K, WIDE, get_format, holds
     if not types or any(t not in GGUF_KEPT for t in types):
         return None
     weights: dict = {}
     for t, (n, _) in types.items():
         weights[GGUF_KEPT[t]] = weights.get(GGUF_KEPT[t], 0) + n
+    if len(weights) > 1 and all(holds(WIDE, t) for t in types):
+        return WIDE
     return max(weights, key=lambda f: (weights[f], get_format(f).bits_per_weight(QK_K)))
 
 
@@ -487,11 +490,15 @@ def kept_expert_format(folder: str | Path) -> str | None:
 def _experts_held(types: dict, expert_format: str, quantized: bool) -> str:
     """What the engine holds of experts of `types` in `expert_format`: the types kept as read, the others
     requantized."""
-    from strata_jax.model.quant import QK_K, get_format, keeps
+    from strata_jax.model.quant import QK_K, get_format, holds, keeps
     kept = sorted(t for t in types if keeps(expert_format, t))
+    widened = sorted(t for t in types if holds(expert_format, t) and not keeps(expert_format, t))
+    bits = get_format(expert_format).bits_per_weight(QK_K)
+    if widened and len(kept) + len(widened) == len(types):
+        return (f"{expert_format} ({bits:.2f} bpw: {'+'.join(sorted(types))}'s values as read, a scale and a "
+                "minimum per 16 inputs)")
     if kept:
         others = "" if len(kept) == len(types) else ", the other types requantized at load from their values"
-        bits = get_format(expert_format).bits_per_weight(QK_K)
         return f"{expert_format} ({bits:.2f} bpw: {'+'.join(kept)}'s blocks as stored{others})"
     return f"{expert_format} (requantized at load from the {'dequantized' if quantized else 'read'} values)"
 
@@ -840,7 +847,7 @@ class GGUFTensors:
         if gname not in self.tensors:
             raise StrataError(f"GGUF tensor {gname!r} (the Hub's {hub!r}) is missing from {self.path}")
         part, qtype, got, offset, size = self.tensors[gname]
-        if not quant.keeps(expert_format, qtype):
+        if not quant.holds(expert_format, qtype):
             return None
         if tuple(got) != r.shapes[0]:
             raise StrataError(f"GGUF tensor {gname!r} has shape {list(got)} (numpy order), expected {list(r.shapes[0])}")
@@ -853,6 +860,8 @@ class GGUFTensors:
             self.check(gname, np.ascontiguousarray(codes[..., g:]).view(np.float16))
             return q, codes
         q, scale = quant.gguf_kept(raw, qtype)
+        if not quant.keeps(expert_format, qtype):  # a family of mixed types held in int8-g16m
+            q, scale = quant.widen(q, scale)
         self.check(gname, scale)
         return q, scale
 

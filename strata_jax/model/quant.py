@@ -48,7 +48,8 @@ values bit for bit (one rounding for the minimum, as gguf's):
   "int4-g32m": Q4_1 (s = d, mn = -m, q the nibble);
   "int8-g32": Q8_0 (s = d); "int8-g16": Q6_K (s = d sc, q in -32..31), Q3_K (s = d (sc - 32), q in -4..3);
   "int8-g32m": Q5_K (s = d sc, mn = dmin m, q in 0..31); "int8-g16m": Q2_K (s = d sc, mn = dmin m, q in 0..3) by
-  name only (expert_dtype=int8-g16m, `keeps`): GGUF_KEPT holds Q2_K packed as int2-q2k.
+  name only (expert_dtype=int8-g16m, `keeps`): GGUF_KEPT holds Q2_K packed as int2-q2k; and a family whose layers
+  mix types (a Q4_K_M file's down experts: Q4_K and Q6_K), each type's values widened into it (`WIDE`, `widen`).
 int8-g holds q one a byte (int8, [..., O, I]). Their scales on the device are float32, group-major [..., G, O] (no
 minima) or [..., 2, G, O] (scales, then minima; the extra axis says minima are held); the host pool keeps
 [..., O, G] / [..., O, 2, G] (`pool_scale`). Kernels compute sum_g s_g (x_g . q_g) - mn_g sum(x_g).
@@ -380,7 +381,29 @@ GGUF_BLOCKS.update({"IQ2_XXS": (QK_K, 66), "IQ2_XS": (QK_K, 74), "IQ2_S": (QK_K,
 def keeps(expert_format: str, qtype: str) -> bool:
     """Whether `expert_format` holds GGUF type `qtype` as read: GGUF_KEPT's format, or int8-g16m for Q2_K (its one
     byte a weight form before int2-q2k, kept for expert_dtype=int8-g16m)."""
-    return GGUF_KEPT.get(qtype) == expert_format or (expert_format, qtype) == ("int8-g16m", "Q2_K")
+    return GGUF_KEPT.get(qtype) == expert_format or (expert_format, qtype) == (WIDE, "Q2_K")
+
+
+# A family of stacks of several types (a Q4_K_M file's down experts: Q6_K, some layers Q4_K; Q3_K_M's: Q3_K, Q4_K,
+# Q5_K) is held in the one format that holds each of them exactly: int8 q with a scale and a minimum per 16 inputs.
+WIDE = "int8-g16m"
+WIDENED = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", *IQ_KEPT)  # int8 q, groups of 16 or 32: `widen`
+
+
+def holds(expert_format: str, qtype: str) -> bool:
+    """Whether `expert_format` holds GGUF type `qtype`'s values exactly: as read (`keeps`), or widened into
+    int8-g16m (`widen`)."""
+    return keeps(expert_format, qtype) or (expert_format == WIDE and qtype in WIDENED)
+
+
+def widen(q: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """gguf_kept's int8 (q [..., O, I], scale [..., O, G] or [..., O, 2, G]) -> int8-g16m's (q, scale [..., O, 2,
+    I/16]): each group's scale and minimum (0 where none: s q - 0 is s q) over each of its 16-input parts. Values
+    unchanged."""
+    if scale.ndim == q.ndim:
+        scale = np.stack([scale, np.zeros_like(scale)], axis=-2)
+    parts = q.shape[-1] // 16 // scale.shape[-1]
+    return q, np.ascontiguousarray(np.repeat(scale, parts, axis=-1))
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -399,7 +422,8 @@ def _split_blocks(raw: np.ndarray, qtype: str) -> tuple[tuple, int, np.ndarray]:
 
 
 def gguf_kept(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """A GGUF tensor's bytes [..., O, bytes] of a type in GGUF_KEPT (not Q4_K: q4k_from_blocks) -> (q, scale): q
+    """A GGUF tensor's bytes [..., O, bytes] of a type in GGUF_KEPT (Q4_K here for `widen`; kept as read:
+    q4k_from_blocks) -> (q, scale): q
     int8 [..., O, I] (int8-g) or int4 packed uint8 [..., O, I/2]; scale float32 [..., O, G] (no minima) or
     [..., O, 2, G] (s, then mn), the pool's layout. Moves bits and multiplies fp16 d by small integers (exact); the
     steps are gguf.quants' dequantize_blocks' own."""
@@ -438,6 +462,12 @@ def gguf_kept(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
         ql = ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)
         qh = ((qh.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1).reshape(n, 8, 32)
         q = (ql | (qh << 4)).astype(np.int8)
+    elif qtype == "Q4_K":  # Q5_K's steps without the high bits
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, m = _q4k_scale_min(b[:, 4:16])  # [N, 8]
+        s, minima = d[:, None] * sc.astype(np.float32), dmin[:, None] * m.astype(np.float32)
+        qs = b[:, 16:]
+        q = ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).astype(np.int8)
     elif qtype == "Q2_K":
         scales, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b[:, 80:82]), _f16(b[:, 82:84])
         s = d[:, None] * (scales & 0xF).astype(np.float32)  # [N, 16]

@@ -1,7 +1,7 @@
 """Per-family expert formats (issue 36: the GGUF files users have). A Q4_K_M Qwen3-MoE GGUF holds its expert gate
 and up stacks Q4_K and its down stacks Q6_K (some layers' down Q4_K): expert_dtype=auto keeps each family in the
-format holding its type as read ("int4-q4k/int8-g16"), a family of mixed types in the format of most of its weights
-(the others requantized, the line says so). A tiny GGUF written with gguf's writer (Q4_K blocks by quant.q4k_blocks,
+format holding its type as read ("int4-q4k/int8-g16"), a family of mixed types in int8-g16m, which holds each
+of them exactly (one int8-g16m cannot hold: in the format of most of its weights, the others requantized). A tiny GGUF written with gguf's writer (Q4_K blocks by quant.q4k_blocks,
 Q6_K as random valid blocks, quant.gguf_blocks_random; Q8_0 by gguf.quants.quantize), the rest F32: the engine's
 weights equal gguf.quants.dequantize per family bit for bit, and its logits equal those of a safetensors checkpoint
 of the dequantized values (float32, within 1e-5), resident and offloaded, with the same greedy tokens."""
@@ -118,49 +118,35 @@ def test_logits_equal_the_dequantized_model(mixed_models, engine_factory, cache_
     assert engine.generate(IDS, max_new_tokens=4) == ref.generate(IDS, max_new_tokens=4)
 
 
-def test_a_family_of_mixed_types_is_requantized(tmp_path, cache_dir):
-    """Q4_K_M's down stacks of layers Q6_K and Q4_K: the down family is held in int8-g16 (Q6_K's format: as many
-    weights, more bits), its Q4_K stack requantized from its values (close, not exact); gate/up stay int4-q4k."""
+def test_a_family_of_mixed_types_is_widened(tmp_path, cache_dir):
+    """Q4_K_M's down stacks of layers Q6_K and Q4_K: the down family is held in int8-g16m (a scale and a minimum per
+    16 inputs), which holds both types' values exactly; gate/up stay int4-q4k. A mix int8-g16m cannot hold (Q4_0
+    beside Q6_K) is held in the format of most of its weights, the other stack requantized (close, not exact)."""
+    (tmp_path / "q4_0").mkdir()
     path, _, written = write_mixed_model(tmp_path, ("Q6_K", "Q4_K"))
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    assert gguf_file.kept_expert_format(folder) == "int4-q4k/int8-g16m"
+    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
+    line = gguf_file.formats_line(source, "bfloat16", "int4-q4k/int8-g16m")
+    assert ("experts down Q4_K+Q6_K (" in line and "-> int8-g16m (12.00 bpw: Q4_K+Q6_K's values as read, a scale "
+            "and a minimum per 16 inputs)") in line, line
+    w = checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format="int4-q4k/int8-g16m")
+    for i in range(2):
+        ffn = w.layers[i].ffn
+        assert ffn.down.dtype == jnp.int8
+        for which in ("gate", "up", "down"):
+            np.testing.assert_array_equal(dequantized(getattr(ffn, which), getattr(ffn, which + "_scale")),
+                                          written[f"model.layers.{i}.mlp.experts.{which}_proj.weight"])
+
+    path, _, written = write_mixed_model(tmp_path / "q4_0", ("Q6_K", "Q4_0"))
     folder = gguf_file.gguf_model_folder(path, cache_dir)
     assert gguf_file.kept_expert_format(folder) == "int4-q4k/int8-g16"
     source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
     line = gguf_file.formats_line(source, "bfloat16", "int4-q4k/int8-g16")
-    assert ("experts down Q4_K+Q6_K (" in line and "-> int8-g16 (10.00 bpw: Q6_K's blocks as stored, the other "
+    assert ("experts down Q4_0+Q6_K (" in line and "-> int8-g16 (10.00 bpw: Q6_K's blocks as stored, the other "
             "types requantized at load from their values)") in line, line
     w = checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format="int4-q4k/int8-g16")
-    for i in range(2):
-        ffn = w.layers[i].ffn
-        for which in ("gate", "up"):
-            np.testing.assert_array_equal(dequantized(getattr(ffn, which), getattr(ffn, which + "_scale")),
-                                          written[f"model.layers.{i}.mlp.experts.{which}_proj.weight"])
     down = [dequantized(w.layers[i].ffn.down, w.layers[i].ffn.down_scale) for i in range(2)]
     want = [written[f"model.layers.{i}.mlp.experts.down_proj.weight"] for i in range(2)]
     np.testing.assert_array_equal(down[0], want[0])
     assert 0 < rel_fro(down[1], want[1]) < 0.02
-    assert quant.engine_format("int4-q4k/int8-g16", (256, 256)) == "int4-q4k/int8-g16"
-    with pytest.raises(ValueError, match="groups of 32 inputs: the experts' widths 256 and 48"):
-        quant.engine_format("int8-g16/int8-g32", (256, 48))  # each family checked
-
-
-def test_saved_state_keeps_both_families(mixed_models, engine_factory, tmp_path, cache_dir):
-    """--save_state of per-family formats saves each family's q and scales; the state restores with
-    expert_dtype=int4-q4k/int8-g16 (offloaded: the pool gets both families) to the same logits."""
-    path, _, _ = mixed_models("Q6_K")
-    src = engine_factory(path, **EXACT)
-    state = tmp_path / "state"
-    src.save_state(state)
-    back = Engine.from_pretrained(state, verbose=False, cache_dir=str(cache_dir), dtype="float32",
-                                  expert_cache_slots="3", pcie_frac="0.5", expert_dtype="int4-q4k/int8-g16")
-    assert back.placement.pool.store.format == "int4-q4k/int8-g"
-    assert rel_fro(back.prefill_logits(IDS), src.prefill_logits(IDS)) < 1e-5
-
-
-def test_mixed_experts_under_the_kernel_scan_offloaded(mixed_models, engine_factory, cache_dir, monkeypatch):
-    """The Q4_K/Q6_K experts offloaded to 3 slots with expert_kernel=pallas (bf16, interpret mode on the CPU; the
-    engine's GPU-only check passed here as test_quant does): the scanned offload graph, the kernels each reading
-    its family's scales by window position (codes for gate/up, float32 groups for down), fetches into slots of two
-    storages and the pool's C kernel (phase 1 FMT_INT4K, phase 2 FMT_INT8G), within bf16 rounding of all resident
-    through the XLA path."""
-    path, _, _ = mixed_models("Q6_K")
-    gguf_kernel_offload_check(engine_factory, monkeypatch, cache_dir, path, IDS, np.uint8, np.int8, "int4-q4k/int8-g")
