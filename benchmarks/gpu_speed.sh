@@ -7,7 +7,8 @@
 #     PEER_EMBED_SCALE=50 PEER_OURS="expert_cache_slots=64;expert_cache_slots=32" (offload beside the peer)
 # Knobs: DECODE_ARMS (name:flags[@XLA_FLAGS];...), DECODE_WINDOWS, PEER_LAYERS, PEER_OURS, PEER_NCMOE,
 # PEER_SAMPLING (the peer's sampled arms: llama-completion with e.g. temperature=0.7,top_k=20,top_p=0.8), PEER_XLA (our
-# arms again under these XLA flags), PROFILE_LAYERS, PROFILE_XLA.
+# arms again under these XLA flags), PEER_QUANT (llama-quantize types, e.g. Q4_K_M,Q2_K: both engines on each file),
+# PROFILE_LAYERS, PROFILE_XLA.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; R=$OUT/speed; mkdir -p "$R"
@@ -61,7 +62,7 @@ peer)
   echo "[peer] build: $(cat $LLAMA.done 2>/dev/null || echo 'not done') (waited $((SECONDS - t0)) s); gguf: $(cat /tmp/gguf.done 2>/dev/null)"
   step peer ${PEER_LIMIT_S:-420} python3 -m benchmarks.peer_bench --layers=${PEER_LAYERS:-24} --llama_bench=${PEER_LLAMA-$LLAMA/build/bin/llama-bench} \
     --gguf_py=$LLAMA/gguf-py --ours="${PEER_OURS:-default;spec=0}" --ncmoe="${PEER_NCMOE:-}" \
-    --peer_sampling="${PEER_SAMPLING:-}" \
+    --peer_sampling="${PEER_SAMPLING:-}" --quant="${PEER_QUANT:-}" \
     --embed_scale=${PEER_EMBED_SCALE:-1} --json=$R/peer.json
   if [ -n "${PEER_LAYERS2:-}" ]; then  # our arms at a second depth (no peer there: its GGUF would not fit the disk)
     step peer_ours2 ${PEER2_LIMIT_S:-200} python3 -m benchmarks.peer_bench --layers=$PEER_LAYERS2 --llama_bench= \

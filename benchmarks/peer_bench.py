@@ -15,6 +15,12 @@ tokens off, the first one from the prefill; decode tok/s = (n_gen - 1) / decode 
 after one warm-up request. The default arm speculates (window 4, n-gram drafts): its windows and accepted drafts
 are printed beside it; `spec=0` is the plain one-token loop, the like of llama-bench's tg.
 Run the peer first: JAX takes most of the GPU's memory once it starts.
+
+--quant=Q4_K_M,Q2_K (issue 36): llama-quantize makes each type from the F16 GGUF (<stem>-<type>.gguf beside it, kept
+when there), then per type the peer's arms and ours both read that file (our arms: Engine.from_pretrained of it, its
+experts kept packed); one table with a type column, the share of the expert bytes in VRAM, the ratio to the peer at
+the same share, hit rate and PCIe MB a token. The routing spread is the file's (write_gguf.py's random routers):
+--embed_scale applies to random weights only.
 """
 from __future__ import annotations
 
@@ -58,6 +64,11 @@ flags.DEFINE_integer("read_mib", 2048, "Array size of the host read-bandwidth pr
 flags.DEFINE_bool("warmup_arm", True, "Run the first of our arms once, untimed, before the timed arms: the first "
                   "engine of a process ran 20-30% slow on the GPU machine (h200-2026-12-06d-offload).",
                   flag_values=FLAGS)
+flags.DEFINE_string("quant", "", "llama-quantize types, comma-separated (e.g. Q4_K_M,Q2_K): each made from the F16 "
+                    "GGUF with --llama_quantize (<stem>-<type>.gguf beside it; kept when there), then the peer's arms "
+                    "and ours all read that file (ours with its experts kept packed; --embed_scale does not apply: "
+                    "the spread is the file's routers); '' = our arms on random weights.", flag_values=FLAGS)
+flags.DEFINE_string("llama_quantize", "", "llama.cpp's llama-quantize ('' = beside --llama_bench).", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
 runner.define_output_flag(FLAGS)
 
@@ -83,6 +94,50 @@ def ensure_gguf(model: str, layers: int, gguf: Path, gguf_py: str) -> Path:
         subprocess.run([sys.executable, str(Path(__file__).parent / "peer" / "write_gguf.py"), f"--out={gguf}",
                         f"--model={model}", f"--layers={layers}", f"--gguf_py={gguf_py}"], check=True)
     return gguf
+
+
+# llama-quantize's types that need no importance matrix
+QUANT_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "Q5_0", "Q5_1", "Q5_K_S",
+               "Q5_K_M", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS")
+
+
+def parse_quant(text: str) -> list[str]:
+    """--quant's comma-separated llama-quantize types, upper-cased; an unknown one is a ValueError naming it."""
+    types = list(dict.fromkeys(t.strip().upper() for t in text.split(",") if t.strip()))
+    for t in types:
+        if t not in QUANT_TYPES:
+            raise ValueError(f"--quant: {t!r} is not a llama-quantize type this bench runs ({', '.join(QUANT_TYPES)})")
+    return types
+
+
+def quant_path(f16: Path, qtype: str) -> Path:
+    """The quantized file beside the F16 one: /tmp/m-24.gguf -> /tmp/m-24-Q4_K_M.gguf."""
+    return f16.with_name(f"{f16.stem}-{qtype}.gguf")
+
+
+def ensure_quantized(quantize: str, f16: Path, qtype: str) -> Path:
+    """`llama-quantize F16 OUT TYPE` unless OUT exists; a failure is a ValueError with its last stderr line."""
+    out = quant_path(f16, qtype)
+    if out.is_file():
+        return out
+    common.progress(f"peer: {quantize} {f16} {out} {qtype}")
+    proc = subprocess.run([quantize, str(f16), str(out), qtype], capture_output=True, text=True, errors="replace")
+    if proc.returncode != 0 or not out.is_file():
+        out.unlink(missing_ok=True)  # a cut file would be taken as made next time
+        raise ValueError(f"llama-quantize {qtype} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return out
+
+
+def layer_expert_bytes(gguf: Path) -> tuple[list[float], int]:
+    """Bytes of one routed expert (gate + up + down as stored) per layer of a GGUF, from its tensor table; and its
+    experts a token (top-K)."""
+    from strata_jax.io.gguf_file import GGUFFiles
+    files = GGUFFiles(gguf)
+    experts, per_layer = files.arch_value("expert_count"), []
+    for i in range(files.arch_value("block_count")):
+        names = [f"blk.{i}.ffn_{m}_exps.weight" for m in ("gate", "up", "down")]
+        per_layer.append(sum(int(files.tensors[n][0].n_bytes) for n in names if n in files.tensors) / experts)
+    return per_layer, int(files.arch_value("expert_used_count"))
 
 
 def llama_bench(cmd: list[str]) -> tuple[list[dict] | None, str | None]:
@@ -181,7 +236,8 @@ def run_peer_sampled(s, gguf: Path) -> list[dict]:
     return rows
 
 
-def run_ours(s, cfg) -> list[dict]:
+def run_ours(s, cfg, model_path: Path | None = None) -> list[dict]:
+    """Our arms: engines of random weights of `cfg`, or (model_path) each loaded from that GGUF."""
     import jax
     import numpy as np
     from strata_jax.engine.api import Engine
@@ -197,12 +253,16 @@ def run_ours(s, cfg) -> list[dict]:
         engine_opts, request_opts = split_options(from_text(opts))  # "temperature=1": a number, as the flags
         request_opts = {k: v for k, v in request_opts.items() if k in request_names}
         warmup, name = name is None, arms[1][0] if name is None else name
-        common.progress(f"ours [{name}]{' (warm-up, not reported)' if warmup else ''}: building the engine (random "
-                        f"weights, {cfg.num_layers} layers)")
+        common.progress(f"ours [{name}]{' (warm-up, not reported)' if warmup else ''}: building the engine ("
+                        + (f"{model_path})" if model_path else f"random weights, {cfg.num_layers} layers)"))
         t0 = time.perf_counter()
-        engine = Engine.from_random(cfg, seed=0, verbose=True, embed_scale=s.embed_scale, **engine_opts)
+        if model_path:
+            engine = Engine.from_pretrained(str(model_path), verbose=True, **engine_opts)
+        else:
+            engine = Engine.from_random(cfg, seed=0, verbose=True, embed_scale=s.embed_scale, **engine_opts)
         start_s = time.perf_counter() - t0
-        samples, windows, drafted, accepted, host, hits, pool = [], [], [], [], [], [], []
+        cfg = engine.cfg
+        samples, windows, drafted, accepted, host, hits, pool, pcie = [], [], [], [], [], [], [], []
         for rep in range(1 if warmup else s.reps + 1):
             prompt = rng.integers(0, cfg.vocab_size, size=s.prompt_tokens).tolist()
             engine.generate(prompt, max_new_tokens=s.n_gen, stop_token_ids=[], **request_opts)
@@ -215,6 +275,7 @@ def run_ours(s, cfg) -> list[dict]:
             accepted.append(st.drafts_accepted)
             host.append(st.host_gap_s / st.host_gaps * 1e3 if st.host_gaps else 0.0)
             hits.append(st.decode_experts.hit_rate if engine.placement else 1.0)
+            pcie.append(st.decode_experts.pcie_bytes / max(st.generated_tokens - 1, 1) / 1e6)  # decode tokens
             if engine.placement:
                 from strata_jax.offload.placement import expert_itemsize
                 pool.append(ours_pool_gbs(cfg, st.decode_experts, expert_itemsize(engine.options)))
@@ -232,7 +293,8 @@ def run_ours(s, cfg) -> list[dict]:
         rows.append(dict(arm=name, options=opts, tok_s=tok_s, samples=samples, windows=statistics.median(windows),
                          drafts_proposed=statistics.median(drafted), drafts_accepted=statistics.median(accepted),
                          host_gap_ms=statistics.median(host), start_s=start_s, compile_s=engine.stats.compile_s,
-                         scanned=engine.scanned, **offload))
+                         scanned=engine.scanned, pcie_mb_per_token=statistics.median(pcie),
+                         expert_dtype=engine.options.expert_dtype, experts=cfg.num_experts, **offload))
         common.progress(f"ours [{name}]: {tok_s:.1f} tok/s (median of {s.reps}; {rows[-1]['windows']} windows, "
                         f"{rows[-1]['drafts_accepted']}/{rows[-1]['drafts_proposed']} drafts accepted; start-up "
                         f"{start_s:.1f} s, compile {engine.stats.compile_s:.1f} s)")
@@ -241,10 +303,18 @@ def run_ours(s, cfg) -> list[dict]:
     return rows
 
 
-def peer_cpu_gbs(cfg, ncmoe: int, tok_s: float) -> float:
-    """A lower bound of llama.cpp's CPU expert rate at -ncmoe N: the F16 experts its CPU reads per token (N layers'
-    top-K experts, each read once) over the whole token's time (its GPU part and the hand-offs included)."""
-    return ncmoe * cfg.num_experts_per_tok * cfg.expert_bytes(2) * tok_s / 1e9
+def peer_cpu_gbs(cfg, ncmoe: int, tok_s: float, layer_bytes: list[float] | None = None,
+                 top_k: int | None = None) -> float:
+    """A lower bound of llama.cpp's CPU expert rate at -ncmoe N: the experts its CPU reads per token (N layers'
+    top-K experts, each read once; F16 of cfg, or a file's bytes of an expert per layer and its top_k) over the
+    whole token's time (its GPU part and the hand-offs included)."""
+    cpu_bytes = sum(layer_bytes[:ncmoe]) if layer_bytes else ncmoe * cfg.expert_bytes(2)
+    return cpu_bytes * (top_k or cfg.num_experts_per_tok) * tok_s / 1e9
+
+
+def peer_vram_share(ncmoe: int, layer_bytes: list[float]) -> float:
+    """The share of the expert bytes llama.cpp keeps on the GPU at -ncmoe N (the first N layers' on the CPU)."""
+    return sum(layer_bytes[ncmoe:]) / sum(layer_bytes)
 
 
 def ours_pool_gbs(cfg, experts, itemsize: int) -> float | None:
@@ -262,15 +332,94 @@ def host_read_gbs(mib: int) -> tuple[float | None, int]:
     return (read_gbps(mib << 20, threads) if mib else None), threads
 
 
+def run_quant(s, cfg, qtypes: list[str], peer_ok: bool, result: dict) -> dict:
+    """--quant: each type's file made (llama-quantize), the peer's arms on every file first (JAX then takes the
+    GPU's memory), then ours loading each; one table with a type column."""
+    f16 = Path(s.gguf or f"/tmp/{s.model}-{cfg.num_layers}.gguf")
+    quantize = s.llama_quantize or (str(Path(s.llama_bench).with_name("llama-quantize")) if s.llama_bench else "")
+    by_type = result["types"] = {}
+    for qtype in qtypes:
+        path = quant_path(f16, qtype)
+        if not path.is_file():
+            if not (quantize and Path(quantize).is_file()):
+                common.say(f"{qtype}: {path} not found and no llama-quantize ({quantize or 'none'}): skipped")
+                continue
+            ensure_gguf(s.model, cfg.num_layers, f16, s.gguf_py)
+            path = ensure_quantized(quantize, f16, qtype)
+        layer_bytes, top_k = layer_expert_bytes(path)
+        entry = by_type[qtype] = dict(path=str(path), layer_expert_bytes=layer_bytes, top_k=top_k, peer=[], ours=[])
+        if peer_ok:
+            entry["peer"] = run_peer(s, path) + (run_peer_sampled(s, path) if s.peer_sampling else [])
+    for qtype, entry in by_type.items():
+        entry["ours"] = run_ours(s, cfg, model_path=Path(entry["path"]))
+    read = result["host_read_gbs"]
+    rows = []
+    for qtype, entry in by_type.items():
+        layer_bytes = entry["layer_expert_bytes"]
+        base = next((r["tok_s"] for r in entry["peer"] if r.get("ncmoe") == 0 and "tok_s" in r
+                     and not r.get("sampled")), None)
+        peer_at = {}  # VRAM share -> the peer's greedy tok/s there
+        for r in entry["peer"]:
+            share = peer_vram_share(r.get("ncmoe") or 0, layer_bytes)
+            note = f"eval alone {r['eval_tok_s']:.1f} tok/s" if "eval_tok_s" in r else ""
+            if "tok_s" in r and not r.get("sampled"):
+                peer_at[share] = r["tok_s"]
+            if r.get("ncmoe") and "tok_s" in r:
+                r["cpu_gbs_at_least"] = peer_cpu_gbs(cfg, r["ncmoe"], r["tok_s"], layer_bytes, entry["top_k"])
+                note += ("; " if note else "") + f"CPU experts >= {r['cpu_gbs_at_least']:.1f} GB/s" + (
+                    f" ({r['cpu_gbs_at_least'] / read:.0%} of the host's read)" if read else "")
+            ok = "tok_s" in r
+            rows.append([qtype, "llama.cpp", r["arm"], 100 * share, r["tok_s"] if ok else r.get("error"),
+                         1000 / r["tok_s"] if ok else "-", r["tok_s"] / base if base and ok else "-", "-", "-", "-",
+                         note or "-"])
+        for r in entry["ours"]:
+            share = r["slots"] / r["experts"] if "slots" in r else 1.0
+            same = next((tok for sh, tok in peer_at.items() if abs(sh - share) < 0.02), None)
+            note = f"{r['expert_dtype']}; {r['windows']:.0f} windows" + (
+                f", {r['drafts_accepted']:.0f}/{r['drafts_proposed']:.0f} drafts accepted" if r["drafts_proposed"]
+                else "")
+            if "slots" in r:
+                note += f"; {r['slots']} slots, pcie_frac {r['pcie_frac']:g}"
+                if r.get("pool_gbs"):
+                    note += f"; pool {r['pool_gbs']:.1f} GB/s"
+            rows.append([qtype, "strata_jax", r["arm"], 100 * share, r["tok_s"], 1000 / r["tok_s"],
+                         r["tok_s"] / base if base else "-", r["tok_s"] / same if same else "-",
+                         100 * r.get("hit_rate", 1.0), r["pcie_mb_per_token"], note])
+    headers = ["type", "engine", "arm", "% expert bytes in VRAM", "tok/s", "ms/token", "x llama.cpp all-GPU",
+               "x llama.cpp same VRAM", "hit rate (%)", "PCIe MB/token", "notes"]
+    table = common.format_table(headers, rows)
+    result["table"] = table
+    layers = sorted({len(e["layer_expert_bytes"]) for e in by_type.values()})
+    common.say(f"peer_bench --quant: llama-quantize {', '.join(by_type) or 'none'} of {f16} "
+               f"({'/'.join(map(str, layers))} layers), on {result['device']['device_kind']}; {s.n_gen} new tokens per request")
+    runner.emit(runner.rows_from_table(
+        "peer_bench", headers, rows, params=["type", "engine", "arm"],
+        fixed=dict(model=s.model, gguf=str(f16), n_gen=s.n_gen),
+        timing="llama.cpp: llama-bench tg, mean of -r; strata_jax: Engine.generate's decode tok/s, median of --reps "
+               "requests after a warm-up; both read the same quantized file", units={"PCIe MB/token": "MB"}),
+        getattr(s, "output", "md"), table=table, result=result)
+    common.say("both engines read each type's file (ours: Engine.from_pretrained, experts kept packed); the routing "
+               "spread is the file's random routers (--embed_scale does not apply); x llama.cpp same VRAM: over the "
+               "peer's -ncmoe arm keeping the same share of the expert bytes on the GPU (within 2 points); PCIe "
+               "MB/token: our decode's expert fetches over the decode tokens (the peer's CPU experts cross no PCIe)")
+    if s.json:
+        common.write_json(s.json, result)
+    return result
+
+
 def run(s) -> dict:
     from strata_jax.model.config import preset
     cfg = preset(s.model, layers=s.layers or None)
+    qtypes = parse_quant(s.quant)
     result = dict(benchmark="peer_bench", settings={n: getattr(s, n) for n in FLAGS}, peer=[], ours=[])
     read, threads = host_read_gbs(s.read_mib)
     result["host_read_gbs"], result["host_threads"] = read, threads
     peer_ok = bool(s.llama_bench) and Path(s.llama_bench).is_file()
     if s.llama_bench and not peer_ok:
         common.say(f"peer: {s.llama_bench} not found: our arms only (build it with benchmarks/peer/build_llama.sh)")
+    if qtypes:
+        result["device"] = common.device_info()
+        return run_quant(s, cfg, qtypes, peer_ok, result)
     if peer_ok:
         gguf = ensure_gguf(s.model, cfg.num_layers, Path(s.gguf or f"/tmp/{s.model}-{cfg.num_layers}.gguf"),
                            s.gguf_py)

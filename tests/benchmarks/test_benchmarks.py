@@ -338,6 +338,76 @@ def test_the_peers_sampled_arm_takes_our_settings_and_reads_its_own_timings():
     assert completion_tok_s("no perf lines") is None
 
 
+FAKE_LLAMA_QUANTIZE = '''#!{python}
+"""Stands in for `llama-quantize F16 OUT TYPE`: copies the tiny GGUF of TYPE written beforehand."""
+import pathlib, shutil, sys
+src, out, qtype = sys.argv[1:4]
+assert pathlib.Path(src).is_file(), src
+shutil.copy(pathlib.Path({made!r}) / (qtype + ".gguf"), out)
+'''
+
+
+def test_peer_bench_quant_reads_each_quantized_file(tmp_path, capsys, cache_dir, monkeypatch):
+    """peer_bench --quant=Q4_K_M,Q2_K on a 2-layer, 8-expert model: a stand-in llama-quantize makes each type's file
+    beside the F16 one (copies of tiny Q4_K / Q2_K GGUFs), the stand-in llama-bench runs the peer's arms on it, ours
+    load it (experts kept packed); a row per (type, engine, arm) with the ratio at the same share of expert bytes in
+    VRAM, hit rate and PCIe MB a token. Then --llama_bench= with the files made: ours alone; a bad type: one line."""
+    import sys
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as Q
+
+    from benchmarks import peer_bench
+    from strata_jax.model import quant
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "io"))
+    import test_gguf
+    raw, hub = test_gguf.block_checkpoint(seed=40)
+    made = tmp_path / "made"
+    made.mkdir()
+    blocks = {Q.Q4_K: quant.q4k_blocks, Q.Q2_K: quant.q2k_blocks}
+    for qtype, gate_up in (("Q4_K_M", Q.Q4_K), ("Q2_K", Q.Q2_K)):
+        test_gguf.write_gguf(made / f"{qtype}.gguf", raw, hub,
+                             types=lambda g: (Q.Q4_K if "down_exps" in g else gate_up) if "_exps" in g else Q.F32,
+                             encoder=lambda x, t: blocks[t](x) if t in blocks else test_gguf.encode(x, t))
+    bench, quantize = tmp_path / "llama-bench", tmp_path / "llama-quantize"
+    bench.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable))
+    quantize.write_text(FAKE_LLAMA_QUANTIZE.format(python=sys.executable, made=str(made)))
+    bench.chmod(0o755)
+    quantize.chmod(0o755)
+    f16 = tmp_path / "tiny.gguf"
+    f16.write_bytes(b"GGUF")  # present: nothing is written (the stand-in quantizer does not read it)
+    ours = f"expert_cache_slots=4,pcie_frac=1,spec=0,dtype=float32,cpu_threads=2,cache_dir={cache_dir}"
+    args = ["peer_bench", "--quant=q4_k_m,Q2_K", "--ncmoe=1", f"--ours={ours}", "--n_gen=6", "--prompt_tokens=8",
+            "--reps=1", "--read_mib=0", "--nowarmup_arm", f"--gguf={f16}"]
+    result = peer_bench.main(args + [f"--llama_bench={bench}"])
+    assert sorted(p.name for p in tmp_path.glob("tiny-*.gguf")) == ["tiny-Q2_K.gguf", "tiny-Q4_K_M.gguf"]
+    table = [[c.strip() for c in ln.split("|")[1:-1]] for ln in capsys.readouterr().out.splitlines()
+             if ln.startswith("|")]
+    assert table[0][:4] == ["type", "engine", "arm", "% expert bytes in VRAM"] and len(table) == 2 + 2 * 3
+    for qtype, fmt in (("Q4_K_M", "int4-q4k"), ("Q2_K", "int2-q2k/int4-q4k")):
+        entry = result["types"][qtype]
+        assert entry["path"] == str(tmp_path / f"tiny-{qtype}.gguf") and len(entry["layer_expert_bytes"]) == 2
+        assert [(r["ncmoe"], r["tok_s"]) for r in entry["peer"]] == [(0, 50.0), (1, 50.0)]  # the stand-in's tg
+        (r,) = entry["ours"]
+        assert r["expert_dtype"] == fmt and r["slots"] == 4 and 0 <= r["hit_rate"] < 1 and r["tok_s"] > 0
+        assert r["pcie_mb_per_token"] > 0
+        rows = {(c[0], c[1], c[2]): c for c in table[2:]}
+        mine = rows[(qtype, "strata_jax", ours)]
+        assert float(mine[3]) == 50.0 and float(rows[(qtype, "llama.cpp", "-ngl 99 -fa 1 -ncmoe 1")][3]) == 50.0
+        assert float(mine[7]) == pytest.approx(r["tok_s"] / 50.0, rel=1e-2)  # beside -ncmoe 1: half the bytes
+    # No peer, the files there: no quantizing, our rows alone.
+    quantize.unlink()
+    result = peer_bench.main(args[:1] + ["--quant=Q2_K"] + args[2:] + ["--llama_bench="])
+    assert list(result["types"]) == ["Q2_K"] and not result["types"]["Q2_K"]["peer"]
+    assert result["types"]["Q2_K"]["ours"][0]["pcie_mb_per_token"] > 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        peer_bench.main(["peer_bench", "--quant=Q4_K_X", "--llama_bench="])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--quant: 'Q4_K_X' is not a llama-quantize type" in err
+
+
 def test_options_written_as_text_convert_by_their_types():
     """peer_bench --ours="temperature=1,top_p=0.9,..." and the like: text values take their option's type (a request
     option as much as an engine option), bad values are one StrataError line."""
