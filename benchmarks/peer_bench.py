@@ -62,7 +62,7 @@ flags.DEFINE_float("embed_scale", 1.0, "Our arms' random embedding multiplied by
 flags.DEFINE_integer("read_mib", 2048, "Array size of the host read-bandwidth probe (all threads reading one array: "
                      "the yardstick of both engines' CPU expert rates; 0 = none).", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_bool("warmup_arm", True, "Run the first of our arms once, untimed, before the timed arms: the first "
-                  "engine of a process ran 20-30% slow on the GPU machine (h200-2026-12-06d-offload).",
+                  "engine of a process ran 20-30% slow on the GPU machine (h200-2026-12-06d-offload); once a process.",
                   flag_values=FLAGS)
 flags.DEFINE_string("quant", "", "llama-quantize types, comma-separated (e.g. Q4_K_M,Q2_K): each made from the F16 "
                     "GGUF with --llama_quantize (<stem>-<type>.gguf beside it; kept when there), then the peer's arms "
@@ -236,8 +236,9 @@ def run_peer_sampled(s, gguf: Path) -> list[dict]:
     return rows
 
 
-def run_ours(s, cfg, model_path: Path | None = None) -> list[dict]:
-    """Our arms: engines of random weights of `cfg`, or (model_path) each loaded from that GGUF."""
+def run_ours(s, cfg, model_path: Path | None = None, warmup: bool = True) -> list[dict]:
+    """Our arms: engines of random weights of `cfg`, or (model_path) each loaded from that GGUF; warmup: the
+    --warmup_arm run first (once a process: --quant's later types go without)."""
     import jax
     import numpy as np
     from strata_jax.engine.api import Engine
@@ -247,7 +248,7 @@ def run_ours(s, cfg, model_path: Path | None = None) -> list[dict]:
     rows = []
     rng = np.random.default_rng(0)
     arms = parse_ours(s.ours)
-    if s.warmup_arm and arms:  # the first arm again, first, its row dropped (--warmup_arm)
+    if s.warmup_arm and warmup and arms:  # the first arm again, first, its row dropped (--warmup_arm)
         arms = [(None, arms[0][1])] + arms
     for name, opts in arms:
         engine_opts, request_opts = split_options(from_text(opts))  # "temperature=1": a number, as the flags
@@ -350,8 +351,8 @@ def run_quant(s, cfg, qtypes: list[str], peer_ok: bool, result: dict) -> dict:
         entry = by_type[qtype] = dict(path=str(path), layer_expert_bytes=layer_bytes, top_k=top_k, peer=[], ours=[])
         if peer_ok:
             entry["peer"] = run_peer(s, path) + (run_peer_sampled(s, path) if s.peer_sampling else [])
-    for qtype, entry in by_type.items():
-        entry["ours"] = run_ours(s, cfg, model_path=Path(entry["path"]))
+    for i, (qtype, entry) in enumerate(by_type.items()):
+        entry["ours"] = run_ours(s, cfg, model_path=Path(entry["path"]), warmup=i == 0)
     read = result["host_read_gbs"]
     rows = []
     for qtype, entry in by_type.items():

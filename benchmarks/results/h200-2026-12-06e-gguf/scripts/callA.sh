@@ -15,7 +15,7 @@ tail -3 $L.log | cut -c1-200; ls -la /dev/shm/
 setsid nohup bash -c "for t in Q4_K_M Q2_K; do s=\$SECONDS; $L/build/bin/llama-quantize $G /dev/shm/qwen3-30b-a3b-12-\$t.gguf.part \$t \
   > /tmp/quant-\$t.log 2>&1 && mv /dev/shm/qwen3-30b-a3b-12-\$t.gguf.part /dev/shm/qwen3-30b-a3b-12-\$t.gguf; \
   echo \"\$t rc=\$? in \$((SECONDS-s)) s\" >> /tmp/quant.done; done" > /dev/null 2>&1 < /dev/null &
-timeout $((560 - (SECONDS - T0))) python3 -m pytest -q -p no:cacheprovider -o console_output_style=classic \
+timeout $((540 - (SECONDS - T0))) python3 -m pytest -q -p no:cacheprovider -o console_output_style=classic \
   tests/io/test_gguf_llama.py tests/io/test_gguf_q4k.py tests/io/test_gguf_mixed.py -k "llama or kernel_scan or offloaded or widened" > $OUT/tests.log 2>&1
 echo "tests rc=$? at $((SECONDS - T0)) s: $(tail -1 $OUT/tests.log | cut -c1-160)"
 grep -E "^(FAILED|ERROR)|Error" $OUT/tests.log | head -5 | cut -c1-200
