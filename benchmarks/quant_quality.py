@@ -114,7 +114,8 @@ def _tool_error(proc, tool: str) -> str:
     """The last stderr lines of a failed llama.cpp tool that say why (its errors end its log)."""
     lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
     why = [ln for ln in lines if "error" in ln.lower() or "failed" in ln.lower() or "unknown" in ln.lower()]
-    return f"{tool} failed ({proc.returncode}): {(why or lines or ['?'])[-1][:300]}"
+    why = [ln for ln in why if "failed to quantize:" in ln] or why  # llama-quantize's reason, before its last line
+    return f"{tool} failed ({proc.returncode}): {(why[:1] or lines[-1:] or ['?'])[0][:300]}"
 
 
 def _run_tool(cmd: list, tool: str) -> None:
@@ -174,7 +175,9 @@ def expert_types(path: Path) -> dict:
             fams.setdefault(m.group(1), set()).add(t.tensor_type.name)
             nbytes += int(t.n_bytes)
             nweights += int(t.n_elements)
-    return dict(families={k: sorted(v) for k, v in fams.items()}, bits_per_weight=8 * nbytes / max(nweights, 1))
+    order = ["gate", "up", "gate_up", "down"]
+    return dict(families={k: sorted(fams[k]) for k in sorted(fams, key=order.index)},
+                bits_per_weight=8 * nbytes / max(nweights, 1))
 
 
 def held_experts(line: str) -> str:
@@ -222,7 +225,8 @@ def gguf_rows(s, name: str, folder: Path, ids, base, targets, qtypes: list[str],
                    bits_per_weight=info.get("bits_per_weight"), engine_holds=held, ref_ppl=ref_ppl, **(m or {}))
         result["gguf_rows"].append(row)
         if why is not None:
-            rows.append([name, qtype, why, "-", "-", "-", "-", "-", "-", "-"])
+            bpw = info.get("bits_per_weight", "-")
+            rows.append([name, qtype, fams, bpw, why, "-", "-", "-", "-", "-"])
             common.progress(f"{name} {qtype}: {why}")
             return
         rows.append([name, qtype, fams, info["bits_per_weight"], held, m["kl_mean"], m["kl_p99"], m["top1"],
@@ -263,6 +267,7 @@ def gguf_rows(s, name: str, folder: Path, ids, base, targets, qtypes: list[str],
     for qtype in qtypes:
         t0 = time.perf_counter()
         out = stem.with_name(f"{stem.name}-{qtype}.gguf")
+        info = None
         try:
             _run_tool([s.llama_quantize] + (["--imatrix", imatrix] if imatrix else []) + [f32, out, qtype, 2],
                       "llama-quantize")
@@ -272,7 +277,7 @@ def gguf_rows(s, name: str, folder: Path, ids, base, targets, qtypes: list[str],
             del eng
             gc.collect()
         except Exception as e:  # noqa: BLE001 - a row that says why, the other types still run
-            add(qtype, why=str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+            add(qtype, why=str(e).splitlines()[0][:300] if str(e) else type(e).__name__, info=info)
             continue
         add(qtype, info=info, held=held_experts(line), m=m, ref_ppl=ref_ppl)
         result["gguf_rows"][-1]["gguf_line"] = line
