@@ -471,3 +471,64 @@ def test_batch_bench_tiny_offload(tmp_path, capsys, cache_dir):
         assert 0 <= r["hit_rate"] <= 1
     table_lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
     assert "fetched/window" in table_lines[0] and len(table_lines) == 2 + 3
+
+
+FAKE_QUANTIZE_COPY = '''#!{python}
+"""Stands in for `llama-quantize [--imatrix F] F32 OUT TYPE [THREADS]`: copies the GGUF of TYPE written beforehand;
+an unknown type fails as llama-quantize does."""
+import pathlib, shutil, sys
+args = sys.argv[1:]
+if args[0] == "--imatrix":
+    args = args[2:]
+src, out, qtype = args[:3]
+assert pathlib.Path(src).is_file(), src
+made = pathlib.Path({made!r}) / (qtype + ".gguf")
+if not made.is_file():
+    sys.exit("main: invalid ftype " + repr(qtype))
+shutil.copy(made, out)
+'''
+
+
+def test_quant_quality_gguf_types_score_each_file(tmp_path, capsys, cache_dir):
+    """quant_quality --gguf_types on the embedded tiny model, no llama.cpp: the model written as an F32 GGUF (the
+    checkpoint's logits: KL 0), a stand-in llama-quantize copying a Q8_0 GGUF of the same model (written with
+    gguf's quantizer), loaded as a user loads it (experts kept in int8-g32) and scored against the F32 GGUF; a type
+    the quantizer refuses is a row saying so; no --llama_quantize is one line."""
+    import json
+    import sys
+
+    from gguf import GGMLQuantizationType as Q
+
+    from benchmarks import quant_quality
+    from strata_jax.io import gguf_write
+    from strata_jax.io.embedded import resolve_model
+    folder = resolve_model("embedded", cache_dir)
+    made = tmp_path / "made"
+    made.mkdir()
+    quant_quality.write_f32_gguf(folder, made / "F32.gguf")  # the writer's own output, then Q8_0 experts
+    raw = json.loads((folder / "config.json").read_text())
+    from safetensors.numpy import load_file
+    hub = gguf_write.stacked(load_file(folder / "model.safetensors"), raw["num_hidden_layers"], raw["num_experts"])
+    gguf_write.write_gguf(made / "Q8_0.gguf", raw, hub, types=lambda g: Q.Q8_0 if "_exps" in g else Q.F32,
+                          metadata=gguf_write.hf_tokenizer_metadata(folder, raw["vocab_size"]))
+    quantize = tmp_path / "llama-quantize"
+    quantize.write_text(FAKE_QUANTIZE_COPY.format(python=sys.executable, made=str(made)))
+    quantize.chmod(0o755)
+    args = ["quant_quality", "--models=embedded", "--formats=", "--positions=12", f"--cache_dir={cache_dir}",
+            "--gguf_types=q8_0,Q9_9", f"--llama_quantize={quantize}", "--llama_imatrix=none",
+            f"--gguf_dir={tmp_path / 'work'}"]
+    result = quant_quality.main(args)
+    f32, q8, bad = result["gguf_rows"]
+    assert f32["gguf_type"] == "F32 (vs the checkpoint)" and f32["kl_mean"] < 1e-9 and f32["top1"] == 1.0
+    assert f32["families"] == {"gate": ["F32"], "up": ["F32"], "down": ["F32"]} and f32["bits_per_weight"] == 32
+    assert q8["families"] == {"gate": ["Q8_0"], "up": ["Q8_0"], "down": ["Q8_0"]}
+    assert q8["bits_per_weight"] == 8.5 and q8["engine_holds"] == "int8-g32" and "Q8_0" in q8["gguf_line"]
+    assert 0 < q8["kl_mean"] < 1e-2 and q8["top1"] > 0.8 and q8["ref_ppl"] == f32["ppl"]
+    assert not bad["applicable"] and "llama-quantize failed (1): main: invalid ftype 'Q9_9'" in bad["why"]
+    out = capsys.readouterr().out
+    assert "| embedded | Q8_0 " in out and "| embedded | Q9_9 " in out
+    with pytest.raises(SystemExit) as e:
+        quant_quality.main(args[:-3] + [f"--llama_quantize={tmp_path / 'none'}"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gguf_types needs --llama_quantize=PATH" in err
