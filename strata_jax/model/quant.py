@@ -46,7 +46,7 @@ float32 (fp16 d times a small integer) and s q exact too, so dequantizing gives 
 values bit for bit (one rounding for the minimum, as gguf's):
   "int4-g32f": Q4_0 (s = d, q = nibble - 8): int4's packing is Q4_0's, so the nibbles are copied as they are;
   "int4-g32m": Q4_1 (s = d, mn = -m, q the nibble);
-  "int8-g32": Q8_0 (s = d); "int8-g16": Q6_K (s = d sc, q in -32..31), Q3_K (s = d (sc - 32), q in -4..3);
+  "int8-g32": Q8_0 (s = d), Q5_0 (s = d, q in -16..15); "int8-g32m": Q5_1 too (s = d, mn = -m); "int8-g16": Q6_K (s = d sc, q in -32..31), Q3_K (s = d (sc - 32), q in -4..3);
   "int8-g32m": Q5_K (s = d sc, mn = dmin m, q in 0..31); "int8-g16m": Q2_K (s = d sc, mn = dmin m, q in 0..3) by
   name only (expert_dtype=int8-g16m, `keeps`): GGUF_KEPT holds Q2_K packed as int2-q2k; and a family whose layers
   mix types (a Q4_K_M file's down experts: Q4_K and Q6_K), each type's values widened into it (`WIDE`, `widen`).
@@ -365,8 +365,10 @@ def q2k_blocks(w: np.ndarray) -> np.ndarray:
 # ---- GGUF types kept as read: int4 / int8 groups with float32 scales (and minima) ----------------------------------
 
 GGUF_KEPT = {"Q4_0": "int4-g32f", "Q4_1": "int4-g32m", "Q8_0": "int8-g32", "Q6_K": "int8-g16", "Q3_K": "int8-g16",
-             "Q5_K": "int8-g32m", "Q2_K": Q2K, "Q4_K": Q4K}  # GGUF type -> the engine format keeping it
+             "Q5_K": "int8-g32m", "Q2_K": Q2K, "Q4_K": Q4K,  # GGUF type -> the engine format keeping it
+             "Q5_0": "int8-g32", "Q5_1": "int8-g32m"}  # llama-quantize's fallbacks for rows no super-block divides
 GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q6_K": (QK_K, 210), "Q3_K": (QK_K, 110),
+               "Q5_0": (32, 22), "Q5_1": (32, 24),
                "Q5_K": (QK_K, 176), "Q2_K": (QK_K, 84), "Q4_K": (QK_K, Q4K_BLOCK_BYTES)}  # (inputs, bytes) a block
 # The IQ types (issue 36): q the integer each weight is (a grid value times its sign, IQ4's table value, IQ1's
 # 8 (grid + delta)), s the group scale in gguf.quants' own float32 steps (`_gguf_iq`)
@@ -387,7 +389,7 @@ def keeps(expert_format: str, qtype: str) -> bool:
 # A family of stacks of several types (a Q4_K_M file's down experts: Q6_K, some layers Q4_K; Q3_K_M's: Q3_K, Q4_K,
 # Q5_K) is held in the one format that holds each of them exactly: int8 q with a scale and a minimum per 16 inputs.
 WIDE = "int8-g16m"
-WIDENED = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", *IQ_KEPT)  # int8 q, groups of 16 or 32: `widen`
+WIDENED = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", *IQ_KEPT)  # int8 q, groups of 16 or 32: `widen`
 
 
 def holds(expert_format: str, qtype: str) -> bool:
@@ -438,6 +440,16 @@ def gguf_kept(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
         q = b[:, at:]  # [N, 16] packed as they are
     elif qtype == "Q8_0":
         s, q = _f16(b[:, 0:2])[:, None], b[:, 2:].view(np.int8)
+    elif qtype in ("Q5_0", "Q5_1"):  # q = low nibble (byte j: inputs j and j + 16) | bit i of qh << 4
+        s, at = _f16(b[:, 0:2])[:, None], 2 if qtype == "Q5_0" else 4
+        if qtype == "Q5_1":
+            minima = -_f16(b[:, 2:4])[:, None]  # w = d q + m = s q - (-m)
+        qh = np.ascontiguousarray(b[:, at:at + 4]).view("<u4")  # [N, 1]
+        qh = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, 32]
+        ql = (b[:, at + 4:, None] >> np.array([0, 4], np.uint8)) & 0x0F  # [N, 16, 2]
+        q = (np.swapaxes(ql, 1, 2).reshape(n, 32) | (qh << 4)).astype(np.int8)
+        if qtype == "Q5_0":
+            q = q - np.int8(16)
     elif qtype == "Q6_K":
         ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(np.int8), _f16(b[:, 208:210])
         s = d[:, None] * sc.astype(np.float32)  # [N, 16]
@@ -776,9 +788,10 @@ KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f.endswith(("f", "m")) or f.st
 def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
     """The format of the engine option expert_dtype (auto: None) for experts of these input widths (hidden,
     intermediate): int4 takes groups of 64 where both are multiples of 64, else of 32; ValueError if neither. A pair
-    "gate_up/down" (per-family formats): each family's, the pair's name back."""
+    "gate_up/down" (per-family formats): each family's for its own input width (gate / up read hidden inputs, down
+    intermediate ones), the pair's name back."""
     if FAMILY_SEP in expert_dtype:
-        return pair_format(*(engine_format(f, widths) for f in family_formats(expert_dtype)))
+        return pair_format(*(engine_format(f, (w,)) for f, w in zip(family_formats(expert_dtype), widths)))
     if expert_dtype in BLOCK_FORMATS:
         if any(w % QK_K for w in widths):
             raise ValueError(f"expert_dtype={expert_dtype} holds {'Q4_K' if expert_dtype == Q4K else 'Q2_K'} "

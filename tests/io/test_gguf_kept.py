@@ -31,7 +31,7 @@ D = {"Q6_K": 0.05 / 4000, "Q3_K": 0.05 / 128, "Q5_K": 0.05 / 2000, "Q2_K": 0.05 
 IQ_D = {"IQ2_XS": 0.05 / 50, "IQ3_S": 0.05 / 128, "IQ2_XXS": 0.05 / 50, "IQ3_XXS": 0.05 / 120, "IQ4_XS": 0.05 / 1000,
         "IQ4_NL": 0.05 / 60, "IQ2_S": 0.05 / 50, "IQ1_S": 0.05 / 5, "IQ1_M": 0.05 / 5}  # the IQ types (int8-g16/-g32)
 D.update(IQ_D)
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q3_K", "Q5_K", "Q2_K", *IQ_D)
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q3_K", "Q5_K", "Q2_K", *IQ_D)
 KEPT_AS = {**quant.GGUF_KEPT, "Q2_K": "int8-g16m"}  # Q2_K's float32-scaled form, asked for by name
 
 

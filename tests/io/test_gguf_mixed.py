@@ -150,3 +150,15 @@ def test_a_family_of_mixed_types_is_widened(tmp_path, cache_dir):
     want = [written[f"model.layers.{i}.mlp.experts.down_proj.weight"] for i in range(2)]
     np.testing.assert_array_equal(down[0], want[0])
     assert 0 < rel_fro(down[1], want[1]) < 0.02
+
+
+def test_each_family_takes_its_own_width():
+    """A family's format needs only its own input width to fit (gate / up read the hidden size, down the
+    intermediate one): llama-quantize's Q2_K of experts 96 wide keeps gate/up Q2_K and falls back to Q4_0 for down,
+    and the engine holds each as read; one format for both still needs both widths."""
+    assert quant.engine_format("int2-q2k/int4-g32f", (256, 96)) == "int2-q2k/int4-g32f"
+    assert quant.engine_format("int4-q4k/int8-g32", (256, 96)) == "int4-q4k/int8-g32"
+    with pytest.raises(ValueError, match="widths 256 and 96 are not multiples of 256"):
+        quant.engine_format("int2-q2k", (256, 96))
+    with pytest.raises(ValueError, match="width"):
+        quant.engine_format("int8-g32/int2-q2k", (256, 96))
