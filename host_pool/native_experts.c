@@ -11,17 +11,19 @@
      phase 2, threads over blocks of H rows:         out[out_j, r] += w_j * r(s_d * down[e, r] . h[j])
    r() rounds to bf16 (round to nearest even) when `round_bf16`, as the device's graphs round; s_* are int8's row
    scales (1 otherwise); int4 weights are (nibble - 8) * group scale, exact in float32, as store.py dequantizes.
-   int4-q4k (FMT_INT4K, GGUF Q4_K's blocks: w = s * nibble - mn per group of 32): int4's loops with the scales s
-   (a scale row holds the G scales, then the G minima), plus sum_g (8 s_g - mn_g) * sum(x over group g), the
-   group sums of x (and of h) taken once per job: the dot with s * nibble - mn up to float32 rounding.
+   int4-q4k (FMT_INT4KR, GGUF Q4_K's blocks: w = s * nibble - mn per group of 32): int4's loops with the scales s,
+   plus sum_g (8 s_g - mn_g) * sum(x over group g), the group sums of x (and of h) taken once per job: the dot with
+   s * nibble - mn up to float32 rounding. s = d sc and mn = dmin m are decoded per group from the store's
+   super-block records (q4k_scale_min: fp16 d, dmin and 12-bit codes, the file's 4.5 bits a weight) where they are
+   used. Q4_1 (FMT_INT4K, "int4-m") runs the same with float32 scale rows: G scales, then G minima.
    int8-g (FMT_INT8G, GGUF types kept as read, strata_jax/model/quant.py: Q8_0, Q6_K, Q3_K; FMT_INT8GM with minima:
    Q5_K, Q2_K): int8 q with a float32 scale per group of `group` inputs (and a minimum: a scale row holds the G
    scales, then the G minima); each weight is dequantized in registers, fma(q, s, -mn) = s q - mn rounded once
    (s q is exact), gguf's float32 value, then dotted as float32 weights are.
    int2-q2k (FMT_INT2K, GGUF Q2_K's blocks, quant.py "int2-q2k": q in 0..3 four a byte, in each chunk of 64 inputs
-   byte b holds inputs b, b + 16, b + 32, b + 48 at shifts 0, 2, 4, 6; a float32 scale and minimum per group of 16,
-   a scale row G scales then G minima): int8-g's way, each weight fma(q, s, -mn) in registers (gguf's value), the
-   crumbs widened from bytes by a shift and a mask (dot_rows_int2k_nt).
+   byte b holds inputs b, b + 16, b + 32, b + 48 at shifts 0, 2, 4, 6; a scale and minimum per group of 16 decoded
+   from the store's records, q2k_scale_min, 2.625 bits a weight): int8-g's way, each weight fma(q, s, -mn) in
+   registers (gguf's value), the crumbs widened from bytes by a shift and a mask (dot_rows_int2k_nt).
    Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside Q6_K down, each kept as read): a job's phase 1
    reads gate/up in `fmt` with groups of `group`, phase 2 reads down in `fmt_down` with `group_down`; each phase's
    minima, group sums and bf16 path follow its own format.
@@ -71,8 +73,10 @@
 #include <omp.h>
 #endif
 
+/* FMT_INT4K: int4 with float32 scales and minima (Q4_1, "int4-m"); FMT_INT4KR: int4-q4k, the same loops with the
+   scales and minima decoded from the store's super-block records (q4k_scale_min); FMT_INT2K: int2-q2k's records */
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT4K = 4, FMT_INT8G = 5, FMT_INT8GM = 6,
-       FMT_INT2K = 7 };
+       FMT_INT2K = 7, FMT_INT4KR = 8 };
 enum { TOKENS = 4 };      /* token rows read per pass over a weight row */
 /* weight rows per work item of phase 1 / phase 2 (-D to try others: host_pool/measure.py --variants) */
 #ifndef ROWS_UP
@@ -227,6 +231,44 @@ static inline float scalar_weight(int fmt, const void *row, long k)
     }
 }
 
+/* fp16 bits at p (little-endian) -> float32, exactly (F16C where the build has it) */
+static inline float half_at(const uint8_t *p)
+{
+    const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    float f;
+    if (e == 31) {  /* inf, NaN */
+        const uint32_t bits = sign | 0x7f800000u | m << 13;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    f = e ? ldexpf((float)(m | 1024), (int)e - 25) : ldexpf((float)m, -24);  /* exact: 11 bits */
+    return sign ? -f : f;
+#endif
+}
+
+/* int4-q4k's and int2-q2k's codes as the store keeps them (store.py block_records): per output row one record a
+   super-block of 256 inputs, fp16 d, fp16 dmin, then its groups' codes (q4k: 8 of 12 bits sc | m << 6, groups 2k
+   and 2k + 1 in bytes 3k .. 3k + 2; q2k: 16 bytes sc | m << 4). Group g's s = d sc and mn = dmin m, decoded where
+   they are used: the float32 products store.py's block_scale_min gives (fp16 times a small integer: exact). */
+enum { Q4K_RECORD = 16, Q2K_RECORD = 20 };
+static inline void q4k_scale_min(const uint8_t *records, long g, float *s, float *mn)
+{
+    const uint8_t *record = records + (g >> 3) * Q4K_RECORD, *pair = record + 4 + 3 * ((g & 7) >> 1);
+    const uint32_t code = ((uint32_t)pair[0] | (uint32_t)pair[1] << 8 | (uint32_t)pair[2] << 16) >> (12 * (g & 1));
+    *s = half_at(record) * (float)(code & 63);
+    *mn = half_at(record + 2) * (float)((code >> 6) & 63);
+}
+static inline void q2k_scale_min(const uint8_t *records, long g, float *s, float *mn)
+{
+    const uint8_t *record = records + (g >> 4) * Q2K_RECORD, code = record[4 + (g & 15)];
+    *s = half_at(record) * (float)(code & 15);
+    *mn = half_at(record + 2) * (float)(code >> 4);
+}
+
 /* Software prefetch of the weights PREFETCH_BYTES ahead of those being read, one cache line per 64 bytes read: the
    rows of a work item lie one after the other, so this reaches into the item's next row too. With several tokens a
    row takes longer than the memory's latency to compute, and the hardware prefetcher alone left the reads and the
@@ -306,23 +348,26 @@ static inline __attribute__((always_inline)) void dot_rows_nt(int fmt, const voi
     }
 }
 
-/* out[t] = dequantized int4 row . xs[t]: packed [n/2] bytes, scales [n/group]. The products are those of the
+/* out[t] = dequantized int4 row . xs[t]: packed [n/2] bytes, scales [n/group] (or, records non-NULL, int4-q4k's
+   records: each group's s decoded as it is reached). The products are those of the
    dequantized weights (q - 8) * scale, exact in float32 as store.py's, so this is dot_rows_nt's sum over the
    dequantized row in another order: per token four chains (low and high nibbles of even and odd VL-byte steps in a
    group), added at the end. HALF (group / 2) is a constant where dot_rows_int4 dispatches the usual groups, so the
    chains stay in registers; half groups not of VL bytes go through a scalar loop. */
-static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t *packed, const float *scales, long n,
-                                                                   const long HALF, const float *const *xs,
-                                                                   float *out, const int NT)
+static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t *packed, const float *scales,
+                                                                   const uint8_t *records, long n, const long HALF,
+                                                                   const float *const *xs, float *out, const int NT)
 {
     vf acc[4 * TOKENS];
     _Pragma("GCC unroll 16")
     for (int a = 0; a < 4 * NT; a++) acc[a] = v_zero();
     float tail[TOKENS] = {0};
-    for (long g0 = 0; g0 < n; g0 += 2 * HALF, packed += HALF, scales++) {
+    for (long g0 = 0, g = 0; g0 < n; g0 += 2 * HALF, packed += HALF, g++) {
+        float scale, unused;
+        if (records) q4k_scale_min(records, g, &scale, &unused); else scale = scales[g];
         if (HALF % VL == 0) {
             prefetch_ahead((const char *)packed, HALF);
-            const int4_table table = v_int4_table(*scales);
+            const int4_table table = v_int4_table(scale);
             for (long b = 0; b < HALF; b += VL) {
                 const int chain = (int)(b / VL % 2) * 2;
                 vf low, high;
@@ -337,8 +382,8 @@ static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t
             for (long b = 0; b < HALF; b++)
                 _Pragma("GCC unroll 16")
                 for (int t = 0; t < NT; t++)
-                    tail[t] += (float)((packed[b] & 15) - 8) * *scales * xs[t][g0 + b]
-                             + (float)((packed[b] >> 4) - 8) * *scales * xs[t][g0 + HALF + b];
+                    tail[t] += (float)((packed[b] & 15) - 8) * scale * xs[t][g0 + b]
+                             + (float)((packed[b] >> 4) - 8) * scale * xs[t][g0 + HALF + b];
         }
     }
     _Pragma("GCC unroll 16")
@@ -381,23 +426,31 @@ static inline __attribute__((always_inline)) void dot_rows_int8g_nt(const int8_t
     for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]) + tail[t];
 }
 
-/* out[t] = dequantized int2-q2k row . xs[t]: packed [n/4] bytes (n a multiple of 64), scales [2G] (G = n/16: the
-   scales, then the minima); each weight fma(q, s, -mn), exactly gguf's value. A chunk's VL bytes are read once for
-   its four groups (shift 2s: group 4c + s); two chains per token (even and odd groups). */
-static inline __attribute__((always_inline)) void dot_rows_int2k_nt(const uint8_t *packed, const float *scales, long n,
-                                                                    const float *const *xs, float *out, const int NT)
+/* out[t] = dequantized int2-q2k row . xs[t]: packed [n/4] bytes (n a multiple of 256), the row's records (each
+   group's s and mn decoded once a chunk, q2k_scale_min); each weight fma(q, s, -mn), exactly gguf's value. A
+   chunk's VL bytes are read once for its four groups (shift 2s: group 4c + s); two chains per token (even and odd
+   groups). */
+static inline __attribute__((always_inline)) void dot_rows_int2k_nt(const uint8_t *packed, const uint8_t *records,
+                                                                    long n, const float *const *xs, float *out,
+                                                                    const int NT)
 {
     vf acc[2 * TOKENS];
     _Pragma("GCC unroll 16")
     for (int a = 0; a < 2 * NT; a++) acc[a] = v_zero();
-    const long G = n / 16;
     for (long c = 0; c < n / 64; c++, packed += 16) {
         prefetch_ahead((const char *)packed, 16);
+        vf scale[4], neg_min[4];
+        _Pragma("GCC unroll 4")
+        for (int s = 0; s < 4; s++) {
+            float sc, mn;
+            q2k_scale_min(records, 4 * c + s, &sc, &mn);
+            scale[s] = v_set1(sc), neg_min[s] = v_set1(-mn);
+        }
         for (long b = 0; b < 16; b += VL)
             _Pragma("GCC unroll 4")
             for (int s = 0; s < 4; s++) {
-                const long g = 4 * c + s, at = 64 * c + 16 * s + b;
-                const vf w = v_fma(v_int2(packed + b, 2 * s), v_set1(scales[g]), v_set1(-scales[G + g]));
+                const long at = 64 * c + 16 * s + b;
+                const vf w = v_fma(v_int2(packed + b, 2 * s), scale[s], neg_min[s]);
                 _Pragma("GCC unroll 16")
                 for (int t = 0; t < NT; t++) {
                     vf *chain = &acc[(s % 2) * NT + t];
@@ -409,14 +462,14 @@ static inline __attribute__((always_inline)) void dot_rows_int2k_nt(const uint8_
     for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]);
 }
 
-static void dot_rows_int2k(const uint8_t *packed, const float *scales, long n, const float *const *xs, int nt,
+static void dot_rows_int2k(const uint8_t *packed, const uint8_t *records, long n, const float *const *xs, int nt,
                            float *out)
 {
     switch (nt) {
-    case 1: dot_rows_int2k_nt(packed, scales, n, xs, out, 1); break;
-    case 2: dot_rows_int2k_nt(packed, scales, n, xs, out, 2); break;
-    case 3: dot_rows_int2k_nt(packed, scales, n, xs, out, 3); break;
-    default: dot_rows_int2k_nt(packed, scales, n, xs, out, 4); break;
+    case 1: dot_rows_int2k_nt(packed, records, n, xs, out, 1); break;
+    case 2: dot_rows_int2k_nt(packed, records, n, xs, out, 2); break;
+    case 3: dot_rows_int2k_nt(packed, records, n, xs, out, 3); break;
+    default: dot_rows_int2k_nt(packed, records, n, xs, out, 4); break;
     }
 }
 
@@ -443,14 +496,15 @@ static void dot_rows(int fmt, const void *row, long n, const float *const *xs, i
 
 #define INT4_TOKENS(HALF)                                                                                         \
     switch (nt) {                                                                                                 \
-    case 1: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 1); break;                                        \
-    case 2: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 2); break;                                        \
-    case 3: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 3); break;                                        \
-    default: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 4); break;                                       \
+    case 1: dot_rows_int4_nt(packed, scales, records, n, HALF, xs, out, 1); break;                               \
+    case 2: dot_rows_int4_nt(packed, scales, records, n, HALF, xs, out, 2); break;                               \
+    case 3: dot_rows_int4_nt(packed, scales, records, n, HALF, xs, out, 3); break;                               \
+    default: dot_rows_int4_nt(packed, scales, records, n, HALF, xs, out, 4); break;                              \
     }
-/* quant.py's int4 groups (64; 32 and 128) with a constant half group, others with a variable one */
-static void dot_rows_int4(const uint8_t *packed, const float *scales, long n, long group, const float *const *xs,
-                          int nt, float *out)
+/* quant.py's int4 groups (64; 32 and 128) with a constant half group, others with a variable one; records: int4-q4k's
+   (scales unused) */
+static void dot_rows_int4(const uint8_t *packed, const float *scales, const uint8_t *records, long n, long group,
+                          const float *const *xs, int nt, float *out)
 {
     if (group == 64) {
         INT4_TOKENS(32)
@@ -480,15 +534,38 @@ typedef struct {
     const void *weights;
     const float *scales;
     long rows, n;
-    int minima;  /* int4-q4k: a scale row is [2 n/group]: the scales, then the minima */
+    int minima;  /* int4-m, int8-g with minima: a scale row is [2 n/group]: the scales, then the minima */
+    const uint8_t *records;  /* int4-q4k / int2-q2k: [E, rows, n/256 * record] super-block records, else NULL */
+    long record;             /* bytes a record (Q4K_RECORD, Q2K_RECORD), 0 without */
 } matrix;
 
-/* int4-q4k: sum_g (8 s_g - mn_g) * sums[g] of row `row` (its scale row: G scales, then G minima) */
+/* row `row`'s records (int4-q4k / int2-q2k), else NULL */
+static inline const uint8_t *row_records(const matrix *m, long row)
+{
+    return m->records ? m->records + row * (m->n / 256) * m->record : NULL;
+}
+
+/* int4-q4k / int4-m: sum_g (8 s_g - mn_g) * sums[g] of row `row` (its records, or its scale row: G scales, then
+   G minima). Each term rounded, then added in order (no FMA): what gcc made of the float rows' loop (vectorized
+   products, in-order sums), so records and float rows give the same bits. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
 static inline float q4k_bias(const matrix *m, long group, long row, const float *sums)
 {
     const long G = m->n / group;
-    const float *s = m->scales + row * 2 * G, *mn = s + G;
     float acc = 0.0f;
+    const uint8_t *records = row_records(m, row);
+    if (records) {
+        for (long g = 0; g < G; g++) {
+            float s, mn;
+            q4k_scale_min(records, g, &s, &mn);
+            const float term = (8.0f * s - mn) * sums[g];  /* a statement of its own: clang contracts within one */
+            acc += term;
+        }
+        return acc;
+    }
+    const float *s = m->scales + row * 2 * G, *mn = s + G;
     for (long g = 0; g < G; g++) acc += (8.0f * s[g] - mn[g]) * sums[g];
     return acc;
 }
@@ -528,13 +605,14 @@ static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, lo
         return;
     }
     if (fmt == FMT_INT2K) {  /* groups of 16, minima always */
-        dot_rows_int2k((const uint8_t *)m->weights + row * (m->n / 4), m->scales + row * 2 * (m->n / 16), m->n,
-                       xs, nt, out);
+        dot_rows_int2k((const uint8_t *)m->weights + row * (m->n / 4), row_records(m, row), m->n, xs, nt, out);
         return;
     }
     if (fmt == FMT_INT4) {
+        const uint8_t *records = row_records(m, row);
         dot_rows_int4((const uint8_t *)m->weights + row * (m->n / 2),
-                      m->scales + row * (m->n / group) * (1 + m->minima), m->n, group, xs, nt, out);
+                      records ? NULL : m->scales + row * (m->n / group) * (1 + m->minima), records, m->n, group, xs,
+                      nt, out);
         return;
     }
     const long itemsize = fmt == FMT_F32 ? 4 : fmt == FMT_BF16 ? 2 : 1;
@@ -655,10 +733,11 @@ static inline __attribute__((always_inline)) void dot16_rows_nt(int fmt, const v
 }
 
 /* out[r * TOKENS + t] = dequantized int4 rows[r] . xs[t] (xs in dot16_positions order, padded); packed [n/2] bytes,
-   scales [n/(2 half)] per row. Per block and token the four products go in two chains (vdpbf16ps waits 8 cycles on
+   scales [n/(2 half)] per row (or, records[r] non-NULL, int4-q4k's records: a block's groups decoded with it). Per block and token the four products go in two chains (vdpbf16ps waits 8 cycles on
    its accumulator here), added, then scaled into the row's sum. */
 static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *const *packed,
-                                                                const float *const *scales, long n, long ahead,
+                                                                const float *const *scales,
+                                                                const uint8_t *const *records, long n, long ahead,
                                                                 long half,
                                                                 const uint16_t *const *xs, float *out, const int NT,
                                                                 const int R)
@@ -683,7 +762,14 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
             const __m512i w = bytes - at >= 64 ? _mm512_loadu_si512(packed[r] + at)
                                                : _mm512_maskz_loadu_epi8(((__mmask64)1 << (bytes - at)) - 1,
                                                                          packed[r] + at);
-            if (half < 64) {
+            if (records[r]) {  /* the block's groups (64 / half, or the one it lies in) decoded */
+                float block_scales[16] = {0}, unused;
+                const long left = groups - first_group, in_block = half < 64 ? 64 / half : 1;
+                for (long k = 0; k < in_block && k < left; k++)
+                    q4k_scale_min(records[r], first_group + k, &block_scales[k], &unused);
+                scale = half < 64 ? _mm512_permutexvar_ps(group_of_dword, _mm512_loadu_ps(block_scales))
+                                  : _mm512_set1_ps(block_scales[0]);
+            } else if (half < 64) {
                 const long left = groups - first_group;
                 const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
                 scale = _mm512_permutexvar_ps(group_of_dword, _mm512_maskz_loadu_ps(live, scales[r] + first_group));
@@ -737,11 +823,13 @@ static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matr
     if (fmt == FMT_INT4) {
         const uint8_t *packed[MAX_ROWS];
         const float *scales[MAX_ROWS];
+        const uint8_t *records[MAX_ROWS];
         for (int r = 0; r < R; r++) {
             packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
-            scales[r] = ms[r]->scales + row[r] * (n / group) * (1 + ms[r]->minima);
+            records[r] = row_records(ms[r], row[r]);
+            scales[r] = records[r] ? NULL : ms[r]->scales + row[r] * (n / group) * (1 + ms[r]->minima);
         }
-#define INT4_CALL(NT, R) dot16_int4_nt(packed, scales, n, ahead * (n / 2), group / 2, xs, out, NT, R)
+#define INT4_CALL(NT, R) dot16_int4_nt(packed, scales, records, n, ahead * (n / 2), group / 2, xs, out, NT, R)
         DOT16_ROWS(INT4_CALL)
         return;
     }
@@ -1303,13 +1391,16 @@ int experts_job(int fmt, int fmt_down, int round_bf16_out, long H, long I, long 
     const long long t_entry = timed ? now_ns() : 0;
     long long t_region = 0;
     long long *entered = timed ? calloc(TIMELINE_THREADS, sizeof *entered) : NULL;  /* each thread's entry */
-    const int minima = fmt == FMT_INT4K, minima_down = fmt_down == FMT_INT4K;  /* int4-q4k: int4's loops, and the
-                                                                                 minima's term */
+    /* int4-q4k, int4-m: int4's loops, and the minima's term */
+    const int minima = fmt == FMT_INT4K || fmt == FMT_INT4KR, minima_down = fmt_down == FMT_INT4K
+                                                                            || fmt_down == FMT_INT4KR;
+    /* bytes of a super-block record (int4-q4k, int2-q2k: the scale pointers are their records), else 0 */
+    const long record = fmt == FMT_INT4KR ? Q4K_RECORD : fmt == FMT_INT2K ? Q2K_RECORD : 0,
+               record_down = fmt_down == FMT_INT4KR ? Q4K_RECORD : fmt_down == FMT_INT2K ? Q2K_RECORD : 0;
     if (minima) fmt = FMT_INT4;
     if (minima_down) fmt_down = FMT_INT4;
     /* scale rows of 2G: the scales, then the minima */
-    const int held_minima = minima || fmt == FMT_INT8GM || fmt == FMT_INT2K,
-              held_minima_down = minima_down || fmt_down == FMT_INT8GM || fmt_down == FMT_INT2K;
+    const int held_minima = minima || fmt == FMT_INT8GM, held_minima_down = minima_down || fmt_down == FMT_INT8GM;
     if (fmt == FMT_INT8GM) fmt = FMT_INT8G;  /* int8-g dequantizes with its minima in registers */
     if (fmt_down == FMT_INT8GM) fmt_down = FMT_INT8G;
 #ifndef _OPENMP
@@ -1368,9 +1459,10 @@ int experts_job(int fmt, int fmt_down, int round_bf16_out, long H, long I, long 
     J.fmt = fmt, J.round_bf16_out = round_bf16_out, J.minima = minima;
     J.fmt_down = fmt_down, J.minima_down = minima_down;
     J.H = H, J.I = I, J.group = group, J.group_down = group_down;
-    J.mg = (matrix){gate, gate_scale, I, H, held_minima};
-    J.mu = (matrix){up, up_scale, I, H, held_minima};
-    J.md = (matrix){down, down_scale, H, I, held_minima_down};
+    J.mg = (matrix){gate, gate_scale, I, H, held_minima, record ? (const uint8_t *)gate_scale : NULL, record};
+    J.mu = (matrix){up, up_scale, I, H, held_minima, record ? (const uint8_t *)up_scale : NULL, record};
+    J.md = (matrix){down, down_scale, H, I, held_minima_down, record_down ? (const uint8_t *)down_scale : NULL,
+                    record_down};
     J.x = x, J.units = units, J.unit_expert = unit_expert, J.unit_start = unit_start;
     J.entry_token = entry_token, J.entry_out = entry_out, J.entry_weight = entry_weight;
     J.h = h, J.out = out, J.x_sums = x_sums, J.h_sums = h_sums, J.x16 = x16, J.h16 = h16, J.h_position = h_position;
