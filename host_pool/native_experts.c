@@ -546,28 +546,30 @@ static inline const uint8_t *row_records(const matrix *m, long row)
 }
 
 /* int4-q4k / int4-m: sum_g (8 s_g - mn_g) * sums[g] of row `row` (its records, or its scale row: G scales, then
-   G minima). Each term rounded, then added in order (no FMA): what gcc made of the float rows' loop (vectorized
-   products, in-order sums), so records and float rows give the same bits. */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
+   G minima). Records are decoded into s and mn arrays of up to BIAS_GROUPS groups first, then summed by the float
+   rows' own loop: gcc vectorizes it (products rounded, then added in order), a loop that decodes as it goes it
+   compiles with FMAs, other bits. */
+enum { BIAS_GROUPS = 256 };
+static inline float bias_sum(float acc, const float *s, const float *mn, const float *sums, long G)
+{
+    for (long g = 0; g < G; g++) acc += (8.0f * s[g] - mn[g]) * sums[g];
+    return acc;
+}
 static inline float q4k_bias(const matrix *m, long group, long row, const float *sums)
 {
     const long G = m->n / group;
-    float acc = 0.0f;
     const uint8_t *records = row_records(m, row);
-    if (records) {
-        for (long g = 0; g < G; g++) {
-            float s, mn;
-            q4k_scale_min(records, g, &s, &mn);
-            const float term = (8.0f * s - mn) * sums[g];  /* a statement of its own: clang contracts within one */
-            acc += term;
+    if (records) {  /* pieces of whole super-blocks, one chain of sums over them */
+        float s[BIAS_GROUPS], mn[BIAS_GROUPS], acc = 0.0f;
+        for (long g0 = 0; g0 < G; g0 += BIAS_GROUPS) {
+            const long count = G - g0 < BIAS_GROUPS ? G - g0 : BIAS_GROUPS;
+            for (long g = 0; g < count; g++) q4k_scale_min(records, g0 + g, &s[g], &mn[g]);
+            acc = bias_sum(acc, s, mn, sums + g0, count);
         }
         return acc;
     }
-    const float *s = m->scales + row * 2 * G, *mn = s + G;
-    for (long g = 0; g < G; g++) acc += (8.0f * s[g] - mn[g]) * sums[g];
-    return acc;
+    const float *s = m->scales + row * 2 * G;
+    return bias_sum(0.0f, s, s + G, sums, G);
 }
 
 /* sums[k * G + g] = the sum of rows[k]'s inputs g*group .. (g+1)*group - 1, k < count. Eight lanes a step where
