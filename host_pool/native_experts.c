@@ -252,21 +252,49 @@ static inline float half_at(const uint8_t *p)
 
 /* int4-q4k's and int2-q2k's codes as the store keeps them (store.py block_records): per output row one record a
    super-block of 256 inputs, fp16 d, fp16 dmin, then its groups' codes (q4k: 8 of 12 bits sc | m << 6, groups 2k
-   and 2k + 1 in bytes 3k .. 3k + 2; q2k: 16 bytes sc | m << 4). Group g's s = d sc and mn = dmin m, decoded where
-   they are used: the float32 products store.py's block_scale_min gives (fp16 times a small integer: exact). */
+   and 2k + 1 in bytes 3k .. 3k + 2; q2k: 16 bytes sc | m << 4). A row's records are decoded once per row and chunk
+   of tokens (scale_row) into the float32 scale row int4-m and the former store held, G scales s = d sc then G minima
+   mn = dmin m: the float32 products store.py's block_scale_min gives (fp16 times a small integer: exact); the loops
+   then run as on held float32 scales. */
 enum { Q4K_RECORD = 16, Q2K_RECORD = 20 };
-static inline void q4k_scale_min(const uint8_t *records, long g, float *s, float *mn)
+/* one q4k record's 8 groups -> s[0..8), mn[0..8) (x86 builds: the 12-bit codes gathered as 16-bit words by one
+   byte shuffle, group k's from byte 4 + 3 (k >> 1) + (k & 1), shifted 4 (k & 1)) */
+static inline void q4k_record(const uint8_t *record, float *s, float *mn)
 {
-    const uint8_t *record = records + (g >> 3) * Q4K_RECORD, *pair = record + 4 + 3 * ((g & 7) >> 1);
-    const uint32_t code = ((uint32_t)pair[0] | (uint32_t)pair[1] << 8 | (uint32_t)pair[2] << 16) >> (12 * (g & 1));
-    *s = half_at(record) * (float)(code & 63);
-    *mn = half_at(record + 2) * (float)((code >> 6) & 63);
+    const float d = half_at(record), dmin = half_at(record + 2);
+#if defined(__AVX2__) && (defined(__AVX512F__) || defined(__FMA__))  /* immintrin.h included above */
+    const __m128i words = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)record),
+                                           _mm_setr_epi8(4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11, 12, 13, 14, 14, 15));
+    const __m256i code = _mm256_srlv_epi32(_mm256_cvtepu16_epi32(words), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    const __m256i bits6 = _mm256_set1_epi32(63);
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_and_si256(code, bits6))));
+    _mm256_storeu_ps(mn, _mm256_mul_ps(_mm256_set1_ps(dmin),
+                                       _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(code, 6), bits6))));
+#else
+    for (int k = 0; k < 8; k++) {
+        const uint8_t *pair = record + 4 + 3 * (k >> 1);
+        const uint32_t code = ((uint32_t)pair[0] | (uint32_t)pair[1] << 8 | (uint32_t)pair[2] << 16) >> (12 * (k & 1));
+        s[k] = d * (float)(code & 63);
+        mn[k] = dmin * (float)((code >> 6) & 63);
+    }
+#endif
 }
-static inline void q2k_scale_min(const uint8_t *records, long g, float *s, float *mn)
+/* one q2k record's 16 groups -> s[0..16), mn[0..16) */
+static inline void q2k_record(const uint8_t *record, float *s, float *mn)
 {
-    const uint8_t *record = records + (g >> 4) * Q2K_RECORD, code = record[4 + (g & 15)];
-    *s = half_at(record) * (float)(code & 15);
-    *mn = half_at(record + 2) * (float)(code >> 4);
+    const float d = half_at(record), dmin = half_at(record + 2);
+    for (int k = 0; k < 16; k++) {
+        s[k] = d * (float)(record[4 + k] & 15);
+        mn[k] = dmin * (float)(record[4 + k] >> 4);
+    }
+}
+/* a row's records (`record` bytes each) -> its scale row [2G]: the G scales, then the G minima */
+static void records_scale_row(const uint8_t *records, long record, long G, float *row)
+{
+    if (record == Q4K_RECORD)
+        for (long g = 0; g < G; g += 8, records += record) q4k_record(records, row + g, row + G + g);
+    else
+        for (long g = 0; g < G; g += 16, records += record) q2k_record(records, row + g, row + G + g);
 }
 
 /* Software prefetch of the weights PREFETCH_BYTES ahead of those being read, one cache line per 64 bytes read: the
@@ -348,26 +376,23 @@ static inline __attribute__((always_inline)) void dot_rows_nt(int fmt, const voi
     }
 }
 
-/* out[t] = dequantized int4 row . xs[t]: packed [n/2] bytes, scales [n/group] (or, records non-NULL, int4-q4k's
-   records: each group's s decoded as it is reached). The products are those of the
+/* out[t] = dequantized int4 row . xs[t]: packed [n/2] bytes, scales [n/group]. The products are those of the
    dequantized weights (q - 8) * scale, exact in float32 as store.py's, so this is dot_rows_nt's sum over the
    dequantized row in another order: per token four chains (low and high nibbles of even and odd VL-byte steps in a
    group), added at the end. HALF (group / 2) is a constant where dot_rows_int4 dispatches the usual groups, so the
    chains stay in registers; half groups not of VL bytes go through a scalar loop. */
-static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t *packed, const float *scales,
-                                                                   const uint8_t *records, long n, const long HALF,
-                                                                   const float *const *xs, float *out, const int NT)
+static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t *packed, const float *scales, long n,
+                                                                   const long HALF, const float *const *xs,
+                                                                   float *out, const int NT)
 {
     vf acc[4 * TOKENS];
     _Pragma("GCC unroll 16")
     for (int a = 0; a < 4 * NT; a++) acc[a] = v_zero();
     float tail[TOKENS] = {0};
-    for (long g0 = 0, g = 0; g0 < n; g0 += 2 * HALF, packed += HALF, g++) {
-        float scale, unused;
-        if (records) q4k_scale_min(records, g, &scale, &unused); else scale = scales[g];
+    for (long g0 = 0; g0 < n; g0 += 2 * HALF, packed += HALF, scales++) {
         if (HALF % VL == 0) {
             prefetch_ahead((const char *)packed, HALF);
-            const int4_table table = v_int4_table(scale);
+            const int4_table table = v_int4_table(*scales);
             for (long b = 0; b < HALF; b += VL) {
                 const int chain = (int)(b / VL % 2) * 2;
                 vf low, high;
@@ -382,8 +407,8 @@ static inline __attribute__((always_inline)) void dot_rows_int4_nt(const uint8_t
             for (long b = 0; b < HALF; b++)
                 _Pragma("GCC unroll 16")
                 for (int t = 0; t < NT; t++)
-                    tail[t] += (float)((packed[b] & 15) - 8) * scale * xs[t][g0 + b]
-                             + (float)((packed[b] >> 4) - 8) * scale * xs[t][g0 + HALF + b];
+                    tail[t] += (float)((packed[b] & 15) - 8) * *scales * xs[t][g0 + b]
+                             + (float)((packed[b] >> 4) - 8) * *scales * xs[t][g0 + HALF + b];
         }
     }
     _Pragma("GCC unroll 16")
@@ -426,31 +451,23 @@ static inline __attribute__((always_inline)) void dot_rows_int8g_nt(const int8_t
     for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]) + tail[t];
 }
 
-/* out[t] = dequantized int2-q2k row . xs[t]: packed [n/4] bytes (n a multiple of 256), the row's records (each
-   group's s and mn decoded once a chunk, q2k_scale_min); each weight fma(q, s, -mn), exactly gguf's value. A
-   chunk's VL bytes are read once for its four groups (shift 2s: group 4c + s); two chains per token (even and odd
-   groups). */
-static inline __attribute__((always_inline)) void dot_rows_int2k_nt(const uint8_t *packed, const uint8_t *records,
-                                                                    long n, const float *const *xs, float *out,
-                                                                    const int NT)
+/* out[t] = dequantized int2-q2k row . xs[t]: packed [n/4] bytes (n a multiple of 64), scales [2G] (G = n/16: the
+   scales, then the minima); each weight fma(q, s, -mn), exactly gguf's value. A chunk's VL bytes are read once for
+   its four groups (shift 2s: group 4c + s); two chains per token (even and odd groups). */
+static inline __attribute__((always_inline)) void dot_rows_int2k_nt(const uint8_t *packed, const float *scales, long n,
+                                                                    const float *const *xs, float *out, const int NT)
 {
     vf acc[2 * TOKENS];
     _Pragma("GCC unroll 16")
     for (int a = 0; a < 2 * NT; a++) acc[a] = v_zero();
+    const long G = n / 16;
     for (long c = 0; c < n / 64; c++, packed += 16) {
         prefetch_ahead((const char *)packed, 16);
-        vf scale[4], neg_min[4];
-        _Pragma("GCC unroll 4")
-        for (int s = 0; s < 4; s++) {
-            float sc, mn;
-            q2k_scale_min(records, 4 * c + s, &sc, &mn);
-            scale[s] = v_set1(sc), neg_min[s] = v_set1(-mn);
-        }
         for (long b = 0; b < 16; b += VL)
             _Pragma("GCC unroll 4")
             for (int s = 0; s < 4; s++) {
-                const long at = 64 * c + 16 * s + b;
-                const vf w = v_fma(v_int2(packed + b, 2 * s), scale[s], neg_min[s]);
+                const long g = 4 * c + s, at = 64 * c + 16 * s + b;
+                const vf w = v_fma(v_int2(packed + b, 2 * s), v_set1(scales[g]), v_set1(-scales[G + g]));
                 _Pragma("GCC unroll 16")
                 for (int t = 0; t < NT; t++) {
                     vf *chain = &acc[(s % 2) * NT + t];
@@ -462,14 +479,14 @@ static inline __attribute__((always_inline)) void dot_rows_int2k_nt(const uint8_
     for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]);
 }
 
-static void dot_rows_int2k(const uint8_t *packed, const uint8_t *records, long n, const float *const *xs, int nt,
+static void dot_rows_int2k(const uint8_t *packed, const float *scales, long n, const float *const *xs, int nt,
                            float *out)
 {
     switch (nt) {
-    case 1: dot_rows_int2k_nt(packed, records, n, xs, out, 1); break;
-    case 2: dot_rows_int2k_nt(packed, records, n, xs, out, 2); break;
-    case 3: dot_rows_int2k_nt(packed, records, n, xs, out, 3); break;
-    default: dot_rows_int2k_nt(packed, records, n, xs, out, 4); break;
+    case 1: dot_rows_int2k_nt(packed, scales, n, xs, out, 1); break;
+    case 2: dot_rows_int2k_nt(packed, scales, n, xs, out, 2); break;
+    case 3: dot_rows_int2k_nt(packed, scales, n, xs, out, 3); break;
+    default: dot_rows_int2k_nt(packed, scales, n, xs, out, 4); break;
     }
 }
 
@@ -496,15 +513,14 @@ static void dot_rows(int fmt, const void *row, long n, const float *const *xs, i
 
 #define INT4_TOKENS(HALF)                                                                                         \
     switch (nt) {                                                                                                 \
-    case 1: dot_rows_int4_nt(packed, scales, records, n, HALF, xs, out, 1); break;                               \
-    case 2: dot_rows_int4_nt(packed, scales, records, n, HALF, xs, out, 2); break;                               \
-    case 3: dot_rows_int4_nt(packed, scales, records, n, HALF, xs, out, 3); break;                               \
-    default: dot_rows_int4_nt(packed, scales, records, n, HALF, xs, out, 4); break;                              \
+    case 1: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 1); break;                                        \
+    case 2: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 2); break;                                        \
+    case 3: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 3); break;                                        \
+    default: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 4); break;                                       \
     }
-/* quant.py's int4 groups (64; 32 and 128) with a constant half group, others with a variable one; records: int4-q4k's
-   (scales unused) */
-static void dot_rows_int4(const uint8_t *packed, const float *scales, const uint8_t *records, long n, long group,
-                          const float *const *xs, int nt, float *out)
+/* quant.py's int4 groups (64; 32 and 128) with a constant half group, others with a variable one */
+static void dot_rows_int4(const uint8_t *packed, const float *scales, long n, long group, const float *const *xs,
+                          int nt, float *out)
 {
     if (group == 64) {
         INT4_TOKENS(32)
@@ -539,37 +555,24 @@ typedef struct {
     long record;             /* bytes a record (Q4K_RECORD, Q2K_RECORD), 0 without */
 } matrix;
 
-/* row `row`'s records (int4-q4k / int2-q2k), else NULL */
-static inline const uint8_t *row_records(const matrix *m, long row)
-{
-    return m->records ? m->records + row * (m->n / 256) * m->record : NULL;
-}
-
-/* int4-q4k / int4-m: sum_g (8 s_g - mn_g) * sums[g] of row `row` (its records, or its scale row: G scales, then
-   G minima). Records are decoded into s and mn arrays of up to BIAS_GROUPS groups first, then summed by the float
-   rows' own loop: gcc vectorizes it (products rounded, then added in order), a loop that decodes as it goes it
-   compiles with FMAs, other bits. */
-enum { BIAS_GROUPS = 256 };
-static inline float bias_sum(float acc, const float *s, const float *mn, const float *sums, long G)
-{
-    for (long g = 0; g < G; g++) acc += (8.0f * s[g] - mn[g]) * sums[g];
-    return acc;
-}
-static inline float q4k_bias(const matrix *m, long group, long row, const float *sums)
+/* row `row`'s scale row where its format has one per group (int4, int4-m, int2-q2k: [n/group], [2 n/group] with
+   minima): held in m->scales, or (int4-q4k, int2-q2k) decoded from the row's records into buf [2 n/group] */
+static inline const float *scale_row(const matrix *m, long group, long row, float *buf)
 {
     const long G = m->n / group;
-    const uint8_t *records = row_records(m, row);
-    if (records) {  /* pieces of whole super-blocks, one chain of sums over them */
-        float s[BIAS_GROUPS], mn[BIAS_GROUPS], acc = 0.0f;
-        for (long g0 = 0; g0 < G; g0 += BIAS_GROUPS) {
-            const long count = G - g0 < BIAS_GROUPS ? G - g0 : BIAS_GROUPS;
-            for (long g = 0; g < count; g++) q4k_scale_min(records, g0 + g, &s[g], &mn[g]);
-            acc = bias_sum(acc, s, mn, sums + g0, count);
-        }
-        return acc;
-    }
-    const float *s = m->scales + row * 2 * G;
-    return bias_sum(0.0f, s, s + G, sums, G);
+    if (!m->records) return m->scales + row * G * (1 + m->minima);
+    records_scale_row(m->records + row * (m->n / 256) * m->record, m->record, G, buf);
+    return buf;
+}
+
+/* int4-q4k / int4-m: sum_g (8 s_g - mn_g) * sums[g] of a scale row s (G scales, then G minima); gcc vectorizes the
+   products (rounded), the sums are added in order */
+static inline float q4k_bias(const float *s, long G, const float *sums)
+{
+    const float *mn = s + G;
+    float acc = 0.0f;
+    for (long g = 0; g < G; g++) acc += (8.0f * s[g] - mn[g]) * sums[g];
+    return acc;
 }
 
 /* sums[k * G + g] = the sum of rows[k]'s inputs g*group .. (g+1)*group - 1, k < count. Eight lanes a step where
@@ -597,8 +600,9 @@ static void group_sums(const float *rows, long count, long n, long group, float 
         }
 }
 
-static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, long r, const float *const *xs, int nt,
-                           float *out)
+/* srow: the row's scale row (scale_row) for int4 and int2-q2k, else unused */
+static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, long r, const float *srow,
+                           const float *const *xs, int nt, float *out)
 {
     const long row = expert * m->rows + r;
     if (fmt == FMT_INT8G) {
@@ -607,14 +611,11 @@ static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, lo
         return;
     }
     if (fmt == FMT_INT2K) {  /* groups of 16, minima always */
-        dot_rows_int2k((const uint8_t *)m->weights + row * (m->n / 4), row_records(m, row), m->n, xs, nt, out);
+        dot_rows_int2k((const uint8_t *)m->weights + row * (m->n / 4), srow, m->n, xs, nt, out);
         return;
     }
     if (fmt == FMT_INT4) {
-        const uint8_t *records = row_records(m, row);
-        dot_rows_int4((const uint8_t *)m->weights + row * (m->n / 2),
-                      records ? NULL : m->scales + row * (m->n / group) * (1 + m->minima), records, m->n, group, xs,
-                      nt, out);
+        dot_rows_int4((const uint8_t *)m->weights + row * (m->n / 2), srow, m->n, group, xs, nt, out);
         return;
     }
     const long itemsize = fmt == FMT_F32 ? 4 : fmt == FMT_BF16 ? 2 : 1;
@@ -735,11 +736,10 @@ static inline __attribute__((always_inline)) void dot16_rows_nt(int fmt, const v
 }
 
 /* out[r * TOKENS + t] = dequantized int4 rows[r] . xs[t] (xs in dot16_positions order, padded); packed [n/2] bytes,
-   scales [n/(2 half)] per row (or, records[r] non-NULL, int4-q4k's records: a block's groups decoded with it). Per block and token the four products go in two chains (vdpbf16ps waits 8 cycles on
+   scales [n/(2 half)] per row. Per block and token the four products go in two chains (vdpbf16ps waits 8 cycles on
    its accumulator here), added, then scaled into the row's sum. */
 static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *const *packed,
-                                                                const float *const *scales,
-                                                                const uint8_t *const *records, long n, long ahead,
+                                                                const float *const *scales, long n, long ahead,
                                                                 long half,
                                                                 const uint16_t *const *xs, float *out, const int NT,
                                                                 const int R)
@@ -764,14 +764,7 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
             const __m512i w = bytes - at >= 64 ? _mm512_loadu_si512(packed[r] + at)
                                                : _mm512_maskz_loadu_epi8(((__mmask64)1 << (bytes - at)) - 1,
                                                                          packed[r] + at);
-            if (records[r]) {  /* the block's groups (64 / half, or the one it lies in) decoded */
-                float block_scales[16] = {0}, unused;
-                const long left = groups - first_group, in_block = half < 64 ? 64 / half : 1;
-                for (long k = 0; k < in_block && k < left; k++)
-                    q4k_scale_min(records[r], first_group + k, &block_scales[k], &unused);
-                scale = half < 64 ? _mm512_permutexvar_ps(group_of_dword, _mm512_loadu_ps(block_scales))
-                                  : _mm512_set1_ps(block_scales[0]);
-            } else if (half < 64) {
+            if (half < 64) {
                 const long left = groups - first_group;
                 const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
                 scale = _mm512_permutexvar_ps(group_of_dword, _mm512_maskz_loadu_ps(live, scales[r] + first_group));
@@ -817,21 +810,16 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
 /* out[r * TOKENS + t] = row r of (matrix ms[r], expert es[r], row rs[r]) . xs[t] for R = 1, 2 or 4 rows, scaled.
    `ahead`: how many rows of its matrix the next call starts ahead of each row (the rows prefetched meanwhile). */
 static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matrix *const *ms, const long *es,
-                              const long *rs, const uint16_t *const *xs, int nt, float *out)
+                              const long *rs, const float *const *srows, const uint16_t *const *xs, int nt,
+                              float *out)
 {
     long row[MAX_ROWS];
     const long n = ms[0]->n;
     for (int r = 0; r < R; r++) row[r] = es[r] * ms[r]->rows + rs[r];
-    if (fmt == FMT_INT4) {
+    if (fmt == FMT_INT4) {  /* srows: the rows' scale rows (scale_row) */
         const uint8_t *packed[MAX_ROWS];
-        const float *scales[MAX_ROWS];
-        const uint8_t *records[MAX_ROWS];
-        for (int r = 0; r < R; r++) {
-            packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
-            records[r] = row_records(ms[r], row[r]);
-            scales[r] = records[r] ? NULL : ms[r]->scales + row[r] * (n / group) * (1 + ms[r]->minima);
-        }
-#define INT4_CALL(NT, R) dot16_int4_nt(packed, scales, records, n, ahead * (n / 2), group / 2, xs, out, NT, R)
+        for (int r = 0; r < R; r++) packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
+#define INT4_CALL(NT, R) dot16_int4_nt(packed, srows, n, ahead * (n / 2), group / 2, xs, out, NT, R)
         DOT16_ROWS(INT4_CALL)
         return;
     }
@@ -997,6 +985,12 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
     uint16_t *h16 = J->h16;
     float *h = J->h;
     (void)x16;
+    /* gate's and up's scale rows (scale_row) where the format has them; decoded ones (int4-q4k, int2-q2k) into
+       buf, once per row and chunk of tokens */
+    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K;
+    const long G = group ? H / group : 0;  /* groups a row (0: no groups) */
+    const long slot = J->mg.records ? 2 * G : 0;  /* a decoded scale row's floats */
+    float buf[MAX_ROWS * slot + 1];
     for (long j0 = unit_start[u]; j0 < unit_start[u + 1]; j0 += TOKENS) {
         const int nt = unit_start[u + 1] - j0 < TOKENS ? (int)(unit_start[u + 1] - j0) : TOKENS;
         const float *xs[TOKENS];
@@ -1010,24 +1004,32 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
             /* gate and up of `count` rows: gu[(2 c) * TOKENS + t] gate, gu[(2 c + 1) * TOKENS + t] up */
             float gu[MAX_ROWS * TOKENS];
             long count = 1;
+            int dot16 = 0;
 #ifdef BF16_DOT
-            if (x16 && dot16_pays(fmt, nt)) {  /* gate and up rows together: one read of x for all */
-                count = dot16_rows_for(fmt, nt, 2 * (i1 - i)) >= 4 ? 2 : 1;
+            dot16 = x16 && dot16_pays(fmt, nt);  /* gate and up rows together: one read of x for all */
+            if (dot16) count = dot16_rows_for(fmt, nt, 2 * (i1 - i)) >= 4 ? 2 : 1;
+#endif
+            const float *srows[MAX_ROWS] = {NULL};  /* gate i, up i, gate i + 1, up i + 1 */
+            for (long c = 0; scaled && c < count; c++) {
+                srows[2 * c] = scale_row(&J->mg, group, e * I + i + c, buf + 2 * c * slot);
+                srows[2 * c + 1] = scale_row(&J->mu, group, e * I + i + c, buf + (2 * c + 1) * slot);
+            }
+            if (dot16) {
+#ifdef BF16_DOT
                 const matrix *const ms[MAX_ROWS] = {&J->mg, &J->mu, &J->mg, &J->mu};
                 const long es[MAX_ROWS] = {e, e, e, e}, rs[MAX_ROWS] = {i, i, i + 1, i + 1};
-                dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, x16s, nt, gu);
-            } else
+                dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, srows, x16s, nt, gu);
 #endif
-            {
-                dot_matrix_row(fmt, group, &J->mg, e, i, xs, nt, gu);
-                dot_matrix_row(fmt, group, &J->mu, e, i, xs, nt, gu + TOKENS);
+            } else {
+                dot_matrix_row(fmt, group, &J->mg, e, i, srows[0], xs, nt, gu);
+                dot_matrix_row(fmt, group, &J->mu, e, i, srows[1], xs, nt, gu + TOKENS);
             }
             if (minima)
                 for (long c = 0; c < count; c++)
                     for (int t = 0; t < nt; t++) {
-                        const float *sums = x_sums + entry_token[j0 + t] * (H / group);
-                        gu[2 * c * TOKENS + t] += q4k_bias(&J->mg, group, e * I + i + c, sums);
-                        gu[(2 * c + 1) * TOKENS + t] += q4k_bias(&J->mu, group, e * I + i + c, sums);
+                        const float *sums = x_sums + entry_token[j0 + t] * G;
+                        gu[2 * c * TOKENS + t] += q4k_bias(srows[2 * c], G, sums);
+                        gu[(2 * c + 1) * TOKENS + t] += q4k_bias(srows[2 * c + 1], G, sums);
                     }
             for (long c = 0; c < count; c++, i++)
                 for (int t = 0; t < nt; t++) {
@@ -1056,6 +1058,10 @@ static void phase2_rows(const job_t *J, long r0, long r1)
     const uint16_t *h16 = J->h16;
     float *out = J->out;
     (void)fmt;
+    /* down's scale rows, as phase1_rows' */
+    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K;
+    const long G = group ? I / group : 0, slot = J->md.records ? 2 * G : 0;
+    float buf[MAX_ROWS * slot + 1];
     /* unit by unit over the block's rows: the unit's h rows stay in the core's L1 meanwhile; each output element
        still sums the units in order */
     for (long u = 0; u < J->units; u++)
@@ -1070,22 +1076,28 @@ static void phase2_rows(const job_t *J, long r0, long r1)
             (void)h16s;
             for (long r = r0; r < r1; r++) {
                 float y[MAX_ROWS * TOKENS];
-                int R = 1;
+                int R = 1, dot16 = 0;
 #ifdef BF16_DOT
-                if (h16 && dot16_pays(fmt, nt)) {  /* several rows at once: one read of h for all */
-                    R = dot16_rows_for(fmt, nt, r1 - r);
+                dot16 = h16 && dot16_pays(fmt, nt);  /* several rows at once: one read of h for all */
+                if (dot16) R = dot16_rows_for(fmt, nt, r1 - r);
+#endif
+                const float *srows[MAX_ROWS] = {NULL};
+                for (int k = 0; scaled && k < R; k++)
+                    srows[k] = scale_row(&J->md, group, unit_expert[u] * H + r + k, buf + k * slot);
+                if (dot16) {
+#ifdef BF16_DOT
                     const matrix *const ms[MAX_ROWS] = {&J->md, &J->md, &J->md, &J->md};
                     const long e = unit_expert[u], es[MAX_ROWS] = {e, e, e, e};
                     const long rs[MAX_ROWS] = {r, r + 1, r + 2, r + 3};
-                    dot16_matrix_rows(fmt, group, R, R, ms, es, rs, h16s, nt, y);
-                } else
+                    dot16_matrix_rows(fmt, group, R, R, ms, es, rs, srows, h16s, nt, y);
 #endif
-                    dot_matrix_row(fmt, group, &J->md, unit_expert[u], r, hs, nt, y);
+                } else {
+                    dot_matrix_row(fmt, group, &J->md, unit_expert[u], r, srows[0], hs, nt, y);
+                }
                 if (minima)
                     for (int k = 0; k < R; k++)
                         for (int t = 0; t < nt; t++)
-                            y[k * TOKENS + t] += q4k_bias(&J->md, group, unit_expert[u] * H + r + k,
-                                                          J->h_sums + (j0 + t) * (I / group));
+                            y[k * TOKENS + t] += q4k_bias(srows[k], G, J->h_sums + (j0 + t) * G);
                 for (int k = 0; k < R; k++)
                     for (int t = 0; t < nt; t++) {
                         const float yt = round_bf16_out ? round_bf16(y[k * TOKENS + t]) : y[k * TOKENS + t];
