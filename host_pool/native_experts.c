@@ -283,10 +283,19 @@ static inline void q4k_record(const uint8_t *record, float *s, float *mn)
 static inline void q2k_record(const uint8_t *record, float *s, float *mn)
 {
     const float d = half_at(record), dmin = half_at(record + 2);
+#if defined(__AVX2__) && (defined(__AVX512F__) || defined(__FMA__))
+    for (int k = 0; k < 16; k += 8) {  /* (gcc 12 leaves the plain loop scalar) */
+        const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(record + 4 + k)));
+        _mm256_storeu_ps(s + k, _mm256_mul_ps(_mm256_set1_ps(d),
+                                              _mm256_cvtepi32_ps(_mm256_and_si256(code, _mm256_set1_epi32(15)))));
+        _mm256_storeu_ps(mn + k, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_srli_epi32(code, 4))));
+    }
+#else
     for (int k = 0; k < 16; k++) {
         s[k] = d * (float)(record[4 + k] & 15);
         mn[k] = dmin * (float)(record[4 + k] >> 4);
     }
+#endif
 }
 /* a row's records (`record` bytes each) -> its scale row [2G]: the G scales, then the G minima */
 static void records_scale_row(const uint8_t *records, long record, long G, float *row)
@@ -565,14 +574,38 @@ static inline const float *scale_row(const matrix *m, long group, long row, floa
     return buf;
 }
 
-/* int4-q4k / int4-m: sum_g (8 s_g - mn_g) * sums[g] of a scale row s (G scales, then G minima); gcc vectorizes the
-   products (rounded), the sums are added in order */
-static inline float q4k_bias(const float *s, long G, const float *sums)
+/* int4-q4k / int4-m: the minima's term, bias[r * TOKENS + t] = sum_g (8 s_g - mn_g) * sums[g][t] for R rows' scale
+   rows srows[r] (G scales, then G minima) and TOKENS tokens' group sums, transposed ([G] of TOKENS lanes, unused
+   tokens' zero: bias_sums). Each (row, token) is one chain of float32 sums, in the order of g, of rounded products
+   (the empty asm keeps the compiler from fusing them into FMAs): the bits of the former loop, one row and token at
+   a time, which gcc vectorized that way; the tokens (and rows) share each step, so the chains are not one after
+   another. */
+typedef float tokens_f __attribute__((vector_size(TOKENS * sizeof(float))));
+static inline void q4k_bias(const float *const *srows, int R, long G, const tokens_f *sums, float *bias)
 {
-    const float *mn = s + G;
-    float acc = 0.0f;
-    for (long g = 0; g < G; g++) acc += (8.0f * s[g] - mn[g]) * sums[g];
-    return acc;
+    _Static_assert(TOKENS == 4, "q4k_bias's lanes are 4 tokens");
+    tokens_f acc[4];  /* R <= MAX_ROWS, 4 */
+    for (int r = 0; r < R; r++) acc[r] = (tokens_f){0};
+    float w[R][G];  /* 8 s_g - mn_g of each row (a vector loop) */
+    for (int r = 0; r < R; r++)
+        for (long g = 0; g < G; g++) w[r][g] = 8.0f * srows[r][g] - srows[r][G + g];
+    for (long g = 0; g < G; g++)
+        for (int r = 0; r < R; r++) {
+            tokens_f product = w[r][g] * sums[g];
+#if defined(__x86_64__) || defined(__i386__)
+            __asm__("" : "+x"(product));
+#else
+            __asm__("" : "+m"(product));
+#endif
+            acc[r] += product;
+        }
+    for (int r = 0; r < R; r++) memcpy(bias + r * TOKENS, &acc[r], sizeof acc[r]);
+}
+/* out[g][t] = rows[t][g] of the nt rows of G group sums, rows past nt zero */
+static inline void bias_sums(const float *const *rows, int nt, long G, tokens_f *out)
+{
+    for (long g = 0; g < G; g++)
+        for (int t = 0; t < TOKENS; t++) out[g][t] = t < nt ? rows[t][g] : 0.0f;
 }
 
 /* sums[k * G + g] = the sum of rows[k]'s inputs g*group .. (g+1)*group - 1, k < count. Eight lanes a step where
@@ -1000,6 +1033,12 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
             x16s[t] = x16 ? x16 + entry_token[j0 + t] * padded(H) : NULL;
         }
         (void)x16s;  /* unused without BF16_DOT */
+        tokens_f sums[minima ? G : 1];  /* the chunk's group sums of x, transposed (q4k_bias) */
+        if (minima) {
+            const float *rows[TOKENS];
+            for (int t = 0; t < nt; t++) rows[t] = x_sums + entry_token[j0 + t] * G;
+            bias_sums(rows, nt, G, sums);
+        }
         for (long i = i0; i < i1;) {
             /* gate and up of `count` rows: gu[(2 c) * TOKENS + t] gate, gu[(2 c + 1) * TOKENS + t] up */
             float gu[MAX_ROWS * TOKENS];
@@ -1024,13 +1063,12 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
                 dot_matrix_row(fmt, group, &J->mg, e, i, srows[0], xs, nt, gu);
                 dot_matrix_row(fmt, group, &J->mu, e, i, srows[1], xs, nt, gu + TOKENS);
             }
-            if (minima)
-                for (long c = 0; c < count; c++)
-                    for (int t = 0; t < nt; t++) {
-                        const float *sums = x_sums + entry_token[j0 + t] * G;
-                        gu[2 * c * TOKENS + t] += q4k_bias(srows[2 * c], G, sums);
-                        gu[(2 * c + 1) * TOKENS + t] += q4k_bias(srows[2 * c + 1], G, sums);
-                    }
+            if (minima) {
+                float bias[MAX_ROWS * TOKENS];
+                q4k_bias(srows, (int)(2 * count), G, sums, bias);
+                for (long k = 0; k < 2 * count; k++)
+                    for (int t = 0; t < nt; t++) gu[k * TOKENS + t] += bias[k * TOKENS + t];
+            }
             for (long c = 0; c < count; c++, i++)
                 for (int t = 0; t < nt; t++) {
                     float gt = gu[2 * c * TOKENS + t], ut = gu[(2 * c + 1) * TOKENS + t];
@@ -1074,6 +1112,12 @@ static void phase2_rows(const job_t *J, long r0, long r1)
                 h16s[t] = h16 ? h16 + (j0 + t) * padded(I) : NULL;
             }
             (void)h16s;
+            tokens_f sums[minima ? G : 1];  /* the chunk's group sums of h, transposed (q4k_bias) */
+            if (minima) {
+                const float *rows[TOKENS];
+                for (int t = 0; t < nt; t++) rows[t] = J->h_sums + (j0 + t) * G;
+                bias_sums(rows, nt, G, sums);
+            }
             for (long r = r0; r < r1; r++) {
                 float y[MAX_ROWS * TOKENS];
                 int R = 1, dot16 = 0;
@@ -1094,10 +1138,12 @@ static void phase2_rows(const job_t *J, long r0, long r1)
                 } else {
                     dot_matrix_row(fmt, group, &J->md, unit_expert[u], r, srows[0], hs, nt, y);
                 }
-                if (minima)
+                if (minima) {
+                    float bias[MAX_ROWS * TOKENS];
+                    q4k_bias(srows, R, G, sums, bias);
                     for (int k = 0; k < R; k++)
-                        for (int t = 0; t < nt; t++)
-                            y[k * TOKENS + t] += q4k_bias(srows[k], G, J->h_sums + (j0 + t) * G);
+                        for (int t = 0; t < nt; t++) y[k * TOKENS + t] += bias[k * TOKENS + t];
+                }
                 for (int k = 0; k < R; k++)
                     for (int t = 0; t < nt; t++) {
                         const float yt = round_bf16_out ? round_bf16(y[k * TOKENS + t]) : y[k * TOKENS + t];

@@ -3,11 +3,14 @@
 per group where the pool reads them (native_experts.c `q4k_scale_min` / `q2k_scale_min`; numpy a chunk at a time,
 `records_scale_min`) into the same float32 s and mn as `block_scale_min` gives."""
 
+import platform
+
 import gguf
 import numpy as np
 import pytest
 
 from helpers import reference_ffn, rel_fro, rng_for, rounding
+from strata_jax.host_pool import native
 from strata_jax.host_pool import store as store_module
 from strata_jax.model import quant
 
@@ -80,3 +83,40 @@ def test_pool_is_gguf_weights_times_x(make_pool, pool_path, fmt, T):
     w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
     y = pool.compute(0, x, ids, w)
     assert rel_fro(y, reference_ffn(weights, x, ids, w, rounding("float32"))) < 1e-6
+
+
+BUILDS = {"default": None, "avx2": ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"),
+          "plain": native.EXPERTS_FLAGS[-1]}  # plain: the last fallback (no -march, no OpenMP: GNU vectors, SSE2)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_q4k_records_give_the_float_scales_bits(make_pool, monkeypatch, tmp_path, build):
+    """The C kernel on int4-q4k's records (decoded a row at a time, native_experts.c scale_row) and on the same
+    weights held as int4-m's float32 scale rows (block_scale_min, the former store's form): the same bits, in the
+    default build, the AVX2 one and the portable fallback (each built here, as test_host_pool_native's plain build
+    test does: native._compile, then native.experts_kernel patched)."""
+    if native.experts_kernel() is None:
+        pytest.skip(native.describe_experts())
+    if build == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX2 is x86's")
+    kernel = native.experts_kernel()
+    if BUILDS[build] is not None:
+        path = tmp_path / f"{build}.so"
+        native._compile(native._find_compiler(), BUILDS[build], path, native.EXPERTS_SOURCE)
+        kernel = native.ExpertsKernel(path)
+    rng = rng_for(f"packed-float-bits-{build}")
+    _, layer = make_layer(rng, quant.Q4K)
+    held = (*layer[:3], *(store_module.block_scale_min(c).reshape(*c.shape[:2], 2, -1) for c in layer[3:]))
+    monkeypatch.setenv(native.ENV, "1")
+    monkeypatch.setattr(native, "experts_kernel", lambda: kernel)
+    for compute in ("float32", "bfloat16"):
+        pools = [make_pool([layer], compute if compute == "float32" else None, threads=2),
+                 make_pool([held], compute if compute == "float32" else None, threads=2)]
+        assert [p.store.format for p in pools] == ["int4-q4k", "int4-m"]
+        for T in (1, 2, 4, 6):
+            x = rng.standard_normal((T, H)).astype(np.float32)
+            for values in (x, (x.view(np.uint32) & 0xFFFF0000).view(np.float32)):  # float32, and bf16 values
+                ids = np.array([2, -1, 0, 1], np.int32)
+                w = rng.uniform(0.1, 1.0, (T, ids.size)).astype(np.float32)
+                y_records, y_held = (p.compute(0, values, ids, w) for p in pools)
+                np.testing.assert_array_equal(y_records.view(np.uint32), y_held.view(np.uint32))
