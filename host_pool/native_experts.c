@@ -300,8 +300,28 @@ static inline void q2k_record(const uint8_t *record, float *s, float *mn)
 /* a row's records (`record` bytes each) -> its scale row [2G]: the G scales, then the G minima */
 static void records_scale_row(const uint8_t *records, long record, long G, float *row)
 {
-    if (record == Q4K_RECORD)
-        for (long g = 0; g < G; g += 8, records += record) q4k_record(records, row + g, row + G + g);
+    if (record == Q4K_RECORD) {
+        long g = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        /* two records a step, q4k_record's way in 16 lanes: each 128-bit lane's shuffle gathers its record's codes;
+           d and dmin of both converted at once (the other words too, unused) and spread to their record's lanes */
+        const __m256i gather = _mm256_broadcastsi128_si256(_mm_setr_epi8(4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11, 12, 13,
+                                                                         14, 14, 15));
+        const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4), bits6 = _mm512_set1_epi32(63);
+        const __m512i d_of = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+        const __m512i dmin_of = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 9, 9, 9, 9, 9, 9, 9, 9);
+        for (; g + 16 <= G; g += 16, records += 2 * record) {
+            const __m256i two = _mm256_loadu_si256((const __m256i *)records);
+            const __m512 halves = _mm512_cvtph_ps(two);
+            const __m512i code = _mm512_srlv_epi32(_mm512_cvtepu16_epi32(_mm256_shuffle_epi8(two, gather)), shifts);
+            _mm512_storeu_ps(row + g, _mm512_mul_ps(_mm512_permutexvar_ps(d_of, halves),
+                                                    _mm512_cvtepi32_ps(_mm512_and_si512(code, bits6))));
+            _mm512_storeu_ps(row + G + g, _mm512_mul_ps(_mm512_permutexvar_ps(dmin_of, halves),
+                                                        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(code, 6), bits6))));
+        }
+#endif
+        for (; g < G; g += 8, records += record) q4k_record(records, row + g, row + G + g);
+    }
     else
         for (long g = 0; g < G; g += 16, records += record) q2k_record(records, row + g, row + G + g);
 }
@@ -581,7 +601,15 @@ static inline const float *scale_row(const matrix *m, long group, long row, floa
    a time, which gcc vectorized that way; the tokens (and rows) share each step, so the chains are not one after
    another. */
 typedef float tokens_f __attribute__((vector_size(TOKENS * sizeof(float))));
-static inline void q4k_bias(const float *const *srows, int R, long G, const tokens_f *sums, float *bias)
+#if defined(__SSE__)
+#include <xmmintrin.h>  /* q4k_bias's one-token loop (the portable x86 build has SSE, not immintrin.h's others) */
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#define NO_FMA(v) __asm__("" : "+x"(v))
+#else
+#define NO_FMA(v) __asm__("" : "+m"(v))
+#endif
+static inline void q4k_bias(const float *const *srows, int R, int nt, long G, const tokens_f *sums, float *bias)
 {
     _Static_assert(TOKENS == 4, "q4k_bias's lanes are 4 tokens");
     tokens_f acc[4];  /* R <= MAX_ROWS, 4 */
@@ -589,14 +617,38 @@ static inline void q4k_bias(const float *const *srows, int R, long G, const toke
     float w[R][G];  /* 8 s_g - mn_g of each row (a vector loop) */
     for (int r = 0; r < R; r++)
         for (long g = 0; g < G; g++) w[r][g] = 8.0f * srows[r][g] - srows[r][G + g];
+#if defined(__SSE__)
+    if (nt == 1 && R > 1) {  /* one token: the rows in the lanes instead, w transposed 4 groups at a time */
+        __m128 a = _mm_setzero_ps();
+        long g = 0;
+        for (; g + 4 <= G; g += 4) {
+            __m128 w0 = _mm_loadu_ps(w[0] + g), w1 = _mm_loadu_ps(w[1] + g);  /* rows past R: lanes unused */
+            __m128 w2 = _mm_loadu_ps(w[R > 2 ? 2 : 0] + g), w3 = _mm_loadu_ps(w[R > 3 ? 3 : 0] + g);
+            _MM_TRANSPOSE4_PS(w0, w1, w2, w3);
+            const __m128 rows_w[4] = {w0, w1, w2, w3};
+            for (int k = 0; k < 4; k++) {
+                __m128 product = _mm_mul_ps(rows_w[k], _mm_set1_ps(sums[g + k][0]));
+                NO_FMA(product);
+                a = _mm_add_ps(a, product);
+            }
+        }
+        for (; g < G; g++) {
+            __m128 product = _mm_mul_ps(_mm_setr_ps(w[0][g], w[1][g], w[R > 2 ? 2 : 0][g], w[R > 3 ? 3 : 0][g]),
+                                        _mm_set1_ps(sums[g][0]));
+            NO_FMA(product);
+            a = _mm_add_ps(a, product);
+        }
+        float lanes[4];
+        _mm_storeu_ps(lanes, a);
+        for (int r = 0; r < R; r++) bias[r * TOKENS] = lanes[r];
+        return;
+    }
+#endif
+    (void)nt;
     for (long g = 0; g < G; g++)
         for (int r = 0; r < R; r++) {
             tokens_f product = w[r][g] * sums[g];
-#if defined(__x86_64__) || defined(__i386__)
-            __asm__("" : "+x"(product));
-#else
-            __asm__("" : "+m"(product));
-#endif
+            NO_FMA(product);
             acc[r] += product;
         }
     for (int r = 0; r < R; r++) memcpy(bias + r * TOKENS, &acc[r], sizeof acc[r]);
@@ -1053,6 +1105,9 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
                 srows[2 * c] = scale_row(&J->mg, group, e * I + i + c, buf + 2 * c * slot);
                 srows[2 * c + 1] = scale_row(&J->mu, group, e * I + i + c, buf + (2 * c + 1) * slot);
             }
+            /* the minima's term before the dot products, which do not wait for its chains of sums */
+            float bias[MAX_ROWS * TOKENS];
+            if (minima) q4k_bias(srows, (int)(2 * count), nt, G, sums, bias);
             if (dot16) {
 #ifdef BF16_DOT
                 const matrix *const ms[MAX_ROWS] = {&J->mg, &J->mu, &J->mg, &J->mu};
@@ -1063,12 +1118,9 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
                 dot_matrix_row(fmt, group, &J->mg, e, i, srows[0], xs, nt, gu);
                 dot_matrix_row(fmt, group, &J->mu, e, i, srows[1], xs, nt, gu + TOKENS);
             }
-            if (minima) {
-                float bias[MAX_ROWS * TOKENS];
-                q4k_bias(srows, (int)(2 * count), G, sums, bias);
+            if (minima)
                 for (long k = 0; k < 2 * count; k++)
                     for (int t = 0; t < nt; t++) gu[k * TOKENS + t] += bias[k * TOKENS + t];
-            }
             for (long c = 0; c < count; c++, i++)
                 for (int t = 0; t < nt; t++) {
                     float gt = gu[2 * c * TOKENS + t], ut = gu[(2 * c + 1) * TOKENS + t];
@@ -1128,6 +1180,8 @@ static void phase2_rows(const job_t *J, long r0, long r1)
                 const float *srows[MAX_ROWS] = {NULL};
                 for (int k = 0; scaled && k < R; k++)
                     srows[k] = scale_row(&J->md, group, unit_expert[u] * H + r + k, buf + k * slot);
+                float bias[MAX_ROWS * TOKENS];  /* as phase1_rows: before the dot products */
+                if (minima) q4k_bias(srows, R, nt, G, sums, bias);
                 if (dot16) {
 #ifdef BF16_DOT
                     const matrix *const ms[MAX_ROWS] = {&J->md, &J->md, &J->md, &J->md};
@@ -1138,12 +1192,9 @@ static void phase2_rows(const job_t *J, long r0, long r1)
                 } else {
                     dot_matrix_row(fmt, group, &J->md, unit_expert[u], r, srows[0], hs, nt, y);
                 }
-                if (minima) {
-                    float bias[MAX_ROWS * TOKENS];
-                    q4k_bias(srows, R, G, sums, bias);
+                if (minima)
                     for (int k = 0; k < R; k++)
                         for (int t = 0; t < nt; t++) y[k * TOKENS + t] += bias[k * TOKENS + t];
-                }
                 for (int k = 0; k < R; k++)
                     for (int t = 0; t < nt; t++) {
                         const float yt = round_bf16_out ? round_bf16(y[k * TOKENS + t]) : y[k * TOKENS + t];
