@@ -13,16 +13,18 @@
    scales (1 otherwise); int4 weights are (nibble - 8) * group scale, exact in float32, as store.py dequantizes.
    int4-q4k (FMT_INT4KR, GGUF Q4_K's blocks: w = s * nibble - mn per group of 32): int4's loops with the scales s,
    plus sum_g (8 s_g - mn_g) * sum(x over group g), the group sums of x (and of h) taken once per job: the dot with
-   s * nibble - mn up to float32 rounding. s = d sc and mn = dmin m are decoded per group from the store's
-   super-block records (q4k_scale_min: fp16 d, dmin and 12-bit codes, the file's 4.5 bits a weight) where they are
-   used. Q4_1 (FMT_INT4K, "int4-m") runs the same with float32 scale rows: G scales, then G minima.
+   s * nibble - mn up to float32 rounding (q4k_bias: each row and token's sum in the order of g, several rows or
+   tokens a vector). s = d sc and mn = dmin m are decoded from the store's super-block records (fp16 d, dmin and
+   12-bit codes, the file's 4.5 bits a weight) once per row and chunk of tokens into the float32 scale row the
+   former store held (scale_row, q4k_record), so the loops are those of held scales, the bits too. Q4_1 (FMT_INT4K,
+   "int4-m") runs the same on its held float32 scale rows: G scales, then G minima.
    int8-g (FMT_INT8G, GGUF types kept as read, strata_jax/model/quant.py: Q8_0, Q6_K, Q3_K; FMT_INT8GM with minima:
    Q5_K, Q2_K): int8 q with a float32 scale per group of `group` inputs (and a minimum: a scale row holds the G
    scales, then the G minima); each weight is dequantized in registers, fma(q, s, -mn) = s q - mn rounded once
    (s q is exact), gguf's float32 value, then dotted as float32 weights are.
    int2-q2k (FMT_INT2K, GGUF Q2_K's blocks, quant.py "int2-q2k": q in 0..3 four a byte, in each chunk of 64 inputs
    byte b holds inputs b, b + 16, b + 32, b + 48 at shifts 0, 2, 4, 6; a scale and minimum per group of 16 decoded
-   from the store's records, q2k_scale_min, 2.625 bits a weight): int8-g's way, each weight fma(q, s, -mn) in
+   from the store's records a row at a time, q2k_record, 2.625 bits a weight): int8-g's way, each weight fma(q, s, -mn) in
    registers (gguf's value), the crumbs widened from bytes by a shift and a mask (dot_rows_int2k_nt).
    Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside Q6_K down, each kept as read): a job's phase 1
    reads gate/up in `fmt` with groups of `group`, phase 2 reads down in `fmt_down` with `group_down`; each phase's
@@ -74,7 +76,7 @@
 #endif
 
 /* FMT_INT4K: int4 with float32 scales and minima (Q4_1, "int4-m"); FMT_INT4KR: int4-q4k, the same loops with the
-   scales and minima decoded from the store's super-block records (q4k_scale_min); FMT_INT2K: int2-q2k's records */
+   scales and minima decoded from the store's super-block records (scale_row); FMT_INT2K: int2-q2k's records */
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT4K = 4, FMT_INT8G = 5, FMT_INT8GM = 6,
        FMT_INT2K = 7, FMT_INT4KR = 8 };
 enum { TOKENS = 4 };      /* token rows read per pass over a weight row */

@@ -312,7 +312,7 @@ def block_records(codes: np.ndarray) -> np.ndarray:
     (int2-q2k: [..., B * 20]) uint8, one a super-block in input order, so a row's groups decode reading forward:
     fp16 d and dmin (little-endian), then the groups' codes: int4-q4k's 8 of 12 bits, groups 2k and 2k + 1 in
     bytes 3k .. 3k + 2 (code 2k in bits 0-11, 2k + 1 in bits 12-23: Q4_K's 12 bytes of scales, another order);
-    int2-q2k's 16 bytes as read. Moves bits only (native_experts.c's `q4k_scale_min` / `q2k_scale_min` decode
+    int2-q2k's 16 bytes as read. Moves bits only (native_experts.c's `q4k_record` / `q2k_record` decode
     them)."""
     q4k = codes.dtype == np.uint16
     g = codes.shape[-1] * 4 // 5

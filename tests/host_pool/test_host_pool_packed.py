@@ -1,6 +1,6 @@
 """int4-q4k and int2-q2k held packed in the host store (issue 36): their codes kept as per-row super-block records
 (store.py `block_records`: fp16 d, dmin, then the groups' codes), the GGUF file's 4.5 / 2.625 bits a weight, decoded
-per group where the pool reads them (native_experts.c `q4k_scale_min` / `q2k_scale_min`; numpy a chunk at a time,
+where the pool reads them (native_experts.c a row at a time, `scale_row`; numpy a chunk at a time,
 `records_scale_min`) into the same float32 s and mn as `block_scale_min` gives."""
 
 import platform
