@@ -10,8 +10,8 @@ read bandwidth, and the time against bf16's on the same path and T. The read ban
 first: `--threads` threads summing one large array (`--read_mb`, far larger than the caches) in native code, best
 of 5; the one-thread `np.copyto` rate is printed beside it. Path "C" is the expert kernel of host_pool/native.py
 (native_experts.c, one call per job), "numpy" the BLAS thread jobs (STRATA_POOL_NATIVE=0). Experts are drawn from
-a larger store (--store-experts) so weights come from DRAM, not cache. int8 and int4 weights are random q and scales
-(the arithmetic's speed does not depend on their values). --variants: path "C" once per build of the kernel, each
+a larger store (--store-experts) so weights come from DRAM, not cache. int8, int4, int4-q4k and int2-q2k weights are
+random q and scales (or codes: the arithmetic's speed does not depend on their values). --variants: path "C" once per build of the kernel, each
 with its -D macros (comma-separated; "default": none), side by side; "vs bf16" compares with bf16 of the same build;
 "TEAM_OMP,BLOCKS_FIXED" is the former job (an OpenMP region per job, fixed blocks of 32 / 16 rows), "TEAM_OMP" the
 job-sized blocks in it, "TEAM_SPIN_US=50" the kept team's idle spin shorter. --timeline: the mean job's setup, its
@@ -40,7 +40,7 @@ from . import store as store_module
 from .pool import HostPool
 from .store import BF16, HostExpertStore
 
-FORMATS = ("float32", "bf16", "bf16-f32-once", "int8", "int4")
+FORMATS = ("float32", "bf16", "bf16-f32-once", "int8", "int4", "int4-q4k", "int2-q2k")
 PATHS = ("C", "numpy")
 INT4_GROUP = 64  # strata_jax/model/quant.py "int4"
 X_DTYPE = BF16  # x's values (--x)
@@ -148,6 +148,10 @@ def make_store(fmt: str, rng, E: int, H: int, I: int) -> tuple[str, HostExpertSt
         scales = [(rng.random((e, o, i // INT4_GROUP), dtype=np.float32) * 1e-2).astype(BF16)
                   for e, o, i in shapes]
         return f"int4 (g{INT4_GROUP})", HostExpertStore([(*q, *scales)])
+    if fmt in ("int4-q4k", "int2-q2k"):  # GGUF Q4_K's / Q2_K's blocks: packed q, codes in the pool layout
+        return fmt, HostExpertStore([(*(rng.integers(0, 256, (e, o, i // (2 if fmt == "int4-q4k" else 4)),
+                                                     dtype=np.uint8) for e, o, i in shapes),
+                                      *(block_codes(fmt, rng, e, o, i) for e, o, i in shapes))])
     weights = [0.02 * rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
     if fmt == "float32":
         return "float32", HostExpertStore([tuple(weights)])
@@ -155,6 +159,17 @@ def make_store(fmt: str, rng, E: int, H: int, I: int) -> tuple[str, HostExpertSt
     if fmt == "bf16":
         return "bf16", HostExpertStore([tuple(weights)])
     return "bf16 -> f32 once", HostExpertStore([tuple(weights)], bf16_as_f32=True)
+
+
+def block_codes(fmt: str, rng, E: int, O: int, I: int) -> np.ndarray:
+    """Random int4-q4k (uint16) or int2-q2k (uint8) codes [E, O, 5G/4] as strata_jax/model/quant.py lays them out per
+    row: G group codes (q4k: sc | m << 6, groups of 32; q2k: sc | m << 4, groups of 16), then each super-block's fp16
+    d, then its dmin (q2k: two bytes each)."""
+    q4k = fmt == "int4-q4k"
+    G, B = I // (32 if q4k else 16), I // 256
+    group_codes = rng.integers(0, 4096 if q4k else 256, (E, O, G)).astype(np.uint16 if q4k else np.uint8)
+    halves = (rng.random((E, O, 2 * B), dtype=np.float32) * 1e-3).astype(np.float16)  # [E, O, 2B]: d, then dmin
+    return np.concatenate([group_codes, halves.view(np.uint16 if q4k else np.uint8)], axis=-1)
 
 
 def main() -> None:

@@ -11,17 +11,21 @@
      phase 2, threads over blocks of H rows:         out[out_j, r] += w_j * r(s_d * down[e, r] . h[j])
    r() rounds to bf16 (round to nearest even) when `round_bf16`, as the device's graphs round; s_* are int8's row
    scales (1 otherwise); int4 weights are (nibble - 8) * group scale, exact in float32, as store.py dequantizes.
-   int4-q4k (FMT_INT4K, GGUF Q4_K's blocks: w = s * nibble - mn per group of 32): int4's loops with the scales s
-   (a scale row holds the G scales, then the G minima), plus sum_g (8 s_g - mn_g) * sum(x over group g), the
-   group sums of x (and of h) taken once per job: the dot with s * nibble - mn up to float32 rounding.
+   int4-q4k (FMT_INT4KR, GGUF Q4_K's blocks: w = s * nibble - mn per group of 32): int4's loops with the scales s,
+   plus sum_g (8 s_g - mn_g) * sum(x over group g), the group sums of x (and of h) taken once per job: the dot with
+   s * nibble - mn up to float32 rounding (q4k_bias: each row and token's sum in the order of g, several rows or
+   tokens a vector). s = d sc and mn = dmin m are decoded from the store's super-block records (fp16 d, dmin and
+   12-bit codes, the file's 4.5 bits a weight) once per row and chunk of tokens into the float32 scale row the
+   former store held (scale_row, q4k_record), so the loops are those of held scales, the bits too. Q4_1 (FMT_INT4K,
+   "int4-m") runs the same on its held float32 scale rows: G scales, then G minima.
    int8-g (FMT_INT8G, GGUF types kept as read, strata_jax/model/quant.py: Q8_0, Q6_K, Q3_K; FMT_INT8GM with minima:
    Q5_K, Q2_K): int8 q with a float32 scale per group of `group` inputs (and a minimum: a scale row holds the G
    scales, then the G minima); each weight is dequantized in registers, fma(q, s, -mn) = s q - mn rounded once
    (s q is exact), gguf's float32 value, then dotted as float32 weights are.
    int2-q2k (FMT_INT2K, GGUF Q2_K's blocks, quant.py "int2-q2k": q in 0..3 four a byte, in each chunk of 64 inputs
-   byte b holds inputs b, b + 16, b + 32, b + 48 at shifts 0, 2, 4, 6; a float32 scale and minimum per group of 16,
-   a scale row G scales then G minima): int8-g's way, each weight fma(q, s, -mn) in registers (gguf's value), the
-   crumbs widened from bytes by a shift and a mask (dot_rows_int2k_nt).
+   byte b holds inputs b, b + 16, b + 32, b + 48 at shifts 0, 2, 4, 6; a scale and minimum per group of 16 decoded
+   from the store's records a row at a time, q2k_record, 2.625 bits a weight): int8-g's way, each weight fma(q, s, -mn) in
+   registers (gguf's value), the crumbs widened from bytes by a shift and a mask (dot_rows_int2k_nt).
    Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside Q6_K down, each kept as read): a job's phase 1
    reads gate/up in `fmt` with groups of `group`, phase 2 reads down in `fmt_down` with `group_down`; each phase's
    minima, group sums and bf16 path follow its own format.
@@ -71,8 +75,10 @@
 #include <omp.h>
 #endif
 
+/* FMT_INT4K: int4 with float32 scales and minima (Q4_1, "int4-m"); FMT_INT4KR: int4-q4k, the same loops with the
+   scales and minima decoded from the store's super-block records (scale_row); FMT_INT2K: int2-q2k's records */
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT4K = 4, FMT_INT8G = 5, FMT_INT8GM = 6,
-       FMT_INT2K = 7 };
+       FMT_INT2K = 7, FMT_INT4KR = 8 };
 enum { TOKENS = 4 };      /* token rows read per pass over a weight row */
 /* weight rows per work item of phase 1 / phase 2 (-D to try others: host_pool/measure.py --variants) */
 #ifndef ROWS_UP
@@ -225,6 +231,101 @@ static inline float scalar_weight(int fmt, const void *row, long k)
     }
     default: return (float)((const int8_t *)row)[k];
     }
+}
+
+/* fp16 bits at p (little-endian) -> float32, exactly (F16C where the build has it) */
+static inline float half_at(const uint8_t *p)
+{
+    const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    float f;
+    if (e == 31) {  /* inf, NaN */
+        const uint32_t bits = sign | 0x7f800000u | m << 13;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    f = e ? ldexpf((float)(m | 1024), (int)e - 25) : ldexpf((float)m, -24);  /* exact: 11 bits */
+    return sign ? -f : f;
+#endif
+}
+
+/* int4-q4k's and int2-q2k's codes as the store keeps them (store.py block_records): per output row one record a
+   super-block of 256 inputs, fp16 d, fp16 dmin, then its groups' codes (q4k: 8 of 12 bits sc | m << 6, groups 2k
+   and 2k + 1 in bytes 3k .. 3k + 2; q2k: 16 bytes sc | m << 4). A row's records are decoded once per row and chunk
+   of tokens (scale_row) into the float32 scale row int4-m and the former store held, G scales s = d sc then G minima
+   mn = dmin m: the float32 products store.py's block_scale_min gives (fp16 times a small integer: exact); the loops
+   then run as on held float32 scales. */
+enum { Q4K_RECORD = 16, Q2K_RECORD = 20 };
+/* one q4k record's 8 groups -> s[0..8), mn[0..8) (x86 builds: the 12-bit codes gathered as 16-bit words by one
+   byte shuffle, group k's from byte 4 + 3 (k >> 1) + (k & 1), shifted 4 (k & 1)) */
+static inline void q4k_record(const uint8_t *record, float *s, float *mn)
+{
+    const float d = half_at(record), dmin = half_at(record + 2);
+#if defined(__AVX2__) && (defined(__AVX512F__) || defined(__FMA__))  /* immintrin.h included above */
+    const __m128i words = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)record),
+                                           _mm_setr_epi8(4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11, 12, 13, 14, 14, 15));
+    const __m256i code = _mm256_srlv_epi32(_mm256_cvtepu16_epi32(words), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    const __m256i bits6 = _mm256_set1_epi32(63);
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_and_si256(code, bits6))));
+    _mm256_storeu_ps(mn, _mm256_mul_ps(_mm256_set1_ps(dmin),
+                                       _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(code, 6), bits6))));
+#else
+    for (int k = 0; k < 8; k++) {
+        const uint8_t *pair = record + 4 + 3 * (k >> 1);
+        const uint32_t code = ((uint32_t)pair[0] | (uint32_t)pair[1] << 8 | (uint32_t)pair[2] << 16) >> (12 * (k & 1));
+        s[k] = d * (float)(code & 63);
+        mn[k] = dmin * (float)((code >> 6) & 63);
+    }
+#endif
+}
+/* one q2k record's 16 groups -> s[0..16), mn[0..16) */
+static inline void q2k_record(const uint8_t *record, float *s, float *mn)
+{
+    const float d = half_at(record), dmin = half_at(record + 2);
+#if defined(__AVX2__) && (defined(__AVX512F__) || defined(__FMA__))
+    for (int k = 0; k < 16; k += 8) {  /* (gcc 12 leaves the plain loop scalar) */
+        const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(record + 4 + k)));
+        _mm256_storeu_ps(s + k, _mm256_mul_ps(_mm256_set1_ps(d),
+                                              _mm256_cvtepi32_ps(_mm256_and_si256(code, _mm256_set1_epi32(15)))));
+        _mm256_storeu_ps(mn + k, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_srli_epi32(code, 4))));
+    }
+#else
+    for (int k = 0; k < 16; k++) {
+        s[k] = d * (float)(record[4 + k] & 15);
+        mn[k] = dmin * (float)(record[4 + k] >> 4);
+    }
+#endif
+}
+/* a row's records (`record` bytes each) -> its scale row [2G]: the G scales, then the G minima */
+static void records_scale_row(const uint8_t *records, long record, long G, float *row)
+{
+    if (record == Q4K_RECORD) {
+        long g = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        /* two records a step, q4k_record's way in 16 lanes: each 128-bit lane's shuffle gathers its record's codes;
+           d and dmin of both converted at once (the other words too, unused) and spread to their record's lanes */
+        const __m256i gather = _mm256_broadcastsi128_si256(_mm_setr_epi8(4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11, 12, 13,
+                                                                         14, 14, 15));
+        const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4), bits6 = _mm512_set1_epi32(63);
+        const __m512i d_of = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+        const __m512i dmin_of = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 9, 9, 9, 9, 9, 9, 9, 9);
+        for (; g + 16 <= G; g += 16, records += 2 * record) {
+            const __m256i two = _mm256_loadu_si256((const __m256i *)records);
+            const __m512 halves = _mm512_cvtph_ps(two);
+            const __m512i code = _mm512_srlv_epi32(_mm512_cvtepu16_epi32(_mm256_shuffle_epi8(two, gather)), shifts);
+            _mm512_storeu_ps(row + g, _mm512_mul_ps(_mm512_permutexvar_ps(d_of, halves),
+                                                    _mm512_cvtepi32_ps(_mm512_and_si512(code, bits6))));
+            _mm512_storeu_ps(row + G + g, _mm512_mul_ps(_mm512_permutexvar_ps(dmin_of, halves),
+                                                        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(code, 6), bits6))));
+        }
+#endif
+        for (; g < G; g += 8, records += record) q4k_record(records, row + g, row + G + g);
+    }
+    else
+        for (long g = 0; g < G; g += 16, records += record) q2k_record(records, row + g, row + G + g);
 }
 
 /* Software prefetch of the weights PREFETCH_BYTES ahead of those being read, one cache line per 64 bytes read: the
@@ -480,17 +581,85 @@ typedef struct {
     const void *weights;
     const float *scales;
     long rows, n;
-    int minima;  /* int4-q4k: a scale row is [2 n/group]: the scales, then the minima */
+    int minima;  /* int4-m, int8-g with minima: a scale row is [2 n/group]: the scales, then the minima */
+    const uint8_t *records;  /* int4-q4k / int2-q2k: [E, rows, n/256 * record] super-block records, else NULL */
+    long record;             /* bytes a record (Q4K_RECORD, Q2K_RECORD), 0 without */
 } matrix;
 
-/* int4-q4k: sum_g (8 s_g - mn_g) * sums[g] of row `row` (its scale row: G scales, then G minima) */
-static inline float q4k_bias(const matrix *m, long group, long row, const float *sums)
+/* row `row`'s scale row where its format has one per group (int4, int4-m, int2-q2k: [n/group], [2 n/group] with
+   minima): held in m->scales, or (int4-q4k, int2-q2k) decoded from the row's records into buf [2 n/group] */
+static inline const float *scale_row(const matrix *m, long group, long row, float *buf)
 {
     const long G = m->n / group;
-    const float *s = m->scales + row * 2 * G, *mn = s + G;
-    float acc = 0.0f;
-    for (long g = 0; g < G; g++) acc += (8.0f * s[g] - mn[g]) * sums[g];
-    return acc;
+    if (!m->records) return m->scales + row * G * (1 + m->minima);
+    records_scale_row(m->records + row * (m->n / 256) * m->record, m->record, G, buf);
+    return buf;
+}
+
+/* int4-q4k / int4-m: the minima's term, bias[r * TOKENS + t] = sum_g (8 s_g - mn_g) * sums[g][t] for R rows' scale
+   rows srows[r] (G scales, then G minima) and TOKENS tokens' group sums, transposed ([G] of TOKENS lanes, unused
+   tokens' zero: bias_sums). Each (row, token) is one chain of float32 sums, in the order of g, of rounded products
+   (the empty asm keeps the compiler from fusing them into FMAs): the bits of the former loop, one row and token at
+   a time, which gcc vectorized that way; the tokens (and rows) share each step, so the chains are not one after
+   another. */
+typedef float tokens_f __attribute__((vector_size(TOKENS * sizeof(float))));
+#if defined(__SSE__)
+#include <xmmintrin.h>  /* q4k_bias's one-token loop (the portable x86 build has SSE, not immintrin.h's others) */
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#define NO_FMA(v) __asm__("" : "+x"(v))
+#else
+#define NO_FMA(v) __asm__("" : "+m"(v))
+#endif
+static inline void q4k_bias(const float *const *srows, int R, int nt, long G, const tokens_f *sums, float *bias)
+{
+    _Static_assert(TOKENS == 4, "q4k_bias's lanes are 4 tokens");
+    tokens_f acc[4];  /* R <= MAX_ROWS, 4 */
+    for (int r = 0; r < R; r++) acc[r] = (tokens_f){0};
+    float w[R][G];  /* 8 s_g - mn_g of each row (a vector loop) */
+    for (int r = 0; r < R; r++)
+        for (long g = 0; g < G; g++) w[r][g] = 8.0f * srows[r][g] - srows[r][G + g];
+#if defined(__SSE__)
+    if (nt == 1 && R > 1) {  /* one token: the rows in the lanes instead, w transposed 4 groups at a time */
+        __m128 a = _mm_setzero_ps();
+        long g = 0;
+        for (; g + 4 <= G; g += 4) {
+            __m128 w0 = _mm_loadu_ps(w[0] + g), w1 = _mm_loadu_ps(w[1] + g);  /* rows past R: lanes unused */
+            __m128 w2 = _mm_loadu_ps(w[R > 2 ? 2 : 0] + g), w3 = _mm_loadu_ps(w[R > 3 ? 3 : 0] + g);
+            _MM_TRANSPOSE4_PS(w0, w1, w2, w3);
+            const __m128 rows_w[4] = {w0, w1, w2, w3};
+            for (int k = 0; k < 4; k++) {
+                __m128 product = _mm_mul_ps(rows_w[k], _mm_set1_ps(sums[g + k][0]));
+                NO_FMA(product);
+                a = _mm_add_ps(a, product);
+            }
+        }
+        for (; g < G; g++) {
+            __m128 product = _mm_mul_ps(_mm_setr_ps(w[0][g], w[1][g], w[R > 2 ? 2 : 0][g], w[R > 3 ? 3 : 0][g]),
+                                        _mm_set1_ps(sums[g][0]));
+            NO_FMA(product);
+            a = _mm_add_ps(a, product);
+        }
+        float lanes[4];
+        _mm_storeu_ps(lanes, a);
+        for (int r = 0; r < R; r++) bias[r * TOKENS] = lanes[r];
+        return;
+    }
+#endif
+    (void)nt;
+    for (long g = 0; g < G; g++)
+        for (int r = 0; r < R; r++) {
+            tokens_f product = w[r][g] * sums[g];
+            NO_FMA(product);
+            acc[r] += product;
+        }
+    for (int r = 0; r < R; r++) memcpy(bias + r * TOKENS, &acc[r], sizeof acc[r]);
+}
+/* out[g][t] = rows[t][g] of the nt rows of G group sums, rows past nt zero */
+static inline void bias_sums(const float *const *rows, int nt, long G, tokens_f *out)
+{
+    for (long g = 0; g < G; g++)
+        for (int t = 0; t < TOKENS; t++) out[g][t] = t < nt ? rows[t][g] : 0.0f;
 }
 
 /* sums[k * G + g] = the sum of rows[k]'s inputs g*group .. (g+1)*group - 1, k < count. Eight lanes a step where
@@ -518,8 +687,9 @@ static void group_sums(const float *rows, long count, long n, long group, float 
         }
 }
 
-static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, long r, const float *const *xs, int nt,
-                           float *out)
+/* srow: the row's scale row (scale_row) for int4 and int2-q2k, else unused */
+static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, long r, const float *srow,
+                           const float *const *xs, int nt, float *out)
 {
     const long row = expert * m->rows + r;
     if (fmt == FMT_INT8G) {
@@ -528,13 +698,11 @@ static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, lo
         return;
     }
     if (fmt == FMT_INT2K) {  /* groups of 16, minima always */
-        dot_rows_int2k((const uint8_t *)m->weights + row * (m->n / 4), m->scales + row * 2 * (m->n / 16), m->n,
-                       xs, nt, out);
+        dot_rows_int2k((const uint8_t *)m->weights + row * (m->n / 4), srow, m->n, xs, nt, out);
         return;
     }
     if (fmt == FMT_INT4) {
-        dot_rows_int4((const uint8_t *)m->weights + row * (m->n / 2),
-                      m->scales + row * (m->n / group) * (1 + m->minima), m->n, group, xs, nt, out);
+        dot_rows_int4((const uint8_t *)m->weights + row * (m->n / 2), srow, m->n, group, xs, nt, out);
         return;
     }
     const long itemsize = fmt == FMT_F32 ? 4 : fmt == FMT_BF16 ? 2 : 1;
@@ -729,19 +897,16 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
 /* out[r * TOKENS + t] = row r of (matrix ms[r], expert es[r], row rs[r]) . xs[t] for R = 1, 2 or 4 rows, scaled.
    `ahead`: how many rows of its matrix the next call starts ahead of each row (the rows prefetched meanwhile). */
 static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matrix *const *ms, const long *es,
-                              const long *rs, const uint16_t *const *xs, int nt, float *out)
+                              const long *rs, const float *const *srows, const uint16_t *const *xs, int nt,
+                              float *out)
 {
     long row[MAX_ROWS];
     const long n = ms[0]->n;
     for (int r = 0; r < R; r++) row[r] = es[r] * ms[r]->rows + rs[r];
-    if (fmt == FMT_INT4) {
+    if (fmt == FMT_INT4) {  /* srows: the rows' scale rows (scale_row) */
         const uint8_t *packed[MAX_ROWS];
-        const float *scales[MAX_ROWS];
-        for (int r = 0; r < R; r++) {
-            packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
-            scales[r] = ms[r]->scales + row[r] * (n / group) * (1 + ms[r]->minima);
-        }
-#define INT4_CALL(NT, R) dot16_int4_nt(packed, scales, n, ahead * (n / 2), group / 2, xs, out, NT, R)
+        for (int r = 0; r < R; r++) packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
+#define INT4_CALL(NT, R) dot16_int4_nt(packed, srows, n, ahead * (n / 2), group / 2, xs, out, NT, R)
         DOT16_ROWS(INT4_CALL)
         return;
     }
@@ -907,6 +1072,12 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
     uint16_t *h16 = J->h16;
     float *h = J->h;
     (void)x16;
+    /* gate's and up's scale rows (scale_row) where the format has them; decoded ones (int4-q4k, int2-q2k) into
+       buf, once per row and chunk of tokens */
+    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K;
+    const long G = group ? H / group : 0;  /* groups a row (0: no groups) */
+    const long slot = J->mg.records ? 2 * G : 0;  /* a decoded scale row's floats */
+    float buf[MAX_ROWS * slot + 1];
     for (long j0 = unit_start[u]; j0 < unit_start[u + 1]; j0 += TOKENS) {
         const int nt = unit_start[u + 1] - j0 < TOKENS ? (int)(unit_start[u + 1] - j0) : TOKENS;
         const float *xs[TOKENS];
@@ -916,29 +1087,42 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
             x16s[t] = x16 ? x16 + entry_token[j0 + t] * padded(H) : NULL;
         }
         (void)x16s;  /* unused without BF16_DOT */
+        tokens_f sums[minima ? G : 1];  /* the chunk's group sums of x, transposed (q4k_bias) */
+        if (minima) {
+            const float *rows[TOKENS];
+            for (int t = 0; t < nt; t++) rows[t] = x_sums + entry_token[j0 + t] * G;
+            bias_sums(rows, nt, G, sums);
+        }
         for (long i = i0; i < i1;) {
             /* gate and up of `count` rows: gu[(2 c) * TOKENS + t] gate, gu[(2 c + 1) * TOKENS + t] up */
             float gu[MAX_ROWS * TOKENS];
             long count = 1;
+            int dot16 = 0;
 #ifdef BF16_DOT
-            if (x16 && dot16_pays(fmt, nt)) {  /* gate and up rows together: one read of x for all */
-                count = dot16_rows_for(fmt, nt, 2 * (i1 - i)) >= 4 ? 2 : 1;
+            dot16 = x16 && dot16_pays(fmt, nt);  /* gate and up rows together: one read of x for all */
+            if (dot16) count = dot16_rows_for(fmt, nt, 2 * (i1 - i)) >= 4 ? 2 : 1;
+#endif
+            const float *srows[MAX_ROWS] = {NULL};  /* gate i, up i, gate i + 1, up i + 1 */
+            for (long c = 0; scaled && c < count; c++) {
+                srows[2 * c] = scale_row(&J->mg, group, e * I + i + c, buf + 2 * c * slot);
+                srows[2 * c + 1] = scale_row(&J->mu, group, e * I + i + c, buf + (2 * c + 1) * slot);
+            }
+            /* the minima's term before the dot products, which do not wait for its chains of sums */
+            float bias[MAX_ROWS * TOKENS];
+            if (minima) q4k_bias(srows, (int)(2 * count), nt, G, sums, bias);
+            if (dot16) {
+#ifdef BF16_DOT
                 const matrix *const ms[MAX_ROWS] = {&J->mg, &J->mu, &J->mg, &J->mu};
                 const long es[MAX_ROWS] = {e, e, e, e}, rs[MAX_ROWS] = {i, i, i + 1, i + 1};
-                dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, x16s, nt, gu);
-            } else
+                dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, srows, x16s, nt, gu);
 #endif
-            {
-                dot_matrix_row(fmt, group, &J->mg, e, i, xs, nt, gu);
-                dot_matrix_row(fmt, group, &J->mu, e, i, xs, nt, gu + TOKENS);
+            } else {
+                dot_matrix_row(fmt, group, &J->mg, e, i, srows[0], xs, nt, gu);
+                dot_matrix_row(fmt, group, &J->mu, e, i, srows[1], xs, nt, gu + TOKENS);
             }
             if (minima)
-                for (long c = 0; c < count; c++)
-                    for (int t = 0; t < nt; t++) {
-                        const float *sums = x_sums + entry_token[j0 + t] * (H / group);
-                        gu[2 * c * TOKENS + t] += q4k_bias(&J->mg, group, e * I + i + c, sums);
-                        gu[(2 * c + 1) * TOKENS + t] += q4k_bias(&J->mu, group, e * I + i + c, sums);
-                    }
+                for (long k = 0; k < 2 * count; k++)
+                    for (int t = 0; t < nt; t++) gu[k * TOKENS + t] += bias[k * TOKENS + t];
             for (long c = 0; c < count; c++, i++)
                 for (int t = 0; t < nt; t++) {
                     float gt = gu[2 * c * TOKENS + t], ut = gu[(2 * c + 1) * TOKENS + t];
@@ -966,6 +1150,10 @@ static void phase2_rows(const job_t *J, long r0, long r1)
     const uint16_t *h16 = J->h16;
     float *out = J->out;
     (void)fmt;
+    /* down's scale rows, as phase1_rows' */
+    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K;
+    const long G = group ? I / group : 0, slot = J->md.records ? 2 * G : 0;
+    float buf[MAX_ROWS * slot + 1];
     /* unit by unit over the block's rows: the unit's h rows stay in the core's L1 meanwhile; each output element
        still sums the units in order */
     for (long u = 0; u < J->units; u++)
@@ -978,24 +1166,37 @@ static void phase2_rows(const job_t *J, long r0, long r1)
                 h16s[t] = h16 ? h16 + (j0 + t) * padded(I) : NULL;
             }
             (void)h16s;
+            tokens_f sums[minima ? G : 1];  /* the chunk's group sums of h, transposed (q4k_bias) */
+            if (minima) {
+                const float *rows[TOKENS];
+                for (int t = 0; t < nt; t++) rows[t] = J->h_sums + (j0 + t) * G;
+                bias_sums(rows, nt, G, sums);
+            }
             for (long r = r0; r < r1; r++) {
                 float y[MAX_ROWS * TOKENS];
-                int R = 1;
+                int R = 1, dot16 = 0;
 #ifdef BF16_DOT
-                if (h16 && dot16_pays(fmt, nt)) {  /* several rows at once: one read of h for all */
-                    R = dot16_rows_for(fmt, nt, r1 - r);
+                dot16 = h16 && dot16_pays(fmt, nt);  /* several rows at once: one read of h for all */
+                if (dot16) R = dot16_rows_for(fmt, nt, r1 - r);
+#endif
+                const float *srows[MAX_ROWS] = {NULL};
+                for (int k = 0; scaled && k < R; k++)
+                    srows[k] = scale_row(&J->md, group, unit_expert[u] * H + r + k, buf + k * slot);
+                float bias[MAX_ROWS * TOKENS];  /* as phase1_rows: before the dot products */
+                if (minima) q4k_bias(srows, R, nt, G, sums, bias);
+                if (dot16) {
+#ifdef BF16_DOT
                     const matrix *const ms[MAX_ROWS] = {&J->md, &J->md, &J->md, &J->md};
                     const long e = unit_expert[u], es[MAX_ROWS] = {e, e, e, e};
                     const long rs[MAX_ROWS] = {r, r + 1, r + 2, r + 3};
-                    dot16_matrix_rows(fmt, group, R, R, ms, es, rs, h16s, nt, y);
-                } else
+                    dot16_matrix_rows(fmt, group, R, R, ms, es, rs, srows, h16s, nt, y);
 #endif
-                    dot_matrix_row(fmt, group, &J->md, unit_expert[u], r, hs, nt, y);
+                } else {
+                    dot_matrix_row(fmt, group, &J->md, unit_expert[u], r, srows[0], hs, nt, y);
+                }
                 if (minima)
                     for (int k = 0; k < R; k++)
-                        for (int t = 0; t < nt; t++)
-                            y[k * TOKENS + t] += q4k_bias(&J->md, group, unit_expert[u] * H + r + k,
-                                                          J->h_sums + (j0 + t) * (I / group));
+                        for (int t = 0; t < nt; t++) y[k * TOKENS + t] += bias[k * TOKENS + t];
                 for (int k = 0; k < R; k++)
                     for (int t = 0; t < nt; t++) {
                         const float yt = round_bf16_out ? round_bf16(y[k * TOKENS + t]) : y[k * TOKENS + t];
@@ -1303,13 +1504,16 @@ int experts_job(int fmt, int fmt_down, int round_bf16_out, long H, long I, long 
     const long long t_entry = timed ? now_ns() : 0;
     long long t_region = 0;
     long long *entered = timed ? calloc(TIMELINE_THREADS, sizeof *entered) : NULL;  /* each thread's entry */
-    const int minima = fmt == FMT_INT4K, minima_down = fmt_down == FMT_INT4K;  /* int4-q4k: int4's loops, and the
-                                                                                 minima's term */
+    /* int4-q4k, int4-m: int4's loops, and the minima's term */
+    const int minima = fmt == FMT_INT4K || fmt == FMT_INT4KR, minima_down = fmt_down == FMT_INT4K
+                                                                            || fmt_down == FMT_INT4KR;
+    /* bytes of a super-block record (int4-q4k, int2-q2k: the scale pointers are their records), else 0 */
+    const long record = fmt == FMT_INT4KR ? Q4K_RECORD : fmt == FMT_INT2K ? Q2K_RECORD : 0,
+               record_down = fmt_down == FMT_INT4KR ? Q4K_RECORD : fmt_down == FMT_INT2K ? Q2K_RECORD : 0;
     if (minima) fmt = FMT_INT4;
     if (minima_down) fmt_down = FMT_INT4;
     /* scale rows of 2G: the scales, then the minima */
-    const int held_minima = minima || fmt == FMT_INT8GM || fmt == FMT_INT2K,
-              held_minima_down = minima_down || fmt_down == FMT_INT8GM || fmt_down == FMT_INT2K;
+    const int held_minima = minima || fmt == FMT_INT8GM, held_minima_down = minima_down || fmt_down == FMT_INT8GM;
     if (fmt == FMT_INT8GM) fmt = FMT_INT8G;  /* int8-g dequantizes with its minima in registers */
     if (fmt_down == FMT_INT8GM) fmt_down = FMT_INT8G;
 #ifndef _OPENMP
@@ -1368,9 +1572,10 @@ int experts_job(int fmt, int fmt_down, int round_bf16_out, long H, long I, long 
     J.fmt = fmt, J.round_bf16_out = round_bf16_out, J.minima = minima;
     J.fmt_down = fmt_down, J.minima_down = minima_down;
     J.H = H, J.I = I, J.group = group, J.group_down = group_down;
-    J.mg = (matrix){gate, gate_scale, I, H, held_minima};
-    J.mu = (matrix){up, up_scale, I, H, held_minima};
-    J.md = (matrix){down, down_scale, H, I, held_minima_down};
+    J.mg = (matrix){gate, gate_scale, I, H, held_minima, record ? (const uint8_t *)gate_scale : NULL, record};
+    J.mu = (matrix){up, up_scale, I, H, held_minima, record ? (const uint8_t *)up_scale : NULL, record};
+    J.md = (matrix){down, down_scale, H, I, held_minima_down, record_down ? (const uint8_t *)down_scale : NULL,
+                    record_down};
     J.x = x, J.units = units, J.unit_expert = unit_expert, J.unit_start = unit_start;
     J.entry_token = entry_token, J.entry_out = entry_out, J.entry_weight = entry_weight;
     J.h = h, J.out = out, J.x_sums = x_sums, J.h_sums = h_sums, J.x16 = x16, J.h16 = h16, J.h_position = h_position;

@@ -55,7 +55,7 @@ def _format_code(store, which: str = "gate") -> int:
     return 6 if fmt == "int8-g" and store.minima_of(which) else _FORMAT_CODES[fmt]
 
 
-_FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4-q4k": 4, "int4-m": 4, "int8-g": 5,
+_FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4-q4k": 8, "int4-m": 4, "int8-g": 5,
                  "int2-q2k": 7}  # native_experts.c's FMT_*
 
 

@@ -63,9 +63,12 @@ class HostExpertStore:
       * int4-q4k (GGUF Q4_K's blocks, quant.py "int4-q4k"): int4's packed
         groups of 32 with their uint16 codes as the device keeps them (pool
         layout [E, O, 5G/4]: per group sc | m << 6, then the super-blocks' fp16
-        d and dmin), decoded here once into float32 [E, O, 2G]: the G scales
-        s = d sc, then the G minima mn = dmin m (exact); w = s q - mn with q
-        the nibble (0..15). `format` "int4-q4k", `minima` True.
+        d and dmin), kept as Q4_K's file holds them: per output row one
+        16-byte record a super-block (`block_records`: fp16 d, fp16 dmin, the
+        8 groups' 12-bit codes two to 3 bytes), uint8 [E, O, 16 B], 4.5 bits a
+        weight with q. The pool decodes s = d sc and mn = dmin m per group
+        where it reads them (exact); w = s q - mn with q the nibble (0..15).
+        `format` "int4-q4k", `minima` True.
       * GGUF types kept as read with float32 group scales (quant.py "int8-g32",
         ...): int8 q [E, O, in] with scales [E, O, G] (w = s q), or [E, O, 2, G]
         (w = s q - mn: scales, then minima), kept as [E, O, G] / [E, O, 2G];
@@ -77,8 +80,9 @@ class HostExpertStore:
         b + 32, b + 48 at shifts 0, 2, 4, 6): gate, up [E, I, H/4], down
         [E, H, I/4], with uint8 codes (pool layout [E, O, 5G/4], G = in/16:
         per group sc | m << 4, then the super-blocks' fp16 d and dmin as byte
-        pairs), decoded once into float32 [E, O, 2G] as int4-q4k's; w = s q -
-        mn. `format` "int2-q2k", `minima` True.
+        pairs), kept as int4-q4k's: a 20-byte record a super-block (d, dmin,
+        the 16 code bytes), uint8 [E, O, 20 B], 2.625 bits a weight with q,
+        Q2_K's; w = s q - mn. `format` "int2-q2k", `minima` True.
     Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up and Q6_K down
     kept as read): gate and up share one format, down may hold another
     (both quantized); each matrix's is `format_of` / `dtype_of` /
@@ -95,7 +99,8 @@ class HostExpertStore:
         self.up: list[np.ndarray] = []    # per layer [E, I, H] (int4: [E, I, H/2])
         self.down: list[np.ndarray] = []  # per layer [E, H, I] (int4: [E, H, I/2])
         # Quantized experts: per layer their scales as float32, int8 [E, I], [E, I], [E, H]; int4 [E, I, H/g],
-        # [E, I, H/g], [E, H, I/g]. None for float experts.
+        # [E, I, H/g], [E, H, I/g]; int4-q4k / int2-q2k: uint8 super-block records [E, O, B * 16 / 20]
+        # (`block_records`). None for float experts.
         self.gate_scale: list[np.ndarray | None] = []
         self.up_scale: list[np.ndarray | None] = []
         self.down_scale: list[np.ndarray | None] = []
@@ -184,13 +189,15 @@ class HostExpertStore:
         formats."""
         if self.dtype_of(which) != U8 and not self._kinds[which][3]:
             return 0
+        if self.format_of(which) in RECORD_BYTES:
+            return RECORD_GROUP[self.format_of(which)]
         width = self.hidden_size(layer) if which != "down" else self.intermediate_size(layer)
         return width // (getattr(self, which + "_scale")[layer].shape[2] // (2 if self.minima_of(which) else 1))
 
     def expert_rows(self, which: str, layer: int, expert: int, r0: int, r1: int):
         """Rows r0:r1 of one expert's "gate", "up" or "down" weight: (stored rows [R, in] (int4: [R, in/2]),
-        their scales (int8 [R], int4 [R, G], int4-q4k [R, 2G]: scales then minima) or None): what `row_chunks_f32`
-        takes (with minima=store.minima)."""
+        their scales (int8 [R], int4 [R, G], int4-m [R, 2G]: scales then minima, int4-q4k / int2-q2k uint8 records
+        [R, B * 16 / 20]) or None): what `row_chunks_f32` takes (with minima=store.minima)."""
         scales = getattr(self, which + "_scale")[layer]
         return getattr(self, which)[layer][expert, r0:r1], None if scales is None else scales[expert, r0:r1]
 
@@ -208,7 +215,8 @@ class HostExpertStore:
         return self.gate[layer].shape[1]
 
     def nbytes(self, layer: int, expert: int) -> int:
-        """Bytes of weights one expert's FFN reads (gate + up + down; quantized: q and the scales, float32 here)."""
+        """Bytes of weights one expert's FFN reads (gate + up + down; quantized: q and the scales, float32 here;
+        int4-q4k / int2-q2k: q and the super-block records, the GGUF file's 4.5 / 2.625 bits a weight)."""
         scales = sum(x[layer][expert].nbytes for x in (self.gate_scale, self.up_scale, self.down_scale)
                      if x[layer] is not None)
         return sum(x[layer][expert].nbytes for x in (self.gate, self.up, self.down)) + scales
@@ -224,9 +232,9 @@ _FLOAT_NAMES = {F32: "float32", BF16: "bfloat16"}
 
 
 def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple) -> tuple[list, tuple]:
-    """One family's (gate and up, or down) scales of layer `index` as the store keeps them (float32; int4-q4k's codes
-    decoded into [E, O, 2G]; [E, O, 2, G] minima -> [E, O, 2G]), checked, and the family's (format, dtype, minima,
-    grouped). dims: the family's (out, in) widths."""
+    """One family's (gate and up, or down) scales of layer `index` as the store keeps them (float32; int4-q4k's and
+    int2-q2k's codes as super-block records [E, O, B * 16 / 20] uint8; [E, O, 2, G] minima -> [E, O, 2G]), checked,
+    and the family's (format, dtype, minima, grouped). dims: the family's (out, in) widths."""
     codes = [np.asarray(x).dtype in (np.uint16, np.uint8) for x in scales]  # int4-q4k's, int2-q2k's
     if any(codes) and (not all(codes) or dtype != U8 or len({np.asarray(x).dtype for x in scales}) > 1):
         raise TypeError(f"layer {index}: int4-q4k / int2-q2k experts are uint8 with uint16 / uint8 code arrays")
@@ -248,8 +256,8 @@ def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple)
         scales = [np.ascontiguousarray(x, F32) for x in scales]
         _check_scales(index, "int8-g", scales, E, names, dims)
     elif all(codes):
-        scales = [block_scale_min(np.asarray(x)) for x in scales]  # [E, O, 2G] float32
-        _check_scales(index, dtype, [x[..., : x.shape[-1] // 2] for x in scales], E, names, dims)
+        _check_codes(index, "int2-q2k" if int2 else "int4-q4k", scales, E, names, dims)
+        scales = [block_records(np.asarray(x)) for x in scales]  # [E, O, B * 16 / 20] uint8
     else:
         scales = [np.ascontiguousarray(x, F32) for x in scales]
         _check_scales(index, dtype, scales, E, names, dims)
@@ -280,6 +288,66 @@ def _check_scales(index: int, dtype, scales: list[np.ndarray], E: int, names: tu
                              f"with G groups of a multiple of 16 of the {in_dim} inputs")
 
 
+def _check_codes(index: int, fmt: str, codes: list, E: int, names: tuple, dims: tuple) -> None:
+    """int4-q4k's / int2-q2k's codes in the pool layout [E, O, 5G/4] (G: the in width's groups of 32 / 16, in whole
+    super-blocks of 256)."""
+    out_dim, in_dim = dims
+    G = in_dim // RECORD_GROUP[fmt]
+    for name, c in zip(names, codes):
+        if in_dim % SUPER_BLOCK or np.shape(c) != (E, out_dim, 5 * G // 4):
+            raise ValueError(f"layer {index}: {fmt} {name}_scale shape {np.shape(c)}, want [{E}, {out_dim}, "
+                             f"{5 * G // 4}] (codes of the {in_dim} inputs' groups, whole super-blocks of "
+                             f"{SUPER_BLOCK})")
+
+
+# int4-q4k's and int2-q2k's super-block records (`block_records`): bytes a record, inputs per group
+SUPER_BLOCK = 256
+RECORD_BYTES = {"int4-q4k": 16, "int2-q2k": 20}
+RECORD_GROUP = {"int4-q4k": 32, "int2-q2k": 16}
+
+
+def block_records(codes: np.ndarray) -> np.ndarray:
+    """int4-q4k codes [..., 5G/4] uint16 (pool layout: G codes sc | m << 6, then the super-blocks' fp16 d, then
+    their dmin) or int2-q2k's uint8 (sc | m << 4; d and dmin as byte pairs) -> the store's records [..., B * 16]
+    (int2-q2k: [..., B * 20]) uint8, one a super-block in input order, so a row's groups decode reading forward:
+    fp16 d and dmin (little-endian), then the groups' codes: int4-q4k's 8 of 12 bits, groups 2k and 2k + 1 in
+    bytes 3k .. 3k + 2 (code 2k in bits 0-11, 2k + 1 in bits 12-23: Q4_K's 12 bytes of scales, another order);
+    int2-q2k's 16 bytes as read. Moves bits only (native_experts.c's `q4k_record` / `q2k_record` decode
+    them)."""
+    q4k = codes.dtype == np.uint16
+    g = codes.shape[-1] * 4 // 5
+    lead = codes.shape[:-1]
+    halves = np.ascontiguousarray(codes[..., g:]).view(np.uint16)  # [..., 2B]: d, then dmin (fp16 bits)
+    nb = halves.shape[-1] // 2
+    d_dmin = np.stack([halves[..., :nb], halves[..., nb:]], -1).view(np.uint8).reshape(*lead, nb, 4)
+    if q4k:
+        pairs = codes[..., :g].reshape(*lead, nb, 4, 2).astype(np.uint32)  # [..., B, 4, 2] 12-bit codes
+        word = pairs[..., 0] | pairs[..., 1] << 12  # [..., B, 4] 24 bits
+        group_bytes = np.stack([word & 255, word >> 8 & 255, word >> 16], -1).astype(np.uint8).reshape(*lead, nb, 12)
+    else:
+        group_bytes = codes[..., :g].reshape(*lead, nb, 16)
+    return np.ascontiguousarray(np.concatenate([d_dmin, group_bytes], -1).reshape(*lead, -1))
+
+
+def records_scale_min(records: np.ndarray, int2: bool) -> np.ndarray:
+    """The store's records [..., B * 16] (int2: [..., B * 20]) uint8 -> float32 [..., 2G]: the G scales d sc, then
+    the G minima dmin m, the values block_scale_min gives from the codes they were made of (float32 products of
+    fp16 d and a small integer: exact)."""
+    lead = records.shape[:-1]
+    size = 20 if int2 else 16
+    rec = records.reshape(*lead, -1, size)  # [..., B, size]
+    halves = np.ascontiguousarray(rec[..., :4]).view(np.float16).astype(F32)  # [..., B, 2]: d, dmin
+    if int2:
+        c, bits = rec[..., 4:].astype(np.uint16), 4  # [..., B, 16]
+    else:
+        b = rec[..., 4:].reshape(*lead, -1, 4, 3).astype(np.uint32)  # [..., B, 4, 3]
+        word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16
+        c, bits = np.stack([word & 0xFFF, word >> 12], -1).reshape(*lead, -1, 8), 6  # [..., B, 8]
+    scales = halves[..., :1] * (c & ((1 << bits) - 1)).astype(F32)
+    minima = halves[..., 1:] * (c >> bits).astype(F32)
+    return np.ascontiguousarray(np.concatenate([scales.reshape(*lead, -1), minima.reshape(*lead, -1)], -1))
+
+
 def block_scale_min(codes: np.ndarray) -> np.ndarray:
     """int4-q4k codes [..., 5G/4] uint16 (or int2-q2k's uint8: their fp16 d and dmin byte pairs) -> float32
     [..., 2G]: the G scales d sc, then the G minima dmin m (exact; strata_jax/model/quant.py block_scales, which this
@@ -306,13 +374,15 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: b
         scale comes back (the product is scaled, as the device's kernels do).
       * int4 (rows uint8 [R, in/2], scales [R, G]): the block holds the
         exactly dequantized weights (nibble - 8) * scale; None comes back.
-      * int4-q4k (minima; scales [R, 2G]: s then mn): the block holds
+      * int4-q4k (minima; scales [R, 2G]: s then mn, or the store's uint8
+        records [R, B * 16], decoded a chunk at a time): the block holds
         s * nibble - mn, exactly gguf's values (((nibble - 8) s + 8 s) is
         s * nibble, exact; one rounding for the minimum, as gguf's).
       * int8-g (rows int8, scales [R, G], or [R, 2G] with minima): the block
         holds s q (- mn), gguf's values; None comes back.
-      * int2-q2k (int2; rows uint8 [R, in/4], scales [R, 2G]): the block holds
-        s q - mn, gguf's values; None comes back.
+      * int2-q2k (int2; rows uint8 [R, in/4], scales [R, 2G] or the store's
+        records [R, B * 20]): the block holds s q - mn, gguf's values; None
+        comes back.
     """
     if rows.dtype == F32:
         yield 0, rows, None
@@ -326,24 +396,35 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: b
     step = max(1, CHUNK_FLOATS // C)
     kernel = native.int4_kernel() if int4 else None  # the C loop (host_pool/native.py), else numpy's passes
     work = _ChunkWork.take(min(step, R), C, int4_steps=int4 and kernel is None)
+    records = scales is not None and scales.dtype == U8  # int4-q4k's records: decoded a chunk at a time
     mins = None
-    if minima:
+    if minima and not records:
         G = scales.shape[1] // 2
         scales, mins = np.ascontiguousarray(scales[:, :G]), scales[:, G:]
     try:
-        fill = native.int4_filler(kernel, rows, scales, work.block) if kernel else None
+        fill = native.int4_filler(kernel, rows, scales, work.block) if kernel and not records else None
         for r0 in range(0, R, step):
             block = work.block[: min(step, R - r0)]
             if int4:
-                if fill:
-                    fill(r0, len(block))
+                c = len(block)
+                if records:  # this chunk's s [c, G] and mn [c, G], and a filler over its rows
+                    s_mn = records_scale_min(scales[r0 : r0 + c], int2=False)
+                    G = s_mn.shape[1] // 2
+                    chunk_s, chunk_mn = np.ascontiguousarray(s_mn[:, :G]), s_mn[:, G:]
+                    if kernel:
+                        native.int4_filler(kernel, rows[r0 : r0 + c], chunk_s, block)(0, c)
+                    else:
+                        _dequantize_int4(rows[r0 : r0 + c], chunk_s, block, work)
                 else:
-                    _dequantize_int4(rows[r0 : r0 + step], scales[r0 : r0 + step], block, work)
-                if mins is not None:  # (q - 8) s + 8 s - mn
-                    c = len(block)
-                    grouped = block.reshape(c, mins.shape[1], -1)
-                    grouped += 8 * scales[r0 : r0 + c, :, None]
-                    grouped -= mins[r0 : r0 + c, :, None]
+                    chunk_s, chunk_mn = scales[r0 : r0 + c], None if mins is None else mins[r0 : r0 + c]
+                    if fill:
+                        fill(r0, c)
+                    else:
+                        _dequantize_int4(rows[r0 : r0 + step], scales[r0 : r0 + step], block, work)
+                if chunk_mn is not None:  # (q - 8) s + 8 s - mn
+                    grouped = block.reshape(c, chunk_mn.shape[1], -1)
+                    grouped += 8 * chunk_s[:, :, None]
+                    grouped -= chunk_mn[:, :, None]
                 yield r0, block, None
             else:
                 np.copyto(block, rows[r0 : r0 + step], casting="unsafe")  # bf16 / int8 -> f32, exact
@@ -354,9 +435,11 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: b
 
 def _grouped_chunks(rows: np.ndarray, scales: np.ndarray, minima: bool, per_byte: int):
     """row_chunks_f32 of int8-g rows [R, in] (per_byte 1) or int2-q2k's [R, in/4] (4) with scales [R, G]
-    ([R, 2G]: s, then mn): blocks of s q (- mn)."""
+    ([R, 2G]: s, then mn; int2-q2k: or the store's records [R, B * 20], decoded a chunk at a time): blocks of
+    s q (- mn)."""
     R, C = rows.shape[0], rows.shape[1] * per_byte
-    G = scales.shape[1] // (2 if minima else 1)
+    records = scales.dtype == U8
+    G = C // 16 if records else scales.shape[1] // (2 if minima else 1)
     step = max(1, CHUNK_FLOATS // C)
     work = _ChunkWork.take(min(step, R), C, int4_steps=False)
     try:
@@ -368,10 +451,11 @@ def _grouped_chunks(rows: np.ndarray, scales: np.ndarray, minima: bool, per_byte
                 np.copyto(block.reshape(c, C // 64, 4, 16), crumbs & 3, casting="unsafe")
             else:
                 np.copyto(block, rows[r0:r0 + c], casting="unsafe")  # int8 -> f32, exact
+            s_mn = records_scale_min(scales[r0:r0 + c], int2=True) if records else scales[r0:r0 + c]  # [c, 2G]
             grouped = block.reshape(c, G, -1)
-            grouped *= scales[r0:r0 + c, :G, None]  # exact
+            grouped *= s_mn[:, :G, None]  # exact
             if minima:
-                grouped -= scales[r0:r0 + c, G:, None]  # one rounding, as gguf's
+                grouped -= s_mn[:, G:, None]  # one rounding, as gguf's
             yield r0, block, None
     finally:
         work.give_back()
