@@ -118,19 +118,24 @@ def test_logits_equal_the_dequantized_model(mixed_models, engine_factory, cache_
     assert engine.generate(IDS, max_new_tokens=4) == ref.generate(IDS, max_new_tokens=4)
 
 
+def held_mix(tmp, down_types: tuple[str, str], cache_dir, fmt: str):
+    """write_mixed_model's GGUF of these down types: (its start-up line, its weights in `fmt`, the written values),
+    fmt being what expert_dtype=auto chose."""
+    path, _, written = write_mixed_model(tmp, down_types)
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    assert gguf_file.kept_expert_format(folder) == fmt
+    line = gguf_file.formats_line(json.loads((folder / gguf_file.SOURCE_FILE).read_text()), "bfloat16", fmt)
+    return line, checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format=fmt), written
+
+
 def test_a_family_of_mixed_types_is_widened(tmp_path, cache_dir):
     """Q4_K_M's down stacks of layers Q6_K and Q4_K: the down family is held in int8-g16m (a scale and a minimum per
     16 inputs), which holds both types' values exactly; gate/up stay int4-q4k. A mix int8-g16m cannot hold (Q4_0
     beside Q6_K) is held in the format of most of its weights, the other stack requantized (close, not exact)."""
     (tmp_path / "q4_0").mkdir()
-    path, _, written = write_mixed_model(tmp_path, ("Q6_K", "Q4_K"))
-    folder = gguf_file.gguf_model_folder(path, cache_dir)
-    assert gguf_file.kept_expert_format(folder) == "int4-q4k/int8-g16m"
-    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
-    line = gguf_file.formats_line(source, "bfloat16", "int4-q4k/int8-g16m")
+    line, w, written = held_mix(tmp_path, ("Q6_K", "Q4_K"), cache_dir, "int4-q4k/int8-g16m")
     assert ("experts down Q4_K+Q6_K (" in line and "-> int8-g16m (12.00 bpw: Q4_K+Q6_K's values as read, a scale "
             "and a minimum per 16 inputs)") in line, line
-    w = checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format="int4-q4k/int8-g16m")
     for i in range(2):
         ffn = w.layers[i].ffn
         assert ffn.down.dtype == jnp.int8
@@ -138,14 +143,9 @@ def test_a_family_of_mixed_types_is_widened(tmp_path, cache_dir):
             np.testing.assert_array_equal(dequantized(getattr(ffn, which), getattr(ffn, which + "_scale")),
                                           written[f"model.layers.{i}.mlp.experts.{which}_proj.weight"])
 
-    path, _, written = write_mixed_model(tmp_path / "q4_0", ("Q6_K", "Q4_0"))
-    folder = gguf_file.gguf_model_folder(path, cache_dir)
-    assert gguf_file.kept_expert_format(folder) == "int4-q4k/int8-g16"
-    source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
-    line = gguf_file.formats_line(source, "bfloat16", "int4-q4k/int8-g16")
+    line, w, written = held_mix(tmp_path / "q4_0", ("Q6_K", "Q4_0"), cache_dir, "int4-q4k/int8-g16")
     assert ("experts down Q4_0+Q6_K (" in line and "-> int8-g16 (10.00 bpw: Q6_K's blocks as stored, the other "
             "types requantized at load from their values)") in line, line
-    w = checkpoint.load_weights(folder, load_config(folder), jnp.float32, expert_format="int4-q4k/int8-g16")
     down = [dequantized(w.layers[i].ffn.down, w.layers[i].ffn.down_scale) for i in range(2)]
     want = [written[f"model.layers.{i}.mlp.experts.down_proj.weight"] for i in range(2)]
     np.testing.assert_array_equal(down[0], want[0])
