@@ -236,7 +236,7 @@ def run(s) -> dict:
             batching = serving.app.state.server.batching_line()
             common.progress(f"slots={slots[arm]}: engine built and serving in {time.perf_counter() - t0:.1f} s; "
                             + batching.split(":")[0] + ": " + batching.split(":")[1].split("(")[0].strip())
-            arm_info = dict(slots=slots[arm], arm=arm, batching=batching, rows=[])
+            arm_info = dict(slots=slots[arm], arm=arm, url=serving.url, batching=batching, rows=[])
             try:
                 def round_of(c: int) -> dict:
                     prompts = [[rng.integers(0, cfg.vocab_size, s.prompt).tolist() for _ in range(s.requests)]
