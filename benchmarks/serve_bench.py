@@ -8,7 +8,7 @@ token with 1, 2, 4, ... clients at once, every expert resident and offloaded, th
 For each --expert_cache_slots arm: one engine over random weights (max_batch = the largest client count, or
 --max_batch), served by strata_jax.serve's app (continuous batching) on a free loopback port in a thread, shut down
 after the arm. Its tokenizer is a stand-in (token i reads ' w<i>'), so every token is one streamed piece. A warm-up
-round (the largest client count, one request each: every batch bucket compiles) is untimed. Then for each client
+(each client count once, one request a client: the buckets it uses compile) is untimed. Then for each client
 count C: C clients, each the official `openai` client in its own thread of one load-generator process (apart from
 the server's, so that parsing the streams does not share its interpreter lock), each sending --requests streamed
 completions one after another: --prompt random token ids (a fresh prompt each, no prefix reuse), max_tokens
@@ -55,7 +55,7 @@ flags.DEFINE_float("embed_scale", 50.0, "The random embedding scaled by this (50
                    "experts, as batch_bench).", flag_values=FLAGS)
 flags.DEFINE_float("timeout", 600.0, "Seconds a request may take before the client gives up (counted as not "
                    "completed).", lower_bound=1, flag_values=FLAGS)
-flags.DEFINE_bool("warmup", True, "One untimed round at the largest client count first (compiles every bucket).",
+flags.DEFINE_bool("warmup", True, "Each client count once first, one request a client, untimed (compiles).",
                   flag_values=FLAGS)
 flags.DEFINE_string("cache_dir", "", "The engine's cache_dir ('' = its default).", flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
@@ -238,17 +238,17 @@ def run(s) -> dict:
                             + batching.split(":")[0] + ": " + batching.split(":")[1].split("(")[0].strip())
             arm_info = dict(slots=slots[arm], arm=arm, url=serving.url, batching=batching, rows=[])
             try:
-                def round_of(c: int) -> dict:
-                    prompts = [[rng.integers(0, cfg.vocab_size, s.prompt).tolist() for _ in range(s.requests)]
+                def round_of(c: int, requests: int = s.requests) -> dict:
+                    prompts = [[rng.integers(0, cfg.vocab_size, s.prompt).tolist() for _ in range(requests)]
                                for _ in range(c)]
                     return pool.submit(load, serving.url, prompts, s.new_tokens, s.timeout).result()
 
-                if s.warmup:
+                if s.warmup:  # each round's shape once, one request a client: its buckets compile
                     t0 = time.perf_counter()
-                    warm = summarize(max(counts), round_of(max(counts)), s.new_tokens)
+                    warm = [summarize(c, round_of(c, 1), s.new_tokens) for c in counts]
                     arm_info["warmup"] = warm
-                    common.progress(f"slots={slots[arm]}: warm-up ({max(counts)} clients) in "
-                                    f"{time.perf_counter() - t0:.1f} s, {warm['completed']}/{warm['requests']} "
+                    common.progress(f"slots={slots[arm]}: warm-up in {time.perf_counter() - t0:.1f} s, "
+                                    f"{sum(w['completed'] for w in warm)}/{sum(w['requests'] for w in warm)} "
                                     "completed")
                 one = None
                 for c in counts:
