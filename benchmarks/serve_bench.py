@@ -218,9 +218,15 @@ def run(s) -> dict:
     rng = np.random.default_rng(s.seed + 1)
     result = dict(benchmark="serve_bench", settings={n: getattr(s, n) for n in FLAGS}, device=dev, rows=[],
                   arms=[], timing_scope=TIMING)
-    cells = []
+    cells: list = []
+
+    def save():
+        if s.json:
+            common.write_json(s.json, result)
+
     # The load generator: one process apart (spawned: this one holds JAX), reused by every round.
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool, \
+            runner.sigterm_stops(result, common.progress) as stopped:
         pool.submit(time.sleep, 0).result()  # started before any timing
         for arm in arms:
             options = dict(dtype=s.dtype, context=s.prompt + s.new_tokens, expert_cache_slots=slots[arm],
@@ -233,39 +239,11 @@ def run(s) -> dict:
             engine = Engine.from_random(cfg, seed=s.seed, verbose=False, embed_scale=s.embed_scale, **options)
             engine.tokenizer = stand_in_tokenizer(cfg.vocab_size)
             serving = Serving(engine)
-            batching = serving.app.state.server.batching_line()
-            common.progress(f"slots={slots[arm]}: engine built and serving in {time.perf_counter() - t0:.1f} s; "
-                            + batching.split(":")[0] + ": " + batching.split(":")[1].split("(")[0].strip())
-            arm_info = dict(slots=slots[arm], arm=arm, url=serving.url, batching=batching, rows=[])
             try:
-                def round_of(c: int, requests: int = s.requests) -> dict:
-                    prompts = [[rng.integers(0, cfg.vocab_size, s.prompt).tolist() for _ in range(requests)]
-                               for _ in range(c)]
-                    return pool.submit(load, serving.url, prompts, s.new_tokens, s.timeout).result()
-
-                if s.warmup:  # each round's shape once, one request a client: its buckets compile
-                    t0 = time.perf_counter()
-                    warm = [summarize(c, round_of(c, 1), s.new_tokens) for c in counts]
-                    arm_info["warmup"] = warm
-                    common.progress(f"slots={slots[arm]}: warm-up in {time.perf_counter() - t0:.1f} s, "
-                                    f"{sum(w['completed'] for w in warm)}/{sum(w['requests'] for w in warm)} "
-                                    "completed")
-                one = None
-                for c in counts:
-                    row = dict(slots=slots[arm], **summarize(c, round_of(c), s.new_tokens))
-                    one = row["aggregate_tok_s"] if c == 1 else one
-                    row["vs_one_client"] = row["aggregate_tok_s"] / one if one else None
-                    result["rows"].append(row)
-                    arm_info["rows"].append(row)
-                    cells.append([slots[arm], c, row["aggregate_tok_s"], row["vs_one_client"],
-                                  row["per_stream_tok_s"], row["ttft_p50_ms"], row["ttft_p95_ms"],
-                                  f"{row['completed']}/{row['requests']}"])
-                    common.progress(f"slots={slots[arm]} clients={c}: {row['aggregate_tok_s']:,.1f} tok/s aggregate, "
-                                    f"{row['completed']}/{row['requests']} completed"
-                                    + (f"; errors: {row['errors']}" if row["errors"] else ""))
+                measure_arm(s, arm, slots[arm], counts, serving, pool, rng, cfg.vocab_size, time.perf_counter() - t0,
+                            result, cells, save)
             finally:
                 serving.close()
-                result["arms"].append(arm_info)
                 del serving, engine
                 gc.collect()
     result["table"] = runner.table(s, "serve_bench", HEADERS, cells, params=["slots", "clients"], timing=TIMING,
@@ -276,10 +254,47 @@ def run(s) -> dict:
                                           "completed": ""}, result=result)
     common.say(f"note: {TIMING}; per-stream tok/s: the median request's (tokens - 1) / (last chunk - first chunk); "
                "x one client: over the same arm's 1-client aggregate")
+    if result.get("stopped"):
+        common.say(f"stopped: {result['stopped']}")
+    save()
     if s.json:
-        common.write_json(s.json, result)
         common.say(f"json: {s.json}")
+    if stopped:
+        sys.exit(143)
     return result
+
+
+def measure_arm(s, arm: str, slots: str, counts: list[int], serving: Serving, pool, rng, vocab_size: int,
+                start_s: float, result: dict, cells: list, save) -> None:
+    """One engine's rounds through its server: the warm-up, then each client count; rows into result and cells."""
+    batching = serving.app.state.server.batching_line()
+    common.progress(f"slots={slots}: engine built and serving in {start_s:.1f} s; "
+                    + batching.split(":")[0] + ": " + batching.split(":")[1].split("(")[0].strip())
+    info = dict(slots=slots, arm=arm, url=serving.url, batching=batching, rows=[])
+    result["arms"].append(info)
+
+    def round_of(c: int, requests: int = s.requests) -> dict:
+        prompts = [[rng.integers(0, vocab_size, s.prompt).tolist() for _ in range(requests)] for _ in range(c)]
+        return summarize(c, pool.submit(load, serving.url, prompts, s.new_tokens, s.timeout).result(), s.new_tokens)
+
+    if s.warmup:  # each round's shape once, one request a client: its buckets compile
+        t0 = time.perf_counter()
+        info["warmup"] = warm = [round_of(c, 1) for c in counts]
+        common.progress(f"slots={slots}: warm-up in {time.perf_counter() - t0:.1f} s, "
+                        f"{sum(w['completed'] for w in warm)}/{sum(w['requests'] for w in warm)} completed")
+    one = None
+    for c in counts:
+        row = dict(slots=slots, **round_of(c))
+        one = row["aggregate_tok_s"] if c == 1 else one
+        row["vs_one_client"] = row["aggregate_tok_s"] / one if one else None
+        result["rows"].append(row)
+        info["rows"].append(row)
+        cells.append([slots, c, row["aggregate_tok_s"], row["vs_one_client"], row["per_stream_tok_s"],
+                      row["ttft_p50_ms"], row["ttft_p95_ms"], f"{row['completed']}/{row['requests']}"])
+        common.progress(f"slots={slots} clients={c}: {row['aggregate_tok_s']:,.1f} tok/s aggregate, "
+                        f"{row['completed']}/{row['requests']} completed"
+                        + (f"; errors: {row['errors']}" if row["errors"] else ""))
+        save()
 
 
 def main(argv: list[str]) -> dict:
