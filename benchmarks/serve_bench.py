@@ -201,6 +201,11 @@ def run(s) -> dict:
     from benchmarks.batch_bench import slots_option
 
     counts = runner.parse_list(s.clients, int, "clients", lo=1, hi=256)
+    for package in ("fastapi", "uvicorn", "sse_starlette", "openai"):  # the server's and the clients' (requirements.txt)
+        try:
+            __import__(package)
+        except ImportError as e:
+            raise ValueError(f"serve_bench needs fastapi, uvicorn, sse-starlette and openai: {e}") from None
     arms = runner.parse_list(s.expert_cache_slots, str, "expert_cache_slots")
     max_batch = s.max_batch or max(counts)
     full = preset(s.model)
