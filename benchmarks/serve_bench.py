@@ -91,6 +91,8 @@ def one_request(client, prompt: list[int], max_tokens: int) -> dict:
     except Exception as e:  # noqa: BLE001 (a failed stream is a result: not completed)
         out["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
     out["end"] = time.perf_counter()
+    if out["error"] is not None and not out["tokens"]:  # no usage chunk came: the streamed pieces (one a token)
+        out["tokens"] = out["chunks"]
     return out
 
 
