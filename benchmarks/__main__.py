@@ -16,6 +16,7 @@ SUITES = {
     "long-context": ("long_context_bench", "time to first token and decode deep in the context, beside llama-bench"),
     "parallel": ("parallel_bench", "decode split over several devices against one"),
     "batch": ("batch_bench", "aggregate decode tok/s of B sequences at once (generate_batch) beside one alone"),
+    "serve": ("serve_bench", "the server under 1..N concurrent openai clients: aggregate tok/s, TTFT, streams done"),
     "agent-turns": ("agent_turns_bench", "A/B of whole engine runs over simulated coding-agent sessions"),
     "hf": ("hf_decode", "the Hugging Face transformers baseline on the same shape"),
     # where the time goes

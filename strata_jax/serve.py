@@ -300,6 +300,7 @@ class Batcher:
         self.pending: list[Job] = []
         self.running: dict[int, Job] = {}  # id(its loops.Request) -> the job
         self.finishing: list[Job] = []  # left the batch, their logprobs pass waiting for the engine's cache
+        self.closed = False
         self.thread = threading.Thread(target=self.loop, name="strata-batch", daemon=True)
         self.thread.start()
 
@@ -313,10 +314,18 @@ class Batcher:
             raise job.result
         return job.result
 
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker once nothing is queued or running (a server shut down in-process: benchmarks, tests)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout)
+
     def loop(self) -> None:
         while True:
             try:
-                self.turn()
+                if not self.turn():
+                    return
             except BaseException as e:  # noqa: BLE001 (a bug here: the requests in the batch end, the worker goes on)
                 self.server.log(f"batch worker: {type(e).__name__}: {e}".splitlines()[0])
                 jobs, self.running, self.finishing = list(self.running.values()) + self.finishing, {}, []
@@ -332,10 +341,13 @@ class Batcher:
                         self.pending = []
                     return
 
-    def turn(self) -> None:
-        """Between two windows: the next request in, a prefill chunk, one window, the outcomes of those that left."""
+    def turn(self) -> bool:
+        """Between two windows: the next request in, a prefill chunk, one window, the outcomes of those that left.
+        False once closed with nothing left to do."""
         with self.cond:
             while not self.pending and not self.session.active and self.session.admitting is None:
+                if self.closed:
+                    return False
                 self.cond.wait()
             job = None
             if self.session.admitting is None and self.pending and (self.pending[0].alone or self.session.free):
@@ -352,6 +364,7 @@ class Batcher:
             finishing, self.finishing = self.finishing, []
             for job in finishing:
                 self.complete(job)
+        return True
 
     def alone(self, job: Job) -> None:
         try:
@@ -435,6 +448,11 @@ class Server:
         self.batch_size = engine.options.max_batch if engine.options.max_batch > 1 and \
             engine._batch_refusal() is None else 1
         self.batcher = Batcher(self) if self.batch_size > 1 else None
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the batch worker (its thread ends once the running requests have); the engine stays."""
+        if self.batcher is not None:
+            self.batcher.close(timeout)
 
     def batching_line(self) -> str:
         """The start-up line: how concurrent requests run."""
