@@ -128,3 +128,14 @@ def test_session_reuses_a_slot_written_around_by_padding(engine):
         session.step()
     assert [r.out for r in requests] == alone
     assert [r.stats.cached_tokens for r in requests[3:]] == [len(prefixes[3]), len(prompts[1]) + len(alone[1]) - 1]
+
+
+def test_prefix_reuse_off_keeps_nothing(engine_factory):
+    """prefix_reuse=False: a freed slot keeps nothing, every prompt prefills whole, the same tokens."""
+    engine = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all", max_batch=2,
+                            prefix_reuse=False)
+    rng = np.random.default_rng(3804)
+    prompts = [p + tail(engine, rng, 3) for p in distinct_prefixes(engine, rng, 2, 16)]
+    outs, cached = batch_equals_alone(engine, prompts, 4)
+    _, cached2 = batch_equals_alone(engine, [p + o for p, o in zip(prompts, outs)], 4)
+    assert cached == cached2 == [0, 0] and engine.stats.batch_reused_tokens == 0
