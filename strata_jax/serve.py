@@ -460,9 +460,11 @@ class Server:
             why = (f"max_batch={self.engine.options.max_batch}" if self.engine.options.max_batch <= 1
                    else self.engine._batch_refusal())
             return f"batching: off ({why}): one request at a time, the others queue (--max_batch > 1 batches them)"
+        reuse = (f", and each freed KV slot keeps its last request's rows for the next prompt that starts with them "
+                 f"(an LRU of {self.batch_size} prefixes)" if self.engine.options.prefix_reuse else "")
         return (f"batching: up to {self.batch_size} sequences a window (continuous: requests join and leave between "
                 "windows, n > 1 choices as sequences of one batch, no drafts); requests with a grammar (json "
-                "response_format, tool_choice required / named) run alone between the batch's windows")
+                f"response_format, tool_choice required / named) run alone between the batch's windows{reuse}")
 
     def admit(self) -> int:
         with self._count:
@@ -643,7 +645,8 @@ def create_app(engine: Engine, model_name: str, log=print, aliases: tuple = (), 
                  "strata_decode_tokens_per_second": round(total.decode_tok_s, 3),
                  "strata_prefill_tokens_per_second": round(total.prefill_tok_s, 3),
                  "strata_batch_size": server.batch_size, "strata_batch_windows_total": engine.stats.batch_windows,
-                 "strata_batch_rows_max": engine.stats.batch_rows_max}
+                 "strata_batch_rows_max": engine.stats.batch_rows_max,
+                 "strata_batch_reused_tokens_total": engine.stats.batch_reused_tokens}
         if engine.placement:
             lines["strata_expert_hit_rate"] = round(total.decode_experts.hit_rate, 4)
             lines["strata_expert_pcie_bytes_total"] = total.decode_experts.pcie_bytes

@@ -179,6 +179,7 @@ class Engine:
         length = self.plan.kv_length
         copies = plan_mod.kv_copies(self.options)  # the engine's cache and the batch's slots
         self.state.batch = None  # (a failed batch donated it)
+        self.state.slot_tokens = []  # its slots keep nothing
         try:
             kv = init_cache(self.cfg, length, self.dtype, stacked=self.scanned, ring=self.ring,
                                   kv_dtype=self.options.kv_dtype)
@@ -629,6 +630,7 @@ class Engine:
         try:
             decoder = self._guarded(loops.run_batch, self._graphs(), self.state, rows)
             self.stats.batch_windows += decoder.windows_run
+            self.stats.batch_reused_tokens += decoder.reused_tokens
             self.stats.batch_rows_max = max(self.stats.batch_rows_max, decoder.most_rows)
         finally:
             for r in rows:
@@ -636,6 +638,7 @@ class Engine:
         prefilled = [r for r in rows if r.out]
         self._kv_tokens = prefilled[-1].ids.tolist() if prefilled else []  # the last prefill's rows, not its output
         total = RequestStats(prompt_tokens=sum(r.stats.prompt_tokens for r in rows),
+                             cached_tokens=sum(r.stats.cached_tokens for r in rows),
                              prefill_s=sum(r.stats.prefill_s for r in rows),
                              generated_tokens=sum(len(r.out) for r in rows),
                              decode_s=max(r.stats.decode_s for r in rows),
@@ -768,7 +771,9 @@ class Engine:
             context=self.context, vocab_size=self.cfg.vocab_size,
             batch_windows=c.batch_windows_for, put_slot=c.put_slot,
             form_samplers=lambda form: c.samplers[form].sample, batch_slots=self.options.max_batch,
-            prefill_sizes=lambda n: plan_mod.chunk_sizes_for(n, self.chunks))
+            prefill_sizes=lambda n: plan_mod.chunk_sizes_for(n, self.chunks),
+            get_slot=c.get_slot, prefix_reuse=self.options.prefix_reuse,
+            exact_windows=not (self.approx.active or self.defer.active))
 
     @_serialized
     def score(self, token_ids: Sequence[int], window: int | None = None) -> np.ndarray:
@@ -872,7 +877,8 @@ class BatchSession:
     """Requests that join and leave a running batch between windows (loops.BatchDecoder over an engine's batch
     cache, `Engine.batch_session()`): `request` makes one (generate_batch's options, checked and defaulted as
     there; its on_token(token) sees each token, StopRequest from it ends that request alone), `admit` prefills it
-    alone into a free KV slot (prefix reuse as generate: the engine's cache keeps the last prompt's rows) and hands
+    alone into a free KV slot (prefix reuse as generate: the engine's cache keeps the last prompt's rows, and each
+    freed slot its last request's: the one sharing the longest prefix is taken, loops.BatchDecoder) and hands
     its first token to on_token, `step` runs one window of every live request and returns those that left. Each
     request's tokens are those of generate(spec=0) alone, whoever runs beside it and whenever it joined.
 
@@ -890,6 +896,7 @@ class BatchSession:
             self.resets = engine._resets
         self.broken: str | None = None
         self._counted = 0  # the decoder's windows already added to engine.stats.batch_windows
+        self._reused = 0  # the decoder's reused prompt tokens already added to engine.stats.batch_reused_tokens
 
     @property
     def free(self) -> int:
@@ -937,6 +944,8 @@ class BatchSession:
             finally:
                 e.stats.batch_windows += self.decoder.windows_run - self._counted
                 self._counted = self.decoder.windows_run
+                e.stats.batch_reused_tokens += self.decoder.reused_tokens - self._reused
+                self._reused = self.decoder.reused_tokens
                 e.stats.batch_rows_max = max(e.stats.batch_rows_max, self.decoder.most_rows)
 
     def admit(self, request: loops.Request) -> bool:
@@ -968,7 +977,8 @@ class BatchSession:
                 raise StrataError(f"batch session: every KV slot is taken (max_batch={e.options.max_batch})")
             reuse = e._reusable(request.ids) if request.budget > 0 else 0
             request.reuse = request.stats.cached_tokens = reuse
-            if not self.decoder.begin(request):
+            # (a freed slot's kept prefix, longer than the engine's cache holds, is copied into that cache here)
+            if not e._guarded(self.decoder.begin, request):
                 self._done(request)
                 return False
             e._kv_tokens = []  # the engine's cache will hold this prompt's rows

@@ -18,7 +18,7 @@ from strata_jax.engine.build import log
 from strata_jax.engine.loops import State
 from strata_jax.engine.plan import Plan
 from strata_jax.model.config import ModelConfig
-from strata_jax.model.kv_cache import put_slot, with_slot_caches
+from strata_jax.model.kv_cache import get_slot, put_slot, with_slot_caches
 from strata_jax.offload import slots as slots_mod
 from strata_jax.options import EngineOptions
 from strata_jax.sampling import FORMS, SamplingParams
@@ -80,6 +80,7 @@ class CompiledGraphs:
         self.device_verify = {}  # (T, filter form or None: greedy) -> graph, on first use (draft="device" only)
         self.batch_windows: dict[str | None, graphs.GraphTable] = {}  # filter form -> bucket B -> graph
         self.put_slot = jax.jit(put_slot, donate_argnums=(0,))  # a prefilled sequence into its batch KV slot
+        self.get_slot = jax.jit(get_slot, donate_argnums=(1,))  # a slot's kept prefix into the engine's cache
         self.fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
         self.fill_layer = jax.jit(slots_mod.fill_layer_slots, donate_argnums=(0,))
         seconds = time.perf_counter() - t0

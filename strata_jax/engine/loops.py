@@ -49,6 +49,12 @@ class State:
     cache: object
     mtp: object = None
     batch: object = None  # the batched windows' KV cache: a slot per sequence (kv_cache.init_batch_cache)
+    # The batch cache's slots as an LRU of prefixes (BatchDecoder; emptied with the batch cache, Engine._reset_state):
+    # per slot the token ids whose rows 0..n-1 it holds, trusted ([] while a request owns it), and when it was last
+    # freed (-1: never)
+    slot_tokens: list = dataclasses.field(default_factory=list)
+    slot_freed: list = dataclasses.field(default_factory=list)
+    slot_clock: int = 0
 
 
 @dataclasses.dataclass
@@ -72,6 +78,9 @@ class Graphs:
     form_samplers: Callable[[str], Mapping[int, Callable]] | None = None  # a filter form's `sample` table
     batch_slots: int = 1  # the batch cache's KV slots (max_batch)
     prefill_sizes: Callable[[int], list[int]] | None = None  # n prompt tokens -> the prefill's chunk sizes
+    get_slot: Callable | None = None  # (batch cache, the engine's cache, slot) -> the engine's cache (put_slot's reverse)
+    prefix_reuse: bool = False  # a freed KV slot keeps its rows for a later prompt that starts with its tokens
+    exact_windows: bool = True  # the batched windows' K/V rows are each row's alone (no approximation on)
 
 
 @dataclasses.dataclass
@@ -405,7 +414,7 @@ def decode_device(g: Graphs, s: State, r: Request) -> None:
 
 def run_batch(g: Graphs, s: State, rows: list[Request]) -> BatchDecoder:
     """Requests decoded together (Engine.generate_batch: spec 0, no grammar): each prompt's prefill alone through
-    the prefill chunks into the engine's cache, copied into KV slot i of the batch cache (rows[i]'s), then T=1
+    the prefill chunks into the engine's cache (from the prefix a freed slot kept), copied into its KV slot, then T=1
     windows of every live request until all have stopped (a BatchDecoder with a fixed set of requests). A request
     whose first token ends it leaves before the first batched window. Returns the decoder (its counters)."""
     decoder = BatchDecoder(g, s)
@@ -442,6 +451,12 @@ class BatchDecoder:
     token from the host. Each row is its request's T=1 window alone (its own slot, position, sampling and key per
     seed and position), so its tokens do not depend on who runs beside it or when it joined.
 
+    Prefix reuse across requests (g.prefix_reuse): the slots are an LRU of prefixes. A freed slot keeps the token ids
+    of its trusted rows (State.slot_tokens); `begin` takes the free slot whose kept tokens share the longest prefix
+    with the new prompt (ties and no match: the least recently freed), copies that slot into the engine's cache
+    (get_slot, put_slot's reverse) and prefills only the rest from there (the last prompt token always run, for its
+    logits), then put_slot copies the whole back, as for a fresh prompt.
+
     One thread drives it (the engine's lock is the caller's business); `step` returns the requests that left."""
 
     def __init__(self, g: Graphs, s: State):
@@ -458,6 +473,9 @@ class BatchDecoder:
         self.next_key = 0
         self.windows_run = 0  # windows dispatched
         self.most_rows = 0  # the most live rows one window ran
+        self.reused_tokens = 0  # prompt tokens whose rows a freed slot kept (prefix reuse): not prefilled
+        if len(s.slot_tokens) != self.slots:  # a fresh batch cache: no slot holds anything yet
+            s.slot_tokens, s.slot_freed = [[] for _ in range(self.slots)], [-1] * self.slots
 
     def windows(self, form: str | None):
         return self.g.batch_windows(form)
@@ -488,8 +506,32 @@ class BatchDecoder:
             raise ValueError("BatchDecoder.begin: an admission is running")
         if not self.free:
             raise ValueError("BatchDecoder.begin: no free KV slot")
-        self.admitting = (r, self.free.pop(0), 0.0)
+        slot, kept = self.pick(r.ids)
+        self.free.remove(slot)
+        self.s.slot_tokens[slot] = []  # rewritten from here on (put_slot): trusted again when it is freed
+        if kept > r.reuse:  # more than the engine's cache holds (its last prompt's rows): the slot's rows there
+            try:
+                self.s.cache = self.g.get_slot(self.s.batch, self.s.cache, jnp.int32(slot))
+            except BaseException:
+                self.release(slot)
+                raise
+            r.reuse = r.stats.cached_tokens = kept
+            self.reused_tokens += kept
+        self.admitting = (r, slot, 0.0)
         return True
+
+    def pick(self, ids: np.ndarray) -> tuple[int, int]:
+        """The free slot to admit prompt `ids` into, and how many leading prompt tokens its kept rows hold: the
+        longest common prefix with a slot's kept tokens, less the last prompt token (always run, for its logits);
+        ties and no match: the least recently freed slot (the LRU's victim)."""
+        best = None
+        for slot in self.free:
+            kept = self.s.slot_tokens[slot][:ids.size - 1] if self.g.prefix_reuse else []
+            differ = np.flatnonzero(np.asarray(kept, np.int32) != ids[:len(kept)])
+            n = int(differ[0]) if differ.size else len(kept)
+            if best is None or (-n, self.s.slot_freed[slot]) < best[0]:
+                best = ((-n, self.s.slot_freed[slot]), slot, n)
+        return best[1], best[2]
 
     def advance(self) -> bool | None:
         """The admission's next prefill chunk (dispatched, not waited for); after the last one its first token
@@ -513,12 +555,12 @@ class BatchDecoder:
             self.s.batch = self.g.put_slot(self.s.batch, self.s.cache, jnp.int32(slot))
         except BaseException:
             self.admitting = None
-            self.release(slot)
+            self.release(slot)  # nothing kept: its rows are not known to be the prompt's
             raise
         if r.on_token:
             r.on_token(first)
         if first in r.stops or len(r.out) >= r.budget:
-            self.release(slot)
+            self.release(slot, r)
             return False
         self.join(r, slot)
         return True
@@ -531,14 +573,40 @@ class BatchDecoder:
         self.live[key], self.slot[key], self.queued[key] = r, slot, 0
         return key
 
-    def release(self, slot: int) -> None:
-        """KV slot `slot` free again (the free list kept in order: the lowest slot is taken first)."""
+    def release(self, slot: int, r: Request | None = None) -> None:
+        """KV slot `slot` free again; with prefix reuse it keeps the rows of request `r` (its last owner, None:
+        nothing kept) that can be trusted: those no window still in flight, nor a later one, can overwrite.
+
+        Rows 0..n-1 kept, n = the prompt and every token of r.out but the last: the prompt's rows came from its
+        prefill (put_slot), out[i]'s from the window that made out[i + 1], which was read. A window still in
+        flight writes only past them: r's own rows at the positions of out[-1] and after (the next token's window
+        queued ahead, tokens dropped by `drop`), and a padding row writes a free slot at its first untrusted row
+        (`pad_position`). The next owner's put_slot comes after all of these on the device. With an approximation
+        on (g.exact_windows False) a batched row's K/V follows the rows beside it: only the prompt's rows are kept.
+        """
+        if r is not None and self.g.prefix_reuse:
+            tokens = r.ids.tolist() + (r.out[:-1] if self.g.exact_windows else [])
+            self.s.slot_tokens[slot] = tokens[:self.g.context - 1]
+        else:
+            self.s.slot_tokens[slot] = []
+        self.s.slot_freed[slot], self.s.slot_clock = self.s.slot_clock, self.s.slot_clock + 1
         self.free = sorted(self.free + [slot])
+
+    def pad_position(self, slot: int) -> int:
+        """The position a padding row writes in KV slot `slot`: past every row its kept prefix trusts, now and (a
+        live request's slot) once its owner leaves: a free slot's first untrusted row (0 for a slot being
+        admitted into: put_slot rewrites it after), a live request's first row past its whole budget (it has
+        stopped queueing windows: only such a request's slot is padding's when every slot is owned)."""
+        for key, owned in self.slot.items():
+            if owned == slot:
+                r = self.live[key]
+                return min(r.ids.size + r.budget - 1, self.g.context - 1)
+        return min(len(self.s.slot_tokens[slot]), self.g.context - 1)
 
     def leave(self, key: int) -> None:
         r = self.live.pop(key)
         self.queued.pop(key)
-        self.release(self.slot.pop(key))
+        self.release(self.slot.pop(key), r)
         if key in self.started:
             r.stats.decode_s = time.perf_counter() - self.started.pop(key)
 
@@ -571,7 +639,8 @@ class BatchDecoder:
             spare = sorted(set(range(self.slots)) - owned) or sorted(set(range(self.slots)) -
                                                                      {self.slot[k] for k in members})
             slots = [self.slot[k] for k in members] + [spare[0] if pad else 0] * pad
-            pos = [self.live[k].ids.size + len(self.live[k].out) - 1 + self.queued[k] for k in members] + [0] * pad
+            pos = [self.live[k].ids.size + len(self.live[k].out) - 1 + self.queued[k] for k in members] + \
+                [self.pad_position(spare[0]) if pad else 0] * pad
             if self.params_rows != (members, b):
                 self.params = batch_sampling([self.live[k].sampling for k in members], pad)
                 self.params_rows = (members, b)

@@ -141,6 +141,7 @@ class Stats:
     batch: list[RequestStats] = dataclasses.field(default_factory=list)  # the last generate_batch's, per prompt
     batch_windows: int = 0  # batched windows run (generate_batch, BatchSession)
     batch_rows_max: int = 0  # the most live sequences one batched window ran
+    batch_reused_tokens: int = 0  # prompt tokens whose rows a freed KV slot kept (prefix reuse across requests)
 
     def add(self, r: RequestStats) -> None:
         self.last = r

@@ -129,6 +129,17 @@ def put_slot(batch: KVCache, one: KVCache, slot: jax.Array) -> KVCache:
     return batch.replace(k=jax.tree.map(put, batch.k, one.k), v=jax.tree.map(put, batch.v, one.v))
 
 
+def get_slot(batch: KVCache, one: KVCache, slot: jax.Array) -> KVCache:
+    """put_slot's reverse: slot `slot` of a batch cache [L*M, S, Nkv, D] into the engine's stacked cache [L, S, Nkv, D]
+    (the whole slot; its other fields, the slot caches, kept): a prompt whose prefix the slot holds prefills the
+    rest from there (BatchDecoder.begin)."""
+    def get(b, o):
+        n_layers = o.shape[0]
+        view = b.reshape(n_layers, b.shape[0] // n_layers, *b.shape[1:])  # [L, M, S, ...]: a bitcast
+        return jax.lax.dynamic_index_in_dim(view, slot, axis=1, keepdims=False).astype(o.dtype)
+    return one.replace(k=jax.tree.map(get, batch.k, one.k), v=jax.tree.map(get, batch.v, one.v))
+
+
 def with_slot_caches(batch: KVCache, one: KVCache) -> KVCache:
     """The batch cache carrying the engine's slot caches (one.experts) into a batched window: with offload the
     window plans, fetches and counts in the slot caches the engine's own windows use (one set for every sequence);

@@ -615,6 +615,7 @@ def test_concurrent_streams_run_as_one_batch(batch_engine, batch_server):
     assert engine.stats.batch_rows_max >= 3 and engine.stats.batch_windows > windows
     metrics = httpx.get(url + "/metrics").text
     assert "strata_batch_rows_max " in metrics and "strata_batch_size 4" in metrics
+    assert "strata_batch_reused_tokens_total " in metrics
 
 
 def test_n_choices_are_seeded_solo_runs(batch_engine, batch_server):
