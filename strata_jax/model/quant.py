@@ -74,7 +74,9 @@ QK_K = 256  # inputs per Q4_K super-block
 Q4K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minima, 128 bytes of nibbles
 Q2K = "int2-q2k"
 Q2K_BLOCK_BYTES = 84  # 16 bytes of 4-bit scales and minima, 64 bytes of 2-bit q, fp16 d, fp16 dmin
-BLOCK_FORMATS = (Q4K, Q2K)  # GGUF K-quant blocks held as they are: packed q and codes
+Q6K = "int6-q6k"
+Q6K_BLOCK_BYTES = 210  # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d
+BLOCK_FORMATS = (Q4K, Q2K, Q6K)  # GGUF K-quant blocks held as they are: packed q and codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +92,8 @@ class Format:
 
     def bits_per_weight(self, in_dim: int) -> float:
         """Stored bits per weight, scales (and minima) included."""
-        if self.name in BLOCK_FORMATS:  # codes: 5G/4 of 16 (int4-q4k) or 8 (int2-q2k) bits
-            return self.bits + self.scale_bits * 5 / 4 / self.group
+        if self.name in BLOCK_FORMATS:  # codes: 5G/4 of 16 (int4-q4k) or 8 (int2-q2k) bits; int6-q6k: 9G/8 of 8
+            return self.bits + self.scale_bits * (9 / 8 if self.name == Q6K else 5 / 4) / self.group
         per_group = self.scale_bits * (1 if self.symmetric else 2)
         return self.bits + per_group * self.groups(in_dim) / in_dim
 
@@ -104,6 +106,7 @@ FORMATS = {f.name: f for f in (
     Format("int4-asym", 4, 32, False),
     Format("int4-q4k", 4, 32, False),  # GGUF Q4_K's blocks (module docstring)
     Format("int2-q2k", 2, 16, False, 8),  # GGUF Q2_K's blocks: uint8 codes
+    Format("int6-q6k", 6, 16, True, 8),  # GGUF Q6_K's blocks: uint8 codes (int8 scales, fp16 d)
     Format("int4-g32f", 4, 32, True, 32),  # GGUF Q4_0 as read (module docstring)
     Format("int4-g32m", 4, 32, False, 32),  # GGUF Q4_1
     Format("int8-g32", 8, 32, True, 32),  # GGUF Q8_0
@@ -147,7 +150,9 @@ def quantize(w: np.ndarray, fmt: Format | str) -> Quantized:
     """w [..., O, I] (any float dtype) -> Quantized."""
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     if fmt.name in BLOCK_FORMATS:
-        packed, codes = q4k_from_blocks(q4k_blocks(w)) if fmt.name == Q4K else q2k_from_blocks(q2k_blocks(w))
+        from_blocks, blocks = {Q4K: (q4k_from_blocks, q4k_blocks), Q2K: (q2k_from_blocks, q2k_blocks),
+                               Q6K: (q6k_from_blocks, q6k_blocks)}[fmt.name]
+        packed, codes = from_blocks(blocks(w))
         return Quantized(fmt, packed, codes, None, w.shape[-1])
     x = _grouped(w, fmt)  # [..., O, G, n]
     sdt = np.float32 if fmt.scale_bits == 32 else BF16
@@ -303,9 +308,25 @@ def block_scales(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d * (c & ((1 << bits) - 1)).astype(np.float32), dmin * (c >> bits).astype(np.float32)
 
 
+def block_format(codes_dtype, packed_width: int, codes_width: int) -> str:
+    """Which block format a (packed, codes) pair is, from the codes' dtype and the last widths (per row; on the device
+    the codes' group-major rows): uint16 codes int4-q4k; uint8 int2-q2k (packed I/4, codes 5I/64: 5 P = 16 C) or
+    int6-q6k (packed 3I/4, codes 9I/128: 3 P = 32 C)."""
+    if np.dtype(codes_dtype) == np.uint16:
+        return Q4K
+    if 5 * packed_width == 16 * codes_width:
+        return Q2K
+    if 3 * packed_width == 32 * codes_width:
+        return Q6K
+    raise ValueError(f"packed rows of {packed_width} bytes and {codes_width} uint8 codes are no block format's")
+
+
 def blocks_dequantize(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """int4-q4k's and int2-q2k's reference: packed [..., O, I/2] (int4) or [..., O, I/4] (int2), codes
-    [..., O, 5G/4] -> float32 [..., O, I] = s q - mn, in the order gguf.quants computes it (the same float32 values)."""
+    [..., O, 5G/4] -> float32 [..., O, I] = s q - mn, in the order gguf.quants computes it (the same float32 values).
+    int6-q6k's (packed [..., O, 3I/4], codes [..., O, 9G/8]): q6k_dequantize."""
+    if block_format(codes.dtype, packed.shape[-1], codes.shape[-1]) == Q6K:
+        return q6k_dequantize(packed, codes)
     s, mn = block_scales(codes)  # [..., O, G]
     g = s.shape[-1]
     q = (unpack_int4(packed, 32, signed=False) if codes.dtype == np.uint16 else unpack_int2(packed))
@@ -360,6 +381,83 @@ def q2k_blocks(w: np.ndarray) -> np.ndarray:
     qs = (q[..., 0, :] | (q[..., 1, :] << 2) | (q[..., 2, :] << 4) | (q[..., 3, :] << 6)).reshape(*lead, nb, 64)
     out = np.concatenate([sc | (m << 4), qs, _f16_bytes(d), _f16_bytes(dmin)], axis=-1)
     return out.reshape(*lead, nb * Q2K_BLOCK_BYTES)
+
+
+# ---- int6-q6k: GGUF Q6_K's blocks --------------------------------------------------------------------------------
+
+def pack_int6(q: np.ndarray) -> np.ndarray:
+    """6-bit values [..., I] (uint8 in [0, 63], I a multiple of 64) -> [..., 3I/4] uint8: per chunk of 64 inputs 48
+    bytes, the 64 low nibbles in int4's packing of groups of 32 (byte j < 16: inputs j and j + 16, byte 16 + j:
+    inputs 32 + j and 48 + j, low nibble first), then the 64 high 2-bit pairs in pack_int2's (byte 32 + j: inputs
+    j, j + 16, j + 32, j + 48 at shifts 0, 2, 4, 6). The chunk's group s of 16 inputs is then
+    (lo[16 (s >> 1) + j] >> 4 (s & 1)) & 15 | ((hi[j] >> 2 s) & 3) << 4: shifts of contiguous bytes."""
+    if q.shape[-1] % 64:
+        raise ValueError(f"int6 packing needs an input dimension of a multiple of 64 (got {q.shape[-1]})")
+    lead, n = q.shape[:-1], q.shape[-1]
+    u = q.astype(np.uint8).reshape(*lead, n // 64, 64)
+    lo, hi = pack_int4(u & 0xF, 32), pack_int2(u >> 4)  # [..., chunks, 32], [..., chunks, 16]
+    return np.concatenate([lo, hi], axis=-1).reshape(*lead, n * 3 // 4)
+
+
+def unpack_int6(packed: np.ndarray) -> np.ndarray:
+    """pack_int6's inverse: [..., 3I/4] uint8 -> [..., I] uint8 in [0, 63]."""
+    lead, n = packed.shape[:-1], packed.shape[-1] * 4 // 3
+    p = packed.reshape(*lead, n // 64, 48)
+    q = unpack_int4(p[..., :32], 32, signed=False) | (unpack_int2(p[..., 32:]) << 4)
+    return q.reshape(*lead, n)
+
+
+def q6k_from_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q6_K tensor's bytes [..., O, I/256 * 210] uint8 -> (packed [..., O, 3I/4] uint8 in pack_int6's order, codes
+    [..., O, 9G/8] uint8 (G = I/16): per row the G groups' int8 scale bytes as read, then the super-blocks' d, two
+    bytes each (fp16, little-endian)). Moves bits only."""
+    b, lead, nb = _row_blocks(raw, Q6K_BLOCK_BYTES, "Q6_K")
+    # gguf's dequantize_blocks: per half of 128 inputs, ql's 64 bytes at shift 0 / 4 give inputs 0..63 / 64..127,
+    # qh's 32 bytes at shift 2 s give inputs 32 s .. 32 s + 31
+    ql = (b[..., :128].reshape(*lead, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0xF
+    qh = (b[..., 128:192].reshape(*lead, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    q = ql.reshape(*lead, nb * QK_K) | (qh.reshape(*lead, nb * QK_K) << 4)  # [..., I] 0..63 in input order
+    codes = np.concatenate([b[..., 192:208].reshape(*lead, nb * 16), b[..., 208:210].reshape(*lead, nb * 2)], axis=-1)
+    return pack_int6(q), np.ascontiguousarray(codes)
+
+
+def q6k_scales(codes: np.ndarray) -> np.ndarray:
+    """int6-q6k codes [..., 9G/8] uint8 (numpy, per row) -> s = d * sc float32 [..., G] (exact: 11 bits times 8)."""
+    codes = np.asarray(codes, np.uint8)
+    g = codes.shape[-1] * 8 // 9
+    d = np.ascontiguousarray(codes[..., g:]).view(np.float16).astype(np.float32)  # [..., B]
+    return np.repeat(d, 16, axis=-1) * codes[..., :g].view(np.int8).astype(np.float32)
+
+
+def q6k_dequantize(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """int6-q6k's reference: packed [..., O, 3I/4], codes [..., O, 9G/8] -> float32 [..., O, I] = s (q - 32), s
+    = d sc first, as gguf.quants computes it (its float32 values bit for bit)."""
+    s = q6k_scales(codes)  # [..., O, G]
+    q = unpack_int6(packed).astype(np.int8) - np.int8(32)
+    x = q.astype(np.float32).reshape(*q.shape[:-1], s.shape[-1], 16) * s[..., None]
+    return x.reshape(q.shape)
+
+
+def q6k_blocks(w: np.ndarray) -> np.ndarray:
+    """Q6_K bytes [..., O, I/256 * 210] of float weights [..., O, I] (I a multiple of 256), for tests and random
+    weights (gguf.quants cannot quantize Q6_K; llama.cpp's quantizer searches its scales, this one does not): per
+    group of 16 the scale absmax / 31, per super-block d = max scale / 127 (fp16), sc the nearest multiple (0..127),
+    q the nearest of -32..31 (stored + 32). The packing is llama.cpp's block_q6_K (ql[128], qh[64], scales[16], d)."""
+    x, lead, nb = _superblocks(w, "Q6_K")
+    x = x.reshape(*lead, nb, 16, 16)
+    scale = np.abs(x).max(-1) / 31  # [..., nb, 16]
+    d = (scale.max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    near = lambda a, b: np.rint(np.divide(a, b, out=np.zeros_like(a), where=b > 0))
+    sc = np.clip(near(scale, df), 0, 127).astype(np.int8)
+    s = df * sc.astype(np.float32)
+    q = (np.clip(near(x, s[..., None]), -32, 31) + 32).astype(np.uint8).reshape(*lead, nb, 2, 4, 32)
+    # half h of 128 inputs, its s-th 32: low nibble at ql[64 h + 32 (s & 1) + j] >> 4 (s >> 1), high at qh[32 h + j]
+    lo, hi = q & 0xF, q >> 4
+    ql = (lo[..., 0:2, :] | (lo[..., 2:4, :] << 4)).reshape(*lead, nb, 128)
+    qh = (hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)).reshape(*lead, nb, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), _f16_bytes(d)], axis=-1)
+    return out.reshape(*lead, nb * Q6K_BLOCK_BYTES)
 
 
 # ---- GGUF types kept as read: int4 / int8 groups with float32 scales (and minima) ----------------------------------
@@ -646,6 +744,8 @@ def dequantize_engine_blocks(packed, codes, dtype):
     """int4-q4k / int2-q2k on the device: packed [..., O, I/2] / [..., O, I/4], engine codes [..., 5G/4, O] ->
     [..., O, I] (float32: exact)."""
     import jax.numpy as jnp
+    if block_format(codes.dtype, packed.shape[-1], codes.shape[-2]) == Q6K:
+        return dequantize_engine_q6k(packed, codes, dtype)
     g = codes.shape[-2] * 4 // 5
     s, mn = block_scales_device(codes, g)  # [..., G, O]
     lead = packed.shape[:-1]
@@ -660,6 +760,32 @@ def dequantize_engine_blocks(packed, codes, dtype):
 
 
 q4k_scales_device = block_scales_device
+
+
+def q6k_scales_device(codes):
+    """q6k_scales on the device (jnp): int6-q6k's engine codes [..., 9G/8, O] uint8 (group-major; d two rows a
+    super-block, low byte first) -> s = d * sc float32 [..., G, O]."""
+    import jax
+    import jax.numpy as jnp
+    g = codes.shape[-2] * 8 // 9
+    sc = jax.lax.bitcast_convert_type(codes[..., :g, :], jnp.int8).astype(jnp.float32)
+    r = codes[..., g:, :].astype(jnp.uint16)
+    d = jax.lax.bitcast_convert_type(r[..., 0::2, :] | (r[..., 1::2, :] << 8), jnp.float16).astype(jnp.float32)
+    return jnp.repeat(d, 16, axis=-2) * sc
+
+
+def dequantize_engine_q6k(packed, codes, dtype):
+    """int6-q6k on the device: packed [..., O, 3I/4], engine codes [..., 9G/8, O] -> [..., O, I] = s (q - 32)
+    (float32: gguf's values)."""
+    import jax.numpy as jnp
+    s = jnp.swapaxes(q6k_scales_device(codes), -1, -2)  # [..., O, G]
+    lead = packed.shape[:-1]
+    p = packed.reshape(*lead, -1, 48).astype(jnp.int32)  # [..., O, chunks, 48]
+    lo = jnp.concatenate([p[..., 0:16] & 0xF, p[..., 0:16] >> 4, p[..., 16:32] & 0xF, p[..., 16:32] >> 4], -1)
+    hi = ((p[..., None, 32:] >> jnp.array([0, 2, 4, 6]).reshape(4, 1)) & 3).reshape(*p.shape[:-1], 64)
+    q = (lo | (hi << 4)) - 32  # [..., O, chunks, 64]
+    w = q.reshape(*lead, s.shape[-1], 16).astype(jnp.float32) * s[..., None]
+    return w.reshape(*lead, -1).astype(dtype)
 dequantize_engine_q4k = dequantize_engine_q2k = dequantize_engine_blocks
 
 
@@ -669,6 +795,8 @@ def quantize_blocks_device(w, expert_format: str):
     rules, in jnp)."""
     import jax
     import jax.numpy as jnp
+    if expert_format == Q6K:
+        return quantize_q6k_device(w)
     q4k = expert_format == Q4K
     group, q_max, code_bits = (32, 15, 6) if q4k else (16, 3, 4)
     lead, n = w.shape[:-1], w.shape[-1]
@@ -695,6 +823,32 @@ def quantize_blocks_device(w, expert_format: str):
         packed = packed.astype(jnp.uint8).reshape(*lead, n // 4)
         le_bytes = lambda h: jnp.stack([bits(h) & 0xFF, bits(h) >> 8], -1).reshape(*lead, nb * 2)  # low byte first
         codes = jnp.concatenate([group_codes, le_bytes(d), le_bytes(dmin)], -1).astype(jnp.uint8)
+    return packed, jnp.swapaxes(codes, -1, -2)
+
+
+def quantize_q6k_device(w):
+    """int6-q6k on the device (jax; random weights for benchmarks): w [..., O, I] -> (packed [..., O, 3I/4], engine
+    codes [..., 9G/8, O]), the numbers of q6k_from_blocks(q6k_blocks(w)) (the same rules, in jnp)."""
+    import jax
+    import jax.numpy as jnp
+    lead, n = w.shape[:-1], w.shape[-1]
+    nb = n // QK_K
+    x = w.astype(jnp.float32).reshape(*lead, nb, 16, 16)
+    scale = jnp.abs(x).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(jnp.float16)
+    df = d.astype(jnp.float32)[..., None]
+    div = lambda a, b: jnp.where(b > 0, a / jnp.where(b > 0, b, 1.0), 0.0)
+    sc = jnp.clip(jnp.round(div(scale, df)), 0, 127).astype(jnp.int32)
+    s = df * sc.astype(jnp.float32)
+    q = (jnp.clip(jnp.round(div(x, s[..., None])), -32, 31) + 32).astype(jnp.int32)
+    c = q.reshape(*lead, n // 64, 4, 16)  # chunks of 64, their 4 groups of 16
+    lo, hi = c & 0xF, c >> 4
+    lo = jnp.concatenate([lo[..., 0, :] | (lo[..., 1, :] << 4), lo[..., 2, :] | (lo[..., 3, :] << 4)], -1)
+    hi = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+    packed = jnp.concatenate([lo, hi], -1).astype(jnp.uint8).reshape(*lead, n * 3 // 4)
+    dbits = jax.lax.bitcast_convert_type(d, jnp.uint16)
+    le_bytes = jnp.stack([dbits & 0xFF, dbits >> 8], -1).reshape(*lead, nb * 2)  # low byte first
+    codes = jnp.concatenate([(sc & 0xFF).reshape(*lead, n // 16), le_bytes.astype(jnp.int32)], -1).astype(jnp.uint8)
     return packed, jnp.swapaxes(codes, -1, -2)
 
 
@@ -794,7 +948,7 @@ def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
         return pair_format(*(engine_format(f, (w,)) for f, w in zip(family_formats(expert_dtype), widths)))
     if expert_dtype in BLOCK_FORMATS:
         if any(w % QK_K for w in widths):
-            raise ValueError(f"expert_dtype={expert_dtype} holds {'Q4_K' if expert_dtype == Q4K else 'Q2_K'} "
+            raise ValueError(f"expert_dtype={expert_dtype} holds { {Q4K: 'Q4_K', Q2K: 'Q2_K', Q6K: 'Q6_K'}[expert_dtype]} "
                              f"super-blocks of {QK_K} inputs: the experts' widths "
                              f"{' and '.join(map(str, widths))} are not multiples of {QK_K}")
         return expert_dtype
@@ -862,15 +1016,17 @@ def formats_bits(expert_format: str, in_dim: int = QK_K) -> float:
 
 def stored_in_dim(in_dim: int, storage) -> int:
     """The last dimension of a stored expert matrix of `in_dim` inputs: halved for int4 (uint8) storage, quartered
-    for int2-q2k's (storage: a dtype, or Q2K where the dtype alone (uint8) would say int4: `slot_storage`)."""
-    if isinstance(storage, str):  # Q2K
-        return in_dim // 4
+    for int2-q2k's, 3/4 for int6-q6k's (storage: a dtype, or Q2K / Q6K where the dtype alone (uint8) would say int4:
+    `slot_storage`)."""
+    if isinstance(storage, str):  # Q2K, Q6K
+        return in_dim * 3 // 4 if storage == Q6K else in_dim // 4
     return in_dim // 2 if np.dtype(storage) == np.uint8 else in_dim
 
 
 def slot_storage(expert_format: str) -> "np.dtype | str":
-    """How one family's experts sit in host memory and the slots: its storage dtype, or Q2K (uint8, four a byte)."""
-    return Q2K if expert_format == Q2K else np.dtype(storage_dtype(expert_format))
+    """How one family's experts sit in host memory and the slots: its storage dtype, or Q2K (uint8, four a byte) /
+    Q6K (uint8, 48 bytes per 64 inputs: pack_int6)."""
+    return expert_format if expert_format in (Q2K, Q6K) else np.dtype(storage_dtype(expert_format))
 
 
 def engine_scale(qa: Quantized) -> np.ndarray:

@@ -1,0 +1,73 @@
+"""GGUF Q6_K experts kept packed (issue 36: the engine format "int6-q6k", strata_jax/model/quant.py): Q6_K's blocks
+re-laid-out at load (pack_int6: per 64 inputs 32 bytes of low nibbles, then 16 of high 2-bit pairs) with uint8 codes
+(each group's int8 scale, each super-block's fp16 d as two bytes): 6.5625 bits a weight, the file's own."""
+from __future__ import annotations
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata_jax.model import quant
+
+Q6_K = gguf.GGMLQuantizationType.Q6_K
+
+
+def test_int6_packing_round_trips_and_groups_are_shifts():
+    rng = np.random.default_rng(1)
+    q = rng.integers(0, 64, (3, 5, 256), dtype=np.uint8)
+    packed = quant.pack_int6(q)
+    assert packed.shape == (3, 5, 192) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(quant.unpack_int6(packed), q)
+    chunks = packed.reshape(3, 5, 4, 48)
+    for s in range(4):  # group s of each chunk of 64: shifts of contiguous bytes
+        lo = (chunks[..., 16 * (s >> 1):16 * (s >> 1) + 16] >> (4 * (s & 1))) & 15
+        hi = (chunks[..., 32:] >> (2 * s)) & 3
+        np.testing.assert_array_equal(lo | (hi << 4), q.reshape(3, 5, 4, 4, 16)[..., s, :])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quant.pack_int6(q[..., :96])
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_q6k_blocks_dequantize_to_gguf_values(seed):
+    """Random valid Q6_K blocks (every ql, qh and scale bit random) read into packed q and uint8 codes dequantize
+    (numpy, and on the device) to gguf.quants.dequantize's float32 values bit for bit, in the file's bytes."""
+    raw = quant.gguf_blocks_random("Q6_K", (3, 8, 512), seed=seed)
+    want = gguf.quants.dequantize(raw, Q6_K)
+    packed, codes = quant.q6k_from_blocks(raw)
+    assert packed.shape == (3, 8, 384) and packed.dtype == np.uint8
+    assert codes.shape == (3, 8, 36) and codes.dtype == np.uint8
+    assert packed.nbytes + codes.nbytes == raw.nbytes  # the file's bytes, moved
+    assert quant.block_format(codes.dtype, packed.shape[-1], codes.shape[-1]) == quant.Q6K
+    np.testing.assert_array_equal(quant.q6k_dequantize(packed, codes).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(quant.blocks_dequantize(packed, codes).view(np.uint32), want.view(np.uint32))
+    device_codes = jnp.asarray(np.swapaxes(codes, -1, -2))  # group-major [..., 9G/8, O]
+    for dequantize in (quant.dequantize_engine_blocks, quant.dequantize_engine_int4):
+        dev = np.asarray(dequantize(jnp.asarray(packed), device_codes, jnp.float32))
+        np.testing.assert_array_equal(dev.view(np.uint32), want.view(np.uint32))
+    # the same values gguf_kept's int8-g16 held (the one byte a weight form)
+    q, s = quant.gguf_kept(raw, "Q6_K")
+    np.testing.assert_array_equal(quant.kept_dequantize(q, s), want)
+    np.testing.assert_array_equal(quant.q6k_scales(codes), s)
+
+
+def test_q6k_blocks_of_float_weights():
+    """q6k_blocks writes bytes gguf reads; quantize and the device quantizer make the same numbers, within half a
+    step of the weights; 6.5625 bits a weight, storage 3/4 of a byte an input."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((3, 8, 512)) * rng.uniform(0.01, 1.0, (3, 8, 1)) + 0.02).astype(np.float32)
+    w[1, 2] = 0.0
+    raw = quant.q6k_blocks(w)
+    assert raw.shape == (3, 8, 2 * 210) and raw.dtype == np.uint8
+    want = gguf.quants.dequantize(raw, Q6_K)
+    qa = quant.quantize(w, quant.Q6K)
+    np.testing.assert_array_equal(quant.dequantize(qa), want)
+    q, c = quant.quantize_device(jnp.asarray(w), quant.Q6K)
+    np.testing.assert_array_equal(np.asarray(q), qa.q)
+    np.testing.assert_array_equal(np.asarray(c), quant.engine_scale(qa))
+    np.testing.assert_array_equal(want[1, 2], 0.0)
+    s = quant.q6k_scales(qa.scale)
+    assert np.all(np.abs(want - w) <= np.repeat(s, 16, axis=-1) * 0.5 + 1e-6 + np.abs(w) * 1e-6)
+    assert quant.get_format(quant.Q6K).bits_per_weight(512) == 6.5625
+    assert quant.slot_storage(quant.Q6K) == quant.Q6K and quant.stored_in_dim(512, quant.Q6K) == 384
+    assert quant.engine_format(quant.Q6K, (256, 512)) == quant.Q6K
