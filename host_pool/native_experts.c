@@ -26,6 +26,11 @@
    byte b holds inputs b, b + 16, b + 32, b + 48 at shifts 0, 2, 4, 6; a scale and minimum per group of 16 decoded
    from the store's records a row at a time, q2k_record, 2.625 bits a weight): int8-g's way, each weight fma(q, s, -mn) in
    registers (gguf's value), the crumbs widened from bytes by a shift and a mask (dot_rows_int2k_nt).
+   int6-q6k (FMT_INT6K, GGUF Q6_K's blocks, quant.py "int6-q6k" pack_int6: q in 0..63, per chunk of 64 inputs 48
+   bytes, 32 of low nibbles in int4's order of groups of 32, then 16 of high 2-bit pairs in int2-q2k's; a scale
+   s = d sc per group of 16 decoded from the store's 18-byte records, q6k_record, 6.5625 bits a weight): each weight
+   (q - 32) * s in registers (gguf's value: one rounding, as gguf's), group s of a chunk a shift of contiguous bytes
+   (dot_rows_int6k_nt).
    Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside Q6_K down, each kept as read): a job's phase 1
    reads gate/up in `fmt` with groups of `group`, phase 2 reads down in `fmt_down` with `group_down`; each phase's
    minima, group sums and bf16 path follow its own format.
@@ -78,7 +83,7 @@
 /* FMT_INT4K: int4 with float32 scales and minima (Q4_1, "int4-m"); FMT_INT4KR: int4-q4k, the same loops with the
    scales and minima decoded from the store's super-block records (scale_row); FMT_INT2K: int2-q2k's records */
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT4K = 4, FMT_INT8G = 5, FMT_INT8GM = 6,
-       FMT_INT2K = 7, FMT_INT4KR = 8 };
+       FMT_INT2K = 7, FMT_INT4KR = 8, FMT_INT6K = 9 };
 enum { TOKENS = 4 };      /* token rows read per pass over a weight row */
 /* weight rows per work item of phase 1 / phase 2 (-D to try others: host_pool/measure.py --variants) */
 #ifndef ROWS_UP
@@ -112,6 +117,16 @@ static inline vf v_int2(const uint8_t *p, int shift)
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     const __m512i crumbs = _mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_set1_epi32(shift)), _mm512_set1_epi32(3));
     return _mm512_cvtepi32_ps(crumbs);
+}
+/* int6: VL low-nibble bytes at lo (nibble at shift 0 or 4) and VL high-pair bytes at hi (pair at shift 0..6) ->
+   q - 32 as floats */
+static inline vf v_int6(const uint8_t *lo, int lo_shift, const uint8_t *hi, int hi_shift)
+{
+    const __m512i l = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)lo)),
+                                                         _mm512_set1_epi32(lo_shift)), _mm512_set1_epi32(15));
+    const __m512i h = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)hi)),
+                                                         _mm512_set1_epi32(hi_shift)), _mm512_set1_epi32(3));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(h, 4)), _mm512_set1_epi32(32)));
 }
 /* int4: a group's 16 weights (k - 8) * scale, k = 0..15, in the lanes of one register; a nibble is then one
    permute (its index, which reads the low 4 bits of each lane: no mask for the low nibble) */
@@ -154,6 +169,14 @@ static inline vf v_int2(const uint8_t *p, int shift)
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     const __m256i crumbs = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_set1_epi32(shift)), _mm256_set1_epi32(3));
     return _mm256_cvtepi32_ps(crumbs);
+}
+static inline vf v_int6(const uint8_t *lo, int lo_shift, const uint8_t *hi, int hi_shift)
+{
+    const __m256i l = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)lo)),
+                                                         _mm256_set1_epi32(lo_shift)), _mm256_set1_epi32(15));
+    const __m256i h = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hi)),
+                                                         _mm256_set1_epi32(hi_shift)), _mm256_set1_epi32(3));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32(h, 4)), _mm256_set1_epi32(32)));
 }
 /* int4: 8 lanes hold half a 16-entry table, so the nibble is converted and times the scale (exact) instead */
 typedef vf int4_table;
@@ -208,6 +231,12 @@ static inline vf v_int2(const uint8_t *p, int shift)
     for (int k = 0; k < VL; k++) f[k] = (float)((p[k] >> shift) & 3);
     return f;
 }
+static inline vf v_int6(const uint8_t *lo, int lo_shift, const uint8_t *hi, int hi_shift)
+{
+    vf f;
+    for (int k = 0; k < VL; k++) f[k] = (float)((int)(((lo[k] >> lo_shift) & 15) | ((hi[k] >> hi_shift) & 3) << 4) - 32);
+    return f;
+}
 typedef float int4_table;
 static inline int4_table v_int4_table(float scale) { return scale; }
 static inline void v_int4(const uint8_t *p, int4_table scale, vf *low, vf *high)
@@ -258,7 +287,7 @@ static inline float half_at(const uint8_t *p)
    of tokens (scale_row) into the float32 scale row int4-m and the former store held, G scales s = d sc then G minima
    mn = dmin m: the float32 products store.py's block_scale_min gives (fp16 times a small integer: exact); the loops
    then run as on held float32 scales. */
-enum { Q4K_RECORD = 16, Q2K_RECORD = 20 };
+enum { Q4K_RECORD = 16, Q2K_RECORD = 20, Q6K_RECORD = 18 };
 /* one q4k record's 8 groups -> s[0..8), mn[0..8) (x86 builds: the 12-bit codes gathered as 16-bit words by one
    byte shuffle, group k's from byte 4 + 3 (k >> 1) + (k & 1), shifted 4 (k & 1)) */
 static inline void q4k_record(const uint8_t *record, float *s, float *mn)
@@ -299,7 +328,14 @@ static inline void q2k_record(const uint8_t *record, float *s, float *mn)
     }
 #endif
 }
-/* a row's records (`record` bytes each) -> its scale row [2G]: the G scales, then the G minima */
+/* one q6k record (fp16 d, then the 16 groups' int8 sc) -> s[0..16) = d * sc (exact: 11 bits times 8) */
+static inline void q6k_record(const uint8_t *record, float *s)
+{
+    const float d = half_at(record);
+    for (int k = 0; k < 16; k++) s[k] = d * (float)(int8_t)record[2 + k];
+}
+/* a row's records (`record` bytes each) -> its scale row [2G]: the G scales, then the G minima (q6k: [G], no
+   minima) */
 static void records_scale_row(const uint8_t *records, long record, long G, float *row)
 {
     if (record == Q4K_RECORD) {
@@ -324,6 +360,8 @@ static void records_scale_row(const uint8_t *records, long record, long G, float
 #endif
         for (; g < G; g += 8, records += record) q4k_record(records, row + g, row + G + g);
     }
+    else if (record == Q6K_RECORD)
+        for (long g = 0; g < G; g += 16, records += record) q6k_record(records, row + g);
     else
         for (long g = 0; g < G; g += 16, records += record) q2k_record(records, row + g, row + G + g);
 }
@@ -521,6 +559,46 @@ static void dot_rows_int2k(const uint8_t *packed, const float *scales, long n, c
     }
 }
 
+/* out[t] = dequantized int6-q6k row . xs[t]: packed [3n/4] bytes (n a multiple of 64; pack_int6: per chunk of 64
+   inputs 32 bytes of low nibbles, then 16 of high pairs), scales [G] (G = n/16); each weight (q - 32) * s, exactly
+   gguf's value. Group s of chunk c: the low nibbles at bytes 16 (s >> 1) of the chunk, shift 4 (s & 1), the high
+   pairs at byte 32, shift 2 s; two chains per token (even and odd groups). */
+static inline __attribute__((always_inline)) void dot_rows_int6k_nt(const uint8_t *packed, const float *scales, long n,
+                                                                    const float *const *xs, float *out, const int NT)
+{
+    vf acc[2 * TOKENS];
+    _Pragma("GCC unroll 16")
+    for (int a = 0; a < 2 * NT; a++) acc[a] = v_zero();
+    for (long c = 0; c < n / 64; c++, packed += 48) {
+        prefetch_ahead((const char *)packed, 48);
+        for (long b = 0; b < 16; b += VL)
+            _Pragma("GCC unroll 4")
+            for (int s = 0; s < 4; s++) {
+                const long g = 4 * c + s, at = 64 * c + 16 * s + b;
+                const vf w = v_mul(v_int6(packed + 16 * (s >> 1) + b, 4 * (s & 1), packed + 32 + b, 2 * s),
+                                   v_set1(scales[g]));
+                _Pragma("GCC unroll 16")
+                for (int t = 0; t < NT; t++) {
+                    vf *chain = &acc[(s % 2) * NT + t];
+                    *chain = v_fma(w, v_load(xs[t] + at), *chain);
+                }
+            }
+    }
+    _Pragma("GCC unroll 16")
+    for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]);
+}
+
+static void dot_rows_int6k(const uint8_t *packed, const float *scales, long n, const float *const *xs, int nt,
+                           float *out)
+{
+    switch (nt) {
+    case 1: dot_rows_int6k_nt(packed, scales, n, xs, out, 1); break;
+    case 2: dot_rows_int6k_nt(packed, scales, n, xs, out, 2); break;
+    case 3: dot_rows_int6k_nt(packed, scales, n, xs, out, 3); break;
+    default: dot_rows_int6k_nt(packed, scales, n, xs, out, 4); break;
+    }
+}
+
 static void dot_rows_int8g(const int8_t *q, const float *scales, long n, long group, int minima,
                            const float *const *xs, int nt, float *out)
 {
@@ -699,6 +777,10 @@ static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, lo
     }
     if (fmt == FMT_INT2K) {  /* groups of 16, minima always */
         dot_rows_int2k((const uint8_t *)m->weights + row * (m->n / 4), srow, m->n, xs, nt, out);
+        return;
+    }
+    if (fmt == FMT_INT6K) {  /* groups of 16, no minima */
+        dot_rows_int6k((const uint8_t *)m->weights + row * (m->n / 4 * 3), srow, m->n, xs, nt, out);
         return;
     }
     if (fmt == FMT_INT4) {
@@ -1074,7 +1156,7 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
     (void)x16;
     /* gate's and up's scale rows (scale_row) where the format has them; decoded ones (int4-q4k, int2-q2k) into
        buf, once per row and chunk of tokens */
-    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K;
+    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K || fmt == FMT_INT6K;
     const long G = group ? H / group : 0;  /* groups a row (0: no groups) */
     const long slot = J->mg.records ? 2 * G : 0;  /* a decoded scale row's floats */
     float buf[MAX_ROWS * slot + 1];
@@ -1151,7 +1233,7 @@ static void phase2_rows(const job_t *J, long r0, long r1)
     float *out = J->out;
     (void)fmt;
     /* down's scale rows, as phase1_rows' */
-    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K;
+    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K || fmt == FMT_INT6K;
     const long G = group ? I / group : 0, slot = J->md.records ? 2 * G : 0;
     float buf[MAX_ROWS * slot + 1];
     /* unit by unit over the block's rows: the unit's h rows stay in the core's L1 meanwhile; each output element
@@ -1508,8 +1590,9 @@ int experts_job(int fmt, int fmt_down, int round_bf16_out, long H, long I, long 
     const int minima = fmt == FMT_INT4K || fmt == FMT_INT4KR, minima_down = fmt_down == FMT_INT4K
                                                                             || fmt_down == FMT_INT4KR;
     /* bytes of a super-block record (int4-q4k, int2-q2k: the scale pointers are their records), else 0 */
-    const long record = fmt == FMT_INT4KR ? Q4K_RECORD : fmt == FMT_INT2K ? Q2K_RECORD : 0,
-               record_down = fmt_down == FMT_INT4KR ? Q4K_RECORD : fmt_down == FMT_INT2K ? Q2K_RECORD : 0;
+#define RECORD_OF(f) ((f) == FMT_INT4KR ? Q4K_RECORD : (f) == FMT_INT2K ? Q2K_RECORD : (f) == FMT_INT6K ? Q6K_RECORD : 0)
+    const long record = RECORD_OF(fmt), record_down = RECORD_OF(fmt_down);
+#undef RECORD_OF
     if (minima) fmt = FMT_INT4;
     if (minima_down) fmt_down = FMT_INT4;
     /* scale rows of 2G: the scales, then the minima */

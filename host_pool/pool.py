@@ -56,7 +56,7 @@ def _format_code(store, which: str = "gate") -> int:
 
 
 _FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4-q4k": 8, "int4-m": 4, "int8-g": 5,
-                 "int2-q2k": 7}  # native_experts.c's FMT_*
+                 "int2-q2k": 7, "int6-q6k": 9}  # native_experts.c's FMT_*
 
 
 class HostPoolError(RuntimeError):
@@ -642,8 +642,9 @@ class HostPool:
         up_rows = self.store.expert_rows("up", layer, expert, r0, r1)      # [R, H] (int4 [R, H/2]), scales
         out = hT_n[r0:r1]                                                   # [R, T] view
         minima, int2 = self.store.minima_of("gate"), self.store.inputs_per_byte("gate") == 4
-        for (c0, gate, gate_s), (_, up, up_s) in zip(row_chunks_f32(*gate_rows, minima=minima, int2=int2),
-                                                     row_chunks_f32(*up_rows, minima=minima, int2=int2)):
+        int6 = self.store.int6("gate")
+        for (c0, gate, gate_s), (_, up, up_s) in zip(row_chunks_f32(*gate_rows, minima=minima, int2=int2, int6=int6),
+                                                     row_chunks_f32(*up_rows, minima=minima, int2=int2, int6=int6)):
             g = self._round(_scaled(gate @ xT, gate_s))  # [c, T]
             u = self._round(_scaled(up @ xT, up_s))      # [c, T]
             # silu(g) = g * sigmoid(g); tanh form does not overflow.
@@ -659,7 +660,8 @@ class HostPool:
             down_rows = self.store.expert_rows("down", layer, expert, r0, r1)  # [R, I] (int4 [R, I/2]), scales
             nbytes += _nbytes(down_rows)
             for c0, down, scale in row_chunks_f32(*down_rows, minima=self.store.minima_of("down"),
-                                                  int2=self.store.inputs_per_byte("down") == 4):
+                                                  int2=self.store.inputs_per_byte("down") == 4,
+                                                  int6=self.store.int6("down")):
                 put(n, r0 + c0, r0 + c0 + len(down), self._round(_scaled(down @ hT, scale)))
         return time.perf_counter() - t0, nbytes
 

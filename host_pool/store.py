@@ -83,6 +83,15 @@ class HostExpertStore:
         pairs), kept as int4-q4k's: a 20-byte record a super-block (d, dmin,
         the 16 code bytes), uint8 [E, O, 20 B], 2.625 bits a weight with q,
         Q2_K's; w = s q - mn. `format` "int2-q2k", `minima` True.
+      * int6-q6k (GGUF Q6_K's blocks, quant.py "int6-q6k"): uint8 packed
+        48 bytes per 64 inputs (quant.pack_int6: 32 bytes of low nibbles in
+        int4's order of groups of 32, then 16 of high 2-bit pairs in
+        int2-q2k's): gate, up [E, I, 3H/4], down [E, H, 3I/4], with uint8
+        codes (pool layout [E, O, 9G/8], G = in/16: per group its int8 scale
+        sc as a byte, then the super-blocks' fp16 d as byte pairs), kept as an
+        18-byte record a super-block (d, the 16 sc), uint8 [E, O, 18 B],
+        6.5625 bits a weight with q, Q6_K's; w = d sc (q - 32). `format`
+        "int6-q6k", `minima` False.
     Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up and Q6_K down
     kept as read): gate and up share one format, down may hold another
     (both quantized); each matrix's is `format_of` / `dtype_of` /
@@ -123,15 +132,15 @@ class HostExpertStore:
                 raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}, "
                                  "want [E, out, in]")
             E, I, H = gate.shape[0], gate.shape[1], down.shape[1]
-            # inputs per stored element: int2-q2k's (uint8 codes) 4, int4's 2
-            packed_gu, packed_d = (4 if quantized and np.asarray(s).dtype == U8 else 2 if a.dtype == U8 else 1
-                                   for a, s in ((gate, scales[0] if scales else None),
-                                                (down, scales[-1] if scales else None)))
-            if (gate.shape[2] * packed_gu != H or up.shape != gate.shape
-                    or down.shape != (E, H, I // packed_d) or I % packed_d):
+            # stored elements a row of `in` inputs: int2-q2k's (uint8 codes) in/4, int6-q6k's (uint8 codes of 9 in/128)
+            # 3 in/4, int4's in/2
+            width_gu, width_d = (_stored_width(a, s if quantized else None, n)
+                                 for a, s, n in ((gate, scales[0] if scales else None, H),
+                                                 (down, scales[-1] if scales else None, I)))
+            if gate.shape[2] != width_gu or up.shape != gate.shape or down.shape != (E, H, width_d):
                 raise ValueError(f"layer {index}: shapes gate {gate.shape} up {up.shape} down {down.shape}"
-                                 + (" (int4: packed [E, out, in/2]; int2-q2k: [E, out, in/4])"
-                                    if {2, 4} & {packed_gu, packed_d} else ""))
+                                 + (" (int4: packed [E, out, in/2]; int2-q2k: [E, out, in/4]; int6-q6k: "
+                                    "[E, out, 3 in/4])" if U8 in (gate.dtype, down.dtype) else ""))
             if quantized:
                 gu_scales, gu_kind = _family_scales(index, gate.dtype, scales[:2], ("gate", "up"), E, (I, H))
                 d_scales, d_kind = _family_scales(index, down.dtype, scales[2:], ("down",), E, (H, I))
@@ -180,8 +189,14 @@ class HostExpertStore:
         """Whether matrix `which`'s scales hold minima ([E, O, 2G]: s, then mn)."""
         return self._kinds[which][2]
 
+    def int6(self, which: str) -> bool:
+        """Whether matrix `which` is int6-q6k's (pack_int6: 48 bytes per 64 inputs)."""
+        return self.format_of(which) == "int6-q6k"
+
     def inputs_per_byte(self, which: str) -> int:
-        """Inputs a stored element of matrix `which` holds: 4 (int2-q2k), 2 (int4), else 1."""
+        """Inputs a stored element of matrix `which` holds: 4 (int2-q2k), 4/3 (int6-q6k), 2 (int4), else 1."""
+        if self.int6(which):
+            return 4 / 3
         return 4 if self.format_of(which) == "int2-q2k" else 2 if self.dtype_of(which) == U8 else 1
 
     def group(self, layer: int, which: str = "gate") -> int:
@@ -231,6 +246,21 @@ class HostExpertStore:
 _FLOAT_NAMES = {F32: "float32", BF16: "bfloat16"}
 
 
+def _q6k_codes(codes, in_dim: int) -> bool:
+    """Whether uint8 codes [..., C] of rows of `in_dim` inputs are int6-q6k's (C = 9 in/128) rather than int2-q2k's
+    (C = 5 in/64)."""
+    return np.asarray(codes).dtype == U8 and np.shape(codes)[-1] * 128 == 9 * in_dim
+
+
+def _stored_width(a: np.ndarray, codes, in_dim: int) -> int:
+    """The stored last width of a quantized matrix of `in_dim` inputs (codes: its scale array, None for float)."""
+    if a.dtype != U8:
+        return in_dim
+    if codes is not None and np.asarray(codes).dtype == U8:
+        return in_dim * 3 // 4 if _q6k_codes(codes, in_dim) else in_dim // 4
+    return in_dim // 2
+
+
 def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple) -> tuple[list, tuple]:
     """One family's (gate and up, or down) scales of layer `index` as the store keeps them (float32; int4-q4k's and
     int2-q2k's codes as super-block records [E, O, B * 16 / 20] uint8; [E, O, 2, G] minima -> [E, O, 2G]), checked,
@@ -246,8 +276,9 @@ def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple)
         raise ValueError(f"layer {index}: {'/'.join(names)} scales with minima are [E, O, 2, G] (got "
                          f"{[np.shape(x) for x in scales]})")
     grouped = dtype == I8 and rank > 2
-    minima = all(codes) or rank == 4
-    int2 = all(codes) and np.asarray(scales[0]).dtype == U8
+    int6 = all(codes) and _q6k_codes(scales[0], dims[1])
+    minima = (all(codes) and not int6) or rank == 4
+    int2 = all(codes) and np.asarray(scales[0]).dtype == U8 and not int6
     if rank == 4:  # [E, O, 2, G] float32: scales, then minima -> [E, O, 2G]
         scales = [np.ascontiguousarray(x, F32).reshape(*x.shape[:2], -1) for x in scales]
         half = [x[..., : x.shape[-1] // 2] for x in scales]
@@ -256,13 +287,13 @@ def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple)
         scales = [np.ascontiguousarray(x, F32) for x in scales]
         _check_scales(index, "int8-g", scales, E, names, dims)
     elif all(codes):
-        _check_codes(index, "int2-q2k" if int2 else "int4-q4k", scales, E, names, dims)
-        scales = [block_records(np.asarray(x)) for x in scales]  # [E, O, B * 16 / 20] uint8
+        _check_codes(index, "int6-q6k" if int6 else "int2-q2k" if int2 else "int4-q4k", scales, E, names, dims)
+        scales = [block_records(np.asarray(x), q6k=int6) for x in scales]  # [E, O, B * 16 / 20 / 18] uint8
     else:
         scales = [np.ascontiguousarray(x, F32) for x in scales]
         _check_scales(index, dtype, scales, E, names, dims)
-    block = ("int2-q2k" if int2 else "int4-q4k") if all(codes) else "int4-m"
-    name = ("int8-g" if grouped else block if minima else
+    block = ("int6-q6k" if int6 else "int2-q2k" if int2 else "int4-q4k") if all(codes) else "int4-m"
+    name = ("int8-g" if grouped else block if minima or int6 else
             {I8: "int8", U8: "int4"}[dtype])
     return scales, (name, dtype, minima, grouped)
 
@@ -293,30 +324,37 @@ def _check_codes(index: int, fmt: str, codes: list, E: int, names: tuple, dims: 
     super-blocks of 256)."""
     out_dim, in_dim = dims
     G = in_dim // RECORD_GROUP[fmt]
+    width = 9 * G // 8 if fmt == "int6-q6k" else 5 * G // 4
     for name, c in zip(names, codes):
-        if in_dim % SUPER_BLOCK or np.shape(c) != (E, out_dim, 5 * G // 4):
+        if in_dim % SUPER_BLOCK or np.shape(c) != (E, out_dim, width):
             raise ValueError(f"layer {index}: {fmt} {name}_scale shape {np.shape(c)}, want [{E}, {out_dim}, "
-                             f"{5 * G // 4}] (codes of the {in_dim} inputs' groups, whole super-blocks of "
+                             f"{width}] (codes of the {in_dim} inputs' groups, whole super-blocks of "
                              f"{SUPER_BLOCK})")
 
 
 # int4-q4k's and int2-q2k's super-block records (`block_records`): bytes a record, inputs per group
 SUPER_BLOCK = 256
-RECORD_BYTES = {"int4-q4k": 16, "int2-q2k": 20}
-RECORD_GROUP = {"int4-q4k": 32, "int2-q2k": 16}
+RECORD_BYTES = {"int4-q4k": 16, "int2-q2k": 20, "int6-q6k": 18}
+RECORD_GROUP = {"int4-q4k": 32, "int2-q2k": 16, "int6-q6k": 16}
 
 
-def block_records(codes: np.ndarray) -> np.ndarray:
+def block_records(codes: np.ndarray, q6k: bool = False) -> np.ndarray:
     """int4-q4k codes [..., 5G/4] uint16 (pool layout: G codes sc | m << 6, then the super-blocks' fp16 d, then
     their dmin) or int2-q2k's uint8 (sc | m << 4; d and dmin as byte pairs) -> the store's records [..., B * 16]
     (int2-q2k: [..., B * 20]) uint8, one a super-block in input order, so a row's groups decode reading forward:
     fp16 d and dmin (little-endian), then the groups' codes: int4-q4k's 8 of 12 bits, groups 2k and 2k + 1 in
     bytes 3k .. 3k + 2 (code 2k in bits 0-11, 2k + 1 in bits 12-23: Q4_K's 12 bytes of scales, another order);
     int2-q2k's 16 bytes as read. Moves bits only (native_experts.c's `q4k_record` / `q2k_record` decode
-    them)."""
+    them). q6k: int6-q6k's uint8 codes [..., 9G/8] (G int8 sc bytes, then the super-blocks' d byte pairs) -> records
+    [..., B * 18]: fp16 d, then the 16 sc bytes (native_experts.c's `q6k_record`)."""
+    lead = codes.shape[:-1]
+    if q6k:
+        g = codes.shape[-1] * 8 // 9
+        nb = g // 16
+        records = np.concatenate([codes[..., g:].reshape(*lead, nb, 2), codes[..., :g].reshape(*lead, nb, 16)], -1)
+        return np.ascontiguousarray(records.reshape(*lead, nb * 18))
     q4k = codes.dtype == np.uint16
     g = codes.shape[-1] * 4 // 5
-    lead = codes.shape[:-1]
     halves = np.ascontiguousarray(codes[..., g:]).view(np.uint16)  # [..., 2B]: d, then dmin (fp16 bits)
     nb = halves.shape[-1] // 2
     d_dmin = np.stack([halves[..., :nb], halves[..., nb:]], -1).view(np.uint8).reshape(*lead, nb, 4)
@@ -348,6 +386,22 @@ def records_scale_min(records: np.ndarray, int2: bool) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([scales.reshape(*lead, -1), minima.reshape(*lead, -1)], -1))
 
 
+def q6k_records_scales(records: np.ndarray) -> np.ndarray:
+    """int6-q6k's records [..., B * 18] uint8 -> float32 [..., G]: the scales d sc (exact), q6k_scales' values."""
+    lead = records.shape[:-1]
+    rec = records.reshape(*lead, -1, 18)
+    d = np.ascontiguousarray(rec[..., :2]).view(np.float16).astype(F32)  # [..., B, 1]
+    return np.ascontiguousarray((d * rec[..., 2:].view(np.int8).astype(F32)).reshape(*lead, -1))
+
+
+def q6k_codes_scales(codes: np.ndarray) -> np.ndarray:
+    """int6-q6k codes [..., 9G/8] uint8 -> float32 [..., G]: d sc (exact; quant.py q6k_scales, which this package
+    may not import)."""
+    g = codes.shape[-1] * 8 // 9
+    d = np.ascontiguousarray(codes[..., g:]).view(np.float16).astype(F32)
+    return np.repeat(d, 16, axis=-1) * codes[..., :g].view(np.int8).astype(F32)
+
+
 def block_scale_min(codes: np.ndarray) -> np.ndarray:
     """int4-q4k codes [..., 5G/4] uint16 (or int2-q2k's uint8: their fp16 d and dmin byte pairs) -> float32
     [..., 2G]: the G scales d sc, then the G minima dmin m (exact; strata_jax/model/quant.py block_scales, which this
@@ -362,7 +416,8 @@ def block_scale_min(codes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([scales, minima], -1))
 
 
-def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: bool = False, int2: bool = False):
+def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: bool = False, int2: bool = False,
+                   int6: bool = False):
     """Yield (row_offset, float32 block [c, in], row scales [c, 1] or None) over a [R, ...] weight slice.
 
     float32 slices come back whole (BLAS reads them in place); bf16, int8 and
@@ -383,9 +438,15 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: b
       * int2-q2k (int2; rows uint8 [R, in/4], scales [R, 2G] or the store's
         records [R, B * 20]): the block holds s q - mn, gguf's values; None
         comes back.
+      * int6-q6k (int6; rows uint8 [R, 3 in/4], scales [R, G] or the store's
+        records [R, B * 18]): the block holds s (q - 32), gguf's values; None
+        comes back.
     """
     if rows.dtype == F32:
         yield 0, rows, None
+        return
+    if int6:
+        yield from _grouped_chunks(rows, scales, False, 6)
         return
     if int2 or (rows.dtype == I8 and scales is not None and scales.ndim == 2):
         yield from _grouped_chunks(rows, scales, minima or int2, 4 if int2 else 1)
@@ -437,7 +498,7 @@ def _grouped_chunks(rows: np.ndarray, scales: np.ndarray, minima: bool, per_byte
     """row_chunks_f32 of int8-g rows [R, in] (per_byte 1) or int2-q2k's [R, in/4] (4) with scales [R, G]
     ([R, 2G]: s, then mn; int2-q2k: or the store's records [R, B * 20], decoded a chunk at a time): blocks of
     s q (- mn)."""
-    R, C = rows.shape[0], rows.shape[1] * per_byte
+    R, C = rows.shape[0], rows.shape[1] * 4 // 3 if per_byte == 6 else rows.shape[1] * per_byte
     records = scales.dtype == U8
     G = C // 16 if records else scales.shape[1] // (2 if minima else 1)
     step = max(1, CHUNK_FLOATS // C)
@@ -446,12 +507,21 @@ def _grouped_chunks(rows: np.ndarray, scales: np.ndarray, minima: bool, per_byte
         for r0 in range(0, R, step):
             block = work.block[: min(step, R - r0)]
             c = len(block)
-            if per_byte == 4:  # chunk k of 64 inputs: byte b's shift 2s holds input 64 k + 16 s + b
+            if per_byte == 6:  # int6-q6k (per_byte 6: 6 bits an input), chunk k of 64 inputs in 48 bytes (pack_int6)
+                p = rows[r0:r0 + c].reshape(c, C // 64, 48)
+                lo = np.stack([p[..., :16] & 15, p[..., :16] >> 4, p[..., 16:32] & 15, p[..., 16:32] >> 4], -2)
+                hi = (p[..., None, 32:] >> np.array([0, 2, 4, 6], U8).reshape(4, 1)) & 3  # [c, chunks, 4, 16]
+                q = (lo | (hi << 2 << 2)).view(np.int8) - np.int8(32)
+                np.copyto(block.reshape(c, C // 64, 4, 16), q, casting="unsafe")
+            elif per_byte == 4:  # chunk k of 64 inputs: byte b's shift 2s holds input 64 k + 16 s + b
                 crumbs = rows[r0:r0 + c].reshape(c, C // 64, 1, 16) >> np.array([0, 2, 4, 6], U8).reshape(4, 1)
                 np.copyto(block.reshape(c, C // 64, 4, 16), crumbs & 3, casting="unsafe")
             else:
                 np.copyto(block, rows[r0:r0 + c], casting="unsafe")  # int8 -> f32, exact
-            s_mn = records_scale_min(scales[r0:r0 + c], int2=True) if records else scales[r0:r0 + c]  # [c, 2G]
+            if per_byte == 6:
+                s_mn = q6k_records_scales(scales[r0:r0 + c]) if records else scales[r0:r0 + c]  # [c, G]
+            else:
+                s_mn = records_scale_min(scales[r0:r0 + c], int2=True) if records else scales[r0:r0 + c]  # [c, 2G]
             grouped = block.reshape(c, G, -1)
             grouped *= s_mn[:, :G, None]  # exact
             if minima:
