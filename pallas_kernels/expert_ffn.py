@@ -334,6 +334,10 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     kinds = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "int4"}
     quantized, quantized_down = kinds.get(jnp.dtype(gate.dtype)), kinds.get(jnp.dtype(down.dtype))
     int2 = lambda sc: sc is not None and sc.dtype == jnp.uint8  # uint8 codes: int2-q2k's q, four a byte
+    six = lambda w, sc, width: int2(sc) and w.dtype == jnp.uint8 and w.shape[-1] * 4 == 3 * width
+    if six(gate, gate_scale, hidden) or six(down, down_scale, inter):  # int6-q6k (quant.pack_int6): no form yet
+        raise ValueError("expert_ffn: int6-q6k experts (GGUF Q6_K's blocks, 48 bytes per 64 inputs) have no kernel "
+                         "form yet: the XLA path computes them")
     quantized = "int2" if quantized == "int4" and int2(gate_scale) else quantized
     quantized_down = "int2" if quantized_down == "int4" and int2(down_scale) else quantized_down
     floats = {gate.dtype, up.dtype, down.dtype} == {jnp.dtype(jnp.bfloat16)}

@@ -21,7 +21,7 @@ def _choice(*allowed):
     return check
 
 
-EXPERT_FORMATS = ("int8", "int4", "int4-q4k", "int2-q2k", "int4-g32f", "int4-g32m", "int8-g32", "int8-g16",
+EXPERT_FORMATS = ("int8", "int4", "int4-q4k", "int2-q2k", "int6-q6k", "int4-g32f", "int4-g32m", "int8-g32", "int8-g16",
                   "int8-g32m", "int8-g16m")
 
 

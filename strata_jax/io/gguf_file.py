@@ -855,8 +855,9 @@ class GGUFTensors:
         if r.op == "rows":  # --fuse-gate-up-exps: gate's or up's rows
             raw = raw[:, r.arg[0]:r.arg[1]]
         if expert_format in quant.BLOCK_FORMATS:  # packed q and codes (Q2_K's d and dmin: byte pairs)
-            q, codes = (quant.q4k_from_blocks if qtype == "Q4_K" else quant.q2k_from_blocks)(raw)
-            g = codes.shape[-1] * 4 // 5
+            q, codes = {"Q4_K": quant.q4k_from_blocks, "Q2_K": quant.q2k_from_blocks,
+                        "Q6_K": quant.q6k_from_blocks}[qtype](raw)
+            g = codes.shape[-1] * 8 // 9 if qtype == "Q6_K" else codes.shape[-1] * 4 // 5  # then d (and dmin)
             self.check(gname, np.ascontiguousarray(codes[..., g:]).view(np.float16))
             return q, codes
         q, scale = quant.gguf_kept(raw, qtype)

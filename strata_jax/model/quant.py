@@ -480,8 +480,10 @@ GGUF_BLOCKS.update({"IQ2_XXS": (QK_K, 66), "IQ2_XS": (QK_K, 74), "IQ2_S": (QK_K,
 
 def keeps(expert_format: str, qtype: str) -> bool:
     """Whether `expert_format` holds GGUF type `qtype` as read: GGUF_KEPT's format, or int8-g16m for Q2_K (its one
-    byte a weight form before int2-q2k, kept for expert_dtype=int8-g16m)."""
-    return GGUF_KEPT.get(qtype) == expert_format or (expert_format, qtype) == (WIDE, "Q2_K")
+    byte a weight form before int2-q2k, kept for expert_dtype=int8-g16m), or int6-q6k for Q6_K (packed, 6.5625 bits:
+    by name, expert_dtype=int6-q6k, until the Pallas kernel has its form; GGUF_KEPT's Q6_K is still int8-g16)."""
+    return (GGUF_KEPT.get(qtype) == expert_format or (expert_format, qtype) == (WIDE, "Q2_K")
+            or (expert_format, qtype) == (Q6K, "Q6_K"))
 
 
 # A family of stacks of several types (a Q4_K_M file's down experts: Q6_K, some layers Q4_K; Q3_K_M's: Q3_K, Q4_K,
@@ -934,7 +936,7 @@ def dequantize_engine_grouped(q, scale, dtype):
 # The engine's expert formats, and how their experts are stored: int8 q one a byte, int4 packed two a byte (uint8,
 # the input dimension halved), with scales on the device: [E, O] (int8), or group-major [E, I/group, O] for int4 (a
 # group's scales of consecutive rows are then one contiguous load in the kernel; the host pool keeps [E, O, G]).
-ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, Q2K, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
+ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, Q2K, Q6K, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
                   "int8-g16m")
 KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f.endswith(("f", "m")) or f.startswith("int8-g"))  # GGUF as read
 

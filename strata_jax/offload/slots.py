@@ -88,7 +88,8 @@ def slot_storage_of(state: SlotCache, cfg: ModelConfig) -> tuple:
     """A slot cache's storage per family (gate/up's, down's) as init_slot_cache takes it: the dtype, or quant.Q2K
     where a uint8 row holds four inputs (int2-q2k)."""
     quarter = lambda a, width: a.dtype == jnp.uint8 and a.shape[-1] * 4 == width
-    return tuple(quant.Q2K if quarter(a, w) else a.dtype
+    three_quarters = lambda a, width: a.dtype == jnp.uint8 and a.shape[-1] * 4 == 3 * width  # int6-q6k
+    return tuple(quant.Q2K if quarter(a, w) else quant.Q6K if three_quarters(a, w) else a.dtype
                  for a, w in ((state.gate, cfg.hidden_size), (state.down, cfg.moe_intermediate_size)))
 
 

@@ -71,3 +71,64 @@ def test_q6k_blocks_of_float_weights():
     assert quant.get_format(quant.Q6K).bits_per_weight(512) == 6.5625
     assert quant.slot_storage(quant.Q6K) == quant.Q6K and quant.stored_in_dim(512, quant.Q6K) == 384
     assert quant.engine_format(quant.Q6K, (256, 512)) == quant.Q6K
+
+
+def _encode(x, qtype):
+    import test_gguf
+    return quant.q6k_blocks(x) if qtype == Q6_K else test_gguf.encode(x, qtype)
+
+
+@pytest.fixture(scope="module")
+def q6k_model(tmp_path_factory):
+    """(a GGUF whose experts are Q6_K, a safetensors folder of its dequantized values, the written values)."""
+    import test_gguf
+    tmp = tmp_path_factory.mktemp("q6k")
+    raw, hub = test_gguf.block_checkpoint(61)
+    path = tmp / "q6k.gguf"
+    written = test_gguf.write_gguf(path, raw, hub, types=lambda g: Q6_K if "_exps" in g else gguf.GGMLQuantizationType.F32,
+                                   encoder=_encode)
+    return path, test_gguf.dequantized_folder(tmp, raw, written), written
+
+
+def test_experts_are_kept_packed(q6k_model, cache_dir):
+    """expert_dtype=int6-q6k: the loader keeps a Q6_K stack packed (q [E, O, 3I/4], uint8 codes [E, 9G/8, O]) with
+    gguf's values; auto still holds Q6_K as int8-g16 (GGUF_KEPT) until the Pallas kernel has int6-q6k's form."""
+    from strata_jax.io import checkpoint, gguf_file
+    from strata_jax.model.config import load_config
+    path, _, written = q6k_model
+    folder = gguf_file.gguf_model_folder(path, cache_dir)
+    assert gguf_file.kept_expert_format(folder) == "int8-g16"
+    cfg = load_config(folder)
+    w = checkpoint.load_weights(folder, cfg, jnp.float32, expert_format=quant.Q6K)
+    for i, layer in enumerate(w.layers):
+        for which in ("gate", "up", "down"):
+            q, codes = getattr(layer.ffn, which), getattr(layer.ffn, which + "_scale")
+            assert q.dtype == jnp.uint8 and codes.dtype == jnp.uint8 and q.shape[-1] == 256 * 3 // 4
+            want = written[f"model.layers.{i}.mlp.experts.{which}_proj.weight"]
+            np.testing.assert_array_equal(np.asarray(quant.dequantize_engine_int4(q, codes, jnp.float32)), want)
+
+
+@pytest.mark.parametrize("placement", [
+    dict(expert_cache_slots="all"),
+    dict(expert_cache_slots="3", pcie_frac="0.5", cpu_threads=2),
+])
+def test_logits_equal_the_dequantized_model(q6k_model, engine_factory, cache_dir, placement, capfd):
+    """All resident on the CPU (the XLA path: dequantize_engine_q6k) and offloaded through the slots and the host
+    pool: the logits of the dequantized checkpoint (float32, 1e-5); the start-up lines say the blocks are kept."""
+    from helpers import rel_fro
+    from strata_jax import Engine
+    from strata_jax.offload.slots import layer_states
+    import test_gguf
+    path, dequantized, _ = q6k_model
+    ref = engine_factory(dequantized, dtype="float32", expert_cache_slots="all").prefill_logits(test_gguf.IDS)
+    engine = Engine.from_pretrained(path, verbose=True, cache_dir=str(cache_dir), dtype="float32",
+                                    expert_dtype=quant.Q6K, **placement)
+    err = capfd.readouterr().err
+    assert engine.options.expert_dtype == quant.Q6K
+    line = next(l for l in err.splitlines() if l.startswith("gguf:"))
+    assert "experts Q6_K (6.56 bpw) -> int6-q6k (6.56 bpw: Q6_K's blocks as stored)" in line, line
+    assert "experts: int6-q6k, GGUF Q6_K's blocks" in err, err
+    assert rel_fro(engine.prefill_logits(test_gguf.IDS), ref) < 1e-5
+    if placement["expert_cache_slots"] != "all":  # the slots and the pool hold the packed form
+        assert layer_states(engine.cache.experts)[0].gate.shape[-1] == 256 * 3 // 4
+        assert engine.placement.pool.store.format == quant.Q6K
