@@ -77,6 +77,15 @@ def expert_rows(layer_weights, x, e, rnd=no_round):
     return rnd(h @ down[e].T)  # [T, H]
 
 
+def pool_error_float32(pool, weights, rng, T: int) -> float:
+    """One float32 pool job of T tokens (experts 2, 0, 1 and a padding entry, random weights a row) against the
+    float64 reference FFN over `weights` (their values as float32): rel_fro of the pool's y."""
+    ids = np.array([2, -1, 0, 1], np.int32)
+    x = rng.standard_normal((T, weights[0].shape[-1])).astype(np.float32)
+    w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
+    return rel_fro(pool.compute(0, x, ids, w), reference_ffn(weights, x, ids, w, rounding("float32")))
+
+
 def reference_ffn(layer_weights, x, ids, w, rnd=None):
     """float64 y [T, H] = sum_n w[:, n] * expert_rows(ids[n]) (ids[n] < 0: padding, skipped). rnd: by default the
     rounding of the weights' dtype (bf16 weights: rounded where the device rounds; the pool must round there too)."""

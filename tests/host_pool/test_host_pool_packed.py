@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from helpers import reference_ffn, rel_fro, rng_for, rounding
+from helpers import pool_error_float32, rng_for
 from strata_jax.host_pool import native
 from strata_jax.host_pool import store as store_module
 from strata_jax.model import quant
@@ -77,12 +77,7 @@ def test_pool_is_gguf_weights_times_x(make_pool, pool_path, fmt, T):
     """The pool (float32 compute) against the float64 FFN over gguf.quants.dequantize's float32 weights."""
     rng = rng_for(f"packed-pool-{fmt}-{T}")
     weights, layer = make_layer(rng, fmt)
-    pool = make_pool([layer], "float32", threads=2)
-    ids = np.array([2, -1, 0, 1], np.int32)
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
-    y = pool.compute(0, x, ids, w)
-    assert rel_fro(y, reference_ffn(weights, x, ids, w, rounding("float32"))) < 1e-6
+    assert pool_error_float32(make_pool([layer], "float32", threads=2), weights, rng, T) < 1e-6
 
 
 BUILDS = {"default": None, "avx2": ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"),

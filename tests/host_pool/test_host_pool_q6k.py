@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from helpers import reference_ffn, rel_fro, rng_for, rounding
+from helpers import pool_error_float32, rng_for
 from strata_jax.host_pool import native
 from strata_jax.host_pool import store as store_module
 from strata_jax.model import quant
@@ -75,11 +75,7 @@ def test_pool_is_gguf_weights_times_x(make_pool, monkeypatch, native_kernel, T):
     weights, layer = make_layer(rng)
     pool = make_pool([layer], "float32", threads=2)
     assert pool.store.format == "int6-q6k"
-    ids = np.array([2, -1, 0, 1], np.int32)
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
-    y = pool.compute(0, x, ids, w)
-    assert rel_fro(y, reference_ffn(weights, x, ids, w, rounding("float32"))) < 1e-6
+    assert pool_error_float32(pool, weights, rng, T) < 1e-6
 
 
 @pytest.mark.parametrize("build", ["avx2", "plain"])
@@ -101,9 +97,4 @@ def test_other_builds(make_pool, monkeypatch, tmp_path, build):
     rng = rng_for(f"q6k-build-{build}")
     weights, layer = make_layer(rng, random_blocks=True)
     for T in (1, 4, 5):
-        pool = make_pool([layer], "float32", threads=2)
-        ids = np.array([2, -1, 0, 1], np.int32)
-        x = rng.standard_normal((T, H)).astype(np.float32)
-        w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
-        y = pool.compute(0, x, ids, w)
-        assert rel_fro(y, reference_ffn(weights, x, ids, w, rounding("float32"))) < 1e-6
+        assert pool_error_float32(make_pool([layer], "float32", threads=2), weights, rng, T) < 1e-6
