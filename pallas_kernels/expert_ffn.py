@@ -44,6 +44,14 @@ sc | m << 4, then each super-block's fp16 d as two rows, low byte first, then it
 groups of 16: group k is chunk k/4's 16 bytes shifted by 2 (k % 4), its crumbs widened to bf16 (exact) and dotted
 with the group's 16 inputs; the group adds s (x_g . q) - mn sum(x_g) with s and mn decoded in registers (exact).
 
+int6-q6k experts (GGUF Q6_K's blocks, `strata_jax/model/quant.py` "int6-q6k": w = s (q - 32), q in 0..63, no
+minimum; quant.pack_int6: per chunk of 64 inputs 48 bytes, 32 of low nibbles in int4's packing of groups of 32, then
+16 of high 2-bit pairs in int2-q2k's order): gate/up [S, I, 3H/4], down [S, H, 3I/4] uint8 with uint8 codes,
+group-major [R, 9G/8, O] (G = In/16: rows 0..G-1 each group's int8 sc, then each super-block's fp16 d as two rows,
+low byte first). The loops step groups of 16 as int2-q2k's: group k (s = k % 4 of chunk k/4) is the nibbles of bytes
+16 (s >> 1) .. + 15 shifted by 4 (s & 1), or'd with the pairs of bytes 32 .. 47 shifted by 2 s, moved up by 4; q - 32
+widened to bf16 (exact) and dotted with the group's inputs; the group adds s (x_g . (q - 32)), s = d sc in registers.
+
 int8-g experts and int4 with float32 scales (GGUF types kept as read, `strata_jax/model/quant.py` "int8-g32",
 "int8-g16", "int8-g32m", "int8-g16m", "int4-g32f", "int4-g32m"): w = s q (- mn) per group of g inputs (16 or 32),
 s and mn float32. int8-g: gate/up/down int8 as int8's, with group-major scales [R, H/g, I], [R, H/g, I],
@@ -79,6 +87,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from .blocks import MIN_DOT, block_or_error
 
+# GGUF block forms: storage, format name, codes dtype, inputs per group, code rows per 8 groups (the codes [R, rows, O])
+BLOCK_FORMS = {"q4k": ("int4", "int4-q4k", jnp.uint16, 32, 10), "q2k": ("int2", "int2-q2k", jnp.uint8, 16, 10),
+               "q6k": ("int6", "int6-q6k", jnp.uint8, 16, 9)}
+STORED = {"int4": (1, 2), "int2": (1, 4), "int6": (3, 4)}  # bytes a weight, as a fraction: packed width = in * a / b
 INT8_GROUPS = (32, 16)  # int8-g inputs per scale (GGUF Q8_0 / Q5_K: 32; Q6_K / Q3_K / Q2_K: 16)
 GROUPS = (128, 64, 32)  # int4 inputs per scale (strata_jax/model/quant.py "int4-g128", "int4", "int4-g32"): from the scales' shape
 
@@ -94,18 +106,38 @@ def _int4_group(x_at, w_ref, slot, rows, k, group: int):
     return plgpu.dot(x_lo, lo, trans_b=True) + plgpu.dot(x_hi, hi, trans_b=True)  # [Tp, BO]
 
 
+def _shifted(w_ref, slot, rows, start, shift, mask: int):
+    """(16 bytes from `start` of rows `rows` >> shift) & mask, int32 [BO, 16]: a 16-input group's bit field."""
+    return (w_ref[slot, rows, pl.ds(start, 16)].astype(jnp.int32) >> shift) & mask
+
+
+def _group_dot(x_at, k, group: int, q):
+    """x_at(group k's inputs) [Tp, group] . q [BO, group] int32 (|q| <= 32: exact in bf16) -> [Tp, BO] f32."""
+    return plgpu.dot(x_at(pl.ds(k * group, group)), q.astype(jnp.float32).astype(jnp.bfloat16), trans_b=True)
+
+
 def _int2_group(x_at, w_ref, slot, rows, k, group: int):
     """Group k's f32 partial product [Tp, BO] of int2-q2k rows `rows` of w (group 16: chunk k // 4's 16 bytes,
     shifted by 2 (k % 4)) with x_at(cols) [Tp, 16], the activations of its inputs."""
-    packed = w_ref[slot, rows, pl.ds((k // 4) * 16, 16)].astype(jnp.int32)  # [BO, 16]
-    shift = 2 * (k & 3)  # k & 3, not k % 4: Triton's lowering of a traced mod mistypes it (i1)
-    q = ((packed >> shift) & 3).astype(jnp.float32).astype(jnp.bfloat16)  # q in 0..3: exact in bf16
-    return plgpu.dot(x_at(pl.ds(k * group, group)), q, trans_b=True)  # [Tp, BO]
+    # k & 3, not k % 4: Triton's lowering of a traced mod mistypes it (i1)
+    return _group_dot(x_at, k, group, _shifted(w_ref, slot, rows, (k // 4) * 16, 2 * (k & 3), 3))  # q in 0..3
 
 
-def _block_scale(codes_ref, srow, grp, rows, groups: int, q4k: bool):
-    """int4-q4k / int2-q2k: group grp's scale s and the factor of sum(x_g) [1, BO] f32 for rows `rows`, from the
-    codes [R, 5G/4, O] (int4-q4k: uint16, 8 s - mn; int2-q2k: uint8, d and dmin two rows each, -mn)."""
+def _int6_group(x_at, w_ref, slot, rows, k, group: int):
+    """Group k's f32 partial product [Tp, BO] of int6-q6k rows `rows` of w (group 16, s = k % 4 of chunk k // 4's
+    48 bytes: low nibbles bytes 16 (s >> 1) .. + 15 shifted by 4 (s & 1), high pairs bytes 32 .. 47 shifted by 2 s)
+    with x_at(cols) [Tp, 16]: q - 32 in -32..31 decoded in registers, so no sum(x) term."""
+    chunk = (k // 4) * 48
+    lo = _shifted(w_ref, slot, rows, chunk + 16 * ((k >> 1) & 1), 4 * (k & 1), 15)
+    hi = _shifted(w_ref, slot, rows, chunk + 32, 2 * (k & 3), 3)
+    return _group_dot(x_at, k, group, (lo | (hi << 4)) - 32)
+
+
+def _block_scale(codes_ref, srow, grp, rows, groups: int, form: str):
+    """int4-q4k / int2-q2k / int6-q6k: group grp's scale s and the factor of sum(x_g) [1, BO] f32 (int6-q6k: None)
+    for rows `rows`, from the codes [R, 5G/4, O] (int4-q4k: uint16, 8 s - mn; int2-q2k: uint8, d and dmin two rows
+    each, -mn) or [R, 9G/8, O] (int6-q6k: uint8, each group's int8 sc, then d two rows; s = d sc)."""
+    q4k = form == "q4k"
     code = codes_ref[srow, grp, rows].astype(jnp.int32)
     if q4k:
         at, bits = lambda first: first + grp // 8, 6
@@ -115,6 +147,8 @@ def _block_scale(codes_ref, srow, grp, rows, groups: int, q4k: bool):
         half = lambda row: (codes_ref[srow, row, rows].astype(jnp.int32)
                             | (codes_ref[srow, row + 1, rows].astype(jnp.int32) << 8)).astype(jnp.uint16)
     fp16 = lambda row: jax.lax.bitcast_convert_type(half(row), jnp.float16).astype(jnp.float32)
+    if form == "q6k":  # sc a signed byte
+        return (fp16(at(groups)) * (code - ((code & 128) << 1)).astype(jnp.float32))[None, :], None
     d, dmin = fp16(at(groups)), fp16(at(groups + groups // 8))
     scale = d * (code & ((1 << bits) - 1)).astype(jnp.float32)
     minimum = dmin * (code >> bits).astype(jnp.float32)
@@ -130,8 +164,8 @@ def _int8_group(x_at, w_ref, slot, rows, k, group: int):
 def _group_scale(s_ref, srow, grp, rows, groups: int, form: str, int4: bool):
     """Group grp's scale [1, BO] f32 and the factor of sum(x_g) [1, BO] (None: no such term) for rows `rows`:
     int4's s (x . (q - 8)) + (8 s - mn) sum(x), int8's s (x . q) - mn sum(x)."""
-    if form in ("q4k", "q2k"):
-        return _block_scale(s_ref, srow, grp, rows, groups, form == "q4k")
+    if form in BLOCK_FORMS:
+        return _block_scale(s_ref, srow, grp, rows, groups, form)
     if form == "group_min":  # [R, 2, G, O] float32: scales, then minima
         scale = s_ref[srow, 0, grp, rows].astype(jnp.float32)
         minimum = s_ref[srow, 1, grp, rows].astype(jnp.float32)
@@ -139,7 +173,7 @@ def _group_scale(s_ref, srow, grp, rows, groups: int, form: str, int4: bool):
     return s_ref[srow, grp, rows].astype(jnp.float32)[None, :], None
 
 
-_PRODUCTS = {"int4": _int4_group, "int2": _int2_group, "int8": _int8_group}  # a group's product by storage
+_PRODUCTS = {"int4": _int4_group, "int2": _int2_group, "int6": _int6_group, "int8": _int8_group}  # a group's product by storage
 
 
 def _x_sum(x_at, k, group: int):
@@ -255,12 +289,13 @@ def _scale_form(quantized: str | None, scales: tuple) -> str | None:
     bf16 experts."""
     if not quantized:
         return None
-    if quantized == "int2" or any(sc.dtype == jnp.uint16 for sc in scales):
-        dtype, name = (jnp.uint8, "int2-q2k") if quantized == "int2" else (jnp.uint16, "int4-q4k")
-        if quantized not in ("int4", "int2") or any(sc.dtype != dtype for sc in scales):
+    if quantized in ("int2", "int6") or any(sc.dtype == jnp.uint16 for sc in scales):
+        form = {"int2": "q2k", "int6": "q6k"}.get(quantized, "q4k")
+        storage, name, dtype = BLOCK_FORMS[form][:3]
+        if quantized != storage or any(sc.dtype != dtype for sc in scales):
             raise ValueError(f"expert_ffn: {name} experts take {jnp.dtype(dtype).name} codes for the scales of a "
                              "whole family")
-        return "q2k" if quantized == "int2" else "q4k"
+        return form
     ranks = {sc.ndim for sc in scales}
     if len(ranks) != 1 or scales[0].ndim not in ((2, 3, 4) if quantized == "int8" else (3, 4)):
         raise ValueError(f"expert_ffn: {quantized} scales of ranks {[sc.ndim for sc in scales]} (int8: [R, O] per "
@@ -272,11 +307,11 @@ def _family_form(quantized: str | None, scales: tuple, in_dim: int, out_dim: int
     """(form, group) of one family's matrices (gate and up, or down) of `in_dim` inputs: `_scale_form`'s form and the
     inputs per scale (0: per row, or bf16); ValueError where the kernel does not take them."""
     form = _scale_form(quantized, scales)
-    if form in ("q4k", "q2k"):
+    if form in BLOCK_FORMS:
         if in_dim % 256 or out_dim % 256:
-            raise ValueError(f"expert_ffn: int{4 if form == 'q4k' else 2}-{form} experts need H and I multiples of "
-                             f"256 (got {what} inputs {in_dim}, outputs {out_dim})")
-        return form, 32 if form == "q4k" else 16
+            raise ValueError(f"expert_ffn: {BLOCK_FORMS[form][1]} experts need H and I multiples of 256 (got {what} "
+                             f"inputs {in_dim}, outputs {out_dim})")
+        return form, BLOCK_FORMS[form][3]
     if form in ("group", "group_min"):  # the group: inputs per scale, from the scales' shape
         groups = scales[0].shape[-2]
         group = in_dim // groups if groups else 0
@@ -294,7 +329,7 @@ def _family_form(quantized: str | None, scales: tuple, in_dim: int, out_dim: int
 def _name_tail(quantized: str | None, form: str | None) -> str:
     if not quantized:
         return ""
-    return f"_{quantized}" + {"row": "", "group": "", "group_min": "_min", "q4k": "_q4k", "q2k": "_q2k"}[form] + (
+    return f"_{quantized}" + {"row": "", "group": "", "group_min": "_min", "q4k": "_q4k", "q2k": "_q2k", "q6k": "_q6k"}[form] + (
         "_g" if quantized == "int8" and form != "row" else "")
 
 
@@ -320,7 +355,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     int4 experts: gate/up [S, I, H/2], down [S, H, I/2] uint8 with group-major gate_scale, up_scale [R, H/g, I] and
     down_scale [R, I/g, H], g = 128, 64 or 32 inputs per scale; int4-q4k: the scales uint16 codes [R, 5H/128, I],
     [R, 5H/128, I], [R, 5I/128, H] (H and I multiples of 256); int2-q2k: gate/up [S, I, H/4], down [S, H, I/4]
-    with uint8 codes [R, 5H/64, I], [R, 5H/64, I], [R, 5I/64, H].
+    with uint8 codes [R, 5H/64, I], [R, 5H/64, I], [R, 5I/64, H]; int6-q6k: gate/up [S, I, 3H/4], down
+    [S, H, 3I/4] with uint8 codes [R, 9H/128, I], [R, 9H/128, I], [R, 9I/128, H].
     scale_ids [N] int32: expert n's row of the scale arrays (< R, not checked), read where slot_ids[n] >= 0; None:
     slot_ids (the scales row for row beside the weights, R = S). Scales gathered for the window ([N, ...]) take
     scale_ids = arange(N).
@@ -333,23 +369,22 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     n = slot_ids.shape[0]
     kinds = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "int4"}
     quantized, quantized_down = kinds.get(jnp.dtype(gate.dtype)), kinds.get(jnp.dtype(down.dtype))
-    int2 = lambda sc: sc is not None and sc.dtype == jnp.uint8  # uint8 codes: int2-q2k's q, four a byte
-    six = lambda w, sc, width: int2(sc) and w.dtype == jnp.uint8 and w.shape[-1] * 4 == 3 * width
-    if six(gate, gate_scale, hidden) or six(down, down_scale, inter):  # int6-q6k (quant.pack_int6): no form yet
-        raise ValueError("expert_ffn: int6-q6k experts (GGUF Q6_K's blocks, 48 bytes per 64 inputs) have no kernel "
-                         "form yet: the XLA path computes them")
-    quantized = "int2" if quantized == "int4" and int2(gate_scale) else quantized
-    quantized_down = "int2" if quantized_down == "int4" and int2(down_scale) else quantized_down
+    # uint8 codes: int2-q2k's q, four a byte, or int6-q6k's (quant.pack_int6: 48 bytes per 64 inputs)
+    blocks = lambda w, sc, width: ("int6" if w.shape[-1] * 4 == 3 * width else "int2") if (
+        sc is not None and sc.dtype == jnp.uint8) else "int4"
+    quantized = blocks(gate, gate_scale, hidden) if quantized == "int4" else quantized
+    quantized_down = blocks(down, down_scale, inter) if quantized_down == "int4" else quantized_down
     floats = {gate.dtype, up.dtype, down.dtype} == {jnp.dtype(jnp.bfloat16)}
     if x.dtype != jnp.bfloat16 or up.dtype != gate.dtype or not (floats or (quantized and quantized_down)):
         raise ValueError(f"expert_ffn: x must be bfloat16 and the experts all bfloat16, or quantized (int8, or int4 "
                          f"as uint8; gate/up one format, down its own) (got x {x.dtype}, gate {gate.dtype}, up "
                          f"{up.dtype}, down {down.dtype})")
-    per, per_down = ({"int4": 2, "int2": 4}.get(q, 1) for q in (quantized, quantized_down))  # weights an element holds
-    if gate.shape != (s, inter, hidden // per) or up.shape != gate.shape or down.shape != (s, hidden, inter // per_down):
-        over = lambda k: f"/{k}" if k > 1 else ""
+    per, per_down = (STORED.get(q, (1, 1)) for q in (quantized, quantized_down))  # bytes a weight (a, b): a / b
+    if (gate.shape != (s, inter, hidden * per[0] // per[1]) or up.shape != gate.shape
+            or down.shape != (s, hidden, inter * per_down[0] // per_down[1])):
+        over = lambda d, ab: (f"{ab[0]}" if ab[0] > 1 else "") + d + (f"/{ab[1]}" if ab[1] > 1 else "")
         raise ValueError(f"expert_ffn: shapes x {x.shape}, gate {gate.shape}, up {up.shape}, down {down.shape} do "
-                         f"not match x [T, H], gate/up [S, I, H{over(per)}], down [S, H, I{over(per_down)}]")
+                         f"not match x [T, H], gate/up [S, I, {over('H', per)}], down [S, H, {over('I', per_down)}]")
     scales = (gate_scale, up_scale, down_scale)
     if bool(quantized) != all(sc is not None for sc in scales) or (not quantized and any(sc is not None for sc in scales)):
         raise ValueError("expert_ffn: int8 and int4 experts take gate_scale, up_scale and down_scale (bf16 ones none)")
@@ -365,7 +400,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
         want = []
         for f, g, (out_dim, in_dim) in ((form, group, (inter, hidden)),) * 2 + ((form_down, group_down,
                                                                                   (hidden, inter)),):
-            rows = 5 * (in_dim // g) // 4 if f in ("q4k", "q2k") else in_dim // max(g, 1)  # scale rows a matrix
+            rows = BLOCK_FORMS[f][4] * (in_dim // g) // 8 if f in BLOCK_FORMS else in_dim // max(g, 1)  # a matrix's
             want.append((r, out_dim) if f == "row" else ((r, 2) if f == "group_min" else (r,)) + (rows, out_dim))
         if tuple(sc.shape for sc in scales) != tuple(want):
             raise ValueError(f"expert_ffn: scales {gate_scale.shape}, {up_scale.shape}, {down_scale.shape} do not "
@@ -445,7 +480,23 @@ def _scaled_product_reference(spec: str, a: jax.Array, q: jax.Array, scale: jax.
     [N, O] (the product over q widened, times the scale); int4 packed q [N, O, In/2] (byte j of a group: inputs j
     and j + g/2, as GGUF's Q4_0) with group-major scales [N, In/g, O], dequantized exactly in float32; int4-q4k:
     uint16 codes [N, 5G/4, O] (G = In/32), w = d sc q - dmin m, exact in float32; int2-q2k: q [N, O, In/4] with
-    uint8 codes [N, 5G/4, O] (G = In/16, d and dmin two rows each), likewise."""
+    uint8 codes [N, 5G/4, O] (G = In/16, d and dmin two rows each), likewise; int6-q6k: q [N, O, 3In/4] (48 bytes
+    per 64 inputs: 32 of low nibbles, 16 of high pairs) with uint8 codes [N, 9G/8, O] (int8 sc, then d two rows),
+    w = d sc (q - 32), likewise."""
+    if q.dtype == jnp.uint8 and scale.dtype == jnp.uint8 and 3 * q.shape[-1] == 32 * scale.shape[1]:  # int6-q6k
+        n, o, width = q.shape
+        groups = scale.shape[1] * 8 // 9
+        sc = scale[:, :groups].astype(jnp.int32)
+        sc = (sc - ((sc & 128) << 1)).astype(jnp.float32)  # [N, G, O]: int8
+        r = scale[:, groups:].astype(jnp.int32)
+        d = jax.lax.bitcast_convert_type((r[:, 0::2] | (r[:, 1::2] << 8)).astype(jnp.uint16), jnp.float16)
+        s = jnp.repeat(d.astype(jnp.float32), 16, 1) * sc  # [N, G, O]
+        p = q.reshape(n, o, width // 48, 48).astype(jnp.int32)
+        lo = jnp.concatenate([p[..., :16] & 0xF, p[..., :16] >> 4, p[..., 16:32] & 0xF, p[..., 16:32] >> 4], -1)
+        hi = ((p[..., None, 32:] >> jnp.array([0, 2, 4, 6]).reshape(4, 1)) & 3).reshape(n, o, -1, 64)
+        w = ((lo | (hi << 4)) - 32).reshape(n, o, groups, 16).astype(jnp.float32) * jnp.swapaxes(s, 1, 2)[..., None]
+        acc = jnp.einsum(spec, a.astype(jnp.float32), w.reshape(n, o, -1), precision=jax.lax.Precision.HIGHEST)
+        return acc.astype(a.dtype)
     if q.dtype == jnp.uint8 and scale.dtype in (jnp.uint16, jnp.uint8):
         q4k = scale.dtype == jnp.uint16
         n, o, _ = q.shape

@@ -442,8 +442,10 @@ def test_int4_lowers_for_cuda(t, n, by_position):
 
 # ---- int4-q4k (GGUF Q4_K's blocks: w = d sc q - dmin m; strata_jax/model/quant.py) -------------------------------------
 
-# per block format: the GGUF type, the codes' dtype and inputs per group, inputs a stored byte
-BLOCKS = {"int4-q4k": ("Q4_K", jnp.uint16, 32, 2), "int2-q2k": ("Q2_K", jnp.uint8, 16, 4)}
+# per block format: the GGUF type, the codes' dtype and inputs per group, stored bytes per 4 inputs, code rows per 8
+# groups
+BLOCKS = {"int4-q4k": ("Q4_K", jnp.uint16, 32, 2, 10), "int2-q2k": ("Q2_K", jnp.uint8, 16, 1, 10),
+          "int6-q6k": ("Q6_K", jnp.uint8, 16, 3, 9)}
 
 
 @pytest.mark.parametrize("fmt", list(BLOCKS))
@@ -455,17 +457,17 @@ def test_q4k_kernel_matches_reference(fmt, name, tuning):
     import gguf
     from pallas_kernels.expert_ffn import _scaled_product_reference
     from strata_jax.model import quant
-    qtype, codes_dtype, group, per_byte = BLOCKS[fmt]
+    qtype, codes_dtype, group, bytes4, rows8 = BLOCKS[fmt]
     args = make_quant_case(name, fmt)
-    assert args[1].shape[-1] == args[0].shape[1] // per_byte
-    assert args[-3].dtype == codes_dtype and args[-3].shape[1] == 5 * (args[0].shape[1] // group) // 4
+    assert args[1].shape[-1] == args[0].shape[1] * bytes4 // 4
+    assert args[-3].dtype == codes_dtype and args[-3].shape[1] == rows8 * (args[0].shape[1] // group) // 8
     out = expert_ffn(*args, interpret=True, **(SMALL_BLOCKS if tuning == "small" else {}))
     assert out.shape == args[0].shape and out.dtype == jnp.float32
     assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
     assert rel_fro(out, f64_quant_model(*args)) < MODEL_RTOL
     w = np.asarray(make_case(**QUANT_CASES[name])[1], np.float32)
-    want = gguf.quants.dequantize(quant.q4k_blocks(w) if qtype == "Q4_K" else quant.q2k_blocks(w),
-                                  gguf.GGMLQuantizationType[qtype])
+    blocks = {"Q4_K": quant.q4k_blocks, "Q2_K": quant.q2k_blocks, "Q6_K": quant.q6k_blocks}[qtype]
+    want = gguf.quants.dequantize(blocks(w), gguf.GGMLQuantizationType[qtype])
     np.testing.assert_array_equal(np.asarray(quant.dequantize_engine_int4(args[1], args[-3], jnp.float32)), want)
     eye = jnp.eye(args[0].shape[1], dtype=jnp.float32)  # the reference's weights: its product with the identity
     own = jax.vmap(lambda q, c: _scaled_product_reference("ki,noi->nko", eye, q[None], c[None])[0].T)
@@ -498,16 +500,16 @@ def test_q4k_refusals():
 @pytest.mark.parametrize("fmt", list(BLOCKS))
 @pytest.mark.parametrize("t,n,by_position", [(1, 8, False), (8, 64, True)])
 def test_q4k_lowers_for_cuda(fmt, t, n, by_position):
-    """The int4-q4k (int2-q2k) kernels at the Qwen3-30B-A3B shape (H 2048, I 768: whole super-blocks) compile for
-    CUDA."""
-    _, codes, group, per_byte = BLOCKS[fmt]
+    """The int4-q4k (int2-q2k, int6-q6k) kernels at the Qwen3-30B-A3B shape (H 2048, I 768: whole super-blocks)
+    compile for CUDA."""
+    _, codes, group, bytes4, rows8 = BLOCKS[fmt]
     s, h, i = 64, 2048, 768
     sd = jax.ShapeDtypeStruct
     rows = n if by_position else s
-    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // per_byte), jnp.uint8), sd((s, i, h // per_byte), jnp.uint8),
-             sd((s, h, i // per_byte), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
-             sd((rows, 5 * h // group // 4, i), codes), sd((rows, 5 * h // group // 4, i), codes),
-             sd((rows, 5 * i // group // 4, h), codes))
+    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h * bytes4 // 4), jnp.uint8),
+             sd((s, i, h * bytes4 // 4), jnp.uint8), sd((s, h, i * bytes4 // 4), jnp.uint8), sd((n,), jnp.int32),
+             sd((t, n), jnp.float32), sd((rows, rows8 * h // group // 8, i), codes),
+             sd((rows, rows8 * h // group // 8, i), codes), sd((rows, rows8 * i // group // 8, h), codes))
     assert _lower_scaled(specs, n, by_position).count("__gpu$xla.gpu.triton") == 2
 
 
@@ -521,6 +523,20 @@ def test_q2k_refusals():
         expert_ffn(x, gate, up, down, ids, combine, gs, us.astype(jnp.uint16), ds, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
+
+
+# ---- int6-q6k (GGUF Q6_K's blocks: w = d sc (q - 32), 48 bytes per 64 inputs; strata_jax/model/quant.py): the q4k
+# tests above run for it too (BLOCKS)
+
+def test_q6k_refusals():
+    from strata_jax.model import quant
+    x, gate, up, down, ids, combine, gs, us, ds = make_quant_case("t3_h256_i256", quant.Q6K)
+    with pytest.raises(ValueError, match="uint8 codes for the scales of a whole family"):  # gate and up: one
+        expert_ffn(x, gate, up, down, ids, combine, gs, us.astype(jnp.uint16), ds, interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
+    with pytest.raises(ValueError, match=r"3H/4\]"):  # up not a whole family's packing
+        expert_ffn(x, gate, up[..., :-48], down, ids, combine, gs, us, ds, interpret=True)
 
 
 # ---- GGUF types kept as read: int8-g (Q8_0, Q6_K, Q3_K, Q5_K, Q2_K) and int4 with float32 scales (Q4_0, Q4_1) --------
