@@ -67,11 +67,6 @@ def resolve_kernels(opts: EngineOptions, cfg: ModelConfig) -> tuple[str, str, st
     fast = jax.default_backend() == "gpu" and opts.dtype == "bfloat16"
     d = cfg.head_dim
     expert = ("pallas" if fast else "xla") if opts.expert_kernel == "auto" else opts.expert_kernel
-    if "int6-q6k" in str(opts.expert_dtype).split("/"):  # GGUF Q6_K's packed blocks: no Pallas form yet (issue 36)
-        if opts.expert_kernel == "pallas":
-            raise StrataError("expert_kernel=pallas has no int6-q6k form yet: expert_kernel=xla (or auto) computes "
-                              "int6-q6k experts")
-        expert = "xla"
     attention = opts.attention_kernel
     if attention == "auto":
         attention = "pallas" if fast and d >= 16 and not d & (d - 1) else "xla"
