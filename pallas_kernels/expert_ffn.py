@@ -173,7 +173,8 @@ def _group_scale(s_ref, srow, grp, rows, groups: int, form: str, int4: bool):
     return s_ref[srow, grp, rows].astype(jnp.float32)[None, :], None
 
 
-_PRODUCTS = {"int4": _int4_group, "int2": _int2_group, "int6": _int6_group, "int8": _int8_group}  # a group's product by storage
+# a group's product by storage
+_PRODUCTS = {"int4": _int4_group, "int2": _int2_group, "int6": _int6_group, "int8": _int8_group}
 
 
 def _x_sum(x_at, k, group: int):
@@ -329,7 +330,8 @@ def _family_form(quantized: str | None, scales: tuple, in_dim: int, out_dim: int
 def _name_tail(quantized: str | None, form: str | None) -> str:
     if not quantized:
         return ""
-    return f"_{quantized}" + {"row": "", "group": "", "group_min": "_min", "q4k": "_q4k", "q2k": "_q2k", "q6k": "_q6k"}[form] + (
+    tails = {"row": "", "group": "", "group_min": "_min", **{f: f"_{f}" for f in BLOCK_FORMS}}
+    return f"_{quantized}" + tails[form] + (
         "_g" if quantized == "int8" and form != "row" else "")
 
 
