@@ -25,12 +25,12 @@
    int2-q2k (FMT_INT2K, GGUF Q2_K's blocks, quant.py "int2-q2k": q in 0..3 four a byte, in each chunk of 64 inputs
    byte b holds inputs b, b + 16, b + 32, b + 48 at shifts 0, 2, 4, 6; a scale and minimum per group of 16 decoded
    from the store's records a row at a time, q2k_record, 2.625 bits a weight): int8-g's way, each weight fma(q, s, -mn) in
-   registers (gguf's value), the crumbs widened from bytes by a shift and a mask (dot_rows_int2k_nt).
+   registers (gguf's value), the crumbs widened from bytes by a shift and a mask (dot_rows_kq_nt).
    int6-q6k (FMT_INT6K, GGUF Q6_K's blocks, quant.py "int6-q6k" pack_int6: q in 0..63, per chunk of 64 inputs 48
    bytes, 32 of low nibbles in int4's order of groups of 32, then 16 of high 2-bit pairs in int2-q2k's; a scale
    s = d sc per group of 16 decoded from the store's 18-byte records, q6k_record, 6.5625 bits a weight): each weight
    (q - 32) * s in registers (gguf's value: one rounding, as gguf's), group s of a chunk a shift of contiguous bytes
-   (dot_rows_int6k_nt).
+   (dot_rows_kq_nt).
    Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside Q6_K down, each kept as read): a job's phase 1
    reads gate/up in `fmt` with groups of `group`, phase 2 reads down in `fmt_down` with `group_down`; each phase's
    minima, group sums and bf16 path follow its own format.
@@ -520,23 +520,30 @@ static inline __attribute__((always_inline)) void dot_rows_int8g_nt(const int8_t
     for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]) + tail[t];
 }
 
-/* out[t] = dequantized int2-q2k row . xs[t]: packed [n/4] bytes (n a multiple of 64), scales [2G] (G = n/16: the
-   scales, then the minima); each weight fma(q, s, -mn), exactly gguf's value. A chunk's VL bytes are read once for
-   its four groups (shift 2s: group 4c + s); two chains per token (even and odd groups). */
-static inline __attribute__((always_inline)) void dot_rows_int2k_nt(const uint8_t *packed, const float *scales, long n,
-                                                                    const float *const *xs, float *out, const int NT)
+/* out[t] = dequantized int2-q2k (INT6 0) or int6-q6k (INT6 1) row . xs[t], n a multiple of 64.
+   int2-q2k: packed [n/4] bytes, scales [2G] (G = n/16: the scales, then the minima); each weight fma(q, s, -mn). A
+   chunk's VL bytes are read once for its four groups (shift 2s: group 4c + s).
+   int6-q6k: packed [3n/4] bytes (pack_int6: per chunk of 64 inputs 32 bytes of low nibbles, then 16 of high pairs),
+   scales [G]; each weight (q - 32) * s. Group s of chunk c: the low nibbles at bytes 16 (s >> 1) of the chunk, shift
+   4 (s & 1), the high pairs at byte 32, shift 2 s.
+   Either way exactly gguf's value; two chains per token (even and odd groups). */
+static inline __attribute__((always_inline)) void dot_rows_kq_nt(const uint8_t *packed, const float *scales, long n,
+                                                                 const float *const *xs, float *out, const int NT,
+                                                                 const int INT6)
 {
     vf acc[2 * TOKENS];
     _Pragma("GCC unroll 16")
     for (int a = 0; a < 2 * NT; a++) acc[a] = v_zero();
-    const long G = n / 16;
-    for (long c = 0; c < n / 64; c++, packed += 16) {
-        prefetch_ahead((const char *)packed, 16);
+    const long G = n / 16, chunk = INT6 ? 48 : 16;
+    for (long c = 0; c < n / 64; c++, packed += chunk) {
+        prefetch_ahead((const char *)packed, chunk);
         for (long b = 0; b < 16; b += VL)
             _Pragma("GCC unroll 4")
             for (int s = 0; s < 4; s++) {
                 const long g = 4 * c + s, at = 64 * c + 16 * s + b;
-                const vf w = v_fma(v_int2(packed + b, 2 * s), v_set1(scales[g]), v_set1(-scales[G + g]));
+                const vf w = INT6 ? v_mul(v_int6(packed + 16 * (s >> 1) + b, 4 * (s & 1), packed + 32 + b, 2 * s),
+                                          v_set1(scales[g]))
+                                  : v_fma(v_int2(packed + b, 2 * s), v_set1(scales[g]), v_set1(-scales[G + g]));
                 _Pragma("GCC unroll 16")
                 for (int t = 0; t < NT; t++) {
                     vf *chain = &acc[(s % 2) * NT + t];
@@ -548,54 +555,19 @@ static inline __attribute__((always_inline)) void dot_rows_int2k_nt(const uint8_
     for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]);
 }
 
-static void dot_rows_int2k(const uint8_t *packed, const float *scales, long n, const float *const *xs, int nt,
-                           float *out)
+/* dot_rows_kq_nt for nt tokens (1..4), int6 a compile-time constant in each call. */
+static void dot_rows_kq(const uint8_t *packed, const float *scales, long n, const float *const *xs, int nt,
+                        float *out, int int6)
 {
-    switch (nt) {
-    case 1: dot_rows_int2k_nt(packed, scales, n, xs, out, 1); break;
-    case 2: dot_rows_int2k_nt(packed, scales, n, xs, out, 2); break;
-    case 3: dot_rows_int2k_nt(packed, scales, n, xs, out, 3); break;
-    default: dot_rows_int2k_nt(packed, scales, n, xs, out, 4); break;
-    }
-}
-
-/* out[t] = dequantized int6-q6k row . xs[t]: packed [3n/4] bytes (n a multiple of 64; pack_int6: per chunk of 64
-   inputs 32 bytes of low nibbles, then 16 of high pairs), scales [G] (G = n/16); each weight (q - 32) * s, exactly
-   gguf's value. Group s of chunk c: the low nibbles at bytes 16 (s >> 1) of the chunk, shift 4 (s & 1), the high
-   pairs at byte 32, shift 2 s; two chains per token (even and odd groups). */
-static inline __attribute__((always_inline)) void dot_rows_int6k_nt(const uint8_t *packed, const float *scales, long n,
-                                                                    const float *const *xs, float *out, const int NT)
-{
-    vf acc[2 * TOKENS];
-    _Pragma("GCC unroll 16")
-    for (int a = 0; a < 2 * NT; a++) acc[a] = v_zero();
-    for (long c = 0; c < n / 64; c++, packed += 48) {
-        prefetch_ahead((const char *)packed, 48);
-        for (long b = 0; b < 16; b += VL)
-            _Pragma("GCC unroll 4")
-            for (int s = 0; s < 4; s++) {
-                const long g = 4 * c + s, at = 64 * c + 16 * s + b;
-                const vf w = v_mul(v_int6(packed + 16 * (s >> 1) + b, 4 * (s & 1), packed + 32 + b, 2 * s),
-                                   v_set1(scales[g]));
-                _Pragma("GCC unroll 16")
-                for (int t = 0; t < NT; t++) {
-                    vf *chain = &acc[(s % 2) * NT + t];
-                    *chain = v_fma(w, v_load(xs[t] + at), *chain);
-                }
-            }
-    }
-    _Pragma("GCC unroll 16")
-    for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]);
-}
-
-static void dot_rows_int6k(const uint8_t *packed, const float *scales, long n, const float *const *xs, int nt,
-                           float *out)
-{
-    switch (nt) {
-    case 1: dot_rows_int6k_nt(packed, scales, n, xs, out, 1); break;
-    case 2: dot_rows_int6k_nt(packed, scales, n, xs, out, 2); break;
-    case 3: dot_rows_int6k_nt(packed, scales, n, xs, out, 3); break;
-    default: dot_rows_int6k_nt(packed, scales, n, xs, out, 4); break;
+    switch (nt + 4 * (int6 != 0)) {
+    case 1: dot_rows_kq_nt(packed, scales, n, xs, out, 1, 0); break;
+    case 2: dot_rows_kq_nt(packed, scales, n, xs, out, 2, 0); break;
+    case 3: dot_rows_kq_nt(packed, scales, n, xs, out, 3, 0); break;
+    case 4: dot_rows_kq_nt(packed, scales, n, xs, out, 4, 0); break;
+    case 5: dot_rows_kq_nt(packed, scales, n, xs, out, 1, 1); break;
+    case 6: dot_rows_kq_nt(packed, scales, n, xs, out, 2, 1); break;
+    case 7: dot_rows_kq_nt(packed, scales, n, xs, out, 3, 1); break;
+    default: dot_rows_kq_nt(packed, scales, n, xs, out, 4, 1); break;
     }
 }
 
@@ -776,11 +748,11 @@ static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, lo
         return;
     }
     if (fmt == FMT_INT2K) {  /* groups of 16, minima always */
-        dot_rows_int2k((const uint8_t *)m->weights + row * (m->n / 4), srow, m->n, xs, nt, out);
+        dot_rows_kq((const uint8_t *)m->weights + row * (m->n / 4), srow, m->n, xs, nt, out, 0);
         return;
     }
     if (fmt == FMT_INT6K) {  /* groups of 16, no minima */
-        dot_rows_int6k((const uint8_t *)m->weights + row * (m->n / 4 * 3), srow, m->n, xs, nt, out);
+        dot_rows_kq((const uint8_t *)m->weights + row * (m->n / 4 * 3), srow, m->n, xs, nt, out, 1);
         return;
     }
     if (fmt == FMT_INT4) {
