@@ -513,30 +513,22 @@ def test_q4k_lowers_for_cuda(fmt, t, n, by_position):
     assert _lower_scaled(specs, n, by_position).count("__gpu$xla.gpu.triton") == 2
 
 
-# ---- int2-q2k (GGUF Q2_K's blocks: w = d sc q - dmin m, q four a byte; strata_jax/model/quant.py): the q4k tests
-# above run for it too (BLOCKS)
+# ---- int2-q2k (GGUF Q2_K's blocks: w = d sc q - dmin m, q four a byte) and int6-q6k (GGUF Q6_K's blocks: w = d sc
+# (q - 32), 48 bytes per 64 inputs; strata_jax/model/quant.py): the q4k tests above run for them too (BLOCKS)
 
-def test_q2k_refusals():
+@pytest.mark.parametrize("fmt", ["int2-q2k", "int6-q6k"])
+def test_uint8_codes_refusals(fmt):
+    """int2-q2k's and int6-q6k's uint8 codes: one codes dtype a family, codes rows matching the weights, and (int6)
+    the packed width of a whole family's."""
     from strata_jax.model import quant
-    x, gate, up, down, ids, combine, gs, us, ds = make_quant_case("t3_h256_i256", quant.Q2K)
+    x, gate, up, down, ids, combine, gs, us, ds = make_quant_case("t3_h256_i256", fmt)
     with pytest.raises(ValueError, match="uint8 codes for the scales of a whole family"):  # gate and up: one
         expert_ffn(x, gate, up, down, ids, combine, gs, us.astype(jnp.uint16), ds, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
-
-
-# ---- int6-q6k (GGUF Q6_K's blocks: w = d sc (q - 32), 48 bytes per 64 inputs; strata_jax/model/quant.py): the q4k
-# tests above run for it too (BLOCKS)
-
-def test_q6k_refusals():
-    from strata_jax.model import quant
-    x, gate, up, down, ids, combine, gs, us, ds = make_quant_case("t3_h256_i256", quant.Q6K)
-    with pytest.raises(ValueError, match="uint8 codes for the scales of a whole family"):  # gate and up: one
-        expert_ffn(x, gate, up, down, ids, combine, gs, us.astype(jnp.uint16), ds, interpret=True)
-    with pytest.raises(ValueError, match="do not match"):
-        expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
-    with pytest.raises(ValueError, match=r"3H/4\]"):  # up not a whole family's packing
-        expert_ffn(x, gate, up[..., :-48], down, ids, combine, gs, us, ds, interpret=True)
+    if fmt == quant.Q6K:
+        with pytest.raises(ValueError, match=r"3H/4\]"):  # up not a whole family's packing
+            expert_ffn(x, gate, up[..., :-48], down, ids, combine, gs, us, ds, interpret=True)
 
 
 # ---- GGUF types kept as read: int8-g (Q8_0, Q6_K, Q3_K, Q5_K, Q2_K) and int4 with float32 scales (Q4_0, Q4_1) --------
