@@ -77,6 +77,27 @@ def expert_rows(layer_weights, x, e, rnd=no_round):
     return rnd(h @ down[e].T)  # [T, H]
 
 
+def block_writer_round_trip(rng, fmt: str, writer, qtype: str):
+    """A K-type block format's writer of float weights (quant.q2k_blocks, q6k_blocks) on random rows [3, 8, 512] with
+    one row of zeros: its bytes are whole `qtype` blocks gguf reads (the zero row reads 0), and quant.quantize and the
+    device quantizer make those same numbers. Returns (w, gguf's values, quant.quantize's result)."""
+    import gguf
+    from strata_jax.model import quant
+    w = (rng.standard_normal((3, 8, 512)) * rng.uniform(0.01, 1.0, (3, 8, 1)) + 0.02).astype(np.float32)
+    w[1, 2] = 0.0
+    raw = writer(w)
+    assert raw.shape == (3, 8, 2 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1])
+    assert raw.dtype == np.uint8
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    qa = quant.quantize(w, fmt)
+    np.testing.assert_array_equal(quant.dequantize(qa), want)
+    q, c = quant.quantize_device(jnp.asarray(w), fmt)
+    np.testing.assert_array_equal(np.asarray(q), qa.q)
+    np.testing.assert_array_equal(np.asarray(c), quant.engine_scale(qa))
+    np.testing.assert_array_equal(want[1, 2], 0.0)
+    return w, want, qa
+
+
 def pool_error_float32(pool, weights, rng, T: int) -> float:
     """One float32 pool job of T tokens (experts 2, 0, 1 and a padding entry, random weights a row) against the
     float64 reference FFN over `weights` (their values as float32): rel_fro of the pool's y."""

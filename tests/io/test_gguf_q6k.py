@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import block_writer_round_trip
 from strata_jax.model import quant
 
 Q6_K = gguf.GGMLQuantizationType.Q6_K
@@ -54,18 +55,7 @@ def test_q6k_blocks_dequantize_to_gguf_values(seed):
 def test_q6k_blocks_of_float_weights():
     """q6k_blocks writes bytes gguf reads; quantize and the device quantizer make the same numbers, within half a
     step of the weights; 6.5625 bits a weight, storage 3/4 of a byte an input."""
-    rng = np.random.default_rng(7)
-    w = (rng.standard_normal((3, 8, 512)) * rng.uniform(0.01, 1.0, (3, 8, 1)) + 0.02).astype(np.float32)
-    w[1, 2] = 0.0
-    raw = quant.q6k_blocks(w)
-    assert raw.shape == (3, 8, 2 * 210) and raw.dtype == np.uint8
-    want = gguf.quants.dequantize(raw, Q6_K)
-    qa = quant.quantize(w, quant.Q6K)
-    np.testing.assert_array_equal(quant.dequantize(qa), want)
-    q, c = quant.quantize_device(jnp.asarray(w), quant.Q6K)
-    np.testing.assert_array_equal(np.asarray(q), qa.q)
-    np.testing.assert_array_equal(np.asarray(c), quant.engine_scale(qa))
-    np.testing.assert_array_equal(want[1, 2], 0.0)
+    w, want, qa = block_writer_round_trip(np.random.default_rng(7), quant.Q6K, quant.q6k_blocks, "Q6_K")
     s = quant.q6k_scales(qa.scale)
     assert np.all(np.abs(want - w) <= np.repeat(s, 16, axis=-1) * 0.5 + 1e-6 + np.abs(w) * 1e-6)
     assert quant.get_format(quant.Q6K).bits_per_weight(512) == 6.5625

@@ -10,7 +10,7 @@ import pytest
 
 from strata_jax.offload.slots import layer_states
 
-from helpers import engine_with_gpu_paths, rel_fro
+from helpers import block_writer_round_trip, engine_with_gpu_paths, rel_fro
 from strata_jax.model import quant
 
 
@@ -113,17 +113,7 @@ def test_q2k_format():
     q = rng.integers(0, 4, (5, 256), dtype=np.uint8)
     np.testing.assert_array_equal(quant.unpack_int2(quant.pack_int2(q)), q)
 
-    w = (rng.standard_normal((3, 8, 512)) * rng.uniform(0.01, 1.0, (3, 8, 1)) + 0.02).astype(np.float32)
-    w[1, 2] = 0.0
-    raw = quant.q2k_blocks(w)
-    assert raw.shape == (3, 8, 2 * 84) and raw.dtype == np.uint8
-    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q2_K)
-    qa = quant.quantize(w, quant.Q2K)
-    np.testing.assert_array_equal(quant.dequantize(qa), want)
-    q, c = quant.quantize_device(jnp.asarray(w), quant.Q2K)
-    np.testing.assert_array_equal(np.asarray(q), qa.q)
-    np.testing.assert_array_equal(np.asarray(c), quant.engine_scale(qa))
-    np.testing.assert_array_equal(want[1, 2], 0.0)
+    w, want, qa = block_writer_round_trip(rng, quant.Q2K, quant.q2k_blocks, "Q2_K")
     s, mn = quant.q2k_scales(qa.scale)
     assert np.any(mn > 0)
     assert np.all(np.abs(want - w) <= np.repeat(s + mn / 15, 16, axis=-1) + 1e-6)
