@@ -30,7 +30,7 @@ def _expert_dtype_check(v):
     parts = v.split("/") if isinstance(v, str) else [v]
     if v == "auto" or (len(parts) in (1, 2) and all(p in EXPERT_FORMATS for p in parts)):
         return None
-    return f"must be auto, one of {', '.join(EXPERT_FORMATS)}, or a pair gate_up/down of them (int4-q4k/int8-g16)"
+    return f"must be auto, one of {', '.join(EXPERT_FORMATS)}, or a pair gate_up/down of them (int4-q4k/int6-q6k)"
 
 
 INT32_MAX = 2**31 - 1  # the graphs hold counts and positions in int32
@@ -151,14 +151,16 @@ class EngineOptions:
                             "(symmetric, one bf16 scale per 64 inputs, two weights a byte) or int4-q4k (GGUF Q4_K's "
                             "blocks: groups of 32 with 6-bit scales and minima, 4.625 bits a weight; a GGUF's Q4_K "
                             "experts are kept as read, others quantized at load) or int2-q2k (GGUF Q2_K's blocks: "
-                            "groups of 16 with 4-bit scales and minima, 2.625 bits a weight, likewise); GGUF types "
+                            "groups of 16 with 4-bit scales and minima, 2.625 bits a weight, likewise) or int6-q6k "
+                            "(GGUF Q6_K's blocks, 6.5625 bits a weight; Q3_K's too, values unchanged); GGUF types "
                             "kept as read with float32 group scales: int4-g32f (Q4_0), int4-g32m (Q4_1), int8-g32 "
-                            "(Q8_0), int8-g16 (Q6_K, Q3_K), int8-g32m (Q5_K), int8-g16m (Q2_K, a byte a weight); "
+                            "(Q8_0), int8-g32m (Q5_K), and by name int8-g16 (Q6_K, Q3_K) and int8-g16m (Q2_K), a "
+                            "byte a weight; "
                             "the IQ types as int8-g16 (IQ2_XS, IQ2_S, IQ1_M) or int8-g32 (the others). auto keeps a "
                             "GGUF's experts as read where one of these formats holds every expert tensor's type. "
                             "Host RAM, slots, PCIe fetches and the host pool hold the quantized form; the expert FFNs "
                             "dequantize in their products (strata_jax/model/quant.py). Per family: gate_up/down, e.g. "
-                            "int4-q4k/int8-g16 "
+                            "int4-q4k/int6-q6k "
                             "(a Q4_K_M GGUF's Q4_K gate/up and Q6_K down, each kept as read); auto picks each "
                             "family's format where one holds all of that family's tensors.",
                             _expert_dtype_check)

@@ -30,7 +30,7 @@ leaves both out) runs without MTP, said in one start-up line. The layer types co
 Tensors: F32, F16 and BF16 are read as they are; every type `gguf.quants.dequantize` reads (Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, the K types Q2_K..Q6_K, the IQ types, ...) is dequantized to float32 at load and cast to the engine's
 dtype, but routed experts of a type strata_jax/model/quant.py's GGUF_KEPT holds (Q4_0, Q4_1, Q8_0, the K types, the
-IQ types IQ1_S..IQ4_XS: int8-g16 / int8-g32) are kept as read (`GGUFTensors.kept_experts`, expert_dtype=auto: one
+IQ types IQ1_S..IQ4_XS: int8-g16 / int8-g32; Q4_K, Q2_K, Q6_K and Q3_K packed) are kept as read (`GGUFTensors.kept_experts`, expert_dtype=auto: one
 start-up line per family names the type read, the format held and its bits per weight), their values gguf's bit for
 bit. The dequantization runs in LOAD_THREADS threads (default:
 the cores this process may use; numpy lets go of the GIL in its loops): a tensor's rows are cut in jobs of about
@@ -475,8 +475,8 @@ def family_format(types: dict[str, list[int]]) -> str | None:
 def kept_expert_format(folder: str | Path) -> str | None:
     """The engine format a GGUF's routed experts are kept in as read (expert_dtype=auto; strata_jax/model/quant.py
     GGUF_KEPT), per family (`family_format`): one name where gate/up and down agree (int4-q4k for Q4_K, int2-q2k for
-    Q2_K, int8-g32 for Q8_0, int8-g16 for Q6_K and Q3_K, ...), else the pair "gate_up/down" (a Q4_K_M file:
-    "int4-q4k/int8-g16"); None where a family holds a type no format keeps (its experts dequantized at load) and for
+    Q2_K, int8-g32 for Q8_0, int6-q6k for Q6_K and Q3_K, ...), else the pair "gate_up/down" (a Q2_K file:
+    "int2-q2k/int6-q6k"); None where a family holds a type no format keeps (its experts dequantized at load) and for
     other folders."""
     from strata_jax.model.quant import pair_format
     path = Path(folder) / SOURCE_FILE
@@ -856,8 +856,8 @@ class GGUFTensors:
             raw = raw[:, r.arg[0]:r.arg[1]]
         if expert_format in quant.BLOCK_FORMATS:  # packed q and codes (Q2_K's d and dmin: byte pairs)
             q, codes = {"Q4_K": quant.q4k_from_blocks, "Q2_K": quant.q2k_from_blocks,
-                        "Q6_K": quant.q6k_from_blocks}[qtype](raw)
-            g = codes.shape[-1] * 8 // 9 if qtype == "Q6_K" else codes.shape[-1] * 4 // 5  # then d (and dmin)
+                        "Q6_K": quant.q6k_from_blocks, "Q3_K": quant.q6k_from_q3k_blocks}[qtype](raw)
+            g = codes.shape[-1] * 8 // 9 if expert_format == quant.Q6K else codes.shape[-1] * 4 // 5  # then d (and dmin)
             self.check(gname, np.ascontiguousarray(codes[..., g:]).view(np.float16))
             return q, codes
         q, scale = quant.gguf_kept(raw, qtype)

@@ -40,13 +40,20 @@ they do the same thing (`_block_scales`, `_block_fields`); the codes' dtype says
 int2-q2k). `q2k_from_blocks` reads a GGUF tensor's bytes, `q2k_blocks` writes Q2_K bytes (gguf.quants cannot
 quantize Q2_K).
 
+"int6-q6k" (issue 36): GGUF Q6_K's blocks held as they are: w = (d sc) (q - 32), sc an int8 scale per 16 inputs, fp16
+d per super-block, q in 0..63 packed per 64 inputs as 32 bytes of low nibbles (int4's packing of groups of 32) and 16
+of high 2-bit pairs (int2-q2k's), so each group of 16 is shifts of contiguous bytes (`pack_int6`); uint8 codes
+[..., 9G/8, O]: each group's scale byte, then each super-block's d as two rows. 6.5625 bits a weight, the file's
+own. Q3_K's blocks are held in it too, values unchanged (`q6k_from_q3k_blocks`: q + 32, sc - 32 as the scale).
+
 GGUF types kept as read with float32 group scales (issue 36; `GGUF_KEPT`, `gguf_kept`): every type whose values are
 a small integer q times a group scale s, minus a group minimum mn for some, w = s q (- mn), with s and mn exact in
 float32 (fp16 d times a small integer) and s q exact too, so dequantizing gives gguf.quants.dequantize's float32
 values bit for bit (one rounding for the minimum, as gguf's):
   "int4-g32f": Q4_0 (s = d, q = nibble - 8): int4's packing is Q4_0's, so the nibbles are copied as they are;
   "int4-g32m": Q4_1 (s = d, mn = -m, q the nibble);
-  "int8-g32": Q8_0 (s = d), Q5_0 (s = d, q in -16..15); "int8-g32m": Q5_1 too (s = d, mn = -m); "int8-g16": Q6_K (s = d sc, q in -32..31), Q3_K (s = d (sc - 32), q in -4..3);
+  "int8-g32": Q8_0 (s = d), Q5_0 (s = d, q in -16..15); "int8-g32m": Q5_1 too (s = d, mn = -m); "int8-g16": Q6_K (s = d sc, q in -32..31), Q3_K (s = d (sc - 32), q in -4..3) by name only (expert_dtype=int8-g16:
+  GGUF_KEPT holds both packed as int6-q6k, Q3_K through `q6k_from_q3k_blocks`);
   "int8-g32m": Q5_K (s = d sc, mn = dmin m, q in 0..31); "int8-g16m": Q2_K (s = d sc, mn = dmin m, q in 0..3) by
   name only (expert_dtype=int8-g16m, `keeps`): GGUF_KEPT holds Q2_K packed as int2-q2k; and a family whose layers
   mix types (a Q4_K_M file's down experts: Q4_K and Q6_K), each type's values widened into it (`WIDE`, `widen`).
@@ -462,7 +469,7 @@ def q6k_blocks(w: np.ndarray) -> np.ndarray:
 
 # ---- GGUF types kept as read: int4 / int8 groups with float32 scales (and minima) ----------------------------------
 
-GGUF_KEPT = {"Q4_0": "int4-g32f", "Q4_1": "int4-g32m", "Q8_0": "int8-g32", "Q6_K": "int8-g16", "Q3_K": "int8-g16",
+GGUF_KEPT = {"Q4_0": "int4-g32f", "Q4_1": "int4-g32m", "Q8_0": "int8-g32", "Q6_K": Q6K, "Q3_K": Q6K,
              "Q5_K": "int8-g32m", "Q2_K": Q2K, "Q4_K": Q4K,  # GGUF type -> the engine format keeping it
              "Q5_0": "int8-g32", "Q5_1": "int8-g32m"}  # llama-quantize's fallbacks for rows no super-block divides
 GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q6_K": (QK_K, 210), "Q3_K": (QK_K, 110),
@@ -479,11 +486,13 @@ GGUF_BLOCKS.update({"IQ2_XXS": (QK_K, 66), "IQ2_XS": (QK_K, 74), "IQ2_S": (QK_K,
 
 
 def keeps(expert_format: str, qtype: str) -> bool:
-    """Whether `expert_format` holds GGUF type `qtype` as read: GGUF_KEPT's format, or int8-g16m for Q2_K (its one
-    byte a weight form before int2-q2k, kept for expert_dtype=int8-g16m), or int6-q6k for Q6_K (packed, 6.5625 bits:
-    by name, expert_dtype=int6-q6k, until the Pallas kernel has its form; GGUF_KEPT's Q6_K is still int8-g16)."""
-    return (GGUF_KEPT.get(qtype) == expert_format or (expert_format, qtype) == (WIDE, "Q2_K")
-            or (expert_format, qtype) == (Q6K, "Q6_K"))
+    """Whether `expert_format` holds GGUF type `qtype` as read: GGUF_KEPT's format, or the one byte a weight forms
+    GGUF_KEPT held before the packed ones, kept for expert_dtype by name: int8-g16m for Q2_K (before int2-q2k),
+    int8-g16 for Q6_K and Q3_K (before int6-q6k)."""
+    return GGUF_KEPT.get(qtype) == expert_format or (expert_format, qtype) in BYTE_KEPT
+
+
+BYTE_KEPT = {("int8-g16m", "Q2_K"), ("int8-g16", "Q6_K"), ("int8-g16", "Q3_K")}
 
 
 # A family of stacks of several types (a Q4_K_M file's down experts: Q6_K, some layers Q4_K; Q3_K_M's: Q3_K, Q4_K,
@@ -523,6 +532,34 @@ def _split_blocks(raw: np.ndarray, qtype: str) -> tuple[tuple, int, np.ndarray]:
     return lead, nbytes // size, raw.reshape(-1, size)
 
 
+def _q3k_parts(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q3_K blocks [N, 110] -> (sc int8 [N, 16] in -32..31, q int8 [N, 16, 16] in -4..3), gguf.quants' steps: the
+    value is fp16 d (bytes 108..110) times sc times q."""
+    n = b.shape[0]
+    hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
+    lo = (scales[:, :8].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    hi = (scales[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    sc = ((lo & 0x0F) | ((hi & 3) << 4)).astype(np.int8) - np.int8(32)
+    ql = ((qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(n, 16, 16)
+    qh = hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    qh = (qh.reshape(n, 16, 16) & 1) ^ np.uint8(1)  # the offset 4 applies where the mask bit is 0
+    return sc, ql.astype(np.int8) - (qh << 2).astype(np.int8)
+
+
+def q6k_from_q3k_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q3_K tensor's bytes [..., O, I/256 * 110] -> int6-q6k's (packed, codes), the same float32 values: Q3_K is
+    d (sc - 32) q with q in -4..3 and sc - 32 in -32..31, which Q6_K's d sc (q - 32) holds with q + 32 in 28..35
+    and sc - 32 as its int8 scale (s = d sc computed first in both, as gguf.quants does). 6.5625 bits a weight
+    where Q3_K's file has 3.4375: one form, one kernel, for the down families llama-quantize writes in Q3_K
+    beside Q6_K (Q2_K, Q3_K_M files), against int8-g16's 10 bits."""
+    lead, nb, b = _split_blocks(raw, "Q3_K")
+    sc, q = _q3k_parts(b)  # [N, 16], [N, 16, 16]
+    q6 = (q.astype(np.int16) + 32).astype(np.uint8).reshape(*lead, nb * QK_K)
+    codes = np.concatenate([sc.view(np.uint8).reshape(*lead, nb * 16),
+                            b[:, 108:110].reshape(*lead, nb * 2)], axis=-1)
+    return pack_int6(q6), np.ascontiguousarray(codes)
+
+
 def gguf_kept(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     """A GGUF tensor's bytes [..., O, bytes] of a type in GGUF_KEPT (Q4_K here for `widen`; kept as read:
     q4k_from_blocks) -> (q, scale): q
@@ -557,15 +594,8 @@ def gguf_kept(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
         qh = ((qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(n, 8, 32)
         q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
     elif qtype == "Q3_K":
-        hmask, qs, scales, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
-        lo = (scales[:, :8].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(n, 16)
-        hi = (scales[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(n, 16)
-        sc = ((lo & 0x0F) | ((hi & 3) << 4)).astype(np.int8) - np.int8(32)
-        s = d[:, None] * sc.astype(np.float32)  # [N, 16]
-        ql = ((qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(n, 16, 16)
-        qh = hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
-        qh = (qh.reshape(n, 16, 16) & 1) ^ np.uint8(1)  # the offset 4 applies where the mask bit is 0
-        q = ql.astype(np.int8) - (qh << 2).astype(np.int8)
+        sc, q = _q3k_parts(b)
+        s = _f16(b[:, 108:110])[:, None] * sc.astype(np.float32)  # [N, 16]
     elif qtype == "Q5_K":
         d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
         sc, m = _q4k_scale_min(b[:, 4:16])  # [N, 8]

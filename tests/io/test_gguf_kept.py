@@ -1,6 +1,6 @@
 """GGUF expert types kept as read with float32 group scales (issue 36; strata_jax/model/quant.py GGUF_KEPT): Q4_0
-(int4-g32f), Q4_1 (int4-g32m), Q8_0 (int8-g32), Q6_K and Q3_K (int8-g16), Q5_K (int8-g32m), Q2_K (int8-g16m, by
-expert_dtype=int8-g16m: auto holds Q2_K packed as int2-q2k, tests/io/test_gguf_q2k.py), the IQ types (int8-g16:
+(int4-g32f), Q4_1 (int4-g32m), Q8_0 (int8-g32), Q5_K (int8-g32m), Q6_K and Q3_K (int8-g16) and Q2_K (int8-g16m) by
+expert_dtype (auto holds them packed: int6-q6k, int2-q2k; tests/io/test_gguf_q6k.py, test_gguf_q2k.py), the IQ types (int8-g16:
 IQ2_XS, IQ2_S, IQ1_M; int8-g32: IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, IQ1_S). A tiny
 Qwen3-MoE GGUF written with gguf's writer, its expert stacks of one type (Q4_0 / Q4_1 / Q8_0 by gguf.quants.quantize;
 the K and IQ types as random valid blocks, quant.gguf_blocks_random: gguf.quants cannot quantize them), the rest F32. The
@@ -32,7 +32,8 @@ IQ_D = {"IQ2_XS": 0.05 / 50, "IQ3_S": 0.05 / 128, "IQ2_XXS": 0.05 / 50, "IQ3_XXS
         "IQ4_NL": 0.05 / 60, "IQ2_S": 0.05 / 50, "IQ1_S": 0.05 / 5, "IQ1_M": 0.05 / 5}  # the IQ types (int8-g16/-g32)
 D.update(IQ_D)
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q3_K", "Q5_K", "Q2_K", *IQ_D)
-KEPT_AS = {**quant.GGUF_KEPT, "Q2_K": "int8-g16m"}  # Q2_K's float32-scaled form, asked for by name
+# the one byte a weight forms of the packed types, asked for by name (quant.BYTE_KEPT)
+KEPT_AS = {**quant.GGUF_KEPT, **{t: f for f, t in quant.BYTE_KEPT}}
 
 
 def write_kept_model(tmp, qtype: str, seed: int = 31):
@@ -113,7 +114,7 @@ def test_logits_equal_the_dequantized_model(kept_models, engine_factory, cache_d
 
 def test_mixed_types_and_refusals(kept_models, tmp_path, cache_dir):
     """Experts of types no one format holds (Q8_0 gate/up, Q6_K down) are kept per family under auto
-    (int8-g32/int8-g16: tests/io/test_gguf_mixed.py), and expert_dtype=int8-g32 keeps the Q8_0 stacks, requantizing
+    (int8-g32/int6-q6k: tests/io/test_gguf_mixed.py), and expert_dtype=int8-g32 keeps the Q8_0 stacks, requantizing
     the rest (the line says so); a format whose groups do not divide the experts' widths is one line; a type no
     reader handles is one line naming it (test_gguf)."""
     raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
@@ -125,7 +126,7 @@ def test_mixed_types_and_refusals(kept_models, tmp_path, cache_dir):
                                    encoder=lambda x, t: quant.gguf_blocks_random("Q6_K", x.shape, 5, D["Q6_K"])
                                    if t == Q.Q6_K else test_gguf.encode(x, t))
     folder = gguf_file.gguf_model_folder(path, cache_dir)
-    assert gguf_file.kept_expert_format(folder) == "int8-g32/int8-g16"
+    assert gguf_file.kept_expert_format(folder) == "int8-g32/int6-q6k"
     source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
     line = gguf_file.formats_line(source, "bfloat16", "int8-g32")
     assert "-> int8-g32 (9.00 bpw: Q8_0's blocks as stored, the other types requantized at load" in line, line

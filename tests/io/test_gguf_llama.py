@@ -61,7 +61,7 @@ def test_weights_are_gguf_dequantize(llama_file, cache_dir):
 @pytest.mark.parametrize("placement", [EXACT, dict(dtype="float32", expert_cache_slots="2", pcie_frac="0.5",
                                                    cpu_threads=2)], ids=["resident", "offloaded"])
 def test_logits_equal_the_dequantized_model(llama_file, engine_factory, placement):
-    """The experts kept as read (expert_dtype=auto: int4-q4k, int2-q2k, int8-g16 by family and layer), all on the
+    """The experts kept as read (expert_dtype=auto: int4-q4k, int2-q2k, int6-q6k, int8-g16m by family), all on the
     device or in 2 slots of 4 with half the misses in the host pool: the dequantized model's logits."""
     path, record, dequantized = llama_file
     ids = record["prompt_ids"] + record["tokens"]

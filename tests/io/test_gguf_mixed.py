@@ -1,6 +1,6 @@
 """Per-family expert formats (issue 36: the GGUF files users have). A Q4_K_M Qwen3-MoE GGUF holds its expert gate
 and up stacks Q4_K and its down stacks Q6_K (some layers' down Q4_K): expert_dtype=auto keeps each family in the
-format holding its type as read ("int4-q4k/int8-g16"), a family of mixed types in int8-g16m, which holds each
+format holding its type as read ("int4-q4k/int6-q6k"), a family of mixed types in int8-g16m, which holds each
 of them exactly (one int8-g16m cannot hold: in the format of most of its weights, the others requantized). A tiny GGUF written with gguf's writer (Q4_K blocks by quant.q4k_blocks,
 Q6_K as random valid blocks, quant.gguf_blocks_random; Q8_0 by gguf.quants.quantize), the rest F32: the engine's
 weights equal gguf.quants.dequantize per family bit for bit, and its logits equal those of a safetensors checkpoint
@@ -24,7 +24,7 @@ from strata_jax.model.config import load_config
 EXACT = dict(dtype="float32", expert_cache_slots="all")
 IDS = test_gguf.IDS
 D = {"Q6_K": 0.05 / 4000}  # random blocks: |w| ~ 0.05
-HELD = {"Q6_K": "int4-q4k/int8-g16", "Q8_0": "int4-q4k/int8-g32"}
+HELD = {"Q6_K": "int4-q4k/int6-q6k", "Q8_0": "int4-q4k/int8-g32"}
 
 
 def write_mixed_model(tmp, down_types: tuple[str, ...], seed: int = 51):
@@ -79,7 +79,10 @@ def test_families_are_kept_and_dequantize_to_gguf_values(mixed_models, cache_dir
     for i, layer in enumerate(w.layers):
         ffn = layer.ffn
         assert ffn.gate.dtype == ffn.up.dtype == jnp.uint8 and ffn.gate_scale.dtype == jnp.uint16
-        assert ffn.down.dtype == jnp.int8 and ffn.down_scale.dtype == jnp.float32
+        if down_type == "Q6_K":  # packed: uint8 q, uint8 codes
+            assert ffn.down.dtype == ffn.down_scale.dtype == jnp.uint8
+        else:
+            assert ffn.down.dtype == jnp.int8 and ffn.down_scale.dtype == jnp.float32
         for which in ("gate", "up", "down"):
             got = dequantized(getattr(ffn, which), getattr(ffn, which + "_scale"))
             want = written[f"model.layers.{i}.mlp.experts.{which}_proj.weight"]
@@ -110,10 +113,10 @@ def test_logits_equal_the_dequantized_model(mixed_models, engine_factory, cache_
         state = engine.cache.experts
         from strata_jax.offload.slots import layer_states
         first = layer_states(state)[0]
-        assert first.gate.dtype == np.uint8 and first.down.dtype == np.int8
+        assert first.gate.dtype == np.uint8 and first.down.dtype == (np.uint8 if down_fmt == quant.Q6K else np.int8)
     if placement.get("pcie_frac") == "0.5":
-        store = engine.placement.pool.store
-        assert store.format == "int4-q4k/int8-g" and store.format_of("down") == "int8-g"
+        store, held = engine.placement.pool.store, down_fmt if down_fmt == quant.Q6K else "int8-g"
+        assert store.format == f"int4-q4k/{held}" and store.format_of("down") == held
     assert rel_fro(engine.prefill_logits(IDS), ref.prefill_logits(IDS)) < 1e-5
     assert engine.generate(IDS, max_new_tokens=4) == ref.generate(IDS, max_new_tokens=4)
 
@@ -143,8 +146,8 @@ def test_a_family_of_mixed_types_is_widened(tmp_path, cache_dir):
             np.testing.assert_array_equal(dequantized(getattr(ffn, which), getattr(ffn, which + "_scale")),
                                           written[f"model.layers.{i}.mlp.experts.{which}_proj.weight"])
 
-    line, w, written = held_mix(tmp_path / "q4_0", ("Q6_K", "Q4_0"), cache_dir, "int4-q4k/int8-g16")
-    assert ("experts down Q4_0+Q6_K (" in line and "-> int8-g16 (10.00 bpw: Q6_K's blocks as stored, the other "
+    line, w, written = held_mix(tmp_path / "q4_0", ("Q6_K", "Q4_0"), cache_dir, "int4-q4k/int6-q6k")
+    assert ("experts down Q4_0+Q6_K (" in line and "-> int6-q6k (6.56 bpw: Q6_K's blocks as stored, the other "
             "types requantized at load from their values)") in line, line
     down = [dequantized(w.layers[i].ffn.down, w.layers[i].ffn.down_scale) for i in range(2)]
     want = [written[f"model.layers.{i}.mlp.experts.down_proj.weight"] for i in range(2)]
@@ -162,3 +165,12 @@ def test_each_family_takes_its_own_width():
         quant.engine_format("int2-q2k", (256, 96))
     with pytest.raises(ValueError, match="width"):
         quant.engine_format("int8-g32/int2-q2k", (256, 96))
+
+
+def test_q4k_q6k_families_under_the_kernel_scan_offloaded(mixed_models, engine_factory, cache_dir, monkeypatch):
+    """Q4_K gate/up beside Q6_K down (int4-q4k/int6-q6k), offloaded to 3 slots with expert_kernel=pallas (bf16,
+    interpret mode on the CPU): each family's kernel form in the scanned offload graph, fetches and the pool's C
+    kernel, within bf16 rounding of all resident through the XLA path."""
+    path, _, _ = mixed_models("Q6_K")
+    gguf_kernel_offload_check(engine_factory, monkeypatch, cache_dir, path, IDS, np.uint8, np.uint8,
+                              "int4-q4k/int6-q6k")

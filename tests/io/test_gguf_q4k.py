@@ -150,7 +150,7 @@ def test_random_weights_for_benchmarks(cache_dir, fmt):
 
 def test_q4k_m_mix_with_expert_dtype_int4_q4k(tmp_path, cache_dir):
     """A Q4_K_M-like file (gate/up experts Q4_K, down Q6_K: random blocks, gguf.quants has no Q6_K quantizer):
-    expert_dtype=auto keeps each family in its own format (int4-q4k/int8-g16: tests/io/test_gguf_mixed.py);
+    expert_dtype=auto keeps each family in its own format (int4-q4k/int6-q6k: tests/io/test_gguf_mixed.py);
     expert_dtype=int4-q4k keeps the Q4_K stacks
     as read and requantizes the Q6_K ones from their values; the start-up line says which."""
     raw = dict(json.loads((test_gguf.BASE / "config.json").read_text()), hidden_size=256, head_dim=64,
@@ -167,7 +167,7 @@ def test_q4k_m_mix_with_expert_dtype_int4_q4k(tmp_path, cache_dir):
     written = test_gguf.write_gguf(path, raw, hub, types=lambda g: (Q.Q6_K if "down_exps" in g else Q.Q4_K)
                                    if "_exps" in g else Q.F32, encoder=encode_mix)
     folder = gguf_file.gguf_model_folder(path, cache_dir)
-    assert gguf_file.kept_expert_format(folder) == "int4-q4k/int8-g16"
+    assert gguf_file.kept_expert_format(folder) == "int4-q4k/int6-q6k"
     source = json.loads((folder / gguf_file.SOURCE_FILE).read_text())
     line = gguf_file.formats_line(source, "bfloat16", quant.Q4K)
     assert "-> int4-q4k (4.62 bpw: Q4_K's blocks as stored, the other types requantized at load" in line, line
