@@ -343,6 +343,14 @@ def block_format(codes_dtype, packed_width: int, codes_width: int) -> str:
     raise ValueError(f"packed rows of {packed_width} bytes and {codes_width} uint8 codes are no block format's")
 
 
+def codes_halves(codes: np.ndarray, expert_format: str) -> np.ndarray:
+    """A block format's per-row codes (int4-q4k's uint16 [..., 5G/4]; uint8: int2-q2k's [..., 5G/4], int6-q6k's
+    [..., 9G/8], int6-q6km's [..., 9G/4]) -> their fp16 d (and dmin) [..., B] ([..., 2B])."""
+    c = codes.shape[-1]
+    start = {Q6K: c * 8 // 9, Q6KM: c * 8 // 9}.get(expert_format, c * 4 // 5)  # after the G (q6km: 2G) group bytes
+    return np.ascontiguousarray(codes[..., start:]).view(np.float16)
+
+
 def blocks_dequantize(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """int4-q4k's and int2-q2k's reference: packed [..., O, I/2] (int4) or [..., O, I/4] (int2), codes
     [..., O, 5G/4] -> float32 [..., O, I] = s q - mn, in the order gguf.quants computes it (the same float32 values).
