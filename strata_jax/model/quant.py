@@ -1056,7 +1056,8 @@ def dequantize_engine_grouped(q, scale, dtype):
 # group's scales of consecutive rows are then one contiguous load in the kernel; the host pool keeps [E, O, G]).
 ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, Q2K, Q6K, Q6KM, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
                   "int8-g16m")
-KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f.endswith(("f", "m")) or f.startswith("int8-g"))  # GGUF as read
+KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f not in BLOCK_FORMATS  # GGUF as read, float32 scales
+                     and (f.endswith(("f", "m")) or f.startswith("int8-g")))
 
 
 def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
