@@ -1054,8 +1054,8 @@ def dequantize_engine_grouped(q, scale, dtype):
 # The engine's expert formats, and how their experts are stored: int8 q one a byte, int4 packed two a byte (uint8,
 # the input dimension halved), with scales on the device: [E, O] (int8), or group-major [E, I/group, O] for int4 (a
 # group's scales of consecutive rows are then one contiguous load in the kernel; the host pool keeps [E, O, G]).
-ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, Q2K, Q6K, Q6KM, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
-                  "int8-g16m")
+ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, Q2K, Q6K, Q6KM, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16",
+                  "int8-g32m", "int8-g16m")
 KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f not in BLOCK_FORMATS  # GGUF as read, float32 scales
                      and (f.endswith(("f", "m")) or f.startswith("int8-g")))
 

@@ -45,7 +45,8 @@ def test_q6km_format_and_its_quantizer():
     int6-q6k's and int2-q2k's by width; quantize and the device quantizer make Q6_K's numbers with m = 0."""
     fmt = quant.get_format(quant.Q6KM)
     assert fmt.bits_per_weight(512) == 7.125 and quant.Q6KM in quant.ENGINE_FORMATS
-    assert quant.slot_storage(quant.Q6KM) == quant.Q6K and quant.stored_in_dim(512, quant.slot_storage(quant.Q6KM)) == 384
+    storage = quant.slot_storage(quant.Q6KM)
+    assert storage == quant.Q6K and quant.stored_in_dim(512, storage) == 384
     assert quant.engine_format(quant.Q6KM, (256, 512)) == quant.Q6KM
     with pytest.raises(ValueError, match="int6-q6km holds the K types' super-blocks of 256"):
         quant.engine_format(quant.Q6KM, (256, 384))

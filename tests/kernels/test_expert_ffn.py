@@ -507,8 +507,8 @@ def test_q4k_refusals():
 @pytest.mark.parametrize("fmt", list(BLOCKS))
 @pytest.mark.parametrize("t,n,by_position", [(1, 8, False), (8, 64, True)])
 def test_q4k_lowers_for_cuda(fmt, t, n, by_position):
-    """The int4-q4k (int2-q2k, int6-q6k, int6-q6km) kernels at the Qwen3-30B-A3B shape (H 2048, I 768: whole super-blocks)
-    compile for CUDA."""
+    """The int4-q4k (int2-q2k, int6-q6k, int6-q6km) kernels at the Qwen3-30B-A3B shape (H 2048, I 768: whole
+    super-blocks) compile for CUDA."""
     _, codes, group, bytes4, rows8 = BLOCKS[fmt]
     s, h, i = 64, 2048, 768
     sd = jax.ShapeDtypeStruct
