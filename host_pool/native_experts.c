@@ -31,6 +31,9 @@
    s = d sc per group of 16 decoded from the store's 18-byte records, q6k_record, 6.5625 bits a weight): each weight
    (q - 32) * s in registers (gguf's value: one rounding, as gguf's), group s of a chunk a shift of contiguous bytes
    (dot_rows_kq_nt).
+   int6-q6km (FMT_INT6KM, quant.py "int6-q6km": a family of mixed GGUF K types, values unchanged): int6-q6k's q
+   with a minimum per group of 16, s = d sc and mn = dmin m decoded from the store's 36-byte records (q6km_record,
+   7.125 bits a weight); each weight fma(q - 32, s, -mn) in registers, as int2-q2k's (the same dot loop).
    Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up beside Q6_K down, each kept as read): a job's phase 1
    reads gate/up in `fmt` with groups of `group`, phase 2 reads down in `fmt_down` with `group_down`; each phase's
    minima, group sums and bf16 path follow its own format.
@@ -83,7 +86,7 @@
 /* FMT_INT4K: int4 with float32 scales and minima (Q4_1, "int4-m"); FMT_INT4KR: int4-q4k, the same loops with the
    scales and minima decoded from the store's super-block records (scale_row); FMT_INT2K: int2-q2k's records */
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT4K = 4, FMT_INT8G = 5, FMT_INT8GM = 6,
-       FMT_INT2K = 7, FMT_INT4KR = 8, FMT_INT6K = 9 };
+       FMT_INT2K = 7, FMT_INT4KR = 8, FMT_INT6K = 9, FMT_INT6KM = 10 };
 enum { TOKENS = 4 };      /* token rows read per pass over a weight row */
 /* weight rows per work item of phase 1 / phase 2 (-D to try others: host_pool/measure.py --variants) */
 #ifndef ROWS_UP
@@ -287,7 +290,7 @@ static inline float half_at(const uint8_t *p)
    of tokens (scale_row) into the float32 scale row int4-m and the former store held, G scales s = d sc then G minima
    mn = dmin m: the float32 products store.py's block_scale_min gives (fp16 times a small integer: exact); the loops
    then run as on held float32 scales. */
-enum { Q4K_RECORD = 16, Q2K_RECORD = 20, Q6K_RECORD = 18 };
+enum { Q4K_RECORD = 16, Q2K_RECORD = 20, Q6K_RECORD = 18, Q6KM_RECORD = 36 };
 /* one q4k record's 8 groups -> s[0..8), mn[0..8) (x86 builds: the 12-bit codes gathered as 16-bit words by one
    byte shuffle, group k's from byte 4 + 3 (k >> 1) + (k & 1), shifted 4 (k & 1)) */
 static inline void q4k_record(const uint8_t *record, float *s, float *mn)
@@ -334,6 +337,16 @@ static inline void q6k_record(const uint8_t *record, float *s)
     const float d = half_at(record);
     for (int k = 0; k < 16; k++) s[k] = d * (float)(int8_t)record[2 + k];
 }
+/* one q6km record (fp16 d, fp16 dmin, the 16 groups' int8 sc, then their uint8 m) -> s[0..16) = d * sc,
+   mn[0..16) = dmin * m (exact) */
+static inline void q6km_record(const uint8_t *record, float *s, float *mn)
+{
+    const float d = half_at(record), dmin = half_at(record + 2);
+    for (int k = 0; k < 16; k++) {
+        s[k] = d * (float)(int8_t)record[4 + k];
+        mn[k] = dmin * (float)record[20 + k];
+    }
+}
 /* a row's records (`record` bytes each) -> its scale row [2G]: the G scales, then the G minima (q6k: [G], no
    minima) */
 static void records_scale_row(const uint8_t *records, long record, long G, float *row)
@@ -362,6 +375,8 @@ static void records_scale_row(const uint8_t *records, long record, long G, float
     }
     else if (record == Q6K_RECORD)
         for (long g = 0; g < G; g += 16, records += record) q6k_record(records, row + g);
+    else if (record == Q6KM_RECORD)
+        for (long g = 0; g < G; g += 16, records += record) q6km_record(records, row + g, row + G + g);
     else
         for (long g = 0; g < G; g += 16, records += record) q2k_record(records, row + g, row + G + g);
 }
@@ -520,17 +535,19 @@ static inline __attribute__((always_inline)) void dot_rows_int8g_nt(const int8_t
     for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]) + tail[t];
 }
 
-/* out[t] = dequantized int2-q2k (INT6 0) or int6-q6k (INT6 1) row . xs[t], n a multiple of 64.
+/* out[t] = dequantized int2-q2k (KIND 0), int6-q6k (KIND 1) or int6-q6km (KIND 2) row . xs[t], n a multiple of 64.
    int2-q2k: packed [n/4] bytes, scales [2G] (G = n/16: the scales, then the minima); each weight fma(q, s, -mn). A
    chunk's VL bytes are read once for its four groups (shift 2s: group 4c + s).
    int6-q6k: packed [3n/4] bytes (pack_int6: per chunk of 64 inputs 32 bytes of low nibbles, then 16 of high pairs),
    scales [G]; each weight (q - 32) * s. Group s of chunk c: the low nibbles at bytes 16 (s >> 1) of the chunk, shift
-   4 (s & 1), the high pairs at byte 32, shift 2 s.
+   4 (s & 1), the high pairs at byte 32, shift 2 s. int6-q6km: int6-q6k's q with scales [2G] as int2-q2k's; each
+   weight fma(q - 32, s, -mn).
    Either way exactly gguf's value; two chains per token (even and odd groups). */
 static inline __attribute__((always_inline)) void dot_rows_kq_nt(const uint8_t *packed, const float *scales, long n,
                                                                  const float *const *xs, float *out, const int NT,
-                                                                 const int INT6)
+                                                                 const int KIND)
 {
+    const int INT6 = KIND != 0, MINIMA = KIND != 1;
     vf acc[2 * TOKENS];
     _Pragma("GCC unroll 16")
     for (int a = 0; a < 2 * NT; a++) acc[a] = v_zero();
@@ -541,9 +558,9 @@ static inline __attribute__((always_inline)) void dot_rows_kq_nt(const uint8_t *
             _Pragma("GCC unroll 4")
             for (int s = 0; s < 4; s++) {
                 const long g = 4 * c + s, at = 64 * c + 16 * s + b;
-                const vf w = INT6 ? v_mul(v_int6(packed + 16 * (s >> 1) + b, 4 * (s & 1), packed + 32 + b, 2 * s),
-                                          v_set1(scales[g]))
-                                  : v_fma(v_int2(packed + b, 2 * s), v_set1(scales[g]), v_set1(-scales[G + g]));
+                const vf q = INT6 ? v_int6(packed + 16 * (s >> 1) + b, 4 * (s & 1), packed + 32 + b, 2 * s)
+                                  : v_int2(packed + b, 2 * s);
+                const vf w = MINIMA ? v_fma(q, v_set1(scales[g]), v_set1(-scales[G + g])) : v_mul(q, v_set1(scales[g]));
                 _Pragma("GCC unroll 16")
                 for (int t = 0; t < NT; t++) {
                     vf *chain = &acc[(s % 2) * NT + t];
@@ -555,11 +572,12 @@ static inline __attribute__((always_inline)) void dot_rows_kq_nt(const uint8_t *
     for (int t = 0; t < NT; t++) out[t] = v_sum(acc[t] + acc[NT + t]);
 }
 
-/* dot_rows_kq_nt for nt tokens (1..4), int6 a compile-time constant in each call. */
+/* dot_rows_kq_nt for nt tokens (1..4), kind (0 int2-q2k, 1 int6-q6k, 2 int6-q6km) a compile-time constant in each
+   call. */
 static void dot_rows_kq(const uint8_t *packed, const float *scales, long n, const float *const *xs, int nt,
-                        float *out, int int6)
+                        float *out, int kind)
 {
-    switch (nt + 4 * (int6 != 0)) {
+    switch (nt + 4 * kind) {
     case 1: dot_rows_kq_nt(packed, scales, n, xs, out, 1, 0); break;
     case 2: dot_rows_kq_nt(packed, scales, n, xs, out, 2, 0); break;
     case 3: dot_rows_kq_nt(packed, scales, n, xs, out, 3, 0); break;
@@ -567,7 +585,11 @@ static void dot_rows_kq(const uint8_t *packed, const float *scales, long n, cons
     case 5: dot_rows_kq_nt(packed, scales, n, xs, out, 1, 1); break;
     case 6: dot_rows_kq_nt(packed, scales, n, xs, out, 2, 1); break;
     case 7: dot_rows_kq_nt(packed, scales, n, xs, out, 3, 1); break;
-    default: dot_rows_kq_nt(packed, scales, n, xs, out, 4, 1); break;
+    case 8: dot_rows_kq_nt(packed, scales, n, xs, out, 4, 1); break;
+    case 9: dot_rows_kq_nt(packed, scales, n, xs, out, 1, 2); break;
+    case 10: dot_rows_kq_nt(packed, scales, n, xs, out, 2, 2); break;
+    case 11: dot_rows_kq_nt(packed, scales, n, xs, out, 3, 2); break;
+    default: dot_rows_kq_nt(packed, scales, n, xs, out, 4, 2); break;
     }
 }
 
@@ -751,8 +773,9 @@ static void dot_matrix_row(int fmt, long group, const matrix *m, long expert, lo
         dot_rows_kq((const uint8_t *)m->weights + row * (m->n / 4), srow, m->n, xs, nt, out, 0);
         return;
     }
-    if (fmt == FMT_INT6K) {  /* groups of 16, no minima */
-        dot_rows_kq((const uint8_t *)m->weights + row * (m->n / 4 * 3), srow, m->n, xs, nt, out, 1);
+    if (fmt == FMT_INT6K || fmt == FMT_INT6KM) {  /* groups of 16, minima with FMT_INT6KM */
+        dot_rows_kq((const uint8_t *)m->weights + row * (m->n / 4 * 3), srow, m->n, xs, nt, out,
+                    fmt == FMT_INT6KM ? 2 : 1);
         return;
     }
     if (fmt == FMT_INT4) {
@@ -1128,7 +1151,7 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
     (void)x16;
     /* gate's and up's scale rows (scale_row) where the format has them; decoded ones (int4-q4k, int2-q2k) into
        buf, once per row and chunk of tokens */
-    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K || fmt == FMT_INT6K;
+    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K || fmt == FMT_INT6K || fmt == FMT_INT6KM;
     const long G = group ? H / group : 0;  /* groups a row (0: no groups) */
     const long slot = J->mg.records ? 2 * G : 0;  /* a decoded scale row's floats */
     float buf[MAX_ROWS * slot + 1];
@@ -1205,7 +1228,7 @@ static void phase2_rows(const job_t *J, long r0, long r1)
     float *out = J->out;
     (void)fmt;
     /* down's scale rows, as phase1_rows' */
-    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K || fmt == FMT_INT6K;
+    const int scaled = fmt == FMT_INT4 || fmt == FMT_INT2K || fmt == FMT_INT6K || fmt == FMT_INT6KM;
     const long G = group ? I / group : 0, slot = J->md.records ? 2 * G : 0;
     float buf[MAX_ROWS * slot + 1];
     /* unit by unit over the block's rows: the unit's h rows stay in the core's L1 meanwhile; each output element
@@ -1562,7 +1585,8 @@ int experts_job(int fmt, int fmt_down, int round_bf16_out, long H, long I, long 
     const int minima = fmt == FMT_INT4K || fmt == FMT_INT4KR, minima_down = fmt_down == FMT_INT4K
                                                                             || fmt_down == FMT_INT4KR;
     /* bytes of a super-block record (int4-q4k, int2-q2k: the scale pointers are their records), else 0 */
-#define RECORD_OF(f) ((f) == FMT_INT4KR ? Q4K_RECORD : (f) == FMT_INT2K ? Q2K_RECORD : (f) == FMT_INT6K ? Q6K_RECORD : 0)
+#define RECORD_OF(f) ((f) == FMT_INT4KR ? Q4K_RECORD : (f) == FMT_INT2K ? Q2K_RECORD : (f) == FMT_INT6K ? Q6K_RECORD \
+                      : (f) == FMT_INT6KM ? Q6KM_RECORD : 0)
     const long record = RECORD_OF(fmt), record_down = RECORD_OF(fmt_down);
 #undef RECORD_OF
     if (minima) fmt = FMT_INT4;

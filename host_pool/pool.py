@@ -56,7 +56,7 @@ def _format_code(store, which: str = "gate") -> int:
 
 
 _FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "int4-q4k": 8, "int4-m": 4, "int8-g": 5,
-                 "int2-q2k": 7, "int6-q6k": 9}  # native_experts.c's FMT_*
+                 "int2-q2k": 7, "int6-q6k": 9, "int6-q6km": 10}  # native_experts.c's FMT_*
 
 
 class HostPoolError(RuntimeError):

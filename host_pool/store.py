@@ -92,6 +92,13 @@ class HostExpertStore:
         18-byte record a super-block (d, the 16 sc), uint8 [E, O, 18 B],
         6.5625 bits a weight with q, Q6_K's; w = d sc (q - 32). `format`
         "int6-q6k", `minima` False.
+      * int6-q6km (quant.py "int6-q6km": a family of mixed GGUF K types,
+        values unchanged): int6-q6k's packed q with uint8 codes (pool layout
+        [E, O, 9G/4]: per group its int8 sc, then its uint8 m, then the
+        super-blocks' fp16 d, then their dmin, as byte pairs), kept as a
+        36-byte record a super-block (d, dmin, the 16 sc, the 16 m), uint8
+        [E, O, 36 B], 7.125 bits a weight with q; w = d sc (q - 32) - dmin m.
+        `format` "int6-q6km", `minima` True.
     Per-family formats (issue 36: a Q4_K_M GGUF's Q4_K gate/up and Q6_K down
     kept as read): gate and up share one format, down may hold another
     (both quantized); each matrix's is `format_of` / `dtype_of` /
@@ -190,8 +197,8 @@ class HostExpertStore:
         return self._kinds[which][2]
 
     def int6(self, which: str) -> bool:
-        """Whether matrix `which` is int6-q6k's (pack_int6: 48 bytes per 64 inputs)."""
-        return self.format_of(which) == "int6-q6k"
+        """Whether matrix `which` is int6-q6k's or int6-q6km's (pack_int6: 48 bytes per 64 inputs)."""
+        return self.format_of(which) in ("int6-q6k", "int6-q6km")
 
     def inputs_per_byte(self, which: str) -> int:
         """Inputs a stored element of matrix `which` holds: 4 (int2-q2k), 4/3 (int6-q6k), 2 (int4), else 1."""
@@ -246,10 +253,13 @@ class HostExpertStore:
 _FLOAT_NAMES = {F32: "float32", BF16: "bfloat16"}
 
 
-def _q6k_codes(codes, in_dim: int) -> bool:
-    """Whether uint8 codes [..., C] of rows of `in_dim` inputs are int6-q6k's (C = 9 in/128) rather than int2-q2k's
-    (C = 5 in/64)."""
-    return np.asarray(codes).dtype == U8 and np.shape(codes)[-1] * 128 == 9 * in_dim
+def _uint8_block(codes, in_dim: int) -> str | None:
+    """Which format uint8 codes [..., C] of rows of `in_dim` inputs are: "int6-q6k" (C = 9 in/128), "int6-q6km"
+    (C = 9 in/64) or "int2-q2k" (else: its shape is checked later); None for other codes."""
+    if np.asarray(codes).dtype != U8:
+        return None
+    width = np.shape(codes)[-1]
+    return "int6-q6k" if width * 128 == 9 * in_dim else "int6-q6km" if width * 64 == 9 * in_dim else "int2-q2k"
 
 
 def _stored_width(a: np.ndarray, codes, in_dim: int) -> int:
@@ -257,7 +267,7 @@ def _stored_width(a: np.ndarray, codes, in_dim: int) -> int:
     if a.dtype != U8:
         return in_dim
     if codes is not None and np.asarray(codes).dtype == U8:
-        return in_dim * 3 // 4 if _q6k_codes(codes, in_dim) else in_dim // 4
+        return in_dim // 4 if _uint8_block(codes, in_dim) == "int2-q2k" else in_dim * 3 // 4
     return in_dim // 2
 
 
@@ -276,9 +286,8 @@ def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple)
         raise ValueError(f"layer {index}: {'/'.join(names)} scales with minima are [E, O, 2, G] (got "
                          f"{[np.shape(x) for x in scales]})")
     grouped = dtype == I8 and rank > 2
-    int6 = all(codes) and _q6k_codes(scales[0], dims[1])
-    minima = (all(codes) and not int6) or rank == 4
-    int2 = all(codes) and np.asarray(scales[0]).dtype == U8 and not int6
+    block = ((_uint8_block(scales[0], dims[1]) or "int4-q4k") if all(codes) else "int4-m")
+    minima = (all(codes) and block != "int6-q6k") or rank == 4
     if rank == 4:  # [E, O, 2, G] float32: scales, then minima -> [E, O, 2G]
         scales = [np.ascontiguousarray(x, F32).reshape(*x.shape[:2], -1) for x in scales]
         half = [x[..., : x.shape[-1] // 2] for x in scales]
@@ -287,13 +296,12 @@ def _family_scales(index: int, dtype, scales, names: tuple, E: int, dims: tuple)
         scales = [np.ascontiguousarray(x, F32) for x in scales]
         _check_scales(index, "int8-g", scales, E, names, dims)
     elif all(codes):
-        _check_codes(index, "int6-q6k" if int6 else "int2-q2k" if int2 else "int4-q4k", scales, E, names, dims)
-        scales = [block_records(np.asarray(x), q6k=int6) for x in scales]  # [E, O, B * 16 / 20 / 18] uint8
+        _check_codes(index, block, scales, E, names, dims)
+        scales = [block_records(np.asarray(x), fmt=block) for x in scales]  # [E, O, B * RECORD_BYTES] uint8
     else:
         scales = [np.ascontiguousarray(x, F32) for x in scales]
         _check_scales(index, dtype, scales, E, names, dims)
-    block = ("int6-q6k" if int6 else "int2-q2k" if int2 else "int4-q4k") if all(codes) else "int4-m"
-    name = ("int8-g" if grouped else block if minima or int6 else
+    name = ("int8-g" if grouped else block if minima or block == "int6-q6k" else
             {I8: "int8", U8: "int4"}[dtype])
     return scales, (name, dtype, minima, grouped)
 
@@ -324,7 +332,7 @@ def _check_codes(index: int, fmt: str, codes: list, E: int, names: tuple, dims: 
     super-blocks of 256)."""
     out_dim, in_dim = dims
     G = in_dim // RECORD_GROUP[fmt]
-    width = 9 * G // 8 if fmt == "int6-q6k" else 5 * G // 4
+    width = {"int6-q6k": 9 * G // 8, "int6-q6km": 9 * G // 4}.get(fmt, 5 * G // 4)
     for name, c in zip(names, codes):
         if in_dim % SUPER_BLOCK or np.shape(c) != (E, out_dim, width):
             raise ValueError(f"layer {index}: {fmt} {name}_scale shape {np.shape(c)}, want [{E}, {out_dim}, "
@@ -334,25 +342,31 @@ def _check_codes(index: int, fmt: str, codes: list, E: int, names: tuple, dims: 
 
 # int4-q4k's and int2-q2k's super-block records (`block_records`): bytes a record, inputs per group
 SUPER_BLOCK = 256
-RECORD_BYTES = {"int4-q4k": 16, "int2-q2k": 20, "int6-q6k": 18}
-RECORD_GROUP = {"int4-q4k": 32, "int2-q2k": 16, "int6-q6k": 16}
+RECORD_BYTES = {"int4-q4k": 16, "int2-q2k": 20, "int6-q6k": 18, "int6-q6km": 36}
+RECORD_GROUP = {"int4-q4k": 32, "int2-q2k": 16, "int6-q6k": 16, "int6-q6km": 16}
 
 
-def block_records(codes: np.ndarray, q6k: bool = False) -> np.ndarray:
+def block_records(codes: np.ndarray, fmt: str | None = None) -> np.ndarray:
     """int4-q4k codes [..., 5G/4] uint16 (pool layout: G codes sc | m << 6, then the super-blocks' fp16 d, then
     their dmin) or int2-q2k's uint8 (sc | m << 4; d and dmin as byte pairs) -> the store's records [..., B * 16]
     (int2-q2k: [..., B * 20]) uint8, one a super-block in input order, so a row's groups decode reading forward:
     fp16 d and dmin (little-endian), then the groups' codes: int4-q4k's 8 of 12 bits, groups 2k and 2k + 1 in
     bytes 3k .. 3k + 2 (code 2k in bits 0-11, 2k + 1 in bits 12-23: Q4_K's 12 bytes of scales, another order);
     int2-q2k's 16 bytes as read. Moves bits only (native_experts.c's `q4k_record` / `q2k_record` decode
-    them). q6k: int6-q6k's uint8 codes [..., 9G/8] (G int8 sc bytes, then the super-blocks' d byte pairs) -> records
-    [..., B * 18]: fp16 d, then the 16 sc bytes (native_experts.c's `q6k_record`)."""
+    them). fmt "int6-q6k": its uint8 codes [..., 9G/8] (G int8 sc bytes, then the super-blocks' d byte pairs) ->
+    records [..., B * 18]: fp16 d, then the 16 sc bytes (native_experts.c's `q6k_record`); "int6-q6km": codes
+    [..., 9G/4] (G sc, G m, then d and dmin byte pairs) -> [..., B * 36]: fp16 d, fp16 dmin, the 16 sc, the 16 m
+    (`q6km_record`)."""
     lead = codes.shape[:-1]
-    if q6k:
-        g = codes.shape[-1] * 8 // 9
+    if fmt in ("int6-q6k", "int6-q6km"):
+        minima = fmt == "int6-q6km"
+        g = codes.shape[-1] * (4 if minima else 8) // 9
         nb = g // 16
-        records = np.concatenate([codes[..., g:].reshape(*lead, nb, 2), codes[..., :g].reshape(*lead, nb, 16)], -1)
-        return np.ascontiguousarray(records.reshape(*lead, nb * 18))
+        halves = codes[..., (2 if minima else 1) * g:].reshape(*lead, 2 if minima else 1, nb, 2)  # d (, dmin)
+        groups = codes[..., :(2 if minima else 1) * g].reshape(*lead, 2 if minima else 1, nb, 16)  # sc (, m)
+        records = np.concatenate([np.moveaxis(halves, -3, -2).reshape(*lead, nb, -1),
+                                  np.moveaxis(groups, -3, -2).reshape(*lead, nb, -1)], -1)
+        return np.ascontiguousarray(records.reshape(*lead, -1))
     q4k = codes.dtype == np.uint16
     g = codes.shape[-1] * 4 // 5
     halves = np.ascontiguousarray(codes[..., g:]).view(np.uint16)  # [..., 2B]: d, then dmin (fp16 bits)
@@ -386,20 +400,31 @@ def records_scale_min(records: np.ndarray, int2: bool) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([scales.reshape(*lead, -1), minima.reshape(*lead, -1)], -1))
 
 
-def q6k_records_scales(records: np.ndarray) -> np.ndarray:
-    """int6-q6k's records [..., B * 18] uint8 -> float32 [..., G]: the scales d sc (exact), q6k_scales' values."""
+def q6k_records_scales(records: np.ndarray, minima: bool = False) -> np.ndarray:
+    """int6-q6k's records [..., B * 18] uint8 -> float32 [..., G]: the scales d sc (exact), q6k_scales' values;
+    minima: int6-q6km's [..., B * 36] -> [..., 2G]: the scales d sc, then the minima dmin m (exact)."""
     lead = records.shape[:-1]
-    rec = records.reshape(*lead, -1, 18)
-    d = np.ascontiguousarray(rec[..., :2]).view(np.float16).astype(F32)  # [..., B, 1]
-    return np.ascontiguousarray((d * rec[..., 2:].view(np.int8).astype(F32)).reshape(*lead, -1))
+    rec = records.reshape(*lead, -1, 36 if minima else 18)
+    at = 4 if minima else 2
+    halves = np.ascontiguousarray(rec[..., :at]).view(np.float16).astype(F32)  # [..., B, 1 or 2]: d (, dmin)
+    scales = (halves[..., :1] * rec[..., at:at + 16].view(np.int8).astype(F32)).reshape(*lead, -1)
+    if not minima:
+        return np.ascontiguousarray(scales)
+    mins = (halves[..., 1:] * rec[..., at + 16:].astype(F32)).reshape(*lead, -1)
+    return np.ascontiguousarray(np.concatenate([scales, mins], -1))
 
 
-def q6k_codes_scales(codes: np.ndarray) -> np.ndarray:
+def q6k_codes_scales(codes: np.ndarray, minima: bool = False) -> np.ndarray:
     """int6-q6k codes [..., 9G/8] uint8 -> float32 [..., G]: d sc (exact; quant.py q6k_scales, which this package
-    may not import)."""
-    g = codes.shape[-1] * 8 // 9
-    d = np.ascontiguousarray(codes[..., g:]).view(np.float16).astype(F32)
-    return np.repeat(d, 16, axis=-1) * codes[..., :g].view(np.int8).astype(F32)
+    may not import); minima: int6-q6km's [..., 9G/4] -> [..., 2G]: d sc, then dmin m (quant.py q6km_scales)."""
+    g = codes.shape[-1] * (4 if minima else 8) // 9
+    at = 2 * g if minima else g
+    halves = np.ascontiguousarray(codes[..., at:]).view(np.float16).astype(F32)  # [..., B (2B)]: d (, dmin)
+    nb = g // 16
+    scales = np.repeat(halves[..., :nb], 16, axis=-1) * codes[..., :g].view(np.int8).astype(F32)
+    if not minima:
+        return scales
+    return np.concatenate([scales, np.repeat(halves[..., nb:], 16, axis=-1) * codes[..., g:at].astype(F32)], -1)
 
 
 def block_scale_min(codes: np.ndarray) -> np.ndarray:
@@ -440,13 +465,14 @@ def row_chunks_f32(rows: np.ndarray, scales: np.ndarray | None = None, minima: b
         comes back.
       * int6-q6k (int6; rows uint8 [R, 3 in/4], scales [R, G] or the store's
         records [R, B * 18]): the block holds s (q - 32), gguf's values; None
-        comes back.
+        comes back. int6-q6km (int6 and minima; scales [R, 2G] or records
+        [R, B * 36]): s (q - 32) - mn.
     """
     if rows.dtype == F32:
         yield 0, rows, None
         return
     if int6:
-        yield from _grouped_chunks(rows, scales, False, 6)
+        yield from _grouped_chunks(rows, scales, minima, 6)
         return
     if int2 or (rows.dtype == I8 and scales is not None and scales.ndim == 2):
         yield from _grouped_chunks(rows, scales, minima or int2, 4 if int2 else 1)
@@ -518,8 +544,8 @@ def _grouped_chunks(rows: np.ndarray, scales: np.ndarray, minima: bool, per_byte
                 np.copyto(block.reshape(c, C // 64, 4, 16), crumbs & 3, casting="unsafe")
             else:
                 np.copyto(block, rows[r0:r0 + c], casting="unsafe")  # int8 -> f32, exact
-            if per_byte == 6:
-                s_mn = q6k_records_scales(scales[r0:r0 + c]) if records else scales[r0:r0 + c]  # [c, G]
+            if per_byte == 6:  # [c, G] (int6-q6km: [c, 2G])
+                s_mn = q6k_records_scales(scales[r0:r0 + c], minima) if records else scales[r0:r0 + c]
             else:
                 s_mn = records_scale_min(scales[r0:r0 + c], int2=True) if records else scales[r0:r0 + c]  # [c, 2G]
             grouped = block.reshape(c, G, -1)

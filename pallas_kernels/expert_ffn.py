@@ -51,6 +51,10 @@ group-major [R, 9G/8, O] (G = In/16: rows 0..G-1 each group's int8 sc, then each
 low byte first). The loops step groups of 16 as int2-q2k's: group k (s = k % 4 of chunk k/4) is the nibbles of bytes
 16 (s >> 1) .. + 15 shifted by 4 (s & 1), or'd with the pairs of bytes 32 .. 47 shifted by 2 s, moved up by 4; q - 32
 widened to bf16 (exact) and dotted with the group's inputs; the group adds s (x_g . (q - 32)), s = d sc in registers.
+int6-q6km experts (`strata_jax/model/quant.py` "int6-q6km": a family of mixed GGUF K types, values unchanged:
+w = s (q - 32) - mn): int6-q6k's q with uint8 codes [R, 9G/4, O] (rows 0..G-1 each group's int8 sc, G..2G-1 its uint8
+m, then each super-block's fp16 d as two rows, then its dmin likewise); the group adds s (x_g . (q - 32))
+- mn sum(x_g), s = d sc and mn = dmin m in registers, as int2-q2k's minima.
 
 int8-g experts and int4 with float32 scales (GGUF types kept as read, `strata_jax/model/quant.py` "int8-g32",
 "int8-g16", "int8-g32m", "int8-g16m", "int4-g32f", "int4-g32m"): w = s q (- mn) per group of g inputs (16 or 32),
@@ -89,7 +93,7 @@ from .blocks import MIN_DOT, block_or_error
 
 # GGUF block forms: storage, format name, codes dtype, inputs per group, code rows per 8 groups (the codes [R, rows, O])
 BLOCK_FORMS = {"q4k": ("int4", "int4-q4k", jnp.uint16, 32, 10), "q2k": ("int2", "int2-q2k", jnp.uint8, 16, 10),
-               "q6k": ("int6", "int6-q6k", jnp.uint8, 16, 9)}
+               "q6k": ("int6", "int6-q6k", jnp.uint8, 16, 9), "q6km": ("int6", "int6-q6km", jnp.uint8, 16, 18)}
 STORED = {"int4": (1, 2), "int2": (1, 4), "int6": (3, 4)}  # bytes a weight, as a fraction: packed width = in * a / b
 INT8_GROUPS = (32, 16)  # int8-g inputs per scale (GGUF Q8_0 / Q5_K: 32; Q6_K / Q3_K / Q2_K: 16)
 GROUPS = (128, 64, 32)  # int4 inputs per scale (strata_jax/model/quant.py "int4-g128", "int4", "int4-g32"): from the scales' shape
@@ -134,9 +138,10 @@ def _int6_group(x_at, w_ref, slot, rows, k, group: int):
 
 
 def _block_scale(codes_ref, srow, grp, rows, groups: int, form: str):
-    """int4-q4k / int2-q2k / int6-q6k: group grp's scale s and the factor of sum(x_g) [1, BO] f32 (int6-q6k: None)
+    """int4-q4k / int2-q2k / int6-q6k(m): group grp's scale s and the factor of sum(x_g) [1, BO] f32 (int6-q6k: None)
     for rows `rows`, from the codes [R, 5G/4, O] (int4-q4k: uint16, 8 s - mn; int2-q2k: uint8, d and dmin two rows
-    each, -mn) or [R, 9G/8, O] (int6-q6k: uint8, each group's int8 sc, then d two rows; s = d sc)."""
+    each, -mn), [R, 9G/8, O] (int6-q6k: uint8, each group's int8 sc, then d two rows; s = d sc) or [R, 9G/4, O]
+    (int6-q6km: int8 sc, uint8 m, then d and dmin two rows each; s = d sc, -mn = -dmin m)."""
     q4k = form == "q4k"
     code = codes_ref[srow, grp, rows].astype(jnp.int32)
     if q4k:
@@ -147,8 +152,13 @@ def _block_scale(codes_ref, srow, grp, rows, groups: int, form: str):
         half = lambda row: (codes_ref[srow, row, rows].astype(jnp.int32)
                             | (codes_ref[srow, row + 1, rows].astype(jnp.int32) << 8)).astype(jnp.uint16)
     fp16 = lambda row: jax.lax.bitcast_convert_type(half(row), jnp.float16).astype(jnp.float32)
-    if form == "q6k":  # sc a signed byte
-        return (fp16(at(groups)) * (code - ((code & 128) << 1)).astype(jnp.float32))[None, :], None
+    if form in ("q6k", "q6km"):  # sc a signed byte
+        first = 2 * groups if form == "q6km" else groups  # the d rows, after sc (and m)
+        scale = (fp16(at(first)) * (code - ((code & 128) << 1)).astype(jnp.float32))[None, :]
+        if form == "q6k":
+            return scale, None
+        m = codes_ref[srow, groups + grp, rows].astype(jnp.float32)
+        return scale, (-(fp16(at(first + groups // 8)) * m))[None, :]
     d, dmin = fp16(at(groups)), fp16(at(groups + groups // 8))
     scale = d * (code & ((1 << bits) - 1)).astype(jnp.float32)
     minimum = dmin * (code >> bits).astype(jnp.float32)
@@ -284,10 +294,11 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
     out_ref[...] = jax.lax.fori_loop(0, per_split, expert, jnp.zeros((tp, bh), jnp.float32))
 
 
-def _scale_form(quantized: str | None, scales: tuple) -> str | None:
+def _scale_form(quantized: str | None, scales: tuple, in_dim: int = 0) -> str | None:
     """How the scales are held: "row" (int8, [R, O]), "group" ([R, G, O]), "group_min" ([R, 2, G, O] float32:
-    scales, then minima), "q4k" (int4-q4k's uint16 codes [R, 5G/4, O]), "q2k" (int2-q2k's uint8 codes); None for
-    bf16 experts."""
+    scales, then minima), "q4k" (int4-q4k's uint16 codes [R, 5G/4, O]), "q2k" (int2-q2k's uint8 codes), "q6k" /
+    "q6km" (int6's uint8 codes [R, 9G/8, O] / [R, 9G/4, O], G = in_dim / 16: told apart by their rows, other rows
+    refused by the shape check as q6k's); None for bf16 experts."""
     if not quantized:
         return None
     if quantized in ("int2", "int6") or any(sc.dtype == jnp.uint16 for sc in scales):
@@ -296,6 +307,8 @@ def _scale_form(quantized: str | None, scales: tuple) -> str | None:
         if quantized != storage or any(sc.dtype != dtype for sc in scales):
             raise ValueError(f"expert_ffn: {name} experts take {jnp.dtype(dtype).name} codes for the scales of a "
                              "whole family")
+        if form == "q6k" and scales[0].ndim == 3 and scales[0].shape[1] * 64 == 9 * in_dim:
+            return "q6km"  # minima's rows
         return form
     ranks = {sc.ndim for sc in scales}
     if len(ranks) != 1 or scales[0].ndim not in ((2, 3, 4) if quantized == "int8" else (3, 4)):
@@ -307,7 +320,7 @@ def _scale_form(quantized: str | None, scales: tuple) -> str | None:
 def _family_form(quantized: str | None, scales: tuple, in_dim: int, out_dim: int, what: str) -> tuple:
     """(form, group) of one family's matrices (gate and up, or down) of `in_dim` inputs: `_scale_form`'s form and the
     inputs per scale (0: per row, or bf16); ValueError where the kernel does not take them."""
-    form = _scale_form(quantized, scales)
+    form = _scale_form(quantized, scales, in_dim)
     if form in BLOCK_FORMS:
         if in_dim % 256 or out_dim % 256:
             raise ValueError(f"expert_ffn: {BLOCK_FORMS[form][1]} experts need H and I multiples of 256 (got {what} "
@@ -358,7 +371,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     down_scale [R, I/g, H], g = 128, 64 or 32 inputs per scale; int4-q4k: the scales uint16 codes [R, 5H/128, I],
     [R, 5H/128, I], [R, 5I/128, H] (H and I multiples of 256); int2-q2k: gate/up [S, I, H/4], down [S, H, I/4]
     with uint8 codes [R, 5H/64, I], [R, 5H/64, I], [R, 5I/64, H]; int6-q6k: gate/up [S, I, 3H/4], down
-    [S, H, 3I/4] with uint8 codes [R, 9H/128, I], [R, 9H/128, I], [R, 9I/128, H].
+    [S, H, 3I/4] with uint8 codes [R, 9H/128, I], [R, 9H/128, I], [R, 9I/128, H]; int6-q6km: int6-q6k's q with
+    codes [R, 9H/64, I], [R, 9H/64, I], [R, 9I/64, H].
     scale_ids [N] int32: expert n's row of the scale arrays (< R, not checked), read where slot_ids[n] >= 0; None:
     slot_ids (the scales row for row beside the weights, R = S). Scales gathered for the window ([N, ...]) take
     scale_ids = arange(N).
@@ -484,19 +498,25 @@ def _scaled_product_reference(spec: str, a: jax.Array, q: jax.Array, scale: jax.
     uint16 codes [N, 5G/4, O] (G = In/32), w = d sc q - dmin m, exact in float32; int2-q2k: q [N, O, In/4] with
     uint8 codes [N, 5G/4, O] (G = In/16, d and dmin two rows each), likewise; int6-q6k: q [N, O, 3In/4] (48 bytes
     per 64 inputs: 32 of low nibbles, 16 of high pairs) with uint8 codes [N, 9G/8, O] (int8 sc, then d two rows),
-    w = d sc (q - 32), likewise."""
-    if q.dtype == jnp.uint8 and scale.dtype == jnp.uint8 and 3 * q.shape[-1] == 32 * scale.shape[1]:  # int6-q6k
+    w = d sc (q - 32), likewise; int6-q6km: codes [N, 9G/4, O] (int8 sc, uint8 m, then d and dmin two rows each),
+    w = d sc (q - 32) - dmin m."""
+    if q.dtype == jnp.uint8 and scale.dtype == jnp.uint8 and 3 * q.shape[-1] in (32 * scale.shape[1],
+                                                                                 16 * scale.shape[1]):  # int6
+        minima = 3 * q.shape[-1] == 16 * scale.shape[1]  # int6-q6km
         n, o, width = q.shape
-        groups = scale.shape[1] * 8 // 9
+        groups = width * 4 // 3 // 16
         sc = scale[:, :groups].astype(jnp.int32)
         sc = (sc - ((sc & 128) << 1)).astype(jnp.float32)  # [N, G, O]: int8
-        r = scale[:, groups:].astype(jnp.int32)
-        d = jax.lax.bitcast_convert_type((r[:, 0::2] | (r[:, 1::2] << 8)).astype(jnp.uint16), jnp.float16)
-        s = jnp.repeat(d.astype(jnp.float32), 16, 1) * sc  # [N, G, O]
+        r = scale[:, (2 if minima else 1) * groups:].astype(jnp.int32)
+        halves = jax.lax.bitcast_convert_type((r[:, 0::2] | (r[:, 1::2] << 8)).astype(jnp.uint16), jnp.float16)
+        halves = jnp.repeat(halves.astype(jnp.float32), 16, 1)  # [N, G (2G), O]: d (, then dmin)
+        s = halves[:, :groups] * sc  # [N, G, O]
+        mn = halves[:, groups:] * scale[:, groups:2 * groups].astype(jnp.float32) if minima else jnp.zeros_like(s)
         p = q.reshape(n, o, width // 48, 48).astype(jnp.int32)
         lo = jnp.concatenate([p[..., :16] & 0xF, p[..., :16] >> 4, p[..., 16:32] & 0xF, p[..., 16:32] >> 4], -1)
         hi = ((p[..., None, 32:] >> jnp.array([0, 2, 4, 6]).reshape(4, 1)) & 3).reshape(n, o, -1, 64)
         w = ((lo | (hi << 4)) - 32).reshape(n, o, groups, 16).astype(jnp.float32) * jnp.swapaxes(s, 1, 2)[..., None]
+        w = w - jnp.swapaxes(mn, 1, 2)[..., None]  # (int6-q6k: - 0, the same values)
         acc = jnp.einsum(spec, a.astype(jnp.float32), w.reshape(n, o, -1), precision=jax.lax.Precision.HIGHEST)
         return acc.astype(a.dtype)
     if q.dtype == jnp.uint8 and scale.dtype in (jnp.uint16, jnp.uint8):

@@ -21,8 +21,8 @@ def _choice(*allowed):
     return check
 
 
-EXPERT_FORMATS = ("int8", "int4", "int4-q4k", "int2-q2k", "int6-q6k", "int4-g32f", "int4-g32m", "int8-g32", "int8-g16",
-                  "int8-g32m", "int8-g16m")
+EXPERT_FORMATS = ("int8", "int4", "int4-q4k", "int2-q2k", "int6-q6k", "int6-q6km", "int4-g32f", "int4-g32m", "int8-g32",
+                  "int8-g16", "int8-g32m", "int8-g16m")
 
 
 def _expert_dtype_check(v):
@@ -152,7 +152,9 @@ class EngineOptions:
                             "blocks: groups of 32 with 6-bit scales and minima, 4.625 bits a weight; a GGUF's Q4_K "
                             "experts are kept as read, others quantized at load) or int2-q2k (GGUF Q2_K's blocks: "
                             "groups of 16 with 4-bit scales and minima, 2.625 bits a weight, likewise) or int6-q6k "
-                            "(GGUF Q6_K's blocks, 6.5625 bits a weight; Q3_K's too, values unchanged); GGUF types "
+                            "(GGUF Q6_K's blocks, 6.5625 bits a weight; Q3_K's too, values unchanged) or "
+                            "int6-q6km (int6-q6k with a minimum per 16 inputs, 7.125 bits a weight: every K "
+                            "type's values unchanged, for a family mixing them); GGUF types "
                             "kept as read with float32 group scales: int4-g32f (Q4_0), int4-g32m (Q4_1), int8-g32 "
                             "(Q8_0), int8-g32m (Q5_K), and by name int8-g16 (Q6_K, Q3_K) and int8-g16m (Q2_K), a "
                             "byte a weight; "

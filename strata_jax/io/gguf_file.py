@@ -456,17 +456,20 @@ def expert_family_types(source: dict) -> dict[str, dict[str, list[int]]]:
 
 def family_format(types: dict[str, list[int]]) -> str | None:
     """The engine format one expert family is held in under expert_dtype=auto (strata_jax/model/quant.py GGUF_KEPT):
-    the one format that holds every type of the family, as read; where the family mixes types of several formats
-    (a Q4_K_M file's down stacks: Q6_K, some layers Q4_K), int8-g16m, which holds each of them exactly (a scale
-    and a minimum per 16 inputs: quant.widen), or where one does not fit it (Q4_0 beside Q6_K), the format of the
+    the one format that holds every type of the family, as read; where the family mixes types of several formats:
+    all K types (a Q4_K_M file's down stacks: Q6_K, some layers Q4_K; Q3_K_M's: Q3_K, Q4_K, Q5_K), int6-q6km, which
+    holds each K type's values packed (quant.q6km_from_blocks); else int8-g16m, which holds each of them exactly (a
+    scale and a minimum per 16 inputs: quant.widen), or where one does not fit it (Q4_0 beside Q6_K), the format of the
     type holding most of its weights (ties: the more bits), the other stacks requantized into it at load; None where
-    a type is not kept (F16, Q5_0, ...): the experts are dequantized."""
-    from strata_jax.model.quant import GGUF_KEPT, QK_K, WIDE, get_format, holds
+    a type is not kept (F16, Q5_0, ...): the experts are dequantized. (Q3_K beside Q6_K: int6-q6k holds both.)"""
+    from strata_jax.model.quant import GGUF_KEPT, K_TYPES, Q6KM, QK_K, WIDE, get_format, holds
     if not types or any(t not in GGUF_KEPT for t in types):
         return None
     weights: dict = {}
     for t, (n, _) in types.items():
         weights[GGUF_KEPT[t]] = weights.get(GGUF_KEPT[t], 0) + n
+    if len(weights) > 1 and all(t in K_TYPES for t in types):
+        return Q6KM
     if len(weights) > 1 and all(holds(WIDE, t) for t in types):
         return WIDE
     return max(weights, key=lambda f: (weights[f], get_format(f).bits_per_weight(QK_K)))
@@ -490,8 +493,11 @@ def kept_expert_format(folder: str | Path) -> str | None:
 def _experts_held(types: dict, expert_format: str, quantized: bool) -> str:
     """What the engine holds of experts of `types` in `expert_format`: the types kept as read, the others
     requantized."""
-    from strata_jax.model.quant import QK_K, get_format, holds, keeps
+    from strata_jax.model.quant import Q6KM, QK_K, get_format, holds, keeps
     kept = sorted(t for t in types if keeps(expert_format, t))
+    if expert_format == Q6KM and len(kept) == len(types):
+        return (f"{expert_format} ({get_format(Q6KM).bits_per_weight(QK_K):.2f} bpw: {'+'.join(kept)}'s values as "
+                "read, q + 32 in 6 bits, a scale and a minimum per 16 inputs)")
     widened = sorted(t for t in types if holds(expert_format, t) and not keeps(expert_format, t))
     bits = get_format(expert_format).bits_per_weight(QK_K)
     if widened and len(kept) + len(widened) == len(types):
@@ -835,7 +841,8 @@ class GGUFTensors:
         """The expert stack that Hub tensor `hub` (an expert of it) is read from, kept in `expert_format` as read
         from its bytes where its type is one that format holds (strata_jax/model/quant.py GGUF_KEPT), not
         dequantized: int4-q4k (packed [E, O, I/2] uint8, codes [E, O, 5G/4] uint16; q4k_from_blocks), int2-q2k
-        (packed [E, O, I/4] uint8, codes [E, O, 5G/4] uint8; q2k_from_blocks), the others
+        (packed [E, O, I/4] uint8, codes [E, O, 5G/4] uint8; q2k_from_blocks), int6-q6k / int6-q6km (packed
+        [E, O, 3I/4], codes [E, O, 9G/8] / [E, O, 9G/4] uint8; q6k_from_blocks, q6km_from_blocks), the others
         (q, float32 scales [E, O, G] or [E, O, 2, G]; gguf_kept). None where the stack is of another type (the
         loader then reads values). Its fp16 d (and dmin, m) are checked (the loader's check: a non-finite one makes
         non-finite weights)."""
@@ -855,10 +862,12 @@ class GGUFTensors:
         if r.op == "rows":  # --fuse-gate-up-exps: gate's or up's rows
             raw = raw[:, r.arg[0]:r.arg[1]]
         if expert_format in quant.BLOCK_FORMATS:  # packed q and codes (Q2_K's d and dmin: byte pairs)
-            q, codes = {"Q4_K": quant.q4k_from_blocks, "Q2_K": quant.q2k_from_blocks,
-                        "Q6_K": quant.q6k_from_blocks, "Q3_K": quant.q6k_from_q3k_blocks}[qtype](raw)
-            g = codes.shape[-1] * 8 // 9 if expert_format == quant.Q6K else codes.shape[-1] * 4 // 5  # then d (and dmin)
-            self.check(gname, np.ascontiguousarray(codes[..., g:]).view(np.float16))
+            if expert_format == quant.Q6KM:
+                q, codes = quant.q6km_from_blocks(raw, qtype)
+            else:
+                q, codes = {"Q4_K": quant.q4k_from_blocks, "Q2_K": quant.q2k_from_blocks,
+                            "Q6_K": quant.q6k_from_blocks, "Q3_K": quant.q6k_from_q3k_blocks}[qtype](raw)
+            self.check(gname, quant.codes_halves(codes, expert_format))  # fp16 d (and dmin)
             return q, codes
         q, scale = quant.gguf_kept(raw, qtype)
         if not quant.keeps(expert_format, qtype):  # a family of mixed types held in int8-g16m

@@ -46,6 +46,14 @@ of high 2-bit pairs (int2-q2k's), so each group of 16 is shifts of contiguous by
 [..., 9G/8, O]: each group's scale byte, then each super-block's d as two rows. 6.5625 bits a weight, the file's
 own. Q3_K's blocks are held in it too, values unchanged (`q6k_from_q3k_blocks`: q + 32, sc - 32 as the scale).
 
+"int6-q6km": int6-q6k with minima, for a family whose layers mix K types (a Q4_K_M file's down experts: Q4_K and
+Q6_K; Q3_K_M's: Q3_K, Q4_K, Q5_K): w = (d sc) (q - 32) - (dmin m) per group of 16, q packed as int6-q6k's; uint8
+codes [..., 9G/4, O]: each group's int8 sc, then each group's uint8 m, then each super-block's fp16 d as two rows,
+then its dmin likewise. 6 + 16/16 + 32/256 = 7.125 bits a weight. Every K type converts into it with its values
+unchanged (`q6km_from_blocks`): Q6_K as read (m = dmin = 0), Q3_K as int6-q6k holds it, Q4_K / Q5_K / Q2_K with q + 32
+(q >= 0, so s (q + 32 - 32) is gguf's s q) and their sc and m (Q4_K / Q5_K's per 32 inputs on both 16-halves), d and
+dmin as read; s = d sc and mn = dmin m are computed first in float32 as gguf.quants does and s q is exact.
+
 GGUF types kept as read with float32 group scales (issue 36; `GGUF_KEPT`, `gguf_kept`): every type whose values are
 a small integer q times a group scale s, minus a group minimum mn for some, w = s q (- mn), with s and mn exact in
 float32 (fp16 d times a small integer) and s q exact too, so dequantizing gives gguf.quants.dequantize's float32
@@ -56,7 +64,8 @@ values bit for bit (one rounding for the minimum, as gguf's):
   GGUF_KEPT holds both packed as int6-q6k, Q3_K through `q6k_from_q3k_blocks`);
   "int8-g32m": Q5_K (s = d sc, mn = dmin m, q in 0..31); "int8-g16m": Q2_K (s = d sc, mn = dmin m, q in 0..3) by
   name only (expert_dtype=int8-g16m, `keeps`): GGUF_KEPT holds Q2_K packed as int2-q2k; and a family whose layers
-  mix types (a Q4_K_M file's down experts: Q4_K and Q6_K), each type's values widened into it (`WIDE`, `widen`).
+  mix types not all K types (Q8_0 beside Q6_K; all K types: int6-q6km), each type's values widened into it (`WIDE`,
+  `widen`).
 int8-g holds q one a byte (int8, [..., O, I]). Their scales on the device are float32, group-major [..., G, O] (no
 minima) or [..., 2, G, O] (scales, then minima; the extra axis says minima are held); the host pool keeps
 [..., O, G] / [..., O, 2, G] (`pool_scale`). Kernels compute sum_g s_g (x_g . q_g) - mn_g sum(x_g).
@@ -83,7 +92,9 @@ Q2K = "int2-q2k"
 Q2K_BLOCK_BYTES = 84  # 16 bytes of 4-bit scales and minima, 64 bytes of 2-bit q, fp16 d, fp16 dmin
 Q6K = "int6-q6k"
 Q6K_BLOCK_BYTES = 210  # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d
-BLOCK_FORMATS = (Q4K, Q2K, Q6K)  # GGUF K-quant blocks held as they are: packed q and codes
+Q6KM = "int6-q6km"
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # the K types int6-q6km holds, values unchanged
+BLOCK_FORMATS = (Q4K, Q2K, Q6K, Q6KM)  # GGUF K-quant blocks held as they are: packed q and codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +110,8 @@ class Format:
 
     def bits_per_weight(self, in_dim: int) -> float:
         """Stored bits per weight, scales (and minima) included."""
-        if self.name in BLOCK_FORMATS:  # codes: 5G/4 of 16 (int4-q4k) or 8 (int2-q2k) bits; int6-q6k: 9G/8 of 8
-            return self.bits + self.scale_bits * (9 / 8 if self.name == Q6K else 5 / 4) / self.group
+        if self.name in BLOCK_FORMATS:  # codes: 5G/4 of 16 (int4-q4k) or 8 (int2-q2k) bits; int6-q6k(m): 9G/8 (9G/4)
+            return self.bits + self.scale_bits * {Q6K: 9 / 8, Q6KM: 9 / 4}.get(self.name, 5 / 4) / self.group
         per_group = self.scale_bits * (1 if self.symmetric else 2)
         return self.bits + per_group * self.groups(in_dim) / in_dim
 
@@ -114,6 +125,7 @@ FORMATS = {f.name: f for f in (
     Format("int4-q4k", 4, 32, False),  # GGUF Q4_K's blocks (module docstring)
     Format("int2-q2k", 2, 16, False, 8),  # GGUF Q2_K's blocks: uint8 codes
     Format("int6-q6k", 6, 16, True, 8),  # GGUF Q6_K's blocks: uint8 codes (int8 scales, fp16 d)
+    Format("int6-q6km", 6, 16, False, 8),  # the K types' blocks: uint8 codes (int8 sc, uint8 m, fp16 d, dmin)
     Format("int4-g32f", 4, 32, True, 32),  # GGUF Q4_0 as read (module docstring)
     Format("int4-g32m", 4, 32, False, 32),  # GGUF Q4_1
     Format("int8-g32", 8, 32, True, 32),  # GGUF Q8_0
@@ -158,7 +170,8 @@ def quantize(w: np.ndarray, fmt: Format | str) -> Quantized:
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     if fmt.name in BLOCK_FORMATS:
         from_blocks, blocks = {Q4K: (q4k_from_blocks, q4k_blocks), Q2K: (q2k_from_blocks, q2k_blocks),
-                               Q6K: (q6k_from_blocks, q6k_blocks)}[fmt.name]
+                               Q6K: (q6k_from_blocks, q6k_blocks),
+                               Q6KM: (lambda raw: q6km_from_blocks(raw, "Q6_K"), q6k_blocks)}[fmt.name]
         packed, codes = from_blocks(blocks(w))
         return Quantized(fmt, packed, codes, None, w.shape[-1])
     x = _grouped(w, fmt)  # [..., O, G, n]
@@ -317,22 +330,32 @@ def block_scales(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def block_format(codes_dtype, packed_width: int, codes_width: int) -> str:
     """Which block format a (packed, codes) pair is, from the codes' dtype and the last widths (per row; on the device
-    the codes' group-major rows): uint16 codes int4-q4k; uint8 int2-q2k (packed I/4, codes 5I/64: 5 P = 16 C) or
-    int6-q6k (packed 3I/4, codes 9I/128: 3 P = 32 C)."""
+    the codes' group-major rows): uint16 codes int4-q4k; uint8 int2-q2k (packed I/4, codes 5I/64: 5 P = 16 C),
+    int6-q6k (packed 3I/4, codes 9I/128: 3 P = 32 C) or int6-q6km (packed 3I/4, codes 9I/64: 3 P = 16 C)."""
     if np.dtype(codes_dtype) == np.uint16:
         return Q4K
     if 5 * packed_width == 16 * codes_width:
         return Q2K
     if 3 * packed_width == 32 * codes_width:
         return Q6K
+    if 3 * packed_width == 16 * codes_width:
+        return Q6KM
     raise ValueError(f"packed rows of {packed_width} bytes and {codes_width} uint8 codes are no block format's")
+
+
+def codes_halves(codes: np.ndarray, expert_format: str) -> np.ndarray:
+    """A block format's per-row codes (int4-q4k's uint16 [..., 5G/4]; uint8: int2-q2k's [..., 5G/4], int6-q6k's
+    [..., 9G/8], int6-q6km's [..., 9G/4]) -> their fp16 d (and dmin) [..., B] ([..., 2B])."""
+    c = codes.shape[-1]
+    start = {Q6K: c * 8 // 9, Q6KM: c * 8 // 9}.get(expert_format, c * 4 // 5)  # after the G (q6km: 2G) group bytes
+    return np.ascontiguousarray(codes[..., start:]).view(np.float16)
 
 
 def blocks_dequantize(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """int4-q4k's and int2-q2k's reference: packed [..., O, I/2] (int4) or [..., O, I/4] (int2), codes
     [..., O, 5G/4] -> float32 [..., O, I] = s q - mn, in the order gguf.quants computes it (the same float32 values).
-    int6-q6k's (packed [..., O, 3I/4], codes [..., O, 9G/8]): q6k_dequantize."""
-    if block_format(codes.dtype, packed.shape[-1], codes.shape[-1]) == Q6K:
+    int6-q6k's (packed [..., O, 3I/4], codes [..., O, 9G/8]) and int6-q6km's ([..., O, 9G/4]): q6k_dequantize."""
+    if block_format(codes.dtype, packed.shape[-1], codes.shape[-1]) in (Q6K, Q6KM):
         return q6k_dequantize(packed, codes)
     s, mn = block_scales(codes)  # [..., O, G]
     g = s.shape[-1]
@@ -436,12 +459,25 @@ def q6k_scales(codes: np.ndarray) -> np.ndarray:
     return np.repeat(d, 16, axis=-1) * codes[..., :g].view(np.int8).astype(np.float32)
 
 
+def q6km_scales(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int6-q6km codes [..., 9G/4] uint8 (numpy, per row) -> (s = d sc, mn = dmin m) float32 [..., G] (exact)."""
+    codes = np.asarray(codes, np.uint8)
+    g = codes.shape[-1] * 4 // 9
+    halves = np.ascontiguousarray(codes[..., 2 * g:]).view(np.float16).astype(np.float32)  # [..., 2B]: d, dmin
+    d, dmin = (np.repeat(h, 16, axis=-1) for h in np.split(halves, 2, axis=-1))
+    return d * codes[..., :g].view(np.int8).astype(np.float32), dmin * codes[..., g:2 * g].astype(np.float32)
+
+
 def q6k_dequantize(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """int6-q6k's reference: packed [..., O, 3I/4], codes [..., O, 9G/8] -> float32 [..., O, I] = s (q - 32), s
-    = d sc first, as gguf.quants computes it (its float32 values bit for bit)."""
-    s = q6k_scales(codes)  # [..., O, G]
+    = d sc first, as gguf.quants computes it (its float32 values bit for bit); int6-q6km's (codes [..., O, 9G/4]):
+    s (q - 32) - mn."""
+    minima = block_format(codes.dtype, packed.shape[-1], codes.shape[-1]) == Q6KM
+    s, mn = q6km_scales(codes) if minima else (q6k_scales(codes), None)  # [..., O, G]
     q = unpack_int6(packed).astype(np.int8) - np.int8(32)
     x = q.astype(np.float32).reshape(*q.shape[:-1], s.shape[-1], 16) * s[..., None]
+    if minima:
+        x = x - mn[..., None]  # one rounding, as gguf's
     return x.reshape(q.shape)
 
 
@@ -488,15 +524,17 @@ GGUF_BLOCKS.update({"IQ2_XXS": (QK_K, 66), "IQ2_XS": (QK_K, 74), "IQ2_S": (QK_K,
 def keeps(expert_format: str, qtype: str) -> bool:
     """Whether `expert_format` holds GGUF type `qtype` as read: GGUF_KEPT's format, or the one byte a weight forms
     GGUF_KEPT held before the packed ones, kept for expert_dtype by name: int8-g16m for Q2_K (before int2-q2k),
-    int8-g16 for Q6_K and Q3_K (before int6-q6k)."""
-    return GGUF_KEPT.get(qtype) == expert_format or (expert_format, qtype) in BYTE_KEPT
+    int8-g16 for Q6_K and Q3_K (before int6-q6k); int6-q6km holds every K type's blocks (q6km_from_blocks)."""
+    return (GGUF_KEPT.get(qtype) == expert_format or (expert_format, qtype) in BYTE_KEPT
+            or (expert_format == Q6KM and qtype in K_TYPES))
 
 
 BYTE_KEPT = {("int8-g16m", "Q2_K"), ("int8-g16", "Q6_K"), ("int8-g16", "Q3_K")}
 
 
 # A family of stacks of several types (a Q4_K_M file's down experts: Q6_K, some layers Q4_K; Q3_K_M's: Q3_K, Q4_K,
-# Q5_K) is held in the one format that holds each of them exactly: int8 q with a scale and a minimum per 16 inputs.
+# Q5_K) is held in the one format that holds each of them exactly: int6-q6km where all are K types, else int8 q with a
+# scale and a minimum per 16 inputs.
 WIDE = "int8-g16m"
 WIDENED = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", *IQ_KEPT)  # int8 q, groups of 16 or 32: `widen`
 
@@ -544,6 +582,49 @@ def _q3k_parts(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     qh = hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
     qh = (qh.reshape(n, 16, 16) & 1) ^ np.uint8(1)  # the offset 4 applies where the mask bit is 0
     return sc, ql.astype(np.int8) - (qh << 2).astype(np.int8)
+
+
+def _qk_parts(b: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K blocks [N, 144 / 176] or Q2_K's [N, 84] -> (sc, m uint8 [N, 8] per 32 inputs (Q2_K: [N, 16] per
+    16), q int8 [N, 256] in input order: 0..15 / 0..31 / 0..3), gguf.quants' steps: the value is fp16 d times sc
+    times q, minus fp16 dmin times m."""
+    n = b.shape[0]
+    if qtype == "Q2_K":
+        scales, qs = b[:, :16], b[:, 16:80]
+        q = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        return scales & 0xF, scales >> 4, q.reshape(n, QK_K).astype(np.int8)
+    sc, m = _q4k_scale_min(b[:, 4:16])  # [N, 8]
+    qs = b[:, 48:] if qtype == "Q5_K" else b[:, 16:]
+    q = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [N, 4, 2, 32]
+    if qtype == "Q5_K":  # the high bit of input 32 k + j: bit k of qh[j]
+        qh = (b[:, 16:48].reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        q = q.reshape(n, 8, 32) | (qh.reshape(n, 8, 32) << 4)
+    return sc.astype(np.uint8), m.astype(np.uint8), q.reshape(n, QK_K).astype(np.int8)
+
+
+def q6km_from_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """A K type's tensor bytes [..., O, I/256 * block bytes] (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) -> int6-q6km's (packed
+    [..., O, 3I/4] uint8 in pack_int6's order, codes [..., O, 9G/4] uint8, G = I/16: per row the G groups' int8 sc,
+    then their uint8 m, then the super-blocks' d, then their dmin, two bytes each), the same float32 values: Q6_K
+    and Q3_K as int6-q6k holds them with m = 0 and dmin = 0 (s (q - 32) - 0 is s (q - 32)); Q4_K, Q5_K and Q2_K
+    with q + 32 (their q >= 0: s (q + 32 - 32) is their s q) and sc, m (Q4_K / Q5_K's per 32 inputs on both halves),
+    d and dmin as read."""
+    if qtype in ("Q6_K", "Q3_K"):
+        packed, codes = (q6k_from_blocks if qtype == "Q6_K" else q6k_from_q3k_blocks)(raw)
+        g = codes.shape[-1] * 8 // 9
+        zeros = np.zeros_like(codes[..., :g])  # m, and dmin's bytes (fp16 +0)
+        return packed, np.concatenate([codes[..., :g], zeros, codes[..., g:], zeros[..., :g // 8]], axis=-1)
+    if qtype not in K_TYPES:
+        raise ValueError(f"int6-q6km holds the K types {', '.join(K_TYPES)}, not {qtype}")
+    lead, nb, b = _split_blocks(raw, qtype)
+    sc, m, q = _qk_parts(b, qtype)
+    if qtype != "Q2_K":  # each 32-group's sc and m on both of its 16-halves
+        sc, m = np.repeat(sc, 2, axis=-1), np.repeat(m, 2, axis=-1)
+    at = 80 if qtype == "Q2_K" else 0  # d, then dmin
+    q6 = (q + np.int8(32)).view(np.uint8).reshape(*lead, nb * QK_K)
+    codes = np.concatenate([sc.reshape(*lead, nb * 16), m.reshape(*lead, nb * 16),
+                            b[:, at:at + 2].reshape(*lead, nb * 2), b[:, at + 2:at + 4].reshape(*lead, nb * 2)], -1)
+    return pack_int6(q6), np.ascontiguousarray(codes)
 
 
 def q6k_from_q3k_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -596,25 +677,11 @@ def gguf_kept(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     elif qtype == "Q3_K":
         sc, q = _q3k_parts(b)
         s = _f16(b[:, 108:110])[:, None] * sc.astype(np.float32)  # [N, 16]
-    elif qtype == "Q5_K":
-        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        sc, m = _q4k_scale_min(b[:, 4:16])  # [N, 8]
+    elif qtype in ("Q5_K", "Q4_K", "Q2_K"):
+        sc, m, q = _qk_parts(b, qtype)  # [N, 8] (Q2_K: 16), q [N, 256] in input order
+        at = 80 if qtype == "Q2_K" else 0
+        d, dmin = _f16(b[:, at:at + 2]), _f16(b[:, at + 2:at + 4])
         s, minima = d[:, None] * sc.astype(np.float32), dmin[:, None] * m.astype(np.float32)
-        qh, qs = b[:, 16:48], b[:, 48:]
-        ql = ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)
-        qh = ((qh.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1).reshape(n, 8, 32)
-        q = (ql | (qh << 4)).astype(np.int8)
-    elif qtype == "Q4_K":  # Q5_K's steps without the high bits
-        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        sc, m = _q4k_scale_min(b[:, 4:16])  # [N, 8]
-        s, minima = d[:, None] * sc.astype(np.float32), dmin[:, None] * m.astype(np.float32)
-        qs = b[:, 16:]
-        q = ((qs.reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).astype(np.int8)
-    elif qtype == "Q2_K":
-        scales, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b[:, 80:82]), _f16(b[:, 82:84])
-        s = d[:, None] * (scales & 0xF).astype(np.float32)  # [N, 16]
-        minima = dmin[:, None] * (scales >> 4).astype(np.float32)
-        q = ((qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).astype(np.int8)
     elif qtype in IQ_KEPT:
         s, q = _gguf_iq(b, qtype)
     else:
@@ -776,7 +843,7 @@ def dequantize_engine_blocks(packed, codes, dtype):
     """int4-q4k / int2-q2k on the device: packed [..., O, I/2] / [..., O, I/4], engine codes [..., 5G/4, O] ->
     [..., O, I] (float32: exact)."""
     import jax.numpy as jnp
-    if block_format(codes.dtype, packed.shape[-1], codes.shape[-2]) == Q6K:
+    if block_format(codes.dtype, packed.shape[-1], codes.shape[-2]) in (Q6K, Q6KM):
         return dequantize_engine_q6k(packed, codes, dtype)
     g = codes.shape[-2] * 4 // 5
     s, mn = block_scales_device(codes, g)  # [..., G, O]
@@ -806,18 +873,37 @@ def q6k_scales_device(codes):
     return jnp.repeat(d, 16, axis=-2) * sc
 
 
+def q6km_scales_device(codes):
+    """q6km_scales on the device (jnp): int6-q6km's engine codes [..., 9G/4, O] uint8 (group-major: G rows of int8
+    sc, G of uint8 m, then d and dmin two rows a super-block each, low byte first) -> (s, mn) float32 [..., G, O]."""
+    import jax
+    import jax.numpy as jnp
+    g = codes.shape[-2] * 4 // 9
+    sc = jax.lax.bitcast_convert_type(codes[..., :g, :], jnp.int8).astype(jnp.float32)
+    r = codes[..., 2 * g:, :].astype(jnp.uint16)
+    halves = jax.lax.bitcast_convert_type(r[..., 0::2, :] | (r[..., 1::2, :] << 8), jnp.float16).astype(jnp.float32)
+    d, dmin = (jnp.repeat(h, 16, axis=-2) for h in jnp.split(halves, 2, axis=-2))
+    return d * sc, dmin * codes[..., g:2 * g, :].astype(jnp.float32)
+
+
 def dequantize_engine_q6k(packed, codes, dtype):
     """int6-q6k on the device: packed [..., O, 3I/4], engine codes [..., 9G/8, O] -> [..., O, I] = s (q - 32)
-    (float32: gguf's values)."""
+    (float32: gguf's values); int6-q6km (codes [..., 9G/4, O]): s (q - 32) - mn."""
     import jax.numpy as jnp
-    s = jnp.swapaxes(q6k_scales_device(codes), -1, -2)  # [..., O, G]
+    minima = block_format(codes.dtype, packed.shape[-1], codes.shape[-2]) == Q6KM
+    s, mn = q6km_scales_device(codes) if minima else (q6k_scales_device(codes), None)
+    s = jnp.swapaxes(s, -1, -2)  # [..., O, G]
     lead = packed.shape[:-1]
     p = packed.reshape(*lead, -1, 48).astype(jnp.int32)  # [..., O, chunks, 48]
     lo = jnp.concatenate([p[..., 0:16] & 0xF, p[..., 0:16] >> 4, p[..., 16:32] & 0xF, p[..., 16:32] >> 4], -1)
     hi = ((p[..., None, 32:] >> jnp.array([0, 2, 4, 6]).reshape(4, 1)) & 3).reshape(*p.shape[:-1], 64)
     q = (lo | (hi << 4)) - 32  # [..., O, chunks, 64]
     w = q.reshape(*lead, s.shape[-1], 16).astype(jnp.float32) * s[..., None]
+    if minima:
+        w = w - jnp.swapaxes(mn, -1, -2)[..., None]
     return w.reshape(*lead, -1).astype(dtype)
+
+
 dequantize_engine_q4k = dequantize_engine_q2k = dequantize_engine_blocks
 
 
@@ -827,8 +913,8 @@ def quantize_blocks_device(w, expert_format: str):
     rules, in jnp)."""
     import jax
     import jax.numpy as jnp
-    if expert_format == Q6K:
-        return quantize_q6k_device(w)
+    if expert_format in (Q6K, Q6KM):
+        return quantize_q6k_device(w, minima=expert_format == Q6KM)
     q4k = expert_format == Q4K
     group, q_max, code_bits = (32, 15, 6) if q4k else (16, 3, 4)
     lead, n = w.shape[:-1], w.shape[-1]
@@ -858,9 +944,10 @@ def quantize_blocks_device(w, expert_format: str):
     return packed, jnp.swapaxes(codes, -1, -2)
 
 
-def quantize_q6k_device(w):
+def quantize_q6k_device(w, minima: bool = False):
     """int6-q6k on the device (jax; random weights for benchmarks): w [..., O, I] -> (packed [..., O, 3I/4], engine
-    codes [..., 9G/8, O]), the numbers of q6k_from_blocks(q6k_blocks(w)) (the same rules, in jnp)."""
+    codes [..., 9G/8, O]), the numbers of q6k_from_blocks(q6k_blocks(w)) (the same rules, in jnp); minima:
+    int6-q6km's codes [..., 9G/4, O] of the same numbers (m = 0, dmin = 0: q6km_from_blocks of Q6_K)."""
     import jax
     import jax.numpy as jnp
     lead, n = w.shape[:-1], w.shape[-1]
@@ -880,8 +967,9 @@ def quantize_q6k_device(w):
     packed = jnp.concatenate([lo, hi], -1).astype(jnp.uint8).reshape(*lead, n * 3 // 4)
     dbits = jax.lax.bitcast_convert_type(d, jnp.uint16)
     le_bytes = jnp.stack([dbits & 0xFF, dbits >> 8], -1).reshape(*lead, nb * 2)  # low byte first
-    codes = jnp.concatenate([(sc & 0xFF).reshape(*lead, n // 16), le_bytes.astype(jnp.int32)], -1).astype(jnp.uint8)
-    return packed, jnp.swapaxes(codes, -1, -2)
+    sc_bytes, d_bytes = (sc & 0xFF).reshape(*lead, n // 16), le_bytes.astype(jnp.int32)
+    parts = [sc_bytes, jnp.zeros_like(sc_bytes), d_bytes, jnp.zeros_like(d_bytes)] if minima else [sc_bytes, d_bytes]
+    return packed, jnp.swapaxes(jnp.concatenate(parts, -1).astype(jnp.uint8), -1, -2)
 
 
 def quantize_int8_device(w):
@@ -966,9 +1054,10 @@ def dequantize_engine_grouped(q, scale, dtype):
 # The engine's expert formats, and how their experts are stored: int8 q one a byte, int4 packed two a byte (uint8,
 # the input dimension halved), with scales on the device: [E, O] (int8), or group-major [E, I/group, O] for int4 (a
 # group's scales of consecutive rows are then one contiguous load in the kernel; the host pool keeps [E, O, G]).
-ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, Q2K, Q6K, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16", "int8-g32m",
-                  "int8-g16m")
-KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f.endswith(("f", "m")) or f.startswith("int8-g"))  # GGUF as read
+ENGINE_FORMATS = ("int8", "int4", "int4-g32", Q4K, Q2K, Q6K, Q6KM, "int4-g32f", "int4-g32m", "int8-g32", "int8-g16",
+                  "int8-g32m", "int8-g16m")
+KEPT_FORMATS = tuple(f for f in ENGINE_FORMATS if f not in BLOCK_FORMATS  # GGUF as read, float32 scales
+                     and (f.endswith(("f", "m")) or f.startswith("int8-g")))
 
 
 def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
@@ -980,7 +1069,8 @@ def engine_format(expert_dtype: str, widths: tuple[int, ...]) -> str | None:
         return pair_format(*(engine_format(f, (w,)) for f, w in zip(family_formats(expert_dtype), widths)))
     if expert_dtype in BLOCK_FORMATS:
         if any(w % QK_K for w in widths):
-            raise ValueError(f"expert_dtype={expert_dtype} holds { {Q4K: 'Q4_K', Q2K: 'Q2_K', Q6K: 'Q6_K'}[expert_dtype]} "
+            held = {Q4K: 'Q4_K', Q2K: 'Q2_K', Q6K: 'Q6_K', Q6KM: 'the K types\''}[expert_dtype]
+            raise ValueError(f"expert_dtype={expert_dtype} holds {held} "
                              f"super-blocks of {QK_K} inputs: the experts' widths "
                              f"{' and '.join(map(str, widths))} are not multiples of {QK_K}")
         return expert_dtype
@@ -1048,8 +1138,8 @@ def formats_bits(expert_format: str, in_dim: int = QK_K) -> float:
 
 def stored_in_dim(in_dim: int, storage) -> int:
     """The last dimension of a stored expert matrix of `in_dim` inputs: halved for int4 (uint8) storage, quartered
-    for int2-q2k's, 3/4 for int6-q6k's (storage: a dtype, or Q2K / Q6K where the dtype alone (uint8) would say int4:
-    `slot_storage`)."""
+    for int2-q2k's, 3/4 for int6-q6k's and int6-q6km's (storage: a dtype, or Q2K / Q6K where the dtype alone (uint8)
+    would say int4: `slot_storage`)."""
     if isinstance(storage, str):  # Q2K, Q6K
         return in_dim * 3 // 4 if storage == Q6K else in_dim // 4
     return in_dim // 2 if np.dtype(storage) == np.uint8 else in_dim
@@ -1057,7 +1147,9 @@ def stored_in_dim(in_dim: int, storage) -> int:
 
 def slot_storage(expert_format: str) -> "np.dtype | str":
     """How one family's experts sit in host memory and the slots: its storage dtype, or Q2K (uint8, four a byte) /
-    Q6K (uint8, 48 bytes per 64 inputs: pack_int6)."""
+    Q6K (uint8, 48 bytes per 64 inputs: pack_int6; int6-q6km's q too, its minima sit with the codes)."""
+    if expert_format == Q6KM:
+        return Q6K
     return expert_format if expert_format in (Q2K, Q6K) else np.dtype(storage_dtype(expert_format))
 
 
@@ -1088,7 +1180,7 @@ def pool_scale(scale: np.ndarray) -> np.ndarray:
 
 def dequantize_engine_int4(packed, scale, dtype):
     """dequantize_int4_device for the engine's group-major scales [..., G, O] (int4-q4k: uint16 codes; int2-q2k's
-    packed q [..., O, I/4] with its uint8 codes too)."""
+    packed q [..., O, I/4] with its uint8 codes too, and int6-q6k's / int6-q6km's [..., O, 3I/4]: block_format)."""
     import jax.numpy as jnp
     if scale.dtype in (jnp.uint16, jnp.uint8):
         return dequantize_engine_blocks(packed, scale, dtype)

@@ -96,7 +96,8 @@ def non_expert_bytes(cfg: ModelConfig, itemsize: int, expert_format: str | None 
             one = quant.matrix_format(expert_format, name)
             fmt = quant.get_format(one)
             group = fmt.group
-            codes = (9, 8) if one == quant.Q6K else (5, 4)  # int6-q6k: G sc bytes and 2 bytes a super-block
+            # int6-q6k: G sc bytes and 2 bytes a super-block; int6-q6km: G sc and G m bytes, 4 a super-block
+            codes = {quant.Q6K: (9, 8), quant.Q6KM: (9, 4)}.get(one, (5, 4))
             per_matrix = (rows if one == "int8" else f * h // group * codes[0] // codes[1] if one in quant.BLOCK_FORMATS
                           else f * h // group * (1 if fmt.symmetric else 2))  # scales (and minima); q4k/q2k: codes
             rest += cfg.num_sparse_layers * cfg.num_experts * per_matrix * fmt.scale_bits // 8
@@ -469,6 +470,8 @@ def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_h
                       "weights a byte",
            quant.Q6K: "GGUF Q6_K's (or Q3_K's, values unchanged) blocks: int8 scales per 16 inputs, fp16 d per "
                       "256, 48 bytes per 64 weights",
+           quant.Q6KM: "a family of mixed GGUF K types' blocks (Q4_K_M's down: Q4_K, Q6_K), values unchanged: int8 "
+                       "scales and uint8 minima per 16 inputs, fp16 d and dmin per 256, 48 bytes per 64 weights",
            "int4-g32f": "GGUF Q4_0's blocks: one float32 scale per 32 inputs, two weights a byte",
            "int4-g32m": "GGUF Q4_1's blocks: a float32 scale and minimum per 32 inputs, two weights a byte",
            "int8-g32": "GGUF Q8_0 / Q5_0's (or IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, IQ1_S's) blocks: one float32 "

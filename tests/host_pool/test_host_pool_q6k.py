@@ -1,5 +1,5 @@
 """int6-q6k held packed in the host store (issue 36): GGUF Q6_K's blocks (quant.pack_int6's q, 48 bytes per 64
-inputs) with their codes kept as per-row 18-byte super-block records (store.py `block_records(q6k=True)`: fp16 d,
+inputs) with their codes kept as per-row 18-byte super-block records (store.py `block_records(fmt="int6-q6k")`: fp16 d,
 then the 16 int8 scales), the file's 6.5625 bits a weight, decoded where the pool reads them (native_experts.c
 `q6k_record` a row at a time; numpy `q6k_records_scales` a chunk at a time)."""
 
@@ -44,7 +44,7 @@ def test_store_holds_the_files_bits():
 def test_records_decode_to_the_codes_values():
     rng = rng_for("q6k-records")
     codes = quant.q6k_from_blocks(quant.gguf_blocks_random("Q6_K", (5, 7, 1024), seed=3))[1]
-    records = store_module.block_records(codes, q6k=True)
+    records = store_module.block_records(codes, fmt="int6-q6k")
     assert records.dtype == np.uint8 and records.shape == (5, 7, 4 * 18)
     want = quant.q6k_scales(codes)
     np.testing.assert_array_equal(store_module.q6k_records_scales(records).view(np.uint32), want.view(np.uint32))

@@ -275,12 +275,19 @@ QUANT_CASES = {"t2_h256_i128": dict(seed=6, t=2, slot_ids=[1, 5, -1, 3], h=256, 
 
 def make_quant_case(name: str, fmt: str = "int8", **overrides):
     """CASES[name] (with `overrides`, e.g. seed=None: fresh random inputs) with its experts quantized
-    (quant.quantize): q and bf16 scales [S, O] (int8) or group-major [S, I/g, O] (int4)."""
+    (quant.quantize): q and bf16 scales [S, O] (int8) or group-major [S, I/g, O] (int4). int6-q6km: Q4_K's blocks of
+    the weights (q4k_blocks) held in it, so its minima are not 0."""
     from strata_jax.model import quant
     x, gate, up, down, ids, combine = make_case(**{**(QUANT_CASES.get(name) or CASES[name]), **overrides})
     out = [x]
     scales = []
     for w in (gate, up, down):
+        if fmt == quant.Q6KM:
+            q, codes = quant.q6km_from_blocks(quant.q4k_blocks(np.asarray(w, np.float32)), "Q4_K")
+            assert codes[..., codes.shape[-1] * 4 // 9:][..., :codes.shape[-1] * 4 // 9].any()  # some m > 0
+            out.append(jnp.asarray(q))
+            scales.append(jnp.asarray(np.swapaxes(codes, -1, -2)))
+            continue
         qa = quant.quantize(np.asarray(w, np.float32), fmt)
         out.append(jnp.asarray(qa.q))
         scales.append(jnp.asarray(quant.engine_scale(qa)))
@@ -445,7 +452,7 @@ def test_int4_lowers_for_cuda(t, n, by_position):
 # per block format: the GGUF type, the codes' dtype and inputs per group, stored bytes per 4 inputs, code rows per 8
 # groups
 BLOCKS = {"int4-q4k": ("Q4_K", jnp.uint16, 32, 2, 10), "int2-q2k": ("Q2_K", jnp.uint8, 16, 1, 10),
-          "int6-q6k": ("Q6_K", jnp.uint8, 16, 3, 9)}
+          "int6-q6k": ("Q6_K", jnp.uint8, 16, 3, 9), "int6-q6km": ("Q4_K", jnp.uint8, 16, 3, 18)}
 
 
 @pytest.mark.parametrize("fmt", list(BLOCKS))
@@ -500,8 +507,8 @@ def test_q4k_refusals():
 @pytest.mark.parametrize("fmt", list(BLOCKS))
 @pytest.mark.parametrize("t,n,by_position", [(1, 8, False), (8, 64, True)])
 def test_q4k_lowers_for_cuda(fmt, t, n, by_position):
-    """The int4-q4k (int2-q2k, int6-q6k) kernels at the Qwen3-30B-A3B shape (H 2048, I 768: whole super-blocks)
-    compile for CUDA."""
+    """The int4-q4k (int2-q2k, int6-q6k, int6-q6km) kernels at the Qwen3-30B-A3B shape (H 2048, I 768: whole
+    super-blocks) compile for CUDA."""
     _, codes, group, bytes4, rows8 = BLOCKS[fmt]
     s, h, i = 64, 2048, 768
     sd = jax.ShapeDtypeStruct
@@ -516,7 +523,7 @@ def test_q4k_lowers_for_cuda(fmt, t, n, by_position):
 # ---- int2-q2k (GGUF Q2_K's blocks: w = d sc q - dmin m, q four a byte) and int6-q6k (GGUF Q6_K's blocks: w = d sc
 # (q - 32), 48 bytes per 64 inputs; strata_jax/model/quant.py): the q4k tests above run for them too (BLOCKS)
 
-@pytest.mark.parametrize("fmt", ["int2-q2k", "int6-q6k"])
+@pytest.mark.parametrize("fmt", ["int2-q2k", "int6-q6k", "int6-q6km"])
 def test_uint8_codes_refusals(fmt):
     """int2-q2k's and int6-q6k's uint8 codes: one codes dtype a family, codes rows matching the weights, and (int6)
     the packed width of a whole family's."""
@@ -526,9 +533,14 @@ def test_uint8_codes_refusals(fmt):
         expert_ffn(x, gate, up, down, ids, combine, gs, us.astype(jnp.uint16), ds, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         expert_ffn(x, gate, up, down, ids, combine, gs, us, ds[:, :-1], interpret=True)
-    if fmt == quant.Q6K:
+    if fmt in (quant.Q6K, quant.Q6KM):
         with pytest.raises(ValueError, match=r"3H/4\]"):  # up not a whole family's packing
             expert_ffn(x, gate, up[..., :-48], down, ids, combine, gs, us, ds, interpret=True)
+    if fmt == quant.Q6KM:  # codes rows neither int6-q6k's nor int6-q6km's; int6-q6k's codes for one of gate / up
+        with pytest.raises(ValueError, match="do not match"):
+            expert_ffn(x, gate, up, down, ids, combine, gs[:, :-2], us[:, :-2], ds, interpret=True)
+        with pytest.raises(ValueError, match="do not match"):
+            expert_ffn(x, gate, up, down, ids, combine, gs, us[:, :us.shape[1] // 2], ds, interpret=True)
 
 
 # ---- GGUF types kept as read: int8-g (Q8_0, Q6_K, Q3_K, Q5_K, Q2_K) and int4 with float32 scales (Q4_0, Q4_1) --------
@@ -680,3 +692,31 @@ def test_mixed_lowers_for_cuda(down_fmt, t, n, by_position):
              sd((rows, 5 * h // 128, i), jnp.uint16), sd((rows, 5 * h // 128, i), jnp.uint16),
              sd((*lead, i // f.group, h), jnp.float32))
     assert _lower_scaled(specs, n, by_position).count("__gpu$xla.gpu.triton") == 2
+
+
+# ---- int4-q4k gate/up beside int6-q6km down (a Q4_K_M file's down family of Q4_K and Q6_K layers) -------------------
+
+def test_q4k_beside_q6km_down():
+    """gate/up int4-q4k, down int6-q6km (with minima): the kernel (interpret mode) against its reference and the
+    float64 model, scales by slot and by window position; and both families' kernels lower for CUDA at the
+    Qwen3-30B-A3B shape."""
+    from strata_jax.model import quant
+    slots = [3, 0, 6, -1, 1, 7, 2, 4]
+    x, gate, up, _, ids, combine, gs, us, _ = make_quant_case("t3_h256_i256", quant.Q4K, seed=None, slot_ids=slots)
+    *_, down, _, _, _, _, ds = make_quant_case("t3_h256_i256", quant.Q6KM, seed=None, slot_ids=slots)
+    args = (x, gate, up, down, ids, combine, gs, us, ds)
+    assert gs.dtype == jnp.uint16 and ds.dtype == down.dtype == jnp.uint8 and ds.shape[1] == 9 * 256 // 64
+    out = expert_ffn(*args, interpret=True)
+    assert rel_fro(out, expert_ffn_reference(*args)) < REF_RTOL
+    assert rel_fro(out, f64_quant_model(*args)) < MODEL_RTOL_FRESH
+    window = [sc[jnp.maximum(ids, 0)] for sc in (gs, us, ds)]
+    positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    by_position = expert_ffn(x, gate, up, down, ids, combine, *window, scale_ids=positions, interpret=True)
+    assert rel_fro(by_position, out) < REF_RTOL
+    t, n, s, h, i = 4, 32, 64, 2048, 768
+    sd = jax.ShapeDtypeStruct
+    specs = (sd((t, h), jnp.bfloat16), sd((s, i, h // 2), jnp.uint8), sd((s, i, h // 2), jnp.uint8),
+             sd((s, h, i * 3 // 4), jnp.uint8), sd((n,), jnp.int32), sd((t, n), jnp.float32),
+             sd((s, 5 * h // 128, i), jnp.uint16), sd((s, 5 * h // 128, i), jnp.uint16),
+             sd((s, 9 * i // 64, h), jnp.uint8))
+    assert _lower_scaled(specs, n, False).count("__gpu$xla.gpu.triton") == 2
