@@ -493,8 +493,11 @@ def kept_expert_format(folder: str | Path) -> str | None:
 def _experts_held(types: dict, expert_format: str, quantized: bool) -> str:
     """What the engine holds of experts of `types` in `expert_format`: the types kept as read, the others
     requantized."""
-    from strata_jax.model.quant import Q6KM, QK_K, get_format, holds, keeps
+    from strata_jax.model.quant import Q6K, Q6KM, QK_K, get_format, holds, keeps
     kept = sorted(t for t in types if keeps(expert_format, t))
+    if expert_format == Q6K and "Q3_K" in kept and len(kept) == len(types):  # Q3_K re-laid-out, not as stored
+        return (f"{expert_format} ({get_format(Q6K).bits_per_weight(QK_K):.2f} bpw: {'+'.join(kept)}'s values as "
+                "read, in Q6_K's blocks: Q3_K's q + 32, its scale sc - 32)")
     if expert_format == Q6KM and len(kept) == len(types):
         return (f"{expert_format} ({get_format(Q6KM).bits_per_weight(QK_K):.2f} bpw: {'+'.join(kept)}'s values as "
                 "read, q + 32 in 6 bits, a scale and a minimum per 16 inputs)")

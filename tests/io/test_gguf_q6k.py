@@ -157,7 +157,7 @@ def test_logits_equal_the_dequantized_model(q6k_models, engine_factory, cache_di
     if name == "Q6_K":
         assert "experts Q6_K (6.56 bpw) -> int6-q6k (6.56 bpw: Q6_K's blocks as stored)" in line, line
     else:
-        assert "-> int6-q6k (6.56 bpw: Q3_K+Q6_K's blocks as stored)" in line, line
+        assert "-> int6-q6k (6.56 bpw: Q3_K+Q6_K's values as read, in Q6_K's blocks" in line, line
     assert "experts: int6-q6k, GGUF Q6_K's" in err, err
     assert rel_fro(engine.prefill_logits(test_gguf.IDS), ref) < 1e-5
     if placement["expert_cache_slots"] != "all":  # the slots and the pool hold the packed form

@@ -3,7 +3,7 @@
 # of 128 slots, both reading the same file; our down experts now packed (Q2_K file: int6-q6k; Q4_K_M: int6-q6km).
 set -u; export PYTHONPATH=.:$PWD/.peer/wheels/gguf-0.19.0-py3-none-any.whl PYTHONUNBUFFERED=1; L=/tmp/llama.cpp; T0=$SECONDS
 Q=${Q:-Q4_K_M,Q2_K}; G=/dev/shm/qwen3-30b-a3b-12.gguf
-while [ "$(wc -l < /tmp/quant.done 2>/dev/null || echo 0)" -lt 2 ] && [ $((SECONDS - T0)) -lt 120 ]; do sleep 3; done
+while [ "$(wc -l < /tmp/quant.done 2>/dev/null || echo 0)" -lt 2 ] && [ $((SECONDS - T0)) -lt 170 ]; do sleep 3; done
 cat /tmp/quant.done 2>/dev/null; ls -la /dev/shm/ | grep gguf
 timeout $((588 - (SECONDS - T0))) python3 -m benchmarks.peer_bench --layers=12 --gguf=$G --quant=$Q \
   --llama_bench=$L/build/bin/llama-bench --gguf_py=$PWD/.peer/wheels/gguf-0.19.0-py3-none-any.whl --ncmoe=6,9 --reps=2 \
