@@ -296,9 +296,12 @@ def run_ours(s, cfg, model_path: Path | None = None, warmup: bool = True) -> lis
                          host_gap_ms=statistics.median(host), start_s=start_s, compile_s=engine.stats.compile_s,
                          scanned=engine.scanned, pcie_mb_per_token=statistics.median(pcie),
                          expert_dtype=engine.options.expert_dtype, experts=cfg.num_experts, **offload))
+        # the row's offload figures now, not only in the final table (a call cut by its time limit keeps them)
+        cache = (f"; hit rate {rows[-1]['hit_rate']:.1%}, PCIe {rows[-1]['pcie_mb_per_token']:.2f} MB a token, "
+                 f"pcie_frac {rows[-1]['pcie_frac']:g}" if offload else "")
         common.progress(f"ours [{name}]: {tok_s:.1f} tok/s (median of {s.reps}; {rows[-1]['windows']} windows, "
-                        f"{rows[-1]['drafts_accepted']}/{rows[-1]['drafts_proposed']} drafts accepted; start-up "
-                        f"{start_s:.1f} s, compile {engine.stats.compile_s:.1f} s)")
+                        f"{rows[-1]['drafts_accepted']}/{rows[-1]['drafts_proposed']} drafts accepted{cache}; "
+                        f"start-up {start_s:.1f} s, compile {engine.stats.compile_s:.1f} s)")
         del engine
         jax.clear_caches()
     return rows

@@ -381,9 +381,12 @@ def test_peer_bench_quant_reads_each_quantized_file(tmp_path, capsys, cache_dir,
             "--reps=1", "--read_mib=0", "--nowarmup_arm", f"--gguf={f16}"]
     result = peer_bench.main(args + [f"--llama_bench={bench}"])
     assert sorted(p.name for p in tmp_path.glob("tiny-*.gguf")) == ["tiny-Q2_K.gguf", "tiny-Q4_K_M.gguf"]
-    table = [[c.strip() for c in ln.split("|")[1:-1]] for ln in capsys.readouterr().out.splitlines()
-             if ln.startswith("|")]
+    captured = capsys.readouterr()
+    table = [[c.strip() for c in ln.split("|")[1:-1]] for ln in captured.out.splitlines() if ln.startswith("|")]
     assert table[0][:4] == ["type", "engine", "arm", "% expert bytes in VRAM"] and len(table) == 2 + 2 * 3
+    # each arm's progress line carries its hit rate and PCIe bytes (a run cut before the table keeps them)
+    done = [ln for ln in captured.err.splitlines() if f"ours [{ours}]: " in ln and "tok/s" in ln]
+    assert len(done) == 2 and all("hit rate " in ln and "MB a token, pcie_frac 1" in ln for ln in done), done
     for qtype, fmt in (("Q4_K_M", "int4-q4k"), ("Q2_K", "int2-q2k/int4-q4k")):
         entry = result["types"][qtype]
         assert entry["path"] == str(tmp_path / f"tiny-{qtype}.gguf") and len(entry["layer_expert_bytes"]) == 2
