@@ -476,13 +476,13 @@ def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_h
            "int4-g32m": "GGUF Q4_1's blocks: a float32 scale and minimum per 32 inputs, two weights a byte",
            "int8-g32": "GGUF Q8_0 / Q5_0's (or IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, IQ1_S's) blocks: one float32 "
                        "scale per 32 inputs, a byte a weight",
-           "int8-g16": "GGUF IQ2_XS, IQ2_S, IQ1_M's (or Q6_K / Q3_K's, by name) blocks: one float32 scale per 16 inputs, a "
-                       "byte a weight",
+           "int8-g16": "GGUF IQ2_XS, IQ2_S, IQ1_M's (or Q6_K / Q3_K's, by name) blocks: one float32 scale per 16 "
+                       "inputs, a byte a weight",
            "int8-g32m": "GGUF Q5_K / Q5_1's blocks: a float32 scale and minimum per 32 inputs, a byte a weight",
-           "int8-g16m": "GGUF Q2_K's blocks or the values of a family of mixed types (Q4_K_M's down: Q4_K, "
-                        "Q6_K): a float32 scale and minimum per 16 inputs, a byte a weight"}
+           "int8-g16m": "GGUF Q2_K's blocks (by name) or the values of a family of mixed types int6-q6km does not "
+                        "hold (Q8_0 beside Q6_K): a float32 scale and minimum per 16 inputs, a byte a weight"}
     full = cfg.num_sparse_layers * cfg.num_experts * cfg.expert_bytes(jnp.dtype(opts.dtype).itemsize)
-    kept = all(f in quant.GGUF_KEPT.values() or f == quant.WIDE for f in formats)
+    kept = all(f in quant.GGUF_KEPT.values() or f in (quant.WIDE, quant.Q6KM) for f in formats)  # GGUF's values
     at_load = "read as stored or quantized at load" if kept else "quantized at load"
     held = (f"{formats[0]}, {how[formats[0]]}" if formats[0] == formats[1] else  # per family: each its own
             f"gate/up {formats[0]}, {how[formats[0]]}; down {formats[1]}, {how[formats[1]]}")

@@ -196,12 +196,16 @@ def test_a_q3k_q5k_down_family_is_held_in_int6_q6km(mixed_models, cache_dir):
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS[:2])
-def test_q4k_q6k_down_mix_logits_equal_the_dequantized_model(mixed_models, engine_factory, cache_dir, placement):
+def test_q4k_q6k_down_mix_logits_equal_the_dequantized_model(mixed_models, engine_factory, cache_dir, placement,
+                                                             capfd):
     """Down stacks Q6_K in layer 0, Q4_K in layer 1 (int6-q6km) beside Q4_K gate/up: float32 logits equal the
-    dequantized checkpoint's, resident and offloaded (the slots, PCIe fetches and the pool's C kernel)."""
+    dequantized checkpoint's, resident and offloaded (the slots, PCIe fetches and the pool's C kernel); the
+    experts' start-up line says they are read as stored."""
     path, deq_folder, _ = mixed_models(("Q6_K", "Q4_K"))
     ref = engine_factory(deq_folder, **EXACT)
-    engine = Engine.from_pretrained(path, cache_dir=str(cache_dir), dtype="float32", **placement)
+    engine = Engine.from_pretrained(path, cache_dir=str(cache_dir), dtype="float32", verbose=True, **placement)
+    line = next(ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("experts: "))
+    assert "; down int6-q6km, " in line and "(read as stored or quantized at load)" in line, line
     assert engine.options.expert_dtype == "int4-q4k/int6-q6km"
     if placement.get("pcie_frac") == "0.5":
         store = engine.placement.pool.store
