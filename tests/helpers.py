@@ -98,6 +98,46 @@ def block_writer_round_trip(rng, fmt: str, writer, qtype: str):
     return w, want, qa
 
 
+def assert_blocks_are(packed, codes, want, fmt: str) -> None:
+    """A block format's packed q [..., O, stored] and codes [..., O, C] (a GGUF tensor read into `fmt`) are that
+    format's by their shapes, and dequantize to `want` (gguf.quants' float32 values) bit for bit: in numpy and on the
+    device (the codes group-major there, as the engine holds them)."""
+    from strata_jax.model import quant
+    assert packed.dtype == np.uint8 and quant.block_format(codes.dtype, packed.shape[-1], codes.shape[-1]) == fmt
+    np.testing.assert_array_equal(quant.blocks_dequantize(packed, codes).view(np.uint32), want.view(np.uint32))
+    device_codes = jnp.asarray(np.swapaxes(codes, -1, -2))
+    for dequantize in (quant.dequantize_engine_blocks, quant.dequantize_engine_int4):
+        dev = np.asarray(dequantize(jnp.asarray(packed), device_codes, jnp.float32))
+        np.testing.assert_array_equal(dev.view(np.uint32), want.view(np.uint32))
+
+
+# The C expert kernel's builds the packed formats' tests run in: the default one (the engine's), AVX2 and the last
+# portable fallback (no -march, no OpenMP: GNU vectors, SSE2)
+KERNEL_BUILDS = ("default", "avx2", "plain")
+
+
+def use_kernel_build(build: str, monkeypatch, tmp_path):
+    """The host pool's C kernel built here with `build`'s flags (KERNEL_BUILDS) and made the one the pool uses
+    (native.experts_kernel patched, the native path on); skips where there is no compiler, or AVX2 on another ISA."""
+    import platform
+
+    from strata_jax.host_pool import native
+    if native.experts_kernel() is None:
+        pytest.skip(native.describe_experts())
+    if build == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX2 is x86's")
+    kernel = native.experts_kernel()
+    flags = {"avx2": ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"),
+             "plain": native.EXPERTS_FLAGS[-1]}.get(build)
+    if flags is not None:
+        path = tmp_path / f"{build}.so"
+        native._compile(native._find_compiler(), flags, path, native.EXPERTS_SOURCE)
+        kernel = native.ExpertsKernel(path)
+    monkeypatch.setenv(native.ENV, "1")
+    monkeypatch.setattr(native, "experts_kernel", lambda: kernel)
+    return kernel
+
+
 def pool_error_float32(pool, weights, rng, T: int) -> float:
     """One float32 pool job of T tokens (experts 2, 0, 1 and a padding entry, random weights a row) against the
     float64 reference FFN over `weights` (their values as float32): rel_fro of the pool's y."""

@@ -3,14 +3,12 @@
 where the pool reads them (native_experts.c a row at a time, `scale_row`; numpy a chunk at a time,
 `records_scale_min`) into the same float32 s and mn as `block_scale_min` gives."""
 
-import platform
 
 import gguf
 import numpy as np
 import pytest
 
-from helpers import pool_error_float32, rng_for
-from strata_jax.host_pool import native
+from helpers import KERNEL_BUILDS, pool_error_float32, rng_for, use_kernel_build
 from strata_jax.host_pool import store as store_module
 from strata_jax.model import quant
 
@@ -80,30 +78,16 @@ def test_pool_is_gguf_weights_times_x(make_pool, pool_path, fmt, T):
     assert pool_error_float32(make_pool([layer], "float32", threads=2), weights, rng, T) < 1e-6
 
 
-BUILDS = {"default": None, "avx2": ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"),
-          "plain": native.EXPERTS_FLAGS[-1]}  # plain: the last fallback (no -march, no OpenMP: GNU vectors, SSE2)
-
-
-@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
 def test_q4k_records_give_the_float_scales_bits(make_pool, monkeypatch, tmp_path, build):
     """The C kernel on int4-q4k's records (decoded a row at a time, native_experts.c scale_row) and on the same
     weights held as int4-m's float32 scale rows (block_scale_min, the former store's form): the same bits, in the
     default build, the AVX2 one and the portable fallback (each built here, as test_host_pool_native's plain build
     test does: native._compile, then native.experts_kernel patched)."""
-    if native.experts_kernel() is None:
-        pytest.skip(native.describe_experts())
-    if build == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("AVX2 is x86's")
-    kernel = native.experts_kernel()
-    if BUILDS[build] is not None:
-        path = tmp_path / f"{build}.so"
-        native._compile(native._find_compiler(), BUILDS[build], path, native.EXPERTS_SOURCE)
-        kernel = native.ExpertsKernel(path)
+    use_kernel_build(build, monkeypatch, tmp_path)
     rng = rng_for(f"packed-float-bits-{build}")
     _, layer = make_layer(rng, quant.Q4K)
     held = (*layer[:3], *(store_module.block_scale_min(c).reshape(*c.shape[:2], 2, -1) for c in layer[3:]))
-    monkeypatch.setenv(native.ENV, "1")
-    monkeypatch.setattr(native, "experts_kernel", lambda: kernel)
     for compute in ("float32", "bfloat16"):
         pools = [make_pool([layer], compute if compute == "float32" else None, threads=2),
                  make_pool([held], compute if compute == "float32" else None, threads=2)]

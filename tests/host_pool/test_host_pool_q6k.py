@@ -7,8 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from helpers import pool_error_float32, rng_for
-from strata_jax.host_pool import native
+from helpers import pool_error_float32, rng_for, use_kernel_build
 from strata_jax.host_pool import store as store_module
 from strata_jax.model import quant
 
@@ -63,14 +62,10 @@ def test_chunks_of_the_store_are_gguf_values(random_blocks):
         np.testing.assert_array_equal(got.view(np.uint32), w[2, 5:200].view(np.uint32))
 
 
-@pytest.mark.parametrize("native_kernel", [True, False])
 @pytest.mark.parametrize("T", [1, 3, 6])
-def test_pool_is_gguf_weights_times_x(make_pool, monkeypatch, native_kernel, T):
-    """The pool (float32 compute; the C kernel and numpy's chunks) against the float64 FFN over
+def test_pool_is_gguf_weights_times_x(make_pool, pool_path, T):
+    """The pool (float32 compute; the C kernel and numpy's chunks: pool_path) against the float64 FFN over
     gguf.quants.dequantize's float32 weights."""
-    if native_kernel and native.experts_kernel() is None:
-        pytest.skip(native.describe_experts())
-    monkeypatch.setenv(native.ENV, "1" if native_kernel else "0")
     rng = rng_for(f"q6k-pool-{T}")
     weights, layer = make_layer(rng)
     pool = make_pool([layer], "float32", threads=2)
@@ -82,18 +77,7 @@ def test_pool_is_gguf_weights_times_x(make_pool, monkeypatch, native_kernel, T):
 def test_other_builds(make_pool, monkeypatch, tmp_path, build):
     """The C kernel's int6-q6k loop in the AVX2 build and the portable fallback (each built here, as
     test_host_pool_packed's builds test does): gguf's weights times x, float32 and bf16 compute."""
-    import platform
-
-    from test_host_pool_packed import BUILDS
-    if native.experts_kernel() is None:
-        pytest.skip(native.describe_experts())
-    if build == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("AVX2 is x86's")
-    path = tmp_path / f"{build}.so"
-    native._compile(native._find_compiler(), BUILDS[build], path, native.EXPERTS_SOURCE)
-    kernel = native.ExpertsKernel(path)
-    monkeypatch.setenv(native.ENV, "1")
-    monkeypatch.setattr(native, "experts_kernel", lambda: kernel)
+    use_kernel_build(build, monkeypatch, tmp_path)
     rng = rng_for(f"q6k-build-{build}")
     weights, layer = make_layer(rng, random_blocks=True)
     for T in (1, 4, 5):

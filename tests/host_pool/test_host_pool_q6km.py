@@ -3,17 +3,14 @@ super-block records (store.py `block_records(fmt="int6-q6km")`: fp16 d, fp16 dmi
 7.125 bits a weight, decoded where the pool reads them (native_experts.c `q6km_record` a row at a time; numpy
 `q6k_records_scales(minima=True)` a chunk at a time); each weight fma(q - 32, s, -mn) in int2-q2k's dot loop."""
 
-import platform
 
 import gguf
 import numpy as np
 import pytest
 
-from helpers import pool_error_float32, rng_for
-from strata_jax.host_pool import native
+from helpers import KERNEL_BUILDS, pool_error_float32, rng_for, use_kernel_build
 from strata_jax.host_pool import store as store_module
 from strata_jax.model import quant
-from test_host_pool_packed import BUILDS
 
 E, H, I = 3, 512, 256  # whole super-blocks of 256
 
@@ -67,13 +64,10 @@ def test_chunks_of_the_store_are_gguf_values():
         np.testing.assert_array_equal(got.view(np.uint32), w[2, 5:200].view(np.uint32))
 
 
-@pytest.mark.parametrize("native_kernel", [True, False])
 @pytest.mark.parametrize("T", [1, 5])
-def test_pool_is_gguf_weights_times_x(make_pool, monkeypatch, native_kernel, T):
-    """The pool (float32 compute; the C kernel and numpy's chunks) against the float64 FFN over gguf's weights."""
-    if native_kernel and native.experts_kernel() is None:
-        pytest.skip(native.describe_experts())
-    monkeypatch.setenv(native.ENV, "1" if native_kernel else "0")
+def test_pool_is_gguf_weights_times_x(make_pool, pool_path, T):
+    """The pool (float32 compute; the C kernel and numpy's chunks: pool_path) against the float64 FFN over gguf's
+    weights."""
     rng = rng_for(f"q6km-pool-{T}")
     weights, layer = make_layer(rng)
     pool = make_pool([layer], "float32", threads=2)
@@ -81,22 +75,12 @@ def test_pool_is_gguf_weights_times_x(make_pool, monkeypatch, native_kernel, T):
     assert pool_error_float32(pool, weights, rng, T) < 1e-6
 
 
-@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
 def test_builds_give_int2_q2k_and_int6_q6k_bits(make_pool, monkeypatch, tmp_path, build):
     """In each build (default, AVX2, portable): Q2_K blocks held as int6-q6km (q + 32, the same s and mn) give
     int2-q2k's output bits, Q6_K blocks held as int6-q6km (m = dmin = 0) int6-q6k's (fma(q, s, -0) is q s), float32
     and bf16 compute; and a layer of Q4_K, Q5_K, Q6_K is gguf's weights times x."""
-    if native.experts_kernel() is None:
-        pytest.skip(native.describe_experts())
-    if build == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("AVX2 is x86's")
-    kernel = native.experts_kernel()
-    if BUILDS[build] is not None:
-        path = tmp_path / f"{build}.so"
-        native._compile(native._find_compiler(), BUILDS[build], path, native.EXPERTS_SOURCE)
-        kernel = native.ExpertsKernel(path)
-    monkeypatch.setenv(native.ENV, "1")
-    monkeypatch.setattr(native, "experts_kernel", lambda: kernel)
+    use_kernel_build(build, monkeypatch, tmp_path)
     rng = rng_for(f"q6km-build-{build}")
     for qtype, own in (("Q2_K", "int2-q2k"), ("Q6_K", "int6-q6k")):
         seed = int(rng.integers(1 << 30))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import block_writer_round_trip
+from helpers import assert_blocks_are, block_writer_round_trip
 from strata_jax.model import quant
 
 Q6_K = gguf.GGMLQuantizationType.Q6_K
@@ -39,13 +39,8 @@ def test_q6k_blocks_dequantize_to_gguf_values(seed):
     assert packed.shape == (3, 8, 384) and packed.dtype == np.uint8
     assert codes.shape == (3, 8, 36) and codes.dtype == np.uint8
     assert packed.nbytes + codes.nbytes == raw.nbytes  # the file's bytes, moved
-    assert quant.block_format(codes.dtype, packed.shape[-1], codes.shape[-1]) == quant.Q6K
     np.testing.assert_array_equal(quant.q6k_dequantize(packed, codes).view(np.uint32), want.view(np.uint32))
-    np.testing.assert_array_equal(quant.blocks_dequantize(packed, codes).view(np.uint32), want.view(np.uint32))
-    device_codes = jnp.asarray(np.swapaxes(codes, -1, -2))  # group-major [..., 9G/8, O]
-    for dequantize in (quant.dequantize_engine_blocks, quant.dequantize_engine_int4):
-        dev = np.asarray(dequantize(jnp.asarray(packed), device_codes, jnp.float32))
-        np.testing.assert_array_equal(dev.view(np.uint32), want.view(np.uint32))
+    assert_blocks_are(packed, codes, want, quant.Q6K)
     # the same values gguf_kept's int8-g16 held (the one byte a weight form)
     q, s = quant.gguf_kept(raw, "Q6_K")
     np.testing.assert_array_equal(quant.kept_dequantize(q, s), want)
@@ -75,10 +70,8 @@ def test_q3k_blocks_held_in_int6_q6k_exactly():
         assert np.isfinite(want).all() and np.count_nonzero(want) > want.size // 2
         packed, codes = quant.q6k_from_q3k_blocks(raw)
         assert packed.shape == (*shape[:-1], shape[-1] * 3 // 4) and codes.shape == (*shape[:-1], shape[-1] * 9 // 128)
-        assert quant.block_format(codes.dtype, packed.shape[-1], codes.shape[-1]) == quant.Q6K
         np.testing.assert_array_equal(quant.q6k_dequantize(packed, codes).view(np.uint32), want.view(np.uint32))
-        dev = quant.dequantize_engine_blocks(jnp.asarray(packed), jnp.asarray(np.swapaxes(codes, -1, -2)), jnp.float32)
-        np.testing.assert_array_equal(np.asarray(dev).view(np.uint32), want.view(np.uint32))
+        assert_blocks_are(packed, codes, want, quant.Q6K)
     assert quant.GGUF_KEPT["Q3_K"] == quant.GGUF_KEPT["Q6_K"] == quant.Q6K
     assert quant.keeps("int8-g16", "Q3_K") and quant.keeps(quant.Q6K, "Q3_K") and not quant.keeps(quant.Q6K, "Q4_K")
 

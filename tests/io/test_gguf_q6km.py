@@ -4,11 +4,10 @@ file's down experts: Q4_K and Q6_K) is held packed at 7.125 bits a weight."""
 from __future__ import annotations
 
 import gguf
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import block_writer_round_trip
+from helpers import assert_blocks_are, block_writer_round_trip
 from strata_jax.model import quant
 
 # where each K type's fp16 d and dmin sit in its block (Q6_K and Q3_K: d only)
@@ -28,15 +27,9 @@ def test_k_types_held_in_int6_q6km_exactly(qtype):
         want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
         assert np.isfinite(want).all() and np.count_nonzero(want) > want.size // 2 and (want < 0).any()
         packed, codes = quant.q6km_from_blocks(raw, qtype)
-        assert packed.dtype == codes.dtype == np.uint8
         assert packed.shape == (*shape[:-1], shape[-1] * 3 // 4) and codes.shape == (*shape[:-1], shape[-1] * 9 // 64)
-        assert quant.block_format(codes.dtype, packed.shape[-1], codes.shape[-1]) == quant.Q6KM
         np.testing.assert_array_equal(quant.q6k_dequantize(packed, codes).view(np.uint32), want.view(np.uint32))
-        np.testing.assert_array_equal(quant.blocks_dequantize(packed, codes).view(np.uint32), want.view(np.uint32))
-        device_codes = jnp.asarray(np.swapaxes(codes, -1, -2))  # group-major [..., 9G/4, O]
-        for dequantize in (quant.dequantize_engine_blocks, quant.dequantize_engine_int4):
-            dev = np.asarray(dequantize(jnp.asarray(packed), device_codes, jnp.float32))
-            np.testing.assert_array_equal(dev.view(np.uint32), want.view(np.uint32))
+        assert_blocks_are(packed, codes, want, quant.Q6KM)
         assert quant.keeps(quant.Q6KM, qtype) and quant.holds(quant.Q6KM, qtype)
 
 
