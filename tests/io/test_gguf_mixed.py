@@ -96,7 +96,7 @@ PLACEMENTS = [dict(expert_cache_slots="all"), dict(expert_cache_slots="3", pcie_
               dict(expert_cache_slots="3", pcie_frac="1")]
 
 
-@pytest.mark.parametrize("down_type,placement", [("Q6_K", p) for p in PLACEMENTS] + [("Q8_0", PLACEMENTS[1])])
+@pytest.mark.parametrize("down_type,placement", [("Q6_K", p) for p in PLACEMENTS[:2]] + [("Q8_0", PLACEMENTS[1])])
 def test_logits_equal_the_dequantized_model(mixed_models, engine_factory, cache_dir, down_type, placement, capfd):
     path, deq_folder, _ = mixed_models(down_type)
     fmt = HELD[down_type]
@@ -226,15 +226,6 @@ def test_each_family_takes_its_own_width():
         quant.engine_format("int2-q2k", (256, 96))
     with pytest.raises(ValueError, match="width"):
         quant.engine_format("int8-g32/int2-q2k", (256, 96))
-
-
-def test_q4k_q6k_families_under_the_kernel_scan_offloaded(mixed_models, engine_factory, cache_dir, monkeypatch):
-    """Q4_K gate/up beside Q6_K down (int4-q4k/int6-q6k), offloaded to 3 slots with expert_kernel=pallas (bf16,
-    interpret mode on the CPU): each family's kernel form in the scanned offload graph, fetches and the pool's C
-    kernel, within bf16 rounding of all resident through the XLA path."""
-    path, _, _ = mixed_models("Q6_K")
-    gguf_kernel_offload_check(engine_factory, monkeypatch, cache_dir, path, IDS, np.uint8, np.uint8,
-                              "int4-q4k/int6-q6k")
 
 
 def test_q4k_q6km_families_under_the_kernel_scan_offloaded(mixed_models, engine_factory, cache_dir, monkeypatch):

@@ -130,7 +130,6 @@ def test_experts_are_kept_packed(q6k_models, cache_dir, name):
 
 @pytest.mark.parametrize("name,placement", [
     ("Q6_K", dict(expert_cache_slots="all")),
-    ("Q6_K", dict(expert_cache_slots="3", pcie_frac="0.5", cpu_threads=2)),
     ("Q3_K+Q6_K", dict(expert_cache_slots="3", pcie_frac="0.5", cpu_threads=2)),
 ])
 def test_logits_equal_the_dequantized_model(q6k_models, engine_factory, cache_dir, name, placement, capfd):

@@ -455,8 +455,11 @@ BLOCKS = {"int4-q4k": ("Q4_K", jnp.uint16, 32, 2, 10), "int2-q2k": ("Q2_K", jnp.
           "int6-q6k": ("Q6_K", jnp.uint8, 16, 3, 9), "int6-q6km": ("Q4_K", jnp.uint8, 16, 3, 18)}
 
 
-@pytest.mark.parametrize("fmt", list(BLOCKS))
-@pytest.mark.parametrize("name,tuning", [("t3_h256_i256", {}), ("t3_h256_i256", "small"), ("t1_h512_i256", {})])
+# every block form at the default blocks; the small blocks and the one-row window for the two code layouts (uint16
+# codes: int4-q4k; uint8 codes with minima rows: int6-q6km), the block loops being shared by the forms
+@pytest.mark.parametrize("fmt,name,tuning", [(f, "t3_h256_i256", {}) for f in BLOCKS] + [
+    (f, case, tuning) for f in ("int4-q4k", "int6-q6km") for case, tuning in (("t3_h256_i256", "small"),
+                                                                              ("t1_h512_i256", {}))])
 def test_q4k_kernel_matches_reference(fmt, name, tuning):
     """The kernel (interpret mode) against its reference and the float64 model of the exactly dequantized weights;
     the weights both read (quant's dequantization and the reference's own) are gguf.quants.dequantize's of the same
