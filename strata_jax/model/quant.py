@@ -347,7 +347,7 @@ def codes_halves(codes: np.ndarray, expert_format: str) -> np.ndarray:
     """A block format's per-row codes (int4-q4k's uint16 [..., 5G/4]; uint8: int2-q2k's [..., 5G/4], int6-q6k's
     [..., 9G/8], int6-q6km's [..., 9G/4]) -> their fp16 d (and dmin) [..., B] ([..., 2B])."""
     c = codes.shape[-1]
-    start = {Q6K: c * 8 // 9, Q6KM: c * 8 // 9}.get(expert_format, c * 4 // 5)  # after the G (q6km: 2G) group bytes
+    start = c * 8 // 9 if expert_format in (Q6K, Q6KM) else c * 4 // 5  # after the G (q6km: 2G) group bytes
     return np.ascontiguousarray(codes[..., start:]).view(np.float16)
 
 
@@ -451,21 +451,25 @@ def q6k_from_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return pack_int6(q), np.ascontiguousarray(codes)
 
 
-def q6k_scales(codes: np.ndarray) -> np.ndarray:
-    """int6-q6k codes [..., 9G/8] uint8 (numpy, per row) -> s = d * sc float32 [..., G] (exact: 11 bits times 8)."""
+def _int6_scales(codes: np.ndarray, minima: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """int6-q6k's codes [..., 9G/8] or int6-q6km's [..., 9G/4] (minima) uint8 (numpy, per row) -> (s = d sc,
+    mn = dmin m or None) float32 [..., G] (exact: 11 bits times 8)."""
     codes = np.asarray(codes, np.uint8)
-    g = codes.shape[-1] * 8 // 9
-    d = np.ascontiguousarray(codes[..., g:]).view(np.float16).astype(np.float32)  # [..., B]
-    return np.repeat(d, 16, axis=-1) * codes[..., :g].view(np.int8).astype(np.float32)
+    g = codes.shape[-1] * (4 if minima else 8) // 9
+    halves = np.ascontiguousarray(codes[..., (2 if minima else 1) * g:]).view(np.float16).astype(np.float32)
+    halves = np.repeat(halves, 16, axis=-1)  # [..., G] d, then (minima) [..., G] dmin
+    s = halves[..., :g] * codes[..., :g].view(np.int8).astype(np.float32)
+    return s, (halves[..., g:] * codes[..., g:2 * g].astype(np.float32) if minima else None)
+
+
+def q6k_scales(codes: np.ndarray) -> np.ndarray:
+    """int6-q6k codes [..., 9G/8] uint8 (numpy, per row) -> s = d * sc float32 [..., G]."""
+    return _int6_scales(codes, False)[0]
 
 
 def q6km_scales(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """int6-q6km codes [..., 9G/4] uint8 (numpy, per row) -> (s = d sc, mn = dmin m) float32 [..., G] (exact)."""
-    codes = np.asarray(codes, np.uint8)
-    g = codes.shape[-1] * 4 // 9
-    halves = np.ascontiguousarray(codes[..., 2 * g:]).view(np.float16).astype(np.float32)  # [..., 2B]: d, dmin
-    d, dmin = (np.repeat(h, 16, axis=-1) for h in np.split(halves, 2, axis=-1))
-    return d * codes[..., :g].view(np.int8).astype(np.float32), dmin * codes[..., g:2 * g].astype(np.float32)
+    return _int6_scales(codes, True)
 
 
 def q6k_dequantize(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
@@ -473,7 +477,7 @@ def q6k_dequantize(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
     = d sc first, as gguf.quants computes it (its float32 values bit for bit); int6-q6km's (codes [..., O, 9G/4]):
     s (q - 32) - mn."""
     minima = block_format(codes.dtype, packed.shape[-1], codes.shape[-1]) == Q6KM
-    s, mn = q6km_scales(codes) if minima else (q6k_scales(codes), None)  # [..., O, G]
+    s, mn = _int6_scales(codes, minima)  # [..., O, G]
     q = unpack_int6(packed).astype(np.int8) - np.int8(32)
     x = q.astype(np.float32).reshape(*q.shape[:-1], s.shape[-1], 16) * s[..., None]
     if minima:
@@ -822,6 +826,15 @@ def gguf_blocks_random(qtype: str, shape: tuple[int, ...], seed: int = 0, d_scal
     return b.reshape(*lead, -1)
 
 
+def _fp16_rows(rows):
+    """Byte rows [..., 2B, O] uint8 (each fp16 two rows, low byte first: the uint8 codes' d and dmin) -> float32
+    [..., B, O] (jnp)."""
+    import jax
+    import jax.numpy as jnp
+    r = rows.astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(r[..., 0::2, :] | (r[..., 1::2, :] << 8), jnp.float16).astype(jnp.float32)
+
+
 def block_scales_device(codes, groups: int):
     """block_scales on the device (jnp): codes [..., 5G/4, O] group-major (the engine's; uint16: int4-q4k, uint8:
     int2-q2k, its fp16 d and dmin two rows each, low byte first) -> (s, mn) float32 [..., G, O]."""
@@ -830,10 +843,8 @@ def block_scales_device(codes, groups: int):
     c = codes[..., :groups, :].astype(jnp.int32)
     rows = codes[..., groups:, :]
     bits = 6 if codes.dtype == jnp.uint16 else 4
-    if codes.dtype == jnp.uint8:
-        r = rows.astype(jnp.uint16)
-        rows = r[..., 0::2, :] | (r[..., 1::2, :] << 8)
-    halves = jax.lax.bitcast_convert_type(rows, jnp.float16).astype(jnp.float32)  # [..., 2B, O]: d, then dmin
+    halves = (_fp16_rows(rows) if codes.dtype == jnp.uint8  # [..., 2B, O]: d, then dmin
+              else jax.lax.bitcast_convert_type(rows, jnp.float16).astype(jnp.float32))
     nb = halves.shape[-2] // 2
     d, dmin = (jnp.repeat(h, groups // nb, axis=-2) for h in (halves[..., :nb, :], halves[..., nb:, :]))
     return d * (c & ((1 << bits) - 1)).astype(jnp.float32), dmin * (c >> bits).astype(jnp.float32)
@@ -861,29 +872,17 @@ def dequantize_engine_blocks(packed, codes, dtype):
 q4k_scales_device = block_scales_device
 
 
-def q6k_scales_device(codes):
-    """q6k_scales on the device (jnp): int6-q6k's engine codes [..., 9G/8, O] uint8 (group-major; d two rows a
-    super-block, low byte first) -> s = d * sc float32 [..., G, O]."""
+def int6_scales_device(codes, minima: bool):
+    """_int6_scales on the device (jnp): int6-q6k's engine codes [..., 9G/8, O] or int6-q6km's [..., 9G/4, O]
+    (minima) uint8, group-major (G rows of int8 sc, with minima G of uint8 m, then d (and dmin) two rows a
+    super-block) -> (s = d sc, mn = dmin m or None) float32 [..., G, O]."""
     import jax
     import jax.numpy as jnp
-    g = codes.shape[-2] * 8 // 9
+    g = codes.shape[-2] * (4 if minima else 8) // 9
     sc = jax.lax.bitcast_convert_type(codes[..., :g, :], jnp.int8).astype(jnp.float32)
-    r = codes[..., g:, :].astype(jnp.uint16)
-    d = jax.lax.bitcast_convert_type(r[..., 0::2, :] | (r[..., 1::2, :] << 8), jnp.float16).astype(jnp.float32)
-    return jnp.repeat(d, 16, axis=-2) * sc
-
-
-def q6km_scales_device(codes):
-    """q6km_scales on the device (jnp): int6-q6km's engine codes [..., 9G/4, O] uint8 (group-major: G rows of int8
-    sc, G of uint8 m, then d and dmin two rows a super-block each, low byte first) -> (s, mn) float32 [..., G, O]."""
-    import jax
-    import jax.numpy as jnp
-    g = codes.shape[-2] * 4 // 9
-    sc = jax.lax.bitcast_convert_type(codes[..., :g, :], jnp.int8).astype(jnp.float32)
-    r = codes[..., 2 * g:, :].astype(jnp.uint16)
-    halves = jax.lax.bitcast_convert_type(r[..., 0::2, :] | (r[..., 1::2, :] << 8), jnp.float16).astype(jnp.float32)
-    d, dmin = (jnp.repeat(h, 16, axis=-2) for h in jnp.split(halves, 2, axis=-2))
-    return d * sc, dmin * codes[..., g:2 * g, :].astype(jnp.float32)
+    halves = jnp.repeat(_fp16_rows(codes[..., (2 if minima else 1) * g:, :]), 16, axis=-2)  # d, then dmin
+    s = halves[..., :g, :] * sc
+    return s, (halves[..., g:, :] * codes[..., g:2 * g, :].astype(jnp.float32) if minima else None)
 
 
 def dequantize_engine_q6k(packed, codes, dtype):
@@ -891,7 +890,7 @@ def dequantize_engine_q6k(packed, codes, dtype):
     (float32: gguf's values); int6-q6km (codes [..., 9G/4, O]): s (q - 32) - mn."""
     import jax.numpy as jnp
     minima = block_format(codes.dtype, packed.shape[-1], codes.shape[-2]) == Q6KM
-    s, mn = q6km_scales_device(codes) if minima else (q6k_scales_device(codes), None)
+    s, mn = int6_scales_device(codes, minima)
     s = jnp.swapaxes(s, -1, -2)  # [..., O, G]
     lead = packed.shape[:-1]
     p = packed.reshape(*lead, -1, 48).astype(jnp.int32)  # [..., O, chunks, 48]
