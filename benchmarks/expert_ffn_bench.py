@@ -40,18 +40,19 @@ flags.DEFINE_integer("bw_mib", 0, "Array size of the bandwidth read in MiB (0 = 
                      lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file (rewritten after each T).", flag_values=FLAGS)
 runner.define_output_flag(FLAGS)
-# Kernel tuning (see strata_jax.pallas_kernels.expert_ffn.expert_ffn).
-flags.DEFINE_integer("block_i", 32, "Gate/up kernel: rows of I per program.", lower_bound=16, flag_values=FLAGS)
-flags.DEFINE_integer("block_k", 256, "Gate/up kernel: H chunk of its loop.", lower_bound=16, flag_values=FLAGS)
-flags.DEFINE_integer("block_h", 32, "Down kernel: output columns per program.", lower_bound=16, flag_values=FLAGS)
-flags.DEFINE_integer("block_i_down", 256, "Down kernel: I chunk of its loop.", lower_bound=16, flag_values=FLAGS)
-flags.DEFINE_integer("n_split", 4, "Down kernel: programs sharing one column block's experts.", lower_bound=1,
+# Kernel tuning (see strata_jax.pallas_kernels.expert_ffn.expert_ffn); 0: the kernel's own for the window size
+# (expert_ffn.tuning).
+flags.DEFINE_integer("block_i", 0, "Gate/up kernel: rows of I per program.", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_integer("block_k", 0, "Gate/up kernel: H chunk of its loop.", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_integer("block_h", 0, "Down kernel: output columns per program.", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_integer("block_i_down", 0, "Down kernel: I chunk of its loop.", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_integer("n_split", 0, "Down kernel: programs sharing one column block's experts.", lower_bound=0,
                      flag_values=FLAGS)
-flags.DEFINE_integer("num_warps", 4, "Triton warps per program (both kernels).", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("num_warps", 0, "Triton warps per program (both kernels).", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("formats", "int8,int4", "Comma list: also time the kernel on quantized experts (strata_jax.model.quant 'int8': one "
                   "scale per output row; 'int4': one per 64 inputs, two weights a byte), quantized from the same bf16 "
                   "experts, each beside its own roofline; empty: bf16 only.", flag_values=FLAGS)
-flags.DEFINE_integer("num_stages", 3, "Triton pipeline stages (both kernels).", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("num_stages", 0, "Triton pipeline stages (both kernels).", lower_bound=0, flag_values=FLAGS)
 
 ID_SETS = 4  # timed calls rotate over this many [inner, N] slot sets
 
@@ -68,8 +69,9 @@ def run(s) -> dict:
     dev = common.device_info()
     on_gpu = dev["platform"] == "gpu"
     interpret = not on_gpu
-    tuning = dict(block_i=s.block_i, block_k=s.block_k, block_h=s.block_h, block_i_down=s.block_i_down,
-                  n_split=s.n_split, num_warps=s.num_warps, num_stages=s.num_stages)
+    tuning = {k: v for k, v in dict(block_i=s.block_i, block_k=s.block_k, block_h=s.block_h,
+                                     block_i_down=s.block_i_down, n_split=s.n_split, num_warps=s.num_warps,
+                                     num_stages=s.num_stages).items() if v}  # the rest: expert_ffn.tuning(T)
     itemsize = 2  # bf16
     expert_bytes = 3 * inter * hidden * itemsize
 
@@ -88,7 +90,7 @@ def run(s) -> dict:
         f"fori_loop of {s.inner} op(s) on different random slots; XLA = moe.expert_ffn on gate[ids], up[ids], "
         f"down[ids] (the gather copy included); Pallas = the two kernels + the wrapper's padding and split sum"
         + ("; includes Python dispatch" if s.inner == 1 else ""))
-    say(f"kernel tuning: {tuning}")
+    say(f"kernel tuning: {tuning or 'the kernel defaults'} (by T: {kernel.TUNING})")
     say()
 
     kw, kg, ku, kd = jax.random.split(jax.random.key(s.seed), 4)

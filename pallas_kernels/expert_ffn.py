@@ -357,13 +357,29 @@ def _padded_tokens(t: int) -> int:
     return max(MIN_DOT, 1 << (t - 1).bit_length())
 
 
+# The knobs' defaults: bf16 experts by window size, a decode window (T <= 4) and a wider one (verify, batched and
+# prefill windows), as the tuning sweep at the Qwen3-30B-A3B shape found them on an H100 / H200; quantized experts keep
+# the one set no sweep has moved (issue 16: their loops step groups, not tiles).
+TUNING = {
+    "decode": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3),
+    "wide": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3),
+    "quantized": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3),
+}
+
+
+def tuning(t: int, quantized: bool = False) -> dict:
+    """The knobs' defaults for a window of t tokens (TUNING)."""
+    return dict(TUNING["quantized" if quantized else "decode" if t <= 4 else "wide"])
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "block_i", "block_k", "block_h", "block_i_down",
                                              "n_split", "num_warps", "num_stages"))
 def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,
                combine: jax.Array, gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
                down_scale: jax.Array | None = None, scale_ids: jax.Array | None = None, *, interpret: bool = False,
-               block_i: int = 32, block_k: int = 256, block_h: int = 32, block_i_down: int = 256, n_split: int = 4,
-               num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+               block_i: int | None = None, block_k: int | None = None, block_h: int | None = None,
+               block_i_down: int | None = None, n_split: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None) -> jax.Array:
     """x [T, H] bf16; gate, up [S, I, H]; down [S, H, I]; slot_ids [N] int32 (-1 = padding); combine [T, N] f32.
     Returns [T, H] float32. Slot ids must be < S (a device value: not checked). T <= 16 costs the same as T = 16.
     int8 experts: gate/up/down int8 with gate_scale, up_scale [R, I] and down_scale [R, H] (float32 or bf16).
@@ -379,7 +395,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
 
     Tuning (static): block_i rows of I per gate/up program, block_k the H chunk of its loop; block_h output columns
     per down program, block_i_down its I chunk, n_split the programs sharing the experts of one column block;
-    num_warps / num_stages for both kernels. Blocks shrink to a power of 2 dividing their dimension."""
+    num_warps / num_stages for both kernels; None: `tuning(T)`'s. Blocks shrink to a power of 2 dividing their
+    dimension."""
     t, hidden = x.shape
     s, inter, _ = gate.shape
     n = slot_ids.shape[0]
@@ -423,6 +440,10 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
                              f"match gate/up {want[0]}, down {want[2]}")
     if combine.shape != (t, n):
         raise ValueError(f"expert_ffn: combine {combine.shape} is not [T, N] = {(t, n)}")
+    given = dict(block_i=block_i, block_k=block_k, block_h=block_h, block_i_down=block_i_down, n_split=n_split,
+                 num_warps=num_warps, num_stages=num_stages)
+    knobs = {**tuning(t, bool(quantized)), **{k: v for k, v in given.items() if v is not None}}
+    block_i, block_k, block_h, block_i_down, n_split, num_warps, num_stages = (knobs[k] for k in given)
     bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
     bh, bid = _block(hidden, block_h, "H"), _block(inter, block_i_down, "I")
     bk, bid = max(bk, group), max(bid, group_down)  # the loops step whole groups (0: not grouped)

@@ -52,6 +52,21 @@ def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, 
         first += n_blocks
 
 
+# The knobs' defaults by window size, a decode window (T <= 4) and a wider one, as the tuning sweep at the
+# Qwen3-30B-A3B shape found them on an H100 / H200 ("qkv": the three products of one input; "o": one matrix).
+TUNING = {
+    ("qkv", "decode"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
+    ("qkv", "wide"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
+    ("o", "decode"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
+    ("o", "wide"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
+}
+
+
+def tuning(t: int, matrices: int) -> dict:
+    """The knobs' defaults for a window of t tokens over `matrices` weight stacks (TUNING)."""
+    return dict(TUNING[("qkv" if matrices > 1 else "o", "decode" if t <= 4 else "wide")])
+
+
 def _pick(dim: int, want: int, what: str) -> int:
     return block_or_error(dim, want, "stacked_linear", what)
 
@@ -59,12 +74,16 @@ def _pick(dim: int, want: int, what: str) -> int:
 @functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k", "k_splits", "num_warps",
                                              "num_stages"))
 def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array, *, interpret: bool = False,
-                   block_n: int = 64, block_k: int = 128, k_splits: int = 4, num_warps: int = 4,
-                   num_stages: int = 3) -> jax.Array:
+                   block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """x [T, K]; weights: a tuple of [L, K, N_j] arrays of x's dtype; layer: int32 scalar -> float32 [T, sum N_j].
-    The layer index is a device value: not checked (0 <= layer < L is the caller's promise)."""
+    The layer index is a device value: not checked (0 <= layer < L is the caller's promise). Knobs None:
+    `tuning(T, len(weights))`'s."""
     t, k = x.shape
     weights = tuple(weights)
+    given = dict(block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)
+    knobs = {**tuning(t, len(weights)), **{n: v for n, v in given.items() if v is not None}}
+    block_n, block_k, k_splits, num_warps, num_stages = (knobs[n] for n in given)
     if not weights or any(w.ndim != 3 or w.shape[:2] != weights[0].shape[:2] or w.shape[1] != k for w in weights):
         raise ValueError(f"stacked_linear: x {x.shape} and weights {[w.shape for w in weights]} do not match "
                          "x [T, K], w_j [L, K, N_j]")
