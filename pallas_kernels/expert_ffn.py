@@ -357,19 +357,20 @@ def _padded_tokens(t: int) -> int:
     return max(MIN_DOT, 1 << (t - 1).bit_length())
 
 
-# The knobs' defaults: bf16 experts by window size, a decode window (T <= 4) and a wider one (verify, batched and
-# prefill windows), as the tuning sweep at the Qwen3-30B-A3B shape found them on an H100 / H200; quantized experts keep
-# the one set no sweep has moved (issue 16: their loops step groups, not tiles).
+# The knobs' defaults: bf16 experts by window size, a decode window (T <= 4) and a wider one up to T = 16 (verify and
+# batched windows: T pads to 16 rows either way), as the tuning sweep at the Qwen3-30B-A3B shape found them on an
+# H100 / H200; prefill chunks (T > 16: tiles of Tp rows) and quantized experts keep the one set no sweep has moved
+# (issue 16: the quantized loops step groups, not tiles).
 TUNING = {
     "decode": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3),
     "wide": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3),
-    "quantized": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3),
+    "prefill": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3),
 }
 
 
 def tuning(t: int, quantized: bool = False) -> dict:
     """The knobs' defaults for a window of t tokens (TUNING)."""
-    return dict(TUNING["quantized" if quantized else "decode" if t <= 4 else "wide"])
+    return dict(TUNING["prefill" if quantized or t > MIN_DOT else "decode" if t <= 4 else "wide"])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_i", "block_k", "block_h", "block_i_down",

@@ -52,18 +52,22 @@ def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, 
         first += n_blocks
 
 
-# The knobs' defaults by window size, a decode window (T <= 4) and a wider one, as the tuning sweep at the
-# Qwen3-30B-A3B shape found them on an H100 / H200 ("qkv": the three products of one input; "o": one matrix).
+# The knobs' defaults by window size, a decode window (T <= 4) and a wider one up to T = 16, as the tuning sweep at the
+# Qwen3-30B-A3B shape found them on an H100 / H200 ("qkv": the three products of one input; "o": one matrix);
+# prefill chunks (T > 16: tiles of Tp rows) keep the one set no sweep has moved.
 TUNING = {
     ("qkv", "decode"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
     ("qkv", "wide"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
     ("o", "decode"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
     ("o", "wide"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
+    "prefill": dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
 }
 
 
 def tuning(t: int, matrices: int) -> dict:
     """The knobs' defaults for a window of t tokens over `matrices` weight stacks (TUNING)."""
+    if t > MIN_DOT:
+        return dict(TUNING["prefill"])
     return dict(TUNING[("qkv" if matrices > 1 else "o", "decode" if t <= 4 else "wide")])
 
 

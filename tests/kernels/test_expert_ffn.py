@@ -154,6 +154,7 @@ def _specs(t: int, n: int, s: int, h: int, i: int):
     (1, 8, 64, 2048, 768, {}),  # Qwen3-30B-A3B, T=1, K=8
     (4, 32, 64, 2048, 768, {}),  # T=4: the decode windows' tuning (expert_ffn.TUNING)
     (8, 64, 128, 2048, 768, {}),  # T=8: the wider windows'
+    (64, 128, 128, 2048, 768, {}),  # a prefill chunk's
     (4, 32, 64, 2048, 768, dict(block_i=64, block_k=512, block_h=64, block_i_down=128, n_split=1, num_warps=8,
                                 num_stages=2)),
     (3, 6, 12, 128, 64, {}),  # the tiny test shape

@@ -63,7 +63,7 @@ def test_bad_shapes_are_refused():
         stacked_linear(x, (jnp.zeros((2, 64, 16), jnp.bfloat16),), jnp.int32(0), interpret=True)
 
 
-@pytest.mark.parametrize("t", [1, 4, 8])  # the decode and the wide windows' tunings (stacked_linear.TUNING)
+@pytest.mark.parametrize("t", [1, 4, 8, 64])  # the decode, wide and prefill windows' tunings (stacked_linear.TUNING)
 def test_lowers_for_cuda_at_the_qwen3_shape(t):
     spec = jax.ShapeDtypeStruct
     L, h = 48, 2048

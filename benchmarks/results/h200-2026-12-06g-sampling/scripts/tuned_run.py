@@ -1,6 +1,6 @@
 """Run a benchmark program with the kernel tuning the sweep found (kernel_sweep.py's JSON): the expert FFN's best
 configuration for T <= 4 (its T=1 row) and for larger windows (its T=8 row), the stacked attention products' for
-q/k/v (x 2048 wide) and o (x 4096 wide), each by T likewise, put in place of the kernels' defaults in every module
+q/k/v (x 2048 wide) and o (x 4096 wide), each by T likewise (prefill chunks, T > 16, keep the defaults), put in place of the kernels' defaults in every module
 that calls them. A measurement aid for one call: the chosen defaults go into the kernels' code afterwards.
 
     PYTHONPATH=. python3 tuned_run.py SWEEP.json benchmarks.peer_bench --layers=24 ...
@@ -20,15 +20,15 @@ orig_ffn, orig_lin = ffn.expert_ffn, sl.stacked_linear
 
 
 @functools.wraps(orig_ffn)
-def tuned_ffn(x, *a, **kw):
-    cfg = ffn_best[1 if x.shape[0] <= 4 else 8]
+def tuned_ffn(x, *a, **kw):  # prefill chunks (T > 16) as the kernel's defaults
+    cfg = {} if x.shape[0] > 16 else ffn_best[1 if x.shape[0] <= 4 else 8]
     return orig_ffn(x, *a, **{**cfg, **kw})
 
 
 @functools.wraps(orig_lin)
 def tuned_lin(x, weights, layer, **kw):
     which = "qkv" if len(tuple(weights)) > 1 else "o"
-    cfg = lin_best[(which, 1 if x.shape[0] <= 4 else 8)]
+    cfg = {} if x.shape[0] > 16 else lin_best[(which, 1 if x.shape[0] <= 4 else 8)]
     return orig_lin(x, weights, layer, **{**cfg, **kw})
 
 
