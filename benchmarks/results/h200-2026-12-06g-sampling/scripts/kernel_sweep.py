@@ -21,6 +21,8 @@ from strata_jax.pallas_kernels import expert_ffn as ffn
 from strata_jax.pallas_kernels import stacked_linear as sl
 
 SMOKE = os.environ.get("SMOKE") == "1"
+SWEEP_S = float(os.environ.get("SWEEP_S", "1e9"))  # each case's share of it (SHARES); past it a case keeps its best
+DEADLINE = 0.0
 H, I, E, K, L = (256, 128, 16, 4, 3) if SMOKE else (2048, 768, 128, 8, 24)
 QN, KVN = (256, 32) if SMOKE else (4096, 512)
 INNER, ITERS = (2, 2) if SMOKE else (20, 30)
@@ -63,7 +65,7 @@ def descend(name, space, default, measure, table):
         moved = False
         for knob, values in space.items():
             for v in values:
-                if v == best[knob]:
+                if v == best[knob] or time.time() > DEADLINE:
                     continue
                 cfg = {**best, knob: v}
                 try:
@@ -82,7 +84,7 @@ def descend(name, space, default, measure, table):
     return best, best_us
 
 
-for t in (1, 8):
+def run_ffn(t):
     n = min(t * K, E)
     x = jnp.asarray(rng.standard_normal((t, H)), jnp.bfloat16)
     comb = np.zeros((t, n), np.float32)
@@ -111,10 +113,13 @@ for t in (1, 8):
     result["ffn"][str(t)] = dict(best=best, best_us=us, default_us=table[0]["us"], mbytes=mb, table=table)
     save()
 
-for label, ns, kdim in (("qkv", (QN, KVN, KVN), H), ("o", (H,), QN)):
+
+
+def run_lin(label, t):
+    ns, kdim = {"qkv": ((QN, KVN, KVN), H), "o": ((H,), QN)}[label]
     ws = tuple((jax.random.normal(jax.random.fold_in(kw, j), (L, kdim, nj), jnp.float32) / np.sqrt(kdim)
                 ).astype(jnp.bfloat16) for j, nj in enumerate(ns))
-    for t in (1, 8):
+    if True:
         x = jnp.asarray(rng.standard_normal((t, kdim)), jnp.bfloat16)
         ref = sl.stacked_linear_reference(x, ws, jnp.int32(1))
 
@@ -137,6 +142,13 @@ for label, ns, kdim in (("qkv", (QN, KVN, KVN), H), ("o", (H,), QN)):
         result["linear"][f"{label}:{t}"] = dict(best=best, best_us=us, default_us=table[0]["us"], mbytes=mb,
                                                table=table)
         save()
+
+
+
+SHARES = {("ffn", 1): 0.3, ("qkv", 1): 0.17, ("o", 1): 0.17, ("ffn", 8): 0.2, ("qkv", 8): 0.08, ("o", 8): 0.08}
+for case, share in SHARES.items():
+    DEADLINE = time.time() + share * SWEEP_S
+    run_ffn(case[1]) if case[0] == "ffn" else run_lin(*case)
 
 bw = common.measure_read_bandwidth((64 if SMOKE else 4096) * 2**20, reps=5)
 result["bandwidth_Bps"] = bw["bandwidth_Bps"]

@@ -21,14 +21,14 @@ orig_ffn, orig_lin = ffn.expert_ffn, sl.stacked_linear
 
 @functools.wraps(orig_ffn)
 def tuned_ffn(x, *a, **kw):  # prefill chunks (T > 16) as the kernel's defaults
-    cfg = {} if x.shape[0] > 16 else ffn_best[1 if x.shape[0] <= 4 else 8]
+    cfg = {} if x.shape[0] > 16 else ffn_best.get(1 if x.shape[0] <= 4 else 8, {})  # a case the sweep left: defaults
     return orig_ffn(x, *a, **{**cfg, **kw})
 
 
 @functools.wraps(orig_lin)
 def tuned_lin(x, weights, layer, **kw):
     which = "qkv" if len(tuple(weights)) > 1 else "o"
-    cfg = {} if x.shape[0] > 16 else lin_best[(which, 1 if x.shape[0] <= 4 else 8)]
+    cfg = {} if x.shape[0] > 16 else lin_best.get((which, 1 if x.shape[0] <= 4 else 8), {})
     return orig_lin(x, weights, layer, **{**cfg, **kw})
 
 
