@@ -13,13 +13,13 @@ Q="temperature=0.7,top_k=20,top_p=0.8"; S=benchmarks/results/h200-2026-12-06g-sa
 BUILD_JOBS=16 setsid nohup nice -n 19 bash benchmarks/peer/build_llama.sh $PWD/.peer/llama.tar.xz $L > /dev/null 2>&1 < /dev/null &
 setsid nohup nice -n 10 bash -c "PYTHONPATH=. python3 benchmarks/peer/write_gguf.py --out=$G.part --model=qwen3-30b-a3b \
   --layers=24 --gguf_py=$WHEEL > /tmp/gguf.log 2>&1 && mv $G.part $G; echo rc=\$? > /tmp/gguf.done" > /dev/null 2>&1 < /dev/null &
-SWEEP_S=${SWEEP_S:-230} timeout 290 python3 $S/kernel_sweep.py /tmp/sweep.json > $OUT/sweep.log 2>&1
+SWEEP_S=${SWEEP_S:-200} timeout 255 python3 $S/kernel_sweep.py /tmp/sweep.json > $OUT/sweep.log 2>&1
 echo "sweep rc=$? at $((SECONDS - T0)) s"; cp /tmp/sweep.json $OUT/ 2>/dev/null; tail -7 $OUT/sweep.log | cut -c1-240
 while { [ ! -f $L.done ] || [ ! -f /tmp/gguf.done ]; } && [ $((SECONDS - T0)) -lt 330 ]; do sleep 3; done
 echo "build: $(cat $L.done 2>/dev/null || echo not done); gguf: $(cat /tmp/gguf.done 2>/dev/null || echo not done) at $((SECONDS - T0)) s"
 tail -1 $L.log | cut -c1-160; ls -la /dev/shm/ | grep gguf
 LB=$L/build/bin/llama-bench; [ -x $LB ] && [ -f $G ] || LB=
-timeout $((470 - (SECONDS - T0))) python3 -m benchmarks.peer_bench --layers=24 --gguf=$G --llama_bench=$LB \
+timeout $((495 - (SECONDS - T0))) python3 -m benchmarks.peer_bench --layers=24 --gguf=$G --llama_bench=$LB \
   --gguf_py=$WHEEL --reps=3 --peer_sampling=$Q --ours="default;$Q" --json=$OUT/peer24.json > $OUT/peer24.log 2>&1
 echo "peer24 rc=$? at $((SECONDS - T0)) s"; grep -E "^\||rror" $OUT/peer24.log | cut -c1-240 | tail -10
 timeout $((588 - (SECONDS - T0))) python3 $S/tuned_run.py /tmp/sweep.json benchmarks.peer_bench --layers=24 \
