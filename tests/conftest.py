@@ -161,15 +161,19 @@ def pytest_runtest_protocol(item, nextitem):
         f.write(json.dumps(row) + "\n")
 
 
-# The files that take longest on the 2-core CPU machine (tests/conftest.py TESTS_COMPILE_REPORT, 2026-12-03,
-# seconds of one worker, less this round's cuts: benchmarks/results/cpu-2026-12-03-test-durations), longest first:
-# pytest-xdist hands out whole files in collection order, so these start first and the short ones fill the
-# workers' ends (one long file left for last would run alone).
-SLOW_FILES = ("test_parallel.py", "test_offload.py", "test_hf_next.py", "test_spec.py", "test_benchmarks.py",
-              "test_decode_attention.py", "test_train_reference.py", "test_hf_reference.py", "test_expert_ffn.py",
-              "test_cli.py", "test_decode.py", "test_quant.py", "test_route_approx.py", "test_defer.py",
-              "test_kv_int8.py", "test_agent_turns_bench.py", "test_scan.py", "test_loader.py",
-              "test_kernel_benches.py", "test_prefill_chunks.py", "test_chat.py", "test_api_inputs.py")
+# The files that take longest on the 2-core CPU machine (tests/conftest.py TESTS_COMPILE_REPORT, 2026-12-06: seconds
+# of one worker in `make test`, less this round's cuts; the 2026-12-03 list had fallen behind the files added since,
+# so test_slot_plan, test_gguf_kept, test_batch_offload and test_prefetch ran last, each ~1-2 minutes), longest first:
+# pytest-xdist hands out whole files in collection order, so these start first and the short ones fill the workers'
+# ends (one long file left for last would run alone).
+SLOW_FILES = ("test_parallel.py", "test_expert_ffn.py", "test_offload.py", "test_gguf_kept.py",
+              "test_batch_offload.py", "test_benchmarks.py", "test_decode_attention.py", "test_spec.py",
+              "test_quant.py", "test_sampling.py", "test_hf_next.py", "test_slot_plan.py", "test_gguf_llama.py",
+              "test_gguf_q4k.py", "test_hf_reference.py", "test_route_approx.py", "test_prefetch.py", "test_serve.py",
+              "test_gguf_mixed.py", "test_defer.py", "test_cli.py", "test_train_reference.py", "test_scan.py",
+              "test_kv_int8.py", "test_agent_turns_bench.py", "test_batch.py", "test_decode.py", "test_loader.py",
+              "test_gguf.py", "test_gguf_q6k.py", "test_host_pool_native.py", "test_route_prior.py",
+              "test_api_inputs.py", "test_gated_delta.py", "test_kernel_benches.py", "test_prefill_chunks.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -448,8 +448,10 @@ def _batch_args(k, v):
     return ((k.q, v.q), dict(k_scale=k.scale, v_scale=v.scale)) if hasattr(k, "scale") else ((k, v), {})
 
 
-@pytest.mark.parametrize("kv", ["f32", "bf16", "int8"])
-@pytest.mark.parametrize("name", BATCH_CASES.keys())
+# every case in every cache dtype but the Qwen3 shape in bf16 (~10 s interpreted): bf16 at that shape is
+# test_kernel_matches_reference[qwen3_t1_s2112-bf16], the batch kernel's bf16 path the three small cases'
+@pytest.mark.parametrize("name,kv", [(name, kv) for name in BATCH_CASES for kv in ("f32", "bf16", "int8")
+                                     if (name, kv) != ("qwen3_b4_s2112", "bf16")])
 def test_batch_kernel_matches_reference(name, kv):
     """Each row over its own cache row up to its own position: the kernel (interpreted) against the batched
     reference within the single-sequence bounds; with garbage past every row's position and in every cache row no

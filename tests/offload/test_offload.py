@@ -58,7 +58,9 @@ def test_logits_and_greedy_do_not_depend_on_placement(engine_factory, reference,
     for frac in (1.0, 0.0, 0.5):  # 1.0 compiles without the host pool, the others with it
         for policy in ("lru", "static"):
             eng.reconfigure(pcie_frac=frac, cache_policy=policy)
-            for w in (1, 2, 3, 4):
+            # every window size at 5 slots (some resident, some not); the empty and the full cache (what their slot
+            # counts change is the plan, not the window's rows) at T = 1 and 4, the smallest and the widest graph
+            for w in (1, 2, 3, 4) if slots == 5 else (1, 4):
                 got = eng.score(tokens, window=w)
                 assert rel_fro(got, ref_scores[w]) <= REL_TOL, (policy, frac, w)
                 # the same window run again on a now-warm cache

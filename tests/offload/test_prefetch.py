@@ -24,15 +24,20 @@ def reference(engine_factory, tokens):
     return {w: eng.score(tokens, window=w) for w in (1, 3)}, eng.generate(tokens[:7], 10, stop_token_ids=[])
 
 
-@pytest.mark.parametrize("slots,prefetch", [(3, 2), (8, 4)])
-def test_prefetch_gives_all_residents_logits_and_tokens(engine_factory, reference, tokens, slots, prefetch):
+# (3, 2) runs every split and policy; (8, 4), another slot count and prefetch depth, the lru split that fetches
+# everything (a policy or split change rebuilds the graphs, ~15 s each here; the split and the static policy are
+# (3, 2)'s: the prefetch code is the same at every slot count)
+@pytest.mark.parametrize("slots,prefetch,variants", [(3, 2, ((1.0, "lru"), (0.5, "lru"), (1.0, "static"))),
+                                                     (8, 4, ((1.0, "lru"),))], ids=["3-2", "8-4"])
+def test_prefetch_gives_all_residents_logits_and_tokens(engine_factory, reference, tokens, slots, prefetch,
+                                                        variants):
     ref_scores, ref_greedy = reference
     eng = engine_factory(None, dtype="float32", window=3, context=64, expert_cache_slots=slots, pcie_frac=1.0,
                          cpu_threads=2, prefetch=prefetch)
     assert eng.scanned_offload and eng.decode_expert_path.prefetch == prefetch
     # one prefetch call in the scanned body (the decode windows), none in the prefill
     assert eng.compiled.decode[1].as_text().count('custom_call_target="strata_offload_prefetch"') == 1
-    for frac, policy in ((1.0, "lru"), (0.5, "lru"), (1.0, "static")):
+    for frac, policy in variants:
         eng.reconfigure(pcie_frac=frac, cache_policy=policy)
         for w in (1, 3):
             assert rel_fro(eng.score(tokens, window=w), ref_scores[w]) <= REL_TOL, (frac, policy, w)
