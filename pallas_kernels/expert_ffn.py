@@ -192,8 +192,18 @@ def _x_sum(x_at, k, group: int):
     return jnp.sum(x_at(pl.ds(k * group, group)).astype(jnp.float32), axis=1, keepdims=True)
 
 
+def _row_sums(w, v_at, rows: int, tp: int):
+    """The "sum" reduction: [Tp, BO] f32 with row r < rows the products of w [BO, BK] (f32) with v_at(r) [BK]
+    summed over BK (a GEMV a token, no 16-row padding of a tl.dot), rows past `rows` zero."""
+    out = jnp.zeros((tp, w.shape[0]), jnp.float32)
+    at = jax.lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
+    for r in range(rows):
+        out = out + jnp.where(at == r, jnp.sum(w * v_at(r).astype(jnp.float32)[None, :], axis=1)[None, :], 0.0)
+    return out
+
+
 def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None, group: int,
-                    form: str | None = None):
+                    form: str | None = None, sum_rows: int = 0):
     """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8, or [S, I, H/2] int4 (whole arrays, indexed
     by slot); quantized ("int8" / "int4"): then scale ids [Np] and gate/up scales [R, I] / [R, H/g, I] (indexed by
     scale id); h block [Tp, BI]."""
@@ -224,6 +234,13 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
                     u += xs * u_bias
             return g, u
 
+        def body_sum(k, carry):  # reduce="sum": bf16 weights, the window's sum_rows tokens one GEMV each
+            g, u = carry
+            cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+            wg, wu = (w_ref[slot, rows, cols].astype(jnp.float32) for w_ref in (gate_ref, up_ref))  # [BI, BK]
+            x_at = lambda r: x_ref[r, cols]
+            return g + _row_sums(wg, x_at, sum_rows, tp), u + _row_sums(wu, x_at, sum_rows, tp)
+
         def body(k, carry):
             g, u = carry
             cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
@@ -236,7 +253,8 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
             return g, u
 
         zero = jnp.zeros((tp, bi), jnp.float32)
-        g, u = jax.lax.fori_loop(0, hidden // block_k, body_grouped if group else body, (zero, zero))
+        g, u = jax.lax.fori_loop(0, hidden // block_k, body_grouped if group else body_sum if sum_rows else body,
+                                 (zero, zero))
         if form == "row":  # each output row's scale, before the rounding below
             g = g * gs_ref[srow, rows].astype(jnp.float32)[None, :]
             u = u * us_ref[srow, rows].astype(jnp.float32)[None, :]
@@ -247,7 +265,7 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
 
 
 def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: str | None, group: int,
-                 form: str | None = None):
+                 form: str | None = None, sum_rows: int = 0):
     """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 or int8, or [S, H, I/2] int4 (whole); quantized: then
     scale ids [Np] and down scales [R, H] (int8) or [R, I/g, H] (int4); comb [Np, Tp] f32; out block [Tp, BH] f32."""
     sids_ref, ds_ref, comb_ref, out_ref = refs if quantized else (None, None, *refs)
@@ -274,6 +292,11 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
                         y += _x_sum(h_at, grp, group) * d_bias
                 return y
 
+            def body_sum(k, y):  # reduce="sum": the window's sum_rows tokens one GEMV each
+                ik = pl.ds(pl.multiple_of(k * block_i, block_i), block_i)
+                return y + _row_sums(down_ref[slot, cols, ik].astype(jnp.float32), lambda r: h_ref[n, r, ik],
+                                     sum_rows, tp)
+
             def body(k, y):
                 ik = pl.ds(pl.multiple_of(k * block_i, block_i), block_i)
                 w = down_ref[slot, cols, ik]  # [BH, BI]
@@ -282,7 +305,7 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
                 # [Tp, BI] x [BH, BI]^T -> [Tp, BH] f32
                 return y + plgpu.dot(h_ref[n, :, ik], w, trans_b=True)
 
-            y = jax.lax.fori_loop(0, inter // block_i, body_grouped if group else body,
+            y = jax.lax.fori_loop(0, inter // block_i, body_grouped if group else body_sum if sum_rows else body,
                                   jnp.zeros((tp, bh), jnp.float32))
             if form == "row":
                 y = y * ds_ref[srow, cols].astype(jnp.float32)[None, :]
@@ -362,9 +385,12 @@ def _padded_tokens(t: int) -> int:
 # H100 / H200; prefill chunks (T > 16: tiles of Tp rows) and quantized experts keep the one set no sweep has moved
 # (issue 16: the quantized loops step groups, not tiles).
 TUNING = {
-    "decode": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3),
-    "wide": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3),
-    "prefill": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3),
+    "decode": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
+                   reduce="dot"),
+    "wide": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
+                 reduce="dot"),
+    "prefill": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
+                    reduce="dot"),
 }
 
 
@@ -374,13 +400,13 @@ def tuning(t: int, quantized: bool = False) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_i", "block_k", "block_h", "block_i_down",
-                                             "n_split", "num_warps", "num_stages"))
+                                             "n_split", "num_warps", "num_stages", "reduce"))
 def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,
                combine: jax.Array, gate_scale: jax.Array | None = None, up_scale: jax.Array | None = None,
                down_scale: jax.Array | None = None, scale_ids: jax.Array | None = None, *, interpret: bool = False,
                block_i: int | None = None, block_k: int | None = None, block_h: int | None = None,
                block_i_down: int | None = None, n_split: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None) -> jax.Array:
+               num_stages: int | None = None, reduce: str | None = None) -> jax.Array:
     """x [T, H] bf16; gate, up [S, I, H]; down [S, H, I]; slot_ids [N] int32 (-1 = padding); combine [T, N] f32.
     Returns [T, H] float32. Slot ids must be < S (a device value: not checked). T <= 16 costs the same as T = 16.
     int8 experts: gate/up/down int8 with gate_scale, up_scale [R, I] and down_scale [R, H] (float32 or bf16).
@@ -396,8 +422,9 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
 
     Tuning (static): block_i rows of I per gate/up program, block_k the H chunk of its loop; block_h output columns
     per down program, block_i_down its I chunk, n_split the programs sharing the experts of one column block;
-    num_warps / num_stages for both kernels; None: `tuning(T)`'s. Blocks shrink to a power of 2 dividing their
-    dimension."""
+    num_warps / num_stages for both kernels; reduce "dot" (tl.dot over T padded to 16 rows) or "sum" (bf16
+    experts, T <= 4: each token's products summed over the chunk, a GEMV a token; quantized experts and wider
+    windows take "dot"); None: `tuning(T)`'s. Blocks shrink to a power of 2 dividing their dimension."""
     t, hidden = x.shape
     s, inter, _ = gate.shape
     n = slot_ids.shape[0]
@@ -442,9 +469,12 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     if combine.shape != (t, n):
         raise ValueError(f"expert_ffn: combine {combine.shape} is not [T, N] = {(t, n)}")
     given = dict(block_i=block_i, block_k=block_k, block_h=block_h, block_i_down=block_i_down, n_split=n_split,
-                 num_warps=num_warps, num_stages=num_stages)
+                 num_warps=num_warps, num_stages=num_stages, reduce=reduce)
     knobs = {**tuning(t, bool(quantized)), **{k: v for k, v in given.items() if v is not None}}
-    block_i, block_k, block_h, block_i_down, n_split, num_warps, num_stages = (knobs[k] for k in given)
+    block_i, block_k, block_h, block_i_down, n_split, num_warps, num_stages, reduce = (knobs[k] for k in given)
+    if reduce not in ("dot", "sum"):
+        raise ValueError(f"expert_ffn: reduce must be 'dot' or 'sum' (got {reduce!r})")
+    sum_rows = t if reduce == "sum" and t <= 4 and not quantized and not quantized_down else 0
     bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
     bh, bid = _block(hidden, block_h, "H"), _block(inter, block_i_down, "I")
     bk, bid = max(bk, group), max(bid, group_down)  # the loops step whole groups (0: not grouped)
@@ -466,7 +496,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # the full array, indexed in-kernel
     gu_scales = (*sids, gate_scale, up_scale) if quantized else ()
     h = pl.pallas_call(  # gate/up in their family's format
-        functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized, group=group, form=form),
+        functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized, group=group, form=form,
+                          sum_rows=sum_rows),
         grid=(np_, inter // bi),
         in_specs=[whole((np_,)), whole((tp, hidden)), whole(gate.shape), whole(up.shape),
                   *(whole(sc.shape) for sc in gu_scales)],
@@ -478,7 +509,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     d_scales = (*sids, down_scale) if quantized else ()
     partials = pl.pallas_call(  # down in its own
         functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized_down,
-                          group=group_down, form=form_down),
+                          group=group_down, form=form_down, sum_rows=sum_rows),
         grid=(hidden // bh, splits),
         in_specs=[whole((np_,)), whole(h.shape), whole(down.shape), *(whole(sc.shape) for sc in d_scales),
                   whole(comb.shape)],

@@ -89,6 +89,21 @@ def test_kernel_small_blocks(name):
     assert rel_fro(out, f64_model(*args)) < MODEL_RTOL
 
 
+@pytest.mark.parametrize("name,blocks", [("t1_eight_experts", {}), ("t3_unused_repeat_pad", SMALL_BLOCKS),
+                                         ("t3_h96_i48", {})])
+def test_sum_reduction_matches(name, blocks):
+    """reduce="sum" (a GEMV a token, T <= 4): the float64 model's rounding points and the reference's bounds, with
+    one loop step or several; a padding slot's NaNs still never read."""
+    x, gate, up, down, ids, combine = make_case(**CASES[name])
+    poison = (lambda w: w.at[0].set(jnp.nan)) if 0 not in np.asarray(ids).tolist() else (lambda w: w)
+    out = expert_ffn(x, poison(gate), poison(up), poison(down), ids, combine, interpret=True, reduce="sum",
+                     **blocks)
+    assert rel_fro(out, f64_model(x, gate, up, down, ids, combine)) < MODEL_RTOL
+    assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < REF_RTOL
+    with pytest.raises(ValueError, match="reduce"):
+        expert_ffn(x, gate, up, down, ids, combine, interpret=True, reduce="max")
+
+
 def test_padding_reads_nothing():
     """A padding slot (-1) is skipped, not read as slot 0 with weight 0: NaNs in slot 0 do not reach the output."""
     x, gate, up, down, ids, combine = make_case(**CASES["t3_unused_repeat_pad"])
@@ -157,6 +172,8 @@ def _specs(t: int, n: int, s: int, h: int, i: int):
     (64, 128, 128, 2048, 768, {}),  # a prefill chunk's
     (4, 32, 64, 2048, 768, dict(block_i=64, block_k=512, block_h=64, block_i_down=128, n_split=1, num_warps=8,
                                 num_stages=2)),
+    (1, 8, 64, 2048, 768, dict(reduce="sum")),  # a GEMV a token
+    (4, 32, 64, 2048, 768, dict(reduce="sum", block_i=16, block_k=128, num_warps=8)),
     (3, 6, 12, 128, 64, {}),  # the tiny test shape
     (3, 6, 12, 128, 64, SMALL_BLOCKS),
 ])

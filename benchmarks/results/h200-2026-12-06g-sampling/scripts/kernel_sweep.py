@@ -1,8 +1,8 @@
 """Tuning sweep of the decode window's two largest kernels at the Qwen3-30B-A3B shape: the expert FFN (bf16, T = 1
-and 8; N = T x 8 distinct experts of 128) and the stacked attention products (q/k/v: K 2048 -> 4096 + 512 + 512; o:
-K 4096 -> 2048; T = 1 and 8, read at a rotating layer of 24 stacked). Coordinate descent from the kernels' defaults:
-one knob at a time over its values, the others held, two passes. Each time is the median of synced calls, a call a
-fori_loop of INNER ops over other slots / layers (so L2 serves no repeat), divided by INNER.
+and 8; N = T x 8 distinct experts of 128; at T = 1 also its reduction, tl.dot or a GEMV a token) and the stacked
+attention products (q/k/v: K 2048 -> 4096 + 512 + 512; o: K 4096 -> 2048; T = 1 and 8, read at a rotating layer of
+24 stacked). Coordinate descent from the kernels' defaults: one knob at a time over its values, the others held, two
+passes. Each time is the median of synced calls, a call a fori_loop of INNER ops over other slots / layers (so L2 serves no repeat), divided by INNER.
 
     PYTHONPATH=. python3 kernel_sweep.py OUT.json   [SMOKE=1: tiny shapes in interpret mode, a syntax check]
 """
@@ -49,9 +49,10 @@ up = (jax.random.normal(ku, (E, I, H), jnp.float32) / np.sqrt(H)).astype(jnp.bfl
 down = (jax.random.normal(kd, (E, H, I), jnp.float32) / np.sqrt(I)).astype(jnp.bfloat16)
 rng = np.random.default_rng(0)
 
-FFN_SPACE = dict(block_i=[16, 32, 64], block_k=[128, 256, 512], block_h=[16, 32, 64], block_i_down=[128, 256],
+FFN_SPACE = dict(reduce=["dot", "sum"], block_i=[16, 32, 64], block_k=[128, 256, 512], block_h=[16, 32, 64], block_i_down=[128, 256],
                  n_split=[1, 2, 4, 8], num_warps=[2, 4, 8], num_stages=[2, 3, 4])
-FFN_DEFAULT = dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3)
+FFN_DEFAULT = dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
+                   reduce="dot")
 LIN_SPACE = dict(block_n=[32, 64, 128], block_k=[64, 128, 256], k_splits=[1, 2, 4, 8, 16], num_warps=[2, 4, 8],
                  num_stages=[2, 3, 4])
 LIN_DEFAULT = dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3)
@@ -85,6 +86,7 @@ def descend(name, space, default, measure, table):
 
 
 def run_ffn(t):
+    space = FFN_SPACE if t <= 4 else {k: v for k, v in FFN_SPACE.items() if k != "reduce"}  # "sum": T <= 4
     n = min(t * K, E)
     x = jnp.asarray(rng.standard_normal((t, H)), jnp.bfloat16)
     comb = np.zeros((t, n), np.float32)
@@ -108,7 +110,7 @@ def run_ffn(t):
         return timed(f, lambda i: (x, ids[i % 4]))
 
     table = []
-    best, us = descend(f"expert_ffn T={t}", FFN_SPACE, FFN_DEFAULT, measure, table)
+    best, us = descend(f"expert_ffn T={t}", space, FFN_DEFAULT, measure, table)
     mb = n * 3 * H * I * 2 / 1e6
     result["ffn"][str(t)] = dict(best=best, best_us=us, default_us=table[0]["us"], mbytes=mb, table=table)
     save()
