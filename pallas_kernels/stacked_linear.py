@@ -29,7 +29,7 @@ from .blocks import MIN_DOT, block_or_error, pow2_divisor
 
 
 def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, k_per_split: int,
-                           col_blocks: tuple[int, ...]):
+                           col_blocks: tuple[int, ...], sum_rows: int = 0):
     """layer [1] int32; x [Tp, K]; w_j [L, K, N_j] (whole, indexed in-kernel); out block [Tp, BN] f32."""
     w_refs, o_ref = refs[:-1], refs[-1]
     b, s = pl.program_id(0), pl.program_id(1)
@@ -44,7 +44,17 @@ def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, 
             ks = pl.ds(pl.multiple_of(s * k_per_split + k * block_k, block_k), block_k)
             return acc + plgpu.dot(x_ref[:, ks], w_ref[layer, ks, cols], precision=precision)  # [Tp, BN]
 
-        o_ref[...] = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((tp, block_n), jnp.float32))
+        def body_sum(k, acc):  # reduce="sum": each of the window's sum_rows tokens a GEMV, no 16-row tl.dot
+            ks = pl.ds(pl.multiple_of(s * k_per_split + k * block_k, block_k), block_k)
+            w = w_ref[layer, ks, cols].astype(jnp.float32)  # [BK, BN]
+            at = lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
+            for r in range(sum_rows):
+                y = jnp.sum(w * x_ref[r, ks].astype(jnp.float32)[:, None], axis=0)  # [BN]
+                acc = acc + jnp.where(at == r, y[None, :], 0.0)
+            return acc
+
+        o_ref[...] = lax.fori_loop(0, k_per_split // block_k, body_sum if sum_rows else body,
+                                   jnp.zeros((tp, block_n), jnp.float32))
 
     first = 0
     for w_ref, n_blocks in zip(w_refs, col_blocks):  # the matrix that owns column block b
@@ -56,11 +66,11 @@ def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, 
 # Qwen3-30B-A3B shape found them on an H100 / H200 ("qkv": the three products of one input; "o": one matrix);
 # prefill chunks (T > 16: tiles of Tp rows) keep the one set no sweep has moved.
 TUNING = {
-    ("qkv", "decode"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
-    ("qkv", "wide"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
-    ("o", "decode"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
-    ("o", "wide"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
-    "prefill": dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3),
+    ("qkv", "decode"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot"),
+    ("qkv", "wide"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot"),
+    ("o", "decode"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot"),
+    ("o", "wide"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot"),
+    "prefill": dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot"),
 }
 
 
@@ -76,18 +86,23 @@ def _pick(dim: int, want: int, what: str) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k", "k_splits", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "reduce"))
 def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array, *, interpret: bool = False,
                    block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+                   num_warps: int | None = None, num_stages: int | None = None,
+                   reduce: str | None = None) -> jax.Array:
     """x [T, K]; weights: a tuple of [L, K, N_j] arrays of x's dtype; layer: int32 scalar -> float32 [T, sum N_j].
-    The layer index is a device value: not checked (0 <= layer < L is the caller's promise). Knobs None:
+    The layer index is a device value: not checked (0 <= layer < L is the caller's promise). reduce: "dot"
+    (tl.dot over T padded to 16 rows) or "sum" (T <= 4: a GEMV a token; wider windows take "dot"). Knobs None:
     `tuning(T, len(weights))`'s."""
     t, k = x.shape
     weights = tuple(weights)
-    given = dict(block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)
+    given = dict(block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
+                 reduce=reduce)
     knobs = {**tuning(t, len(weights)), **{n: v for n, v in given.items() if v is not None}}
-    block_n, block_k, k_splits, num_warps, num_stages = (knobs[n] for n in given)
+    block_n, block_k, k_splits, num_warps, num_stages, reduce = (knobs[n] for n in given)
+    if reduce not in ("dot", "sum"):
+        raise ValueError(f"stacked_linear: reduce must be 'dot' or 'sum' (got {reduce!r})")
     if not weights or any(w.ndim != 3 or w.shape[:2] != weights[0].shape[:2] or w.shape[1] != k for w in weights):
         raise ValueError(f"stacked_linear: x {x.shape} and weights {[w.shape for w in weights]} do not match "
                          "x [T, K], w_j [L, K, N_j]")
@@ -106,7 +121,7 @@ def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Arra
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     partials = pl.pallas_call(
         functools.partial(_stacked_linear_kernel, block_n=bn, block_k=bk, k_per_split=k_per_split,
-                          col_blocks=col_blocks),
+                          col_blocks=col_blocks, sum_rows=t if reduce == "sum" and t <= 4 else 0),
         grid=(sum(col_blocks), splits),
         in_specs=[whole((1,)), whole(xp.shape), *[whole(w.shape) for w in weights]],
         out_specs=pl.BlockSpec((None, tp, bn), lambda b, s: (s, 0, b)),

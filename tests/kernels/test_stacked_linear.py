@@ -36,6 +36,9 @@ def make(seed, t, k, ns, n_layers, layer, dtype):
     (3, 128, (64, 32, 32), dict(block_n=16, block_k=32, k_splits=4)),  # q/k/v-like: three matrices, one launch
     (8, 96, (48,), dict(block_n=32, block_k=32, k_splits=3)),  # blocks shrink to divide N and K
     (17, 64, (32, 16), {}),  # T past 16: padded to 32
+    (1, 64, (64,), dict(block_n=16, block_k=16, k_splits=2, reduce="sum")),  # a GEMV a token
+    (3, 128, (64, 32, 32), dict(block_n=16, block_k=32, k_splits=4, reduce="sum")),
+    (8, 96, (48,), dict(block_n=32, block_k=32, reduce="sum")),  # wider than 4: tl.dot all the same
 ])
 def test_kernel_matches_reference(dtype, t, k, ns, tuning):
     n_layers, layer = 3, 1
@@ -45,6 +48,12 @@ def test_kernel_matches_reference(dtype, t, k, ns, tuning):
     assert got.shape == (t, sum(ns)) and got.dtype == jnp.float32
     assert np.isfinite(np.asarray(got)).all()  # no other layer's poison was read
     assert rel_fro(got, want) < 1e-5
+
+
+def test_unknown_reduction_is_refused():
+    x, ws = make(4, 1, 64, (32,), 2, 0, jnp.float32)
+    with pytest.raises(ValueError, match="reduce"):
+        stacked_linear(x, ws, jnp.int32(0), interpret=True, reduce="max")
 
 
 def test_traced_layer_index():
@@ -72,6 +81,7 @@ def test_lowers_for_cuda_at_the_qwen3_shape(t):
                          spec((L, h, 512), jnp.bfloat16), spec((), jnp.int32))
     assert qkv.count("__gpu$xla.gpu.triton") == 1
     assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2, %arg3\)", qkv)  # the stacks, in place
-    o = lower_for_cuda(lambda x, w, i: stacked_linear(x, (w,), i), spec((t, 4096), jnp.bfloat16),
+    o = lower_for_cuda(lambda x, w, i: stacked_linear(x, (w,), i, reduce="sum" if t == 1 else None),
+                       spec((t, 4096), jnp.bfloat16),
                        spec((L, 4096, h), jnp.bfloat16), spec((), jnp.int32))
     assert o.count("__gpu$xla.gpu.triton") == 1

@@ -1,6 +1,7 @@
-"""Tuning sweep of the decode window's two largest kernels at the Qwen3-30B-A3B shape: the expert FFN (bf16, T = 1
-and 8; N = T x 8 distinct experts of 128; at T = 1 also its reduction, tl.dot or a GEMV a token) and the stacked
-attention products (q/k/v: K 2048 -> 4096 + 512 + 512; o: K 4096 -> 2048; T = 1 and 8, read at a rotating layer of
+"""Tuning sweep of the decode window's two largest kernels at the Qwen3-30B-A3B shape (at T = 1 each also tries its
+reduction: tl.dot, or a GEMV a token): the expert FFN (bf16, T = 1 and 8; N = T x 8 distinct experts of 128) and the
+stacked attention products (q/k/v: K 2048 -> 4096 + 512 + 512; o: K 4096 -> 2048; T = 1 and 8, read at a rotating
+layer of
 24 stacked). Coordinate descent from the kernels' defaults: one knob at a time over its values, the others held, two
 passes. Each time is the median of synced calls, a call a fori_loop of INNER ops over other slots / layers (so L2
 serves no repeat), divided by INNER.
@@ -54,9 +55,9 @@ FFN_SPACE = dict(reduce=["dot", "sum"], block_i=[16, 32, 64], block_k=[128, 256,
                  n_split=[1, 2, 4, 8], num_warps=[2, 4, 8], num_stages=[2, 3, 4])
 FFN_DEFAULT = dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
                    reduce="dot")
-LIN_SPACE = dict(block_n=[32, 64, 128], block_k=[64, 128, 256], k_splits=[1, 2, 4, 8, 16], num_warps=[2, 4, 8],
+LIN_SPACE = dict(reduce=["dot", "sum"], block_n=[32, 64, 128], block_k=[64, 128, 256], k_splits=[1, 2, 4, 8, 16], num_warps=[2, 4, 8],
                  num_stages=[2, 3, 4])
-LIN_DEFAULT = dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3)
+LIN_DEFAULT = dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot")
 
 
 def descend(name, space, default, measure, table):
@@ -140,7 +141,8 @@ def run_lin(label, t):
             return timed(f, lambda i: (x, jnp.int32(i % L)))
 
         table = []
-        best, us = descend(f"stacked_linear {label} T={t}", LIN_SPACE, LIN_DEFAULT, measure, table)
+        space = LIN_SPACE if t <= 4 else {k: v for k, v in LIN_SPACE.items() if k != "reduce"}
+        best, us = descend(f"stacked_linear {label} T={t}", space, LIN_DEFAULT, measure, table)
         mb = kdim * sum(ns) * 2 / 1e6
         result["linear"][f"{label}:{t}"] = dict(best=best, best_us=us, default_us=table[0]["us"], mbytes=mb,
                                                table=table)
