@@ -1,9 +1,8 @@
 """Tuning sweep of the decode window's two largest kernels at the Qwen3-30B-A3B shape (at T = 1 each also tries its
 reduction: tl.dot, or a GEMV a token): the expert FFN (bf16, T = 1 and 8; N = T x 8 distinct experts of 128) and the
 stacked attention products (q/k/v: K 2048 -> 4096 + 512 + 512; o: K 4096 -> 2048; T = 1 and 8, read at a rotating
-layer of
-24 stacked). Coordinate descent from the kernels' defaults: one knob at a time over its values, the others held, two
-passes. Each time is the median of synced calls, a call a fori_loop of INNER ops over other slots / layers (so L2
+layer of 24 stacked). Coordinate descent from the kernels' defaults: one knob at a time over its values, the others
+held, two passes. Each time is the median of synced calls, a call a fori_loop of INNER ops over other slots / layers (so L2
 serves no repeat), divided by INNER.
 
     PYTHONPATH=. python3 kernel_sweep.py OUT.json   [SMOKE=1: tiny shapes in interpret mode, a syntax check]
