@@ -14,6 +14,8 @@ Two Triton kernels (the down projection needs every I row of h, which a gate/up 
      experts; per expert it reduces over I in block_i_down chunks, rounds the expert's output to bf16, weights it
      by combine[:, n] and accumulates in f32. The n_split partial sums are added by XLA (n_split * Tp * H floats).
 Padding slots (-1) are skipped in both kernels: they read nothing and contribute nothing.
+With reduce="sum" (bf16 experts, T <= 4) both loops skip tl.dot, which pads the window to 16 rows: each token's
+products with the tile are summed over the chunk (a GEMV a token), f32 as the dot's accumulation.
 
 int8 experts (issue 16: `strata_jax/model/quant.py`'s "int8", symmetric per output channel): gate/up/down hold int8
 q and gate_scale/up_scale [R, I], down_scale [R, H] their rows' scales. The kernels read q (a quarter of the

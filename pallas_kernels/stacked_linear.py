@@ -12,7 +12,8 @@ Several matrices of one input (q, k, v) run in one launch: the output columns ar
 Kernel: grid (column blocks over sum N_j, k_splits). Program (b, s) owns output columns b*BN.. (inside one w_j) and
 the s-th share of K; it loops over its share in BK chunks, [Tp, BK] x [BK, BN] tl.dot per chunk (each weight row
 segment of BN bf16 is contiguous), and writes its f32 partial [Tp, BN]. The wrapper sums the k_splits partials
-(k_splits * Tp * N floats: small). T is padded to Tp = 16 (tl.dot's minimum; a power of 2 beyond that).
+(k_splits * Tp * N floats: small). T is padded to Tp = 16 (tl.dot's minimum; a power of 2 beyond that); with
+reduce="sum" (T <= 4) each token's products are summed over the chunk instead (a GEMV a token, no padded rows).
 Every N_j must be a multiple of the column block and K of k_splits * BK (powers of 2, >= 16), else ValueError.
 """
 from __future__ import annotations
