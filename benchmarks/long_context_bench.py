@@ -43,7 +43,6 @@ A SIGTERM (gpu_run.sh's time limit) prints the rows measured so far; the JSON is
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import sys
 import time
@@ -333,11 +332,6 @@ def build_engine(cfg, seed: int, slots: int | None, options: dict):
     return Engine(cfg, weights, opts, verbose=False)
 
 
-def free_engine(engine) -> None:
-    if getattr(engine, "placement", None) is not None:
-        engine.placement.pool.close()
-
-
 def make_prompts(cfg, prompts: list[int], seed: int) -> tuple[list[int], dict[int, list[int]]]:
     """The warm-up prompt (the shortest length) and one prompt per length: random ids, every first token different
     (a request never starts with the last one's tokens, so none reuses KV rows)."""
@@ -612,10 +606,9 @@ def _measure(s, cfg, prompts, slot_arms, arms, context, offloaded, result, save)
                                    f"in the decode (hit rate {de.hit_rate:.0%})" if engine.placement else ""))
                 if st.cached_tokens:
                     common.progress(f"{label} note: {st.cached_tokens} prompt tokens reused from the last request")
-            free_engine(engine)
+            common.free_engine(engine)
             del engine
-            gc.collect()
-            jax.clear_caches()
+            common.free_device_memory()
 
 
 def _report(s, cfg, result: dict) -> None:

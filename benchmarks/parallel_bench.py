@@ -31,7 +31,6 @@ measured so far; the JSON is rewritten after each row.
 """
 from __future__ import annotations
 
-import gc
 import sys
 import time
 
@@ -122,7 +121,6 @@ def describe(plan: dict, reserve_mib: int | None) -> str:
 def measure_row(s, cfg, plan: dict, reserve_mib: int | None, prompts: tuple[list[int], list[int]]) -> dict:
     """One engine: build it, a warm-up request, the timed request; the engine is freed on return."""
     import jax
-    from benchmarks.long_context_bench import free_engine
     from strata_jax.engine.api import Engine
 
     options = dict(dtype=s.dtype, context=s.context or s.prompt + s.new_tokens, cache_dir=s.cache_dir,
@@ -153,10 +151,9 @@ def measure_row(s, cfg, plan: dict, reserve_mib: int | None, prompts: tuple[list
                     window_ms=1e3 * st.decode_s / st.windows if st.windows else None,
                     generated_tokens=st.generated_tokens, cached_tokens=st.cached_tokens, lines=lines, tokens=tokens)
     finally:
-        free_engine(engine)
+        common.free_engine(engine)
         del engine
-        gc.collect()
-        jax.clear_caches()
+        common.free_device_memory()
 
 
 # ---- the table ---------------------------------------------------------------------------------------------------

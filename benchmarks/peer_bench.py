@@ -239,7 +239,6 @@ def run_peer_sampled(s, gguf: Path) -> list[dict]:
 def run_ours(s, cfg, model_path: Path | None = None, warmup: bool = True) -> list[dict]:
     """Our arms: engines of random weights of `cfg`, or (model_path) each loaded from that GGUF; warmup: the
     --warmup_arm run first (once a process: --quant's later types go without)."""
-    import jax
     import numpy as np
     from strata_jax.engine.api import Engine
     from strata_jax.options import RequestOptions, from_text, split_options
@@ -281,8 +280,9 @@ def run_ours(s, cfg, model_path: Path | None = None, warmup: bool = True) -> lis
                 from strata_jax.offload.placement import expert_itemsize
                 pool.append(ours_pool_gbs(cfg, st.decode_experts, expert_itemsize(engine.options)))
         if warmup:
+            common.free_engine(engine)
             del engine
-            jax.clear_caches()
+            common.free_device_memory()
             continue
         tok_s = statistics.median(samples)
         offload = {}
@@ -302,8 +302,9 @@ def run_ours(s, cfg, model_path: Path | None = None, warmup: bool = True) -> lis
         common.progress(f"ours [{name}]: {tok_s:.1f} tok/s (median of {s.reps}; {rows[-1]['windows']} windows, "
                         f"{rows[-1]['drafts_accepted']}/{rows[-1]['drafts_proposed']} drafts accepted{cache}; "
                         f"start-up {start_s:.1f} s, compile {engine.stats.compile_s:.1f} s)")
+        common.free_engine(engine)
         del engine
-        jax.clear_caches()
+        common.free_device_memory()  # before the next arm's engine: two of 24 layers do not fit an 80 GB H100
     return rows
 
 
