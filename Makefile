@@ -31,8 +31,8 @@ run: venv
 # The suite is one pytest command: its tests spread over one worker process per core (pytest-xdist; a file's tests
 # stay on one worker, so its module-scoped engines are built once; the slowest files first, in conftest's order,
 # not xdist's default of the files with most tests first). A process that kept every engine it built faulted in
-# XLA past Linux's limit of 65530 memory maps (benchmarks/results/NOTES.md item 7): tests/conftest.py's engine_factory
-# drops old engines before that. The test processes compile without XLA's persistent cache; their engines share
+# XLA past Linux's limit of 65530 memory maps (benchmarks/results/NOTES.md item 7): tests/conftest.py frees JAX's
+# caches and old engines between test files (past 18000 maps) and before that limit (engine_factory, past 30000). The test processes compile without XLA's persistent cache; their engines share
 # executables in memory (graphs.compile_shared). TEST_WORKERS=1: one worker process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 

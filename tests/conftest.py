@@ -146,16 +146,18 @@ def pytest_runtest_logreport(report):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    if not _COMPILE_REPORT:
-        yield
-        return
-    import json
     import time
     _compile_work.clear()
     t0 = time.perf_counter()
     yield
+    if nextitem is None or nextitem.path != item.path:
+        _after_file()  # the file's module fixtures are torn down: its engines are held by _ENGINES alone
+    if not _COMPILE_REPORT:
+        return
+    import json
     row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - t0, 2), "maps": memory_maps(),
-           "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "outcome": _outcomes.pop(item.nodeid, "")}
+           "engines": len(_ENGINES), "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+           "outcome": _outcomes.pop(item.nodeid, "")}
     row.update({k: [n, round(s, 2)] for k, (n, s) in sorted(_compile_work.items())})
     with open(_COMPILE_REPORT, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -205,7 +207,7 @@ def engine_factory(cache_dir):
     """
     from strata_jax import Engine
 
-    engines: dict = {}  # key -> engine, least recently used first
+    engines = _ENGINES
 
     def get(path=None, **options):
         options.setdefault("cache_dir", str(cache_dir))
@@ -214,11 +216,11 @@ def engine_factory(cache_dir):
             engines[key] = engines.pop(key)  # most recently used last
             return engines[key]
         # Every live XLA CPU executable holds memory maps of its kernels (~400 a window graph); past the kernel's
-        # vm.max_map_count (65530) XLA crashes in its next compile. Drop the least recently used engines before
-        # the process gets near it (their executables go with them; a later test that asks again rebuilds).
-        while engines and memory_maps() > MAX_MEMORY_MAPS:
-            engines.pop(next(iter(engines)))
-            gc.collect()
+        # vm.max_map_count (65530) XLA crashes in its next compile. Most are freed between files (_after_file);
+        # should one file still take the process near the limit, free JAX's caches and then drop the least
+        # recently used engines here (their executables go with them; a later test that asks again rebuilds).
+        if memory_maps() > MAX_MEMORY_MAPS:
+            _free_memory_maps(MAX_MEMORY_MAPS)
         engines[key] = Engine.from_pretrained(path, verbose=False, **options)
         return engines[key]
 
@@ -226,6 +228,31 @@ def engine_factory(cache_dir):
 
 
 MAX_MEMORY_MAPS = 30000  # of the 65530 a Linux process may hold (vm.max_map_count's default)
+# Between two test files, past FILE_END_MAPS maps, free JAX's caches and then drop the least recently used engines
+# down to FILE_END_MAPS_LOW. Mid-file, the guard above could free little: the file's module fixtures still hold
+# its engines, so it dropped every cached engine (and collected garbage once per engine, ~0.3 s each) on each new
+# engine the file asked for, and later files rebuilt what they asked for again.
+FILE_END_MAPS = 18000
+FILE_END_MAPS_LOW = 12000
+
+_ENGINES: dict = {}  # engine_factory's engines: key -> engine, least recently used first
+
+
+def _free_memory_maps(target: int) -> None:
+    """Bring the process's memory maps to TARGET or below where it can: first JAX's compilation caches (the
+    executables of every jitted call a test made, and the engines' small helper graphs; the engines' own window
+    and prefill executables are theirs and stay), then the least recently used cached engines."""
+    import jax
+    jax.clear_caches()
+    gc.collect()
+    while _ENGINES and memory_maps() > target:
+        _ENGINES.pop(next(iter(_ENGINES)))
+        gc.collect()
+
+
+def _after_file() -> None:
+    if memory_maps() > FILE_END_MAPS:
+        _free_memory_maps(FILE_END_MAPS_LOW)
 
 
 def memory_maps() -> int:
