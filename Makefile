@@ -32,8 +32,9 @@ run: venv
 # stay on one worker, so its module-scoped engines are built once; the slowest files first, in conftest's order,
 # not xdist's default of the files with most tests first). A process that kept every engine it built faulted in
 # XLA past Linux's limit of 65530 memory maps (benchmarks/results/NOTES.md item 7): tests/conftest.py frees JAX's
-# caches and old engines between test files (past 18000 maps) and before that limit (engine_factory, past 30000). The test processes compile without XLA's persistent cache; their engines share
-# executables in memory (graphs.compile_shared). TEST_WORKERS=1: one worker process.
+# caches and old engines between test files (past 18000 maps) and before that limit (engine_factory, past 30000).
+# The test processes compile without XLA's persistent cache; their engines share executables in memory
+# (graphs.compile_shared). TEST_WORKERS=1: one worker process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: venv
