@@ -484,7 +484,7 @@ def test_q4k_kernel_matches_reference(fmt, name, tuning):
     the weights both read (quant's dequantization and the reference's own) are gguf.quants.dequantize's of the same
     Q4_K (Q2_K) bytes."""
     import gguf
-    from pallas_kernels.expert_ffn import _scaled_product_reference
+    from strata_jax.pallas_kernels.expert_ffn import _scaled_product_reference
     from strata_jax.model import quant
     qtype, codes_dtype, group, bytes4, rows8 = BLOCKS[fmt]
     args = make_quant_case(name, fmt)
