@@ -383,17 +383,13 @@ def _padded_tokens(t: int) -> int:
 
 
 # The knobs' defaults: bf16 experts by window size, a decode window (T <= 4) and a wider one up to T = 16 (verify and
-# batched windows: T pads to 16 rows either way), as the tuning sweep at the Qwen3-30B-A3B shape found them on an
-# H100 / H200; prefill chunks (T > 16: tiles of Tp rows) and quantized experts keep the one set no sweep has moved
-# (issue 16: the quantized loops step groups, not tiles).
-TUNING = {
-    "decode": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
-                   reduce="dot"),
-    "wide": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
-                 reduce="dot"),
-    "prefill": dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
-                    reduce="dot"),
-}
+# batched windows: T pads to 16 rows either way); prefill chunks (T > 16: tiles of Tp rows) and quantized experts
+# (issue 16: their loops step groups, not tiles) keep theirs. All one set today: the 2026-12-06 sweep at the
+# Qwen3-30B-A3B shape on an H100 moved none (benchmarks/results/h200-2026-12-06g-sampling); a row changes where a
+# sweep and a generate-loop A/B say so.
+_KNOBS = dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
+              reduce="dot")
+TUNING = {"decode": _KNOBS, "wide": _KNOBS, "prefill": _KNOBS}
 
 
 def tuning(t: int, quantized: bool = False) -> dict:

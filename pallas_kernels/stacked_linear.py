@@ -63,16 +63,13 @@ def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, 
         first += n_blocks
 
 
-# The knobs' defaults by window size, a decode window (T <= 4) and a wider one up to T = 16, as the tuning sweep at the
-# Qwen3-30B-A3B shape found them on an H100 / H200 ("qkv": the three products of one input; "o": one matrix);
-# prefill chunks (T > 16: tiles of Tp rows) keep the one set no sweep has moved.
-TUNING = {
-    ("qkv", "decode"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot"),
-    ("qkv", "wide"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot"),
-    ("o", "decode"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot"),
-    ("o", "wide"): dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot"),
-    "prefill": dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot"),
-}
+# The knobs' defaults by window size, a decode window (T <= 4) and a wider one up to T = 16 ("qkv": the three
+# products of one input; "o": one matrix); prefill chunks (T > 16: tiles of Tp rows) keep theirs. All one set today:
+# the 2026-12-06 sweep at the Qwen3-30B-A3B shape on an H100 moved none by itself (reduce="sum" made q/k/v at T=1 13%
+# faster, not yet backed by a generate-loop A/B: benchmarks/results/h200-2026-12-06g-sampling).
+_KNOBS = dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot")
+TUNING = {("qkv", "decode"): _KNOBS, ("qkv", "wide"): _KNOBS, ("o", "decode"): _KNOBS, ("o", "wide"): _KNOBS,
+          "prefill": _KNOBS}
 
 
 def tuning(t: int, matrices: int) -> dict:
