@@ -24,6 +24,7 @@ SUITES = {
     "profile": ("profile_window", "a window's device time by named scope, from the JAX profiler"),
     "dense": ("dense_bench", "the attention projections at T rows by formulation, beside the roofline"),
     "expert-ffn": ("expert_ffn_bench", "the expert FFN kernel beside XLA and the roofline (bf16, int8, int4)"),
+    "kernel-sweep": ("kernel_sweep", "the decode kernels' knobs searched, compiled in parallel: STRATA_KERNEL_TUNING's file"),
     "delta": ("delta_bench", "Qwen3-Next's delta rule step: XLA beside Pallas and the roofline"),
     "route-prior": ("route_prior_bench", "the route prior kernel's cost per MoE layer"),
     "gguf-load": ("gguf_load_bench", "a synthetic quantized GGUF's load time by dequantizing threads (CPU)"),

@@ -15,7 +15,9 @@ Two Triton kernels (the down projection needs every I row of h, which a gate/up 
      by combine[:, n] and accumulates in f32. The n_split partial sums are added by XLA (n_split * Tp * H floats).
 Padding slots (-1) are skipped in both kernels: they read nothing and contribute nothing.
 With reduce="sum" (bf16 experts, T <= 4) both loops skip tl.dot, which pads the window to 16 rows: each token's
-products with the tile are summed over the chunk (a GEMV a token), f32 as the dot's accumulation.
+products with the tile are summed over the chunk (a GEMV a token), f32 as the dot's accumulation; with reduce="acc"
+they are kept elementwise, a tile's shape a token, and summed once after the loop (no reduction across the
+program's threads in the loop).
 
 int8 experts (issue 16: `strata_jax/model/quant.py`'s "int8", symmetric per output channel): gate/up/down hold int8
 q and gate_scale/up_scale [R, I], down_scale [R, H] their rows' scales. The kernels read q (a quarter of the
@@ -204,8 +206,18 @@ def _row_sums(w, v_at, rows: int, tp: int):
     return out
 
 
+def _kept_sums(kept, tp: int):
+    """The "acc" reduction's end: [Tp, BO] f32 with row r < len(kept) the sum over BK of kept[r] [BO, BK], rows past
+    them zero."""
+    out = jnp.zeros((tp, kept[0].shape[0]), jnp.float32)
+    at = jax.lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
+    for r, a in enumerate(kept):
+        out = out + jnp.where(at == r, jnp.sum(a, axis=1)[None, :], 0.0)
+    return out
+
+
 def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None, group: int,
-                    form: str | None = None, sum_rows: int = 0):
+                    form: str | None = None, sum_rows: int = 0, defer: bool = False):
     """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8, or [S, I, H/2] int4 (whole arrays, indexed
     by slot); quantized ("int8" / "int4"): then scale ids [Np] and gate/up scales [R, I] / [R, H/g, I] (indexed by
     scale id); h block [Tp, BI]."""
@@ -243,6 +255,12 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
             x_at = lambda r: x_ref[r, cols]
             return g + _row_sums(wg, x_at, sum_rows, tp), u + _row_sums(wu, x_at, sum_rows, tp)
 
+        def body_acc(k, carry):  # reduce="acc": "sum"'s products kept [BI, BK] a token, summed once after the loop
+            cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+            wg, wu = (w_ref[slot, rows, cols].astype(jnp.float32) for w_ref in (gate_ref, up_ref))  # [BI, BK]
+            xs = [x_ref[r, cols].astype(jnp.float32)[None, :] for r in range(sum_rows)]
+            return (tuple(a + wg * x for a, x in zip(carry[0], xs)), tuple(a + wu * x for a, x in zip(carry[1], xs)))
+
         def body(k, carry):
             g, u = carry
             cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
@@ -255,8 +273,12 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
             return g, u
 
         zero = jnp.zeros((tp, bi), jnp.float32)
-        g, u = jax.lax.fori_loop(0, hidden // block_k, body_grouped if group else body_sum if sum_rows else body,
-                                 (zero, zero))
+        if defer:
+            kept = tuple(jnp.zeros((bi, block_k), jnp.float32) for _ in range(sum_rows))
+            g, u = (_kept_sums(a, tp) for a in jax.lax.fori_loop(0, hidden // block_k, body_acc, (kept, kept)))
+        else:
+            g, u = jax.lax.fori_loop(0, hidden // block_k, body_grouped if group else body_sum if sum_rows else body,
+                                     (zero, zero))
         if form == "row":  # each output row's scale, before the rounding below
             g = g * gs_ref[srow, rows].astype(jnp.float32)[None, :]
             u = u * us_ref[srow, rows].astype(jnp.float32)[None, :]
@@ -267,7 +289,7 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
 
 
 def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, quantized: str | None, group: int,
-                 form: str | None = None, sum_rows: int = 0):
+                 form: str | None = None, sum_rows: int = 0, defer: bool = False):
     """ids [Np]; h [Np, Tp, I] bf16; down [S, H, I] bf16 or int8, or [S, H, I/2] int4 (whole); quantized: then
     scale ids [Np] and down scales [R, H] (int8) or [R, I/g, H] (int4); comb [Np, Tp] f32; out block [Tp, BH] f32."""
     sids_ref, ds_ref, comb_ref, out_ref = refs if quantized else (None, None, *refs)
@@ -307,8 +329,17 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
                 # [Tp, BI] x [BH, BI]^T -> [Tp, BH] f32
                 return y + plgpu.dot(h_ref[n, :, ik], w, trans_b=True)
 
-            y = jax.lax.fori_loop(0, inter // block_i, body_grouped if group else body_sum if sum_rows else body,
-                                  jnp.zeros((tp, bh), jnp.float32))
+            def body_acc(k, kept):  # reduce="acc": "sum"'s products kept [BH, BI] a token, summed after the loop
+                ik = pl.ds(pl.multiple_of(k * block_i, block_i), block_i)
+                w = down_ref[slot, cols, ik].astype(jnp.float32)  # [BH, BI]
+                return tuple(a + w * h_ref[n, r, ik].astype(jnp.float32)[None, :] for r, a in enumerate(kept))
+
+            if defer:
+                y = _kept_sums(jax.lax.fori_loop(0, inter // block_i, body_acc, tuple(
+                    jnp.zeros((bh, block_i), jnp.float32) for _ in range(sum_rows))), tp)
+            else:
+                y = jax.lax.fori_loop(0, inter // block_i, body_grouped if group else body_sum if sum_rows else body,
+                                      jnp.zeros((tp, bh), jnp.float32))
             if form == "row":
                 y = y * ds_ref[srow, cols].astype(jnp.float32)[None, :]
             y = y.astype(jnp.bfloat16).astype(jnp.float32)  # each expert's output rounded to bf16, as the XLA path
@@ -390,6 +421,7 @@ def _padded_tokens(t: int) -> int:
 _KNOBS = dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
               reduce="dot")
 TUNING = {"decode": _KNOBS, "wide": _KNOBS, "prefill": _KNOBS}
+REDUCE = ("dot", "sum", "acc")
 
 
 def tuning(t: int, quantized: bool = False) -> dict:
@@ -420,9 +452,9 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
 
     Tuning (static): block_i rows of I per gate/up program, block_k the H chunk of its loop; block_h output columns
     per down program, block_i_down its I chunk, n_split the programs sharing the experts of one column block;
-    num_warps / num_stages for both kernels; reduce "dot" (tl.dot over T padded to 16 rows) or "sum" (bf16
+    num_warps / num_stages for both kernels; reduce "dot" (tl.dot over T padded to 16 rows), "sum" (bf16
     experts, T <= 4: each token's products summed over the chunk, a GEMV a token; quantized experts and wider
-    windows take "dot"); None: `tuning(T)`'s. Blocks shrink to a power of 2 dividing their dimension."""
+    windows take "dot") or "acc" ("sum" with the products kept elementwise, summed once after the loop); None: `tuning(T)`'s. Blocks shrink to a power of 2 dividing their dimension."""
     t, hidden = x.shape
     s, inter, _ = gate.shape
     n = slot_ids.shape[0]
@@ -470,9 +502,10 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
                  num_warps=num_warps, num_stages=num_stages, reduce=reduce)
     knobs = {**tuning(t, bool(quantized)), **{k: v for k, v in given.items() if v is not None}}
     block_i, block_k, block_h, block_i_down, n_split, num_warps, num_stages, reduce = (knobs[k] for k in given)
-    if reduce not in ("dot", "sum"):
-        raise ValueError(f"expert_ffn: reduce must be 'dot' or 'sum' (got {reduce!r})")
-    sum_rows = t if reduce == "sum" and t <= 4 and not quantized and not quantized_down else 0
+    if reduce not in REDUCE:
+        raise ValueError(f"expert_ffn: reduce must be one of {REDUCE} (got {reduce!r})")
+    sum_rows = t if reduce != "dot" and t <= 4 and not quantized and not quantized_down else 0
+    defer = reduce == "acc" and sum_rows > 0
     bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
     bh, bid = _block(hidden, block_h, "H"), _block(inter, block_i_down, "I")
     bk, bid = max(bk, group), max(bid, group_down)  # the loops step whole groups (0: not grouped)
@@ -495,7 +528,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     gu_scales = (*sids, gate_scale, up_scale) if quantized else ()
     h = pl.pallas_call(  # gate/up in their family's format
         functools.partial(_gate_up_kernel, block_k=bk, quantized=quantized, group=group, form=form,
-                          sum_rows=sum_rows),
+                          sum_rows=sum_rows, defer=defer),
         grid=(np_, inter // bi),
         in_specs=[whole((np_,)), whole((tp, hidden)), whole(gate.shape), whole(up.shape),
                   *(whole(sc.shape) for sc in gu_scales)],
@@ -507,7 +540,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     d_scales = (*sids, down_scale) if quantized else ()
     partials = pl.pallas_call(  # down in its own
         functools.partial(_down_kernel, block_i=bid, per_split=per_split, quantized=quantized_down,
-                          group=group_down, form=form_down, sum_rows=sum_rows),
+                          group=group_down, form=form_down, sum_rows=sum_rows, defer=defer),
         grid=(hidden // bh, splits),
         in_specs=[whole((np_,)), whole(h.shape), whole(down.shape), *(whole(sc.shape) for sc in d_scales),
                   whole(comb.shape)],

@@ -13,7 +13,9 @@ Kernel: grid (column blocks over sum N_j, k_splits). Program (b, s) owns output 
 the s-th share of K; it loops over its share in BK chunks, [Tp, BK] x [BK, BN] tl.dot per chunk (each weight row
 segment of BN bf16 is contiguous), and writes its f32 partial [Tp, BN]. The wrapper sums the k_splits partials
 (k_splits * Tp * N floats: small). T is padded to Tp = 16 (tl.dot's minimum; a power of 2 beyond that); with
-reduce="sum" (T <= 4) each token's products are summed over the chunk instead (a GEMV a token, no padded rows).
+reduce="sum" (T <= 4) each token's products are summed over the chunk instead (a GEMV a token, no padded rows);
+with reduce="acc" they are kept elementwise [BK, BN] a token across the loop and summed once at its end (no
+reduction across the program's threads in the loop).
 Every N_j must be a multiple of the column block and K of k_splits * BK (powers of 2, >= 16), else ValueError.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .blocks import MIN_DOT, block_or_error, pow2_divisor
 
 
 def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, k_per_split: int,
-                           col_blocks: tuple[int, ...], sum_rows: int = 0):
+                           col_blocks: tuple[int, ...], sum_rows: int = 0, defer: bool = False):
     """layer [1] int32; x [Tp, K]; w_j [L, K, N_j] (whole, indexed in-kernel); out block [Tp, BN] f32."""
     w_refs, o_ref = refs[:-1], refs[-1]
     b, s = pl.program_id(0), pl.program_id(1)
@@ -54,8 +56,22 @@ def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, 
                 acc = acc + jnp.where(at == r, y[None, :], 0.0)
             return acc
 
-        o_ref[...] = lax.fori_loop(0, k_per_split // block_k, body_sum if sum_rows else body,
-                                   jnp.zeros((tp, block_n), jnp.float32))
+        def body_acc(k, accs):  # reduce="acc": as "sum", the products kept [BK, BN] a token, summed once after
+            ks = pl.ds(pl.multiple_of(s * k_per_split + k * block_k, block_k), block_k)
+            w = w_ref[layer, ks, cols].astype(jnp.float32)  # [BK, BN]
+            return tuple(a + w * x_ref[r, ks].astype(jnp.float32)[:, None] for r, a in enumerate(accs))
+
+        steps = k_per_split // block_k
+        if defer:
+            accs = lax.fori_loop(0, steps, body_acc, tuple(jnp.zeros((block_k, block_n), jnp.float32)
+                                                             for _ in range(sum_rows)))
+            at = lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
+            out = jnp.zeros((tp, block_n), jnp.float32)
+            for r, a in enumerate(accs):
+                out = out + jnp.where(at == r, jnp.sum(a, axis=0)[None, :], 0.0)
+            o_ref[...] = out
+        else:
+            o_ref[...] = lax.fori_loop(0, steps, body_sum if sum_rows else body, jnp.zeros((tp, block_n), jnp.float32))
 
     first = 0
     for w_ref, n_blocks in zip(w_refs, col_blocks):  # the matrix that owns column block b
@@ -70,6 +86,9 @@ def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, 
 _KNOBS = dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot")
 TUNING = {("qkv", "decode"): _KNOBS, ("qkv", "wide"): _KNOBS, ("o", "decode"): _KNOBS, ("o", "wide"): _KNOBS,
           "prefill": _KNOBS}
+
+
+REDUCE = ("dot", "sum", "acc")
 
 
 def tuning(t: int, matrices: int) -> dict:
@@ -91,7 +110,8 @@ def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Arra
                    reduce: str | None = None) -> jax.Array:
     """x [T, K]; weights: a tuple of [L, K, N_j] arrays of x's dtype; layer: int32 scalar -> float32 [T, sum N_j].
     The layer index is a device value: not checked (0 <= layer < L is the caller's promise). reduce: "dot"
-    (tl.dot over T padded to 16 rows) or "sum" (T <= 4: a GEMV a token; wider windows take "dot"). Knobs None:
+    (tl.dot over T padded to 16 rows), "sum" (T <= 4: a GEMV a token; wider windows take "dot") or "acc" ("sum"
+    with the products kept elementwise and summed once after the loop). Knobs None:
     `tuning(T, len(weights))`'s."""
     t, k = x.shape
     weights = tuple(weights)
@@ -99,8 +119,8 @@ def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Arra
                  reduce=reduce)
     knobs = {**tuning(t, len(weights)), **{n: v for n, v in given.items() if v is not None}}
     block_n, block_k, k_splits, num_warps, num_stages, reduce = (knobs[n] for n in given)
-    if reduce not in ("dot", "sum"):
-        raise ValueError(f"stacked_linear: reduce must be 'dot' or 'sum' (got {reduce!r})")
+    if reduce not in REDUCE:
+        raise ValueError(f"stacked_linear: reduce must be one of {REDUCE} (got {reduce!r})")
     if not weights or any(w.ndim != 3 or w.shape[:2] != weights[0].shape[:2] or w.shape[1] != k for w in weights):
         raise ValueError(f"stacked_linear: x {x.shape} and weights {[w.shape for w in weights]} do not match "
                          "x [T, K], w_j [L, K, N_j]")
@@ -119,7 +139,8 @@ def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Arra
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     partials = pl.pallas_call(
         functools.partial(_stacked_linear_kernel, block_n=bn, block_k=bk, k_per_split=k_per_split,
-                          col_blocks=col_blocks, sum_rows=t if reduce == "sum" and t <= 4 else 0),
+                          col_blocks=col_blocks, sum_rows=t if reduce != "dot" and t <= 4 else 0,
+                          defer=reduce == "acc" and t <= 4),
         grid=(sum(col_blocks), splits),
         in_specs=[whole((1,)), whole(xp.shape), *[whole(w.shape) for w in weights]],
         out_specs=pl.BlockSpec((None, tp, bn), lambda b, s: (s, 0, b)),

@@ -33,6 +33,7 @@ from strata_jax.offload import slots as slots_mod
 from strata_jax.offload.approx import route_approx
 from strata_jax.offload.defer import defer_cpu
 from strata_jax.options import EngineOptions, RequestOptions, build, unknown_switches
+from strata_jax.pallas_kernels import tuning as kernel_tuning
 from strata_jax.sampling import NON_FINITE, SamplingParams, form_of
 from strata_jax.speculative import mtp as mtp_mod
 from strata_jax.speculative.drafters import make_drafter
@@ -72,6 +73,14 @@ class _UserDrafter:
             return self._drafter.observe(tokens)
 
 
+def _kernel_tuning_lines() -> list[str]:
+    """STRATA_KERNEL_TUNING (a kernel-sweep file): the kernels' knobs from it, its start-up line; a bad file one line."""
+    try:
+        return kernel_tuning.from_environment()
+    except ValueError as e:
+        raise StrataError(str(e)) from None
+
+
 class Engine:
     """A model ready to decode. Build it with `Engine.from_pretrained(path, **options)`."""
 
@@ -93,7 +102,7 @@ class Engine:
         self.expert_storage = placement_mod.expert_storage(options)  # the host copies' and the slots' dtype
         self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
         self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.cpu_path)
-        approx_lines += defer_lines + unknown_switches()
+        approx_lines += defer_lines + unknown_switches() + _kernel_tuning_lines()
         # Context, chunks, kernels, the layer loop, the KV cache's length: decided once (engine/plan.py).
         self.plan = make_plan(cfg, options, placement, self.defer)
         self._check_attention_kernel()

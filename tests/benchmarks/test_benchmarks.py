@@ -556,3 +556,21 @@ def test_quant_quality_gguf_types_score_each_file(tmp_path, capsys, cache_dir):
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--gguf_types needs --llama_quantize=PATH" in err
+
+
+def test_kernel_sweep_tiny_writes_picks_the_engine_reads(tmp_path, capsys):
+    """The sweep on the CPU (interpret mode, tiny shapes): every case and row picked from settings that matched the
+    reference, the default timed first, and its file is what STRATA_KERNEL_TUNING reads."""
+    from benchmarks import kernel_sweep
+    from strata_jax.pallas_kernels import tuning
+    out = tmp_path / "sweep.json"
+    result = kernel_sweep.main(["kernel_sweep", "--hidden=64", "--inter=32", "--experts=8", "--q_dim=64",
+                                "--kv_dim=16", "--layers=2", "--configs=2", "--finalists=1", "--iters=1",
+                                "--inner=1", "--warmup=0", "--threads=2", f"--json={out}"])
+    assert result["complete"] and set(result["picks"]) == set(tuning.ROWS)
+    for name, case in result["cases"].items():
+        assert case["settings"][0]["config"] == result["picks"][name] or case["settings"][0]["us"] > 0
+        assert all(st["us"] is not None or st["error"] for st in case["settings"])
+    assert "finalists" in result["cases"]["qkv:decode"] and result["cases"]["qkv:decode"]["finalists"]["T"] == 4
+    assert tuning.read(str(out)) == result["picks"]
+    assert "STRATA_KERNEL_TUNING" in capsys.readouterr().out

@@ -89,14 +89,17 @@ def test_kernel_small_blocks(name):
     assert rel_fro(out, f64_model(*args)) < MODEL_RTOL
 
 
-@pytest.mark.parametrize("name,blocks", [("t1_eight_experts", {}), ("t3_unused_repeat_pad", SMALL_BLOCKS),
-                                         ("t3_h96_i48", {})])
-def test_sum_reduction_matches(name, blocks):
-    """reduce="sum" (a GEMV a token, T <= 4): the float64 model's rounding points and the reference's bounds, with
-    one loop step or several; a padding slot's NaNs still never read."""
+@pytest.mark.parametrize("name,blocks,reduce", [("t1_eight_experts", {}, "sum"),
+                                                ("t3_unused_repeat_pad", SMALL_BLOCKS, "sum"),
+                                                ("t3_h96_i48", {}, "sum"), ("t1_eight_experts", {}, "acc"),
+                                                ("t3_unused_repeat_pad", SMALL_BLOCKS, "acc")])
+def test_sum_reduction_matches(name, blocks, reduce):
+    """reduce="sum" (a GEMV a token, T <= 4) and "acc" (its products kept elementwise, summed after the loop): the
+    float64 model's rounding points and the reference's bounds, with one loop step or several; a padding slot's NaNs
+    still never read."""
     x, gate, up, down, ids, combine = make_case(**CASES[name])
     poison = (lambda w: w.at[0].set(jnp.nan)) if 0 not in np.asarray(ids).tolist() else (lambda w: w)
-    out = expert_ffn(x, poison(gate), poison(up), poison(down), ids, combine, interpret=True, reduce="sum",
+    out = expert_ffn(x, poison(gate), poison(up), poison(down), ids, combine, interpret=True, reduce=reduce,
                      **blocks)
     assert rel_fro(out, f64_model(x, gate, up, down, ids, combine)) < MODEL_RTOL
     assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < REF_RTOL
@@ -174,6 +177,7 @@ def _specs(t: int, n: int, s: int, h: int, i: int):
                                 num_stages=2)),
     (1, 8, 64, 2048, 768, dict(reduce="sum")),  # a GEMV a token
     (4, 32, 64, 2048, 768, dict(reduce="sum", block_i=16, block_k=128, num_warps=8)),
+    (1, 8, 64, 2048, 768, dict(reduce="acc", block_i=16, block_k=128, block_h=16, block_i_down=128)),
     (3, 6, 12, 128, 64, {}),  # the tiny test shape
     (3, 6, 12, 128, 64, SMALL_BLOCKS),
 ])

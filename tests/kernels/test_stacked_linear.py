@@ -39,6 +39,8 @@ def make(seed, t, k, ns, n_layers, layer, dtype):
     (1, 64, (64,), dict(block_n=16, block_k=16, k_splits=2, reduce="sum")),  # a GEMV a token
     (3, 128, (64, 32, 32), dict(block_n=16, block_k=32, k_splits=4, reduce="sum")),
     (8, 96, (48,), dict(block_n=32, block_k=32, reduce="sum")),  # wider than 4: tl.dot all the same
+    (1, 64, (64,), dict(block_n=16, block_k=16, k_splits=2, reduce="acc")),  # kept elementwise, summed after
+    (2, 128, (64, 32, 32), dict(block_n=16, block_k=32, k_splits=2, reduce="acc")),
 ])
 def test_kernel_matches_reference(dtype, t, k, ns, tuning):
     n_layers, layer = 3, 1
@@ -81,7 +83,7 @@ def test_lowers_for_cuda_at_the_qwen3_shape(t):
                          spec((L, h, 512), jnp.bfloat16), spec((), jnp.int32))
     assert qkv.count("__gpu$xla.gpu.triton") == 1
     assert re.search(r"__gpu\$xla\.gpu\.triton\([^)]*%arg1, %arg2, %arg3\)", qkv)  # the stacks, in place
-    o = lower_for_cuda(lambda x, w, i: stacked_linear(x, (w,), i, reduce="sum" if t == 1 else None),
+    o = lower_for_cuda(lambda x, w, i: stacked_linear(x, (w,), i, reduce={1: "sum", 4: "acc"}.get(t)),
                        spec((t, 4096), jnp.bfloat16),
                        spec((L, 4096, h), jnp.bfloat16), spec((), jnp.int32))
     assert o.count("__gpu$xla.gpu.triton") == 1
