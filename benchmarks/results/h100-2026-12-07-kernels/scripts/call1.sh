@@ -1,0 +1,23 @@
+# Call 1: the decode kernels' knobs at the Qwen3-30B-A3B shape (kernel-sweep, settings compiled 16 at a time), then
+# the 24-layer generate loop's T=1 window (greedy, spec=0) with the kernels' defaults and with the sweep's picks, each
+# its own process, then the picks' window profile. Everything under $OUT/c1/, tarred (run returns 8 files at most).
+set -u; export PYTHONPATH=. PYTHONUNBUFFERED=1; T0=$SECONDS; D=$OUT/c1; mkdir -p $D
+left() { echo $(( ${1} - (SECONDS - T0) )); }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
+timeout 300 python3 -m benchmarks.kernel_sweep --cases=qkv,o,expert_ffn --configs=48 --budget_s=230 \
+  --json=$D/sweep.json > $D/sweep.log 2>&1
+echo "sweep rc=$? at $((SECONDS - T0)) s"; grep -E "^\|" $D/sweep.log | cut -c1-230
+for arm in default tuned default tuned; do
+  [ $(left 540) -lt 70 ] && break
+  env=""; [ $arm = tuned ] && env="STRATA_KERNEL_TUNING=$D/sweep.json"
+  env $env timeout $(( $(left 540) < 110 ? $(left 540) : 110 )) python3 -m benchmarks.peer_bench --layers=24 \
+    --llama_bench= --reps=3 --ours="spec=0" --warmup_arm=false --json=$D/p24-$arm-$SECONDS.json \
+    > $D/p24-$arm-$SECONDS.log 2>&1
+  echo "$arm rc=$? at $((SECONDS - T0)) s"; grep -hE "kernel tuning|tok/s" $D/p24-$arm-*.log | tail -2 | cut -c1-200
+done
+if [ $(left 570) -gt 45 ]; then
+  STRATA_KERNEL_TUNING=$D/sweep.json timeout $(left 575) python3 -m benchmarks.profile_window \
+    --model=qwen3-30b-a3b --layers=24 --windows=1 --json=$D/profile-tuned.json > $D/profile-tuned.log 2>&1
+  echo "profile rc=$? at $((SECONDS - T0)) s"
+fi
+tar czf $OUT/c1.tgz -C $OUT c1; echo "done at $((SECONDS - T0)) s"
