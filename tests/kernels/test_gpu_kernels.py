@@ -220,3 +220,25 @@ def test_stacked_linear_compiled(t, dtype):
         assert np.isfinite(np.asarray(got)).all()
         want = stacked_linear_reference(x, ws, jnp.int32(layer))
         assert rel_fro(got, want) < (1e-5 if dtype == jnp.float32 else 1e-3)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("reduce", ["sum", "acc"])
+def test_the_gemv_reductions_compiled(qwen3_experts, t, reduce):
+    """reduce="sum" and "acc" (T <= 4: no 16-row tl.dot), compiled at the Qwen3-30B-A3B shapes: the expert FFN and
+    the q/k/v and o launches against their references (the stacks' other layers NaN)."""
+    from strata_jax.pallas_kernels.stacked_linear import stacked_linear, stacked_linear_reference
+    gate, up, down = qwen3_experts
+    rng = np.random.default_rng(200 + t)
+    x, ids, combine = expert_ffn_inputs(rng, t)
+    out = expert_ffn(x, gate, up, down, ids, combine, reduce=reduce)
+    assert rel_fro(out, expert_ffn_reference(x, gate, up, down, ids, combine)) < EXPERT_FFN_RTOL
+    n_layers, layer, h = 4, 2, 2048
+    for k, ns in ((h, (4096, 512, 512)), (4096, (h,))):
+        x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+        ws = tuple(jnp.asarray(np.where(np.arange(n_layers)[:, None, None] == layer,
+                                        rng.standard_normal((n_layers, k, n)) / np.sqrt(k), np.nan), jnp.bfloat16)
+                   for n in ns)
+        got = stacked_linear(x, ws, jnp.int32(layer), reduce=reduce)
+        assert np.isfinite(np.asarray(got)).all()
+        assert rel_fro(got, stacked_linear_reference(x, ws, jnp.int32(layer))) < 1e-3
