@@ -899,19 +899,50 @@ static inline __attribute__((always_inline)) void dot16_rows_nt(int fmt, const v
         }
 }
 
+/* The scales of a 64-byte int4 block's 16 dwords (dword d: bytes 4d .. 4d + 3, of group (64 blk + 4d) / HALF), for
+   a constant half group HALF of 16 (4 groups a block: one 16-byte load, one permute), 32 (2 groups: a broadcast and a
+   masked one, no permute) or a multiple of 64 (one group: a broadcast), for a block whose groups all lie in the row:
+   the vector int4_scales_masked gives (the lanes' values are the same). */
+static inline __attribute__((always_inline)) __m512 int4_block_scales(const float *s, long blk, const long HALF)
+{
+    if (HALF == 16)
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                     _mm512_castps128_ps512(_mm_loadu_ps(s + 4 * blk)));
+    if (HALF == 32)
+        return _mm512_mask_broadcastss_ps(_mm512_set1_ps(s[2 * blk]), (__mmask16)0xff00, _mm_load_ss(s + 2 * blk + 1));
+    return _mm512_set1_ps(s[blk * 64 / HALF]);
+}
+/* the same for any half group (int4_dot16_ok) and a block that may pass the row's last group (those lanes' scales
+   zero): the former loop's per-block scales */
+static inline __attribute__((always_inline)) __m512 int4_scales_masked(const float *s, long at, long half,
+                                                                       long groups, __m512i group_of_dword)
+{
+    const long first_group = at / half;
+    if (half < 64) {
+        const long left = groups - first_group;
+        const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        return _mm512_permutexvar_ps(group_of_dword, _mm512_maskz_loadu_ps(live, s + first_group));
+    }
+    return _mm512_set1_ps(s[first_group]);
+}
+
 /* out[r * TOKENS + t] = dequantized int4 rows[r] . xs[t] (xs in dot16_positions order, padded); packed [n/2] bytes,
    scales [n/(2 half)] per row. Per block and token the four products go in two chains (vdpbf16ps waits 8 cycles on
-   its accumulator here), added, then scaled into the row's sum. */
+   its accumulator here), added, then scaled into the row's sum. HALF: half a group as a constant (16, 32, 64: the
+   whole blocks' loop takes int4_block_scales, the block's x vectors loaded once for its R rows), or 0 (any half
+   group, each block's scales as int4_scales_masked); either way the same operations on the same values, so the
+   same bits. A last block of fewer than 64 bytes goes with masks. */
 static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *const *packed,
                                                                 const float *const *scales, long n, long ahead,
                                                                 long half,
                                                                 const uint16_t *const *xs, float *out, const int NT,
-                                                                const int R)
+                                                                const int R, const long HALF)
 {
     /* bf16(k % 16 - 8) for k < 32 */
     const __m512i table = _mm512_setr_epi32(
         0xC0E0C100, 0xC0A0C0C0, 0xC040C080, 0xBF80C000, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0,
         0xC0E0C100, 0xC0A0C0C0, 0xC040C080, 0xBF80C000, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0);
+    if (HALF) half = HALF;
     /* the group of each dword of a block (half <= 64: 64 / half groups a block; else one) */
     const __m512i group_of_dword = half < 64 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32,
         36, 40, 44, 48, 52, 56, 60), __builtin_ctzl(half)) : _mm512_setzero_si512();
@@ -919,22 +950,43 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
     __m512 tot[ACCUMULATORS];  /* [r][t] */
     _Pragma("GCC unroll 16")
     for (int a = 0; a < R * NT; a++) tot[a] = _mm512_setzero_ps();
-    for (long at = 0, blk = 0; at < bytes; at += 64, blk++) {
-        const long first_group = at / half;
+    long at = 0, blk = 0;
+    if (HALF) {  /* whole blocks whose groups all lie in the row */
+        for (; at + 64 <= bytes; at += 64, blk++) {
+            __m512bh x[TOKENS][4];  /* up to 2 tokens: loaded once for the R rows (more stay memory operands) */
+            _Pragma("GCC unroll 16")
+            for (int t = 0; t < NT && NT <= 2; t++)
+                _Pragma("GCC unroll 4")
+                for (int k = 0; k < 4; k++) x[t][k] = load_bh(xs[t] + blk * 128 + 32 * k);
+            _Pragma("GCC unroll 16")
+            for (int r = 0; r < R; r++) {
+                prefetch_at((const char *)packed[r] + at, ahead, 64);
+                const __m512i w = _mm512_loadu_si512(packed[r] + at);
+                const __m512 scale = int4_block_scales(scales[r], blk, HALF);
+                const __m512bh q0 = as_bh(_mm512_permutexvar_epi16(w, table));
+                const __m512bh q1 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+                const __m512bh q2 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 8), table));
+                const __m512bh q3 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 12), table));
+                _Pragma("GCC unroll 16")
+                for (int t = 0; t < NT; t++) {
+                    if (NT > 2)
+                        _Pragma("GCC unroll 4")
+                        for (int k = 0; k < 4; k++) x[t][k] = load_bh(xs[t] + blk * 128 + 32 * k);
+                    const __m512 a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, x[t][0]), q1, x[t][1]);
+                    const __m512 b = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q2, x[t][2]), q3, x[t][3]);
+                    tot[r * NT + t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scale, tot[r * NT + t]);
+                }
+            }
+        }
+    }
+    for (; at < bytes; at += 64, blk++) {
         _Pragma("GCC unroll 16")
         for (int r = 0; r < R; r++) {  /* row by row: its four weight registers are used up before the next row's */
-            __m512 scale;
             prefetch_at((const char *)packed[r] + at, ahead, 64);
             const __m512i w = bytes - at >= 64 ? _mm512_loadu_si512(packed[r] + at)
                                                : _mm512_maskz_loadu_epi8(((__mmask64)1 << (bytes - at)) - 1,
                                                                          packed[r] + at);
-            if (half < 64) {
-                const long left = groups - first_group;
-                const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-                scale = _mm512_permutexvar_ps(group_of_dword, _mm512_maskz_loadu_ps(live, scales[r] + first_group));
-            } else {
-                scale = _mm512_set1_ps(scales[r][first_group]);
-            }
+            const __m512 scale = int4_scales_masked(scales[r], at, half, groups, group_of_dword);
             const __m512bh q0 = as_bh(_mm512_permutexvar_epi16(w, table));
             const __m512bh q1 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
             const __m512bh q2 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 8), table));
@@ -983,8 +1035,24 @@ static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matr
     if (fmt == FMT_INT4) {  /* srows: the rows' scale rows (scale_row) */
         const uint8_t *packed[MAX_ROWS];
         for (int r = 0; r < R; r++) packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
-#define INT4_CALL(NT, R) dot16_int4_nt(packed, srows, n, ahead * (n / 2), group / 2, xs, out, NT, R)
-        DOT16_ROWS(INT4_CALL)
+        /* quant.py's int4 groups (64; int4-q4k's 32; 128) with a constant half group, others with a variable one */
+#define INT4_CALL(NT, R) dot16_int4_nt(packed, srows, n, ahead * (n / 2), group / 2, xs, out, NT, R, HALF)
+#ifndef INT4_FORMER
+        if (group == 64) {
+            enum { HALF = 32 };
+            DOT16_ROWS(INT4_CALL)
+        } else if (group == 32) {
+            enum { HALF = 16 };
+            DOT16_ROWS(INT4_CALL)
+        } else if (group == 128) {
+            enum { HALF = 64 };
+            DOT16_ROWS(INT4_CALL)
+        } else
+#endif
+        {
+            enum { HALF = 0 };
+            DOT16_ROWS(INT4_CALL)
+        }
         return;
     }
     const void *weights[MAX_ROWS];
