@@ -680,17 +680,23 @@ typedef float tokens_f __attribute__((vector_size(TOKENS * sizeof(float))));
 #endif
 #if defined(__x86_64__) || defined(__i386__)
 #define NO_FMA(v) __asm__("" : "+x"(v))
+#define NO_FMA16(v) __asm__("" : "+v"(v))  /* a 512-bit one (any of the 32 registers) */
 #else
 #define NO_FMA(v) __asm__("" : "+m"(v))
 #endif
+/* w[r][g] = 8 s_g - mn_g of R rows' scale rows (a vector loop) */
+static inline void q4k_bias_weights(const float *const *srows, int R, long G, float *w)
+{
+    for (int r = 0; r < R; r++)
+        for (long g = 0; g < G; g++) w[r * G + g] = 8.0f * srows[r][g] - srows[r][G + g];
+}
 static inline void q4k_bias(const float *const *srows, int R, int nt, long G, const tokens_f *sums, float *bias)
 {
     _Static_assert(TOKENS == 4, "q4k_bias's lanes are 4 tokens");
     tokens_f acc[4];  /* R <= MAX_ROWS, 4 */
     for (int r = 0; r < R; r++) acc[r] = (tokens_f){0};
-    float w[R][G];  /* 8 s_g - mn_g of each row (a vector loop) */
-    for (int r = 0; r < R; r++)
-        for (long g = 0; g < G; g++) w[r][g] = 8.0f * srows[r][g] - srows[r][G + g];
+    float w[R][G];  /* 8 s_g - mn_g of each row */
+    q4k_bias_weights(srows, R, G, &w[0][0]);
 #if defined(__SSE__)
     if (nt == 1 && R > 1) {  /* one token: the rows in the lanes instead, w transposed 4 groups at a time */
         __m128 a = _mm_setzero_ps();
@@ -899,6 +905,62 @@ static inline __attribute__((always_inline)) void dot16_rows_nt(int fmt, const v
         }
 }
 
+/* int4-q4k's (and int4-m's) minima term, q4k_bias's sums taken inside the int4 loop (groups of 32: a block's four
+   groups after its rows' products): the chains of sums then run beside the products instead of before them (a chain
+   of G dependent adds held the loop's start ~G add latencies). The same products and sums per (row, token) in the
+   order of g, so the same bits; lane r * TOKENS + t of a vector holds row r's and token t's sum. w: the rows'
+   8 s_g - mn_g ([R][G], q4k_bias_weights), sums: the tokens' group sums (bias_sums), out: bias[r * TOKENS + t]. */
+typedef struct {
+    const float *w;
+    long G;
+    const tokens_f *sums;
+    const float *sums1;  /* one token: its G group sums (sums' first lanes), else NULL */
+    float *out;
+} q4k_terms;
+/* acc + the products of groups g .. g + 3 (in order; rows past R repeat row 0, their lanes unused). One token
+   (NT 1): the four groups' products in one multiply (lane 4 r + k: w[r][g + k] sums1[g + k]), each added into lane
+   4 r in turn (lanes 4 r + 1 .. 3 then hold partial sums no one reads). */
+static inline __attribute__((always_inline)) __m512 q4k_terms_block(const q4k_terms *b, const int R, const int NT,
+                                                                    long g, __m512 acc)
+{
+    const float *w = b->w + g;
+    __m512 W = _mm512_castps128_ps512(_mm_loadu_ps(w));  /* lane 4 r + k: w[r][g + k] */
+    W = _mm512_insertf32x4(W, _mm_loadu_ps(w + (R > 1 ? 1 : 0) * b->G), 1);
+    W = _mm512_insertf32x4(W, _mm_loadu_ps(w + (R > 2 ? 2 : 0) * b->G), 2);
+    W = _mm512_insertf32x4(W, _mm_loadu_ps(w + (R > 3 ? 3 : 0) * b->G), 3);
+    if (NT == 1) {
+        __m512 product = _mm512_mul_ps(W, _mm512_broadcast_f32x4(_mm_loadu_ps(b->sums1 + g)));
+        NO_FMA16(product);
+        acc = _mm512_add_ps(acc, product);
+        acc = _mm512_add_ps(acc, _mm512_permute_ps(product, 1));
+        acc = _mm512_add_ps(acc, _mm512_permute_ps(product, 2));
+        return _mm512_add_ps(acc, _mm512_permute_ps(product, 3));
+    }
+    _Pragma("GCC unroll 4")
+    for (int k = 0; k < 4; k++) {
+        const __m512i spread = _mm512_setr_epi32(k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k, 8 + k, 8 + k, 8 + k, 8 + k,
+                                                 12 + k, 12 + k, 12 + k, 12 + k);
+        __m512 product = _mm512_mul_ps(_mm512_permutexvar_ps(spread, W),
+                                       _mm512_broadcast_f32x4(_mm_loadu_ps((const float *)&b->sums[g + k])));
+        NO_FMA16(product);
+        acc = _mm512_add_ps(acc, product);
+    }
+    return acc;
+}
+/* acc + the products of group g */
+static inline __attribute__((always_inline)) __m512 q4k_terms_group(const q4k_terms *b, const int R, long g,
+                                                                    __m512 acc)
+{
+    const float *w = b->w + g;
+    const __m512 W = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                           _mm512_castps128_ps512(_mm_setr_ps(w[0], w[(R > 1 ? 1 : 0) * b->G],
+                                                                              w[(R > 2 ? 2 : 0) * b->G],
+                                                                              w[(R > 3 ? 3 : 0) * b->G])));
+    __m512 product = _mm512_mul_ps(W, _mm512_broadcast_f32x4(_mm_loadu_ps((const float *)&b->sums[g])));
+    NO_FMA16(product);
+    return _mm512_add_ps(acc, product);
+}
+
 /* The scales of a 64-byte int4 block's 16 dwords (dword d: bytes 4d .. 4d + 3, of group (64 blk + 4d) / HALF), for
    a constant half group HALF of 16 (4 groups a block: one 16-byte load, one permute), 32 (2 groups: a broadcast and a
    masked one, no permute) or a multiple of 64 (one group: a broadcast), for a block whose groups all lie in the row:
@@ -936,7 +998,7 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
                                                                 const float *const *scales, long n, long ahead,
                                                                 long half,
                                                                 const uint16_t *const *xs, float *out, const int NT,
-                                                                const int R, const long HALF)
+                                                                const int R, const long HALF, const q4k_terms *bias)
 {
     /* bf16(k % 16 - 8) for k < 32 */
     const __m512i table = _mm512_setr_epi32(
@@ -951,6 +1013,8 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
     _Pragma("GCC unroll 16")
     for (int a = 0; a < R * NT; a++) tot[a] = _mm512_setzero_ps();
     long at = 0, blk = 0;
+    __m512 terms = _mm512_setzero_ps();  /* bias: lane r * TOKENS + t, row r's and token t's sum */
+    long whole_groups = 0;             /* bias: the groups of the whole blocks, taken in their loop */
     if (HALF) {  /* whole blocks whose groups all lie in the row */
         for (; at + 64 <= bytes; at += 64, blk++) {
             __m512bh x[TOKENS][4];  /* up to 2 tokens: loaded once for the R rows (more stay memory operands) */
@@ -977,7 +1041,9 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
                     tot[r * NT + t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scale, tot[r * NT + t]);
                 }
             }
+            if (HALF == 16 && bias) terms = q4k_terms_block(bias, R, NT, 4 * blk, terms);
         }
+        whole_groups = 4 * blk;
     }
     for (; at < bytes; at += 64, blk++) {
         _Pragma("GCC unroll 16")
@@ -1001,6 +1067,10 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
                 tot[r * NT + t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scale, tot[r * NT + t]);
             }
         }
+    }
+    if (HALF == 16 && bias) {  /* the groups past the whole blocks, in order */
+        for (long g = whole_groups; g < bias->G; g++) terms = q4k_terms_group(bias, R, g, terms);
+        _mm512_storeu_ps(bias->out, terms);
     }
     _Pragma("GCC unroll 16")
     for (int r = 0; r < R; r++)
@@ -1027,7 +1097,7 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
    `ahead`: how many rows of its matrix the next call starts ahead of each row (the rows prefetched meanwhile). */
 static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matrix *const *ms, const long *es,
                               const long *rs, const float *const *srows, const uint16_t *const *xs, int nt,
-                              float *out)
+                              float *out, const q4k_terms *bias)
 {
     long row[MAX_ROWS];
     const long n = ms[0]->n;
@@ -1036,7 +1106,7 @@ static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matr
         const uint8_t *packed[MAX_ROWS];
         for (int r = 0; r < R; r++) packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
         /* quant.py's int4 groups (64; int4-q4k's 32; 128) with a constant half group, others with a variable one */
-#define INT4_CALL(NT, R) dot16_int4_nt(packed, srows, n, ahead * (n / 2), group / 2, xs, out, NT, R, HALF)
+#define INT4_CALL(NT, R) dot16_int4_nt(packed, srows, n, ahead * (n / 2), group / 2, xs, out, NT, R, HALF, bias)
 #ifndef INT4_FORMER
         if (group == 64) {
             enum { HALF = 32 };
@@ -1071,6 +1141,17 @@ static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matr
 /* Whether the bf16 path is the faster one: not for int8 and one token, where the widening (sign extension, two
    conversions) costs as much as the float path's FMAs (2-core EPYC: 4.5-6 weights a cycle against 6-7) */
 static inline int dot16_pays(int fmt, int nt) { return !(fmt == FMT_INT8 && nt == 1); }
+
+/* Whether dot16_matrix_rows takes the minima's term (q4k_terms) inside its int4 loop: groups of 32 */
+static inline int dot16_terms_inside(int fmt, long group)
+{
+#ifdef INT4_FORMER
+    (void)fmt, (void)group;
+    return 0;
+#else
+    return fmt == FMT_INT4 && group == 32;
+#endif
+}
 
 /* Rows per dot16 call: 4 for up to 2 tokens, else 2 (the accumulators and a row's weights stay in registers) */
 #ifndef BF16_ROWS
@@ -1252,14 +1333,24 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
                 srows[2 * c] = scale_row(&J->mg, group, e * I + i + c, buf + 2 * c * slot);
                 srows[2 * c + 1] = scale_row(&J->mu, group, e * I + i + c, buf + (2 * c + 1) * slot);
             }
-            /* the minima's term before the dot products, which do not wait for its chains of sums */
+            /* the minima's term before the dot products, which do not wait for its chains of sums (or inside the
+               bf16 int4 loop: dot16_terms_inside) */
             float bias[MAX_ROWS * TOKENS];
-            if (minima) q4k_bias(srows, (int)(2 * count), nt, G, sums, bias);
+#ifdef BF16_DOT
+            const int inside = minima && dot16 && dot16_terms_inside(fmt, group);
+#else
+            const int inside = 0;
+#endif
+            float terms_w[inside ? 2 * count * G : 1];
+            if (minima && !inside) q4k_bias(srows, (int)(2 * count), nt, G, sums, bias);
             if (dot16) {
 #ifdef BF16_DOT
                 const matrix *const ms[MAX_ROWS] = {&J->mg, &J->mu, &J->mg, &J->mu};
                 const long es[MAX_ROWS] = {e, e, e, e}, rs[MAX_ROWS] = {i, i, i + 1, i + 1};
-                dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, srows, x16s, nt, gu);
+                q4k_terms terms = {terms_w, G, sums, nt == 1 ? x_sums + entry_token[j0] * G : NULL, bias};
+                if (inside) q4k_bias_weights(srows, (int)(2 * count), G, terms_w);
+                dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, srows, x16s, nt, gu,
+                                  inside ? &terms : NULL);
 #endif
             } else {
                 dot_matrix_row(fmt, group, &J->mg, e, i, srows[0], xs, nt, gu);
@@ -1327,14 +1418,22 @@ static void phase2_rows(const job_t *J, long r0, long r1)
                 const float *srows[MAX_ROWS] = {NULL};
                 for (int k = 0; scaled && k < R; k++)
                     srows[k] = scale_row(&J->md, group, unit_expert[u] * H + r + k, buf + k * slot);
-                float bias[MAX_ROWS * TOKENS];  /* as phase1_rows: before the dot products */
-                if (minima) q4k_bias(srows, R, nt, G, sums, bias);
+                float bias[MAX_ROWS * TOKENS];  /* as phase1_rows: before the dot products, or inside them */
+#ifdef BF16_DOT
+                const int inside = minima && dot16 && dot16_terms_inside(fmt, group);
+#else
+                const int inside = 0;
+#endif
+                float terms_w[inside ? R * G : 1];
+                if (minima && !inside) q4k_bias(srows, R, nt, G, sums, bias);
                 if (dot16) {
 #ifdef BF16_DOT
                     const matrix *const ms[MAX_ROWS] = {&J->md, &J->md, &J->md, &J->md};
                     const long e = unit_expert[u], es[MAX_ROWS] = {e, e, e, e};
                     const long rs[MAX_ROWS] = {r, r + 1, r + 2, r + 3};
-                    dot16_matrix_rows(fmt, group, R, R, ms, es, rs, srows, h16s, nt, y);
+                    q4k_terms terms = {terms_w, G, sums, nt == 1 ? J->h_sums + j0 * G : NULL, bias};
+                    if (inside) q4k_bias_weights(srows, R, G, terms_w);
+                    dot16_matrix_rows(fmt, group, R, R, ms, es, rs, srows, h16s, nt, y, inside ? &terms : NULL);
 #endif
                 } else {
                     dot_matrix_row(fmt, group, &J->md, unit_expert[u], r, srows[0], hs, nt, y);
