@@ -614,6 +614,46 @@ static void dot_rows(int fmt, const void *row, long n, const float *const *xs, i
     }
 }
 
+/* out[r * TOKENS] = rows[r] . x for R (1, 2 or 4) int8 rows (unscaled) and one token: each row's sum is
+   dot_rows_nt's for one token (U = 4 chains over the same steps, added and summed in the same order: the same bits),
+   the R rows sharing each load of x and the call's overhead (the row's sum, its scale and the next row's call: a
+   fifth of the time at I = 768); prefetched as dot16_rows_nt (`ahead` rows of its matrix a call ahead). */
+static inline __attribute__((always_inline)) void dot_rows_int8_r(const int8_t *const *rows, long n, long ahead,
+                                                                  const float *x, float *out, const int R)
+{
+    enum { U = 4 };
+    vf acc[4][U];
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4")
+        for (int u = 0; u < U; u++) acc[r][u] = v_zero();
+    long k = 0;
+    for (; k + U * VL <= n; k += U * VL) {
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) prefetch_at((const char *)(rows[r] + k), ahead, U * VL);
+        _Pragma("GCC unroll 4")
+        for (int u = 0; u < U; u++) {
+            const vf xv = v_load(x + k + u * VL);
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) acc[r][u] = v_fma(v_int8(rows[r] + k + u * VL), xv, acc[r][u]);
+        }
+    }
+    for (; k + VL <= n; k += VL) {
+        const vf xv = v_load(x + k);
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) acc[r][0] = v_fma(v_int8(rows[r] + k), xv, acc[r][0]);
+    }
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++) {
+        vf total = acc[r][0];
+        _Pragma("GCC unroll 4")
+        for (int u = 1; u < U; u++) total += acc[r][u];
+        float s = v_sum(total);
+        for (long m = k; m < n; m++) s += scalar_weight(FMT_INT8, rows[r], m) * x[m];
+        out[r * TOKENS] = s;
+    }
+}
+
 #define INT4_TOKENS(HALF)                                                                                         \
     switch (nt) {                                                                                                 \
     case 1: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 1); break;                                        \
@@ -763,6 +803,35 @@ static void group_sums(const float *rows, long count, long n, long group, float 
             }
             sums[k * (n / group) + g] = acc;
         }
+}
+
+/* int8 rows of (matrix ms[r], expert es[r], row rs[r]) . x for R = 1, 2 or 4 rows and one token, scaled: out[r *
+   TOKENS] (dot16_matrix_rows' way, on the float path) */
+static void int8_matrix_rows(int R, long ahead, const matrix *const *ms, const long *es, const long *rs,
+                             const float *x, float *out)
+{
+    const int8_t *rows[4];
+    long row[4];
+    const long n = ms[0]->n;
+    for (int r = 0; r < R; r++) {
+        row[r] = es[r] * ms[r]->rows + rs[r];
+        rows[r] = (const int8_t *)ms[r]->weights + row[r] * n;
+    }
+    if (R == 4) dot_rows_int8_r(rows, n, ahead * n, x, out, 4);
+    else if (R == 2) dot_rows_int8_r(rows, n, ahead * n, x, out, 2);
+    else dot_rows_int8_r(rows, n, ahead * n, x, out, 1);
+    for (int r = 0; r < R; r++) out[r * TOKENS] *= ms[r]->scales[row[r]];
+}
+
+/* Whether int8 rows with one token go int8_matrix_rows' way (several rows a call) */
+static inline int int8_rows_one(int fmt, int nt)
+{
+#ifdef FORMER_LOOPS
+    (void)fmt, (void)nt;
+    return 0;
+#else
+    return fmt == FMT_INT8 && nt == 1;
+#endif
 }
 
 /* srow: the row's scale row (scale_row) for int4 and int2-q2k, else unused */
@@ -1107,7 +1176,7 @@ static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matr
         for (int r = 0; r < R; r++) packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
         /* quant.py's int4 groups (64; int4-q4k's 32; 128) with a constant half group, others with a variable one */
 #define INT4_CALL(NT, R) dot16_int4_nt(packed, srows, n, ahead * (n / 2), group / 2, xs, out, NT, R, HALF, bias)
-#ifndef INT4_FORMER
+#ifndef FORMER_LOOPS
         if (group == 64) {
             enum { HALF = 32 };
             DOT16_ROWS(INT4_CALL)
@@ -1145,7 +1214,7 @@ static inline int dot16_pays(int fmt, int nt) { return !(fmt == FMT_INT8 && nt =
 /* Whether dot16_matrix_rows takes the minima's term (q4k_terms) inside its int4 loop: groups of 32 */
 static inline int dot16_terms_inside(int fmt, long group)
 {
-#ifdef INT4_FORMER
+#ifdef FORMER_LOOPS
     (void)fmt, (void)group;
     return 0;
 #else
@@ -1338,10 +1407,10 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
             float bias[MAX_ROWS * TOKENS];
 #ifdef BF16_DOT
             const int inside = minima && dot16 && dot16_terms_inside(fmt, group);
+            float terms_w[inside ? 2 * count * G : 1];
 #else
             const int inside = 0;
 #endif
-            float terms_w[inside ? 2 * count * G : 1];
             if (minima && !inside) q4k_bias(srows, (int)(2 * count), nt, G, sums, bias);
             if (dot16) {
 #ifdef BF16_DOT
@@ -1352,6 +1421,11 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
                 dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, srows, x16s, nt, gu,
                                   inside ? &terms : NULL);
 #endif
+            } else if (int8_rows_one(fmt, nt)) {  /* gate and up of 2 rows at once where 2 are left */
+                count = i1 - i >= 2 ? 2 : 1;
+                const matrix *const ms[4] = {&J->mg, &J->mu, &J->mg, &J->mu};
+                const long es[4] = {e, e, e, e}, rs[4] = {i, i, i + 1, i + 1};
+                int8_matrix_rows((int)(2 * count), count, ms, es, rs, xs[0], gu);
             } else {
                 dot_matrix_row(fmt, group, &J->mg, e, i, srows[0], xs, nt, gu);
                 dot_matrix_row(fmt, group, &J->mu, e, i, srows[1], xs, nt, gu + TOKENS);
@@ -1421,10 +1495,10 @@ static void phase2_rows(const job_t *J, long r0, long r1)
                 float bias[MAX_ROWS * TOKENS];  /* as phase1_rows: before the dot products, or inside them */
 #ifdef BF16_DOT
                 const int inside = minima && dot16 && dot16_terms_inside(fmt, group);
+                float terms_w[inside ? R * G : 1];
 #else
                 const int inside = 0;
 #endif
-                float terms_w[inside ? R * G : 1];
                 if (minima && !inside) q4k_bias(srows, R, nt, G, sums, bias);
                 if (dot16) {
 #ifdef BF16_DOT
@@ -1435,6 +1509,11 @@ static void phase2_rows(const job_t *J, long r0, long r1)
                     if (inside) q4k_bias_weights(srows, R, G, terms_w);
                     dot16_matrix_rows(fmt, group, R, R, ms, es, rs, srows, h16s, nt, y, inside ? &terms : NULL);
 #endif
+                } else if (int8_rows_one(fmt, nt)) {  /* up to 4 rows at once */
+                    R = r1 - r >= 4 ? 4 : r1 - r >= 2 ? 2 : 1;
+                    const matrix *const ms[4] = {&J->md, &J->md, &J->md, &J->md};
+                    const long e = unit_expert[u], es[4] = {e, e, e, e}, rs[4] = {r, r + 1, r + 2, r + 3};
+                    int8_matrix_rows(R, R, ms, es, rs, hs[0], y);
                 } else {
                     dot_matrix_row(fmt, group, &J->md, unit_expert[u], r, srows[0], hs, nt, y);
                 }
