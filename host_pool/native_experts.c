@@ -56,12 +56,18 @@
    The bf16 path (AVX-512 BF16 builds; see dot16_rows_nt, dot16_int4_nt): where x's values are all exactly bf16 (a
    bf16 model's device sends them so) phase 1, and where h is rounded to bf16 phase 2, multiply bf16 pairs with
    vdpbf16ps instead: 32 products an instruction, each exact as the float path's (the weights are exact in bf16 too),
-   summed in float32 in another order. int4 then decodes 128 weights per 64-byte load (3 shifts, 4 permutes) and
-   scales per block; 2 to 4 rows share each read of x (bf16's phase 2: one row a call, BF16_ROWS, as a single
-   stream read fastest from DRAM), prefetched a call ahead (PREFETCH_CALLS). int8 with one token keeps the float path
-   (dot16_pays): widening int8 to bf16 costs what the bf16 products save. Measured on the 2-core EPYC (Zen 4), one
-   thread, one expert (H 2048, I 768) recomputed from cache: int4 T=1 31-32 G weights/s (float path ~21), T=4 12-13
-   (6.5-7.8); bf16 T=4 12-13 (6-7); int8 T=4 11.4 (7-8). benchmarks/results/cpu-2026-12-05-pool-kernels.md. */
+   summed in float32 in another order. int4 then decodes 128 weights per 64-byte load (3 shifts, or on Intel cores
+   a shift and 2 byte shuffles; 4 permutes) and scales per block (quant.py's groups: a constant half group, the
+   block's scales by broadcasts; int4-q4k's minima term summed inside the loop); 2 to 4 rows share each read of x
+   (bf16's phase 2: one row a call, BF16_ROWS, as a single stream read fastest from DRAM), prefetched a call ahead
+   (PREFETCH_CALLS). int8 with one token keeps the float path (dot16_pays), 2 to 4 rows a call
+   (int8_matrix_rows): widening int8 to bf16 costs what the bf16 products save. Measured on the 2-core EPYC (Zen 4),
+   one thread, one expert (H 2048, I 768) recomputed from cache: int4 T=1 31-32 G weights/s (float path ~21), T=4
+   12-13 (6.5-7.8); bf16 T=4 12-13 (6-7); int8 T=4 11.4 (7-8). benchmarks/results/cpu-2026-12-05-pool-kernels.md.
+   2026-12-07 (host_pool/measure.py's hot cache, the same VM, against -DFORMER_LOOPS in one run): int4 T=1 59 (49),
+   T=4 23 (18.6); int4-q4k T=1 38 (33), T=4 16.5 (13.2); int8 T=1 32.5 (31). On Sapphire Rapids LLVM's model gives
+   vdpbf16ps zmm 4 uops (2 on port 0, 2 on port 5), vpermw 2: the int4 loop is port-bound near 15-17 cycles per 128
+   weights and token there, and the float path's FMAs may pay (-DINT_FLOAT_PATH, dot16_pays). */
 #if defined(__linux__) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE  /* pthread_setname_np, syscall (the team's futex) */
 #endif
@@ -1030,6 +1036,24 @@ static inline __attribute__((always_inline)) __m512 q4k_terms_group(const q4k_te
     return _mm512_add_ps(acc, product);
 }
 
+/* w >> 8 in each 16-bit word: a byte shuffle (port 5 on Intel cores) where vdpbf16ps and vpermw load port 0 (LLVM's
+   Sapphire Rapids model: vdpbf16ps zmm 2 uops on port 0 and 2 on port 5, vpermw zmm one on each, a 512-bit shift one
+   on port 0; the int4 loop's 4 rows x 128 weights 67 cycles with three shifts a block, 60 with one and two
+   shuffles), a shift on AMD cores (Zen 4 ran the shuffles slower: hot int4 T=4 20 against 22 G weights/s) and with
+   -DINT4_SHIFTS (-DINT4_SHUFFLES: the shuffle anywhere). The same value either way. */
+#if defined(INT4_SHUFFLES)
+#define INT4_HIGH_BYTE_SHIFT 0
+#elif defined(INT4_SHIFTS) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define INT4_HIGH_BYTE_SHIFT 1
+#else
+#define INT4_HIGH_BYTE_SHIFT 0
+#endif
+static inline __attribute__((always_inline)) __m512i int4_high_byte(__m512i w, __m512i high_byte)
+{
+    if (INT4_HIGH_BYTE_SHIFT) return _mm512_srli_epi16(w, 8);
+    return _mm512_shuffle_epi8(w, high_byte);
+}
+
 /* The scales of a 64-byte int4 block's 16 dwords (dword d: bytes 4d .. 4d + 3, of group (64 blk + 4d) / HALF), for
    a constant half group HALF of 16 (4 groups a block: one 16-byte load, one permute), 32 (2 groups: a broadcast and a
    masked one, no permute) or a multiple of 64 (one group: a broadcast), for a block whose groups all lie in the row:
@@ -1074,6 +1098,9 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
         0xC0E0C100, 0xC0A0C0C0, 0xC040C080, 0xBF80C000, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0,
         0xC0E0C100, 0xC0A0C0C0, 0xC040C080, 0xBF80C000, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0);
     if (HALF) half = HALF;
+    /* each word's high byte to its low one, the high one zero (w >> 8 a word) */
+    const __m512i high_byte = _mm512_broadcast_i32x4(_mm_setr_epi8(1, -128, 3, -128, 5, -128, 7, -128, 9, -128, 11,
+                                                                   -128, 13, -128, 15, -128));
     /* the group of each dword of a block (half <= 64: 64 / half groups a block; else one) */
     const __m512i group_of_dword = half < 64 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32,
         36, 40, 44, 48, 52, 56, 60), __builtin_ctzl(half)) : _mm512_setzero_si512();
@@ -1097,9 +1124,10 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
                 const __m512i w = _mm512_loadu_si512(packed[r] + at);
                 const __m512 scale = int4_block_scales(scales[r], blk, HALF);
                 const __m512bh q0 = as_bh(_mm512_permutexvar_epi16(w, table));
-                const __m512bh q1 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
-                const __m512bh q2 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 8), table));
-                const __m512bh q3 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 12), table));
+                const __m512i w4 = _mm512_srli_epi16(w, 4);
+                const __m512bh q1 = as_bh(_mm512_permutexvar_epi16(w4, table));
+                const __m512bh q2 = as_bh(_mm512_permutexvar_epi16(int4_high_byte(w, high_byte), table));
+                const __m512bh q3 = as_bh(_mm512_permutexvar_epi16(int4_high_byte(w4, high_byte), table));
                 _Pragma("GCC unroll 16")
                 for (int t = 0; t < NT; t++) {
                     if (NT > 2)
@@ -1208,8 +1236,18 @@ static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matr
 }
 
 /* Whether the bf16 path is the faster one: not for int8 and one token, where the widening (sign extension, two
-   conversions) costs as much as the float path's FMAs (2-core EPYC: 4.5-6 weights a cycle against 6-7) */
-static inline int dot16_pays(int fmt, int nt) { return !(fmt == FMT_INT8 && nt == 1); }
+   conversions) costs as much as the float path's FMAs (2-core EPYC: 4.5-6 weights a cycle against 6-7).
+   -DINT_FLOAT_PATH: int8 and int4 (int4-q4k, int4-m) always on the float path (bf16 weights keep vdpbf16ps), to
+   measure on Sapphire Rapids, where LLVM's scheduling model gives vdpbf16ps zmm 4 uops (2 on port 0, 2 on port 5)
+   against an FMA's one: there the float path's FMAs may pay once the widening is shared by 2 tokens or more. The
+   float path sums in another order (results within the tests' tolerance, not the same bits). */
+static inline int dot16_pays(int fmt, int nt)
+{
+#ifdef INT_FLOAT_PATH
+    if (fmt == FMT_INT8 || fmt == FMT_INT4) return 0;
+#endif
+    return !(fmt == FMT_INT8 && nt == 1);
+}
 
 /* Whether dot16_matrix_rows takes the minima's term (q4k_terms) inside its int4 loop: groups of 32 */
 static inline int dot16_terms_inside(int fmt, long group)
