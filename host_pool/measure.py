@@ -14,7 +14,9 @@ a larger store (--store-experts) so weights come from DRAM, not cache. int8, int
 random q and scales (or codes: the arithmetic's speed does not depend on their values). --variants: path "C" once per build of the kernel, each
 with its -D macros (comma-separated; "default": none), side by side; "vs bf16" compares with bf16 of the same build;
 "TEAM_OMP,BLOCKS_FIXED" is the former job (an OpenMP region per job, fixed blocks of 32 / 16 rows), "TEAM_OMP" the
-job-sized blocks in it, "TEAM_SPIN_US=50" the kept team's idle spin shorter. --timeline: the mean job's setup, its
+job-sized blocks in it, "TEAM_SPIN_US=50" the kept team's idle spin shorter; "FORMER_LOOPS" the former int4, int4-q4k
+and int8 loops (the same bits), "INT_FLOAT_PATH" int8 and int4 on the float path at every T (other bits; for Intel
+cores, where vdpbf16ps is 4 uops), "INT4_SHIFTS" / "INT4_SHUFFLES" int4's high nibbles by shifts or byte shuffles. --timeline: the mean job's setup, its
 threads' entry after the job was posted (the team's wake-up), phase 1 and phase 2; --gap-us: a busy wait between
 jobs (a decode step's device share of a layer), so the team's idle spin (or sleep) shows.
 x: rounded to bf16 by default, as a bf16 model's device sends it (the C kernel takes bf16 dot products where x is

@@ -56,12 +56,18 @@
    The bf16 path (AVX-512 BF16 builds; see dot16_rows_nt, dot16_int4_nt): where x's values are all exactly bf16 (a
    bf16 model's device sends them so) phase 1, and where h is rounded to bf16 phase 2, multiply bf16 pairs with
    vdpbf16ps instead: 32 products an instruction, each exact as the float path's (the weights are exact in bf16 too),
-   summed in float32 in another order. int4 then decodes 128 weights per 64-byte load (3 shifts, 4 permutes) and
-   scales per block; 2 to 4 rows share each read of x (bf16's phase 2: one row a call, BF16_ROWS, as a single
-   stream read fastest from DRAM), prefetched a call ahead (PREFETCH_CALLS). int8 with one token keeps the float path
-   (dot16_pays): widening int8 to bf16 costs what the bf16 products save. Measured on the 2-core EPYC (Zen 4), one
-   thread, one expert (H 2048, I 768) recomputed from cache: int4 T=1 31-32 G weights/s (float path ~21), T=4 12-13
-   (6.5-7.8); bf16 T=4 12-13 (6-7); int8 T=4 11.4 (7-8). benchmarks/results/cpu-2026-12-05-pool-kernels.md. */
+   summed in float32 in another order. int4 then decodes 128 weights per 64-byte load (3 shifts, or on Intel cores
+   a shift and 2 byte shuffles; 4 permutes) and scales per block (quant.py's groups: a constant half group, the
+   block's scales by broadcasts; int4-q4k's minima term summed inside the loop); 2 to 4 rows share each read of x
+   (bf16's phase 2: one row a call, BF16_ROWS, as a single stream read fastest from DRAM), prefetched a call ahead
+   (PREFETCH_CALLS). int8 with one token keeps the float path (dot16_pays), 2 to 4 rows a call
+   (int8_matrix_rows): widening int8 to bf16 costs what the bf16 products save. Measured on the 2-core EPYC (Zen 4),
+   one thread, one expert (H 2048, I 768) recomputed from cache: int4 T=1 31-32 G weights/s (float path ~21), T=4
+   12-13 (6.5-7.8); bf16 T=4 12-13 (6-7); int8 T=4 11.4 (7-8). benchmarks/results/cpu-2026-12-05-pool-kernels.md.
+   2026-12-07 (host_pool/measure.py's hot cache, the same VM, against -DFORMER_LOOPS in one run): int4 T=1 59 (49),
+   T=4 23 (18.6); int4-q4k T=1 38 (33), T=4 16.5 (13.2); int8 T=1 32.5 (31). On Sapphire Rapids LLVM's model gives
+   vdpbf16ps zmm 4 uops (2 on port 0, 2 on port 5), vpermw 2: the int4 loop is port-bound near 15-17 cycles per 128
+   weights and token there, and the float path's FMAs may pay (-DINT_FLOAT_PATH, dot16_pays). */
 #if defined(__linux__) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE  /* pthread_setname_np, syscall (the team's futex) */
 #endif
@@ -614,6 +620,46 @@ static void dot_rows(int fmt, const void *row, long n, const float *const *xs, i
     }
 }
 
+/* out[r * TOKENS] = rows[r] . x for R (1, 2 or 4) int8 rows (unscaled) and one token: each row's sum is
+   dot_rows_nt's for one token (U = 4 chains over the same steps, added and summed in the same order: the same bits),
+   the R rows sharing each load of x and the call's overhead (the row's sum, its scale and the next row's call: a
+   fifth of the time at I = 768); prefetched as dot16_rows_nt (`ahead` rows of its matrix a call ahead). */
+static inline __attribute__((always_inline)) void dot_rows_int8_r(const int8_t *const *rows, long n, long ahead,
+                                                                  const float *x, float *out, const int R)
+{
+    enum { U = 4 };
+    vf acc[4][U];
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4")
+        for (int u = 0; u < U; u++) acc[r][u] = v_zero();
+    long k = 0;
+    for (; k + U * VL <= n; k += U * VL) {
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) prefetch_at((const char *)(rows[r] + k), ahead, U * VL);
+        _Pragma("GCC unroll 4")
+        for (int u = 0; u < U; u++) {
+            const vf xv = v_load(x + k + u * VL);
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) acc[r][u] = v_fma(v_int8(rows[r] + k + u * VL), xv, acc[r][u]);
+        }
+    }
+    for (; k + VL <= n; k += VL) {
+        const vf xv = v_load(x + k);
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) acc[r][0] = v_fma(v_int8(rows[r] + k), xv, acc[r][0]);
+    }
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++) {
+        vf total = acc[r][0];
+        _Pragma("GCC unroll 4")
+        for (int u = 1; u < U; u++) total += acc[r][u];
+        float s = v_sum(total);
+        for (long m = k; m < n; m++) s += scalar_weight(FMT_INT8, rows[r], m) * x[m];
+        out[r * TOKENS] = s;
+    }
+}
+
 #define INT4_TOKENS(HALF)                                                                                         \
     switch (nt) {                                                                                                 \
     case 1: dot_rows_int4_nt(packed, scales, n, HALF, xs, out, 1); break;                                        \
@@ -680,17 +726,23 @@ typedef float tokens_f __attribute__((vector_size(TOKENS * sizeof(float))));
 #endif
 #if defined(__x86_64__) || defined(__i386__)
 #define NO_FMA(v) __asm__("" : "+x"(v))
+#define NO_FMA16(v) __asm__("" : "+v"(v))  /* a 512-bit one (any of the 32 registers) */
 #else
 #define NO_FMA(v) __asm__("" : "+m"(v))
 #endif
+/* w[r][g] = 8 s_g - mn_g of R rows' scale rows (a vector loop) */
+static inline void q4k_bias_weights(const float *const *srows, int R, long G, float *w)
+{
+    for (int r = 0; r < R; r++)
+        for (long g = 0; g < G; g++) w[r * G + g] = 8.0f * srows[r][g] - srows[r][G + g];
+}
 static inline void q4k_bias(const float *const *srows, int R, int nt, long G, const tokens_f *sums, float *bias)
 {
     _Static_assert(TOKENS == 4, "q4k_bias's lanes are 4 tokens");
     tokens_f acc[4];  /* R <= MAX_ROWS, 4 */
     for (int r = 0; r < R; r++) acc[r] = (tokens_f){0};
-    float w[R][G];  /* 8 s_g - mn_g of each row (a vector loop) */
-    for (int r = 0; r < R; r++)
-        for (long g = 0; g < G; g++) w[r][g] = 8.0f * srows[r][g] - srows[r][G + g];
+    float w[R][G];  /* 8 s_g - mn_g of each row */
+    q4k_bias_weights(srows, R, G, &w[0][0]);
 #if defined(__SSE__)
     if (nt == 1 && R > 1) {  /* one token: the rows in the lanes instead, w transposed 4 groups at a time */
         __m128 a = _mm_setzero_ps();
@@ -757,6 +809,35 @@ static void group_sums(const float *rows, long count, long n, long group, float 
             }
             sums[k * (n / group) + g] = acc;
         }
+}
+
+/* int8 rows of (matrix ms[r], expert es[r], row rs[r]) . x for R = 1, 2 or 4 rows and one token, scaled: out[r *
+   TOKENS] (dot16_matrix_rows' way, on the float path) */
+static void int8_matrix_rows(int R, long ahead, const matrix *const *ms, const long *es, const long *rs,
+                             const float *x, float *out)
+{
+    const int8_t *rows[4];
+    long row[4];
+    const long n = ms[0]->n;
+    for (int r = 0; r < R; r++) {
+        row[r] = es[r] * ms[r]->rows + rs[r];
+        rows[r] = (const int8_t *)ms[r]->weights + row[r] * n;
+    }
+    if (R == 4) dot_rows_int8_r(rows, n, ahead * n, x, out, 4);
+    else if (R == 2) dot_rows_int8_r(rows, n, ahead * n, x, out, 2);
+    else dot_rows_int8_r(rows, n, ahead * n, x, out, 1);
+    for (int r = 0; r < R; r++) out[r * TOKENS] *= ms[r]->scales[row[r]];
+}
+
+/* Whether int8 rows with one token go int8_matrix_rows' way (several rows a call) */
+static inline int int8_rows_one(int fmt, int nt)
+{
+#ifdef FORMER_LOOPS
+    (void)fmt, (void)nt;
+    return 0;
+#else
+    return fmt == FMT_INT8 && nt == 1;
+#endif
 }
 
 /* srow: the row's scale row (scale_row) for int4 and int2-q2k, else unused */
@@ -899,19 +980,127 @@ static inline __attribute__((always_inline)) void dot16_rows_nt(int fmt, const v
         }
 }
 
+/* int4-q4k's (and int4-m's) minima term, q4k_bias's sums taken inside the int4 loop (groups of 32: a block's four
+   groups after its rows' products): the chains of sums then run beside the products instead of before them (a chain
+   of G dependent adds held the loop's start ~G add latencies). The same products and sums per (row, token) in the
+   order of g, so the same bits; lane r * TOKENS + t of a vector holds row r's and token t's sum. w: the rows'
+   8 s_g - mn_g ([R][G], q4k_bias_weights), sums: the tokens' group sums (bias_sums), out: bias[r * TOKENS + t]. */
+typedef struct {
+    const float *w;
+    long G;
+    const tokens_f *sums;
+    const float *sums1;  /* one token: its G group sums (sums' first lanes), else NULL */
+    float *out;
+} q4k_terms;
+/* acc + the products of groups g .. g + 3 (in order; rows past R repeat row 0, their lanes unused). One token
+   (NT 1): the four groups' products in one multiply (lane 4 r + k: w[r][g + k] sums1[g + k]), each added into lane
+   4 r in turn (lanes 4 r + 1 .. 3 then hold partial sums no one reads). */
+static inline __attribute__((always_inline)) __m512 q4k_terms_block(const q4k_terms *b, const int R, const int NT,
+                                                                    long g, __m512 acc)
+{
+    const float *w = b->w + g;
+    __m512 W = _mm512_castps128_ps512(_mm_loadu_ps(w));  /* lane 4 r + k: w[r][g + k] */
+    W = _mm512_insertf32x4(W, _mm_loadu_ps(w + (R > 1 ? 1 : 0) * b->G), 1);
+    W = _mm512_insertf32x4(W, _mm_loadu_ps(w + (R > 2 ? 2 : 0) * b->G), 2);
+    W = _mm512_insertf32x4(W, _mm_loadu_ps(w + (R > 3 ? 3 : 0) * b->G), 3);
+    if (NT == 1) {
+        __m512 product = _mm512_mul_ps(W, _mm512_broadcast_f32x4(_mm_loadu_ps(b->sums1 + g)));
+        NO_FMA16(product);
+        acc = _mm512_add_ps(acc, product);
+        acc = _mm512_add_ps(acc, _mm512_permute_ps(product, 1));
+        acc = _mm512_add_ps(acc, _mm512_permute_ps(product, 2));
+        return _mm512_add_ps(acc, _mm512_permute_ps(product, 3));
+    }
+    _Pragma("GCC unroll 4")
+    for (int k = 0; k < 4; k++) {
+        const __m512i spread = _mm512_setr_epi32(k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k, 8 + k, 8 + k, 8 + k, 8 + k,
+                                                 12 + k, 12 + k, 12 + k, 12 + k);
+        __m512 product = _mm512_mul_ps(_mm512_permutexvar_ps(spread, W),
+                                       _mm512_broadcast_f32x4(_mm_loadu_ps((const float *)&b->sums[g + k])));
+        NO_FMA16(product);
+        acc = _mm512_add_ps(acc, product);
+    }
+    return acc;
+}
+/* acc + the products of group g */
+static inline __attribute__((always_inline)) __m512 q4k_terms_group(const q4k_terms *b, const int R, long g,
+                                                                    __m512 acc)
+{
+    const float *w = b->w + g;
+    const __m512 W = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                           _mm512_castps128_ps512(_mm_setr_ps(w[0], w[(R > 1 ? 1 : 0) * b->G],
+                                                                              w[(R > 2 ? 2 : 0) * b->G],
+                                                                              w[(R > 3 ? 3 : 0) * b->G])));
+    __m512 product = _mm512_mul_ps(W, _mm512_broadcast_f32x4(_mm_loadu_ps((const float *)&b->sums[g])));
+    NO_FMA16(product);
+    return _mm512_add_ps(acc, product);
+}
+
+/* w >> 8 in each 16-bit word: a byte shuffle (port 5 on Intel cores) where vdpbf16ps and vpermw load port 0 (LLVM's
+   Sapphire Rapids model: vdpbf16ps zmm 2 uops on port 0 and 2 on port 5, vpermw zmm one on each, a 512-bit shift one
+   on port 0; the int4 loop's 4 rows x 128 weights 67 cycles with three shifts a block, 60 with one and two
+   shuffles), a shift on AMD cores (Zen 4 ran the shuffles slower: hot int4 T=4 20 against 22 G weights/s) and with
+   -DINT4_SHIFTS (-DINT4_SHUFFLES: the shuffle anywhere). The same value either way. */
+#if defined(INT4_SHUFFLES)
+#define INT4_HIGH_BYTE_SHIFT 0
+#elif defined(INT4_SHIFTS) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define INT4_HIGH_BYTE_SHIFT 1
+#else
+#define INT4_HIGH_BYTE_SHIFT 0
+#endif
+static inline __attribute__((always_inline)) __m512i int4_high_byte(__m512i w, __m512i high_byte)
+{
+    if (INT4_HIGH_BYTE_SHIFT) return _mm512_srli_epi16(w, 8);
+    return _mm512_shuffle_epi8(w, high_byte);
+}
+
+/* The scales of a 64-byte int4 block's 16 dwords (dword d: bytes 4d .. 4d + 3, of group (64 blk + 4d) / HALF), for
+   a constant half group HALF of 16 (4 groups a block: one 16-byte load, one permute), 32 (2 groups: a broadcast and a
+   masked one, no permute) or a multiple of 64 (one group: a broadcast), for a block whose groups all lie in the row:
+   the vector int4_scales_masked gives (the lanes' values are the same). */
+static inline __attribute__((always_inline)) __m512 int4_block_scales(const float *s, long blk, const long HALF)
+{
+    if (HALF == 16)
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                     _mm512_castps128_ps512(_mm_loadu_ps(s + 4 * blk)));
+    if (HALF == 32)
+        return _mm512_mask_broadcastss_ps(_mm512_set1_ps(s[2 * blk]), (__mmask16)0xff00, _mm_load_ss(s + 2 * blk + 1));
+    return _mm512_set1_ps(s[blk * 64 / HALF]);
+}
+/* the same for any half group (int4_dot16_ok) and a block that may pass the row's last group (those lanes' scales
+   zero): the former loop's per-block scales */
+static inline __attribute__((always_inline)) __m512 int4_scales_masked(const float *s, long at, long half,
+                                                                       long groups, __m512i group_of_dword)
+{
+    const long first_group = at / half;
+    if (half < 64) {
+        const long left = groups - first_group;
+        const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        return _mm512_permutexvar_ps(group_of_dword, _mm512_maskz_loadu_ps(live, s + first_group));
+    }
+    return _mm512_set1_ps(s[first_group]);
+}
+
 /* out[r * TOKENS + t] = dequantized int4 rows[r] . xs[t] (xs in dot16_positions order, padded); packed [n/2] bytes,
    scales [n/(2 half)] per row. Per block and token the four products go in two chains (vdpbf16ps waits 8 cycles on
-   its accumulator here), added, then scaled into the row's sum. */
+   its accumulator here), added, then scaled into the row's sum. HALF: half a group as a constant (16, 32, 64: the
+   whole blocks' loop takes int4_block_scales, the block's x vectors loaded once for its R rows), or 0 (any half
+   group, each block's scales as int4_scales_masked); either way the same operations on the same values, so the
+   same bits. A last block of fewer than 64 bytes goes with masks. */
 static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *const *packed,
                                                                 const float *const *scales, long n, long ahead,
                                                                 long half,
                                                                 const uint16_t *const *xs, float *out, const int NT,
-                                                                const int R)
+                                                                const int R, const long HALF, const q4k_terms *bias)
 {
     /* bf16(k % 16 - 8) for k < 32 */
     const __m512i table = _mm512_setr_epi32(
         0xC0E0C100, 0xC0A0C0C0, 0xC040C080, 0xBF80C000, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0,
         0xC0E0C100, 0xC0A0C0C0, 0xC040C080, 0xBF80C000, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0);
+    if (HALF) half = HALF;
+    /* each word's high byte to its low one, the high one zero (w >> 8 a word) */
+    const __m512i high_byte = _mm512_broadcast_i32x4(_mm_setr_epi8(1, -128, 3, -128, 5, -128, 7, -128, 9, -128, 11,
+                                                                   -128, 13, -128, 15, -128));
     /* the group of each dword of a block (half <= 64: 64 / half groups a block; else one) */
     const __m512i group_of_dword = half < 64 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32,
         36, 40, 44, 48, 52, 56, 60), __builtin_ctzl(half)) : _mm512_setzero_si512();
@@ -919,22 +1108,48 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
     __m512 tot[ACCUMULATORS];  /* [r][t] */
     _Pragma("GCC unroll 16")
     for (int a = 0; a < R * NT; a++) tot[a] = _mm512_setzero_ps();
-    for (long at = 0, blk = 0; at < bytes; at += 64, blk++) {
-        const long first_group = at / half;
+    long at = 0, blk = 0;
+    __m512 terms = _mm512_setzero_ps();  /* bias: lane r * TOKENS + t, row r's and token t's sum */
+    long whole_groups = 0;             /* bias: the groups of the whole blocks, taken in their loop */
+    if (HALF) {  /* whole blocks whose groups all lie in the row */
+        for (; at + 64 <= bytes; at += 64, blk++) {
+            __m512bh x[TOKENS][4];  /* up to 2 tokens: loaded once for the R rows (more stay memory operands) */
+            _Pragma("GCC unroll 16")
+            for (int t = 0; t < NT && NT <= 2; t++)
+                _Pragma("GCC unroll 4")
+                for (int k = 0; k < 4; k++) x[t][k] = load_bh(xs[t] + blk * 128 + 32 * k);
+            _Pragma("GCC unroll 16")
+            for (int r = 0; r < R; r++) {
+                prefetch_at((const char *)packed[r] + at, ahead, 64);
+                const __m512i w = _mm512_loadu_si512(packed[r] + at);
+                const __m512 scale = int4_block_scales(scales[r], blk, HALF);
+                const __m512bh q0 = as_bh(_mm512_permutexvar_epi16(w, table));
+                const __m512i w4 = _mm512_srli_epi16(w, 4);
+                const __m512bh q1 = as_bh(_mm512_permutexvar_epi16(w4, table));
+                const __m512bh q2 = as_bh(_mm512_permutexvar_epi16(int4_high_byte(w, high_byte), table));
+                const __m512bh q3 = as_bh(_mm512_permutexvar_epi16(int4_high_byte(w4, high_byte), table));
+                _Pragma("GCC unroll 16")
+                for (int t = 0; t < NT; t++) {
+                    if (NT > 2)
+                        _Pragma("GCC unroll 4")
+                        for (int k = 0; k < 4; k++) x[t][k] = load_bh(xs[t] + blk * 128 + 32 * k);
+                    const __m512 a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, x[t][0]), q1, x[t][1]);
+                    const __m512 b = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q2, x[t][2]), q3, x[t][3]);
+                    tot[r * NT + t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scale, tot[r * NT + t]);
+                }
+            }
+            if (HALF == 16 && bias) terms = q4k_terms_block(bias, R, NT, 4 * blk, terms);
+        }
+        whole_groups = 4 * blk;
+    }
+    for (; at < bytes; at += 64, blk++) {
         _Pragma("GCC unroll 16")
         for (int r = 0; r < R; r++) {  /* row by row: its four weight registers are used up before the next row's */
-            __m512 scale;
             prefetch_at((const char *)packed[r] + at, ahead, 64);
             const __m512i w = bytes - at >= 64 ? _mm512_loadu_si512(packed[r] + at)
                                                : _mm512_maskz_loadu_epi8(((__mmask64)1 << (bytes - at)) - 1,
                                                                          packed[r] + at);
-            if (half < 64) {
-                const long left = groups - first_group;
-                const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-                scale = _mm512_permutexvar_ps(group_of_dword, _mm512_maskz_loadu_ps(live, scales[r] + first_group));
-            } else {
-                scale = _mm512_set1_ps(scales[r][first_group]);
-            }
+            const __m512 scale = int4_scales_masked(scales[r], at, half, groups, group_of_dword);
             const __m512bh q0 = as_bh(_mm512_permutexvar_epi16(w, table));
             const __m512bh q1 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
             const __m512bh q2 = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 8), table));
@@ -949,6 +1164,10 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
                 tot[r * NT + t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scale, tot[r * NT + t]);
             }
         }
+    }
+    if (HALF == 16 && bias) {  /* the groups past the whole blocks, in order */
+        for (long g = whole_groups; g < bias->G; g++) terms = q4k_terms_group(bias, R, g, terms);
+        _mm512_storeu_ps(bias->out, terms);
     }
     _Pragma("GCC unroll 16")
     for (int r = 0; r < R; r++)
@@ -975,7 +1194,7 @@ static inline __attribute__((always_inline)) void dot16_int4_nt(const uint8_t *c
    `ahead`: how many rows of its matrix the next call starts ahead of each row (the rows prefetched meanwhile). */
 static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matrix *const *ms, const long *es,
                               const long *rs, const float *const *srows, const uint16_t *const *xs, int nt,
-                              float *out)
+                              float *out, const q4k_terms *bias)
 {
     long row[MAX_ROWS];
     const long n = ms[0]->n;
@@ -983,8 +1202,24 @@ static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matr
     if (fmt == FMT_INT4) {  /* srows: the rows' scale rows (scale_row) */
         const uint8_t *packed[MAX_ROWS];
         for (int r = 0; r < R; r++) packed[r] = (const uint8_t *)ms[r]->weights + row[r] * (n / 2);
-#define INT4_CALL(NT, R) dot16_int4_nt(packed, srows, n, ahead * (n / 2), group / 2, xs, out, NT, R)
-        DOT16_ROWS(INT4_CALL)
+        /* quant.py's int4 groups (64; int4-q4k's 32; 128) with a constant half group, others with a variable one */
+#define INT4_CALL(NT, R) dot16_int4_nt(packed, srows, n, ahead * (n / 2), group / 2, xs, out, NT, R, HALF, bias)
+#ifndef FORMER_LOOPS
+        if (group == 64) {
+            enum { HALF = 32 };
+            DOT16_ROWS(INT4_CALL)
+        } else if (group == 32) {
+            enum { HALF = 16 };
+            DOT16_ROWS(INT4_CALL)
+        } else if (group == 128) {
+            enum { HALF = 64 };
+            DOT16_ROWS(INT4_CALL)
+        } else
+#endif
+        {
+            enum { HALF = 0 };
+            DOT16_ROWS(INT4_CALL)
+        }
         return;
     }
     const void *weights[MAX_ROWS];
@@ -1001,8 +1236,29 @@ static void dot16_matrix_rows(int fmt, long group, int R, long ahead, const matr
 }
 
 /* Whether the bf16 path is the faster one: not for int8 and one token, where the widening (sign extension, two
-   conversions) costs as much as the float path's FMAs (2-core EPYC: 4.5-6 weights a cycle against 6-7) */
-static inline int dot16_pays(int fmt, int nt) { return !(fmt == FMT_INT8 && nt == 1); }
+   conversions) costs as much as the float path's FMAs (2-core EPYC: 4.5-6 weights a cycle against 6-7).
+   -DINT_FLOAT_PATH: int8 and int4 (int4-q4k, int4-m) always on the float path (bf16 weights keep vdpbf16ps), to
+   measure on Sapphire Rapids, where LLVM's scheduling model gives vdpbf16ps zmm 4 uops (2 on port 0, 2 on port 5)
+   against an FMA's one: there the float path's FMAs may pay once the widening is shared by 2 tokens or more. The
+   float path sums in another order (results within the tests' tolerance, not the same bits). */
+static inline int dot16_pays(int fmt, int nt)
+{
+#ifdef INT_FLOAT_PATH
+    if (fmt == FMT_INT8 || fmt == FMT_INT4) return 0;
+#endif
+    return !(fmt == FMT_INT8 && nt == 1);
+}
+
+/* Whether dot16_matrix_rows takes the minima's term (q4k_terms) inside its int4 loop: groups of 32 */
+static inline int dot16_terms_inside(int fmt, long group)
+{
+#ifdef FORMER_LOOPS
+    (void)fmt, (void)group;
+    return 0;
+#else
+    return fmt == FMT_INT4 && group == 32;
+#endif
+}
 
 /* Rows per dot16 call: 4 for up to 2 tokens, else 2 (the accumulators and a row's weights stay in registers) */
 #ifndef BF16_ROWS
@@ -1184,15 +1440,30 @@ static void phase1_rows(const job_t *J, long u, long i0, long i1)
                 srows[2 * c] = scale_row(&J->mg, group, e * I + i + c, buf + 2 * c * slot);
                 srows[2 * c + 1] = scale_row(&J->mu, group, e * I + i + c, buf + (2 * c + 1) * slot);
             }
-            /* the minima's term before the dot products, which do not wait for its chains of sums */
+            /* the minima's term before the dot products, which do not wait for its chains of sums (or inside the
+               bf16 int4 loop: dot16_terms_inside) */
             float bias[MAX_ROWS * TOKENS];
-            if (minima) q4k_bias(srows, (int)(2 * count), nt, G, sums, bias);
+#ifdef BF16_DOT
+            const int inside = minima && dot16 && dot16_terms_inside(fmt, group);
+            float terms_w[inside ? 2 * count * G : 1];
+#else
+            const int inside = 0;
+#endif
+            if (minima && !inside) q4k_bias(srows, (int)(2 * count), nt, G, sums, bias);
             if (dot16) {
 #ifdef BF16_DOT
                 const matrix *const ms[MAX_ROWS] = {&J->mg, &J->mu, &J->mg, &J->mu};
                 const long es[MAX_ROWS] = {e, e, e, e}, rs[MAX_ROWS] = {i, i, i + 1, i + 1};
-                dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, srows, x16s, nt, gu);
+                q4k_terms terms = {terms_w, G, sums, nt == 1 ? x_sums + entry_token[j0] * G : NULL, bias};
+                if (inside) q4k_bias_weights(srows, (int)(2 * count), G, terms_w);
+                dot16_matrix_rows(fmt, group, (int)(2 * count), count, ms, es, rs, srows, x16s, nt, gu,
+                                  inside ? &terms : NULL);
 #endif
+            } else if (int8_rows_one(fmt, nt)) {  /* gate and up of 2 rows at once where 2 are left */
+                count = i1 - i >= 2 ? 2 : 1;
+                const matrix *const ms[4] = {&J->mg, &J->mu, &J->mg, &J->mu};
+                const long es[4] = {e, e, e, e}, rs[4] = {i, i, i + 1, i + 1};
+                int8_matrix_rows((int)(2 * count), count, ms, es, rs, xs[0], gu);
             } else {
                 dot_matrix_row(fmt, group, &J->mg, e, i, srows[0], xs, nt, gu);
                 dot_matrix_row(fmt, group, &J->mu, e, i, srows[1], xs, nt, gu + TOKENS);
@@ -1259,15 +1530,28 @@ static void phase2_rows(const job_t *J, long r0, long r1)
                 const float *srows[MAX_ROWS] = {NULL};
                 for (int k = 0; scaled && k < R; k++)
                     srows[k] = scale_row(&J->md, group, unit_expert[u] * H + r + k, buf + k * slot);
-                float bias[MAX_ROWS * TOKENS];  /* as phase1_rows: before the dot products */
-                if (minima) q4k_bias(srows, R, nt, G, sums, bias);
+                float bias[MAX_ROWS * TOKENS];  /* as phase1_rows: before the dot products, or inside them */
+#ifdef BF16_DOT
+                const int inside = minima && dot16 && dot16_terms_inside(fmt, group);
+                float terms_w[inside ? R * G : 1];
+#else
+                const int inside = 0;
+#endif
+                if (minima && !inside) q4k_bias(srows, R, nt, G, sums, bias);
                 if (dot16) {
 #ifdef BF16_DOT
                     const matrix *const ms[MAX_ROWS] = {&J->md, &J->md, &J->md, &J->md};
                     const long e = unit_expert[u], es[MAX_ROWS] = {e, e, e, e};
                     const long rs[MAX_ROWS] = {r, r + 1, r + 2, r + 3};
-                    dot16_matrix_rows(fmt, group, R, R, ms, es, rs, srows, h16s, nt, y);
+                    q4k_terms terms = {terms_w, G, sums, nt == 1 ? J->h_sums + j0 * G : NULL, bias};
+                    if (inside) q4k_bias_weights(srows, R, G, terms_w);
+                    dot16_matrix_rows(fmt, group, R, R, ms, es, rs, srows, h16s, nt, y, inside ? &terms : NULL);
 #endif
+                } else if (int8_rows_one(fmt, nt)) {  /* up to 4 rows at once */
+                    R = r1 - r >= 4 ? 4 : r1 - r >= 2 ? 2 : 1;
+                    const matrix *const ms[4] = {&J->md, &J->md, &J->md, &J->md};
+                    const long e = unit_expert[u], es[4] = {e, e, e, e}, rs[4] = {r, r + 1, r + 2, r + 3};
+                    int8_matrix_rows(R, R, ms, es, rs, hs[0], y);
                 } else {
                     dot_matrix_row(fmt, group, &J->md, unit_expert[u], r, srows[0], hs, nt, y);
                 }

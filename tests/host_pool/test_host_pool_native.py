@@ -165,6 +165,35 @@ def test_the_former_team_and_blocks_give_the_same_bits(kernel, monkeypatch, fmt,
             np.testing.assert_array_equal(y_new, y_former)
 
 
+@pytest.mark.parametrize("fmt,compute,shape,quant_format", [
+    ("int4", "bfloat16", (256, 384), None), ("int4", "bfloat16", (192, 320), None),  # whole blocks; a partial one
+    ("int4", "bfloat16", (256, 128), "int4-g32"), ("int4", "bfloat16", (256, 128), "int4-g128"),
+    ("int4", "float32", (256, 384), None), ("int8", "bfloat16", (144, 80), None), ("int8", "float32", (256, 128), None)])
+def test_the_former_loops_give_the_same_bits(kernel, monkeypatch, fmt, compute, shape, quant_format):
+    """The int4 loop with a constant half group (and its high bytes by a shuffle, Intel builds' form), int8's rows
+    with one token two to four a call: the same products and sums as the former loops (-DFORMER_LOOPS), so their
+    bits, for bf16 x (the bf16 path) and float32 x (the float path), 1 to 5 tokens and 1 to 3 threads."""
+    builds = {}
+    for defines in (("FORMER_LOOPS",), ("INT4_SHUFFLES",), ("INT4_SHIFTS",)):
+        builds[defines], line = native.experts_variant(defines)
+        if builds[defines] is None:
+            pytest.skip(line)
+    rng = rng_for(f"native-former-loops-{fmt}-{compute}-{shape}-{quant_format}")
+    _, store = make_store(rng, fmt, compute, shape, quant_format)
+    monkeypatch.setenv(native.ENV, "1")
+    for T, ids, threads in ((1, [4], 1), (1, [1, 4, 5, 0], 2), (2, [6, 2], 3), (5, [3, -1, 0], 2)):
+        for dtype in (BF16, np.float32):
+            x = rng.standard_normal((T, store.hidden_size(0))).astype(dtype).astype(np.float32)
+            ids = np.array(ids, np.int32)
+            w = (rng.random((T, ids.size)) * (ids >= 0)).astype(np.float32)
+            with HostPool(store, threads=threads) as pool:
+                y_new = pool.compute(1, x, ids, w)
+                for build in builds.values():
+                    with monkeypatch.context() as m:
+                        m.setattr(native, "experts_kernel", lambda build=build: build)
+                        np.testing.assert_array_equal(pool.compute(1, x, ids, w).view(np.uint32), y_new.view(np.uint32))
+
+
 @pytest.mark.parametrize("rows,threads,phase", [(768, 16, 0), (1536, 16, 0), (2304, 16, 0), (6144, 16, 0),
                                                (768, 2, 0), (2048, 16, 1), (2048, 3, 1), (320, 3, 0), (77, 2, 0),
                                                (6, 4, 1)])

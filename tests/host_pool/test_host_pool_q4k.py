@@ -129,6 +129,31 @@ def test_the_former_team_and_blocks_give_the_same_bits(make_pool, monkeypatch):
             np.testing.assert_array_equal(y_new, y_former)
 
 
+def test_the_former_loops_give_the_same_bits(make_pool, monkeypatch):
+    """int4-q4k's minima term summed inside the bf16 int4 loop (a constant half group of 16): the bits of the former
+    loops (-DFORMER_LOOPS: the term's chains before the dot products), for bf16 and float32 x, 1 to 5 tokens."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    if native.experts_kernel() is None:
+        pytest.skip(native.describe_experts())
+    former, line = native.experts_variant(("FORMER_LOOPS",))
+    if former is None:
+        pytest.skip(line)
+    rng = rng_for("q4k-former-loops")
+    layers = make_layers(rng)
+    monkeypatch.setenv(native.ENV, "1")
+    for threads, T, ids in ((1, 1, [2]), (2, 1, [3, 1]), (2, 2, [0, 2]), (3, 5, [3, -1, 0, 2])):
+        ids = np.array(ids, np.int32)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        w = (rng.uniform(0.1, 1.0, (T, ids.size)) * (ids >= 0)).astype(np.float32)
+        pool = make_pool([s for _, s in layers], None, threads=threads)
+        for values in (x, (x.view(np.uint32) & 0xFFFF0000).view(np.float32)):  # float32, and bf16 values
+            y_new = pool.compute(1, values, ids, w)
+            with monkeypatch.context() as m:
+                m.setattr(native, "experts_kernel", lambda: former)
+                y_former = pool.compute(1, values, ids, w)
+            np.testing.assert_array_equal(y_new.view(np.uint32), y_former.view(np.uint32))
+
+
 def test_store_refuses_mixed_scales():
     rng = rng_for("q4k-mixed")
     (_, layer), = make_layers(rng)[:1]
