@@ -1,10 +1,15 @@
-# Call 1: the decode kernels' knobs at the Qwen3-30B-A3B shape (kernel-sweep, settings compiled 16 at a time), then
+# Call 1: the pool's quantized loops on this host (issue 33); the decode kernels' knobs at the Qwen3-30B-A3B shape (kernel-sweep, settings compiled 16 at a time), then
 # the 24-layer generate loop's T=1 window (greedy, spec=0) with the kernels' defaults and with the sweep's picks, each
 # its own process, then the picks' window profile. Everything under $OUT/c1/, tarred (run returns 8 files at most).
 set -u; export PYTHONPATH=. PYTHONUNBUFFERED=1; T0=$SECONDS; D=$OUT/c1; mkdir -p $D
 left() { echo $(( ${1} - (SECONDS - T0) )); }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
-timeout 300 python3 -m benchmarks.kernel_sweep --cases=qkv,o,expert_ffn --configs=48 --budget_s=230 \
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; lscpu | grep "Model name"
+# the pool's quantized loops (issue 33) on this host's cores, alone, before anything else runs: the new loops, the
+# former ones and the float path, beside the 16-thread read bandwidth
+timeout 100 python3 -m strata_jax.host_pool.measure --threads 16 --formats bf16,int8,int4,int4-q4k --paths C \
+  --windows 1 --variants "default FORMER_LOOPS INT_FLOAT_PATH" > $D/pool.log 2>&1
+echo "pool rc=$? at $((SECONDS - T0)) s"; grep -E "^(bf16|int)|read" $D/pool.log | cut -c1-120 | head -30
+timeout 300 python3 -m benchmarks.kernel_sweep --cases=qkv,o,expert_ffn --configs=48 --budget_s=200 \
   --json=$D/sweep.json > $D/sweep.log 2>&1
 echo "sweep rc=$? at $((SECONDS - T0)) s"; grep -E "^\|" $D/sweep.log | cut -c1-230
 for arm in default tuned default tuned; do
