@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; lscpu | g
 timeout 100 python3 -m strata_jax.host_pool.measure --threads 16 --formats bf16,int8,int4,int4-q4k --paths C \
   --windows 1 --variants "default FORMER_LOOPS INT_FLOAT_PATH" > $D/pool.log 2>&1
 echo "pool rc=$? at $((SECONDS - T0)) s"; grep -E "^(bf16|int)|read" $D/pool.log | cut -c1-120 | head -30
-timeout 300 python3 -m benchmarks.kernel_sweep --cases=qkv,o,expert_ffn --configs=48 --budget_s=200 \
+timeout 260 python3 -m benchmarks.kernel_sweep --cases=qkv,o,expert_ffn --configs=40 --budget_s=160 \
   --json=$D/sweep.json > $D/sweep.log 2>&1
 echo "sweep rc=$? at $((SECONDS - T0)) s"; grep -E "^\|" $D/sweep.log | cut -c1-230
 for arm in default tuned default tuned; do
