@@ -1,8 +1,14 @@
 """Block sizes for the Triton backend: every in-kernel array has a power-of-2 element count, and tl.dot needs every
-dimension >= 16."""
+dimension >= 16. And the GEMV kernels' reductions of a small window, shared by expert_ffn and stacked_linear."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 MIN_DOT = 16  # tl.dot: every dimension >= 16
+# How the GEMV kernels (expert_ffn, stacked_linear) reduce a window of T <= 4 tokens: tl.dot over T padded to
+# MIN_DOT rows, each token's products summed over the chunk ("sum"), or kept elementwise and summed after the loop
+REDUCE = ("dot", "sum", "acc")
 
 
 def pow2_divisor(dim: int, want: int) -> int | None:
@@ -21,3 +27,13 @@ def block_or_error(dim: int, want: int, kernel: str, what: str) -> int:
         raise ValueError(f"{kernel}: {what}={dim} must be a multiple of {MIN_DOT} (Triton blocks are powers of 2 "
                          f">= {MIN_DOT}); the kernel does not pad the stacked weights")
     return b
+
+
+def kept_sums(kept, tp: int, axis: int):
+    """The "acc" reduction's end: [Tp, BO] f32 whose row r < len(kept) is kept[r] (a tile's shape, the products of
+    token r) summed over `axis` (its input dimension), the rows past them zero."""
+    out = jnp.zeros((tp, kept[0].shape[1 - axis]), jnp.float32)
+    at = jax.lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
+    for r, a in enumerate(kept):
+        out = out + jnp.where(at == r, jnp.sum(a, axis=axis)[None, :], 0.0)
+    return out

@@ -93,7 +93,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .blocks import MIN_DOT, block_or_error
+from .blocks import MIN_DOT, REDUCE, block_or_error, kept_sums
 
 # GGUF block forms: storage, format name, codes dtype, inputs per group, code rows per 8 groups (the codes [R, rows, O])
 BLOCK_FORMS = {"q4k": ("int4", "int4-q4k", jnp.uint16, 32, 10), "q2k": ("int2", "int2-q2k", jnp.uint8, 16, 10),
@@ -206,16 +206,6 @@ def _row_sums(w, v_at, rows: int, tp: int):
     return out
 
 
-def _kept_sums(kept, tp: int):
-    """The "acc" reduction's end: [Tp, BO] f32 with row r < len(kept) the sum over BK of kept[r] [BO, BK], rows past
-    them zero."""
-    out = jnp.zeros((tp, kept[0].shape[0]), jnp.float32)
-    at = jax.lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
-    for r, a in enumerate(kept):
-        out = out + jnp.where(at == r, jnp.sum(a, axis=1)[None, :], 0.0)
-    return out
-
-
 def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quantized: str | None, group: int,
                     form: str | None = None, sum_rows: int = 0, defer: bool = False):
     """ids [Np] int32; x [Tp, H] bf16; gate/up [S, I, H] bf16 or int8, or [S, I, H/2] int4 (whole arrays, indexed
@@ -275,7 +265,7 @@ def _gate_up_kernel(ids_ref, x_ref, gate_ref, up_ref, *refs, block_k: int, quant
         zero = jnp.zeros((tp, bi), jnp.float32)
         if defer:
             kept = tuple(jnp.zeros((bi, block_k), jnp.float32) for _ in range(sum_rows))
-            g, u = (_kept_sums(a, tp) for a in jax.lax.fori_loop(0, hidden // block_k, body_acc, (kept, kept)))
+            g, u = (kept_sums(a, tp, axis=1) for a in jax.lax.fori_loop(0, hidden // block_k, body_acc, (kept, kept)))
         else:
             g, u = jax.lax.fori_loop(0, hidden // block_k, body_grouped if group else body_sum if sum_rows else body,
                                      (zero, zero))
@@ -335,8 +325,8 @@ def _down_kernel(ids_ref, h_ref, down_ref, *refs, block_i: int, per_split: int, 
                 return tuple(a + w * h_ref[n, r, ik].astype(jnp.float32)[None, :] for r, a in enumerate(kept))
 
             if defer:
-                y = _kept_sums(jax.lax.fori_loop(0, inter // block_i, body_acc, tuple(
-                    jnp.zeros((bh, block_i), jnp.float32) for _ in range(sum_rows))), tp)
+                y = kept_sums(jax.lax.fori_loop(0, inter // block_i, body_acc, tuple(
+                    jnp.zeros((bh, block_i), jnp.float32) for _ in range(sum_rows))), tp, axis=1)
             else:
                 y = jax.lax.fori_loop(0, inter // block_i, body_grouped if group else body_sum if sum_rows else body,
                                       jnp.zeros((tp, bh), jnp.float32))
@@ -421,7 +411,6 @@ def _padded_tokens(t: int) -> int:
 _KNOBS = dict(block_i=32, block_k=256, block_h=32, block_i_down=256, n_split=4, num_warps=4, num_stages=3,
               reduce="dot")
 TUNING = {"decode": _KNOBS, "wide": _KNOBS, "prefill": _KNOBS}
-REDUCE = ("dot", "sum", "acc")
 
 
 def tuning(t: int, quantized: bool = False) -> dict:
@@ -454,7 +443,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     per down program, block_i_down its I chunk, n_split the programs sharing the experts of one column block;
     num_warps / num_stages for both kernels; reduce "dot" (tl.dot over T padded to 16 rows), "sum" (bf16
     experts, T <= 4: each token's products summed over the chunk, a GEMV a token; quantized experts and wider
-    windows take "dot") or "acc" ("sum" with the products kept elementwise, summed once after the loop); None: `tuning(T)`'s. Blocks shrink to a power of 2 dividing their dimension."""
+    windows take "dot") or "acc" ("sum" with the products kept elementwise, summed once after the loop); None:
+    `tuning(T)`'s. Blocks shrink to a power of 2 dividing their dimension."""
     t, hidden = x.shape
     s, inter, _ = gate.shape
     n = slot_ids.shape[0]

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .blocks import MIN_DOT, block_or_error, pow2_divisor
+from .blocks import MIN_DOT, REDUCE, block_or_error, kept_sums, pow2_divisor
 
 
 def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, k_per_split: int,
@@ -63,13 +63,8 @@ def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, 
 
         steps = k_per_split // block_k
         if defer:
-            accs = lax.fori_loop(0, steps, body_acc, tuple(jnp.zeros((block_k, block_n), jnp.float32)
-                                                             for _ in range(sum_rows)))
-            at = lax.broadcasted_iota(jnp.int32, (tp, 1), 0)
-            out = jnp.zeros((tp, block_n), jnp.float32)
-            for r, a in enumerate(accs):
-                out = out + jnp.where(at == r, jnp.sum(a, axis=0)[None, :], 0.0)
-            o_ref[...] = out
+            o_ref[...] = kept_sums(lax.fori_loop(0, steps, body_acc, tuple(
+                jnp.zeros((block_k, block_n), jnp.float32) for _ in range(sum_rows))), tp, axis=0)
         else:
             o_ref[...] = lax.fori_loop(0, steps, body_sum if sum_rows else body, jnp.zeros((tp, block_n), jnp.float32))
 
@@ -86,9 +81,6 @@ def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, 
 _KNOBS = dict(block_n=64, block_k=128, k_splits=4, num_warps=4, num_stages=3, reduce="dot")
 TUNING = {("qkv", "decode"): _KNOBS, ("qkv", "wide"): _KNOBS, ("o", "decode"): _KNOBS, ("o", "wide"): _KNOBS,
           "prefill": _KNOBS}
-
-
-REDUCE = ("dot", "sum", "acc")
 
 
 def tuning(t: int, matrices: int) -> dict:

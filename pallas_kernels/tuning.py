@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 
 from . import expert_ffn, stacked_linear
+from .blocks import REDUCE
 
 # pick name -> (the TUNING table, its key)
 ROWS = {"expert_ffn:decode": (expert_ffn.TUNING, "decode"), "expert_ffn:wide": (expert_ffn.TUNING, "wide"),
         "qkv:decode": (stacked_linear.TUNING, ("qkv", "decode")), "qkv:wide": (stacked_linear.TUNING, ("qkv", "wide")),
         "o:decode": (stacked_linear.TUNING, ("o", "decode")), "o:wide": (stacked_linear.TUNING, ("o", "wide"))}
-REDUCE = {"expert_ffn": expert_ffn.REDUCE, "qkv": stacked_linear.REDUCE, "o": stacked_linear.REDUCE}
 
 
 def check(picks: dict) -> dict[str, dict]:
@@ -32,8 +32,8 @@ def check(picks: dict) -> dict[str, dict]:
             if name not in table[key]:
                 raise ValueError(f"row {row}: unknown knob {name!r} (knobs: {', '.join(table[key])})")
             if name == "reduce":
-                if value not in REDUCE[row.split(':')[0]]:
-                    raise ValueError(f"row {row}: reduce must be one of {REDUCE[row.split(':')[0]]} (got {value!r})")
+                if value not in REDUCE:
+                    raise ValueError(f"row {row}: reduce must be one of {REDUCE} (got {value!r})")
             elif not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                 raise ValueError(f"row {row}: {name} must be a positive integer (got {value!r})")
             elif name.startswith("block") and value & (value - 1):
