@@ -1,26 +1,30 @@
-# Call 1: the pool's quantized loops on this host (issue 33); the decode kernels' knobs at the Qwen3-30B-A3B shape (kernel-sweep, settings compiled 16 at a time), then
-# the 24-layer generate loop's T=1 window (greedy, spec=0) with the kernels' defaults and with the sweep's picks, each
-# its own process, then the picks' window profile. Everything under $OUT/c1/, tarred (run returns 8 files at most).
+# Call 1: the pool's quantized loops on this host (issue 33); the decode kernels' knobs at the Qwen3-30B-A3B shape
+# (kernel-sweep, settings compiled 16 at a time), then the 24-layer generate loop's T=1 window (greedy, spec=0) with
+# the kernels' defaults and with the sweep's picks, each its own process, mirrored, then the picks' window profile.
+# SHORT=1 (little device time left): a shorter sweep, one A/B pair, no profile. Everything under $OUT/c1/, tarred
+# (run returns 8 files at most).
 set -u; export PYTHONPATH=. PYTHONUNBUFFERED=1; T0=$SECONDS; D=$OUT/c1; mkdir -p $D
+if [ "${SHORT:-0}" = 1 ]; then POOL_S=70 SWEEP_S=200 CONFIGS=32 BUDGET=110 ARMS="default tuned" END=420
+else POOL_S=100 SWEEP_S=260 CONFIGS=40 BUDGET=160 ARMS="default tuned default tuned" END=540; fi
 left() { echo $(( ${1} - (SECONDS - T0) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; lscpu | grep "Model name"
 # the pool's quantized loops (issue 33) on this host's cores, alone, before anything else runs: the new loops, the
 # former ones and the float path, beside the 16-thread read bandwidth
-timeout 100 python3 -m strata_jax.host_pool.measure --threads 16 --formats bf16,int8,int4,int4-q4k --paths C \
+timeout $POOL_S python3 -m strata_jax.host_pool.measure --threads 16 --formats bf16,int8,int4,int4-q4k --paths C \
   --windows 1 --variants "default FORMER_LOOPS INT_FLOAT_PATH" > $D/pool.log 2>&1
 echo "pool rc=$? at $((SECONDS - T0)) s"; grep -E "^(bf16|int)|read" $D/pool.log | cut -c1-120 | head -30
-timeout 260 python3 -m benchmarks.kernel_sweep --cases=qkv,o,expert_ffn --configs=40 --budget_s=160 \
+timeout $SWEEP_S python3 -m benchmarks.kernel_sweep --cases=qkv,o,expert_ffn --configs=$CONFIGS --budget_s=$BUDGET \
   --json=$D/sweep.json > $D/sweep.log 2>&1
 echo "sweep rc=$? at $((SECONDS - T0)) s"; grep -E "^\|" $D/sweep.log | cut -c1-230
-for arm in default tuned default tuned; do
-  [ $(left 540) -lt 70 ] && break
+for arm in $ARMS; do
+  [ $(left $END) -lt 70 ] && break
   env=""; [ $arm = tuned ] && env="STRATA_KERNEL_TUNING=$D/sweep.json"
-  env $env timeout $(( $(left 540) < 110 ? $(left 540) : 110 )) python3 -m benchmarks.peer_bench --layers=24 \
+  env $env timeout $(( $(left $END) < 110 ? $(left $END) : 110 )) python3 -m benchmarks.peer_bench --layers=24 \
     --llama_bench= --reps=3 --ours="spec=0" --warmup_arm=false --json=$D/p24-$arm-$SECONDS.json \
     > $D/p24-$arm-$SECONDS.log 2>&1
   echo "$arm rc=$? at $((SECONDS - T0)) s"; grep -hE "kernel tuning|tok/s" $D/p24-$arm-*.log | tail -2 | cut -c1-200
 done
-if [ $(left 570) -gt 45 ]; then
+if [ "${SHORT:-0}" != 1 ] && [ $(left 570) -gt 45 ]; then
   STRATA_KERNEL_TUNING=$D/sweep.json timeout $(left 575) python3 -m benchmarks.profile_window \
     --model=qwen3-30b-a3b --layers=24 --windows=1 --json=$D/profile-tuned.json > $D/profile-tuned.log 2>&1
   echo "profile rc=$? at $((SECONDS - T0)) s"
