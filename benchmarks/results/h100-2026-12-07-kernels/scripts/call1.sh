@@ -15,7 +15,7 @@ timeout $POOL_S python3 -m strata_jax.host_pool.measure --threads 16 --formats b
 echo "pool rc=$? at $((SECONDS - T0)) s"; grep -E "^(bf16|int)|read" $D/pool.log | cut -c1-120 | head -30
 timeout $SWEEP_S python3 -m benchmarks.kernel_sweep --cases=qkv,o,expert_ffn --configs=$CONFIGS --budget_s=$BUDGET \
   --json=$D/sweep.json > $D/sweep.log 2>&1
-echo "sweep rc=$? at $((SECONDS - T0)) s"; grep -E "^\|" $D/sweep.log | cut -c1-230
+echo "sweep rc=$? at $((SECONDS - T0)) s"; cp $D/sweep.json /tmp/strata-sweep.json 2>/dev/null; grep -E "^\|" $D/sweep.log | cut -c1-230
 for arm in $ARMS; do
   [ $(left $END) -lt 70 ] && break
   env=""; [ $arm = tuned ] && env="STRATA_KERNEL_TUNING=$D/sweep.json"

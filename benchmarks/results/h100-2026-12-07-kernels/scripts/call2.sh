@@ -1,11 +1,12 @@
 # Call 2 (chained on call 1's warm machine): issue 39's row at 24 layers with the sweep's picks (TUNING=path of call
-# 1's sweep.json, carried in the tree; empty: the kernels' defaults). (a) At nice 19 llama.cpp's build and the F16
+# 1's sweep.json, carried in the tree, or /tmp/strata-sweep.json where call 1 left it on the same warm machine;
+# empty: the kernels' defaults). (a) At nice 19 llama.cpp's build and the F16
 # GGUF of 24 layers in /dev/shm; beside them the GPU tests of the GEMV reductions and of the scanned engine with the
 # picks (exact against the unrolled XLA graph). (b) peer_bench, one process: llama-bench tg128 and llama-completion
 # with Qwen3's sampling beside our greedy default, greedy spec=0 and sampled default (the first arm once untimed).
 set -u; export PYTHONPATH=.:$PWD/.peer/wheels/gguf-0.19.0-py3-none-any.whl PYTHONUNBUFFERED=1; T0=$SECONDS
 D=$OUT/c2; mkdir -p $D; TUNING=${TUNING:-}
-[ -n "$TUNING" ] && export STRATA_KERNEL_TUNING=$PWD/$TUNING
+[ -n "$TUNING" ] && case $TUNING in /*) export STRATA_KERNEL_TUNING=$TUNING;; *) export STRATA_KERNEL_TUNING=$PWD/$TUNING;; esac
 nvidia-smi --query-gpu=name --format=csv,noheader; git log --oneline -1 | cut -c1-80; echo "tuning: ${TUNING:-defaults}"
 L=/tmp/llama.cpp; G=/dev/shm/qwen3-30b-a3b-24.gguf; WHEEL=$PWD/.peer/wheels/gguf-0.19.0-py3-none-any.whl
 Q="temperature=0.7,top_k=20,top_p=0.8"
