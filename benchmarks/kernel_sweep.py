@@ -187,6 +187,27 @@ def run(s) -> dict:
         ref = loop(sl.stacked_linear_reference)(x, jnp.int32(0))
         return make, (x, jnp.int32(0)), ref, kdim * width * 2
 
+    def xla_control(case, t):
+        """The same op by XLA's own product (cuBLAS on a GPU) over `inner` separate weight arrays, one a layer, not
+        stacked (no in-place read, no slice copy): unrolled, each product behind an optimization barrier so XLA
+        keeps them apart. The yardstick of what a product of this shape takes in a loop like the sweep's."""
+        ws, kdim = stacks(case)
+        per = [jnp.concatenate([w[layer] for w in ws], axis=1) for layer in range(min(s.inner, s.layers))]
+        x = jnp.asarray(rng.standard_normal((t, kdim)), jnp.bfloat16)
+
+        @jax.jit
+        def f(x, per):
+            acc = jnp.zeros((t, per[0].shape[1]), jnp.float32)
+            for r in range(s.inner):
+                x, acc = jax.lax.optimization_barrier((x, acc))
+                acc = acc + jnp.matmul(x, per[r % len(per)], preferred_element_type=jnp.float32)
+            return acc
+
+        jax.block_until_ready(f(x, per))
+        timing = common.time_synced(lambda i: f(x, per), iters=s.iters, warmup=s.warmup)
+        del per
+        return timing.median_ms * 1e3 / s.inner
+
     def time_all(make, args, ref, cfgs, label):
         """[(cfg, us or None, error or None)] for the settings, compiled at once, then timed one by one."""
         compiled = compile_all([(make(c).lower, args) for c in cfgs], threads, label)
@@ -238,7 +259,9 @@ def run(s) -> dict:
             result["picks"][f"{case}:{row}"] = cfgs[pick]
             result["cases"][f"{case}:{row}"] = record
             us_default, us_pick = timed[0][1], timed[pick][1]
-            table.append([f"{case}:{row}", first, nbytes / 1e6, us_default, us_pick,
+            us_xla = xla_control(case, first) if case != "expert_ffn" else None
+            record["xla_control_us"] = us_xla
+            table.append([f"{case}:{row}", first, nbytes / 1e6, us_xla, us_default, us_pick,
                           nbytes / (us_pick * 1e-6) / bandwidth * 100 if us_pick else None,
                           (us_default / us_pick) if us_default and us_pick else None, len(ok), len(cfgs),
                           ", ".join(f"{k}={v}" for k, v in cfgs[pick].items() if v != default.get(k)) or "default"])
@@ -247,15 +270,17 @@ def run(s) -> dict:
             if s.json:
                 common.write_json(s.json, result)
     result["complete"] = True
-    headers = ["case", "T", "MB an op", "default us", "pick us", "pick % of read bw", "speed-up", "settings ran",
+    headers = ["case", "T", "MB an op", "XLA, unstacked us", "default us", "pick us", "pick % of read bw", "speed-up", "settings ran",
                "drawn", "pick (knobs unlike the default)"]
     result["table"] = common.format_table(headers, table)
     runner.emit(runner.rows_from_table(
         "kernel_sweep", headers, table, params=["case"], fixed=dict(hidden=s.hidden, inter=s.inter),
         timing=f"per op: a synced call of {s.inner} ops (fori_loop) / {s.inner}, median of {s.iters}",
-        units={"MB an op": "MB", "speed-up": "x", "settings ran": "", "drawn": ""}),
+        units={"MB an op": "MB", "XLA, unstacked us": "us", "speed-up": "x", "settings ran": "", "drawn": ""}),
         getattr(s, "output", "md"), table=result["table"], result=result)
     say()
+    say("XLA, unstacked: the q/k/v or o product by XLA's own dot over one weight array a layer (not stacked: no "
+        "in-place read), unrolled in one graph; the yardstick of a product of this shape (none for the expert FFN)")
     say("decode rows: the pick is the least mean of its T=1 and T=4 times among the T=1 finalists; its T=1 time is "
         "shown. Use the picks in whole runs: STRATA_KERNEL_TUNING=<this --json file>")
     if s.json:
