@@ -198,6 +198,11 @@ def run(s) -> dict:
     from strata_jax.errors import StrataError
 
     windows = sorted(common.int_list(s.windows, "windows"))
+    from strata_jax.pallas_kernels import tuning as kernel_tuning
+    try:  # STRATA_KERNEL_TUNING (a kernel-sweep file) applies here as at an Engine's start
+        tuning_lines = kernel_tuning.from_environment()
+    except ValueError as e:
+        raise StrataError(str(e)) from None
     if s.attention_splits:
         from strata_jax.pallas_kernels import decode_attention as decode_attention_mod
         decode_attention_mod.FORCE_SPLITS = s.attention_splits
@@ -241,6 +246,8 @@ def run(s) -> dict:
                           f"do not fit in {common.gb(limit):.1f} GB of {'host' if on_cpu else 'device'} memory (cut with --layers)")
 
     say = common.say
+    for line in tuning_lines:
+        say(line)
     say(f"decode_bench: {s.model}, {n_layers} layers ({n_moe} MoE, {e} experts top-{k}, H={cfg.hidden_size}, "
         f"expert I={cfg.moe_intermediate_size}, V={cfg.vocab_size}), {s.dtype}")
     memory = f", {common.gb(limit):.1f} GB {'host RAM' if on_cpu else 'usable'}" if limit else ""

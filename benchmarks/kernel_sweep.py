@@ -133,6 +133,7 @@ def run(s) -> dict:
     normal = lambda i, shape, fan_in: (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
                                        / np.sqrt(fan_in)).astype(jnp.bfloat16)
     weights = {}
+    controls = {}  # (case, T) -> the time of its XLA reference loop (the stacked path: layer slice, then XLA's product)
 
     def experts():
         if "ffn" not in weights:
@@ -184,7 +185,10 @@ def run(s) -> dict:
             return f
 
         make = lambda cfg: loop(functools.partial(sl.stacked_linear, interpret=interpret, **cfg))
-        ref = loop(sl.stacked_linear_reference)(x, jnp.int32(0))
+        reference = loop(sl.stacked_linear_reference)
+        ref = reference(x, jnp.int32(0))
+        controls[case, t] = lambda: common.time_synced(lambda i: reference(x, jnp.int32(0)), iters=s.iters,
+                                                    warmup=s.warmup).median_ms * 1e3 / s.inner
         return make, (x, jnp.int32(0)), ref, kdim * width * 2
 
     def xla_control(case, t):
@@ -260,8 +264,10 @@ def run(s) -> dict:
             result["cases"][f"{case}:{row}"] = record
             us_default, us_pick = timed[0][1], timed[pick][1]
             us_xla = xla_control(case, first) if case != "expert_ffn" else None
-            record["xla_control_us"] = us_xla
-            table.append([f"{case}:{row}", first, nbytes / 1e6, us_xla, us_default, us_pick,
+            us_slice = controls[case, first]() if case != "expert_ffn" else None
+            record["xla_control_us"], record["xla_stacked_us"] = us_xla, us_slice
+            table.append([f"{case}:{row}", first, nbytes / 1e6, "-" if us_xla is None else us_xla,
+                          "-" if us_slice is None else us_slice, us_default, us_pick,
                           nbytes / (us_pick * 1e-6) / bandwidth * 100 if us_pick else None,
                           (us_default / us_pick) if us_default and us_pick else None, len(ok), len(cfgs),
                           ", ".join(f"{k}={v}" for k, v in cfgs[pick].items() if v != default.get(k)) or "default"])
@@ -270,17 +276,20 @@ def run(s) -> dict:
             if s.json:
                 common.write_json(s.json, result)
     result["complete"] = True
-    headers = ["case", "T", "MB an op", "XLA, unstacked us", "default us", "pick us", "pick % of read bw", "speed-up", "settings ran",
+    headers = ["case", "T", "MB an op", "XLA, unstacked us", "XLA, stacked us", "default us", "pick us", "pick % of read bw", "speed-up", "settings ran",
                "drawn", "pick (knobs unlike the default)"]
     result["table"] = common.format_table(headers, table)
     runner.emit(runner.rows_from_table(
         "kernel_sweep", headers, table, params=["case"], fixed=dict(hidden=s.hidden, inter=s.inter),
         timing=f"per op: a synced call of {s.inner} ops (fori_loop) / {s.inner}, median of {s.iters}",
-        units={"MB an op": "MB", "XLA, unstacked us": "us", "speed-up": "x", "settings ran": "", "drawn": ""}),
+        units={"MB an op": "MB", "XLA, unstacked us": "us", "XLA, stacked us": "us", "speed-up": "x", "settings ran": "", "drawn": ""}),
         getattr(s, "output", "md"), table=result["table"], result=result)
     say()
     say("XLA, unstacked: the q/k/v or o product by XLA's own dot over one weight array a layer (not stacked: no "
-        "in-place read), unrolled in one graph; the yardstick of a product of this shape (none for the expert FFN)")
+        "in-place read), unrolled in one graph; the yardstick of a product of this shape (none for the expert FFN). "
+        "XLA, stacked: the engine's XLA path (dense_kernel=xla) in the sweep's loop: the layer sliced out of each "
+        "stack, then XLA's product (with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true the slice may be "
+        "read in place)")
     say("decode rows: the pick is the least mean of its T=1 and T=4 times among the T=1 finalists; its T=1 time is "
         "shown. Use the picks in whole runs: STRATA_KERNEL_TUNING=<this --json file>")
     if s.json:
