@@ -191,26 +191,37 @@ def run(s) -> dict:
                                                     warmup=s.warmup).median_ms * 1e3 / s.inner
         return make, (x, jnp.int32(0)), ref, kdim * width * 2
 
-    def xla_control(case, t):
-        """The same op by XLA's own product (cuBLAS on a GPU) over `inner` separate weight arrays, one a layer, not
-        stacked (no in-place read, no slice copy): unrolled, each product behind an optimization barrier so XLA
-        keeps them apart. The yardstick of what a product of this shape takes in a loop like the sweep's."""
+    def unrolled_us(case, t, product, per_layer: bool):
+        """us an op of `product` over `inner` layers unrolled in one graph (no loop: the yardstick against the
+        sweep's fori_loop), each op behind an optimization barrier so XLA keeps them apart. per_layer: the
+        product gets one unstacked [K, sum N_j] array a layer (XLA's own dot); else the stacks and a layer index."""
         ws, kdim = stacks(case)
-        per = [jnp.concatenate([w[layer] for w in ws], axis=1) for layer in range(min(s.inner, s.layers))]
+        per = [jnp.concatenate([w[layer] for w in ws], axis=1) for layer in range(min(s.inner, s.layers))] \
+            if per_layer else None
         x = jnp.asarray(rng.standard_normal((t, kdim)), jnp.bfloat16)
 
         @jax.jit
-        def f(x, per):
-            acc = jnp.zeros((t, per[0].shape[1]), jnp.float32)
+        def f(x, arrays):
+            acc = jnp.zeros((t, sum(w.shape[2] for w in ws)), jnp.float32)
             for r in range(s.inner):
                 x, acc = jax.lax.optimization_barrier((x, acc))
-                acc = acc + jnp.matmul(x, per[r % len(per)], preferred_element_type=jnp.float32)
+                acc = acc + (product(x, arrays[r % len(arrays)]) if per_layer
+                             else product(x, arrays, jnp.int32(r % s.layers)))
             return acc
 
-        jax.block_until_ready(f(x, per))
-        timing = common.time_synced(lambda i: f(x, per), iters=s.iters, warmup=s.warmup)
-        del per
-        return timing.median_ms * 1e3 / s.inner
+        arrays = per if per_layer else ws
+        jax.block_until_ready(f(x, arrays))
+        return common.time_synced(lambda i: f(x, arrays), iters=s.iters, warmup=s.warmup).median_ms * 1e3 / s.inner
+
+    def xla_control(case, t):
+        """XLA's own product (cuBLAS on a GPU) over one unstacked weight array a layer (no in-place read, no slice
+        copy), unrolled: what a product of this shape takes."""
+        return unrolled_us(case, t, lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32), True)
+
+    def kernel_unrolled(case, t, cfg):
+        """The kernel with setting `cfg`, reading the stacks in place, unrolled as xla_control: against the sweep's
+        fori_loop time of the same setting, what the loop costs an op."""
+        return unrolled_us(case, t, functools.partial(sl.stacked_linear, interpret=interpret, **cfg), False)
 
     def time_all(make, args, ref, cfgs, label):
         """[(cfg, us or None, error or None)] for the settings, compiled at once, then timed one by one."""
@@ -265,9 +276,12 @@ def run(s) -> dict:
             us_default, us_pick = timed[0][1], timed[pick][1]
             us_xla = xla_control(case, first) if case != "expert_ffn" else None
             us_slice = controls[case, first]() if case != "expert_ffn" else None
+            us_unrolled = kernel_unrolled(case, first, cfgs[pick]) if case != "expert_ffn" else None
             record["xla_control_us"], record["xla_stacked_us"] = us_xla, us_slice
+            record["pick_unrolled_us"] = us_unrolled
             table.append([f"{case}:{row}", first, nbytes / 1e6, "-" if us_xla is None else us_xla,
                           "-" if us_slice is None else us_slice, us_default, us_pick,
+                          "-" if us_unrolled is None else us_unrolled,
                           nbytes / (us_pick * 1e-6) / bandwidth * 100 if us_pick else None,
                           (us_default / us_pick) if us_default and us_pick else None, len(ok), len(cfgs),
                           ", ".join(f"{k}={v}" for k, v in cfgs[pick].items() if v != default.get(k)) or "default"])
@@ -276,20 +290,20 @@ def run(s) -> dict:
             if s.json:
                 common.write_json(s.json, result)
     result["complete"] = True
-    headers = ["case", "T", "MB an op", "XLA, unstacked us", "XLA, stacked us", "default us", "pick us", "pick % of read bw", "speed-up", "settings ran",
+    headers = ["case", "T", "MB an op", "XLA, unstacked us", "XLA, stacked us", "default us", "pick us", "pick unrolled us", "pick % of read bw", "speed-up", "settings ran",
                "drawn", "pick (knobs unlike the default)"]
     result["table"] = common.format_table(headers, table)
     runner.emit(runner.rows_from_table(
         "kernel_sweep", headers, table, params=["case"], fixed=dict(hidden=s.hidden, inter=s.inter),
         timing=f"per op: a synced call of {s.inner} ops (fori_loop) / {s.inner}, median of {s.iters}",
-        units={"MB an op": "MB", "XLA, unstacked us": "us", "XLA, stacked us": "us", "speed-up": "x", "settings ran": "", "drawn": ""}),
+        units={"MB an op": "MB", "XLA, unstacked us": "us", "XLA, stacked us": "us", "pick unrolled us": "us", "speed-up": "x", "settings ran": "", "drawn": ""}),
         getattr(s, "output", "md"), table=result["table"], result=result)
     say()
     say("XLA, unstacked: the q/k/v or o product by XLA's own dot over one weight array a layer (not stacked: no "
         "in-place read), unrolled in one graph; the yardstick of a product of this shape (none for the expert FFN). "
         "XLA, stacked: the engine's XLA path (dense_kernel=xla) in the sweep's loop: the layer sliced out of each "
         "stack, then XLA's product (with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true the slice may be "
-        "read in place)")
+        "read in place). Pick unrolled: the picked setting timed as the XLA, unstacked column is (no loop)")
     say("decode rows: the pick is the least mean of its T=1 and T=4 times among the T=1 finalists; its T=1 time is "
         "shown. Use the picks in whole runs: STRATA_KERNEL_TUNING=<this --json file>")
     if s.json:

@@ -7,7 +7,7 @@
 set -u; export PYTHONPATH=. PYTHONUNBUFFERED=1; T0=$SECONDS; D=$OUT/c1; mkdir -p $D
 pack() { tar czf $OUT/c1.tgz -C $OUT c1; }  # after each step: a call cut by its limit still brings back what it did
 if [ "${SHORT:-0}" = 1 ]; then POOL_S=60 SWEEP_S=200 CONFIGS=32 BUDGET=110 ARMS="default tuned" END=480
-else POOL_S=80 SWEEP_S=230 CONFIGS=36 BUDGET=150 ARMS="default tuned" END=560; fi
+else POOL_S=60 SWEEP_S=250 CONFIGS=32 BUDGET=140 ARMS="default tuned" END=585; fi
 left() { echo $(( ${1} - (SECONDS - T0) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; lscpu | grep "Model name"
 # the pool's quantized loops (issue 33) on this host's cores, alone, before anything else runs: the new loops, the
