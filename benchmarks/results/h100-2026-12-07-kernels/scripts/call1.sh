@@ -21,7 +21,7 @@ echo "sweep rc=$? at $((SECONDS - T0)) s"; cp $D/sweep.json /tmp/strata-sweep.js
 # the engine's XLA path for the attention products (dense_kernel=xla: the layer sliced out of the stacks, then XLA's
 # product) with XLA's dynamic-slice fusion on, which may read the slice in place: its "XLA, stacked" column against
 # the main sweep's (the default settings only)
-XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true timeout 70 python3 -m benchmarks.kernel_sweep --cases=qkv,o \
+XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true timeout 90 python3 -m benchmarks.kernel_sweep --cases=qkv,o \
   --configs=1 --finalists=1 --json=$D/sweep-dsf.json > $D/sweep-dsf.log 2>&1
 echo "sweep dsf rc=$? at $((SECONDS - T0)) s"; grep -E "^\|" $D/sweep-dsf.log | cut -c1-200; pack
 for arm in $ARMS; do
