@@ -185,9 +185,11 @@ def run(s) -> dict:
         per_scope: dict[str, float] = collections.defaultdict(float)
         unmatched: dict[str, float] = collections.defaultdict(float)
         by_kernel: dict[str, float] = collections.defaultdict(float)
+        launches: dict[str, int] = collections.defaultdict(int)  # a kernel's launches a window
         for op, kernel, ns in events:
             scope = scope_for(op, kernel, scopes)
             by_kernel[f"{scope or '?'}: {kernel or op}"] += ns / s.iters / 1e3
+            launches[f"{scope or '?'}: {kernel or op}"] += 1
             if scope is None:
                 unmatched[f"{kernel} ({op})"] += ns / s.iters / 1e3
             per_scope[scope or "(no scope: compiler-inserted)"] += ns / s.iters / 1e3
@@ -213,7 +215,10 @@ def run(s) -> dict:
         common.say()
         result["windows"].append(dict(T=t, wall_us=wall_ms * 1e3, op_us=op_us, phases=dict(per_scope),
                                       ops_per_window=len(events) / s.iters, table=table,
-                                      unmatched_us=dict(top_unmatched), top_kernels_us=dict(top_kernels)))
+                                      unmatched_us=dict(top_unmatched), top_kernels_us=dict(top_kernels),
+                                      # every kernel: us a window and launches a window (a layer's small ops)
+                                      kernels={k: dict(us=v, launches=launches[k] / s.iters)
+                                               for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])}))
     result["bench_rows"] = [r.to_dict() for r in bench_rows]
     if getattr(s, "output", "md") != "md":  # md: the table of each T above
         runner.emit(bench_rows, s.output)

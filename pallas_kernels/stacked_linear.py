@@ -13,7 +13,8 @@ Kernel: grid (column blocks over sum N_j, k_splits). Program (b, s) owns output 
 the s-th share of K; it loops over its share in BK chunks, [Tp, BK] x [BK, BN] tl.dot per chunk (each weight row
 segment of BN bf16 is contiguous), and writes its f32 partial [Tp, BN]. The wrapper sums the k_splits partials
 (k_splits * Tp * N floats: small). T is padded to Tp = 16 (tl.dot's minimum; a power of 2 beyond that); with
-reduce="sum" (T <= 4) each token's products are summed over the chunk instead (a GEMV a token, no padded rows);
+reduce="sum" (T <= 4) each token's products are summed over the chunk instead (a GEMV a token; Tp is T's power of
+2, so x is not copied for T = 1, 2, 4);
 with reduce="acc" they are kept elementwise [BK, BN] a token across the loop and summed once at its end (no
 reduction across the program's threads in the loop).
 Every N_j must be a multiple of the column block and K of k_splits * BK (powers of 2, >= 16), else ValueError.
@@ -126,13 +127,15 @@ def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Arra
     bk = _pick(k_per_split, block_k, "K / k_splits")
     col_blocks = tuple(w.shape[2] // bn for w in weights)
     n_total = sum(w.shape[2] for w in weights)
-    tp = max(MIN_DOT, 1 << (t - 1).bit_length())
-    xp = jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, K]
+    gemv = reduce != "dot" and t <= 4
+    # tl.dot's 16 rows, or (a GEMV a token) T's power of 2: no padded copy of x for T = 1, 2, 4 (a separate op of
+    # the window's graph, ~2 us on an H100 where the product takes ~10)
+    tp = 1 << (t - 1).bit_length() if gemv else max(MIN_DOT, 1 << (t - 1).bit_length())
+    xp = x if tp == t else jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, K]
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     partials = pl.pallas_call(
         functools.partial(_stacked_linear_kernel, block_n=bn, block_k=bk, k_per_split=k_per_split,
-                          col_blocks=col_blocks, sum_rows=t if reduce != "dot" and t <= 4 else 0,
-                          defer=reduce == "acc" and t <= 4),
+                          col_blocks=col_blocks, sum_rows=t if gemv else 0, defer=reduce == "acc" and gemv),
         grid=(sum(col_blocks), splits),
         in_specs=[whole((1,)), whole(xp.shape), *[whole(w.shape) for w in weights]],
         out_specs=pl.BlockSpec((None, tp, bn), lambda b, s: (s, 0, b)),
@@ -140,7 +143,8 @@ def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Arra
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="stacked_linear",
     )(jnp.asarray(layer, jnp.int32).reshape(1), xp, *weights)
-    return partials.sum(axis=0)[:t]  # [T, sum N_j]
+    out = partials[0] if splits == 1 else partials.sum(axis=0)  # [Tp, sum N_j]
+    return out if tp == t else out[:t]  # [T, sum N_j]
 
 
 def stacked_linear_reference(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array) -> jax.Array:

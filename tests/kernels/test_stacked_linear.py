@@ -87,3 +87,17 @@ def test_lowers_for_cuda_at_the_qwen3_shape(t):
                        spec((t, 4096), jnp.bfloat16),
                        spec((L, 4096, h), jnp.bfloat16), spec((), jnp.int32))
     assert o.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("t,reduce", [(1, "sum"), (2, "acc"), (4, "sum")])
+def test_a_gemv_window_adds_no_op_around_the_kernel(t, reduce):
+    """reduce sum / acc at T = 1, 2, 4: x goes in as it is (no padded copy: an op of its own in the window's graph)
+    and, with one K split, the kernel's output is the product (no sum over splits)."""
+    spec = jax.ShapeDtypeStruct
+    text = lower_for_cuda(lambda x, w, i: stacked_linear(x, (w,), i, reduce=reduce, k_splits=1),
+                          spec((t, 4096), jnp.bfloat16), spec((4, 4096, 2048), jnp.bfloat16), spec((), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.pad" not in text and "stablehlo.reduce" not in text
+    padded = lower_for_cuda(lambda x, w, i: stacked_linear(x, (w,), i, reduce="dot", k_splits=2),
+                            spec((t, 4096), jnp.bfloat16), spec((4, 4096, 2048), jnp.bfloat16), spec((), jnp.int32))
+    assert "stablehlo.pad" in padded and "stablehlo.reduce" in padded  # tl.dot's 16 rows, two K splits summed
