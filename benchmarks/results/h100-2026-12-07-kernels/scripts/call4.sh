@@ -3,11 +3,14 @@
 # the 24-layer T=1 window graph (decode_bench, pipelined ms) per tuning file of ../tuning/, the default first and
 # last; then the window's profile (every kernel, its launches) for the default and the fastest form; then the
 # generate loop (peer_bench spec=0 and Qwen3's sampling with default settings) for both.
+# SHORT=1 (little device time left): the default once, three forms, the profiles, spec=0 only in the loop.
 set -u; export PYTHONPATH=. PYTHONUNBUFFERED=1; T0=$SECONDS; D=$OUT/c4; mkdir -p $D
+if [ "${SHORT:-0}" = 1 ]; then ARMS="default sum-both sum-qkv16 acc-split1"; LOOP="spec=0"
+else ARMS="default sum-qkv sum-both sum-qkv16 acc-split1 default"; LOOP="spec=0;temperature=0.7,top_k=20,top_p=0.8"; fi
 pack() { tar czf $OUT/c4.tgz -C $OUT c4; }  # after each step: a call cut by its limit still brings back what it did
 TD=benchmarks/results/h100-2026-12-07-kernels/tuning
 nvidia-smi --query-gpu=name --format=csv,noheader; git log --oneline -1 | cut -c1-80
-for arm in default sum-qkv sum-both sum-qkv16 acc-split1 default; do
+for arm in $ARMS; do
   env=""; [ $arm != default ] && env="STRATA_KERNEL_TUNING=$TD/$arm.json"
   env $env timeout 60 python3 -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=24 --windows=1 --hf=off \
     --iters=30 --json=$D/window-$arm-$SECONDS.json > $D/window-$arm-$SECONDS.log 2>&1
@@ -33,10 +36,9 @@ for arm in default $best; do
     --json=$D/profile-$arm.json > $D/profile-$arm.log 2>&1
   echo "profile $arm rc=$? at $((SECONDS - T0)) s"; grep -E "op time" $D/profile-$arm.log | cut -c1-200; pack
 done
-Q="temperature=0.7,top_k=20,top_p=0.8"
 for arm in default $best; do
   env=""; [ $arm != default ] && env="STRATA_KERNEL_TUNING=$TD/$arm.json"
-  env $env timeout 70 python3 -m benchmarks.peer_bench --layers=24 --llama_bench= --reps=3 --ours="spec=0;$Q" \
+  env $env timeout 70 python3 -m benchmarks.peer_bench --layers=24 --llama_bench= --reps=3 --ours="$LOOP" \
     --warmup_arm=false --json=$D/p24-$arm.json > $D/p24-$arm.log 2>&1
   echo "loop $arm rc=$? at $((SECONDS - T0)) s"; grep -E "^\| strata" $D/p24-$arm.log | cut -c1-160; pack
 done
