@@ -165,31 +165,34 @@ def run(s) -> dict:
 
             def loop(op):
                 @jax.jit
-                def f(x, sets):
+                def f(x, sets, gate, up, down):  # the weights as arguments: closed over, they would be
+                    # constants of each compiled setting (a copy of them on the device per executable)
                     return jax.lax.fori_loop(0, s.inner, lambda r, a: a + op(x, gate, up, down, sets[r], comb),
                                              jnp.zeros(x.shape, jnp.float32))
                 return f
 
             make = lambda cfg: loop(functools.partial(ffn.expert_ffn, interpret=interpret, **cfg))
-            ref = loop(ffn.expert_ffn_reference)(x, sets)
-            return make, (x, sets), ref, n * 3 * s.hidden * s.inter * 2
+            args = (x, sets, gate, up, down)
+            ref = loop(ffn.expert_ffn_reference)(*args)
+            return make, args, ref, n * 3 * s.hidden * s.inter * 2
         ws, kdim = stacks(case)
         x = jnp.asarray(rng.standard_normal((t, kdim)), jnp.bfloat16)
         width = sum(w.shape[2] for w in ws)
 
         def loop(op):
             @jax.jit
-            def f(x, start):
+            def f(x, start, ws):  # the stacks as arguments (as the expert loop's weights)
                 return jax.lax.fori_loop(0, s.inner, lambda r, a: a + op(x, ws, (start + r) % s.layers),
                                          jnp.zeros((x.shape[0], width), jnp.float32))
             return f
 
         make = lambda cfg: loop(functools.partial(sl.stacked_linear, interpret=interpret, **cfg))
         reference = loop(sl.stacked_linear_reference)
-        ref = reference(x, jnp.int32(0))
-        controls[case, t] = lambda: common.time_synced(lambda i: reference(x, jnp.int32(0)), iters=s.iters,
+        args = (x, jnp.int32(0), ws)
+        ref = reference(*args)
+        controls[case, t] = lambda: common.time_synced(lambda i: reference(*args), iters=s.iters,
                                                     warmup=s.warmup).median_ms * 1e3 / s.inner
-        return make, (x, jnp.int32(0)), ref, kdim * width * 2
+        return make, args, ref, kdim * width * 2
 
     def unrolled_us(case, t, product, per_layer: bool):
         """us an op of `product` over `inner` layers unrolled in one graph (no loop: the yardstick against the
