@@ -499,7 +499,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
     bh, bid = _block(hidden, block_h, "H"), _block(inter, block_i_down, "I")
     bk, bid = max(bk, group), max(bid, group_down)  # the loops step whole groups (0: not grouped)
-    tp = _padded_tokens(t)
+    # tl.dot's 16 rows, or (a GEMV a token: sum / acc, bf16) T's power of 2: no padded copy of x for T = 1, 2, 4
+    tp = 1 << (t - 1).bit_length() if sum_rows else _padded_tokens(t)
     splits = max(1, min(n_split, n))
     per_split = -(-n // splits)
     np_ = per_split * splits  # N padded with -1 slots so each split has the same count
@@ -509,7 +510,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     sids = ()  # quantized: [Np] scale rows (padding's never read)
     if quantized:
         sids = (jnp.pad((slot_ids if scale_ids is None else scale_ids).astype(jnp.int32), (0, np_ - n)),)
-    xp = jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, H]
+    xp = x if tp == t else jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, H]
     # Padding experts and padding tokens weigh 0; transposed so an expert's weights are one contiguous row.
     comb = jnp.where(slot_ids[None, :] >= 0, combine.astype(jnp.float32), 0.0)
     comb = jnp.pad(comb, ((0, tp - t), (0, np_ - n))).T  # [Np, Tp]
@@ -538,7 +539,8 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
         out_shape=jax.ShapeDtypeStruct((splits, tp, hidden), jnp.float32),  # [n_split, Tp, H]
         compiler_params=params, interpret=interpret, name="expert_ffn_down" + _name_tail(quantized_down, form_down),
     )(ids, h, down, *d_scales, comb)
-    return partials.sum(axis=0)[:t]  # [T, H]
+    out = partials[0] if splits == 1 else partials.sum(axis=0)  # [Tp, H]
+    return out if tp == t else out[:t]  # [T, H]
 
 
 def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,

@@ -186,6 +186,18 @@ def test_lowers_for_cuda(t, n, s, h, i, tuning):
     assert text.count("__gpu$xla.gpu.triton") == 2  # the gate/up and the down kernel
 
 
+@pytest.mark.parametrize("t,reduce", [(1, "sum"), (2, "acc"), (4, "sum")])
+def test_a_gemv_window_takes_x_unpadded(t, reduce):
+    """reduce sum / acc at T = 1, 2, 4 (bf16): x goes into the kernels as it is (no padded copy: an op of its own in
+    the window's graph) and, with one expert split, the down kernel's output is the result (no sum over splits);
+    tl.dot's form pads x to 16 rows."""
+    gemv = lower_for_cuda(lambda *a: expert_ffn(*a, reduce=reduce, n_split=1), *_specs(t, 8 * t, 64, 2048, 768))
+    assert gemv.count("__gpu$xla.gpu.triton") == 2
+    assert "tensor<16x2048xbf16>" not in gemv and "stablehlo.reduce" not in gemv
+    padded = lower_for_cuda(lambda *a: expert_ffn(*a, reduce="dot", n_split=2), *_specs(t, 8 * t, 64, 2048, 768))
+    assert "tensor<16x2048xbf16>" in padded and "stablehlo.reduce" in padded
+
+
 def test_benchmark_runs_on_cpu(tmp_path, capsys):
     from benchmarks import expert_ffn_bench
     out = tmp_path / "expert_ffn.json"

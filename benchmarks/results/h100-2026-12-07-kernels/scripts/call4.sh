@@ -1,4 +1,4 @@
-# Call 4: the stacked products' GEMV forms without the ops around them (reduce sum / acc at T <= 4: x goes in
+# Call 4: the stacked products' and the expert FFN's GEMV forms without the ops around them (reduce sum / acc at T <= 4: x goes in
 # unpadded; one K split: no sum over splits) against the default (tl.dot on x padded to 16 rows, 4 K splits summed):
 # the 24-layer T=1 window graph (decode_bench, pipelined ms) per tuning file of ../tuning/, the default first and
 # last; then the window's profile (every kernel, its launches) for the default and the fastest form; then the
@@ -7,9 +7,9 @@
 # two forms, then the fastest's profile and loop only.
 set -u; export PYTHONPATH=. PYTHONUNBUFFERED=1; T0=$SECONDS; D=$OUT/c4; mkdir -p $D
 PROFILED="default"; LOOPED="default"
-if [ "${SHORT:-0}" = 2 ]; then ARMS="default sum-both acc-split1"; LOOP="spec=0"; PROFILED=""; LOOPED=""
-elif [ "${SHORT:-0}" = 1 ]; then ARMS="default sum-both sum-qkv16 acc-split1"; LOOP="spec=0"
-else ARMS="default sum-qkv sum-both sum-qkv16 acc-split1 default"; LOOP="spec=0;temperature=0.7,top_k=20,top_p=0.8"; fi
+if [ "${SHORT:-0}" = 2 ]; then ARMS="default sum-both sum-all"; LOOP="spec=0"; PROFILED=""; LOOPED=""
+elif [ "${SHORT:-0}" = 1 ]; then ARMS="default sum-both sum-all acc-split1"; LOOP="spec=0"
+else ARMS="default sum-qkv sum-both sum-all sum-qkv16 acc-split1 default"; LOOP="spec=0;temperature=0.7,top_k=20,top_p=0.8"; fi
 pack() { tar czf $OUT/c4.tgz -C $OUT c4; }  # after each step: a call cut by its limit still brings back what it did
 TD=benchmarks/results/h100-2026-12-07-kernels/tuning
 nvidia-smi --query-gpu=name --format=csv,noheader; git log --oneline -1 | cut -c1-80
