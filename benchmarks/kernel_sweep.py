@@ -165,8 +165,8 @@ def run(s) -> dict:
 
             def loop(op):
                 @jax.jit
-                def f(x, sets, gate, up, down):  # the weights as arguments: closed over, they would be
-                    # constants of each compiled setting (a copy of them on the device per executable)
+                def f(x, sets, gate, up, down):  # the weights as arguments: jit embeds closed-over arrays as
+                    # constants, a device copy of them in each compiled setting (out of memory on an H100)
                     return jax.lax.fori_loop(0, s.inner, lambda r, a: a + op(x, gate, up, down, sets[r], comb),
                                              jnp.zeros(x.shape, jnp.float32))
                 return f
