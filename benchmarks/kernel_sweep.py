@@ -293,13 +293,15 @@ def run(s) -> dict:
             if s.json:
                 common.write_json(s.json, result)
     result["complete"] = True
-    headers = ["case", "T", "MB an op", "XLA, unstacked us", "XLA, stacked us", "default us", "pick us", "pick unrolled us", "pick % of read bw", "speed-up", "settings ran",
-               "drawn", "pick (knobs unlike the default)"]
+    headers = ["case", "T", "MB an op", "XLA, unstacked us", "XLA, stacked us", "default us", "pick us",
+               "pick unrolled us", "pick % of read bw", "speed-up", "settings ran", "drawn",
+               "pick (knobs unlike the default)"]
     result["table"] = common.format_table(headers, table)
     runner.emit(runner.rows_from_table(
         "kernel_sweep", headers, table, params=["case"], fixed=dict(hidden=s.hidden, inter=s.inter),
         timing=f"per op: a synced call of {s.inner} ops (fori_loop) / {s.inner}, median of {s.iters}",
-        units={"MB an op": "MB", "XLA, unstacked us": "us", "XLA, stacked us": "us", "pick unrolled us": "us", "speed-up": "x", "settings ran": "", "drawn": ""}),
+        units={"MB an op": "MB", "XLA, unstacked us": "us", "XLA, stacked us": "us", "pick unrolled us": "us",
+               "speed-up": "x", "settings ran": "", "drawn": ""}),
         getattr(s, "output", "md"), table=result["table"], result=result)
     say()
     say("XLA, unstacked: the q/k/v or o product by XLA's own dot over one weight array a layer (not stacked: no "
