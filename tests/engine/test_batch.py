@@ -159,15 +159,19 @@ def test_session_admits_a_long_prompt_chunk_by_chunk(engine_factory):
 def test_batch_attention_forms_equal_alone(engine_factory, variant):
     """The batched attention's other forms: the Pallas kernel's batched form (interpret mode here: one kernel for
     every row, each over its own slot up to its own position) and int8 KV slots (the rows' K/V quantized as written
-    by the one scatter): each prompt of a padded batch gives its tokens and logits alone (1e-5)."""
+    by the one scatter): each prompt of a padded batch gives its tokens alone, and its logits (1e-5; int8 K/V 5e-3:
+    the batch's q/k/v product is another kernel than one row's, its K an ulp apart on some CPUs, and a value at an
+    int8 rounding boundary then takes the next code, a 1/127 step of its row's scale: 8e-4 measured on an AVX2-only
+    host, where the float32 forms still agree to 1e-5; a row read from the wrong slot or position is O(1))."""
     engine = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots="all", max_batch=4,
                             **variant)
     prompts = random_prompts(engine, (5, 17, 9), seed=43)
     alone = [engine.generate(p, 6, stop_token_ids=[], spec=0) for p in prompts]
     outs, logits = engine.generate_batch(prompts, max_new_tokens=6, stop_token_ids=[], return_logits=True)
     assert outs == alone
+    bound = 5e-3 if variant.get("kv_dtype") == "int8" else 1e-5
     for prompt, out, rows in zip(prompts, outs, logits):
-        assert rel_fro(rows, alone_logits(engine, prompt, out)) <= 1e-5
+        assert rel_fro(rows, alone_logits(engine, prompt, out)) <= bound
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
