@@ -37,3 +37,17 @@ def kept_sums(kept, tp: int, axis: int):
     for r, a in enumerate(kept):
         out = out + jnp.where(at == r, jnp.sum(a, axis=axis)[None, :], 0.0)
     return out
+
+
+def window_rows(t: int, gemv: bool) -> int:
+    """The rows a window of t tokens runs as: tl.dot's (MIN_DOT, a power of 2 beyond), or for a GEMV a token (reduce
+    sum / acc) t's power of 2, so x needs no padded copy for t = 1, 2, 4 (a separate op of the window's graph)."""
+    rows = 1 << (t - 1).bit_length()
+    return rows if gemv else max(MIN_DOT, rows)
+
+
+def split_sum(partials, t: int):
+    """A kernel's [splits, Tp, O] partials -> [t, O]: summed over the splits (one split: as it is, no op) and cut to
+    the window's t rows (none to cut: no op)."""
+    out = partials[0] if partials.shape[0] == 1 else partials.sum(axis=0)
+    return out if out.shape[0] == t else out[:t]

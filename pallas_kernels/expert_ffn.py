@@ -93,7 +93,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .blocks import MIN_DOT, REDUCE, block_or_error, kept_sums
+from .blocks import MIN_DOT, REDUCE, block_or_error, kept_sums, split_sum, window_rows
 
 # GGUF block forms: storage, format name, codes dtype, inputs per group, code rows per 8 groups (the codes [R, rows, O])
 BLOCK_FORMS = {"q4k": ("int4", "int4-q4k", jnp.uint16, 32, 10), "q2k": ("int2", "int2-q2k", jnp.uint8, 16, 10),
@@ -399,10 +399,6 @@ def _block(dim: int, want: int, what: str) -> int:
     return block_or_error(dim, want, "expert_ffn", what)
 
 
-def _padded_tokens(t: int) -> int:
-    return max(MIN_DOT, 1 << (t - 1).bit_length())
-
-
 # The knobs' defaults: bf16 experts by window size, a decode window (T <= 4) and a wider one up to T = 16 (verify and
 # batched windows: T pads to 16 rows either way); prefill chunks (T > 16: tiles of Tp rows) and quantized experts
 # (issue 16: their loops step groups, not tiles) keep theirs. All one set today: the 2026-12-06 sweep at the
@@ -499,8 +495,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
     bi, bk = _block(inter, block_i, "I"), _block(hidden, block_k, "H")
     bh, bid = _block(hidden, block_h, "H"), _block(inter, block_i_down, "I")
     bk, bid = max(bk, group), max(bid, group_down)  # the loops step whole groups (0: not grouped)
-    # tl.dot's 16 rows, or (a GEMV a token: sum / acc, bf16) T's power of 2: no padded copy of x for T = 1, 2, 4
-    tp = 1 << (t - 1).bit_length() if sum_rows else _padded_tokens(t)
+    tp = window_rows(t, gemv=sum_rows > 0)
     splits = max(1, min(n_split, n))
     per_split = -(-n // splits)
     np_ = per_split * splits  # N padded with -1 slots so each split has the same count
@@ -539,8 +534,7 @@ def expert_ffn(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, sl
         out_shape=jax.ShapeDtypeStruct((splits, tp, hidden), jnp.float32),  # [n_split, Tp, H]
         compiler_params=params, interpret=interpret, name="expert_ffn_down" + _name_tail(quantized_down, form_down),
     )(ids, h, down, *d_scales, comb)
-    out = partials[0] if splits == 1 else partials.sum(axis=0)  # [Tp, H]
-    return out if tp == t else out[:t]  # [T, H]
+    return split_sum(partials, t)  # [T, H]
 
 
 def expert_ffn_reference(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, slot_ids: jax.Array,

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .blocks import MIN_DOT, REDUCE, block_or_error, kept_sums, pow2_divisor
+from .blocks import MIN_DOT, REDUCE, block_or_error, kept_sums, pow2_divisor, split_sum, window_rows
 
 
 def _stacked_linear_kernel(layer_ref, x_ref, *refs, block_n: int, block_k: int, k_per_split: int,
@@ -128,9 +128,7 @@ def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Arra
     col_blocks = tuple(w.shape[2] // bn for w in weights)
     n_total = sum(w.shape[2] for w in weights)
     gemv = reduce != "dot" and t <= 4
-    # tl.dot's 16 rows, or (a GEMV a token) T's power of 2: no padded copy of x for T = 1, 2, 4 (a separate op of
-    # the window's graph, ~2 us on an H100 where the product takes ~10)
-    tp = 1 << (t - 1).bit_length() if gemv else max(MIN_DOT, 1 << (t - 1).bit_length())
+    tp = window_rows(t, gemv)  # a padded copy of x is an op of ~2 us on an H100 where the product takes ~10
     xp = x if tp == t else jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, K]
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     partials = pl.pallas_call(
@@ -143,8 +141,7 @@ def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Arra
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="stacked_linear",
     )(jnp.asarray(layer, jnp.int32).reshape(1), xp, *weights)
-    out = partials[0] if splits == 1 else partials.sum(axis=0)  # [Tp, sum N_j]
-    return out if tp == t else out[:t]  # [T, sum N_j]
+    return split_sum(partials, t)  # [T, sum N_j]
 
 
 def stacked_linear_reference(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array) -> jax.Array:
