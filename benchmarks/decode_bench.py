@@ -48,6 +48,9 @@ flags.DEFINE_enum("hf", "auto", ["auto", "off"], "Also time Hugging Face transfo
                   "transformers are importable, and print the ratio to it.", flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FFN: XLA gather + einsums, or the Pallas "
                   "kernel (pallas_kernels/expert_ffn.py; bf16 on a GPU).", flag_values=FLAGS)
+flags.DEFINE_enum("route_kernel", "xla", ["xla", "pallas"], "The Pallas expert path's route: XLA's softmax and "
+                  "sort, or softmax and top-K in one Pallas kernel (pallas_kernels/route_topk.py; engine option "
+                  "route_kernel).", flag_values=FLAGS)
 flags.DEFINE_enum("attention_kernel", "auto", ["auto", "xla", "pallas"], "Attention: XLA einsums over the whole static "
                   "cache, or the Pallas decode-attention kernel (reads the cache up to the window's last position).",
                   flag_values=FLAGS)
@@ -299,10 +302,12 @@ def run(s) -> dict:
     result["kernels"]["dense"] = dense_kernel
     delta_kernel = resolve_delta_kernel(build(EngineOptions, dict(delta_kernel=s.delta_kernel)), cfg)
     result["kernels"]["delta"] = delta_kernel
+    result["kernels"]["route"] = s.route_kernel
     say(f"kernels: expert FFN {expert_kernel}, attention {attention_kernel}, attention products "
-        f"{'pallas' if dense else 'xla'}" + (f", DeltaNet rule {delta_kernel}" if cfg.has_linear else "")
+        f"{'pallas' if dense else 'xla'}, route {s.route_kernel}" + (f", DeltaNet rule {delta_kernel}" if cfg.has_linear else "")
         + f"; layers {'scanned over stacked weights' if scanned else 'unrolled'}")
-    experts = moe.ResidentExperts(cfg, interpret=dev["platform"] != "gpu") if expert_kernel == "pallas" else None
+    experts = (moe.ResidentExperts(cfg, interpret=dev["platform"] != "gpu", route_kernel=s.route_kernel == "pallas")
+               if expert_kernel == "pallas" else None)
     decode = graphs.jit_decode_window(cfg, experts, attention_kernel=attention_kernel == "pallas", dense_kernel=dense,
                                       delta_kernel=delta_kernel == "pallas")
     probe = make_probe(cfg, s.context, dtype) if s.probe_windows and n_moe else None

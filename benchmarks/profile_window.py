@@ -33,6 +33,9 @@ flags.DEFINE_integer("pos", 512, "Window position.", lower_bound=0, flag_values=
 flags.DEFINE_integer("iters", 10, "Windows run inside the trace.", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations.", flag_values=FLAGS)
 flags.DEFINE_enum("expert_kernel", "auto", ["auto", "xla", "pallas"], "Expert FFN (pallas: bf16).", flag_values=FLAGS)
+flags.DEFINE_enum("route_kernel", "xla", ["xla", "pallas"], "The Pallas expert path's route: XLA's softmax and "
+                  "sort, or softmax and top-K in one Pallas kernel (pallas_kernels/route_topk.py; engine option "
+                  "route_kernel).", flag_values=FLAGS)
 flags.DEFINE_enum("attention_kernel", "auto", ["auto", "xla", "pallas"], "Attention.", flag_values=FLAGS)
 flags.DEFINE_enum("dense_kernel", "auto", ["auto", "xla", "pallas"], "Attention products (q/k/v, o): "
                   "pallas_kernels/stacked_linear.py (scanned: the stacks read in place) or XLA's.", flag_values=FLAGS)
@@ -156,7 +159,9 @@ def run(s) -> dict:
     scanned = s.layer_loop == "scan" and can_stack(cfg)
     weights = random_weights(cfg, 0, dtype, stacked=scanned)
     expert_kernel, attention_kernel, dense_kernel = common.kernels(s, cfg)
-    experts = moe.ResidentExperts(cfg, interpret=interpret) if expert_kernel == "pallas" else None
+    common.progress(f"route: {s.route_kernel}")
+    experts = (moe.ResidentExperts(cfg, interpret=interpret, route_kernel=s.route_kernel == "pallas")
+               if expert_kernel == "pallas" else None)
     step = graphs.jit_decode_window(cfg, experts, attention_kernel=attention_kernel == "pallas",
                                     dense_kernel=dense_kernel == "pallas")
     rng = np.random.default_rng(0)

@@ -31,36 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-PAD_LOGIT = -1e30  # padded experts' logit: finite (no inf - inf), and masked out of every selection anyway
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _select(score, avail, iota_e, rounds: int, k_pad: int, values=None):
-    """`rounds` rounds of: the available expert of largest score (lowest index among equal maxima), then mark it taken.
-
-    score, avail, iota_e: [1, Ep]. The index picked in round r goes to slot r of ids [1, Kp], and values[idx]
-    (when values [1, Ep] is given; else 0) to slot r of picked_values [1, Kp]. A fori_loop, not a Python loop: one
-    loop body to compile whatever K is.
-    Returns (ids [1, Kp] int32, picked_values [1, Kp] float32, avail [1, Ep] bool with the picked experts removed).
-    """
-    iota_k = jax.lax.broadcasted_iota(jnp.int32, (1, k_pad), 1)
-    no_index = jnp.int32(iota_e.shape[1])  # larger than any expert index: loses every min
-
-    def one_round(r, carry):
-        ids, picked_values, avail = carry
-        best = jnp.max(jnp.where(avail, score, -jnp.inf), axis=1, keepdims=True)  # [1, 1]
-        idx = jnp.min(jnp.where(avail & (score == best), iota_e, no_index), axis=1, keepdims=True)  # [1, 1]
-        ids = jnp.where(iota_k == r, idx, ids)
-        if values is not None:  # a one-hot sum is a gather of one element; skipped where nobody reads it
-            value = jnp.sum(jnp.where(iota_e == idx, values, 0.0), axis=1, keepdims=True)  # [1, 1]: values[idx]
-            picked_values = jnp.where(iota_k == r, value, picked_values)
-        return ids, picked_values, avail & (iota_e != idx)
-
-    init = (jnp.zeros((1, k_pad), jnp.int32), jnp.zeros((1, k_pad), jnp.float32), avail)
-    return jax.lax.fori_loop(0, rounds, one_round, init)
+from .route_topk import PAD_LOGIT, next_pow2, select
 
 
 def route_prior_kernel(logits_ref, resident_ref, lam_ref, ids_ref, weights_ref, changed_ref, *,
@@ -77,11 +48,11 @@ def route_prior_kernel(logits_ref, resident_ref, lam_ref, ids_ref, weights_ref, 
     key = jnp.where(resident, logits, logits - lam)  # [1, Ep]; exactly logits where resident or lam == 0
 
     # Unbiased top-K; its first `keep` rounds are the forced experts.
-    _, _, after_keep = _select(logits, valid, iota_e, keep, k_pad)
-    _, _, after_unbiased = _select(logits, after_keep, iota_e, k - keep, k_pad)
+    _, _, after_keep = select(logits, valid, iota_e, keep, k_pad)
+    _, _, after_unbiased = select(logits, after_keep, iota_e, k - keep, k_pad)
     unbiased_set = valid & ~after_unbiased  # [1, Ep]
     # The rest by the biased key among the experts not forced.
-    _, _, after_biased = _select(key, after_keep, iota_e, k - keep, k_pad)
+    _, _, after_biased = select(key, after_keep, iota_e, k - keep, k_pad)
     picked = valid & ~after_biased  # [1, Ep]
     changed = jnp.max((picked != unbiased_set).astype(jnp.int32), axis=1, keepdims=True)  # [1, 1]
 
@@ -90,7 +61,7 @@ def route_prior_kernel(logits_ref, resident_ref, lam_ref, ids_ref, weights_ref, 
     exp = jnp.where(valid, jnp.exp(logits - top), 0.0)
     probs = exp / jnp.sum(exp, axis=1, keepdims=True)  # [1, Ep]
     # Order the picked experts by unbiased logit (K more rounds restricted to the picked mask), gathering their probs.
-    ids, weights, _ = _select(logits, picked, iota_e, k, k_pad, values=probs)  # [1, Kp] each; padded slots hold 0
+    ids, weights, _ = select(logits, picked, iota_e, k, k_pad, values=probs)  # [1, Kp] each; padded slots hold 0
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=1, keepdims=True)
 
@@ -109,7 +80,7 @@ def route_prior(logits: jax.Array, resident: jax.Array, lam: jax.Array, *, k: in
         raise ValueError(f"route_prior needs 1 <= k <= E, got k={k}, E={e}")
     if not 0 <= keep <= k:
         raise ValueError(f"route_prior needs 0 <= keep <= k, got keep={keep}, k={k}")
-    e_pad, k_pad = _next_pow2(e), _next_pow2(k)
+    e_pad, k_pad = next_pow2(e), next_pow2(k)
     logits_p = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, e_pad - e)), constant_values=PAD_LOGIT)  # [T, Ep]
     # The mask travels as int32 0/1: bool (i1) refs are avoided in Triton kernels.
     resident_p = jnp.pad(resident.astype(jnp.int32), (0, e_pad - e)).reshape(1, e_pad)  # [1, Ep]

@@ -132,6 +132,11 @@ class EngineOptions:
                             "scanned: each layer's matrices sliced out of the stacks first, a copy), or auto (pallas "
                             "on a GPU in bfloat16, else xla).",
                             _choice("auto", "xla", "pallas"))
+    route_kernel: str = opt("xla", "The exact route of the decode windows' Pallas and offloaded expert paths: xla "
+                            "(XLA's softmax and sort) or pallas (pallas_kernels/route_topk.py: softmax and top-K in "
+                            "one kernel; the same ids, the weights to the last bit of the softmax's rounding; on an "
+                            "H100 as fast as xla, not faster: benchmarks/results/h100-2026-12-07c-route).",
+                            _choice("xla", "pallas"))
     plan_kernel: str = opt("xla", "The offloaded layers' plan and slot-cache update (the native offload calls' "
                            "windows): pallas (pallas_kernels/slot_plan.py: one program a layer; interpreted off the "
                            "GPU; not yet timed on one), or xla (~10 small fusions a layer).", _choice("xla", "pallas"))

@@ -129,7 +129,7 @@ class Engine:
             for line in approx_lines + ([self.parallel.line] if self.parallel else []):
                 log(line)
             log(f"kernels: expert FFN {self.expert_kernel}, attention {self.attention_kernel}"
-                + f", attention products {self.dense_kernel}"
+                + f", attention products {self.dense_kernel}, route {self.plan.route_kernel}"
                 + (f", DeltaNet rule {self.delta_kernel}" if cfg.has_linear else "")
                 + (" (auto)" if "auto" in (options.expert_kernel, options.attention_kernel, options.dense_kernel,
                                            options.delta_kernel)
@@ -174,9 +174,11 @@ class Engine:
         kernel = self.expert_kernel == "pallas"
         if kernel and (jax.default_backend() != "gpu" or self.dtype != jnp.bfloat16):
             raise StrataError("expert_kernel=pallas needs a GPU and dtype=bfloat16")
+        route_kernel = self.plan.route_kernel == "pallas"
         if not self.placement:
-            return None, (moe.ResidentExperts(self.cfg) if kernel else None)
+            return None, (moe.ResidentExperts(self.cfg, route_kernel=route_kernel) if kernel else None)
         return placement_mod.expert_paths(self.cfg, self.placement, self.approx, self.defer, kernel,
+                                          route_kernel=route_kernel,
                                           block_ends=parallel_mod.block_ends(self.cfg, self.options),
                                           native_defer=self.scanned_offload,
                                           plan_kernel=self.options.plan_kernel == "pallas",

@@ -31,6 +31,7 @@ class Plan:
     attention_kernel: str
     dense_kernel: str
     delta_kernel: str
+    route_kernel: str            # the decode windows' exact route: 'pallas' | 'xla'
     scanned: bool                # one scanned layer body (all resident, or offload through the native calls)
     scanned_offload: bool        # ... over the stacked slot caches
     kv_length: int               # the KV cache's rows: the context, a padded chunk's slack, the kernel's blocks
@@ -58,6 +59,7 @@ def make_plan(cfg: ModelConfig, opts: EngineOptions, placement=None, defer=None)
         length = -(-length // 64) * 64  # the kernel's key blocks divide the cache length
     return Plan(context=context, context_why=why, chunks=chunks, ring=opts.window + 1, expert_kernel=expert,
                 attention_kernel=attention, dense_kernel=dense, delta_kernel=resolve_delta_kernel(opts, cfg),
+                route_kernel=opts.route_kernel,
                 scanned=scanned, scanned_offload=scanned_offload, kv_length=length)
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn as expert_ffn_kernel
+from strata_jax.pallas_kernels.route_topk import route_topk
 from strata_jax.model.config import ModelConfig
 from strata_jax.model.linear import linear
 from strata_jax.model.quant import dequantize_engine_int4, dequantize_engine_grouped
@@ -56,10 +57,18 @@ def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
     return linear(x, router, preferred_element_type=jnp.float32)
 
 
-def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -> Route:
-    """x: [T, H]; valid: [T] bool (padding rows route nowhere)."""
-    probs = jax.nn.softmax(router_logits(x, router), axis=-1)  # [T, E]
-    topk_w, topk_ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [T, K]
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array, kernel: bool = False) -> Route:
+    """x: [T, H]; valid: [T] bool (padding rows route nowhere). kernel: softmax and top-K in one Pallas kernel
+    (pallas_kernels/route_topk.py; interpreted off the GPU) instead of XLA's softmax and sort: the same ids, the
+    weights to the last bit of the softmax's rounding."""
+    logits = router_logits(x, router)  # [T, E]
+    k = cfg.num_experts_per_tok
+    if kernel:
+        topk_ids, topk_w = route_topk(logits, valid, k=k, norm_topk_prob=cfg.norm_topk_prob, dtype=x.dtype,
+                                      interpret=jax.default_backend() != "gpu")  # rounded and masked already
+        return route_of(topk_ids, topk_w, cfg)
+    probs = jax.nn.softmax(logits, axis=-1)  # [T, E]
+    topk_w, topk_ids = jax.lax.top_k(probs, k)  # [T, K]
     if cfg.norm_topk_prob:
         topk_w = topk_w / jnp.sum(topk_w, axis=-1, keepdims=True)
     return make_route(topk_ids, topk_w, cfg, valid, x.dtype)
@@ -67,16 +76,24 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -
 
 def make_route(topk_ids: jax.Array, topk_w: jax.Array, cfg: ModelConfig, valid: jax.Array, dtype) -> Route:
     """Each row's picked experts (ordered by weight) and float32 weights -> the window's Route."""
-    t, k = topk_ids.shape
-    e = cfg.num_experts
     # transformers casts the routing weights to the hidden dtype before the weighted sum.
     topk_w = topk_w.astype(dtype).astype(jnp.float32)
     topk_w = jnp.where(valid[:, None], topk_w, 0.0)
-    topk_ids = jnp.where(valid[:, None], topk_ids, e).astype(jnp.int32)
+    topk_ids = jnp.where(valid[:, None], topk_ids, cfg.num_experts).astype(jnp.int32)
+    return route_of(topk_ids, topk_w, cfg)
+
+
+def route_of(topk_ids: jax.Array, topk_w: jax.Array, cfg: ModelConfig) -> Route:
+    """topk_ids [T, K] int32 (E on padding rows), topk_w [T, K] float32 (rounded to the model dtype, 0 on padding
+    rows) -> the window's Route: its distinct experts and the combine matrix."""
+    t, k = topk_ids.shape
+    e = cfg.num_experts
     n = min(t * k, e)
-    if t == 1:  # one token's top-K are distinct already: no sort
+    if t == 1:  # one token's top-K are distinct already: no sort, and the combine row is its weights
         expert_ids = topk_ids[0]
-    elif n == e:  # large windows (prefill chunks): every expert in order, -1 where no row chose it
+        return Route(topk_ids=topk_ids, topk_weights=topk_w, expert_ids=jnp.where(expert_ids >= e, -1, expert_ids),
+                     combine=topk_w, entry_counts=(expert_ids < e).astype(jnp.int32))
+    if n == e:  # large windows (prefill chunks): every expert in order, -1 where no row chose it
         expert_ids = jnp.arange(e, dtype=jnp.int32)
         chosen = jnp.zeros((e + 1,), bool).at[topk_ids.reshape(-1)].set(True)[:e]
         expert_ids = jnp.where(chosen, expert_ids, e)
@@ -152,15 +169,16 @@ class ExpertsOut(NamedTuple):
 class ResidentExperts:
     """The expert path of a model whose experts are all on the device, with the Pallas expert FFN kernel
     (pallas_kernels/expert_ffn.py: each distinct expert's weights read in place, once per window, no gather copy)
-    instead of XLA's gather + einsums. bf16 on a GPU only; `(layer, x, w, valid, state) -> ExpertsOut(y, state)`."""
+    instead of XLA's gather + einsums. bf16 on a GPU only; `(layer, x, w, valid, state) -> ExpertsOut(y, state)`.
+    route_kernel: the route's softmax and top-K as one Pallas kernel (route(kernel=True))."""
 
-    def __init__(self, cfg: ModelConfig, interpret: bool = False):
-        self.cfg, self.interpret = cfg, interpret
+    def __init__(self, cfg: ModelConfig, interpret: bool = False, route_kernel: bool = False):
+        self.cfg, self.interpret, self.route_kernel = cfg, interpret, route_kernel
 
     def __call__(self, layer: int, x: jax.Array, w: MoEWeights, valid: jax.Array, state=None,
                  offset: jax.Array | int = 0):
         with jax.named_scope("moe_route"):
-            r = route(x, w.router, self.cfg, valid)
+            r = route(x, w.router, self.cfg, valid, kernel=self.route_kernel)
         with jax.named_scope("moe_experts_pallas"):
             rows = jnp.where(r.expert_ids >= 0, r.expert_ids + offset, -1)  # stacked layers: row layer * E + expert
             # quantized: the scales lie row for row beside q ([E, ...] / [L*E, ...]), read in place at the same rows

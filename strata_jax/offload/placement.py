@@ -493,7 +493,7 @@ def quantized_line(cfg: ModelConfig, weights: Weights, opts: EngineOptions, on_h
 
 def expert_paths(cfg: ModelConfig, placement: Placement, route: approx.RouteApprox, defer_cpu: defer.DeferCPU,
                  kernel: bool, block_ends: tuple = (), native_defer: bool = False,
-                 plan_kernel: bool = False,
+                 plan_kernel: bool = False, route_kernel: bool = False,
                  prefetch: int = 0) -> tuple[slots_mod.OffloadedExperts, slots_mod.OffloadedExperts]:
     """The offloaded expert paths of the prefill and of the decode graphs. The routing approximations, the deferral
     and the Pallas expert FFN act in decode windows only; the prefill keeps the exact XLA path. Without the cpu
@@ -501,16 +501,18 @@ def expert_paths(cfg: ModelConfig, placement: Placement, route: approx.RouteAppr
     device's block (parallel=layers), never deferred. native_defer: the decode graphs scan (plan.scans_offload),
     so the deferral runs through the native calls there (OffloadedExperts.native_deferred). plan_kernel: the
     decode windows' plan and slot-cache update as one Pallas kernel (OffloadedExperts.plan_and_update). prefetch:
-    the decode windows' experts a token prefetched for the next layer (prefetch_setting: 0 where not served)."""
+    the decode windows' experts a token prefetched for the next layer (prefetch_setting: 0 where not served).
+    route_kernel: the decode windows' exact route in one Pallas kernel (moe.route(kernel=True))."""
     pool = placement.pool if placement.cpu_path else None
     native = placement.native_offload()
     lru = placement.policy == "lru"
     exact = slots_mod.OffloadedExperts(cfg, pool, native=native, lru=lru)
-    if not (route.active or defer_cpu.active or kernel or plan_kernel or prefetch):
+    if not (route.active or defer_cpu.active or kernel or plan_kernel or prefetch or route_kernel):
         return exact, exact
     return exact, slots_mod.OffloadedExperts(cfg, pool, route=route, defer_cpu=defer_cpu, kernel=kernel,
                                              block_ends=block_ends, native=native, native_defer=native_defer,
-                                             plan_kernel=plan_kernel, prefetch=prefetch, lru=lru)
+                                             plan_kernel=plan_kernel, prefetch=prefetch, lru=lru,
+                                             route_kernel=route_kernel)
 
 
 def prefetch_setting(opts: EngineOptions, placement: Placement | None, scanned_offload: bool,

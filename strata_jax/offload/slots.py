@@ -377,8 +377,9 @@ class OffloadedExperts:
     def __init__(self, cfg: ModelConfig, pool=None, block: int = 32, route: approx.RouteApprox = approx.OFF,
                  defer_cpu: defer.DeferCPU = defer.OFF, kernel: bool = False, block_ends: tuple = (),
                  native: NativeOffload | None = None, native_defer: bool = False, plan_kernel: bool = False,
-                 prefetch: int = 0, lru: bool = False):
+                 prefetch: int = 0, lru: bool = False, route_kernel: bool = False):
         self.cfg, self.pool, self.block, self.approx = cfg, pool, block, route
+        self.route_kernel = route_kernel  # the exact route's softmax and top-K in one Pallas kernel (moe.route)
         # lru: the cache policy is lru for these graphs' lifetime (Placement.reconfigure rebuilds them when it
         # changes). A window of at most S distinct experts then finds every fetch a victim slot (lru_victims: S less
         # the slots it reads >= its fetches), so nothing stages and the native windows leave the staging rows'
@@ -461,7 +462,7 @@ class OffloadedExperts:
         the state (the range mode's running mean)."""
         cfg, a = self.cfg, self.approx
         if a.prior is None and not a.resident:
-            return moe.route(x, w.router, cfg, valid), {}, state
+            return moe.route(x, w.router, cfg, valid, kernel=self.route_kernel), {}, state
         k = cfg.num_experts_per_tok
         logits = moe.router_logits(x, w.router)  # [T, E] float32
         probs = approx.router_probs(logits)

@@ -116,6 +116,21 @@ def test_the_pallas_expert_kernel_in_the_engine(engine_factory, tokens, slots):
         assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.8, policy
 
 
+@pytest.mark.parametrize("slots", ["all", "5"])
+def test_the_route_kernel_in_the_engine(engine_factory, tokens, slots):
+    """route_kernel=pallas (softmax and top-K in one kernel) against XLA's softmax and sort, the Pallas expert FFN in
+    both, all resident and offloaded: the decode windows' logits within the last bits of the routing weights (the
+    same experts; a weight's bf16 rounding one step apart at most), greedy picks mostly the same."""
+    common = dict(dtype="bfloat16", window=4, context=64, expert_cache_slots=slots, pcie_frac=1.0,
+                  expert_kernel="pallas", attention_kernel="xla")
+    xla = engine_factory(None, route_kernel="xla", **common)
+    pallas = engine_factory(None, route_kernel="pallas", **common)
+    assert pallas.plan.route_kernel == "pallas" and xla.plan.route_kernel == "xla"
+    want, got = xla.score(tokens, window=4), pallas.score(tokens, window=4)
+    assert rel_fro(got, want) < 1e-2
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
+
+
 @pytest.mark.parametrize("dtype,bound", [("float32", 1e-4), ("bfloat16", 3e-2)])
 def test_the_pallas_attention_kernel_in_the_engine(engine_factory, tokens, dtype, bound):
     """attention_kernel=pallas, compiled: every decode window's logits against the XLA attention (offloaded, so the

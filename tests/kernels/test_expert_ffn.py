@@ -234,13 +234,20 @@ def test_the_model_with_the_kernel_matches_the_xla_path(fmt, stacked):
         weights = stack_layers(weights)
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, size=3), jnp.int32)
     out = {}
-    for name, experts in (("xla", None), ("pallas", moe.ResidentExperts(cfg, interpret=True))):
+    paths = [("xla", None), ("pallas", moe.ResidentExperts(cfg, interpret=True))]
+    if not stacked:  # the route's kernel too (pallas_kernels/route_topk.py): the same routes, to the last bit
+        paths.append(("pallas+route", moe.ResidentExperts(cfg, interpret=True, route_kernel=True)))
+    for name, experts in paths:
         cache = init_cache(cfg, 16, jnp.bfloat16, stacked=stacked)
         _, logits, _ = graphs.jit_decode_window(cfg, experts)(weights, cache, tokens, jnp.int32(0))
         out[name] = np.asarray(logits)
     err = np.linalg.norm(out["pallas"] - out["xla"]) / np.linalg.norm(out["xla"])
     assert err < 2e-2, err
     assert (out["pallas"].argmax(-1) == out["xla"].argmax(-1)).mean() >= 2 / 3
+    if "pallas+route" in out:
+        err = np.linalg.norm(out["pallas+route"] - out["pallas"]) / np.linalg.norm(out["pallas"])
+        assert err < 1e-2, err
+        np.testing.assert_array_equal(out["pallas+route"].argmax(-1), out["pallas"].argmax(-1))
 
 
 @pytest.mark.parametrize("slots,filled,fmt,stacked", [(0, 0, None, False), (6, 3, None, False), (16, 10, None, False),

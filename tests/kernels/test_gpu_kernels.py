@@ -2,7 +2,7 @@
 on realistic shapes, with fresh random inputs for each compiled shape. Skipped without a GPU.
 
 Bounds, as the CPU tests of the same kernels (tests/kernels/test_route_prior.py, test_copy_rows.py, test_expert_ffn.py):
-- route_prior: ids and changed equal, weights within 1e-6;
+- route_prior: ids and changed equal, weights within 1e-6; route_topk: ids equal, weights within a bf16 step;
 - copy_rows: within 1e-6 of the reference (relative), heavy + light within 1e-6 of the whole sum;
 - expert_ffn: ||kernel - reference||_F / ||reference||_F < 1e-2 (bf16 roundings differ by an ulp here and there);
 - decode_attention: 1e-5 (f32) / 2e-2 (bf16) relative, and rows past the window (NaN, inf, 1e30) never read.
@@ -20,6 +20,7 @@ from strata_jax.pallas_kernels.decode_attention import (batch_decode_attention, 
                                                         decode_attention, decode_attention_reference)
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
 from strata_jax.pallas_kernels.route_prior import route_prior, route_prior_reference
+from strata_jax.pallas_kernels.route_topk import route_topk, route_topk_reference
 from test_decode_attention import BATCH_CASES as ATTN_BATCH_CASES
 from test_decode_attention import CASES as ATTN_CASES
 from test_decode_attention import PREFILL_CASES as ATTN_PREFILL_CASES
@@ -51,6 +52,22 @@ def test_route_prior_matches_reference(e, k, t, keep):
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
         np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=0, atol=1e-6)
         np.testing.assert_array_equal(np.asarray(changed), np.asarray(want_changed))
+
+
+# -------------------------------------------------------------------------------------------------------- route_topk
+
+@pytest.mark.parametrize("t", [1, 4, 64])
+@pytest.mark.parametrize("e,k", [(128, 8), (512, 10)])
+def test_route_topk_matches_reference(e, k, t):
+    """Compiled: the ids of XLA's softmax + top_k, the weights within a bf16 step (the two softmaxes' last bit)."""
+    rng = np.random.default_rng()
+    for _ in range(DRAWS):
+        logits = jnp.asarray(rng.standard_normal((t, e)) * 2.0, jnp.float32)  # [T, E]
+        valid = jnp.asarray(rng.random(t) < 0.8).at[0].set(True)  # [T]
+        ids, w = route_topk(logits, valid, k=k, interpret=False)
+        want_ids, want_w = route_topk_reference(logits, valid, k=k)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=2.0 ** -8, atol=1e-7)
 
 
 # --------------------------------------------------------------------------------------------------------- copy_rows
