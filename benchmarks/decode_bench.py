@@ -201,11 +201,8 @@ def run(s) -> dict:
     from strata_jax.errors import StrataError
 
     windows = sorted(common.int_list(s.windows, "windows"))
-    from strata_jax.pallas_kernels import tuning as kernel_tuning
-    try:  # STRATA_KERNEL_TUNING (a kernel-sweep file) applies here as at an Engine's start
-        tuning_lines = kernel_tuning.from_environment()
-    except ValueError as e:
-        raise StrataError(str(e)) from None
+    from strata_jax.engine.api import kernel_tuning_lines
+    tuning_lines = kernel_tuning_lines()  # STRATA_KERNEL_TUNING (a kernel-sweep file) applies here as at an Engine's start
     if s.attention_splits:
         from strata_jax.pallas_kernels import decode_attention as decode_attention_mod
         decode_attention_mod.FORCE_SPLITS = s.attention_splits

@@ -147,7 +147,10 @@ def run(s) -> dict:
     from strata_jax.model.config import preset
     from strata_jax.errors import StrataError
 
+    from strata_jax.engine.api import kernel_tuning_lines
     windows = common.int_list(s.windows, "windows")
+    for line in kernel_tuning_lines():  # STRATA_KERNEL_TUNING applies here as at an Engine's start
+        common.progress(line)
     cfg = preset(s.model, layers=s.layers or None)
     if s.pos + max(windows) > s.context:
         raise StrataError(f"--pos={s.pos} + the largest window exceed --context={s.context}")
@@ -155,11 +158,10 @@ def run(s) -> dict:
     dev = common.device_info()
     interpret = dev["platform"] != "gpu"
     common.progress(f"profile_window: {s.model} x {cfg.num_layers} layers, {s.dtype}, on {dev['device_kind']}; "
-                    f"kernels (expert, attention, dense) {common.kernels(s, cfg)}")
+                    f"kernels (expert, attention, dense) {common.kernels(s, cfg)}, route {s.route_kernel}")
     scanned = s.layer_loop == "scan" and can_stack(cfg)
     weights = random_weights(cfg, 0, dtype, stacked=scanned)
     expert_kernel, attention_kernel, dense_kernel = common.kernels(s, cfg)
-    common.progress(f"route: {s.route_kernel}")
     experts = (moe.ResidentExperts(cfg, interpret=interpret, route_kernel=s.route_kernel == "pallas")
                if expert_kernel == "pallas" else None)
     step = graphs.jit_decode_window(cfg, experts, attention_kernel=attention_kernel == "pallas",

@@ -73,8 +73,9 @@ class _UserDrafter:
             return self._drafter.observe(tokens)
 
 
-def _kernel_tuning_lines() -> list[str]:
-    """STRATA_KERNEL_TUNING (a kernel-sweep file): the kernels' knobs from it, its start-up line; a bad file one line."""
+def kernel_tuning_lines() -> list[str]:
+    """STRATA_KERNEL_TUNING (a kernel-sweep file): the kernels' knobs from it, its start-up line; a bad file one line
+    (a StrataError). The engine's start and the window benchmarks (decode_bench, profile_window) call it."""
     try:
         return kernel_tuning.from_environment()
     except ValueError as e:
@@ -102,7 +103,7 @@ class Engine:
         self.expert_storage = placement_mod.expert_storage(options)  # the host copies' and the slots' dtype
         self.approx, approx_lines = route_approx(options, cfg.num_experts_per_tok, placement is not None)
         self.defer, defer_lines = defer_cpu(options, bool(placement) and placement.cpu_path)
-        approx_lines += defer_lines + unknown_switches() + _kernel_tuning_lines()
+        approx_lines += defer_lines + unknown_switches() + kernel_tuning_lines()
         # Context, chunks, kernels, the layer loop, the KV cache's length: decided once (engine/plan.py).
         self.plan = make_plan(cfg, options, placement, self.defer)
         self._check_attention_kernel()

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from strata_jax.engine.api import _kernel_tuning_lines
+from strata_jax.engine.api import kernel_tuning_lines
 from strata_jax.errors import StrataError
 from strata_jax.pallas_kernels import expert_ffn, stacked_linear, tuning
 
@@ -72,7 +72,7 @@ def test_a_bad_file_is_one_line(tmp_path, monkeypatch, data, says):
     monkeypatch.setenv("STRATA_KERNEL_TUNING", path)
     rows = {k: dict(v) if isinstance(v, dict) else v for k, v in stacked_linear.TUNING.items()}
     with pytest.raises(StrataError) as e:
-        _kernel_tuning_lines()
+        kernel_tuning_lines()
     assert says in str(e.value) and str(e.value).startswith(f"STRATA_KERNEL_TUNING={path}: ")
     assert "\n" not in str(e.value)
     assert stacked_linear.TUNING == rows  # nothing applied
@@ -80,4 +80,4 @@ def test_a_bad_file_is_one_line(tmp_path, monkeypatch, data, says):
 
 def test_unset_is_silent(monkeypatch):
     monkeypatch.delenv("STRATA_KERNEL_TUNING", raising=False)
-    assert _kernel_tuning_lines() == []
+    assert kernel_tuning_lines() == []
