@@ -17,7 +17,9 @@ with its -D macros (comma-separated; "default": none), side by side; "vs bf16" c
 job-sized blocks in it, "TEAM_SPIN_US=50" the kept team's idle spin shorter; "FORMER_LOOPS" the former int4, int4-q4k
 and int8 loops (the same bits), "INT_FLOAT_PATH" int8 and int4 on the float path at every T (other bits; for Intel
 cores, where vdpbf16ps is 4 uops), "INT4_SHIFTS" / "INT4_SHUFFLES" int4's high nibbles by shifts or byte shuffles. --timeline: the mean job's setup, its
-threads' entry after the job was posted (the team's wake-up), phase 1 and phase 2; --gap-us: a busy wait between
+threads' entry after the job was posted (the team's wake-up), phase 1 and phase 2, and the region's time against
+bf16's (ms/job is the Python pool's: its hand-off to the driver thread adds ~0.1-0.3 ms a job on 16 Intel cores,
+benchmarks/results/h100-2026-12-07c-route/call3, that the engine's native calls do not pay); --gap-us: a busy wait between
 jobs (a decode step's device share of a layer), so the team's idle spin (or sleep) shows.
 x: rounded to bf16 by default, as a bf16 model's device sends it (the C kernel takes bf16 dot products where x is
 exactly bf16, else float32 ones; --x float32 measures the latter).
@@ -245,7 +247,7 @@ def main() -> None:
     width = max(5, *map(len, paths))
     print(f"{'store format':20s} {'path':{width}s} {'store MB':>9s} {'T':>2s} {'ms/job':>8s} {'ms/expert':>9s} "
           f"{'GB/s':>7s} {'of read':>8s} {'vs bf16':>8s} {'jobs':>5s}")
-    bf16_ms = {}
+    bf16_ms, bf16_region = {}, {}
     default_kernel = native.experts_kernel
     for fmt in formats:
         name, store = make_store(fmt, rng, E, H, I)  # one at a time: only its weights in memory
@@ -271,6 +273,11 @@ def main() -> None:
                       f"{gbps:7.2f} {share:>8s} {ratio:>8s} {jobs:5d}", flush=True)
                 if timeline is not None:
                     t = timeline.timeline(False)
+                    if fmt == "bf16":
+                        bf16_region[path, T] = t["job"]
+                    # the kernel's own time against bf16's: what the engine's native calls (no Python hand-off) see
+                    native_ratio = (f", region vs bf16 {t['job'] / bf16_region[path, T]:.2f}x"
+                                    if (path, T) in bf16_region and fmt != "bf16" else "")
                     cut = [timeline.blocks(n, args.threads, phase) for phase, n in enumerate((args.experts * I, H))]
                     text = ", ".join(f"phase {k + 1} {len(c)} blocks of {min(c)}" + (f"-{max(c)}" if max(c) > min(c)
                                      else "") + " rows" for k, c in enumerate(cut))
@@ -278,7 +285,7 @@ def main() -> None:
                     print(f"{'':20s} {'':{width}s} timeline, mean of {t['jobs']} jobs (us): setup {t['setup']:.1f}, "
                           f"{t['threads']:.1f} threads in {t['first_in']:.1f} .. {t['last_in']:.1f}, "
                           f"phase 1 {t['phase1']:.1f}, "
-                          f"phase 2 {t['job'] - t['phase1']:.1f}, region {t['job']:.1f}", flush=True)
+                          f"phase 2 {t['job'] - t['phase1']:.1f}, region {t['job']:.1f}{native_ratio}", flush=True)
             pool.close()
             native.experts_kernel = default_kernel
         del store

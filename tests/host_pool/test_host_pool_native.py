@@ -382,3 +382,22 @@ def test_the_float_path_build_matches(kernel, monkeypatch, tmp_path, fmt, comput
             y_float = pool.compute(1, x, ids, w)
             monkeypatch.undo()
         assert rel_fro(y_default, y_float) < (1e-5 if compute_dtype == "float32" else TOL[compute_dtype])
+
+
+def test_measure_timeline_gives_the_kernels_own_ratio(monkeypatch, capsys):
+    """`python -m strata_jax.host_pool.measure --timeline` (small shapes): under each path-C row the mean job's
+    timeline, and for a quantized format its region against bf16's (what the engine's native calls see, without the
+    Python pool's hand-off in ms/job)."""
+    from strata_jax.host_pool import measure, native
+    if native.experts_kernel() is None:
+        pytest.skip(f"no native expert kernel here: {native.describe_experts()}")
+    monkeypatch.setattr("sys.argv", ["measure", "--threads=2", "--formats=bf16,int8", "--windows=1", "--paths=C",
+                                     "--timeline", "--hidden=256", "--intermediate=128", "--experts=2",
+                                     "--store-experts=4", "--repeats=2", "--read_mb=16", "--hot-intermediate=0"])
+    measure.main()
+    lines = capsys.readouterr().out.splitlines()
+    timelines = [ln for ln in lines if "timeline, mean of" in ln]
+    assert len(timelines) == 2, lines
+    assert "region vs bf16" not in timelines[0]
+    ratio = float(timelines[1].split("region vs bf16 ")[1].rstrip("x"))
+    assert 0 < ratio < 10, timelines[1]
