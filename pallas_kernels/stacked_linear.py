@@ -96,16 +96,17 @@ def _pick(dim: int, want: int, what: str) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k", "k_splits", "num_warps",
-                                             "num_stages", "reduce"))
+                                             "num_stages", "reduce", "sum_splits"))
 def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array, *, interpret: bool = False,
                    block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
-                   reduce: str | None = None) -> jax.Array:
+                   reduce: str | None = None, sum_splits: bool = True) -> jax.Array:
     """x [T, K]; weights: a tuple of [L, K, N_j] arrays of x's dtype; layer: int32 scalar -> float32 [T, sum N_j].
     The layer index is a device value: not checked (0 <= layer < L is the caller's promise). reduce: "dot"
     (tl.dot over T padded to 16 rows), "sum" (T <= 4: a GEMV a token; wider windows take "dot") or "acc" ("sum"
     with the products kept elementwise and summed once after the loop). Knobs None:
-    `tuning(T, len(weights))`'s."""
+    `tuning(T, len(weights))`'s. sum_splits=False: the kernel's float32 partials [k_splits, Tp, sum N_j] as they are
+    (rows >= T padding), for a kernel that sums them itself (qkv_rope.py)."""
     t, k = x.shape
     weights = tuple(weights)
     given = dict(block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
@@ -141,7 +142,7 @@ def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Arra
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="stacked_linear",
     )(jnp.asarray(layer, jnp.int32).reshape(1), xp, *weights)
-    return split_sum(partials, t)  # [T, sum N_j]
+    return split_sum(partials, t) if sum_splits else partials  # [T, sum N_j]
 
 
 def stacked_linear_reference(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array) -> jax.Array:

@@ -3,18 +3,21 @@ kernel-sweep --json=FILE`) puts the sweep's picks in place of the expert FFN's a
 `TUNING` rows in this process, so that whole runs can be compared before a row changes in the code.
 
 The file's "picks": {"expert_ffn:decode": {knob: value}, "expert_ffn:wide": ..., "qkv:decode", "qkv:wide",
-"o:decode", "o:wide"}; a row may be absent (the default stays) or name only some knobs (the others stay)."""
+"o:decode", "o:wide", "qkv_rope:decode" ({"fuse": 1}: the q/k/v product's split sum, q/k norms, RoPE and cache
+writes in one kernel, qkv_rope.py)}; a row may be absent (the default stays) or name only some knobs (the others
+stay)."""
 from __future__ import annotations
 
 import json
 
-from . import expert_ffn, stacked_linear
+from . import expert_ffn, qkv_rope, stacked_linear
 from .blocks import REDUCE
 
 # pick name -> (the TUNING table, its key)
 ROWS = {"expert_ffn:decode": (expert_ffn.TUNING, "decode"), "expert_ffn:wide": (expert_ffn.TUNING, "wide"),
         "qkv:decode": (stacked_linear.TUNING, ("qkv", "decode")), "qkv:wide": (stacked_linear.TUNING, ("qkv", "wide")),
-        "o:decode": (stacked_linear.TUNING, ("o", "decode")), "o:wide": (stacked_linear.TUNING, ("o", "wide"))}
+        "o:decode": (stacked_linear.TUNING, ("o", "decode")), "o:wide": (stacked_linear.TUNING, ("o", "wide")),
+        "qkv_rope:decode": (qkv_rope.TUNING, "decode")}
 
 
 def check(picks: dict) -> dict[str, dict]:

@@ -21,6 +21,7 @@ from strata_jax.pallas_kernels.decode_attention import (batch_decode_attention, 
 from strata_jax.pallas_kernels.expert_ffn import expert_ffn, expert_ffn_reference
 from strata_jax.pallas_kernels.route_prior import route_prior, route_prior_reference
 from strata_jax.pallas_kernels.route_topk import route_topk, route_topk_reference
+from strata_jax.pallas_kernels.qkv_rope import qkv_rope, qkv_rope_reference
 from test_decode_attention import BATCH_CASES as ATTN_BATCH_CASES
 from test_decode_attention import CASES as ATTN_CASES
 from test_decode_attention import PREFILL_CASES as ATTN_PREFILL_CASES
@@ -68,6 +69,34 @@ def test_route_topk_matches_reference(e, k, t):
         want_ids, want_w = route_topk_reference(logits, valid, k=k)
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
         np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=2.0 ** -8, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------------- qkv_rope
+
+@pytest.mark.parametrize("t,tp,splits", [(1, 16, 4), (4, 16, 4), (16, 16, 4), (2, 2, 1)])
+def test_qkv_rope_matches_reference(t, tp, splits):
+    """Compiled at the 30B shape (32 q heads, 4 kv heads, D=128, a stacked cache of 4 layers): q and the written
+    K rows within a bf16 step of the XLA path's ops, V rows equal, no other cache row touched."""
+    rng = np.random.default_rng()
+    nq, nkv, d, layers, seq = 32, 4, 128, 4, 256
+    step = 2.0 ** -7
+    for _ in range(DRAWS):
+        partials = rng.standard_normal((splits, tp, (nq + 2 * nkv) * d)).astype(np.float32) * 0.5
+        partials[:, t:] = 0.0
+        freqs = (200 + np.arange(tp))[:, None] * (1.0 / 1e6 ** (np.arange(0, d, 2) / d))[None, :]
+        args = (jnp.asarray(partials), jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.bfloat16),
+                jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.bfloat16),
+                jnp.asarray(np.cos(freqs), jnp.bfloat16), jnp.asarray(np.sin(freqs), jnp.bfloat16),
+                jnp.int32(rng.integers(seq - tp)))
+        k0 = jnp.asarray(rng.standard_normal((layers, seq, nkv, d)), jnp.bfloat16)
+        v0 = jnp.asarray(rng.standard_normal((layers, seq, nkv, d)), jnp.bfloat16)
+        layer = jnp.int32(rng.integers(layers))
+        kw = dict(t=t, num_heads=nq, num_kv_heads=nkv, eps=1e-6)
+        want = [np.asarray(a, np.float32) for a in qkv_rope_reference(*args, k0, v0, layer, **kw)]
+        q, k, v = qkv_rope(*args, k0, v0, layer, interpret=False, **kw)
+        np.testing.assert_allclose(np.asarray(q[:t], np.float32), want[0], rtol=step, atol=step)
+        np.testing.assert_allclose(np.asarray(k, np.float32), want[1], rtol=step, atol=step)
+        np.testing.assert_array_equal(np.asarray(v, np.float32), want[2])
 
 
 # --------------------------------------------------------------------------------------------------------- copy_rows
