@@ -6,10 +6,11 @@ dynamic-update-slice per cache), 1.0-1.7 us each on an H100 whatever their size:
 30B shape (benchmarks/results/h100-2026-12-07-kernels, the ninth session's profile).
 
 partials [splits, Tp, Nq*D + 2*Nkv*D] float32: `stacked_linear(..., sum_splits=False)`'s (rows >= T are padding);
-norms q_norm, k_norm [D] (the model dtype); cos, sin [Tp, D/2] (the model dtype: transformers' rotate-half form has
-cos(emb) = cos(freqs) twice over, so half of it is all of it); k_cache, v_cache [L, S, Nkv, D] written at layer
-`layer`, rows pos..pos+T-1 (aliased: the returned caches are the given buffers). Returns q [Tp, Nq, D] (rows >= T
-unspecified), k_cache, v_cache.
+norms q_norm, k_norm [L, D] (every layer's, in the model dtype; read at `layer` in the kernel: a slice of them is a
+copy op of its own in the scanned body); RoPE's cos and sin of positions pos.. computed in the kernel (transformers'
+rotate-half form has cos(emb) = cos(freqs) twice over: [Tp, D/2] is all of it; tables passed in were two pad ops);
+k_cache, v_cache [L, S, Nkv, D] written at layer `layer`, rows pos..pos+T-1 (aliased: the returned caches are the
+given buffers). Returns q [Tp, Nq, D] (rows >= T unspecified), k_cache, v_cache.
 
 Arithmetic as `transformer.attention_rows` (the XLA path): the product rounded to the model dtype once summed; the
 norm in float32 on the rounded values, cast back, times the weight; RoPE x * cos + rotate_half(x) * sin. Where XLA
@@ -43,12 +44,13 @@ def fused(t: int) -> bool:
     return t <= 16 and bool(TUNING["decode"]["fuse"])
 
 
-def _qkv_rope_kernel(meta_ref, part_ref, qn_ref, kn_ref, cos_ref, sin_ref, _k_in, _v_in, q_ref, k_ref, v_ref, *,
+def _qkv_rope_kernel(pos_ref, layer_ref, part_ref, qn_ref, kn_ref, inv_freq_ref, _k_in, _v_in, q_ref, k_ref, v_ref, *,
                      nq: int, nkv: int, d: int, t: int, splits: int, eps: float):
-    """meta [2] int32 (pos, layer); part [splits, Tp, N] f32 (whole); qn, kn [D]; cos, sin [Tp, D/2]; q_ref: this q
-    head's [Tp, D] block; k_ref / v_ref: this kv head's [L, S, D] view of the (aliased) caches."""
+    """pos, layer [1] int32; part [splits, Tp, N] f32 (whole); qn, kn [L, D] (every layer's norms, read at `layer`:
+    a slice of them would be a copy op); inv_freq [D/2] f32; q_ref: this q head's [Tp, D] block; k_ref / v_ref: this
+    kv head's [L, S, D] view of the (aliased) caches."""
     g = pl.program_id(0)
-    pos, layer = meta_ref[0], meta_ref[1]
+    pos, layer = pos_ref[0], layer_ref[0]
     half = d // 2
     dtype = q_ref.dtype
     tp = q_ref.shape[0]
@@ -64,14 +66,18 @@ def _qkv_rope_kernel(meta_ref, part_ref, qn_ref, kn_ref, cos_ref, sin_ref, _k_in
             out.append(acc.astype(dtype))
         return out
 
+    # RoPE's tables for the window's positions, as transformer.rope_tables computes them (f32 angle, cast)
+    positions = (pos + lax.broadcasted_iota(jnp.int32, (tp, 1), 0)).astype(jnp.float32)  # [Tp, 1]
+    freqs = positions * inv_freq_ref[...][None, :]  # [Tp, D/2]
+    cos, sin = jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
+
     def norm_rope(x1, x2, w_ref):
         """RMSNorm over the head's D values (both halves), cast back, times the weight; then rotate_half RoPE."""
         a, b = x1.astype(jnp.float32), x2.astype(jnp.float32)
         mean = (jnp.sum(a * a, axis=1, keepdims=True) + jnp.sum(b * b, axis=1, keepdims=True)) / d  # [Tp, 1]
         inv = lax.rsqrt(mean + eps)
-        n1 = w_ref[pl.ds(0, half)][None, :] * (a * inv).astype(dtype)  # [Tp, D/2] in the model dtype
-        n2 = w_ref[pl.ds(half, half)][None, :] * (b * inv).astype(dtype)
-        cos, sin = cos_ref[...], sin_ref[...]
+        n1 = w_ref[layer, pl.ds(0, half)][None, :] * (a * inv).astype(dtype)  # [Tp, D/2] in the model dtype
+        n2 = w_ref[layer, pl.ds(half, half)][None, :] * (b * inv).astype(dtype)
         return n1 * cos + (-n2) * sin, n2 * cos + n1 * sin
 
     @pl.when(g < nq)
@@ -95,22 +101,27 @@ def _qkv_rope_kernel(meta_ref, part_ref, qn_ref, kn_ref, cos_ref, sin_ref, _k_in
         plgpu.store(v_ref.at[layer, rows, pl.ds(half, half)], v2.astype(v_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("t", "num_heads", "num_kv_heads", "eps", "interpret"))
-def qkv_rope(partials: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
-             pos: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, *, t: int, num_heads: int,
-             num_kv_heads: int, eps: float, interpret: bool = False):
-    """See the module docstring. -> (q [Tp, Nq, D] in the norms' dtype, k_cache, v_cache)."""
+def inv_freq(theta: float, d: int) -> jax.Array:
+    """RoPE's [D/2] inverse frequencies, as transformer.rope_tables (a constant of the graph)."""
+    return 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+
+
+@functools.partial(jax.jit, static_argnames=("t", "num_heads", "num_kv_heads", "eps", "theta", "interpret"))
+def qkv_rope(partials: jax.Array, q_norm: jax.Array, k_norm: jax.Array, pos: jax.Array, k_cache: jax.Array,
+             v_cache: jax.Array, layer: jax.Array, *, t: int, num_heads: int, num_kv_heads: int, eps: float,
+             theta: float, interpret: bool = False):
+    """See the module docstring; q_norm, k_norm [L, D] (every layer's). -> (q [Tp, Nq, D] in the norms' dtype,
+    k_cache, v_cache)."""
     splits, tp, n = partials.shape
     n_layers, seq, nkv, d = k_cache.shape
     nq = num_heads
     if nkv != num_kv_heads or n != (nq + 2 * nkv) * d or d % 32 or d & (d - 1):
         raise ValueError(f"qkv_rope: partials {partials.shape}, cache {k_cache.shape}, Nq={nq}, Nkv={num_kv_heads}: "
                          "need N = (Nq + 2 Nkv) D and D a power of 2 >= 32")
-    if not 1 <= t <= tp or tp & (tp - 1) or cos.shape != (tp, d // 2) or sin.shape != cos.shape:
-        raise ValueError(f"qkv_rope: t={t}, Tp={tp} (a power of 2 >= t), cos {cos.shape}, sin {sin.shape} "
-                         f"(want [Tp, D/2])")
+    if not 1 <= t <= tp or tp & (tp - 1) or q_norm.shape != (n_layers, d) or k_norm.shape != q_norm.shape:
+        raise ValueError(f"qkv_rope: t={t}, Tp={tp} (a power of 2 >= t), norms {q_norm.shape} {k_norm.shape} "
+                         f"(want [L, D] = [{n_layers}, {d}])")
     dtype = q_norm.dtype
-    meta = jnp.stack([jnp.asarray(pos, jnp.int32), jnp.asarray(layer, jnp.int32)])  # [2]
     whole = lambda shape: pl.BlockSpec(shape, lambda g: (0,) * len(shape))
     kv_head = lambda g: (0, 0, jnp.maximum(g - nq, 0), 0)  # q programs get head 0's view and never touch it
     cache_spec = pl.BlockSpec((n_layers, seq, None, d), kv_head)
@@ -118,8 +129,8 @@ def qkv_rope(partials: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax
     return pl.pallas_call(
         kernel,
         grid=(nq + nkv,),
-        in_specs=[whole((2,)), whole(partials.shape), whole((d,)), whole((d,)), whole(cos.shape), whole(sin.shape),
-                  cache_spec, cache_spec],
+        in_specs=[whole((1,)), whole((1,)), whole(partials.shape), whole(q_norm.shape), whole(k_norm.shape),
+                  whole((d // 2,)), cache_spec, cache_spec],
         out_specs=[pl.BlockSpec((tp, None, d), lambda g: (0, jnp.minimum(g, nq - 1), 0)), cache_spec, cache_spec],
         out_shape=[jax.ShapeDtypeStruct((tp, nq, d), dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
@@ -127,30 +138,25 @@ def qkv_rope(partials: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="qkv_rope",
-    )(meta, partials, q_norm, k_norm, cos.astype(dtype), sin.astype(dtype), k_cache, v_cache)
+    )(jnp.asarray(pos, jnp.int32).reshape(1), jnp.asarray(layer, jnp.int32).reshape(1), partials, q_norm, k_norm,
+      inv_freq(theta, d), k_cache, v_cache)
 
 
-def qkv_rope_reference(partials: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
-                       pos: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, *, t: int,
-                       num_heads: int, num_kv_heads: int, eps: float, interpret: bool = False):
+def qkv_rope_reference(partials: jax.Array, q_norm: jax.Array, k_norm: jax.Array, pos: jax.Array, k_cache: jax.Array,
+                       v_cache: jax.Array, layer: jax.Array, *, t: int, num_heads: int, num_kv_heads: int, eps: float,
+                       theta: float, interpret: bool = False):
     """The XLA path's ops (transformer.attention_rows and attention's cache writes) on the same inputs; same
     signature and results as `qkv_rope` (`interpret` ignored)."""
     del interpret
-    from strata_jax.model.transformer import rms_norm
+    from strata_jax.model.transformer import rms_norm, rope
     d = k_cache.shape[-1]
     nq, nkv = num_heads, num_kv_heads
     dtype = q_norm.dtype
     y = partials.sum(axis=0)[:t].astype(dtype)  # [T, N]
     q, k, v = jnp.split(y, [nq * d, (nq + nkv) * d], axis=1)
-    c = jnp.concatenate([cos[:t], cos[:t]], axis=-1).astype(dtype)[:, None, :]  # [T, 1, D]
-    s = jnp.concatenate([sin[:t], sin[:t]], axis=-1).astype(dtype)[:, None, :]
-
-    def rope(x):
-        x1, x2 = x[..., :d // 2], x[..., d // 2:]
-        return x * c + jnp.concatenate([-x2, x1], axis=-1) * s
-
-    q = rope(rms_norm(q.reshape(t, nq, d), q_norm, eps))
-    k = rope(rms_norm(k.reshape(t, nkv, d), k_norm, eps))
+    positions = pos + jnp.arange(t, dtype=jnp.int32)
+    q = rope(rms_norm(q.reshape(t, nq, d), q_norm[layer], eps), positions, theta)
+    k = rope(rms_norm(k.reshape(t, nkv, d), k_norm[layer], eps), positions, theta)
     v = v.reshape(t, nkv, d)
     start = (layer, pos, 0, 0)
     k_cache = lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)

@@ -75,7 +75,7 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     positions = pos + jnp.arange(t, dtype=jnp.int32)
     w_stack, product_layer = product_stack(w, layer, w_stack, dense_kernel)
     if layer is not None and w_stack is not None and fuses_qkv_rope(w, k_cache, cfg, t):
-        q, k_cache, v_cache = qkv_rope_rows(x, w, w_stack, layer, k_cache, v_cache, pos, positions, cfg)
+        q, k_cache, v_cache = qkv_rope_rows(x, w_stack, layer, k_cache, v_cache, pos, cfg)
         out = attend_cache(q, k_cache, v_cache, pos, positions, layer, kernel)
         return attention_out(out, None, w, w_stack, product_layer, x.dtype), k_cache, v_cache
     q, k, v, gate = attention_rows(x, w, positions, cfg, w_stack, product_layer)
@@ -100,29 +100,17 @@ def fuses_qkv_rope(w: AttentionWeights, k_cache, cfg: ModelConfig, t: int) -> bo
             and w.bq is None and w.bk is None and w.bv is None)
 
 
-def qkv_rope_rows(x: jax.Array, w: AttentionWeights, w_stack: AttentionWeights, layer, k_cache, v_cache, pos,
-                  positions, cfg: ModelConfig):
+def qkv_rope_rows(x: jax.Array, w_stack: AttentionWeights, layer, k_cache, v_cache, pos, cfg: ModelConfig):
     """attention_rows and the cache writes of `attention` in two kernels: the stacked q/k/v product's partials, then
     their sum, q/k norms, RoPE and the K/V rows written in place (qkv_rope). -> (q [T, Nq, D], k_cache, v_cache)."""
     t = x.shape[0]
     interpret = jax.default_backend() != "gpu"
     partials = stacked_linear(x, (w_stack.wq, w_stack.wk, w_stack.wv), layer, interpret=interpret,
                               sum_splits=False)  # [splits, Tp, N]
-    tp = partials.shape[1]
-    cos, sin = rope_tables(positions, cfg.rope_theta, cfg.head_dim, x.dtype)  # [T, D/2]
-    if tp > t:
-        cos, sin = (jnp.pad(a, ((0, tp - t), (0, 0))) for a in (cos, sin))
-    q, k_cache, v_cache = qkv_rope_mod.qkv_rope(partials, w.q_norm, w.k_norm, cos, sin, pos, k_cache, v_cache, layer,
-                                                t=t, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                                eps=cfg.rms_norm_eps, interpret=interpret)
+    q, k_cache, v_cache = qkv_rope_mod.qkv_rope(partials, w_stack.q_norm, w_stack.k_norm, pos, k_cache, v_cache,
+                                                layer, t=t, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                                eps=cfg.rms_norm_eps, theta=cfg.rope_theta, interpret=interpret)
     return q[:t], k_cache, v_cache
-
-
-def rope_tables(positions: jax.Array, theta: float, d: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [T, D/2] of `rope` (rotate-half form: its [T, D] tables are these twice over), in dtype."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    return jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
 
 
 def product_stack(w: AttentionWeights, layer, w_stack: AttentionWeights | None, dense_kernel: bool):
