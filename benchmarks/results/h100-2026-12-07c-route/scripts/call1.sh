@@ -3,11 +3,12 @@
 # offloaded); the 24-layer T=1 window graph (decode_bench, mirrored xla / pallas / xla / pallas); the window's profile
 # with it; then the generate loop at 24 layers (peer_bench, no peer: greedy spec=0 and Qwen3's sampling with default
 # settings, each with either route).
-set -u; export PYTHONPATH=. PYTHONUNBUFFERED=1; T0=$SECONDS; D=$OUT/c1; mkdir -p $D
-pack() { tar czf $OUT/c1.tgz -C $OUT c1; }  # after each step: a call cut by its limit still brings back what it did
+# CALL / TESTS: call2.sh's (its folder, the tests' -k).
+set -u; export PYTHONPATH=. PYTHONUNBUFFERED=1; T0=$SECONDS; C=${CALL:-c1}; D=$OUT/$C; mkdir -p $D
+pack() { tar czf $OUT/$C.tgz -C $OUT $C; }  # after each step: a call cut by its limit still brings back what it did
 nvidia-smi --query-gpu=name --format=csv,noheader; git log --oneline -1 | cut -c1-80
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kernels.py tests/engine/test_gpu.py \
-  -k "route or scanned_layers" > $D/gpu-tests.log 2>&1
+  -k "${TESTS:-route or scanned_layers}" > $D/gpu-tests.log 2>&1
 echo "gpu tests rc=$? at $((SECONDS - T0)) s"; tail -3 $D/gpu-tests.log | cut -c1-200; pack
 for arm in xla pallas xla pallas; do
   timeout 60 python3 -m benchmarks.decode_bench --model=qwen3-30b-a3b --layers=24 --windows=1 --hf=off --iters=30 \
