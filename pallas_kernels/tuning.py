@@ -4,7 +4,7 @@ kernel-sweep --json=FILE`) puts the sweep's picks in place of the expert FFN's a
 
 The file's "picks": {"expert_ffn:decode": {knob: value}, "expert_ffn:wide": ..., "qkv:decode", "qkv:wide",
 "o:decode", "o:wide", "qkv_rope:decode" ({"fuse": 1}: the q/k/v product's split sum, q/k norms, RoPE and cache
-writes in one kernel, qkv_rope.py)}; a row may be absent (the default stays) or name only some knobs (the others
+writes in one kernel, qkv_rope.py), "fold:decode" ({"row": 1, "norm": 1}: stacked_linear's folds)}; a row may be absent (the default stays) or name only some knobs (the others
 stay)."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .blocks import REDUCE
 ROWS = {"expert_ffn:decode": (expert_ffn.TUNING, "decode"), "expert_ffn:wide": (expert_ffn.TUNING, "wide"),
         "qkv:decode": (stacked_linear.TUNING, ("qkv", "decode")), "qkv:wide": (stacked_linear.TUNING, ("qkv", "wide")),
         "o:decode": (stacked_linear.TUNING, ("o", "decode")), "o:wide": (stacked_linear.TUNING, ("o", "wide")),
-        "qkv_rope:decode": (qkv_rope.TUNING, "decode")}
+        "qkv_rope:decode": (qkv_rope.TUNING, "decode"), "fold:decode": (stacked_linear.FOLD, "decode")}
 
 
 def check(picks: dict) -> dict[str, dict]:

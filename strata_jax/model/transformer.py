@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from strata_jax.pallas_kernels import qkv_rope as qkv_rope_mod
 from strata_jax.pallas_kernels.decode_attention import decode_attention
-from strata_jax.pallas_kernels.stacked_linear import stacked_linear
+from strata_jax.pallas_kernels.stacked_linear import folds as sl_folds, stacked_linear
 from strata_jax.model.config import ModelConfig
 from strata_jax.model import deltanet, moe
 from strata_jax.model.deltanet import DeltaNetWeights
@@ -60,7 +60,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | Non
 def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
               cfg: ModelConfig, kernel: bool = False, layer: jax.Array | None = None,
               w_stack: AttentionWeights | None = None,
-              dense_kernel: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+              dense_kernel: bool = False, x_norm: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of T window tokens at positions pos..pos+T-1 over the cache. x: [T, H]. kernel: the Pallas
     decode-attention kernel (pallas_kernels/decode_attention.py: reads the cache in place, only up to pos+T-1)
     instead of XLA's einsums over the whole static cache; for decode windows and prefill chunks alike (a chunk's
@@ -70,15 +70,17 @@ def attention(x: jax.Array, w: AttentionWeights, k_cache: jax.Array, v_cache: ja
     w_stack: the stacked weights of every layer; the q/k/v and o products then read layer `layer` of them in place
     (pallas_kernels/stacked_linear.py) instead of products with w's slices (w still gives the norms and biases).
     dense_kernel without w_stack (the unrolled graph): the same kernel over w as a stack of one layer, so both graphs
-    sum the products in the same order and round alike."""
+    sum the products in the same order and round alike.
+    x_norm: every layer's input RMSNorm weights [L, H] (with w_stack): x is the norm's input, and the q/k/v product
+    normalises it in its kernel (stacked_linear's "norm" fold)."""
     t = x.shape[0]
     positions = pos + jnp.arange(t, dtype=jnp.int32)
     w_stack, product_layer = product_stack(w, layer, w_stack, dense_kernel)
     if layer is not None and w_stack is not None and fuses_qkv_rope(w, k_cache, cfg, t):
-        q, k_cache, v_cache = qkv_rope_rows(x, w_stack, layer, k_cache, v_cache, pos, cfg)
+        q, k_cache, v_cache = qkv_rope_rows(x, w_stack, layer, k_cache, v_cache, pos, cfg, x_norm)
         out = attend_cache(q, k_cache, v_cache, pos, positions, layer, kernel)
         return attention_out(out, None, w, w_stack, product_layer, x.dtype), k_cache, v_cache
-    q, k, v, gate = attention_rows(x, w, positions, cfg, w_stack, product_layer)
+    q, k, v, gate = attention_rows(x, w, positions, cfg, w_stack, product_layer, x_norm)
 
     # Write this window's keys/values (int8 caches: quantized as written), then attend over the whole static cache
     # with a causal mask.
@@ -100,17 +102,27 @@ def fuses_qkv_rope(w: AttentionWeights, k_cache, cfg: ModelConfig, t: int) -> bo
             and w.bq is None and w.bk is None and w.bv is None)
 
 
-def qkv_rope_rows(x: jax.Array, w_stack: AttentionWeights, layer, k_cache, v_cache, pos, cfg: ModelConfig):
+def qkv_rope_rows(x: jax.Array, w_stack: AttentionWeights, layer, k_cache, v_cache, pos, cfg: ModelConfig,
+                  x_norm: jax.Array | None = None):
     """attention_rows and the cache writes of `attention` in two kernels: the stacked q/k/v product's partials, then
     their sum, q/k norms, RoPE and the K/V rows written in place (qkv_rope). -> (q [T, Nq, D], k_cache, v_cache)."""
     t = x.shape[0]
     interpret = jax.default_backend() != "gpu"
-    partials = stacked_linear(x, (w_stack.wq, w_stack.wk, w_stack.wv), layer, interpret=interpret,
-                              sum_splits=False)  # [splits, Tp, N]
+    partials = stacked_linear(x, (w_stack.wq, w_stack.wk, w_stack.wv), layer, interpret=interpret, sum_splits=False,
+                              **product_folds(t, 3, x_norm, cfg))  # [splits, Tp, N]
     q, k_cache, v_cache = qkv_rope_mod.qkv_rope(partials, w_stack.q_norm, w_stack.k_norm, pos, k_cache, v_cache,
                                                 layer, t=t, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                                 eps=cfg.rms_norm_eps, theta=cfg.rope_theta, interpret=interpret)
     return q[:t], k_cache, v_cache
+
+
+def product_folds(t: int, matrices: int, x_norm, cfg: ModelConfig) -> dict:
+    """stacked_linear's folds for a window of t tokens (its FOLD switches): the one-token row put in the kernel's tile
+    (no pad op), and with x_norm the input RMSNorm in the kernel (the caller decided by folds_norm)."""
+    fold = dict(row_in_kernel=sl_folds(t, matrices, "row"))
+    if x_norm is not None:
+        fold.update(norm=x_norm, eps=cfg.rms_norm_eps)
+    return fold
 
 
 def product_stack(w: AttentionWeights, layer, w_stack: AttentionWeights | None, dense_kernel: bool):
@@ -122,7 +134,7 @@ def product_stack(w: AttentionWeights, layer, w_stack: AttentionWeights | None, 
 
 
 def attention_rows(x: jax.Array, w: AttentionWeights, positions: jax.Array, cfg: ModelConfig,
-                   w_stack: AttentionWeights | None = None, product_layer=None):
+                   w_stack: AttentionWeights | None = None, product_layer=None, x_norm: jax.Array | None = None):
     """x [T, H] at positions [T] -> q [T, Nq, D], k, v [T, Nkv, D] (normed, rotated) and Next's output gate
     [T, Nq*D] (else None)."""
     t = x.shape[0]
@@ -130,7 +142,8 @@ def attention_rows(x: jax.Array, w: AttentionWeights, positions: jax.Array, cfg:
     qw = nq * d * (2 if cfg.next else 1)  # Qwen3-Next: each head's q then its output gate
     if w_stack is not None:
         qkv = stacked_linear(x, (w_stack.wq, w_stack.wk, w_stack.wv), product_layer,
-                             interpret=jax.default_backend() != "gpu").astype(x.dtype)
+                             interpret=jax.default_backend() != "gpu",
+                             **product_folds(t, 3, x_norm, cfg)).astype(x.dtype)
         ys = jnp.split(qkv, [qw, qw + nkv * d], axis=1)  # as linear() rounds each product to x.dtype
     else:
         ys = [linear(x, w.wq), linear(x, w.wk), linear(x, w.wv)]
@@ -169,8 +182,8 @@ def attention_out(out: jax.Array, gate, w: AttentionWeights, w_stack, product_la
     if gate is not None:
         out = out * jax.nn.sigmoid(gate)  # in the model dtype, as transformers
     if w_stack is not None:
-        out = stacked_linear(out, (w_stack.wo,), product_layer,
-                             interpret=jax.default_backend() != "gpu").astype(dtype)
+        out = stacked_linear(out, (w_stack.wo,), product_layer, interpret=jax.default_backend() != "gpu",
+                             **product_folds(out.shape[0], 1, None, None)).astype(dtype)
     else:
         out = linear(out, w.wo)
     return out if w.bo is None else out + w.bo
@@ -322,11 +335,14 @@ def forward_scanned(weights: Weights, cache: KVCache, tokens: jax.Array, pos: ja
 def _stacked_attention(h, layer: LayerWeights, stack: LayerWeights, k_all, v_all, i, pos, cfg: ModelConfig,
                        attention_kernel: bool, dense_kernel: bool):
     """The attention half of a stacked layer body (scan_layers, offload_layers): layer i's attention over the
-    stacked cache added to h, then the FFN's input. Returns (h, x, k_all, v_all)."""
+    stacked cache added to h, then the FFN's input. Returns (h, x, k_all, v_all). With stacked_linear's "norm"
+    fold the input RMSNorm runs in the q/k/v product's kernel, on every layer's norm weights read at i."""
     with jax.named_scope("attention"):
-        a, k_all, v_all = attention(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), layer.attn, k_all, v_all, pos,
-                                    cfg, kernel=attention_kernel, layer=i,
-                                    w_stack=stack.attn if dense_kernel else None)
+        fold = dense_kernel and sl_folds(h.shape[0], 3, "norm")
+        x = h if fold else rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+        a, k_all, v_all = attention(x, layer.attn, k_all, v_all, pos, cfg, kernel=attention_kernel, layer=i,
+                                    w_stack=stack.attn if dense_kernel else None,
+                                    x_norm=stack.attn_norm if fold else None)
     h = h + a
     return h, rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps), k_all, v_all
 

@@ -265,6 +265,25 @@ def test_stacked_linear_compiled(t, dtype):
         assert rel_fro(got, want) < (1e-5 if dtype == jnp.float32 else 1e-3)
 
 
+@pytest.mark.parametrize("t", [1, 4])
+def test_stacked_linear_folds_compiled(t):
+    """The folds (the input RMSNorm in the q/k/v launch, a one-token row put in the tile), compiled at the 30B shape:
+    against rms_norm then the sliced XLA product, within the bf16 step the two norms' sums may round apart."""
+    from strata_jax.model.transformer import rms_norm
+    from strata_jax.pallas_kernels.stacked_linear import stacked_linear, stacked_linear_reference
+    rng = np.random.default_rng()
+    n_layers, layer, h = 8, 3, 2048
+    x = jnp.asarray(rng.standard_normal((t, h)) * 3.0, jnp.bfloat16)
+    ws = tuple(jnp.asarray(np.where(np.arange(n_layers)[:, None, None] == layer,
+                                    rng.standard_normal((n_layers, h, n)) / np.sqrt(h), np.nan), jnp.bfloat16)
+               for n in (4096, 512, 512))
+    norm = jnp.asarray(1 + 0.2 * rng.standard_normal((n_layers, h)), jnp.bfloat16)
+    got = stacked_linear(x, ws, jnp.int32(layer), norm=norm, eps=1e-6, row_in_kernel=True, reduce="dot")
+    assert np.isfinite(np.asarray(got)).all()
+    want = stacked_linear_reference(rms_norm(x, norm[layer], 1e-6), ws, jnp.int32(layer))
+    assert rel_fro(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("reduce", ["sum", "acc"])
 def test_the_gemv_reductions_compiled(qwen3_experts, t, reduce):

@@ -101,3 +101,70 @@ def test_a_gemv_window_adds_no_op_around_the_kernel(t, reduce):
     padded = lower_for_cuda(lambda x, w, i: stacked_linear(x, (w,), i, reduce="dot", k_splits=2),
                             spec((t, 4096), jnp.bfloat16), spec((4, 4096, 2048), jnp.bfloat16), spec((), jnp.int32))
     assert "stablehlo.pad" in padded and "stablehlo.reduce" in padded  # tl.dot's 16 rows, two K splits summed
+
+
+@pytest.mark.parametrize("t,row_in_kernel", [(1, True), (1, False), (3, False)])
+def test_the_folded_norm_matches_the_norm_then_the_product(t, row_in_kernel):
+    """norm=[L, K] weights: x is the input RMSNorm's input, normalised in the kernel (as transformer.rms_norm: float32
+    mean of squares, cast back, times the layer's weight) before the product; row_in_kernel: a one-token x goes in
+    unpadded. Against rms_norm then the reference product, within the bf16 step the two norms' sums may round apart."""
+    from strata_jax.model.transformer import rms_norm
+    n_layers, layer, k = 3, 2, 128
+    rng = np.random.default_rng()
+    x, ws = make(int(rng.integers(1 << 30)), t, k, (64, 32, 32), n_layers, layer, jnp.bfloat16)
+    x = x * 3.0  # not unit rows: the norm matters
+    norm = jnp.asarray(1 + 0.2 * rng.standard_normal((n_layers, k)), jnp.bfloat16)
+    kw = dict(block_n=16, block_k=32, k_splits=2, reduce="dot")
+    got = stacked_linear(x, ws, jnp.int32(layer), interpret=True, norm=norm, eps=1e-6, row_in_kernel=row_in_kernel,
+                         **kw)
+    want = stacked_linear_reference(rms_norm(x, norm[layer], 1e-6), ws, jnp.int32(layer))
+    assert got.shape == (t, 128) and np.isfinite(np.asarray(got)).all()
+    assert rel_fro(got, want) < 1e-2
+    unnormed = stacked_linear_reference(x, ws, jnp.int32(layer))
+    assert rel_fro(unnormed, want) > 0.1  # the test can tell the norm's absence
+    plain = stacked_linear(rms_norm(x, norm[layer], 1e-6), ws, jnp.int32(layer), interpret=True,
+                           row_in_kernel=row_in_kernel, **kw)
+    assert rel_fro(plain, want) < 1e-5  # the row fold alone: the product as it was
+
+
+def test_the_row_fold_leaves_no_pad_and_the_norm_fold_no_norm():
+    """Lowered for CUDA at the 30B shape, T=1: with row_in_kernel x is not padded in the graph, and with the norm
+    folded the graph holds no reduction before the kernel (the two ops of ~2 us each in the window)."""
+    spec = jax.ShapeDtypeStruct
+    args = (spec((1, 2048), jnp.bfloat16), spec((4, 2048, 4096), jnp.bfloat16), spec((4, 2048), jnp.bfloat16),
+            spec((), jnp.int32))
+    text = lower_for_cuda(lambda x, w, n, i: stacked_linear(x, (w,), i, norm=n, eps=1e-6, row_in_kernel=True,
+                                                            k_splits=1), *args)
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.pad" not in text and "stablehlo.reduce" not in text
+    with pytest.raises(ValueError, match="dot form only"):
+        stacked_linear(jnp.ones((1, 64), jnp.bfloat16), (jnp.ones((2, 64, 32), jnp.bfloat16),), jnp.int32(0),
+                       reduce="sum", row_in_kernel=True, interpret=True)
+
+
+def test_the_scanned_graph_with_the_folds_matches_without(monkeypatch):
+    """The tiny model's scanned decode windows (T = 1 and 2, the stacked products in place, bf16) with stacked_linear's
+    folds switched on (FOLD: the one-token row in the kernel, the input RMSNorm in the q/k/v product) against off:
+    logits within bf16 rounding, greedy picks the same."""
+    from strata_jax.engine import graphs
+    from strata_jax.model.config import preset
+    from strata_jax.model.kv_cache import init_cache
+    from strata_jax.model.weights import random_weights, stack_layers
+    from strata_jax.pallas_kernels import stacked_linear as sl
+    cfg = preset("tiny")
+    weights = stack_layers(random_weights(cfg, seed=9, dtype=jnp.bfloat16, scale=0.05))
+    rng = np.random.default_rng()
+    out = {}
+    for fold in (0, 1):
+        monkeypatch.setitem(sl.FOLD, "decode", {"row": fold, "norm": fold})
+        step = graphs.jit_decode_window(cfg, None, dense_kernel=True)
+        cache = init_cache(cfg, 64, jnp.bfloat16, stacked=True)
+        rows = []
+        for t, pos in ((2, 3), (1, 5)):
+            tokens = jnp.asarray(np.random.default_rng(t).integers(0, cfg.vocab_size, size=t), jnp.int32)
+            _, logits, cache = step(weights, cache, tokens, jnp.int32(pos))
+            rows.append(np.asarray(logits))
+        out[fold] = rows
+    del rng
+    for a, b in zip(out[1], out[0]):
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+        np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
