@@ -145,18 +145,26 @@ def qkv_rope(partials: jax.Array, q_norm: jax.Array, k_norm: jax.Array, pos: jax
 def qkv_rope_reference(partials: jax.Array, q_norm: jax.Array, k_norm: jax.Array, pos: jax.Array, k_cache: jax.Array,
                        v_cache: jax.Array, layer: jax.Array, *, t: int, num_heads: int, num_kv_heads: int, eps: float,
                        theta: float, interpret: bool = False):
-    """The XLA path's ops (transformer.attention_rows and attention's cache writes) on the same inputs; same
-    signature and results as `qkv_rope` (`interpret` ignored)."""
+    """The XLA path's ops (transformer.attention_rows and attention's cache writes, written again here: the kernels'
+    room does not import the model's) on the same inputs; same signature and results as `qkv_rope` (`interpret`
+    ignored)."""
     del interpret
-    from strata_jax.model.transformer import rms_norm, rope
     d = k_cache.shape[-1]
     nq, nkv = num_heads, num_kv_heads
     dtype = q_norm.dtype
     y = partials.sum(axis=0)[:t].astype(dtype)  # [T, N]
     q, k, v = jnp.split(y, [nq * d, (nq + nkv) * d], axis=1)
-    positions = pos + jnp.arange(t, dtype=jnp.int32)
-    q = rope(rms_norm(q.reshape(t, nq, d), q_norm[layer], eps), positions, theta)
-    k = rope(rms_norm(k.reshape(t, nkv, d), k_norm[layer], eps), positions, theta)
+    freqs = (pos + jnp.arange(t, dtype=jnp.int32)).astype(jnp.float32)[:, None] * inv_freq(theta, d)[None, :]
+    cos = jnp.cos(jnp.concatenate([freqs, freqs], axis=-1)).astype(dtype)[:, None, :]  # [T, 1, D]
+    sin = jnp.sin(jnp.concatenate([freqs, freqs], axis=-1)).astype(dtype)[:, None, :]
+
+    def norm_rope(x, weight):  # transformer.rms_norm, then transformer.rope (rotate-half), in plain jnp
+        x32 = x.astype(jnp.float32)
+        x = weight * (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(dtype)
+        return x * cos + jnp.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1) * sin
+
+    q = norm_rope(q.reshape(t, nq, d), q_norm[layer])
+    k = norm_rope(k.reshape(t, nkv, d), k_norm[layer])
     v = v.reshape(t, nkv, d)
     start = (layer, pos, 0, 0)
     k_cache = lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)

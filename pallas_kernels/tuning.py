@@ -13,11 +13,11 @@ import json
 from . import expert_ffn, qkv_rope, stacked_linear
 from .blocks import REDUCE
 
-# pick name -> (the TUNING table, its key)
-ROWS = {"expert_ffn:decode": (expert_ffn.TUNING, "decode"), "expert_ffn:wide": (expert_ffn.TUNING, "wide"),
-        "qkv:decode": (stacked_linear.TUNING, ("qkv", "decode")), "qkv:wide": (stacked_linear.TUNING, ("qkv", "wide")),
-        "o:decode": (stacked_linear.TUNING, ("o", "decode")), "o:wide": (stacked_linear.TUNING, ("o", "wide")),
-        "qkv_rope:decode": (qkv_rope.TUNING, "decode"), "fold:decode": (stacked_linear.FOLD, "decode")}
+# pick name -> (the TUNING table, its key): the rows kernel-sweep sweeps (SWEPT), then switches a file may set by hand
+SWEPT = {"expert_ffn:decode": (expert_ffn.TUNING, "decode"), "expert_ffn:wide": (expert_ffn.TUNING, "wide"),
+         "qkv:decode": (stacked_linear.TUNING, ("qkv", "decode")), "qkv:wide": (stacked_linear.TUNING, ("qkv", "wide")),
+         "o:decode": (stacked_linear.TUNING, ("o", "decode")), "o:wide": (stacked_linear.TUNING, ("o", "wide"))}
+ROWS = {**SWEPT, "qkv_rope:decode": (qkv_rope.TUNING, "decode"), "fold:decode": (stacked_linear.FOLD, "decode")}
 
 
 def check(picks: dict) -> dict[str, dict]:

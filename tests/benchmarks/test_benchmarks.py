@@ -567,7 +567,7 @@ def test_kernel_sweep_tiny_writes_picks_the_engine_reads(tmp_path, capsys):
     result = kernel_sweep.main(["kernel_sweep", "--hidden=64", "--inter=32", "--experts=8", "--q_dim=64",
                                 "--kv_dim=16", "--layers=2", "--configs=2", "--finalists=1", "--iters=1",
                                 "--inner=1", "--warmup=0", "--threads=2", f"--json={out}"])
-    assert result["complete"] and set(result["picks"]) == set(tuning.ROWS)
+    assert result["complete"] and set(result["picks"]) == set(tuning.SWEPT)
     for name, case in result["cases"].items():
         assert case["settings"][0]["config"] == result["picks"][name] or case["settings"][0]["us"] > 0
         assert all(st["us"] is not None or st["error"] for st in case["settings"])

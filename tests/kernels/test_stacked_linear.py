@@ -152,7 +152,6 @@ def test_the_scanned_graph_with_the_folds_matches_without(monkeypatch):
     from strata_jax.pallas_kernels import stacked_linear as sl
     cfg = preset("tiny")
     weights = stack_layers(random_weights(cfg, seed=9, dtype=jnp.bfloat16, scale=0.05))
-    rng = np.random.default_rng()
     out = {}
     for fold in (0, 1):
         monkeypatch.setitem(sl.FOLD, "decode", {"row": fold, "norm": fold})
@@ -164,7 +163,6 @@ def test_the_scanned_graph_with_the_folds_matches_without(monkeypatch):
             _, logits, cache = step(weights, cache, tokens, jnp.int32(pos))
             rows.append(np.asarray(logits))
         out[fold] = rows
-    del rng
     for a, b in zip(out[1], out[0]):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
         np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
