@@ -66,7 +66,7 @@ def _qkv_rope_kernel(pos_ref, layer_ref, part_ref, qn_ref, kn_ref, inv_freq_ref,
             out.append(acc.astype(dtype))
         return out
 
-    # RoPE's tables for the window's positions, as transformer.rope_tables computes them (f32 angle, cast)
+    # RoPE's tables for the window's positions, as transformer.rope computes them (f32 angle, cast)
     positions = (pos + lax.broadcasted_iota(jnp.int32, (tp, 1), 0)).astype(jnp.float32)  # [Tp, 1]
     freqs = positions * inv_freq_ref[...][None, :]  # [Tp, D/2]
     cos, sin = jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
@@ -102,7 +102,8 @@ def _qkv_rope_kernel(pos_ref, layer_ref, part_ref, qn_ref, kn_ref, inv_freq_ref,
 
 
 def inv_freq(theta: float, d: int) -> jax.Array:
-    """RoPE's [D/2] inverse frequencies, as transformer.rope_tables (a constant of the graph)."""
+    """RoPE's [D/2] inverse frequencies (a constant of the graph): transformer.rope's too, so the kernel and the XLA
+    path turn by the same angles."""
     return 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
 
 

@@ -174,7 +174,7 @@ def stacked_linear(x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Arra
     gemv = reduce != "dot" and t <= 4
     if (norm is not None or row_in_kernel) and gemv:
         raise ValueError("stacked_linear: norm and row_in_kernel fold into the dot form only (reduce='dot' or T > 4)")
-    if norm is not None and (norm.shape != (weights[0].shape[0], k) or k % bk):
+    if norm is not None and norm.shape != (weights[0].shape[0], k):
         raise ValueError(f"stacked_linear: norm {norm.shape} must be [L, K] = [{weights[0].shape[0]}, {k}]")
     tp = window_rows(t, gemv)  # a padded copy of x is an op of ~2 us on an H100 where the product takes ~10
     one_row = row_in_kernel and t == 1

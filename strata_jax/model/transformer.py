@@ -48,8 +48,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | Non
     if rotary_dim is not None and rotary_dim < x.shape[-1]:
         return jnp.concatenate([rope(x[..., :rotary_dim], positions, theta), x[..., rotary_dim:]], axis=-1)
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    freqs = positions.astype(jnp.float32)[:, None] * qkv_rope_mod.inv_freq(theta, d)[None, :]  # [T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
     cos, sin = jnp.cos(emb)[:, None, :].astype(x.dtype), jnp.sin(emb)[:, None, :].astype(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -118,7 +117,7 @@ def qkv_rope_rows(x: jax.Array, w_stack: AttentionWeights, layer, k_cache, v_cac
 
 def product_folds(t: int, matrices: int, x_norm, cfg: ModelConfig) -> dict:
     """stacked_linear's folds for a window of t tokens (its FOLD switches): the one-token row put in the kernel's tile
-    (no pad op), and with x_norm the input RMSNorm in the kernel (the caller decided by folds_norm)."""
+    (no pad op), and with x_norm the input RMSNorm in the kernel (_stacked_attention decided by its "norm" fold)."""
     fold = dict(row_in_kernel=sl_folds(t, matrices, "row"))
     if x_norm is not None:
         fold.update(norm=x_norm, eps=cfg.rms_norm_eps)
