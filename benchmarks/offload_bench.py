@@ -31,7 +31,7 @@ from absl import flags
 
 from benchmarks import common, runner
 from strata_jax.host_pool import native
-from strata_jax.host_pool.pool import usable_cores
+from strata_jax.host_pool.pool import usable_cores, worker_timeline
 
 FLAGS = flags.FlagValues()  # our own flag set, so this module can be imported beside the others
 flags.DEFINE_string("model", "tiny", "Model preset from configs/ (tiny, qwen3-30b-a3b).", flag_values=FLAGS)
@@ -367,7 +367,11 @@ def run(s) -> dict:
     def timed(engine, arm: dict) -> dict:
         request = dict(max_new_tokens=s.new_tokens, temperature=s.temperature, seed=s.seed, stop_token_ids=[])
         engine.generate(warm_prompt, **request)
+        pool = engine.placement.pool if engine.placement else None
+        before = pool.worker_counters() if pool else None
         tokens = engine.generate(prompt, **request)
+        if pool:  # the GPU offload worker's host-clock means over this request (zeros off the capture path)
+            arm["worker"] = worker_timeline(before, pool.worker_counters())
         r = engine.stats.last
         d = r.decode_experts
         windows = max(r.windows, 1)
@@ -523,6 +527,11 @@ def run(s) -> dict:
             common.progress(f"arm {name}: {arm['decode_tok_s']:,.1f} tok/s ({arm['x_vs_all_resident']:.2f}x), hit "
                             f"rate {arm['hit_rate']:.1%}, {arm['fetched_per_token']:.1f} fetched + "
                             f"{arm['cpu_per_token']:.1f} cpu experts/token")
+            if (w := arm.get("worker")) and w["jobs"]:
+                common.progress(f"arm {name}: offload worker, {w['jobs']} jobs: POSTED seen to DONE {w['busy_us']:.1f} "
+                                f"us (the job {w['job_us']:.1f}), DONE to the next POSTED seen "
+                                + (f"{w['gap_us']:.1f} us ({w['gaps']} gaps)" if w["gaps"] else "-")
+                                + f"; all resident {base['ms_per_token'] * 1e3 / n_moe:.1f} us a layer")
             save()
         if engine is not None:
             engine.placement.pool.close()

@@ -209,7 +209,9 @@ OFFLOAD_COLLECT_CAPTURE = "strata_offload_collect_v2"
 # The prefetch (engine option prefetch=N): the next layer's likely experts into its slots, on a side stream on CUDA.
 OFFLOAD_PREFETCH = "strata_offload_prefetch"
 CAPTURE_ENV = "STRATA_OFFLOAD_CAPTURE"
-COUNTERS = 7  # pool_counters: jobs, experts, bytes, nanoseconds; fetch calls, experts fetched, bytes fetched
+# pool_counters: jobs, experts, bytes, nanoseconds; fetch calls, experts fetched, bytes fetched; the capture path's
+# worker: jobs, nanoseconds from POSTED seen to DONE, gaps (DONE to the next POSTED seen) and their nanoseconds
+COUNTERS = 11
 _ffi_built: tuple | None = None  # (FfiLibrary or None, its line)
 
 

@@ -62,6 +62,11 @@ struct Pool {
   std::vector<Layer> layers;
   std::atomic<int64_t> calls{0}, experts_run{0}, bytes{0}, nanos{0};
   std::atomic<int64_t> fetch_calls{0}, fetched{0}, fetch_bytes{0};
+  // The capture path's worker, timed on the host clock: jobs it took, their time from POSTED seen to DONE stored,
+  // and the gaps from a DONE to the next POSTED seen (under kGapMax: one decode window's layers, not the idle time
+  // between requests). A gap is the stream's side of a layer: its wait for DONE waking, y's copy back, the layer's
+  // rest and the next layer's attention, route and plan, the plan's copy out and POSTED.
+  std::atomic<int64_t> worker_jobs{0}, worker_busy_ns{0}, worker_gaps{0}, worker_gap_ns{0};
   std::mutex staging_mutex;
   std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<Staging>> staging;
   // The offload layer calls (strata_offload_begin / _collect): each layer's experts in pinned host memory (gate, up,
@@ -724,6 +729,8 @@ struct Offload {
   void poll() {
     const auto spin_for = std::chrono::microseconds(spin_us());
     auto last = std::chrono::steady_clock::now();
+    auto last_done = last - std::chrono::hours(1);  // none yet
+    constexpr auto kGapMax = std::chrono::milliseconds(5);
     int64_t next = 0;
     const int64_t slots = layers + 1;  // the layers' flags and the traced slot's
     while (!stop.load(std::memory_order_relaxed)) {
@@ -738,6 +745,11 @@ struct Offload {
         if (std::chrono::steady_clock::now() - last < spin_for) __builtin_ia32_pause();
         else std::this_thread::sleep_for(kIdleSleep);
         continue;
+      }
+      const auto seen = std::chrono::steady_clock::now();
+      if (seen - last_done < kGapMax) {
+        pool->worker_gaps += 1;
+        pool->worker_gap_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(seen - last_done).count();
       }
       store_flag(flag(found, POSTED), 0);  // before any answer: see above
       const OffloadJob *job = id <= kMaxDescriptors ? descriptors[id - 1].load(std::memory_order_acquire) : nullptr;
@@ -756,6 +768,9 @@ struct Offload {
       OFFLOAD_TRACE("worker: layer %ld job %u done\n", (long)found, id);
       next = found + 1 == slots ? 0 : found + 1;  // the next layer's post is the likely next one
       last = std::chrono::steady_clock::now();
+      last_done = last;
+      pool->worker_jobs += 1;
+      pool->worker_busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(last - seen).count();
     }
   }
 };
@@ -1739,8 +1754,9 @@ int offload_capture_supported() {
   return !d.error.empty() || d.offload_error.empty();
 }
 
-// out[7] = layer jobs, experts computed, weight bytes read, nanoseconds inside the jobs; fetch calls, experts
-// fetched, bytes fetched (since registration).
+// out[11] = layer jobs, experts computed, weight bytes read, nanoseconds inside the jobs; fetch calls, experts
+// fetched, bytes fetched; the capture path's worker: jobs, nanoseconds from POSTED seen to DONE stored, gaps and their
+// nanoseconds from a DONE to the next POSTED seen (since registration).
 void pool_counters(int64_t id, int64_t *out) {
   Pool *pool = find_pool(id);
   out[0] = pool ? pool->calls.load() : 0;
@@ -1750,6 +1766,10 @@ void pool_counters(int64_t id, int64_t *out) {
   out[4] = pool ? pool->fetch_calls.load() : 0;
   out[5] = pool ? pool->fetched.load() : 0;
   out[6] = pool ? pool->fetch_bytes.load() : 0;
+  out[7] = pool ? pool->worker_jobs.load() : 0;
+  out[8] = pool ? pool->worker_busy_ns.load() : 0;
+  out[9] = pool ? pool->worker_gaps.load() : 0;
+  out[10] = pool ? pool->worker_gap_ns.load() : 0;
 }
 
 }  // extern "C"

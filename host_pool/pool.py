@@ -82,6 +82,15 @@ class PoolStats:
             setattr(self, field.name, field.default)
 
 
+def worker_timeline(before: tuple, after: tuple) -> dict:
+    """Means of the GPU offload worker between two `HostPool.worker_counters` readings, in microseconds: `busy` (a
+    job's POSTED seen to DONE), `job` (the layer job itself: its part of busy), `gap` (a DONE to the next POSTED seen:
+    the stream's side of a layer), with the counts they come from."""
+    jobs, busy, gaps, gap_ns, job_ns = (a - b for a, b in zip(after, before))
+    return dict(jobs=jobs, gaps=gaps, busy_us=busy / jobs / 1e3 if jobs else None,
+                job_us=job_ns / jobs / 1e3 if jobs else None, gap_us=gap_ns / gaps / 1e3 if gaps else None)
+
+
 @dataclasses.dataclass
 class PoolHandle:
     """A submitted layer job; pass to `HostPool.collect`."""
@@ -257,6 +266,17 @@ class HostPool:
         counts = (ctypes.c_int64 * native.COUNTERS)()
         library.counters(pool_id, counts)
         return int(counts[4]), int(counts[5]), int(counts[6])
+
+    def worker_counters(self) -> tuple[int, int, int, int, int]:
+        """The GPU offload worker's host-clock counters so far (capture path; zeros elsewhere): (jobs it took, ns from
+        POSTED seen to DONE stored, gaps, ns of the gaps from a DONE to the next POSTED seen within 5 ms, ns inside
+        the layer jobs). Differences of two readings give one request's means (`worker_timeline`)."""
+        if self._ffi is None:
+            return 0, 0, 0, 0, 0
+        library, pool_id, _ = self._ffi
+        counts = (ctypes.c_int64 * native.COUNTERS)()
+        library.counters(pool_id, counts)
+        return int(counts[7]), int(counts[8]), int(counts[9]), int(counts[10]), int(counts[3])
 
     def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         """y [T, H] float32 for x [T, H], ids [N] (-1 = padding), w [T, N]."""

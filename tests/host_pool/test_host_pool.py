@@ -18,6 +18,7 @@ from helpers import random_layers, reference_ffn, rel_fro, rng_for
 from strata_jax.host_pool import HostPoolError, cpu_expert_rows, unwrap_pool_error
 from strata_jax.host_pool import pool as pool_module
 from strata_jax.host_pool import store as store_module
+from strata_jax.host_pool.pool import worker_timeline
 from strata_jax.host_pool.store import BF16
 
 # Ragged sizes so that job and chunk tails are exercised.
@@ -249,6 +250,7 @@ def test_offload_calls_fetch_into_slots_and_staging_and_compute(make_pool, cpu):
         return slots, stage, y
 
     before = pool.fetch_counters()
+    worker_before = pool.worker_counters()
     pool.stats.reset()
     got_slots, stage, y = window(x, w, slots, after)
     for which in range(3):
@@ -258,11 +260,26 @@ def test_offload_calls_fetch_into_slots_and_staging_and_compute(make_pool, cpu):
         np.testing.assert_array_equal(np.asarray(stage[which])[3], layers[1][which][4])
     calls, experts, nbytes = (b - a for a, b in zip(before, pool.fetch_counters()))
     assert (calls, experts, nbytes) == (1, 2, 2 * sum(a[0].nbytes for a in layers[1]))
+    # the CPU handlers run in place: no GPU worker took a job, and the job's own time is counted when there was one
+    timeline = worker_timeline(worker_before, pool.worker_counters())
+    assert (timeline["jobs"], timeline["gaps"], timeline["busy_us"], timeline["gap_us"]) == (0, 0, None, None)
     if cpu:
         assert pool.stats.calls == 1
         assert rel_fro(np.asarray(y), reference_ffn(layers[1], x, cpu_ids, w)) < REL_TOL
+        assert pool.worker_counters()[4] > worker_before[4]
     else:
         assert pool.stats.calls == 0
+        assert pool.worker_counters()[4] == worker_before[4]
+
+
+def test_worker_timeline_means_between_two_readings():
+    """The offload worker's means come from the difference of two counter readings (jobs, busy ns, gaps, gap ns,
+    job ns), so an earlier request's jobs do not leak into the next one's figures."""
+    before = (10, 5_000_000, 9, 1_000_000, 4_000_000)
+    after = (14, 5_000_000 + 4 * 300_000, 12, 1_000_000 + 3 * 150_000, 4_000_000 + 4 * 250_000)
+    got = worker_timeline(before, after)
+    assert got == dict(jobs=4, gaps=3, busy_us=300.0, job_us=250.0, gap_us=150.0)
+    assert worker_timeline(after, after) == dict(jobs=0, gaps=0, busy_us=None, job_us=None, gap_us=None)
 
 
 def test_bridge_with_traced_layer(make_pool):
