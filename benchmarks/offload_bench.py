@@ -206,6 +206,28 @@ def top_share(engine, slots: int) -> float:
     return float(np.mean(shares)) if shares else 0.0
 
 
+def job_summary(jobs: np.ndarray, token_ns: list[int]) -> dict:
+    """What one request's T=1 pool jobs (the worker's ring: POSTED seen, DONE stored, layer, T) and its tokens' read
+    times say, in microseconds: a job's time, the gap from a layer's DONE to the next layer's POSTED seen (layers
+    l, l+1 of one window), the gap across windows (the last layer's DONE to layer 0's POSTED seen), the time between
+    two tokens read, and the share of the decode the worker spent inside jobs."""
+    import numpy as np
+    decode = jobs[jobs[:, 3] == 1]
+    if len(decode) < 2:
+        return {}
+    seen, done, layer = decode[:, 0], decode[:, 1], decode[:, 2]
+    next_layer = layer[1:] == layer[:-1] + 1
+    across = (layer[1:] == 0) & (layer[:-1] > 0)
+    gaps = (seen[1:] - done[:-1]) / 1e3
+    ticks = np.diff(np.asarray(token_ns, np.int64)) / 1e3 if len(token_ns) > 2 else np.zeros(0)
+    span = done[-1] - seen[0]
+    return dict(jobs=int(len(decode)), job_us=float(np.mean(done - seen) / 1e3),
+                layer_gap_us=float(np.mean(gaps[next_layer])) if next_layer.any() else float("nan"),
+                window_gap_us=float(np.mean(gaps[across])) if across.any() else float("nan"),
+                token_us=float(np.median(ticks)) if len(ticks) else float("nan"),
+                busy_share=float(np.sum(done - seen) / span) if span > 0 else float("nan"))
+
+
 def device_experts(weights):
     """A copy of `weights` with every MoE layer's experts in device memory (the all-resident baseline)."""
     import jax
@@ -369,9 +391,17 @@ def run(s) -> dict:
         engine.generate(warm_prompt, **request)
         pool = engine.placement.pool if engine.placement else None
         before = pool.worker_counters() if pool else None
-        tokens = engine.generate(prompt, **request)
+        token_ns: list[int] = []
+        start_ns = time.monotonic_ns()
+        tokens = engine.generate(prompt, **request, on_token=lambda token: token_ns.append(time.monotonic_ns()))
+        end_ns = time.monotonic_ns()
         if pool:  # the GPU offload worker's host-clock means over this request (zeros off the capture path)
             arm["worker"] = worker_timeline(before, pool.worker_counters())
+            jobs = pool.worker_jobs()  # STRATA_OFFLOAD_TIMELINE=N: each job's times, on the clock of token_ns
+            if len(jobs):
+                jobs = jobs[(jobs[:, 0] >= start_ns) & (jobs[:, 1] <= end_ns + 50_000_000)]
+                arm["worker_jobs"] = dict(start_ns=start_ns, end_ns=end_ns, token_ns=token_ns, jobs=jobs.tolist(),
+                                          summary=job_summary(jobs, token_ns))
         r = engine.stats.last
         d = r.decode_experts
         windows = max(r.windows, 1)
@@ -527,6 +557,9 @@ def run(s) -> dict:
             common.progress(f"arm {name}: {arm['decode_tok_s']:,.1f} tok/s ({arm['x_vs_all_resident']:.2f}x), hit "
                             f"rate {arm['hit_rate']:.1%}, {arm['fetched_per_token']:.1f} fetched + "
                             f"{arm['cpu_per_token']:.1f} cpu experts/token")
+            if summary := arm.get("worker_jobs", {}).get("summary"):
+                common.progress(f"arm {name}: decode jobs (T=1, STRATA_OFFLOAD_TIMELINE): " + ", ".join(
+                    f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
             if (w := arm.get("worker")) and w["jobs"]:
                 common.progress(f"arm {name}: offload worker, {w['jobs']} jobs: POSTED seen to DONE {w['busy_us']:.1f} "
                                 f"us (the job {w['job_us']:.1f}), DONE to the next POSTED seen "

@@ -231,6 +231,9 @@ class FfiLibrary:
         self.counters = library.pool_counters
         self.counters.argtypes = [ctypes.c_int64, ctypes.c_void_p]
         self.counters.restype = None
+        self.worker_ring = library.pool_worker_ring
+        self.worker_ring.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        self.worker_ring.restype = ctypes.c_int64
         self.register_fetch = library.pool_register_fetch
         self.register_fetch.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
         self.register_fetch.restype = None

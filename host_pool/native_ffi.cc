@@ -67,6 +67,10 @@ struct Pool {
   // between requests). A gap is the stream's side of a layer: its wait for DONE waking, y's copy back, the layer's
   // rest and the next layer's attention, route and plan, the plan's copy out and POSTED.
   std::atomic<int64_t> worker_jobs{0}, worker_busy_ns{0}, worker_gaps{0}, worker_gap_ns{0};
+  // STRATA_OFFLOAD_TIMELINE=N (read at registration): the worker's last N jobs, each (POSTED seen, DONE stored, on the
+  // host's monotonic clock in ns, the layer, T), for a benchmark to lay beside its own clock (pool_worker_ring).
+  std::vector<int64_t> ring;
+  std::atomic<int64_t> ring_jobs{0};
   std::mutex staging_mutex;
   std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<Staging>> staging;
   // The offload layer calls (strata_offload_begin / _collect): each layer's experts in pinned host memory (gate, up,
@@ -626,7 +630,8 @@ struct Offload {
   // One job's fetches and cpu experts, its plan read from its staging's `in`: the fetched experts' copies on the
   // copy stream, then `fetched` (set to `value` behind the copies, or here when nothing is copied), then the cpu
   // experts into the staging's y; `done` is the caller's to store. A traced job's layer is read from the plan.
-  void process(const OffloadJob &job, Flag *fetched, CUdeviceptr fetched_dev, uint32_t value) {
+  // Returns the job's layer (-1: a bad index, answered without work).
+  int64_t process(const OffloadJob &job, Flag *fetched, CUdeviceptr fetched_dev, uint32_t value) {
     const Driver &d = driver();
     OffloadStaging *s = job.staging;
     const int64_t H = pool->layers[job.layer >= 0 ? job.layer : 0].hidden;  // traced: all layers' (check_begin)
@@ -640,7 +645,7 @@ struct Offload {
                    "work\n", (long)l, (long)layers);
       if (job.cpu) std::memset(s->y, 0, sizeof(float) * job.T * H);
       if (job.fetch) store_flag(fetched, value);
-      return;
+      return -1;
     }
     int64_t to_fetch = 0;
     for (int64_t m = 0; job.fetch && m < job.M; m++) to_fetch += src[m] >= 0;
@@ -681,6 +686,7 @@ struct Offload {
       }
     }
     if (job.cpu) run_job(pool, l, x, ids, w, s->y, job.T, job.N, s->scratch);
+    return l;
   }
 
   // The sequence path: jobs queued by each begin, awaited by sequence number.
@@ -763,7 +769,7 @@ struct Offload {
       }
       OFFLOAD_TRACE("worker: layer %ld job %u posted (T %ld N %ld M %ld cpu %d fetch %d)\n", (long)found, id,
                     (long)job->T, (long)job->N, (long)job->M, (int)job->cpu, (int)job->fetch);
-      process(*job, flag(found, FETCHED), flag_device(found, FETCHED), 1);
+      const int64_t job_layer = process(*job, flag(found, FETCHED), flag_device(found, FETCHED), 1);
       if (job->cpu) store_flag(flag(found, DONE), 1);  // no cpu part: no collect waits for it
       OFFLOAD_TRACE("worker: layer %ld job %u done\n", (long)found, id);
       next = found + 1 == slots ? 0 : found + 1;  // the next layer's post is the likely next one
@@ -771,6 +777,15 @@ struct Offload {
       last_done = last;
       pool->worker_jobs += 1;
       pool->worker_busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(last - seen).count();
+      if (!pool->ring.empty()) {  // one writer (this thread); a reader copies between requests
+        const int64_t n = pool->ring_jobs.load(std::memory_order_relaxed);
+        int64_t *at = &pool->ring[4 * (n % (int64_t)(pool->ring.size() / 4))];
+        at[0] = std::chrono::duration_cast<std::chrono::nanoseconds>(seen.time_since_epoch()).count();
+        at[1] = std::chrono::duration_cast<std::chrono::nanoseconds>(last.time_since_epoch()).count();
+        at[2] = job_layer;
+        at[3] = job->T;
+        pool->ring_jobs.store(n + 1, std::memory_order_release);
+      }
     }
   }
 };
@@ -1722,6 +1737,8 @@ int64_t pool_register(int fmt, int fmt_down, int round_bf16, int threads, int64_
   pool->fmt_down = fmt_down;
   pool->round_bf16 = round_bf16;
   pool->threads = threads;
+  if (const char *e = std::getenv("STRATA_OFFLOAD_TIMELINE"); e && std::atoll(e) > 0)
+    pool->ring.assign(4 * std::min<int64_t>(std::atoll(e), int64_t(1) << 20), 0);
   for (int64_t l = 0; l < layers; l++)
     pool->layers.push_back({gate[l], up[l], down[l], gate_scale[l], up_scale[l], down_scale[l], (long)hidden[l],
                             (long)intermediate[l], (long)group[l], (long)group_down[l], (long)experts[l],
@@ -1743,6 +1760,20 @@ void pool_release(int64_t id) {
     std::lock_guard<std::mutex> lock(pool->offload_mutex);
     pool->offload.reset();
   }
+}
+
+// The worker's last jobs (STRATA_OFFLOAD_TIMELINE=N): up to `most` of them, oldest first, each 4 int64 (POSTED seen and
+// DONE stored in ns of the monotonic clock, the layer, T) into out; returns how many. Read it while no request runs.
+int64_t pool_worker_ring(int64_t id, int64_t *out, int64_t most) {
+  Pool *pool = find_pool(id);
+  if (!pool || pool->ring.empty()) return 0;
+  const int64_t size = (int64_t)pool->ring.size() / 4, n = pool->ring_jobs.load(std::memory_order_acquire);
+  const int64_t count = std::min({n, size, most});
+  for (int64_t i = 0; i < count; i++) {
+    const int64_t k = (n - count + i) % size;
+    std::memcpy(out + 4 * i, &pool->ring[4 * k], 4 * sizeof(int64_t));
+  }
+  return count;
 }
 
 // 1 when the offload calls may take the capture path (strata_offload_begin_v2 / _collect_v2): the CUDA driver has

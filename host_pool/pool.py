@@ -278,6 +278,17 @@ class HostPool:
         library.counters(pool_id, counts)
         return int(counts[7]), int(counts[8]), int(counts[9]), int(counts[10]), int(counts[3])
 
+    def worker_jobs(self, most: int = 1 << 16) -> np.ndarray:
+        """The GPU offload worker's last jobs where STRATA_OFFLOAD_TIMELINE=N was set when the pool registered: int64
+        [n, 4], oldest first: POSTED seen and DONE stored (ns of the monotonic clock, as Python's time.monotonic_ns),
+        the layer, T. Empty elsewhere. Read between requests."""
+        if self._ffi is None:
+            return np.zeros((0, 4), np.int64)
+        library, pool_id, _ = self._ffi
+        out = np.zeros((most, 4), np.int64)
+        n = library.worker_ring(pool_id, out.ctypes.data, most)
+        return out[:n]
+
     def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         """y [T, H] float32 for x [T, H], ids [N] (-1 = padding), w [T, N]."""
         return self.collect(self.submit(layer, x, ids, w))

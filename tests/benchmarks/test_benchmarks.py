@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 import pytest
 
 from benchmarks import common, decode_bench, runner
@@ -152,6 +154,34 @@ def test_offload_bench_tiny(tmp_path, capsys, cache_dir):
     assert "of the read bandwidth" in printed and "threads reading a" in printed
     assert "PCIe MB/token" in table_lines[0] and "% of bound" in table_lines[0] and "auto -> " in printed
     assert saved["table"] in printed and saved["bandwidth_table"] in printed
+
+
+def test_offload_bench_job_summary_reads_the_worker_ring():
+    """The worker's ring (POSTED seen, DONE stored, layer, T) of two T=1 windows of three layers after a prefill
+    job: each job's time, the gaps between layers of one window and across windows, the tokens' ticks."""
+    from benchmarks import offload_bench
+    rng = np.random.default_rng(7)
+    us = 1000
+    jobs, t = [[0, 900 * us, 0, 16]], 1000 * us  # the prefill's job (T=16): not a decode job
+    job_us, layer_gap, window_gap = [], [], []
+    for window in range(2):
+        for layer in range(3):
+            j = int(rng.integers(100, 200)) * us
+            jobs.append([t, t + j, layer, 1])
+            job_us.append(j / us)
+            g = int(rng.integers(50, 90) if layer < 2 else rng.integers(300, 400)) * us
+            (layer_gap if layer < 2 else window_gap).append(g / us)
+            t += j + g
+    ring = np.asarray(jobs, np.int64)
+    got = offload_bench.job_summary(ring, [0, 1_500 * us, 2_700 * us, 3_700 * us])
+    assert got["jobs"] == 6
+    assert got["job_us"] == pytest.approx(np.mean(job_us))
+    assert got["layer_gap_us"] == pytest.approx(np.mean(layer_gap))
+    assert got["window_gap_us"] == pytest.approx(window_gap[0])  # the last window's gap follows no job
+    assert got["token_us"] == pytest.approx(1_200)  # the median of 1500, 1200, 1000
+    span = ring[-1, 1] - ring[1, 0]
+    assert got["busy_share"] == pytest.approx(sum(job_us) * us / span)
+    assert offload_bench.job_summary(ring[:2], []) == {}
 
 
 def test_offload_bench_bad_flags(capsys):
