@@ -413,6 +413,7 @@ def run(s) -> dict:
                    prefetched_per_token=d.prefetched / windows, prefetch_used_per_token=d.prefetch_used / windows,
                    resident_per_token=d.distinct_resident / windows, distinct_per_token=d.distinct / windows,
                    pcie_bytes_per_token=d.pcie_bytes / windows, pool_ms_per_token=d.pool_s / windows * 1e3,
+                   slot_fill_experts=r.slot_fill_experts, slot_fill_ms=r.slot_fill_s * 1e3,
                    tokens=tokens, distinct_tokens=len(set(tokens)))
         if engine.placement:
             arm["top_slots_entry_share"] = top_share(engine, engine.placement.slots)
@@ -557,6 +558,9 @@ def run(s) -> dict:
             common.progress(f"arm {name}: {arm['decode_tok_s']:,.1f} tok/s ({arm['x_vs_all_resident']:.2f}x), hit "
                             f"rate {arm['hit_rate']:.1%}, {arm['fetched_per_token']:.1f} fetched + "
                             f"{arm['cpu_per_token']:.1f} cpu experts/token")
+            if arm["slot_fill_ms"]:
+                common.progress(f"arm {name}: the slots filled from the prompt's prefill: {arm['slot_fill_experts']} "
+                                f"experts copied in {arm['slot_fill_ms']:.1f} ms (not decode time)")
             if summary := arm.get("worker_jobs", {}).get("summary"):
                 common.progress(f"arm {name}: decode jobs (T=1, STRATA_OFFLOAD_TIMELINE): " + ", ".join(
                     f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))

@@ -393,14 +393,17 @@ class Engine:
         if self.verbose:
             log(f"pcie_frac: {old:g} -> {frac:g} (auto: the last request met {misses:.2f} misses a layer a window)")
 
-    def _fill_static_slots(self) -> None:
+    def _fill_static_slots(self) -> int:
         """Static policy (and lru with pcie_frac 0: placement.fills_from_prefill): after the prompt's prefill, the
-        slots take each layer's most used experts; nothing else changes them."""
+        slots take each layer's most used experts (those already in a slot stay, uncopied); nothing else changes
+        them. Returns the experts copied, once they are on the device."""
         if isinstance(self.cache.experts, slots_mod.SlotCache):
-            new = slots_mod.fill_static_stacked(self.cache.experts, self.weights.layers, self.compiled.fill_layer)
+            new, copied = slots_mod.fill_static_stacked(self.cache.experts, self.weights.layers,
+                                                        self.compiled.fill_layer)
         else:
-            new = slots_mod.fill_static_slots(self.cache.experts, self.weights.layers, self.compiled.fill)
-        self.cache = self.cache.replace(experts=new)
+            new, copied = slots_mod.fill_static_slots(self.cache.experts, self.weights.layers, self.compiled.fill)
+        self.cache = self.cache.replace(experts=jax.block_until_ready(new))
+        return copied
 
     def _guarded(self, fn, *args):
         """Run a request step; a host pool failure becomes one StrataError and fresh caches (the engine stays

@@ -81,8 +81,8 @@ class CompiledGraphs:
         self.batch_windows: dict[str | None, graphs.GraphTable] = {}  # filter form -> bucket B -> graph
         self.put_slot = jax.jit(put_slot, donate_argnums=(0,))  # a prefilled sequence into its batch KV slot
         self.get_slot = jax.jit(get_slot, donate_argnums=(1,))  # a slot's kept prefix into the engine's cache
-        self.fill = jax.jit(slots_mod.fill_slots, donate_argnums=(0,))
-        self.fill_layer = jax.jit(slots_mod.fill_layer_slots, donate_argnums=(0,))
+        self.fill = jax.jit(slots_mod.refill_slots, donate_argnums=(0,))
+        self.fill_layer = jax.jit(slots_mod.refill_layer_slots, donate_argnums=(0,))
         seconds = time.perf_counter() - t0
         if self.verbose:
             when = (f"compiled in {seconds:.1f} s" if ahead else

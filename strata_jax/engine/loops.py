@@ -70,7 +70,9 @@ class Graphs:
     checked: Callable[[int, int], int]  # a token read back at a position: refused when its logits were not finite
     take_expert_stats: Callable[[], ExpertStats]  # the windows' expert counters since the last call, zeroed
     after_request: Callable[[ExpertStats], None]  # pcie_frac=auto: the split from the misses a request met
-    fill_static_slots: Callable[[], None] | None  # static cache policy: the slots take the prefill's experts
+    # static cache policy (and lru with pcie_frac 0): the slots take the prefill's experts; returns the experts
+    # copied once they are on the device
+    fill_static_slots: Callable[[], int] | None
     context: int
     vocab_size: int
     batch_windows: Callable[[str | None], Mapping[int, Callable]] | None = None  # filter form -> bucket B -> graph
@@ -169,8 +171,11 @@ def prefill(g: Graphs, s: State, r: Request) -> int:
     r.stats.prefill_s = time.perf_counter() - t0
     r.stats.prefill_experts = g.take_expert_stats()
     if g.fill_static_slots is not None and not r.reuse:
-        # A reused prefix keeps the slots its first request chose (this prefill saw only the new tokens).
-        g.fill_static_slots()
+        # A reused prefix keeps the slots its first request chose (this prefill saw only the new tokens). Waited
+        # for: its copies would otherwise stall the decode's first window and count as decode time.
+        t0 = time.perf_counter()
+        r.stats.slot_fill_experts += g.fill_static_slots()
+        r.stats.slot_fill_s += time.perf_counter() - t0
     return first
 
 

@@ -84,6 +84,10 @@ class RequestStats:
     # the T=1 loop without drafts queues the next window before it reads, so it has no such gap).
     host_gap_s: float = 0.0
     host_gaps: int = 0
+    # Slots filled from the prompt's prefill (static policy, lru with pcie_frac 0): experts copied, and the time until
+    # they were on the device (waited for: neither the prefill's nor the decode's)
+    slot_fill_experts: int = 0
+    slot_fill_s: float = 0.0
     prefill_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
     decode_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
 
@@ -116,7 +120,9 @@ class RequestStats:
 
     def summary(self) -> str:
         cached = f" ({self.cached_tokens} reused)" if self.cached_tokens else ""
-        return (f"prompt tokens: {self.prompt_tokens}{cached}, prefill: {self.prefill_tok_s:.1f} tok/s, "
+        fill = (f", slots filled from the prefill: {self.slot_fill_experts} experts copied in "
+                f"{self.slot_fill_s * 1e3:.1f} ms" if self.slot_fill_s else "")
+        return (f"prompt tokens: {self.prompt_tokens}{cached}, prefill: {self.prefill_tok_s:.1f} tok/s{fill}, "
                 f"generated tokens: {self.generated_tokens}, decode: {self.decode_tok_s:.1f} tok/s")
 
     def draft_summary(self) -> str:

@@ -822,35 +822,81 @@ def fill_slots(state: SlotCache, host_gate, host_up, host_down, experts: jax.Arr
     s = state.slots
     if s == 0:
         return state
-    (gate, up, down), = copy_experts([((state.gate, state.up, state.down), state.base + jnp.arange(s, dtype=jnp.int32))],
-                                     (host_gate, host_up, host_down), jnp.maximum(experts, 0), s)
-    valid = experts >= 0
+    return refill_slots(state, host_gate, host_up, host_down, experts, jnp.maximum(experts, 0),
+                        jnp.arange(s, dtype=jnp.int32), s)
+
+
+def refill_order(current: np.ndarray, top: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The host's half of a fill after a prefill: the slots' experts after it, each of `top`'s [S] (-1: none) in a
+    slot, where an expert already in a slot stays in it (nothing copied) and the others take, in order, the slots
+    whose expert is not in `top`; those slots not taken are emptied. Returns (expert_of [S], copy_ids [S],
+    copy_slots [S], count): the first `count` copies are the ones to make (the rest of both arrays zeros)."""
+    S = top.shape[0]
+    current = np.asarray(current[:S], np.int32)
+    want = top[top >= 0].astype(np.int32)
+    stays = (current >= 0) & np.isin(current, want)
+    expert_of = np.where(stays, current, -1).astype(np.int32)
+    to_place = want[~np.isin(want, current[stays])]
+    free = np.flatnonzero(~stays)[:to_place.size]
+    expert_of[free] = to_place
+    copy_ids, copy_slots = np.zeros(S, np.int32), np.zeros(S, np.int32)
+    copy_ids[:to_place.size], copy_slots[:to_place.size] = to_place, free
+    return expert_of, copy_ids, copy_slots, int(to_place.size)
+
+
+def refill_slots(state: SlotCache, host_gate, host_up, host_down, expert_of: jax.Array, copy_ids: jax.Array,
+                 copy_slots: jax.Array, count) -> SlotCache:
+    """The slots hold `expert_of` [S] (-1: empty) once the first `count` (traced: a bounded loop) of copy_ids [S] are
+    copied from host memory into slots copy_slots [S] (refill_order: those not in a slot already); jit with
+    donation."""
+    s = state.slots
+    if s == 0:
+        return state
+    (gate, up, down), = copy_experts([((state.gate, state.up, state.down), state.base + copy_slots)],
+                                     (host_gate, host_up, host_down), copy_ids, count)
+    valid = expert_of >= 0
     e = state.table.shape[0]
-    table = jnp.full_like(state.table, -1).at[jnp.where(valid, experts, e)].set(
+    table = jnp.full_like(state.table, -1).at[jnp.where(valid, expert_of, e)].set(
         jnp.arange(s, dtype=jnp.int32), mode="drop")
-    expert_of = jnp.concatenate([jnp.where(valid, experts, -1), jnp.full((1,), -1, jnp.int32)]).astype(jnp.int32)
+    expert_of = jnp.concatenate([jnp.where(valid, expert_of, -1), jnp.full((1,), -1, jnp.int32)]).astype(jnp.int32)
     return state.replace(gate=gate, up=up, down=down, table=table, expert_of=expert_of,
                          last_use=jnp.full_like(state.last_use, -1), prefetched=jnp.zeros_like(state.prefetched))
 
 
-def fill_static_stacked(stack: SlotCache, layers, fill) -> SlotCache:
+def prefill_top(usage: np.ndarray, s: int) -> np.ndarray:
+    """A layer's S most used experts by the prefill's usage [E] (-1 past those used at all), most used first."""
+    top = np.argsort(-usage, kind="stable")[:s]
+    return np.where(usage[top] > 0, top, -1).astype(np.int32)
+
+
+def fill_static_stacked(stack: SlotCache, layers, fill) -> tuple[SlotCache, int]:
     """fill_static_slots for a stacked cache (init_stacked_slot_cache) and stacked weights whose experts stay a
-    tuple of per-layer host arrays (weights.stack_layers(keep_experts=True)); `fill`: fill_layer_slots, jitted with
-    donation of the stack."""
+    tuple of per-layer host arrays (weights.stack_layers(keep_experts=True)); `fill`: refill_layer_slots, jitted
+    with donation of the stack."""
     usage = np.asarray(stack.usage)  # [L, E]
-    s = stack.expert_of.shape[-1] - 1
+    current = np.asarray(stack.expert_of)  # [L, S + 1]
+    s = current.shape[-1] - 1
     stack = stack.replace(usage=jnp.zeros_like(stack.usage))
     f = layers.ffn
+    copied = 0
     for i in range(usage.shape[0]):
-        top = np.argsort(-usage[i], kind="stable")[:s]
-        top = np.where(usage[i][top] > 0, top, -1).astype(np.int32)
-        stack = fill(stack, jnp.int32(i), f.gate[i], f.up[i], f.down[i], jnp.asarray(top))
-    return stack
+        expert_of, ids, rows, count = refill_order(current[i], prefill_top(usage[i], s))
+        stack = fill(stack, jnp.int32(i), f.gate[i], f.up[i], f.down[i], jnp.asarray(expert_of), jnp.asarray(ids),
+                     jnp.asarray(rows), jnp.int32(count))
+        copied += count
+    return stack, copied
 
 
 def fill_layer_slots(stack: SlotCache, layer, host_gate, host_up, host_down, experts: jax.Array) -> SlotCache:
     """fill_slots on layer `layer` of a stacked cache."""
     return put_layer(stack, layer, fill_slots(layer_view(stack, layer), host_gate, host_up, host_down, experts))
+
+
+def refill_layer_slots(stack: SlotCache, layer, host_gate, host_up, host_down, expert_of, copy_ids, copy_slots,
+                       count) -> SlotCache:
+    """refill_slots on layer `layer` of a stacked cache."""
+    return put_layer(stack, layer, refill_slots(layer_view(stack, layer), host_gate, host_up, host_down, expert_of,
+                                                copy_ids, copy_slots, count))
 
 
 def with_pcie_frac(experts, frac: float):
@@ -876,17 +922,19 @@ def fill_every_layer(experts, layers, ids: jax.Array):
             for i, s in enumerate(experts)]
 
 
-def fill_static_slots(states: list, layers: list, fill) -> list:
-    """Static policy, after the prompt's prefill: each layer's slots take its most used experts (by the usage the
-    prefill counted, which starts again from zero); `fill`: fill_slots, jitted with donation."""
-    new = []
+def fill_static_slots(states: list, layers: list, fill) -> tuple[list, int]:
+    """Static policy (and lru with pcie_frac 0), after the prompt's prefill: each layer's slots take its most used
+    experts (by the usage the prefill counted, which starts again from zero); an expert already in a slot stays
+    there uncopied (refill_order). `fill`: refill_slots, jitted with donation. Returns the states and the experts
+    copied."""
+    new, copied = [], 0
     for i, s in enumerate(states):
         if s is None:
             new.append(None)
             continue
-        usage = np.asarray(s.usage)
-        top = np.argsort(-usage, kind="stable")[:s.slots]
-        top = np.where(usage[top] > 0, top, -1).astype(np.int32)
+        expert_of, ids, rows, count = refill_order(np.asarray(s.expert_of), prefill_top(np.asarray(s.usage), s.slots))
         w = layers[i].ffn
-        new.append(fill(s.replace(usage=jnp.zeros_like(s.usage)), w.gate, w.up, w.down, jnp.asarray(top)))
-    return new
+        new.append(fill(s.replace(usage=jnp.zeros_like(s.usage)), w.gate, w.up, w.down, jnp.asarray(expert_of),
+                        jnp.asarray(ids), jnp.asarray(rows), jnp.int32(count)))
+        copied += count
+    return new, copied

@@ -264,6 +264,15 @@ def test_lru_with_pcie_frac_0_fills_the_slots_from_the_prefill(engine_factory, r
         assert (np.asarray(s.table) >= 0).sum() == 5
     stats = eng.stats.last.decode_experts
     assert stats.entries_resident > 0 and stats.entries_fetched == 0 and stats.entries_cpu > 0
+    # the fill is waited for and counted on its own (not decode time); a later prompt copies only the experts that
+    # were not in a slot already, and stays exact
+    first = eng.stats.last
+    assert 0 < first.slot_fill_experts <= 5 * len(layer_states(eng.cache.experts)) and first.slot_fill_s > 0
+    held = [set(np.asarray(s.expert_of)[:-1].tolist()) - {-1} for s in layer_states(eng.cache.experts)]
+    eng._kv_tokens = []  # no prefix reuse: the same prompt's prefill again picks the experts its slots hold
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
+    assert eng.stats.last.slot_fill_experts == 0
+    assert [set(np.asarray(s.expert_of)[:-1].tolist()) - {-1} for s in layer_states(eng.cache.experts)] == held
     eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
     assert not eng.placement.fills_from_prefill
 

@@ -292,3 +292,61 @@ def test_the_engine_with_the_plan_kernel_matches_the_xla_plan(engine_factory):
         counters = lambda st: {k: v for k, v in dataclasses.asdict(st).items() if k != "pool_s"}  # noqa: E731
         assert counters(got["pallas"][2]) == counters(got["xla"][2]), (frac, policy)
         assert got["pallas"][2].entries > 0
+
+
+def test_refill_order_keeps_the_experts_already_in_a_slot():
+    """The host's half of the fill after a prefill: every wanted expert ends in exactly one slot, one already in a
+    slot stays there, only the others are copied (into slots whose expert is not wanted), and slots left over are
+    emptied (the table holds what a full fill of `top` would)."""
+    rng = np.random.default_rng(31)
+    for _ in range(200):
+        E, S = int(rng.integers(4, 40)), int(rng.integers(1, 12))
+        S = min(S, E)
+        current = np.full(S + 1, -1, np.int32)  # [S + 1]: the trash row's -1 last, as SlotCache.expert_of
+        held = rng.permutation(E)[:int(rng.integers(0, S + 1))]
+        current[rng.permutation(S)[:held.size]] = held
+        top = np.where(np.arange(S) < int(rng.integers(0, S + 1)), rng.permutation(E)[:S], -1).astype(np.int32)
+        expert_of, ids, rows, count = slots_mod.refill_order(current, top)
+        want = set(top[top >= 0].tolist())
+        assert sorted(expert_of[expert_of >= 0].tolist()) == sorted(want)
+        for s in range(S):
+            if current[s] in want:
+                assert expert_of[s] == current[s]  # stays, uncopied
+        new = want - set(current[:S].tolist())
+        assert count == len(new)
+        assert sorted(ids[:count].tolist()) == sorted(new)
+        assert all(expert_of[rows[k]] == ids[k] for k in range(count))
+        assert not (ids[count:].any() or rows[count:].any())
+
+
+def test_refill_slots_holds_each_experts_own_weights():
+    """A fill of one prompt's experts, then a refill to another's from refill_order: each slot's rows are its
+    expert's host rows (the copies went to the right slots), the table maps each wanted expert to its slot and the
+    others to -1; in a stacked cache the other layers' rows are untouched."""
+    cfg = preset("tiny")
+    rng = np.random.default_rng(32)
+    E, I, H, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, 5
+    host = tuple(jnp.asarray(rng.standard_normal(shape).astype(np.float32)) for shape in ((E, I, H), (E, I, H), (E, H, I)))
+    stack = slots_mod.init_stacked_slot_cache(cfg, 3, S, jnp.float32)
+    first = np.array([3, 1, -1, 6, 0], np.int32)
+    stack = slots_mod.fill_layer_slots(stack, 1, *host, jnp.asarray(first))
+    before = [np.asarray(a).copy() for a in (stack.gate, stack.up, stack.down)]
+    top = np.array([6, 2, 3, 7, -1], np.int32)  # 6 and 3 stay; 2 and 7 are copied; 1 and 0 leave
+    expert_of, ids, rows, count = slots_mod.refill_order(np.asarray(stack.expert_of[1]), top)
+    assert count == 2
+    refill = jax.jit(slots_mod.refill_layer_slots)
+    stack = refill(stack, jnp.int32(1), *host, *map(jnp.asarray, (expert_of, ids, rows)), jnp.int32(count))
+    view = slots_mod.layer_view(stack, 1)
+    base = int(view.base)
+    table = np.asarray(view.table)
+    for e in range(E):
+        if e in top:
+            s = table[e]
+            assert s >= 0 and np.asarray(view.expert_of)[s] == e
+            for got, want in zip((stack.gate, stack.up, stack.down), host):
+                np.testing.assert_array_equal(np.asarray(got[base + s]), np.asarray(want[e]))
+        else:
+            assert table[e] == -1
+    other = np.r_[0:base, base + S + 1:3 * (S + 1)]
+    for got, was in zip((stack.gate, stack.up, stack.down), before):
+        np.testing.assert_array_equal(np.asarray(got)[other], was[other])
