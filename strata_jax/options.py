@@ -146,6 +146,13 @@ class EngineOptions:
                         "Exact: a wrong guess costs PCIe bytes, never output (with the routing approximations off). "
                         "Decode windows of the scanned offload graph (layer_loop=scan, native offload calls, one "
                         "device) only; ignored elsewhere, with one line.", _int_range(0, 64))
+    slot_refresh: int = opt(0, "Where the slots are filled from each prompt's prefill (lru with pcie_frac 0, the static "
+                            "policy): every N decode windows of the T=1 loop they re-take the request's most used "
+                            "experts so far (its decode's usage), copying only the experts not in a slot already; the "
+                            "decode waits for the copies (counted as decode time: slot_refreshes, "
+                            "slot_refresh_experts). 0: off, the default (not yet timed on a GPU). Exact: placement "
+                            "only. Ignored, with one line, where the slots are not filled from the prefill.",
+                            _int_range(0, 1 << 20))
     delta_kernel: str = opt("auto", "Qwen3-Next's DeltaNet layers, the decode-time gated delta rule: pallas "
                             "(pallas_kernels/gated_delta.py: one program per value head and block of dv, the state "
                             "kept in registers across the window's rows), xla (the rule unrolled over the rows in "

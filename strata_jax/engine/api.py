@@ -109,7 +109,7 @@ class Engine:
         self._check_attention_kernel()
         self.prefetch, prefetch_lines = placement_mod.prefetch_setting(options, placement, self.scanned_offload,
                                                                        self.approx.active)
-        approx_lines += prefetch_lines
+        approx_lines += prefetch_lines + placement_mod.slot_refresh_lines(options, placement)
         if self.scanned_offload:  # the host experts stay per layer (tuples), the rest is stacked
             self.weights = weights = stack_layers(unstack_layers(weights), keep_experts=True)
         elif self.scanned and parallel_mod.layer_device(cfg, options) is None:  # parallel=layers stacks per device
@@ -393,15 +393,17 @@ class Engine:
         if self.verbose:
             log(f"pcie_frac: {old:g} -> {frac:g} (auto: the last request met {misses:.2f} misses a layer a window)")
 
-    def _fill_static_slots(self) -> int:
+    def _fill_static_slots(self, keep_usage: bool = False) -> int:
         """Static policy (and lru with pcie_frac 0: placement.fills_from_prefill): after the prompt's prefill, the
         slots take each layer's most used experts (those already in a slot stay, uncopied); nothing else changes
-        them. Returns the experts copied, once they are on the device."""
+        them but slot_refresh (keep_usage: by the usage counted so far). Returns the experts copied, once they are
+        on the device."""
         if isinstance(self.cache.experts, slots_mod.SlotCache):
             new, copied = slots_mod.fill_static_stacked(self.cache.experts, self.weights.layers,
-                                                        self.compiled.fill_layer)
+                                                        self.compiled.fill_layer, keep_usage)
         else:
-            new, copied = slots_mod.fill_static_slots(self.cache.experts, self.weights.layers, self.compiled.fill)
+            new, copied = slots_mod.fill_static_slots(self.cache.experts, self.weights.layers, self.compiled.fill,
+                                                      keep_usage)
         self.cache = self.cache.replace(experts=jax.block_until_ready(new))
         return copied
 
@@ -783,6 +785,9 @@ class Engine:
             after_request=self._adapt_pcie_frac,
             fill_static_slots=self._fill_static_slots if self.placement and self.placement.fills_from_prefill
             else None,
+            refresh_slots=functools.partial(self._fill_static_slots, keep_usage=True)
+            if self.placement and self.placement.fills_from_prefill and self.options.slot_refresh else None,
+            refresh_every=self.options.slot_refresh,
             context=self.context, vocab_size=self.cfg.vocab_size,
             batch_windows=c.batch_windows_for, put_slot=c.put_slot,
             form_samplers=lambda form: c.samplers[form].sample, batch_slots=self.options.max_batch,

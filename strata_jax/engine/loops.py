@@ -83,6 +83,10 @@ class Graphs:
     get_slot: Callable | None = None  # (batch cache, the engine's cache, slot) -> the engine's cache (put_slot's reverse)
     prefix_reuse: bool = False  # a freed KV slot keeps its rows for a later prompt that starts with its tokens
     exact_windows: bool = True  # the batched windows' K/V rows are each row's alone (no approximation on)
+    # slot_refresh: every `refresh_every` T=1 decode windows the slots re-take the request's most used experts so
+    # far (fill_static_slots keeping the usage); returns the experts copied once they are on the device
+    refresh_slots: Callable[[], int] | None = None
+    refresh_every: int = 0
 
 
 @dataclasses.dataclass
@@ -316,6 +320,11 @@ def queued_windows(g: Graphs, s: State, r: Request, context: list[int] | None) -
             r.stats.windows += 1
             r.stats.window_tokens += 1
             in_flight.append(cur)
+            if g.refresh_slots is not None and r.stats.windows % g.refresh_every == 0:
+                t0 = time.perf_counter()  # waits for the window just sent (its usage), then the copies
+                r.stats.slot_refresh_experts += g.refresh_slots()
+                r.stats.slot_refreshes += 1
+                r.stats.slot_refresh_s += time.perf_counter() - t0
         if not in_flight:
             return time.perf_counter()
         if len(in_flight) >= 2 or proposes or len(r.out) + len(in_flight) >= r.budget:

@@ -88,6 +88,10 @@ class RequestStats:
     # they were on the device (waited for: neither the prefill's nor the decode's)
     slot_fill_experts: int = 0
     slot_fill_s: float = 0.0
+    # slot_refresh: the refreshes during the decode, the experts they copied and their time (part of decode_s)
+    slot_refreshes: int = 0
+    slot_refresh_experts: int = 0
+    slot_refresh_s: float = 0.0
     prefill_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
     decode_experts: ExpertStats = dataclasses.field(default_factory=ExpertStats)
 
@@ -122,6 +126,8 @@ class RequestStats:
         cached = f" ({self.cached_tokens} reused)" if self.cached_tokens else ""
         fill = (f", slots filled from the prefill: {self.slot_fill_experts} experts copied in "
                 f"{self.slot_fill_s * 1e3:.1f} ms" if self.slot_fill_s else "")
+        fill += (f"; {self.slot_refreshes} slot refreshes copied {self.slot_refresh_experts} experts in "
+                 f"{self.slot_refresh_s * 1e3:.1f} ms of the decode" if self.slot_refreshes else "")
         return (f"prompt tokens: {self.prompt_tokens}{cached}, prefill: {self.prefill_tok_s:.1f} tok/s{fill}, "
                 f"generated tokens: {self.generated_tokens}, decode: {self.decode_tok_s:.1f} tok/s")
 

@@ -534,6 +534,18 @@ def prefetch_setting(opts: EngineOptions, placement: Placement | None, scanned_o
                   if approx_active else "")]
 
 
+def slot_refresh_lines(opts: EngineOptions, placement: Placement | None) -> list[str]:
+    """The start-up line of slot_refresh: on where the slots are filled from each prefill, else ignored, with why."""
+    n = opts.slot_refresh
+    if not n:
+        return []
+    if placement is None or not placement.fills_from_prefill:
+        return [f"slot_refresh={n}: ignored (the slots are filled from the prefill only under the static policy or "
+                "lru with pcie_frac 0)"]
+    return [f"slot_refresh: every {n} decode windows (T=1) the slots re-take the request's most used experts so far, "
+            "copying those not in a slot"]
+
+
 def register_native_fetch(cfg: ModelConfig, weights: Weights, pool) -> str | None:
     """Give the pool's native handler each sparse layer's pinned host experts (weights.layers[i].ffn.gate/up/down),
     for the native offload calls; None when done, else why not (one device, the FFI handler, host arrays whose

@@ -869,14 +869,15 @@ def prefill_top(usage: np.ndarray, s: int) -> np.ndarray:
     return np.where(usage[top] > 0, top, -1).astype(np.int32)
 
 
-def fill_static_stacked(stack: SlotCache, layers, fill) -> tuple[SlotCache, int]:
+def fill_static_stacked(stack: SlotCache, layers, fill, keep_usage: bool = False) -> tuple[SlotCache, int]:
     """fill_static_slots for a stacked cache (init_stacked_slot_cache) and stacked weights whose experts stay a
     tuple of per-layer host arrays (weights.stack_layers(keep_experts=True)); `fill`: refill_layer_slots, jitted
     with donation of the stack."""
     usage = np.asarray(stack.usage)  # [L, E]
     current = np.asarray(stack.expert_of)  # [L, S + 1]
     s = current.shape[-1] - 1
-    stack = stack.replace(usage=jnp.zeros_like(stack.usage))
+    if not keep_usage:
+        stack = stack.replace(usage=jnp.zeros_like(stack.usage))
     f = layers.ffn
     copied = 0
     for i in range(usage.shape[0]):
@@ -922,11 +923,11 @@ def fill_every_layer(experts, layers, ids: jax.Array):
             for i, s in enumerate(experts)]
 
 
-def fill_static_slots(states: list, layers: list, fill) -> tuple[list, int]:
+def fill_static_slots(states: list, layers: list, fill, keep_usage: bool = False) -> tuple[list, int]:
     """Static policy (and lru with pcie_frac 0), after the prompt's prefill: each layer's slots take its most used
-    experts (by the usage the prefill counted, which starts again from zero); an expert already in a slot stays
-    there uncopied (refill_order). `fill`: refill_slots, jitted with donation. Returns the states and the experts
-    copied."""
+    experts (by the usage the prefill counted, which starts again from zero; keep_usage: a refresh during the
+    decode, by the usage counted so far, kept); an expert already in a slot stays there uncopied (refill_order).
+    `fill`: refill_slots, jitted with donation. Returns the states and the experts copied."""
     new, copied = [], 0
     for i, s in enumerate(states):
         if s is None:
@@ -934,7 +935,8 @@ def fill_static_slots(states: list, layers: list, fill) -> tuple[list, int]:
             continue
         expert_of, ids, rows, count = refill_order(np.asarray(s.expert_of), prefill_top(np.asarray(s.usage), s.slots))
         w = layers[i].ffn
-        new.append(fill(s.replace(usage=jnp.zeros_like(s.usage)), w.gate, w.up, w.down, jnp.asarray(expert_of),
+        new.append(fill(s if keep_usage else s.replace(usage=jnp.zeros_like(s.usage)), w.gate, w.up, w.down,
+                        jnp.asarray(expert_of),
                         jnp.asarray(ids), jnp.asarray(rows), jnp.int32(count)))
         copied += count
     return new, copied

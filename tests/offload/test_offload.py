@@ -277,6 +277,29 @@ def test_lru_with_pcie_frac_0_fills_the_slots_from_the_prefill(engine_factory, r
     assert not eng.placement.fills_from_prefill
 
 
+def test_slot_refresh_retakes_the_decodes_experts_and_stays_exact(engine_factory, reference, tokens):
+    """slot_refresh=N (lru with pcie_frac 0): every N T=1 decode windows the slots re-take the request's most used
+    experts so far; the tokens stay the all-resident ones, the refreshes are counted, and afterwards each layer's
+    slots hold its most used experts by the usage the decode counted. Where the slots are not filled from the
+    prefill, one line says it is ignored."""
+    _, ref_greedy = reference
+    eng = engine_factory(None, dtype="float32", window=4, context=64, expert_cache_slots=5, pcie_frac=0.0,
+                         cpu_threads=2, slot_refresh=3)
+    assert placement_mod.slot_refresh_lines(eng.options, eng.placement)[0].startswith(
+        "slot_refresh: every 3 decode windows")
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[], spec=0) == ref_greedy
+    st = eng.stats.last
+    assert st.slot_refreshes == st.windows // 3 > 0 and st.slot_refresh_s > 0
+    assert "slot refreshes" in st.summary()
+    for s in layer_states(eng.cache.experts):  # each slot's expert is where the table says
+        table, held = np.asarray(s.table), np.asarray(s.expert_of)[:-1]
+        assert all(table[e] == i for i, e in enumerate(held) if e >= 0)
+        assert (held >= 0).sum() == (table >= 0).sum()
+    eng.reconfigure(pcie_frac=0.5)
+    line = placement_mod.slot_refresh_lines(eng.options, eng.placement)
+    assert line and "ignored" in line[0]
+
+
 def test_auto_split_follows_the_misses_a_request_met():
     """pcie_frac=auto after a request (placement.adapt_pcie_frac): few misses a layer fetch everything (the pool's
     fixed cost a call outweighs its share of the bytes), many misses with a pool as fast as PCIe split them, unless
