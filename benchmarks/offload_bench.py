@@ -399,6 +399,7 @@ def run(s) -> dict:
             arm["worker"] = worker_timeline(before, pool.worker_counters())
             jobs = pool.worker_jobs()  # STRATA_OFFLOAD_TIMELINE=N: each job's times, on the clock of token_ns
             if len(jobs):
+                # this request's: a window queued past its last token may end after generate() returns
                 jobs = jobs[(jobs[:, 0] >= start_ns) & (jobs[:, 1] <= end_ns + 50_000_000)]
                 arm["worker_jobs"] = dict(start_ns=start_ns, end_ns=end_ns, token_ns=token_ns, jobs=jobs.tolist(),
                                           summary=job_summary(jobs, token_ns))

@@ -188,10 +188,9 @@ class HostPool:
         """Layer jobs run so far (since the last `stats.reset()`), through either path: the Python jobs' own
         counts plus what the native FFI calls counted meanwhile."""
         if self._ffi is not None:
-            library, pool_id, seen = self._ffi
-            counts = (ctypes.c_int64 * native.COUNTERS)()
-            library.counters(pool_id, counts)
-            calls, _, nbytes, nanos = (int(c) - s for c, s in zip(counts[:4], seen))
+            seen = self._ffi[2]
+            counts = self._native_counters()
+            calls, _, nbytes, nanos = (c - s for c, s in zip(counts[:4], seen))
             seen[:] = list(counts[:4])
             with self._lock:
                 self._stats.calls += calls
@@ -262,10 +261,8 @@ class HostPool:
         kernel does not load). The kernel's fetches are counted by the graphs' own counters (ExpertStats)."""
         if self._ffi is None:
             return 0, 0, 0
-        library, pool_id, _ = self._ffi
-        counts = (ctypes.c_int64 * native.COUNTERS)()
-        library.counters(pool_id, counts)
-        return int(counts[4]), int(counts[5]), int(counts[6])
+        counts = self._native_counters()
+        return counts[4], counts[5], counts[6]
 
     def worker_counters(self) -> tuple[int, int, int, int, int]:
         """The GPU offload worker's host-clock counters so far (capture path; zeros elsewhere): (jobs it took, ns from
@@ -273,10 +270,15 @@ class HostPool:
         the layer jobs). Differences of two readings give one request's means (`worker_timeline`)."""
         if self._ffi is None:
             return 0, 0, 0, 0, 0
+        counts = self._native_counters()
+        return counts[7], counts[8], counts[9], counts[10], counts[3]
+
+    def _native_counters(self) -> list[int]:
+        """The native handler's counters of this pool (native_ffi.cc's pool_counters; the FFI handle registered)."""
         library, pool_id, _ = self._ffi
         counts = (ctypes.c_int64 * native.COUNTERS)()
         library.counters(pool_id, counts)
-        return int(counts[7]), int(counts[8]), int(counts[9]), int(counts[10]), int(counts[3])
+        return [int(c) for c in counts]
 
     def worker_jobs(self, most: int = 1 << 16) -> np.ndarray:
         """The GPU offload worker's last jobs where STRATA_OFFLOAD_TIMELINE=N was set when the pool registered: int64

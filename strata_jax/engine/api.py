@@ -778,15 +778,15 @@ class Engine:
         """What this request's loops may call: the window tables, the samplers compiled.pick_samplers chose for it,
         the graphs compiled on first use, and the engine's steps between windows."""
         c = self.compiled
+        fills = bool(self.placement and self.placement.fills_from_prefill)  # the slots taken from each prefill
         return loops.Graphs(
             decode=c.decode, sample=c.sample, verify=c.verify, device_verify=c.device_verify_graph,
             mtp_fused=lambda t: c.mtp_graphs()[("fused", t)], mtp_hidden=c.mtp_hidden_window,
             prefill=self._prefill_all, checked=self._checked, take_expert_stats=self._take_expert_stats,
             after_request=self._adapt_pcie_frac,
-            fill_static_slots=self._fill_static_slots if self.placement and self.placement.fills_from_prefill
-            else None,
+            fill_static_slots=self._fill_static_slots if fills else None,
             refresh_slots=functools.partial(self._fill_static_slots, keep_usage=True)
-            if self.placement and self.placement.fills_from_prefill and self.options.slot_refresh else None,
+            if fills and self.options.slot_refresh else None,
             refresh_every=self.options.slot_refresh,
             context=self.context, vocab_size=self.cfg.vocab_size,
             batch_windows=c.batch_windows_for, put_slot=c.put_slot,

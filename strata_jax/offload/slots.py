@@ -936,7 +936,6 @@ def fill_static_slots(states: list, layers: list, fill, keep_usage: bool = False
         expert_of, ids, rows, count = refill_order(np.asarray(s.expert_of), prefill_top(np.asarray(s.usage), s.slots))
         w = layers[i].ffn
         new.append(fill(s if keep_usage else s.replace(usage=jnp.zeros_like(s.usage)), w.gate, w.up, w.down,
-                        jnp.asarray(expert_of),
-                        jnp.asarray(ids), jnp.asarray(rows), jnp.int32(count)))
+                        jnp.asarray(expert_of), jnp.asarray(ids), jnp.asarray(rows), jnp.int32(count)))
         copied += count
     return new, copied
