@@ -8,6 +8,7 @@ import functools
 import inspect
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -121,6 +122,8 @@ class Engine:
         if options.max_batch > 1 and self._batch_refusal():
             raise StrataError(f"max_batch={options.max_batch}: {self._batch_refusal()}")
         self.compiled = CompiledGraphs(cfg, options, self.plan, self.state, self.parallel, verbose)
+        # pcie_frac=auto: the graph tables of the path not in use (with the host pool or without), kept once built
+        self._graph_paths: dict[bool, tuple] = {}
         self.stats = Stats()
         self._reset_state()
         if placement and verbose:
@@ -349,6 +352,7 @@ class Engine:
             self.placement.auto = False  # a split asked for by number stays
         self._reset_state()
         if rebuild:
+            self._graph_paths.clear()  # auto's kept tables were built for the old policy or split
             self.defer, _ = defer_cpu(self.options, self.placement.cpu_path)
             self.expert_path, self.decode_expert_path = self._expert_paths()
             self._build_graphs()
@@ -388,10 +392,47 @@ class Engine:
         if new is None:
             return
         (frac, misses), old = new, self.placement.pcie_frac
+        crossed = placement_mod.needs_cpu_path(frac) != self.placement.cpu_path
+        if crossed and placement_mod.needs_cpu_path(frac) and not self._pool_graphs_fit():
+            return
         self.placement.pcie_frac = frac
         self.cache = self.cache.replace(experts=slots_mod.with_pcie_frac(self.cache.experts, frac))
+        took = self._switch_graphs() if crossed else None
         if self.verbose:
-            log(f"pcie_frac: {old:g} -> {frac:g} (auto: the last request met {misses:.2f} misses a layer a window)")
+            log(f"pcie_frac: {old:g} -> {frac:g} (auto: the last request met {misses:.2f} misses a layer a window"
+                + ("" if took is None else
+                   f"; the graphs {'with' if self.placement.cpu_path else 'without'} the host pool"
+                   + (f" compiled in {took:.1f} s" if took else " kept from before")) + ")")
+
+    def _pool_graphs_fit(self) -> bool:
+        """Whether graphs with the host pool may be built for this engine (as reconfigure refuses them: the deferral
+        of windows too wide for the scanned body's native split)."""
+        return not (self.scanned_offload and not slots_mod.native_defer_fits(self.cfg, self.options.window)
+                    and defer_cpu(self.options, True)[0].active)
+
+    def _switch_graphs(self) -> float:
+        """pcie_frac=auto's split crossed 1 (placement.cpu_path changed): the decode and prefill graphs of the other
+        path, built without the host pool at 1 (every miss fetched: no pool call a layer, as pcie_frac=1's graphs)
+        and with it below. Each path's graphs are compiled on its first use and kept, with the sampled windows and
+        the MTP graphs the other path had compiled, so no request compiles; the slot caches and their experts stay.
+        Returns the seconds it compiled (0 where kept)."""
+        old = self.compiled
+        self._graph_paths[not self.placement.cpu_path] = (old, self.defer, self.expert_path, self.decode_expert_path)
+        kept = self._graph_paths.get(self.placement.cpu_path)
+        if kept is not None:
+            self.compiled, self.defer, self.expert_path, self.decode_expert_path = kept
+            return 0.0
+        self.defer, _ = defer_cpu(self.options, self.placement.cpu_path)
+        self.expert_path, self.decode_expert_path = self._expert_paths()
+        self.compiled = CompiledGraphs(self.cfg, self.options, self.plan, self.state, self.parallel, verbose=False)
+        t0, start_up = time.perf_counter(), self.stats.compile_s
+        self._build_graphs()
+        self.stats.compile_s = start_up  # the start-up's figure; this compile is in the line above
+        for form in old.sampled_windows:
+            self.compiled.sampled_windows_for(form)
+        if old.mtp_compiled is not None:
+            self.compiled.mtp_graphs()
+        return time.perf_counter() - t0
 
     def _fill_static_slots(self, keep_usage: bool = False) -> int:
         """Static policy (and lru with pcie_frac 0: placement.fills_from_prefill): after the prompt's prefill, the

@@ -346,10 +346,10 @@ def adapt_pcie_frac(cfg: ModelConfig, placement: Placement, itemsize: int, stats
     """pcie_frac=auto after a request: (the share the cost model picks for the misses a layer its decode windows
     met, those misses), or None when it stays. The start-up choice assumes near-uniform routing, which misses
     more than real routing does (the spread 30B shape at half its experts in slots: 1.1 misses a layer, not 4).
-    Only while the graphs hold the pool (a start-up choice below 1): the split is data in them, a choice of 1 at
-    start-up built graphs without it. `stats`: the request's decode ExpertStats (T=1 windows: a window's layer
-    holds K entries)."""
-    if not placement.auto or not placement.cpu_path or not placement.costs or stats.entries < 64:
+    Below 1 the split is data in the graphs (they hold the pool); a choice that crosses 1 makes the engine take the
+    other path's graphs (Engine._switch_graphs: at 1 no pool call a layer, as pcie_frac=1's). `stats`: the
+    request's decode ExpertStats (T=1 windows: a window's layer holds K entries)."""
+    if not placement.auto or not placement.costs or stats.entries < 64:
         return None
     misses = (stats.distinct_fetched + stats.distinct_cpu) * cfg.num_experts_per_tok / stats.entries
     costs = {k: placement.costs[k] for k in ("pcie_gbs", "pcie_call_s", "pool_gbs", "callback_s", "host_read_gbs")

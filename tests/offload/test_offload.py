@@ -54,7 +54,7 @@ def test_logits_and_greedy_do_not_depend_on_placement(engine_factory, reference,
     assert eng.placement.native == native
     line = next(x for x in eng.placement.lines if x.startswith("offload calls: "))
     assert line.startswith("offload calls: native") == native, line
-    before = pool.fetch_counters()
+    before, fetched = pool.fetch_counters(), 0
     for frac in (1.0, 0.0, 0.5):  # 1.0 compiles without the host pool, the others with it
         for policy in ("lru", "static"):
             eng.reconfigure(pcie_frac=frac, cache_policy=policy)
@@ -68,6 +68,7 @@ def test_logits_and_greedy_do_not_depend_on_placement(engine_factory, reference,
             assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy, (policy, frac)
             d = eng.stats.last.decode_experts
             assert d.entries == d.entries_resident + d.entries_fetched + d.entries_cpu > 0
+            fetched += d.distinct_fetched
             if frac == 0.0:
                 assert d.distinct_fetched == 0
             if frac == 1.0:
@@ -75,7 +76,10 @@ def test_logits_and_greedy_do_not_depend_on_placement(engine_factory, reference,
             if slots == 0:
                 assert d.distinct_resident == 0
     calls, experts, nbytes = (b - a for a, b in zip(before, pool.fetch_counters()))
-    if native:  # the decode windows fetched through the native calls; bytes are whole experts
+    assert fetched > 0
+    if native and pool.fetch_mode() == "kernel":  # a GPU's begin call copies on the stream: no host copy, no count
+        assert (calls, experts, nbytes) == (0, 0, 0)
+    elif native:  # the CPU handler's (or a GPU worker's) host copies; bytes are whole experts
         assert calls > 0 and experts > 0 and nbytes == experts * preset("tiny").expert_bytes(4)
 
 
@@ -303,8 +307,8 @@ def test_slot_refresh_retakes_the_decodes_experts_and_stays_exact(engine_factory
 def test_auto_split_follows_the_misses_a_request_met():
     """pcie_frac=auto after a request (placement.adapt_pcie_frac): few misses a layer fetch everything (the pool's
     fixed cost a call outweighs its share of the bytes), many misses with a pool as fast as PCIe split them, unless
-    the host's memory, which both read, is too slow for the two together. A split asked for by number, graphs built
-    without the pool, or too short a request leave it."""
+    the host's memory, which both read, is too slow for the two together; from 1 (graphs built without the pool) as
+    from a split. A split asked for by number or too short a request leave it."""
     cfg = preset("tiny")  # 98 kB float32 experts, top-4
     costs = dict(pcie_gbs=10.0, pcie_call_s=1e-5, pool_gbs=10.0, callback_s=5e-6, host_read_gbs=40.0)
 
@@ -321,24 +325,58 @@ def test_auto_split_follows_the_misses_a_request_met():
     assert split(12.0)[1.0] == split(40.0)[1.0]
     assert adapt_pcie_frac(cfg, placement(frac=0.5), 4, many) is None  # already there
     assert adapt_pcie_frac(cfg, placement(auto=False), 4, few) is None
-    assert adapt_pcie_frac(cfg, placement(frac=1.0), 4, many) is None  # graphs without the pool
+    assert adapt_pcie_frac(cfg, placement(frac=1.0), 4, many) == (0.5, 4.0)  # the engine takes the pool's graphs
+    assert adapt_pcie_frac(cfg, placement(frac=1.0), 4, few) is None
     assert adapt_pcie_frac(cfg, placement(), 4, ExpertStats(entries=40, distinct_fetched=1)) is None
 
 
 def test_engine_applies_a_new_auto_split_as_data(engine_factory, reference, tokens, monkeypatch):
-    """When the rule moves the split, the engine sets it in every layer's slot cache without a recompile or a
-    reset, and stays exact."""
+    """When the rule moves the split below 1, the engine sets it in every layer's slot cache without a recompile or
+    a reset, and stays exact."""
     ref_scores, ref_greedy = reference
     eng = offload_engine(engine_factory, 5)
     eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
-    monkeypatch.setattr(placement_mod, "adapt_pcie_frac", lambda *a: (1.0, 0.5))
+    monkeypatch.setattr(placement_mod, "adapt_pcie_frac", lambda *a: (0.25, 2.0))
     assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
     graphs = dict(eng.compiled.decode)  # the graphs the request used (tests may compile them on first use)
-    assert graphs and eng.placement.pcie_frac == 1.0
-    assert {float(np.asarray(s.pcie_frac)) for s in layer_states(eng.cache.experts)} == {1.0}
+    assert graphs and eng.placement.pcie_frac == 0.25
+    assert {float(np.asarray(s.pcie_frac)) for s in layer_states(eng.cache.experts)} == {0.25}
     assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
-    assert eng.stats.last.decode_experts.distinct_cpu == 0
+    assert eng.stats.last.decode_experts.distinct_cpu > 0
     assert all(eng.compiled.decode[t] is g for t, g in graphs.items())  # the same compiled graphs: nothing recompiled
+
+
+def test_auto_takes_the_graphs_without_the_pool_at_1_and_back(engine_factory, reference, tokens, monkeypatch):
+    """pcie_frac=auto's choice crossing 1 swaps the graph tables: at 1 those without the host pool (no pool call a
+    layer, as pcie_frac=1's), below 1 those with it, each compiled once and kept; the slot caches' experts stay,
+    the logits and greedy tokens stay all resident's, and the start-up's compile time is not overwritten."""
+    ref_scores, ref_greedy = reference
+    eng = offload_engine(engine_factory, 5)
+    eng.reconfigure(pcie_frac=0.5, cache_policy="lru")
+    eng.placement.auto = True  # as pcie_frac=auto at start-up, its split below 1
+    start_up, pool_graphs = eng.stats.compile_s, eng.compiled
+    choice = [1.0]
+    monkeypatch.setattr(placement_mod, "adapt_pcie_frac", lambda *a: (choice[0], 1.0))
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy  # ran with the pool, then crossed to 1
+    assert eng.placement.pcie_frac == 1.0 and not eng.placement.cpu_path
+    assert eng.compiled is not pool_graphs and eng.decode_expert_path.pool is None
+    cached = [np.asarray(s.table).copy() for s in layer_states(eng.cache.experts)]
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
+    d = eng.stats.last.decode_experts
+    assert d.entries > 0 and d.distinct_cpu == 0 and d.entries_cpu == 0
+    assert d.entries_resident > 0  # the experts cached before the swap served this request
+    assert all((t >= 0).any() for t in cached)
+    no_pool_graphs = eng.compiled
+    choice[0] = 0.5
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy  # ran without the pool, then crossed back
+    assert eng.placement.pcie_frac == 0.5 and eng.placement.cpu_path and eng.compiled is pool_graphs  # kept
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
+    assert eng.stats.last.decode_experts.distinct_cpu > 0
+    choice[0] = 1.0
+    assert eng.generate(tokens[:9], 12, stop_token_ids=[]) == ref_greedy
+    assert eng.compiled is no_pool_graphs  # kept too
+    assert rel_fro(eng.score(tokens, window=4), ref_scores[4]) <= REL_TOL
+    assert eng.stats.compile_s == start_up
 
 
 def test_auto_slots_and_refusals(engine_factory, cache_dir):
