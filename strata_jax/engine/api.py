@@ -384,7 +384,8 @@ class Engine:
 
     def _adapt_pcie_frac(self, stats: ExpertStats) -> None:
         """pcie_frac=auto: the split re-chosen from a request's misses (placement_mod.adapt_pcie_frac) and set as
-        data in the slot caches (no recompile; the cached experts stay); one line when it moves."""
+        data in the slot caches (the cached experts stay); where it crosses 1, the other path's graphs
+        (_switch_graphs); one line when it moves."""
         if not self.placement:
             return
         new = placement_mod.adapt_pcie_frac(self.cfg, self.placement, placement_mod.expert_itemsize(self.options),
@@ -393,8 +394,11 @@ class Engine:
             return
         (frac, misses), old = new, self.placement.pcie_frac
         crossed = placement_mod.needs_cpu_path(frac) != self.placement.cpu_path
-        if crossed and placement_mod.needs_cpu_path(frac) and not self._pool_graphs_fit():
-            return
+        to_pool = crossed and placement_mod.needs_cpu_path(frac)
+        if to_pool and (self.parallel is not None or not self._pool_graphs_fit()):
+            return  # the pool's graphs are not built here: it stays at 1
+        if crossed and self.parallel is not None:
+            crossed = False  # several devices: each stage keeps the expert paths it was built with; 1 set as data
         self.placement.pcie_frac = frac
         self.cache = self.cache.replace(experts=slots_mod.with_pcie_frac(self.cache.experts, frac))
         took = self._switch_graphs() if crossed else None

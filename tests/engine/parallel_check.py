@@ -91,6 +91,16 @@ def main(splits: list[str]) -> None:
         print(json.dumps({"defer": eng.parallel.blocks, "no_defer": sorted(eng.decode_expert_path.no_defer),
                           "defer_active": eng.decode_expert_path.defer.active, "tokens": len(tokens),
                           "cpu": eng.stats.last.decode_experts.distinct_cpu}), flush=True)
+        # pcie_frac=auto's choice crossing 1 on several devices: the stages keep their graphs (no swap), 1 is set as
+        # data, and a later split is not taken (the pool's graphs are not rebuilt there)
+        from strata_jax.offload import placement as placement_mod
+        graphs, eng.placement.auto = eng.compiled, True
+        seen = []
+        for choice in (1.0, 0.5):
+            placement_mod.adapt_pcie_frac = lambda *a, c=choice: (c, 1.0)
+            eng._adapt_pcie_frac(eng.stats.last.decode_experts)
+            seen.append(eng.placement.pcie_frac)
+        print(json.dumps({"auto_fracs": seen, "auto_same_graphs": eng.compiled is graphs}), flush=True)
     # save_state of a split engine restores on one device with the same logits (the embedded checkpoint folder)
     print(json.dumps({"defer_s": round(time.perf_counter() - t0, 1)}), flush=True)
     t0 = time.perf_counter()

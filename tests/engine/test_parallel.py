@@ -55,6 +55,8 @@ def test_layers_and_experts_match_one_device(cache_dir):
     # the deferral: the last layer of device 0's block (layer 1 of 3) is never deferred, nor the model's last
     defer = next(r for r in rows if "defer" in r)
     assert defer["no_defer"] == [1, 2] and defer["defer_active"] and defer["tokens"] == 10 and defer["cpu"] > 0
+    auto = next(r for r in rows if "auto_fracs" in r)
+    assert auto == {"auto_fracs": [1.0, 1.0], "auto_same_graphs": True}
     saved = {r["saved"]: r["prefill"] for r in rows if "saved" in r}
     assert set(saved) == {"layers:2", "experts:2", "layers:2:4:0.5:lru", "experts:2:4:1:lru"}, proc.stdout
     assert all(v <= 1e-5 for v in saved.values()), saved
