@@ -388,8 +388,14 @@ class Engine:
         (_switch_graphs); one line when it moves."""
         if not self.placement:
             return
+        following = None
+        if self.placement.auto and self.placement.fills_from_prefill:  # the decode's usage since the slots' fill
+            states = [self.cache.experts] if isinstance(self.cache.experts, slots_mod.SlotCache) else \
+                [s for s in self.cache.experts if s is not None]
+            usage = np.concatenate([np.asarray(s.usage).reshape(-1, self.cfg.num_experts) for s in states])
+            following = placement_mod.following_misses(usage, self.placement.slots, self.cfg.num_experts_per_tok)
         new = placement_mod.adapt_pcie_frac(self.cfg, self.placement, placement_mod.expert_itemsize(self.options),
-                                            stats)
+                                            stats, following)
         if new is None:
             return
         (frac, misses), old = new, self.placement.pcie_frac

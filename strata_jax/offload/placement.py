@@ -342,20 +342,39 @@ def measure_costs(cfg: ModelConfig, weights: Weights, pool, repeats: int = 5, na
                 host_read_gbs=host_read_gbs)
 
 
-def adapt_pcie_frac(cfg: ModelConfig, placement: Placement, itemsize: int, stats) -> tuple[float, float] | None:
+def following_misses(usage: np.ndarray, slots: int, k: int) -> float | None:
+    """Misses a layer per T=1 window that slots following the decode would have met, from its usage [L, E] (entries
+    routed to each expert since the slots were filled): each layer's entries outside its S most used experts, as a
+    share of its entries, times K. Hindsight's best static slots: lru, which follows the decode as it goes, meets
+    somewhat more. None where nothing was counted."""
+    u = np.asarray(usage, np.int64).reshape(-1, np.shape(usage)[-1])
+    total = int(u.sum())
+    if total == 0:
+        return None
+    kept = int(-np.sort(-u, axis=1)[:, :slots].sum())
+    return k * (total - kept) / total
+
+
+def adapt_pcie_frac(cfg: ModelConfig, placement: Placement, itemsize: int, stats,
+                    following: float | None = None) -> tuple[float, float] | None:
     """pcie_frac=auto after a request: (the share the cost model picks for the misses a layer its decode windows
     met, those misses), or None when it stays. The start-up choice assumes near-uniform routing, which misses
     more than real routing does (the spread 30B shape at half its experts in slots: 1.1 misses a layer, not 4).
     Below 1 the split is data in the graphs (they hold the pool); a choice that crosses 1 makes the engine take the
     other path's graphs (Engine._switch_graphs: at 1 no pool call a layer, as pcie_frac=1's). `stats`: the
-    request's decode ExpertStats (T=1 windows: a window's layer holds K entries)."""
+    request's decode ExpertStats (T=1 windows: a window's layer holds K entries). following: after a request whose
+    slots stayed as its prefill filled them (lru at 0), the misses slots that follow the decode would have met
+    (following_misses): what a split's lru fetches meet, where the frozen slots' misses are what 0 meets (the
+    spread 30B shape at 64 of 128 slots: 2.7 misses a layer frozen, ~1.1 under lru)."""
     if not placement.auto or not placement.costs or stats.entries < 64:
         return None
     misses = (stats.distinct_fetched + stats.distinct_cpu) * cfg.num_experts_per_tok / stats.entries
     costs = {k: placement.costs[k] for k in ("pcie_gbs", "pcie_call_s", "pool_gbs", "callback_s", "host_read_gbs")
              if k in placement.costs}
+    frozen = placement.policy == "lru" and placement.fills_from_prefill
     frac, _ = choose_pcie_frac(cfg, placement.slots, itemsize, **costs, overlap=placement.native,
-                               policy=placement.policy, misses=misses)
+                               policy=placement.policy, misses=misses,
+                               following=following if frozen else None)
     return None if frac == placement.pcie_frac else (frac, misses)
 
 
@@ -366,7 +385,8 @@ def expected_misses(cfg: ModelConfig, slots: int) -> float:
 
 def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: float, pcie_call_s: float,
                      pool_gbs: float, callback_s: float, overlap: bool = False, policy: str = "lru",
-                     host_read_gbs: float | None = None, misses: float | None = None) -> tuple[float, dict]:
+                     host_read_gbs: float | None = None, misses: float | None = None,
+                     following: float | None = None) -> tuple[float, dict]:
     """The share of misses to fetch that minimises a T=1 window's miss time in the measured cost model.
 
     The graph path runs the fetch and the pool one after the other (the pool call stalls the stream):
@@ -377,12 +397,15 @@ def choose_pcie_frac(cfg: ModelConfig, slots: int, itemsize: int, pcie_gbs: floa
     m: misses a layer per window, `misses` where measured (adapt_pcie_frac), else near-uniform routing's
     (expected_misses). At F = 0 the slots hold each prompt's most used experts under either policy
     (fills_from_prefill); misses measured under lru (which follows the decode) are not what such frozen slots
-    meet, so there lru counts at least near-uniform routing's.
+    meet, so there lru counts at least near-uniform routing's. following: misses measured with such frozen slots
+    are not what lru's fetches (F > 0) would meet; where given (adapt_pcie_frac), F > 0 counts these instead.
     """
     b = cfg.expert_bytes(itemsize)
     costs = {}
     for f in (0.0, 0.25, 0.5, 0.75, 1.0):
         m = misses if misses is not None else expected_misses(cfg, slots)
+        if f > 0.0 and following is not None:
+            m = following
         if f == 0.0 and policy == "lru":
             m = max(m, expected_misses(cfg, slots))
         fetch_s, pool_s = f * m * b / (pcie_gbs * 1e9), (1 - f) * m * b / (pool_gbs * 1e9)

@@ -5,6 +5,7 @@ Exactness tolerance: float32 logits, ||offloaded - all_resident||_F / ||all_resi
 """
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -328,6 +329,50 @@ def test_auto_split_follows_the_misses_a_request_met():
     assert adapt_pcie_frac(cfg, placement(frac=1.0), 4, many) == (0.5, 4.0)  # the engine takes the pool's graphs
     assert adapt_pcie_frac(cfg, placement(frac=1.0), 4, few) is None
     assert adapt_pcie_frac(cfg, placement(), 4, ExpertStats(entries=40, distinct_fetched=1)) is None
+
+
+def test_auto_split_after_frozen_slots_counts_what_lru_would_meet():
+    """After a request whose slots stayed as its prefill filled them (lru at pcie_frac 0), the misses it met are the
+    frozen slots'; a split's lru fetches follow the decode, so its candidates count the misses the decode's own most
+    used experts would have left (following_misses: hindsight, from the usage since the fill)."""
+    rng = np.random.default_rng(20261207)
+    for _ in range(50):  # against a plain count: entries outside each layer's S most used, per window of K
+        layers, e, k = rng.integers(1, 5), rng.integers(4, 20), rng.integers(1, 4)
+        s = int(rng.integers(0, e + 1))
+        usage = rng.integers(0, 9, size=(layers, e)) * (rng.random((layers, e)) < 0.7)
+        total = usage.sum()
+        left = sum(sum(sorted(row)[:e - s]) for row in usage)
+        got = placement_mod.following_misses(usage, s, k)
+        assert (got is None) if total == 0 else got == pytest.approx(k * left / total)
+    cfg = preset("tiny")
+    costs = dict(pcie_gbs=10.0, pcie_call_s=1e-5, pool_gbs=10.0, callback_s=5e-6, host_read_gbs=40.0)
+    frozen = Placement(slots=4, policy="lru", pcie_frac=0.0, pool=None, host_kind="pinned_host", lines=[],
+                       costs=costs, native=True, auto=True)
+    many = ExpertStats(entries=400, distinct_fetched=0, distinct_cpu=400)  # 4 misses a layer with the frozen slots
+    assert adapt_pcie_frac(cfg, frozen, 4, many) == (0.5, 4.0)
+    assert adapt_pcie_frac(cfg, frozen, 4, many, following=0.25) == (1.0, 4.0)  # lru would have met 0.25
+    static = dataclasses.replace(frozen, policy="static")  # static slots stay frozen whatever the split
+    assert adapt_pcie_frac(cfg, static, 4, many, following=0.25) == adapt_pcie_frac(cfg, static, 4, many)
+
+
+def test_engine_gives_auto_the_decodes_usage_after_frozen_slots(engine_factory, tokens, monkeypatch):
+    """An auto engine at pcie_frac 0 under lru (slots frozen after the prefill) hands the rule the misses that slots
+    following the decode would have met, from the usage counted since the fill; at a split (lru fetching) none."""
+    eng = offload_engine(engine_factory, 5)
+    seen = []
+    monkeypatch.setattr(placement_mod, "adapt_pcie_frac", lambda *a: seen.append(a[-1]))
+    for frac, frozen in ((0.0, True), (0.5, False)):
+        eng.reconfigure(pcie_frac=frac, cache_policy="lru")
+        eng.placement.auto = True
+        eng.generate(tokens[:9], 12, stop_token_ids=[])
+        states = layer_states(eng.cache.experts)
+        usage = np.stack([np.asarray(s.usage) for s in states])
+        if frozen:
+            k = preset("tiny").num_experts_per_tok
+            assert usage.sum() == eng.stats.last.decode_experts.entries  # the decode's entries, since the fill
+            assert seen[-1] == pytest.approx(placement_mod.following_misses(usage, 5, k)) and 0 < seen[-1] < k
+        else:
+            assert seen[-1] is None
 
 
 def test_engine_applies_a_new_auto_split_as_data(engine_factory, reference, tokens, monkeypatch):
