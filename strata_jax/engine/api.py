@@ -343,8 +343,7 @@ class Engine:
         if isinstance(self.parallel, parallel_mod.ExpertSplit) and (float(opts.pcie_frac) < 1
                                                                      or opts.cache_policy == "static"):
             raise StrataError("parallel=experts with offload runs pcie_frac=1 and cache_policy=lru")
-        if (self.scanned_offload and not slots_mod.native_defer_fits(self.cfg, self.options.window)
-                and defer_cpu(self.options, placement_mod.needs_cpu_path(float(opts.pcie_frac)))[0].active):
+        if placement_mod.needs_cpu_path(float(opts.pcie_frac)) and not self._pool_graphs_fit():
             raise StrataError("the deferral (STRATA_VERIFY_DEFER_CPU) of windows this wide runs in the unrolled "
                               "graph: start the engine with layer_loop=unrolled to reconfigure it to pcie_frac < 1")
         rebuild = self.placement.reconfigure(float(opts.pcie_frac), opts.cache_policy)
@@ -364,8 +363,8 @@ class Engine:
         start of a request also zero the routing usage (the static policy fills from this request's prefill)."""
         if not self.placement:
             return ExpertStats()
-        stacked = isinstance(self.cache.experts, slots_mod.SlotCache)  # scans_offload: every layer's in one
-        states = [self.cache.experts] if stacked else [s for s in self.cache.experts if s is not None]
+        stacked = isinstance(self.cache.experts, slots_mod.SlotCache)
+        states = self._slot_caches()
         # parallel=experts: [D, C] counters, one row per device's slot cache
         total = np.sum([np.asarray(s.counters).reshape(-1, len(slots_mod.COUNTERS)) for s in states], axis=(0, 1))
         out = ExpertStats(**{name: int(v) for name, v in zip(slots_mod.COUNTERS, total)})
@@ -382,6 +381,11 @@ class Engine:
                                         [None if s is None else zeroed(s) for s in self.cache.experts])
         return out
 
+    def _slot_caches(self) -> list:
+        """The slot caches as stored: the stacked one (scans_offload: every layer's in one), or each sparse layer's."""
+        experts = self.cache.experts
+        return [experts] if isinstance(experts, slots_mod.SlotCache) else [s for s in experts if s is not None]
+
     def _adapt_pcie_frac(self, stats: ExpertStats) -> None:
         """pcie_frac=auto: the split re-chosen from a request's misses (placement_mod.adapt_pcie_frac) and set as
         data in the slot caches (the cached experts stay); where it crosses 1, the other path's graphs
@@ -389,10 +393,9 @@ class Engine:
         if not self.placement:
             return
         following = None
-        if self.placement.auto and self.placement.fills_from_prefill:  # the decode's usage since the slots' fill
-            states = [self.cache.experts] if isinstance(self.cache.experts, slots_mod.SlotCache) else \
-                [s for s in self.cache.experts if s is not None]
-            usage = np.concatenate([np.asarray(s.usage).reshape(-1, self.cfg.num_experts) for s in states])
+        if self.placement.auto and self.placement.frozen_lru:  # the decode's usage since the slots' fill
+            usage = np.concatenate([np.asarray(s.usage).reshape(-1, self.cfg.num_experts)
+                                    for s in self._slot_caches()])
             following = placement_mod.following_misses(usage, self.placement.slots, self.cfg.num_experts_per_tok)
         new = placement_mod.adapt_pcie_frac(self.cfg, self.placement, placement_mod.expert_itemsize(self.options),
                                             stats, following)

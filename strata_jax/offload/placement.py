@@ -51,6 +51,12 @@ class Placement:
         pcie_frac 0 (nothing is ever fetched, so lru's slots would stay empty and every entry go to the pool)."""
         return fills_from_prefill(self.policy, self.pcie_frac)
 
+    @property
+    def frozen_lru(self) -> bool:
+        """lru whose slots stay as each prefill filled them (pcie_frac 0): the misses it meets are not those of the
+        lru that fetches (F > 0), which follows the decode (adapt_pcie_frac's `following`)."""
+        return self.policy == "lru" and self.fills_from_prefill
+
     def reconfigure(self, pcie_frac: float, policy: str) -> bool:
         """Take a new split and policy; whether the graphs must be rebuilt (the split crossed 1: needs_cpu_path; or
         the policy changed: the decode windows under lru are built without staging, OffloadedExperts.can_stage)."""
@@ -371,10 +377,9 @@ def adapt_pcie_frac(cfg: ModelConfig, placement: Placement, itemsize: int, stats
     misses = (stats.distinct_fetched + stats.distinct_cpu) * cfg.num_experts_per_tok / stats.entries
     costs = {k: placement.costs[k] for k in ("pcie_gbs", "pcie_call_s", "pool_gbs", "callback_s", "host_read_gbs")
              if k in placement.costs}
-    frozen = placement.policy == "lru" and placement.fills_from_prefill
     frac, _ = choose_pcie_frac(cfg, placement.slots, itemsize, **costs, overlap=placement.native,
                                policy=placement.policy, misses=misses,
-                               following=following if frozen else None)
+                               following=following if placement.frozen_lru else None)
     return None if frac == placement.pcie_frac else (frac, misses)
 
 
