@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -46,6 +47,9 @@ EXPERTS_SOURCE = Path(__file__).with_name("native_experts.c")
 EXPERTS_FLAGS = (("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"), ("-O3", "-fopenmp", "-shared", "-fPIC"),
                  ("-O3", "-march=native", "-shared", "-fPIC"), ("-O3", "-shared", "-fPIC"))
 LIBS = ("-lm",)
+# Build settings of native_experts.c for the engine's pool (its -D knobs: ROWS_DOWN=8, TEAM_SPIN_US=1000, ...), to
+# time a setting in the generate loop where measure.py's --variants time it alone; unset: the source's defaults.
+DEFINES_ENV = "STRATA_POOL_DEFINES"
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -60,6 +64,24 @@ def mode() -> str:
         raise ValueError(f"{ENV}={text!r}: not 0 (numpy int4 dequantization) or 1 (the C kernel); unset it for "
                          "the C kernel where a compiler builds it")
     return {"": "auto", "0": "off", "1": "on"}[text]
+
+
+def build_defines() -> tuple[str, ...]:
+    """The -D settings STRATA_POOL_DEFINES names ("ROWS_DOWN=8,TEAM_SPIN_US=1000": upper-case names, integer values)
+    for the expert kernel and the FFI library; ValueError (one line) for anything else."""
+    text = os.environ.get(DEFINES_ENV, "").strip()
+    items = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in items if not re.fullmatch(r"[A-Z][A-Z0-9_]*(=-?[0-9]+)?", t)]
+    if bad:
+        raise ValueError(f"{DEFINES_ENV}={text!r}: {bad[0]!r} is not NAME or NAME=INTEGER (the -D settings of "
+                         "host_pool/native_experts.c, comma-separated, e.g. ROWS_DOWN=8)")
+    return items
+
+
+def _with_defines(flag_sets: tuple) -> tuple:
+    """Each flag set with STRATA_POOL_DEFINES' -D settings."""
+    extra = tuple(f"-D{d}" for d in build_defines())
+    return tuple((*flags, *extra) for flags in flag_sets)
 
 
 def int4_kernel():
@@ -181,7 +203,8 @@ def _build_experts() -> tuple:
     if _experts_built is None:
         with _lock:
             if _experts_built is None:
-                built, line = _compile_and_load(EXPERTS_SOURCE, EXPERTS_FLAGS, "expert jobs", ExpertsKernel)
+                built, line = _compile_and_load(EXPERTS_SOURCE, _with_defines(EXPERTS_FLAGS), "expert jobs",
+                                                ExpertsKernel)
                 if built is not None:
                     line = f"expert jobs: C, {built.build} ({line.split('(', 1)[1]}"
                 _experts_built = built, line
@@ -313,7 +336,7 @@ def _build_ffi() -> tuple:
     except (OSError, AttributeError) as e:
         return None, f"pool calls: io_callback (FFI handler not built: {e})"
     error = ""
-    for flags in EXPERTS_FLAGS:
+    for flags in _with_defines(EXPERTS_FLAGS):
         c_flags = [f for f in flags if f != "-shared"]
         key = hashlib.sha256(b"\0".join(key_parts + [" ".join(flags).encode()])).hexdigest()[:16]
         path = folder / f"native_ffi-{key}.so"
@@ -321,7 +344,9 @@ def _build_ffi() -> tuple:
             if not path.exists():
                 _link_ffi(compiler, cxx, c_flags, include, path)
             library = FfiLibrary(path)
-            return library, f"pool calls: XLA FFI ({path.name}; {', '.join(library.platforms)})"
+            defines = " ".join(f for f in flags if f.startswith("-D"))
+            return library, (f"pool calls: XLA FFI ({path.name}; {', '.join(library.platforms)}"
+                             + (f"; {defines}" if defines else "") + ")")
         except (OSError, AttributeError, subprocess.SubprocessError) as e:
             error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
     return None, f"pool calls: io_callback (FFI handler not built with {cxx}: {error})"

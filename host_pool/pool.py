@@ -158,6 +158,7 @@ class HostPool:
     def __init__(self, store: HostExpertStore, threads: int | None = None,
                  timeout_s: float = 20.0, blas_threads: int | None = 1, native_calls: bool = True):
         native.mode()  # a bad STRATA_POOL_NATIVE fails here, not in a job
+        native.build_defines()  # and a bad STRATA_POOL_DEFINES
         if U8 in (store.dtype_of("gate"), store.dtype_of("down")):  # int4, int4-q4k, int4-m
             native.int4_kernel()  # compiled now (once per machine), not inside the first job's timeout
         native.experts_kernel()  # the same

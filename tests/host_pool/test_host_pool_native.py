@@ -401,3 +401,30 @@ def test_measure_timeline_gives_the_kernels_own_ratio(monkeypatch, capsys):
     assert "region vs bf16" not in timelines[0]
     ratio = float(timelines[1].split("region vs bf16 ")[1].rstrip("x"))
     assert 0 < ratio < 10, timelines[1]
+
+
+def test_build_settings_come_from_the_environment(kernel, monkeypatch):
+    """STRATA_POOL_DEFINES: the engine's pool built with other -D settings of native_experts.c (to time one in the
+    generate loop, where measure.py's --variants time it alone): the build line names them and the jobs stay within
+    the float32 tolerance of the default build's; a bad value is one line."""
+    rng = rng_for("native-defines")
+    reference, store = make_store(rng, "bfloat16", "float32")
+    x = rng.standard_normal((2, store.hidden_size(0))).astype(np.float32)
+    ids = np.array([4, 0, 6], np.int32)
+    w = rng.random((2, 3)).astype(np.float32)
+    monkeypatch.setenv(native.ENV, "1")
+    monkeypatch.delenv(native.DEFINES_ENV, raising=False)
+    with HostPool(store, threads=2) as pool:
+        y_default = pool.compute(1, x, ids, w)
+    monkeypatch.setattr(native, "_experts_built", None)  # built again in this process (restored after the test)
+    monkeypatch.setenv(native.DEFINES_ENV, "ROWS_DOWN=8, TEAM_SPIN_US=300")
+    assert "-DROWS_DOWN=8 -DTEAM_SPIN_US=300" in native.describe_experts()
+    with HostPool(store, threads=2) as pool:
+        y = pool.compute(1, x, ids, w)
+    assert rel_fro(y, y_default) < 1e-5
+    assert rel_fro(y, reference_ffn(reference[1], x, ids, w, rounding("float32"))) < 1e-5
+    for bad in ("rows_down=8", "ROWS_DOWN=eight", "-O0"):
+        monkeypatch.setenv(native.DEFINES_ENV, bad)
+        with pytest.raises(ValueError, match="STRATA_POOL_DEFINES=.* is not NAME or NAME=INTEGER") as e:
+            HostPool(store, threads=1)
+        assert "\n" not in str(e.value)

@@ -1,0 +1,20 @@
+# Call D (issue 34's fixed cost a layer, target 0.03 ms): the optimized HLO of the scanned T=1 layer body, all resident
+# against S=E through the offload path (body_hlo.py, 4 layers); then offload_bench on 12 layers, S=E / 50% / 25%, PCIe
+# only, beside all resident (the fixed cost a layer and the share of the bytes bound, as the sixth session measured);
+# then (issue 33) the pool alone at 64 slots with the default build and with ROWS_DOWN=8 (STRATA_POOL_DEFINES; call B's
+# measure.py: a 1-expert job 12% faster alone), mirrored: default, R8, R8, default.
+set -u; export PYTHONPATH=. PYTHONUNBUFFERED=1; T0=$SECONDS; D=$OUT/cD; mkdir -p $D
+nvidia-smi --query-gpu=name --format=csv,noheader; git log --oneline -1 | cut -c1-80
+timeout 150 python3 benchmarks/results/h200-2026-12-07f-auto/scripts/body_hlo.py $D > $D/body_hlo.log 2>&1
+echo "body rc=$? at $((SECONDS - T0)) s"; grep -vE "^W1|cuda_timer" $D/body_hlo.log | head -60
+timeout 240 python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b --layers=12 --slot_fracs=1.0,0.5,0.25 \
+  --pcie_fracs=1 --embed_scale=50 --new_tokens=64 --json=$D/offload.json > $D/offload.log 2>&1
+echo "offload rc=$? at $((SECONDS - T0)) s"; grep -E "^\| (all|S=)|rror|fixed|over all" $D/offload.log | cut -c1-250
+P="python3 -m benchmarks.offload_bench --model=qwen3-30b-a3b --layers=12 --slot_fracs=0.5 --pcie_fracs=0 --embed_scale=50 --new_tokens=64"
+for arm in default R8 R8b defaultb; do
+  [ $((SECONDS - T0)) -lt 520 ] || break
+  case $arm in R8*) export STRATA_POOL_DEFINES=ROWS_DOWN=8;; *) unset STRATA_POOL_DEFINES;; esac
+  timeout 75 $P --json=$D/pool-$arm.json > $D/pool-$arm.log 2>&1
+  echo "pool $arm rc=$? at $((SECONDS - T0)) s"; grep -E "^\\| S=|rror" $D/pool-$arm.log | cut -c1-200; grep -c "DROWS_DOWN=8" $D/pool-$arm.log
+done
+tar czf $OUT/cD.tgz -C $OUT cD; echo "done at $((SECONDS - T0)) s"
