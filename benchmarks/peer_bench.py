@@ -69,6 +69,10 @@ flags.DEFINE_string("quant", "", "llama-quantize types, comma-separated (e.g. Q4
                     "and ours all read that file (ours with its experts kept packed; --embed_scale does not apply: "
                     "the spread is the file's routers); '' = our arms on random weights.", flag_values=FLAGS)
 flags.DEFINE_string("llama_quantize", "", "llama.cpp's llama-quantize ('' = beside --llama_bench).", flag_values=FLAGS)
+flags.DEFINE_bool("drop_gguf", False, "Delete the F16 GGUF once the peer's arms have run, before ours: the 30B shape's "
+                  "48 layers are 61 GB in /dev/shm and our engine's host experts 58 GB, more than a 128 GB host holds "
+                  "together. Not with --quant (its types are made from the F16 file as they run).",
+                  flag_values=FLAGS)
 flags.DEFINE_string("json", "", "Write every number to this JSON file.", flag_values=FLAGS)
 runner.define_output_flag(FLAGS)
 
@@ -416,6 +420,8 @@ def run(s) -> dict:
     from strata_jax.model.config import preset
     cfg = preset(s.model, layers=s.layers or None)
     qtypes = parse_quant(s.quant)
+    if qtypes and s.drop_gguf:
+        raise ValueError("--drop_gguf: not with --quant (each type is made from the F16 GGUF as its arms run)")
     result = dict(benchmark="peer_bench", settings={n: getattr(s, n) for n in FLAGS}, peer=[], ours=[])
     read, threads = host_read_gbs(s.read_mib)
     result["host_read_gbs"], result["host_threads"] = read, threads
@@ -431,6 +437,9 @@ def run(s) -> dict:
         result["peer"] = run_peer(s, gguf)
         if s.peer_sampling:
             result["peer"] += run_peer_sampled(s, gguf)
+        if s.drop_gguf:  # the host's RAM for our arms (a file in /dev/shm is memory)
+            gguf.unlink(missing_ok=True)
+            common.say(f"peer: {gguf} deleted (--drop_gguf), before our arms")
     dev = common.device_info()
     result["device"] = dev
     result["ours"] = run_ours(s, cfg)

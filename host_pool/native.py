@@ -195,7 +195,10 @@ def describe_experts(short: bool = False) -> str:
     if mode() == "off":
         return f"expert jobs: numpy ({ENV}=0)"
     kernel, line = _build_experts()
-    return line.split(" (", 1)[0] if short and kernel is not None else line
+    if short and kernel is not None:  # the build settings stay: a timing's start-up line says what it timed
+        defines = [f[2:].rstrip(")") for f in line.split() if f.startswith("-D")]
+        return line.split(" (", 1)[0] + (f", {DEFINES_ENV}={','.join(defines)}" if defines else "")
+    return line
 
 
 def _build_experts() -> tuple:

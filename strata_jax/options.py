@@ -376,7 +376,7 @@ def parse_number(text: str, kind=float):
 # rows) and the server's API key. Known, so the start-up lines do not call them ignored.
 OTHER_VARIABLES = ("STRATA_OFFLOAD_CAPTURE", "STRATA_OFFLOAD_FETCH", "STRATA_OFFLOAD_SIGNAL", "STRATA_OFFLOAD_SPIN_US",
                    "STRATA_OFFLOAD_TIMELINE", "STRATA_OFFLOAD_TRACE", "STRATA_POOL_MEMOPS", "STRATA_POOL_SPIN_US",
-                   "STRATA_PREFETCH_BLOCKS",
+                   "STRATA_PREFETCH_BLOCKS", "STRATA_POOL_DEFINES",
                    "STRATA_API_KEY", "STRATA_KERNEL_TUNING")
 
 
