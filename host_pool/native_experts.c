@@ -1734,6 +1734,13 @@ static void teams_forget(void)  /* a forked child has none of the threads: fresh
 }
 static void teams_init(void) { pthread_atfork(NULL, NULL, teams_forget); }
 
+/* -DTEAM_SPIN_YIELD=1 (for A/Bs in the engine, STRATA_POOL_DEFINES): an idle worker yields its core every 64 spins,
+   so a longer spin (the gap between a decode step's layer jobs) need not take the cores of XLA's launching thread
+   and the offload worker, which cost the engine 18-20% with TEAM_SPIN_US=1000 on 16 threads */
+#ifndef TEAM_SPIN_YIELD
+#define TEAM_SPIN_YIELD 0
+#endif
+
 /* the word once it differs from `seen`: spin TEAM_SPIN_US, then sleep on the futex */
 static uint32_t wait_word(team_t *T, uint32_t seen)
 {
@@ -1743,6 +1750,7 @@ static uint32_t wait_word(team_t *T, uint32_t seen)
         if ((word = __atomic_load_n(&T->word, __ATOMIC_ACQUIRE)) != seen) return word;
         cpu_relax();
         if (spins % 64 == 0 && now_ns() - start >= __atomic_load_n(&T->spin_ns, __ATOMIC_RELAXED)) break;
+        if (TEAM_SPIN_YIELD && spins % 64 == 0) sched_yield();
     }
     /* sleepers before the look at the word, the caller's word before its look at sleepers (both seq_cst): either
        the caller sees a sleeper and wakes the futex, or this look sees its word; the futex wait itself returns at
