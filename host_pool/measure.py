@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -75,6 +76,27 @@ def read_gbps(nbytes: int, threads: int, repeats: int = 5) -> float | None:
         best = min(best, time.perf_counter() - t0)
     assert total == len(words) // 8 * 8, total
     return words.nbytes / best / 1e9
+
+
+def team_sched() -> tuple[int, int] | None:
+    """(run_delay ns, context switches) summed over this process's pool workers (threads named strata-experts, the
+    kept teams of native_experts.c), from /proc/self/task/<tid>/schedstat and status; None without /proc.
+    run_delay: the time a worker was runnable but waited for a core; a switch: it slept or was preempted."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    delay = switches = 0  # workers started later (a team's first job) count from 0
+    for task in tasks.glob("*"):
+        try:
+            if (task / "comm").read_text().strip() != "strata-experts":
+                continue
+            delay += int((task / "schedstat").read_text().split()[1])
+            status = (task / "status").read_text()
+            switches += sum(int(line.split()[1]) for line in status.splitlines()
+                            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))
+        except (OSError, ValueError, IndexError):  # a thread gone, or no schedstat
+            continue
+    return delay, switches
 
 
 def pool_row(pool: HostPool, rng, T: int, n_experts: int, H: int, repeats: int, rounds: int = 3, gap_us: float = 0):
@@ -264,7 +286,9 @@ def main() -> None:
             for T in windows:
                 if timeline is not None:
                     timeline.timeline(True)
+                sched_before = team_sched() if timeline is not None else None
                 ms, gbps, jobs = pool_row(pool, rng, T, args.experts, H, args.repeats, gap_us=args.gap_us)
+                sched_after = team_sched() if sched_before is not None else None
                 if fmt == "bf16":
                     bf16_ms[path, T] = ms
                 share = f"{gbps / read:7.1%}" if read else "n/a"
@@ -286,6 +310,12 @@ def main() -> None:
                           f"{t['threads']:.1f} threads in {t['first_in']:.1f} .. {t['last_in']:.1f}, "
                           f"phase 1 {t['phase1']:.1f}, "
                           f"phase 2 {t['job'] - t['phase1']:.1f}, region {t['job']:.1f}{native_ratio}", flush=True)
+                    if sched_after is not None and t["jobs"]:
+                        # a worker late into a job: waiting for a core (run delay) or waking (switches: it slept)
+                        workers = max(args.threads - 1, 1)
+                        print(f"{'':20s} {'':{width}s} workers: run delay {(sched_after[0] - sched_before[0]) / 1e3 / t['jobs'] / workers:.1f} us "
+                              f"a job a worker (runnable, no core), {(sched_after[1] - sched_before[1]) / t['jobs'] / workers:.2f} "
+                              "context switches a job a worker (each a sleep or a preemption)", flush=True)
             pool.close()
             native.experts_kernel = default_kernel
         del store

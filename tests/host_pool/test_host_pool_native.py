@@ -387,7 +387,8 @@ def test_the_float_path_build_matches(kernel, monkeypatch, tmp_path, fmt, comput
 def test_measure_timeline_gives_the_kernels_own_ratio(monkeypatch, capsys):
     """`python -m strata_jax.host_pool.measure --timeline` (small shapes): under each path-C row the mean job's
     timeline, and for a quantized format its region against bf16's (what the engine's native calls see, without the
-    Python pool's hand-off in ms/job)."""
+    Python pool's hand-off in ms/job); on Linux under it the team's run delay and context switches a job a worker
+    (a late worker: no core, or asleep)."""
     from strata_jax.host_pool import measure, native
     if native.experts_kernel() is None:
         pytest.skip(f"no native expert kernel here: {native.describe_experts()}")
@@ -401,6 +402,12 @@ def test_measure_timeline_gives_the_kernels_own_ratio(monkeypatch, capsys):
     assert "region vs bf16" not in timelines[0]
     ratio = float(timelines[1].split("region vs bf16 ")[1].rstrip("x"))
     assert 0 < ratio < 10, timelines[1]
+    if platform.system() == "Linux":  # under each timeline, the workers' wait for a core and their switches a job
+        workers = [lines[lines.index(t) + 1] for t in timelines]
+        for ln in workers:
+            assert ln.split()[:3] == ["workers:", "run", "delay"], ln
+            delay, switches = float(ln.split("delay ")[1].split()[0]), float(ln.split("core), ")[1].split()[0])
+            assert delay >= 0 and switches >= 0, ln
 
 
 def test_build_settings_come_from_the_environment(kernel, monkeypatch):

@@ -20,4 +20,9 @@ for arm in default Y R8 R8b Yb defaultb; do
   timeout 75 $P --json=$D/pool-$arm.json > $D/pool-$arm.log 2>&1
   echo "pool $arm rc=$? at $((SECONDS - T0)) s"; grep -E "^\\| S=|rror" $D/pool-$arm.log | cut -c1-200; grep -o "STRATA_POOL_DEFINES=[A-Z0-9_=,]*" $D/pool-$arm.log | head -1
 done
+# Last, as time allows: a 1-expert job alone with the workers' run delay and switches (no core, or asleep?)
+[ $((SECONDS - T0)) -lt 540 ] && timeout 50 python3 -m host_pool.measure --threads=16 --experts=1 --formats=bf16 \
+  --windows=1 --paths=C --timeline --gap-us=150 --hot-intermediate=0 \
+  --variants="default TEAM_SPIN_US=1000 TEAM_SPIN_US=1000,TEAM_SPIN_YIELD=1" > $D/small-e1.log 2>&1 \
+  && grep -E "^bf16|timeline|workers" $D/small-e1.log | cut -c1-200
 tar czf $OUT/cD.tgz -C $OUT cD; echo "done at $((SECONDS - T0)) s"
