@@ -312,10 +312,12 @@ def main() -> None:
                           f"phase 2 {t['job'] - t['phase1']:.1f}, region {t['job']:.1f}{native_ratio}", flush=True)
                     if sched_after is not None and t["jobs"]:
                         # a worker late into a job: waiting for a core (run delay) or waking (switches: it slept)
-                        workers = max(args.threads - 1, 1)
-                        print(f"{'':20s} {'':{width}s} workers: run delay {(sched_after[0] - sched_before[0]) / 1e3 / t['jobs'] / workers:.1f} us "
-                              f"a job a worker (runnable, no core), {(sched_after[1] - sched_before[1]) / t['jobs'] / workers:.2f} "
-                              "context switches a job a worker (each a sleep or a preemption)", flush=True)
+                        per = max(args.threads - 1, 1) * t["jobs"]  # worker-jobs
+                        delay_us = (sched_after[0] - sched_before[0]) / 1e3 / per
+                        switches = (sched_after[1] - sched_before[1]) / per
+                        print(f"{'':20s} {'':{width}s} workers: run delay {delay_us:.1f} us a job a worker (runnable, "
+                              f"no core), {switches:.2f} context switches a job a worker (each a sleep or a "
+                              "preemption)", flush=True)
             pool.close()
             native.experts_kernel = default_kernel
         del store
