@@ -426,7 +426,8 @@ def test_build_settings_come_from_the_environment(kernel, monkeypatch):
     monkeypatch.setattr(native, "_experts_built", None)  # built again in this process (restored after the test)
     monkeypatch.setenv(native.DEFINES_ENV, "ROWS_DOWN=8, TEAM_SPIN_US=300, TEAM_SPIN_YIELD=1")
     assert "-DROWS_DOWN=8 -DTEAM_SPIN_US=300 -DTEAM_SPIN_YIELD=1" in native.describe_experts()
-    assert native.describe_experts(short=True).endswith(", STRATA_POOL_DEFINES=ROWS_DOWN=8,TEAM_SPIN_US=300,TEAM_SPIN_YIELD=1")
+    short = native.describe_experts(short=True)
+    assert short.endswith(", STRATA_POOL_DEFINES=ROWS_DOWN=8,TEAM_SPIN_US=300,TEAM_SPIN_YIELD=1"), short
     with HostPool(store, threads=2) as pool:
         y = pool.compute(1, x, ids, w)
     assert rel_fro(y, y_default) < 1e-5
