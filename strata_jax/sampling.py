@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -20,8 +21,10 @@ class SamplingParams:
 
     @staticmethod
     def make(temperature=0.0, top_p=1.0, top_k=0, seed=0) -> "SamplingParams":
-        return SamplingParams(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p),
-                              top_k=jnp.int32(top_k), seed=jnp.uint32(seed))
+        # numpy scalars: a jnp scalar is a device array made through JAX's dispatch (~0.1 ms each on a slow host,
+        # per request and per batched window); the graphs take either, and move these with their call
+        return SamplingParams(temperature=np.float32(temperature), top_p=np.float32(top_p),
+                              top_k=np.int32(top_k), seed=np.uint32(seed))
 
 
 # The largest top_k the sort-free "top_k" form serves (_top_k_filter): its kept set is compacted into this many

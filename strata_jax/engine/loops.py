@@ -167,7 +167,7 @@ def prefill(g: Graphs, s: State, r: Request) -> int:
         first = constrained_token(g, s, r, last, r.ids.size)
     else:
         if r.sampled:
-            token = g.sample[1](last, jnp.asarray([r.ids.size], jnp.int32), r.sampling)[0]
+            token = g.sample[1](last, np.asarray([r.ids.size], np.int32), r.sampling)[0]
         first = g.checked(int(token), r.ids.size)
     r.out.append(first)
     if mtp is not None:
@@ -207,7 +207,7 @@ def constrained_token(g: Graphs, s: State, r: Request, logits, position: int) ->
     others at -inf, then the request's sampler (greedy: the argmax); the grammar takes the token."""
     allowed = jnp.asarray(r.grammar.allowed())
     if r.sampled:
-        token = g.sample[1](grammar_mod.masked_logits(logits, allowed), jnp.asarray([position], jnp.int32),
+        token = g.sample[1](grammar_mod.masked_logits(logits, allowed), np.asarray([position], np.int32),
                                   r.sampling)[0]
     else:
         token = grammar_mod.masked_argmax(logits, allowed)
@@ -222,8 +222,8 @@ def decode_constrained(g: Graphs, s: State, r: Request) -> None:
     output (with ignore_eos too: the grammar allows nothing after it)."""
     pos = r.ids.size + len(r.out) - 1  # position of out[-1], not yet in the KV cache
     while len(r.out) < r.budget and not r.grammar.finished:
-        _, logits, s.cache = g.decode[1](s.weights, s.cache, jnp.asarray(r.out[-1:], jnp.int32),
-                                                    jnp.int32(pos))
+        _, logits, s.cache = g.decode[1](s.weights, s.cache, np.asarray(r.out[-1:], np.int32),
+                                                    np.int32(pos))
         token = constrained_token(g, s, r, logits, pos + 1)
         pos += 1
         r.stats.windows += 1
@@ -261,7 +261,7 @@ def decode_verify(g: Graphs, s: State, r: Request) -> None:
             continue
         if r.sampled_windows is not None:  # the window's graph draws the acceptance and the next token
             drawn, n_new, s.cache = r.sampled_windows[len(drafts) + 1](
-                s.weights, s.cache, np.asarray(r.out[-1:] + drafts, np.int32), jnp.int32(pos), r.sampling)
+                s.weights, s.cache, np.asarray(r.out[-1:] + drafts, np.int32), np.int32(pos), r.sampling)
             made = None
         else:
             greedy, logits, made = send_verify_window(g, s, r, drafts, pos)
@@ -303,19 +303,19 @@ def queued_windows(g: Graphs, s: State, r: Request, context: list[int] | None) -
     proposes, no new window is queued: the one in flight is read and the verify windows go on from it. A synced
     T=1 window makes the same token (the same graph; sampled: the same key per position). Returns when its last
     token was read (the verify windows' host gap starts there), or None when a stop token ended the request."""
-    cur = jnp.asarray(r.out[-1:], jnp.int32)
+    cur = np.asarray(r.out[-1:], np.int32)
     pos = r.ids.size + len(r.out) - 1  # position of out[-1], not yet in the KV cache
     in_flight: list[jax.Array] = []
     proposes = False
     while True:
         if not proposes and len(r.out) + len(in_flight) < r.budget:
             if r.sampled_windows is not None:  # the token at position pos + 1, drawn in the window's graph
-                cur, _, s.cache = r.sampled_windows[1](s.weights, s.cache, cur, jnp.int32(pos),
+                cur, _, s.cache = r.sampled_windows[1](s.weights, s.cache, cur, np.int32(pos),
                                                             r.sampling)
             else:
-                cur, logits, s.cache = g.decode[1](s.weights, s.cache, cur, jnp.int32(pos))
+                cur, logits, s.cache = g.decode[1](s.weights, s.cache, cur, np.int32(pos))
                 if r.sampled:  # the token at position pos + 1
-                    cur = g.sample[1](logits, jnp.asarray([pos + 1], jnp.int32), r.sampling)
+                    cur = g.sample[1](logits, np.asarray([pos + 1], np.int32), r.sampling)
             pos += 1
             r.stats.windows += 1
             r.stats.window_tokens += 1
@@ -353,14 +353,14 @@ def send_verify_window(g: Graphs, s: State, r: Request, drafts: list[int], pos: 
     mtp = r.mtp
     if mtp is not None and not r.sampled:  # the window's graph drafts the next window too
         greedy, logits, s.cache, mtp.cache, made = g.mtp_fused(t)(
-            s.weights, s.cache, s.mtp, mtp.cache, window, jnp.int32(pos))
+            s.weights, s.cache, s.mtp, mtp.cache, window, np.int32(pos))
         return greedy, logits, made
     if mtp is not None:  # the window's hidden rows feed the module's next drafts
         greedy, logits, s.cache, hidden = g.mtp_hidden(t)(s.weights, s.cache, window,
-                                                                           jnp.int32(pos))
+                                                                           np.int32(pos))
         mtp.feed(hidden, pos)
         return greedy, logits, None
-    greedy, logits, s.cache = g.decode[t](s.weights, s.cache, window, jnp.int32(pos))
+    greedy, logits, s.cache = g.decode[t](s.weights, s.cache, window, np.int32(pos))
     return greedy, logits, None
 
 
@@ -368,7 +368,7 @@ def accept_drafts(g: Graphs, s: State, r: Request, drafts: list[int], greedy, lo
     """A window's acceptance: (drafts accepted, the new tokens: those drafts and one token from the target).
     Greedy: the drafts equal to the target's argmax; sampled: speculative rejection sampling (sampling.verify)."""
     t = len(drafts) + 1
-    positions = jnp.asarray(np.arange(pos + 1, pos + 1 + t), jnp.int32)
+    positions = np.arange(pos + 1, pos + 1 + t, dtype=np.int32)
     if not r.sampled:
         target = np.asarray(greedy)
         accepted = 0
@@ -376,7 +376,7 @@ def accept_drafts(g: Graphs, s: State, r: Request, drafts: list[int], greedy, lo
             accepted += 1
         return accepted, drafts[:accepted] + [int(target[accepted])]
     if drafts:
-        ok, drawn = g.verify[t](logits, jnp.asarray(drafts, jnp.int32), positions, r.sampling)
+        ok, drawn = g.verify[t](logits, np.asarray(drafts, np.int32), positions, r.sampling)
         ok, drawn = np.asarray(ok), np.asarray(drawn)
         accepted = int(np.argmin(ok)) if not ok.all() else len(drafts)
         return accepted, drafts[:accepted] + [int(drawn[accepted])]
@@ -525,7 +525,7 @@ class BatchDecoder:
         self.s.slot_tokens[slot] = []  # rewritten from here on (put_slot): trusted again when it is freed
         if kept > r.reuse:  # more than the engine's cache holds (its last prompt's rows): the slot's rows there
             try:
-                self.s.cache = self.g.get_slot(self.s.batch, self.s.cache, jnp.int32(slot))
+                self.s.cache = self.g.get_slot(self.s.batch, self.s.cache, np.int32(slot))
             except BaseException:
                 self.release(slot)
                 raise
@@ -566,7 +566,7 @@ class BatchDecoder:
             g = dataclasses.replace(self.g, sample=self.g.form_samplers(r.form)) if r.sampled else self.g
             first = prefill(g, self.s, r)
             r.stats.prefill_s += spent
-            self.s.batch = self.g.put_slot(self.s.batch, self.s.cache, jnp.int32(slot))
+            self.s.batch = self.g.put_slot(self.s.batch, self.s.cache, np.int32(slot))
         except BaseException:
             self.admitting = None
             self.release(slot)  # nothing kept: its rows are not known to be the prompt's
@@ -642,13 +642,12 @@ class BatchDecoder:
             if self.cur is not None and self.cur_rows == members and self.cur.shape[0] == b:
                 tokens = self.cur  # the same rows as the last window: its tokens as they are, on the device
             elif self.cur is None or not any(k in self.cur_rows for k in members):
-                tokens = jnp.asarray([self.live[k].out[-1] for k in members] + [0] * pad, jnp.int32)
+                tokens = np.asarray([self.live[k].out[-1] for k in members] + [0] * pad, np.int32)
             else:  # rows left or joined: the others' tokens gathered on the device, a newcomer's from the host
                 at = [self.cur_rows.index(k) if k in self.cur_rows else 0 for k in members] + [0] * pad
                 new = [k not in self.cur_rows for k in members] + [False] * pad
                 host = [self.live[k].out[-1] if k not in self.cur_rows else 0 for k in members] + [0] * pad
-                tokens = jnp.where(jnp.asarray(new), jnp.asarray(host, jnp.int32),
-                                   jnp.take(self.cur, jnp.asarray(at, jnp.int32)))
+                tokens = rows_from(self.cur, np.asarray(at, np.int32), np.asarray(new), np.asarray(host, np.int32))
             owned = {self.slot[k] for k in self.live}
             spare = sorted(set(range(self.slots)) - owned) or sorted(set(range(self.slots)) -
                                                                      {self.slot[k] for k in members})
@@ -664,8 +663,8 @@ class BatchDecoder:
             # offload: the window carries the engine's slot caches (the union of its rows' experts planned and
             # fetched there once) and hands them back
             self.cur, logits, batch = windows[b](s.weights, with_slot_caches(s.batch, s.cache), tokens,
-                                                 jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32),
-                                                 jnp.int32(len(members)), self.params)
+                                                 np.asarray(pos, np.int32), np.asarray(slots, np.int32),
+                                                 np.int32(len(members)), self.params)
             s.batch, s.cache = split_slot_caches(batch, s.cache)
             self.cur_rows = members
             self.in_flight.append((members, self.cur, logits))
@@ -696,7 +695,14 @@ class BatchDecoder:
         return left
 
 
+@jax.jit
+def rows_from(cur: jax.Array, at: np.ndarray, new: np.ndarray, host: np.ndarray) -> jax.Array:
+    """A window's tokens [B] when rows left or joined: row b the last window's row at[b] (on the device), or the
+    host's token where new[b] (a newcomer's). One dispatch: the jnp calls it replaces each took one."""
+    return jnp.where(new, host, jnp.take(cur, at))
+
+
 def batch_sampling(params: list[SamplingParams], pad: int) -> SamplingParams:
     """The rows' SamplingParams stacked ([B] leaves), padding rows greedy."""
     rows = params + [SamplingParams.make()] * pad
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *rows)
+    return jax.tree.map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *rows)  # host: no dispatch
