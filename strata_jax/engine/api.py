@@ -509,19 +509,19 @@ class Engine:
             tokens[:part.size] = part
             if want_logits:
                 logits, self.cache = self.compiled.prefill_logits_graph(size)(self.weights, self.cache, tokens,
-                                                                      jnp.int32(start), jnp.int32(part.size))
+                                                                      np.int32(start), np.int32(part.size))
                 chunks.append(logits[:part.size])
             elif mtp is not None:
                 token, last, self.cache, hidden = self.compiled.mtp_graphs()[("prefill", size)](
-                    self.weights, self.cache, tokens, jnp.int32(start), jnp.int32(part.size))
+                    self.weights, self.cache, tokens, np.int32(start), np.int32(part.size))
                 known = ids[start + 1:start + part.size + 1].tolist()
                 if start + part.size < ids.size:
                     mtp.catch_up(hidden, known, start)
                 else:
                     mtp.feed(hidden, start, known)
             else:
-                token, last, self.cache = self.compiled.prefill[size](self.weights, self.cache, tokens, jnp.int32(start),
-                                                              jnp.int32(part.size))
+                token, last, self.cache = self.compiled.prefill[size](self.weights, self.cache, tokens, np.int32(start),
+                                                              np.int32(part.size))
             start += size
         if want_logits:
             return np.concatenate([np.asarray(c) for c in chunks]).astype(np.float32)
@@ -866,7 +866,7 @@ class Engine:
             rows = []
             for start in range(0, ids.size, w):
                 part = ids[start:start + w]
-                _, logits, self.cache = self.compiled.decode[part.size](self.weights, self.cache, part, jnp.int32(start))
+                _, logits, self.cache = self.compiled.decode[part.size](self.weights, self.cache, part, np.int32(start))
                 rows.append(logits)  # read after the loop, so windows queue back to back
             return np.concatenate([np.asarray(r) for r in rows]).astype(np.float32)
         logits = self._guarded(run)

@@ -127,8 +127,8 @@ class MTPDrafter:
         t = hidden.shape[0]
         tokens = np.zeros((t,), np.int32)
         tokens[:n] = next_tokens
-        drafts, self.cache = draft_graph(self.cfg, k)(self.weights, self.mtp, self.cache, hidden, jnp.asarray(tokens),
-                                               jnp.int32(n), jnp.int32(pos))
+        drafts, self.cache = draft_graph(self.cfg, k)(self.weights, self.mtp, self.cache, hidden, tokens,
+                                               np.int32(n), np.int32(pos))
         return np.asarray(drafts)
 
     def feed(self, hidden: jax.Array, pos: int, known=()) -> None:
