@@ -705,4 +705,4 @@ def rows_from(cur: jax.Array, at: np.ndarray, new: np.ndarray, host: np.ndarray)
 def batch_sampling(params: list[SamplingParams], pad: int) -> SamplingParams:
     """The rows' SamplingParams stacked ([B] leaves), padding rows greedy."""
     rows = params + [SamplingParams.make()] * pad
-    return jax.tree.map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *rows)  # host: no dispatch
+    return jax.tree.map(lambda *leaves: np.stack(leaves), *rows)  # on the host: no JAX dispatch a leaf
